@@ -1,0 +1,175 @@
+"""Multi-head self-attention with a pluggable position method and a choice of kernel.
+
+One layer: project ``x`` to q, k, v; let the position method's per-layer module transform q/k and add its
+terms; add the shared bias the encoder computed once; mask padding and cross-segment pairs; softmax in
+float32; dropout on the weights. Kernels (``kernel=``):
+
+- ``xla``: the reference einsum path; computes every method; the default and the CPU path.
+- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU in bf16/fp16. It takes
+  q/k transforms and an additive bias (segments are folded into it) and padding as sequence lengths, so
+  it needs right-padded rows. It cannot compute the multiplicative Methods 1-3 or Shaw's value term, nor
+  dropout on the attention weights: asking for it there is an error.
+- ``auto``: ``cudnn`` where it can compute the layer, otherwise ``xla`` with a log line.
+
+When the ``intermediates`` collection is mutable, every layer sows ``attention_logits``
+``[B, H, L, L]``: scaled, with every position term, before masking.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import flax.struct
+from absl import logging
+
+from posjax.positions import base
+
+KERNELS = ("xla", "cudnn", "auto")
+FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@flax.struct.dataclass
+class Mask:
+  """Which keys each query may attend to.
+
+  Attributes:
+    padding: ``[B, L]`` bool, True at real tokens; None when nothing is padded.
+    segment_ids: ``[B, L]`` int; tokens attend only within their own segment (packed sequences).
+  """
+
+  padding: jax.Array | None = None
+  segment_ids: jax.Array | None = None
+
+  def pairs(self):
+    """``[B, 1, L, L]`` bool, True where query i may attend to key j; None when all may."""
+    allowed = None
+    if self.padding is not None:
+      allowed = jnp.broadcast_to(self.padding[:, None, None, :].astype(bool),
+                                 self.padding.shape[:1] + (1,) + self.padding.shape[1:] * 2)
+    if self.segment_ids is not None:
+      same = self.segment_ids[:, None, :, None] == self.segment_ids[:, None, None, :]
+      allowed = same if allowed is None else allowed & same
+    return allowed
+
+
+def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
+  """Static check: the kernel exists and can compute the method."""
+  if kernel not in KERNELS:
+    raise ValueError(f"unknown attention kernel {kernel!r}; allowed: {list(KERNELS)}")
+  if kernel == "cudnn" and not spec.fusable:
+    raise ValueError(
+        f"attention kernel 'cudnn' cannot compute position method {spec.name!r} with options "
+        f"{spec.options}: it needs the full logits (multiplicative terms) or the attention weights (value "
+        f"term); use kernel 'xla' (or 'auto', which falls back to it)")
+
+
+def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool) -> str:
+  """The kernel one call runs on: ``xla`` or ``cudnn``."""
+  check_kernel(kernel, spec)
+  if kernel == "xla":
+    return "xla"
+  reasons = []
+  if not spec.fusable:
+    reasons.append(f"position method {spec.name!r} needs the full logits or the weights")
+  if dropout:
+    reasons.append("dropout on attention weights is on")
+  if jnp.dtype(dtype) not in FUSED_DTYPES:
+    reasons.append(f"compute dtype {jnp.dtype(dtype).name} is not bfloat16/float16")
+  if kernel == "cudnn":
+    if reasons:
+      raise ValueError(f"attention kernel 'cudnn' cannot run this layer: {'; '.join(reasons)}")
+    return "cudnn"
+  if jax.default_backend() != "gpu":
+    reasons.append(f"backend is {jax.default_backend()}")
+  if reasons:
+    logging.info("attention kernel 'auto' uses 'xla' for %r: %s", spec.name, "; ".join(reasons))
+    return "xla"
+  return "cudnn"
+
+
+def attention_logits(terms: base.LayerTerms, shared_bias, scale: float):
+  """``[B, H, L, L]`` float32: scaled content term (or the method's own logits) plus every bias."""
+  if terms.logits is not None:
+    logits = terms.logits.astype(jnp.float32)
+  else:
+    logits = scale * jnp.einsum("bqhd,bkhd->bhqk", terms.q, terms.k, preferred_element_type=jnp.float32)
+  for bias in (terms.bias, shared_bias):
+    if bias is not None:
+      logits = logits + bias.astype(jnp.float32)
+  return logits
+
+
+def softmax_attention(logits_BxHxLxL, v_BxLxHxK, mask: Mask, value_fn=None, dropout=lambda w: w):
+  """The reference path: masked float32 softmax, dropout, weighted sum of values (plus a value term).
+
+  A masked logit becomes the most negative float32, so a fully masked row gets uniform weights, not NaN.
+  """
+  allowed = mask.pairs()
+  if allowed is not None:
+    logits_BxHxLxL = jnp.where(allowed, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
+  weights = dropout(jax.nn.softmax(logits_BxHxLxL, axis=-1))
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v_BxLxHxK.dtype), v_BxLxHxK)
+  if value_fn is not None:
+    out = out + value_fn(weights).astype(out.dtype)
+  return out
+
+
+def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str | None = "cudnn"):
+  """``jax.nn.dot_product_attention`` with padding as sequence lengths and segments folded into the bias.
+
+  Rows must be right-padded: the kernel sees only the first ``sum(padding)`` tokens of each row.
+  """
+  if mask.segment_ids is not None:
+    same = mask.segment_ids[:, None, :, None] == mask.segment_ids[:, None, None, :]
+    segment_bias = jnp.where(same, 0.0, 0.5 * jnp.finfo(q.dtype).min)
+    bias = segment_bias if bias is None else bias + segment_bias
+  lengths = None
+  if mask.padding is not None:
+    lengths = jnp.sum(mask.padding, axis=-1, dtype=jnp.int32)
+  if bias is not None:
+    bias = bias.astype(q.dtype)
+  return jax.nn.dot_product_attention(q, k, v, bias, scale=scale, query_seq_lengths=lengths,
+                                      key_value_seq_lengths=lengths, implementation=implementation)
+
+
+class SelfAttention(nn.Module):
+  """Self-attention with the position method of ``spec``; drop it into any linen model.
+
+  Call with the ``PositionState`` the method's encoder-level module returned for this batch (built once
+  and shared by all layers; an empty ``PositionState()`` for methods without one).
+  """
+
+  spec: base.PositionSpec
+  kernel: str = "xla"
+  dropout_rate: float = 0.0
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
+               deterministic: bool = True):
+    spec = self.spec
+    state = state or base.PositionState()
+    mask = mask or Mask()
+    q, k, v = (base.head_projection(spec, name, self.use_bias)(x_BxLxD) for name in ("query", "key", "value"))
+    if spec.method.layer is not None:
+      terms = spec.method.layer(spec=spec, name="position")(q, k, state.context, spec.scale)
+    else:
+      terms = base.LayerTerms(q, k)
+    dropout = not deterministic and self.dropout_rate > 0
+    kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout)
+    logits = None
+    if kernel == "xla" or self.is_mutable_collection("intermediates"):
+      logits = attention_logits(terms, state.bias, spec.scale)
+      self.sow("intermediates", "attention_logits", logits)
+    if kernel == "xla":
+      drop = lambda w: nn.Dropout(self.dropout_rate)(w, deterministic=not dropout)
+      out = softmax_attention(logits, v, mask, terms.value_fn, drop)
+    else:
+      bias = terms.bias if state.bias is None else (
+          state.bias if terms.bias is None else terms.bias + state.bias)
+      out = fused_attention(terms.q, terms.k, v, bias, mask, spec.scale)
+    return nn.DenseGeneral(
+        spec.hidden_size, axis=(-2, -1), use_bias=self.use_bias, dtype=spec.dtype,
+        param_dtype=spec.param_dtype, kernel_init=base.normal_init((base.HEADS, base.KV, base.EMBED)),
+        bias_init=base.zeros_init((base.EMBED,)), name="out")(out)

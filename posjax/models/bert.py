@@ -1,0 +1,245 @@
+"""BERT encoder (Devlin et al. 2019) with a pluggable position method, and its task heads.
+
+Embeddings (word, token type, the method's input embedding) -> LayerNorm -> dropout -> N encoder layers
+(Post-LN by default, as BERT and TUPE; Pre-LN optional) -> heads. The position method's shared terms are
+computed once per forward pass from the batch's ``positions`` and handed to every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax.core import FrozenDict
+
+from posjax import attention, positions as positions_lib
+from posjax.positions import base
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+VOCAB, MLP = "vocab", "mlp"
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """Architecture of a BERT encoder.
+
+  Attributes:
+    position: a position-method registry name (``posjax.positions.names()``).
+    position_options: that method's options (an unknown key is an error).
+    attention_kernel: ``xla`` | ``cudnn`` | ``auto`` (see ``posjax.attention``).
+    norm: ``post`` (BERT, TUPE) or ``pre`` LayerNorm placement.
+    dtype: compute dtype name (``float32`` | ``bfloat16`` | ``float16``); parameters stay ``param_dtype``.
+    type_vocab_size: token-type (segment A/B) embeddings; 0 for none.
+  """
+
+  vocab_size: int = 30522
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  intermediate_size: int = 3072
+  max_len: int = 512
+  type_vocab_size: int = 2
+  position: str = "absolute"
+  position_options: Mapping[str, Any] = FrozenDict()
+  attention_kernel: str = "xla"
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.1
+  layer_norm_eps: float = 1e-12
+  norm: str = "post"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    object.__setattr__(self, "position_options", FrozenDict(self.position_options or {}))
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+    base.check_choice("norm", self.norm, ("post", "pre"))
+    base.check_choice("dtype", self.dtype, tuple(DTYPES))
+    base.check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
+    for field in ("dropout_rate", "attention_dropout_rate"):
+      if not 0.0 <= getattr(self, field) < 1.0:
+        raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
+    attention.check_kernel(self.attention_kernel, self.position_spec)
+
+  @functools.cached_property
+  def position_spec(self) -> base.PositionSpec:
+    return positions_lib.make(self.position, self.position_options, num_heads=self.num_heads,
+                              hidden_size=self.hidden_size, max_len=self.max_len,
+                              dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype])
+
+  @classmethod
+  def tiny(cls, **overrides) -> "BertConfig":
+    """For tests: 2 layers, width 32, 4 heads, 64 positions, 128-token vocabulary."""
+    return cls(**{**dict(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                         max_len=64), **overrides})
+
+  @classmethod
+  def base(cls, **overrides) -> "BertConfig":
+    """BERT-Base: 12 layers, 768 wide, 12 heads, FFN 3072 (110M parameters with absolute positions)."""
+    return cls(**overrides)
+
+  @classmethod
+  def large(cls, **overrides) -> "BertConfig":
+    """BERT-Large: 24 layers, 1024 wide, 16 heads, FFN 4096."""
+    return cls(**{**dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096), **overrides})
+
+
+@flax.struct.dataclass
+class EncoderOutput:
+  last_hidden_state: jax.Array
+
+
+def _dense(config: BertConfig, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
+  return nn.Dense(features, dtype=DTYPES[config.dtype], param_dtype=DTYPES[config.param_dtype],
+                  kernel_init=base.normal_init(axes), bias_init=base.zeros_init(axes[1:]), name=name)
+
+
+def _layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=DTYPES[config.dtype],
+                      param_dtype=DTYPES[config.param_dtype], scale_init=base.ones_init((base.EMBED,)),
+                      bias_init=base.zeros_init((base.EMBED,)), name=name)
+
+
+class EncoderLayer(nn.Module):
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool):
+    c = self.config
+    drop = lambda y: nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
+    attend = attention.SelfAttention(c.position_spec, c.attention_kernel, c.attention_dropout_rate,
+                                     name="attention")
+
+    def mlp(y):
+      y = nn.gelu(_dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in")(y), approximate=False)
+      return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out")(y)
+
+    attention_norm, mlp_norm = _layer_norm(c, "attention_norm"), _layer_norm(c, "mlp_norm")
+    if c.norm == "post":
+      x_BxLxD = attention_norm(x_BxLxD + drop(attend(x_BxLxD, state, mask, deterministic)))
+      return mlp_norm(x_BxLxD + drop(mlp(x_BxLxD)))
+    x_BxLxD = x_BxLxD + drop(attend(attention_norm(x_BxLxD), state, mask, deterministic))
+    return x_BxLxD + drop(mlp(mlp_norm(x_BxLxD)))
+
+
+class BertEncoder(nn.Module):
+  """``input_ids [B, L] -> EncoderOutput(last_hidden_state [B, L, D])``.
+
+  ``positions`` (``[B, L]`` or ``[1, L]``; default ``0..L-1``) and ``segment_ids`` come from the batch, so
+  packed sequences work: position terms use the batch's positions, tokens of different segments never
+  attend to each other, and [CLS] untying applies to every token at position 0. With
+  ``mutable=["intermediates"]`` it sows ``position_bias`` and every layer's ``attention_logits``.
+  """
+
+  config: BertConfig
+
+  def setup(self):
+    c, spec = self.config, self.config.position_spec
+    dtype, param_dtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                                    embedding_init=base.normal_init((VOCAB, base.EMBED)))
+    if c.type_vocab_size:
+      self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size, dtype=dtype,
+                                            param_dtype=param_dtype,
+                                            embedding_init=base.normal_init((None, base.EMBED)))
+    if spec.method.encoder is not None:
+      self.position = spec.method.encoder(spec=spec)
+    self.embedding_norm = _layer_norm(c, "embedding_norm")
+    self.embedding_dropout = nn.Dropout(c.dropout_rate)
+    self.layers = [EncoderLayer(c, name=f"layer_{i}") for i in range(c.num_layers)]
+    if c.norm == "pre":
+      self.final_norm = _layer_norm(c, "final_norm")
+
+  def __call__(self, input_ids, *, token_type_ids=None, attention_mask=None, positions=None, segment_ids=None,
+               deterministic: bool = True) -> EncoderOutput:
+    c, spec = self.config, self.config.position_spec
+    if input_ids.ndim != 2:
+      raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
+    batch, length = input_ids.shape
+    spec.check_length(length)
+    if positions is None:
+      positions = jnp.arange(length, dtype=jnp.int32)[None]
+    if positions.ndim != 2 or positions.shape[1] != length or positions.shape[0] not in (1, batch):
+      raise ValueError(f"positions must be [{batch} or 1, {length}], got shape {positions.shape}")
+    state = self.position(positions) if spec.method.encoder is not None else base.PositionState()
+    if state.bias is not None:
+      self.sow("intermediates", "position_bias", state.bias)
+
+    x = self.word_embeddings(input_ids)
+    if c.type_vocab_size:
+      x = x + self.token_type_embeddings(
+          jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids)
+    elif token_type_ids is not None:
+      raise ValueError("token_type_ids given but the config has type_vocab_size=0")
+    if state.embedding is not None:
+      x = x + state.embedding.astype(x.dtype)
+    x = self.embedding_dropout(self.embedding_norm(x), deterministic=deterministic)
+
+    mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids)
+    for layer in self.layers:
+      x = layer(x, state, mask, deterministic)
+    if c.norm == "pre":
+      x = self.final_norm(x)
+    return EncoderOutput(last_hidden_state=x)
+
+  def attend_words(self, x_BxLxD):
+    """Logits over the vocabulary through the (tied) word embeddings."""
+    return self.word_embeddings.attend(x_BxLxD)
+
+
+class BertForMaskedLM(nn.Module):
+  """MLM head tied to the word embeddings: dense -> GELU -> LayerNorm -> ``E^T`` + bias.
+
+  With ``masked_positions [B, M]`` the head runs only at those positions and returns ``[B, M, V]``
+  (an index outside the sequence gives NaN logits, never another token's).
+  """
+
+  config: BertConfig
+
+  def setup(self):
+    c = self.config
+    self.encoder = BertEncoder(c)
+    self.transform = _dense(c, c.hidden_size, (base.EMBED, base.EMBED), "transform")
+    self.transform_norm = _layer_norm(c, "transform_norm")
+    self.output_bias = self.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,),
+                                  DTYPES[c.param_dtype])
+
+  def __call__(self, input_ids, *, masked_positions=None, **encoder_kwargs):
+    h = self.encoder(input_ids, **encoder_kwargs).last_hidden_state
+    if masked_positions is not None:
+      h = jnp.take_along_axis(h, masked_positions[..., None], axis=1, mode="fill", fill_value=jnp.nan)
+    h = self.transform_norm(nn.gelu(self.transform(h), approximate=False))
+    return self.encoder.attend_words(h).astype(jnp.float32) + self.output_bias
+
+
+class BertForSequenceClassification(nn.Module):
+  """[CLS] head: dense -> tanh -> dropout -> ``num_labels`` outputs (1 for regression, e.g. STS-B)."""
+
+  config: BertConfig
+  num_labels: int
+
+  @nn.compact
+  def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
+    c = self.config
+    h = BertEncoder(c, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
+    pooled = jnp.tanh(_dense(c, c.hidden_size, (base.EMBED, base.EMBED), "pooler")(h.last_hidden_state[:, 0]))
+    pooled = nn.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)
+    return _dense(c, self.num_labels, (base.EMBED, None), "classifier")(pooled).astype(jnp.float32)
+
+
+class BertForQuestionAnswering(nn.Module):
+  """SQuAD span head: ``(start_logits [B, L], end_logits [B, L])``."""
+
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
+    h = BertEncoder(self.config, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
+    logits = _dense(self.config, 2, (base.EMBED, None), "span")(h.last_hidden_state).astype(jnp.float32)
+    return logits[..., 0], logits[..., 1]

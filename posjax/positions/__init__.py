@@ -1,0 +1,13 @@
+"""Position methods, one interface, chosen by registry name (see ``base``)."""
+
+# Importing a family registers its methods; this order is the order of ``names()``.
+from posjax.positions import absolute  # noqa: F401  none, absolute, sinusoidal
+from posjax.positions import t5  # noqa: F401  t5, bert_r
+from posjax.positions import tupe  # noqa: F401  bert_ad, tupe_a, tupe_r
+from posjax.positions import relative  # noqa: F401  shaw, huang_m1..m4
+from posjax.positions import rotary  # noqa: F401  rope
+from posjax.positions import alibi  # noqa: F401  alibi
+from posjax.positions.base import (LayerTerms, Method, PositionSpec, PositionState, get, make, names,
+                                   register)
+
+__all__ = ["LayerTerms", "Method", "PositionSpec", "PositionState", "get", "make", "names", "register"]

@@ -1,0 +1,69 @@
+"""Input-embedding methods: none, learned absolute (BERT-A), sinusoidal (Vaswani et al. 2017)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from posjax.positions import base
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class SinusoidalOptions:
+  """max_timescale: the longest wavelength is ``2π · max_timescale`` (10,000 in the original)."""
+
+  max_timescale: float = 10_000.0
+
+
+class LearnedTable(nn.Module):
+  """A learned ``[max_len, D]`` table read at the batch's positions (BERT's position embedding)."""
+
+  spec: base.PositionSpec
+  num_rows: int | None = None
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    rows = self.num_rows or self.spec.max_len
+    table = self.param("embedding", base.normal_init((base.POSITION, base.EMBED)),
+                       (rows, self.spec.hidden_size), self.spec.param_dtype)
+    return base.lookup(table, positions_BxL).astype(self.spec.dtype)
+
+
+class Absolute(nn.Module):
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    self.spec.check_length(positions_BxL.shape[-1])
+    return base.PositionState(embedding=LearnedTable(self.spec, name="table")(positions_BxL))
+
+
+def sinusoid(positions_BxL, dim: int, max_timescale: float = 10_000.0):
+  """``PE[p, 2i] = sin(p / T^(2i/D))``, ``PE[p, 2i+1] = cos(p / T^(2i/D))`` (interleaved), ``[B, L, D]``."""
+  inv_freq = max_timescale ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+  angle_BxLxF = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
+  pe = jnp.stack([jnp.sin(angle_BxLxF), jnp.cos(angle_BxLxF)], axis=-1)
+  return pe.reshape(*positions_BxL.shape, -1)[..., :dim]
+
+
+class Sinusoidal(nn.Module):
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    pe = sinusoid(positions_BxL, self.spec.hidden_size, self.spec.options.max_timescale)
+    return base.PositionState(embedding=pe.astype(self.spec.dtype))
+
+
+base.register(base.Method("none", NoOptions, summary="no position information"))
+base.register(base.Method("absolute", NoOptions, encoder=Absolute, max_len_bound=True,
+                          summary="learned absolute embedding added at the input (BERT-A)"))
+base.register(base.Method("sinusoidal", SinusoidalOptions, encoder=Sinusoidal,
+                          summary="fixed sinusoids added at the input (Vaswani et al. 2017)"))

@@ -1,0 +1,38 @@
+"""ALiBi (Press et al. 2022): a fixed bias ``-m_h · |p_j - p_i|`` per head, no parameters.
+
+The encoder (bidirectional) form penalises distance symmetrically. Slopes are the paper's geometric
+sequence ``2^(-8h/H)``; for a head count that is not a power of two, the paper's interleaving rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.positions import absolute, base
+
+
+def slopes(num_heads: int) -> np.ndarray:
+  def power_of_two(n):
+    return [2 ** (-8 * (h + 1) / n) for h in range(n)]
+
+  n = 2 ** math.floor(math.log2(num_heads))
+  extra = power_of_two(2 * n)[0::2][: num_heads - n]
+  return np.asarray(power_of_two(n) + extra, np.float32)
+
+
+class AlibiBias(nn.Module):
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    distance = jnp.abs(base.relative_positions(positions_BxL)).astype(jnp.float32)
+    bias = -slopes(self.spec.num_heads)[None, :, None, None] * distance[:, None]
+    return base.PositionState(bias=bias)
+
+
+base.register(base.Method("alibi", absolute.NoOptions, encoder=AlibiBias,
+                          summary="ALiBi: fixed linear distance penalty per head (Press et al. 2022)"))

@@ -1,0 +1,237 @@
+"""The position-method interface and its registry.
+
+A position method may contribute to three places, and each is a separate, explicit part of the interface:
+
+| contribution                         | computed                      | methods                          |
+|--------------------------------------|-------------------------------|----------------------------------|
+| input embedding ``[Bp, L, D]``       | once, before the first layer  | absolute, sinusoidal, bert_r     |
+| shared bias ``[Bp, H, L, L]``        | once per forward pass         | t5, bert_r, tupe_a/r, alibi      |
+| per-layer terms from q and k         | in every attention layer      | shaw, huang_m1..m4, bert_ad, rope|
+
+``Bp`` is the batch size of the ``positions`` array: 1 when every row shares the default ``0..L-1``
+positions (the shared terms are then computed once for the whole batch), ``B`` for packed batches.
+
+A method is a :class:`Method` record in the registry: an options dataclass, an optional encoder-level
+module (returns a :class:`PositionState`) and an optional per-layer module (returns :class:`LayerTerms`).
+:func:`make` validates a name and its options and returns a hashable :class:`PositionSpec` that the
+attention layer and the encoder are built from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+Initializer = Callable[..., Array]
+
+# Logical axis names of every parameter; sharding rules map them to mesh axes.
+EMBED, HEADS, KV, POSITION, BUCKETS, RELATIVE = "embed", "heads", "kv", "position", "relpos_buckets", "relpos"
+
+
+@flax.struct.dataclass
+class PositionState:
+  """What a method computes once per forward pass, before the first layer.
+
+  Attributes:
+    embedding: ``[Bp, L, D]`` added to the word embeddings, or None.
+    bias: ``[Bp, H, L, L]`` added to every layer's attention logits after scaling, or None.
+    context: a pytree the per-layer terms read (position tables, relative distances, rotations).
+  """
+
+  embedding: Array | None = None
+  bias: Array | None = None
+  context: Any = None
+
+
+@dataclasses.dataclass
+class LayerTerms:
+  """What a method contributes inside one attention layer.
+
+  Attributes:
+    q, k: ``[B, L, H, K]`` queries and keys, possibly transformed (RoPE rotates them, BERT-A^d adds
+      projected positions).
+    bias: ``[B or Bp, H, L, L]`` added to the logits after scaling (Shaw's key term, Method 4).
+    logits: ``[B, H, L, L]`` scaled logits that *replace* ``scale * q·k`` (the multiplicative Methods
+      1-3). A method that sets it cannot run in a fused kernel.
+    value_fn: ``weights_BxHxLxL -> [B, L, H, K]``, added to the attention output (Shaw's value term).
+      A method that sets it cannot run in a fused kernel.
+  """
+
+  q: Array
+  k: Array
+  bias: Array | None = None
+  logits: Array | None = None
+  value_fn: Callable[[Array], Array] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A registered position method.
+
+  Attributes:
+    name: registry name.
+    options: a frozen dataclass type; its fields are the method's options, with their defaults.
+    encoder: module type built as ``encoder(spec=...)``, called as ``(positions_BpxL) -> PositionState``.
+    layer: module type built as ``layer(spec=...)`` in every attention layer, called as
+      ``(q, k, context, scale) -> LayerTerms``.
+    content_scale: the word (q·k) term is scaled by ``1/sqrt(content_scale * d_h)``.
+    fusable: whether a fused kernel can compute the method with the given options (it may only rotate
+      or shift q/k and add a bias).
+    max_len_bound: whether the method holds a learned table indexed by absolute position, so sequences
+      longer than ``max_len`` are an error.
+    summary: one line for listings and error messages.
+  """
+
+  name: str
+  options: type
+  encoder: type[nn.Module] | None = None
+  layer: type[nn.Module] | None = None
+  content_scale: float = 1.0
+  fusable: Callable[[Any], bool] = lambda options: True
+  max_len_bound: bool = False
+  summary: str = ""
+
+
+_REGISTRY: dict[str, Method] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(method: Method, *aliases: str) -> Method:
+  for name in (method.name, *aliases):
+    if name in _REGISTRY or name in _ALIASES:
+      raise ValueError(f"position method {name!r} is registered twice")
+  _REGISTRY[method.name] = method
+  _ALIASES.update({alias: method.name for alias in aliases})
+  return method
+
+
+def names() -> list[str]:
+  """Registered method names (aliases excluded), in registration order."""
+  return list(_REGISTRY)
+
+
+def get(name: str) -> Method:
+  """Returns the method registered under ``name`` or one of its aliases."""
+  name = _ALIASES.get(name, name)
+  if name not in _REGISTRY:
+    allowed = ", ".join(names() + [f"{a} (= {t})" for a, t in _ALIASES.items()])
+    raise ValueError(f"unknown position method {name!r}; allowed: {allowed}")
+  return _REGISTRY[name]
+
+
+def parse_options(method: Method, options: Mapping[str, Any] | None) -> Any:
+  """Builds ``method.options`` from a mapping; an unknown key is an error that lists the allowed ones."""
+  options = dict(options or {})
+  allowed = {f.name for f in dataclasses.fields(method.options)}
+  unknown = sorted(set(options) - allowed)
+  if unknown:
+    raise ValueError(
+        f"position method {method.name!r} has no option(s) {unknown}; allowed: {sorted(allowed) or 'none'}")
+  return method.options(**options)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionSpec:
+  """A fully configured position method: everything its modules need, hashable."""
+
+  method: Method
+  options: Any
+  num_heads: int
+  head_dim: int
+  max_len: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @property
+  def name(self) -> str:
+    return self.method.name
+
+  @property
+  def hidden_size(self) -> int:
+    return self.num_heads * self.head_dim
+
+  @property
+  def fusable(self) -> bool:
+    return self.method.fusable(self.options)
+
+  @property
+  def scale(self) -> float:
+    """The factor applied to q·k (1/sqrt(d_h), or 1/sqrt(2 d_h) with TUPE, 1/sqrt(4 d_h) with BERT-A^d)."""
+    return 1.0 / math.sqrt(self.method.content_scale * self.head_dim)
+
+  def check_length(self, length: int) -> None:
+    """Raises if a sequence of ``length`` tokens is longer than a learned table of the method supports."""
+    if self.method.max_len_bound and length > self.max_len:
+      raise ValueError(
+          f"position method {self.name!r} has a learned table of max_len={self.max_len} positions and cannot "
+          f"encode a sequence of length {length}; use a shorter sequence, a larger max_len, or a relative "
+          f"method ({', '.join(n for n in names() if not get(n).max_len_bound)})")
+
+
+def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int, hidden_size: int,
+         max_len: int, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> PositionSpec:
+  """Validates a method name and its options and returns the spec the modules are built from."""
+  method = get(name)
+  if num_heads <= 0 or hidden_size % num_heads:
+    raise ValueError(f"num_heads={num_heads} must be positive and divide hidden_size={hidden_size}")
+  if max_len <= 0:
+    raise ValueError(f"max_len must be positive, got {max_len}")
+  return PositionSpec(method, parse_options(method, options), num_heads, hidden_size // num_heads, max_len,
+                      dtype, param_dtype)
+
+
+def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
+  if value not in allowed:
+    raise ValueError(f"option {field}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers shared by several methods.
+
+
+def normal_init(axes: tuple[str, ...], stddev: float = 0.02) -> Initializer:
+  return nn.with_logical_partitioning(nn.initializers.normal(stddev), axes)
+
+
+def ones_init(axes: tuple[str, ...]) -> Initializer:
+  return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
+
+
+def zeros_init(axes: tuple[str, ...]) -> Initializer:
+  return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def head_projection(spec: PositionSpec, name: str, use_bias: bool) -> nn.DenseGeneral:
+  """``[.., D] -> [.., H, K]`` with logical axes, as W^Q / W^K / U^Q / U^K."""
+  return nn.DenseGeneral(
+      (spec.num_heads, spec.head_dim), use_bias=use_bias, dtype=spec.dtype, param_dtype=spec.param_dtype,
+      kernel_init=normal_init((EMBED, HEADS, KV)), bias_init=zeros_init((HEADS, KV)), name=name)
+
+
+def layer_norm(spec: PositionSpec, name: str, eps: float = 1e-5) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
+                      scale_init=ones_init((EMBED,)), bias_init=zeros_init((EMBED,)), name=name)
+
+
+def relative_positions(positions_BxL: Array) -> Array:
+  """``rel[b, i, j] = positions[b, j] - positions[b, i]`` (key minus query), ``[B, L, L]`` int32."""
+  positions_BxL = positions_BxL.astype(jnp.int32)
+  return positions_BxL[:, None, :] - positions_BxL[:, :, None]
+
+
+def lookup(table_NxD: Array, index: Array) -> Array:
+  """Rows of a learned table; an index outside it (negative included) yields NaN, never a clamped row."""
+  index = jnp.where(index < 0, table_NxD.shape[0], index)
+  return jnp.take(table_NxD, index, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def dot_heads(a_BxQxHxK: Array, b_BxKxHxK: Array) -> Array:
+  """``[B|1, Q, H, K] x [B|1, L, H, K] -> [B|1, H, Q, L]``."""
+  return jnp.einsum("bqhd,bkhd->bhqk", a_BxQxHxK, b_BxKxHxK)

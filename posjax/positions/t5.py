@@ -1,0 +1,99 @@
+"""T5's bucketed relative bias (Raffel et al. 2020), and BERT-R (absolute + T5 bias, TUPE's baseline)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from posjax.positions import absolute, base
+
+
+def bucket(rel, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
+  """T5's log-spaced bucket of the relative distance ``rel = j - i`` (key minus query).
+
+  Bidirectional with 32 buckets: half the buckets per direction, distances below 8 get a bucket of their
+  own, 8..127 share log-spaced buckets, everything at or past ``max_distance`` the last one; keys after
+  the query (``j > i``) add ``num_buckets // 2``. Unidirectional: keys after the query all get bucket 0.
+  """
+  rel = jnp.asarray(rel, jnp.int32)
+  n = -rel
+  ret = jnp.zeros_like(rel)
+  if bidirectional:
+    num_buckets //= 2
+    ret = ret + (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  large = max_exact + (
+      jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact) / jnp.log(max_distance / max_exact)
+      * (num_buckets - max_exact)).astype(jnp.int32)
+  large = jnp.minimum(large, num_buckets - 1)
+  return ret + jnp.where(n < max_exact, n, large)
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Options:
+  """num_buckets: table rows per head (split between directions when bidirectional).
+  max_distance: distances at or beyond it share the last bucket.
+  bidirectional: distinguish keys before and after the query (True for an encoder).
+  """
+
+  num_buckets: int = 32
+  max_distance: int = 128
+  bidirectional: bool = True
+
+  def __post_init__(self):
+    if self.num_buckets < 4 or (self.bidirectional and self.num_buckets % 2):
+      raise ValueError(f"num_buckets={self.num_buckets} must be >= 4 (and even when bidirectional)")
+    exact = self.num_buckets // (4 if self.bidirectional else 2)
+    if self.max_distance <= exact:
+      raise ValueError(f"max_distance={self.max_distance} must exceed the {exact} exact buckets")
+
+
+class BucketBias(nn.Module):
+  """One learned scalar per (bucket, head): ``index [Bp, L, L] -> bias [Bp, H, L, L]``."""
+
+  num_heads: int
+  num_rows: int
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, index_BxLxL):
+    table = self.param("rel_bias", base.normal_init((base.BUCKETS, base.HEADS)),
+                       (self.num_rows, self.num_heads), self.param_dtype)
+    return jnp.take(table, index_BxLxL, axis=0).transpose(0, 3, 1, 2)
+
+
+def t5_bias(spec: base.PositionSpec, positions_BxL, name: str = "relative_bias"):
+  opts = spec.options
+  index = bucket(base.relative_positions(positions_BxL), opts.num_buckets, opts.max_distance,
+                 opts.bidirectional)
+  return BucketBias(spec.num_heads, opts.num_buckets, spec.param_dtype, name=name)(index)
+
+
+class T5Bias(nn.Module):
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    return base.PositionState(bias=t5_bias(self.spec, positions_BxL))
+
+
+class BertR(nn.Module):
+  """BERT-R: the learned absolute input embedding plus one T5 bias table shared by all layers."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    state = absolute.Absolute(self.spec, name="absolute")(positions_BxL)
+    return state.replace(bias=t5_bias(self.spec, positions_BxL))
+
+
+base.register(base.Method("t5", T5Options, encoder=T5Bias,
+                          summary="T5 bucketed relative bias, one table shared by all layers"))
+base.register(base.Method("bert_r", T5Options, encoder=BertR, max_len_bound=True,
+                          summary="BERT-R: learned absolute embedding + T5 relative bias (TUPE's baseline)"))

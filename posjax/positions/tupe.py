@@ -1,0 +1,208 @@
+"""TUPE (Ke, He, Liu; ICLR 2021): untied positional correlation with [CLS] untying, and BERT-A^d.
+
+TUPE-A logit, per head (``../shared/papers/tupe.md`` §1)::
+
+    α_ij = (x_i W^Q)(x_j W^K)^T / sqrt(2 d_h) + reset_θ( (p_i U^Q)(p_j U^K)^T / sqrt(2 d_h) [+ b_{j-i}] )
+
+The bracketed T5 relative bias makes TUPE-R. No position embedding is added at the input. ``p`` is one
+learned table (LayerNorm-ed), ``U^Q``/``U^K`` one pair for the whole encoder, so the positional term is
+an ``[H, L, L]`` bias computed once per forward pass (``share_across_layers=False`` gives every layer
+its own ``U``, ``θ`` and ``b``, an ablation the paper never ran; ``p`` and its LayerNorm stay shared).
+
+[CLS] untying treats every token at position 0 as a [CLS] (the first token of each packed segment):
+its row of the positional term becomes θ1 ("[CLS] to others", including [CLS]->[CLS]) and the rest of
+its column θ2 ("others to [CLS]"), one scalar per head. ``cls_reset``:
+
+- ``official`` (default, the code the paper's numbers come from, needed to convert its checkpoints):
+  the table has ``max_len + 1`` rows and the token at position t reads row t+1; θ1 is the self-correlation
+  of row 0 and θ2 that of row 1. With a relative term, b is *added* to θ through two extra table entries
+  (bucket ``num_buckets // 2``, never produced by the bidirectional buckets, for the row, and a
+  ``num_buckets``-th row for the column; with clipping, two rows after the ``2c+1`` distances).
+- ``paper`` (Eq. 9 and Appendix B): θ1, θ2 are self-correlations of two extra learned vectors through
+  the same LayerNorm and ``U``; they replace the whole positional term, relative bias included.
+- ``none``: no untying (the TUPE-A tie-cls ablation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from posjax.positions import absolute, base, t5
+
+
+@dataclasses.dataclass(frozen=True)
+class TupeAOptions:
+  """cls_reset: ``official`` (default) | ``paper`` | ``none`` — see the module docstring.
+  share_across_layers: one positional term for all layers (True, the paper) or one per layer.
+  projection_bias: ``U^Q``/``U^K`` with a bias (True, the official code; the paper's formula has none).
+  layernorm: LayerNorm on the position embeddings before the projections (True, the paper and code).
+  """
+
+  cls_reset: str = "official"
+  share_across_layers: bool = True
+  projection_bias: bool = True
+  layernorm: bool = True
+
+  def __post_init__(self):
+    base.check_choice("cls_reset", self.cls_reset, ("official", "paper", "none"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TupeROptions(TupeAOptions):
+  """relative_distance: ``buckets`` (T5 log buckets, the official code; default) or ``clip`` (plain
+  clipping at ±max_distance, the paper's footnote). num_buckets / max_distance: as in T5 (32, 128).
+  """
+
+  relative_distance: str = "buckets"
+  num_buckets: int = 32
+  max_distance: int = 128
+
+  def __post_init__(self):
+    super().__post_init__()
+    base.check_choice("relative_distance", self.relative_distance, ("buckets", "clip"))
+    if self.relative_distance == "buckets":
+      t5.T5Options(self.num_buckets, self.max_distance, bidirectional=True)
+    elif self.max_distance < 1:
+      raise ValueError(f"max_distance={self.max_distance} must be >= 1")
+
+
+def relative_layout(options: TupeROptions) -> tuple[int, int, int]:
+  """``(table rows, [CLS]-row entry, [CLS]-column entry)`` of TUPE-R's relative bias table."""
+  if options.relative_distance == "buckets":
+    return options.num_buckets + 1, options.num_buckets // 2, options.num_buckets
+  c = options.max_distance
+  return 2 * c + 3, 2 * c + 1, 2 * c + 2
+
+
+def relative_index(options: TupeROptions, rel_BxLxL):
+  """Table entry of each relative distance ``j - i``, ``[B, L, L]``."""
+  if options.relative_distance == "buckets":
+    return t5.bucket(rel_BxLxL, options.num_buckets, options.max_distance, bidirectional=True)
+  return jnp.clip(rel_BxLxL, -options.max_distance, options.max_distance) + options.max_distance
+
+
+def untie_cls(corr_BxHxLxL, is_cls_BxL, theta_row_H, theta_col_H):
+  """[CLS] column := θ2, then [CLS] row := θ1 (so [CLS]->[CLS] is θ1). θ may be ``[B, H]`` or ``[H]``."""
+  theta_row = jnp.broadcast_to(theta_row_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
+  theta_col = jnp.broadcast_to(theta_col_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
+  corr = jnp.where(is_cls_BxL[:, None, None, :], theta_col, corr_BxHxLxL)
+  return jnp.where(is_cls_BxL[:, None, :, None], theta_row, corr)
+
+
+class UntiedCorrelation(nn.Module):
+  """The positional term ``[Bp, H, L, L]`` from the LayerNorm-ed positions in ``context``."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, context):
+    spec, opts = self.spec, self.spec.options
+    uq = base.head_projection(spec, "query", opts.projection_bias)
+    uk = base.head_projection(spec, "key", opts.projection_bias)
+    scale = 1.0 / math.sqrt(2 * spec.head_dim)
+    corr = base.dot_heads(uq(context["p"]), uk(context["p"])) * scale
+    if opts.cls_reset != "none":
+      theta_2xH = jnp.sum(uq(context["p_theta"]) * uk(context["p_theta"]), axis=-1) * scale
+    b = 0.0
+    if isinstance(opts, TupeROptions):
+      rows, _, _ = relative_layout(opts)
+      b = t5.BucketBias(spec.num_heads, rows, spec.param_dtype, name="relative_bias")(context["rel_index"])
+    if opts.cls_reset == "paper":
+      return untie_cls(corr + b, context["is_cls"], theta_2xH[0], theta_2xH[1])
+    if opts.cls_reset == "official":
+      corr = untie_cls(corr, context["is_cls"], theta_2xH[0], theta_2xH[1])
+    return corr + b
+
+
+class Tupe(nn.Module):
+  """Encoder-level part: the position table, its LayerNorm, and (when shared) the positional term."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    spec, opts = self.spec, self.spec.options
+    spec.check_length(positions_BxL.shape[-1])
+    offset = 1 if opts.cls_reset == "official" else 0
+    table = absolute.LearnedTable(spec, num_rows=spec.max_len + offset, name="table")
+    norm = base.layer_norm(spec, "pos_ln") if opts.layernorm else (lambda x: x)
+    is_cls_BxL = positions_BxL == 0
+    context = {"p": norm(table(positions_BxL + offset)), "is_cls": is_cls_BxL}
+    if opts.cls_reset == "official":
+      context["p_theta"] = norm(table(jnp.arange(2)))
+    elif opts.cls_reset == "paper":
+      p_theta = self.param("cls_theta", base.normal_init((None, base.EMBED)), (2, spec.hidden_size),
+                           spec.param_dtype)
+      context["p_theta"] = norm(p_theta.astype(spec.dtype))
+    if isinstance(opts, TupeROptions):
+      index = relative_index(opts, base.relative_positions(positions_BxL))
+      _, row, col = relative_layout(opts)
+      if opts.cls_reset == "official":
+        index = jnp.where(is_cls_BxL[:, None, :], col, index)
+        index = jnp.where(is_cls_BxL[:, :, None], row, index)
+      context["rel_index"] = index
+    if opts.share_across_layers:
+      return base.PositionState(bias=UntiedCorrelation(spec, name="correlation")(context))
+    return base.PositionState(context=context)
+
+
+class TupeLayer(nn.Module):
+  """Per-layer part: its own positional term, only when ``share_across_layers=False``."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, q, k, context, scale):
+    if self.spec.options.share_across_layers:
+      return base.LayerTerms(q, k)
+    return base.LayerTerms(q, k, bias=UntiedCorrelation(self.spec, name="correlation")(context))
+
+
+@dataclasses.dataclass(frozen=True)
+class BertAdOptions:
+  """projection_bias: ``U^Q``/``U^K`` with a bias (True, as BERT's W^Q/W^K).
+  layernorm: LayerNorm on the position embeddings (False: the paper mentions none for BERT-A^d).
+  The embedding is not added at the input (the paper does not say; posjax leaves it out).
+  """
+
+  projection_bias: bool = True
+  layernorm: bool = False
+
+
+class BertAdTable(nn.Module):
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    self.spec.check_length(positions_BxL.shape[-1])
+    p = absolute.LearnedTable(self.spec, name="table")(positions_BxL)
+    if self.spec.options.layernorm:
+      p = base.layer_norm(self.spec, "pos_ln")(p)
+    return base.PositionState(context={"p": p})
+
+
+class BertAdLayer(nn.Module):
+  """BERT-A^d: ``(q_i + p_i U^Q)·(k_j + p_j U^K) / sqrt(4 d_h)`` expands into all four terms, so the
+  layer only shifts q and k (per-layer ``U``) and stays computable by fused kernels."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, q, k, context, scale):
+    p = context["p"]
+    uq = base.head_projection(self.spec, "pos_query", self.spec.options.projection_bias)
+    uk = base.head_projection(self.spec, "pos_key", self.spec.options.projection_bias)
+    return base.LayerTerms(q + uq(p).astype(q.dtype), k + uk(p).astype(k.dtype))
+
+
+base.register(base.Method("bert_ad", BertAdOptions, encoder=BertAdTable, layer=BertAdLayer, content_scale=4.0,
+                          max_len_bound=True,
+                          summary="BERT-A^d: separate word/position projections, four terms, 1/sqrt(4 d_h)"))
+base.register(base.Method("tupe_a", TupeAOptions, encoder=Tupe, layer=TupeLayer, content_scale=2.0,
+                          max_len_bound=True, summary="TUPE-A: untied absolute positional correlation"))
+base.register(base.Method("tupe_r", TupeROptions, encoder=Tupe, layer=TupeLayer, content_scale=2.0,
+                          max_len_bound=True, summary="TUPE-R: TUPE-A plus a T5 relative bias"))

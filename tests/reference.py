@@ -1,0 +1,170 @@
+"""Independent numpy references: each method's logit written as a loop over (b, h, i, j) from the papers'
+formulas (``../shared/papers/``), sharing no code with posjax."""
+
+import math
+
+import numpy as np
+
+# T5 buckets of one direction, as tabulated in tupe.md §1: (first distance, last distance, bucket).
+T5_RANGES = [(8, 11, 8), (12, 15, 9), (16, 22, 10), (23, 31, 11), (32, 45, 12), (46, 63, 13), (64, 90, 14)]
+
+
+def t5_bucket(rel: int) -> int:
+  """Bidirectional, 32 buckets, max distance 128; ``rel = j - i``; keys after the query add 16."""
+  n = abs(rel)
+  if n < 8:
+    b = n
+  elif n >= 91:
+    b = 15
+  else:
+    b = next(bucket for lo, hi, bucket in T5_RANGES if lo <= n <= hi)
+  return b + (16 if rel > 0 else 0)
+
+
+def layer_norm(x, scale, bias, eps=1e-5):
+  mu = x.mean(-1, keepdims=True)
+  var = ((x - mu) ** 2).mean(-1, keepdims=True)
+  return (x - mu) / np.sqrt(var + eps) * scale + bias
+
+
+def project(x, dense):
+  """``x W + c`` for a ``[D, H, K]`` kernel."""
+  out = np.einsum("...d,dhk->...hk", x, dense["kernel"])
+  return out + dense["bias"] if "bias" in dense else out
+
+
+def rope_rotate(vec, position, base=10_000.0):
+  """Rotate feature pairs (f, f + K/2) by ``position / base^(2f/K)``."""
+  k = vec.shape[-1]
+  out = vec.copy()
+  for f in range(k // 2):
+    angle = position / base ** (2 * f / k)
+    a, b = vec[f], vec[f + k // 2]
+    out[f] = a * math.cos(angle) - b * math.sin(angle)
+    out[f + k // 2] = b * math.cos(angle) + a * math.sin(angle)
+  return out
+
+
+def tupe_positional(P_pos, P_corr, pos, opts, num_heads, head_dim, relative):
+  """TUPE's positional term ``[B, H, L, L]`` including the [CLS] reset, from tupe.md §1."""
+  official = opts.get("cls_reset", "official") == "official"
+  reset = opts.get("cls_reset", "official") != "none"
+  table = P_pos["table"]["embedding"]
+  ln = (lambda v: layer_norm(v, P_pos["pos_ln"]["scale"], P_pos["pos_ln"]["bias"])) if "pos_ln" in P_pos else (
+      lambda v: v)
+  c = 1.0 / math.sqrt(2 * head_dim)
+
+  def corr(pi, pj, h):
+    return project(pi, P_corr["query"])[h] @ project(pj, P_corr["key"])[h] * c
+
+  def row_of(p):
+    return table[p + 1] if official else table[p]
+
+  if official:
+    theta1 = [corr(ln(table[0]), ln(table[0]), h) for h in range(num_heads)]
+    theta2 = [corr(ln(table[1]), ln(table[1]), h) for h in range(num_heads)]
+  elif reset:
+    extra = P_pos["cls_theta"]
+    theta1 = [corr(ln(extra[0]), ln(extra[0]), h) for h in range(num_heads)]
+    theta2 = [corr(ln(extra[1]), ln(extra[1]), h) for h in range(num_heads)]
+  B, L = pos.shape
+  out = np.zeros((B, num_heads, L, L))
+  rel_table = P_corr["relative_bias"]["rel_bias"] if relative else None
+  clip = opts.get("relative_distance") == "clip"
+  cmax = opts.get("max_distance", 128)
+  for b in range(B):
+    for h in range(num_heads):
+      for i in range(L):
+        for j in range(L):
+          pi, pj = pos[b, i], pos[b, j]
+          value = corr(ln(row_of(pi)), ln(row_of(pj)), h)
+          rel_bias = 0.0
+          if relative:
+            r = pj - pi
+            rel_bias = rel_table[min(max(r, -cmax), cmax) + cmax, h] if clip else rel_table[t5_bucket(r), h]
+          if reset and pi == 0:  # [CLS] row, including [CLS] -> [CLS]
+            if official:
+              extra_row = (2 * cmax + 1) if clip else 16
+              out[b, h, i, j] = theta1[h] + (rel_table[extra_row, h] if relative else 0.0)
+            else:
+              out[b, h, i, j] = theta1[h]
+          elif reset and pj == 0:  # [CLS] column
+            if official:
+              extra_col = (2 * cmax + 2) if clip else 32
+              out[b, h, i, j] = theta2[h] + (rel_table[extra_col, h] if relative else 0.0)
+            else:
+              out[b, h, i, j] = theta2[h]
+          else:
+            out[b, h, i, j] = value + rel_bias
+  return out
+
+
+def logits(name, opts, P, x, pos, max_len, num_heads):
+  """Reference attention logits ``[B, H, L, L]`` of one layer (harness: ``pos`` + ``attn`` modules)."""
+  A = P["attn"]
+  q, k = project(x, A["query"]), project(x, A["key"])
+  B, L, H, K = q.shape
+  layer_tables = A.get("position", {})
+  shared_tables = P.get("pos", {})
+  tables = shared_tables if opts.get("share_across_layers") else layer_tables
+  kmax = opts.get("max_distance") or (max_len - 1)
+  clip = lambda r: min(max(r, -kmax), kmax) + kmax
+  if name == "tupe_a" or name == "tupe_r":
+    corr_params = P["pos"]["correlation"] if opts.get("share_across_layers", True) else A["position"]["correlation"]
+    positional = tupe_positional(P["pos"], corr_params, pos, opts, H, K, relative=name == "tupe_r")
+  out = np.zeros((B, H, L, L))
+  for b in range(B):
+    if name == "bert_ad":
+      p = P["pos"]["table"]["embedding"][pos[b]]
+      if opts.get("layernorm"):
+        p = layer_norm(p, P["pos"]["pos_ln"]["scale"], P["pos"]["pos_ln"]["bias"])
+      pq, pk = project(p, A["position"]["pos_query"]), project(p, A["position"]["pos_key"])
+    for h in range(H):
+      for i in range(L):
+        for j in range(L):
+          qi, kj, r = q[b, i, h], k[b, j, h], pos[b, j] - pos[b, i]
+          s = 1.0 / math.sqrt(K)
+          if name in ("none", "absolute", "sinusoidal"):
+            e = qi @ kj * s
+          elif name in ("t5", "bert_r"):
+            e = qi @ kj * s + P["pos"]["relative_bias"]["rel_bias"][t5_bucket(r), h]
+          elif name == "alibi":
+            e = qi @ kj * s - 2.0 ** (-8 * (h + 1) / H) * abs(r)
+          elif name == "rope":
+            e = rope_rotate(qi, pos[b, i]) @ rope_rotate(kj, pos[b, j]) * s
+          elif name == "bert_ad":
+            e = (qi @ kj + qi @ pk[j, h] + pq[i, h] @ kj + pq[i, h] @ pk[j, h]) / math.sqrt(4 * K)
+          elif name in ("tupe_a", "tupe_r"):
+            e = qi @ kj / math.sqrt(2 * K) + positional[b, h, i, j]
+          elif name == "shaw":
+            e = (qi @ kj + qi @ tables["key"][clip(r)]) * s
+          elif name == "huang_m1":
+            e = (qi @ kj) * tables["scalar"][min(abs(r), kmax), h] * s
+          elif name == "huang_m2":
+            e = (qi @ kj) * tables["scalar"][clip(r), h] * s
+          elif name == "huang_m3":
+            e = np.sum(qi * kj * tables["vector"][clip(r)]) * s
+          elif name in ("huang_m4", "relative_key_query"):
+            a = tables["key"][clip(r)]
+            e = (qi @ kj + qi @ a + a @ kj) * s
+          else:
+            raise KeyError(name)
+          out[b, h, i, j] = e
+  return out
+
+
+def shaw_value_output(P, x, pos, weights, max_len, opts):
+  """``z_i = Σ_j α_ij (v_j + w^V_{clip(j-i)})`` before the output projection, ``[B, L, H, K]``."""
+  A = P["attn"]
+  tables = P["pos"] if opts.get("share_across_layers") else A["position"]
+  v = project(x, A["value"])
+  kmax = opts.get("max_distance") or (max_len - 1)
+  B, L, H, K = v.shape
+  z = np.zeros_like(v)
+  for b in range(B):
+    for h in range(H):
+      for i in range(L):
+        for j in range(L):
+          r = min(max(pos[b, j] - pos[b, i], -kmax), kmax) + kmax
+          z[b, i, h] += weights[b, h, i, j] * (v[b, j, h] + tables["value"][r])
+  return z

@@ -1,0 +1,207 @@
+"""Every method's logits against an explicit (i, j) loop of its paper formula; method properties."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import attention, positions
+from posjax.positions import absolute, alibi, relative, t5
+from conftest import PACKED_POSITIONS, OneLayer, randomize
+import reference
+
+NUM_HEADS, HIDDEN, MAX_LEN = 4, 32, 16
+
+CASES = [
+    ("none", {}), ("absolute", {}), ("sinusoidal", {}), ("t5", {}), ("bert_r", {}), ("alibi", {}), ("rope", {}),
+    ("bert_ad", {}), ("bert_ad", {"layernorm": True, "projection_bias": False}),
+    ("tupe_a", {}), ("tupe_a", {"cls_reset": "paper"}), ("tupe_a", {"cls_reset": "none"}),
+    ("tupe_a", {"share_across_layers": False, "projection_bias": False, "layernorm": False}),
+    ("tupe_r", {}), ("tupe_r", {"cls_reset": "paper"}), ("tupe_r", {"cls_reset": "none"}),
+    ("tupe_r", {"relative_distance": "clip", "max_distance": 3}),
+    ("tupe_r", {"relative_distance": "clip", "max_distance": 3, "cls_reset": "paper"}),
+    ("tupe_r", {"share_across_layers": False}),
+    ("shaw", {}), ("shaw", {"max_distance": 3, "impl": "skew"}), ("shaw", {"share_across_layers": True}),
+    ("huang_m1", {}), ("huang_m1", {"max_distance": 2}), ("huang_m2", {"max_distance": 3}),
+    ("huang_m3", {}), ("huang_m3", {"max_distance": 2, "share_across_layers": True}),
+    ("huang_m4", {}), ("huang_m4", {"max_distance": 3, "impl": "skew"}), ("relative_key_query", {"impl": "table"}),
+]
+
+
+def run_one_layer(name, options, positions_BxL, seed=0, mask=None):
+  spec = positions.make(name, options, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN)
+  x = np.random.default_rng(seed).normal(size=(positions_BxL.shape[0], positions_BxL.shape[1], HIDDEN))
+  x = x.astype(np.float32)
+  model = OneLayer(spec)
+  params = randomize(model.init(jax.random.PRNGKey(0), x, positions_BxL)["params"], seed)
+  out, state = model.apply({"params": params}, x, positions_BxL, mask, mutable=["intermediates"])
+  numpy_params = jax.tree.map(np.asarray, params)
+  return x, numpy_params, np.asarray(state["intermediates"]["attn"]["attention_logits"][0]), out
+
+
+@pytest.mark.parametrize("name,options", CASES, ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                                                     for n, o in CASES])
+def test_logits_match_loop_reference(name, options):
+  x, params, got, _ = run_one_layer(name, options, PACKED_POSITIONS)
+  want = reference.logits(name, options, params, x, PACKED_POSITIONS, MAX_LEN, NUM_HEADS)
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("impl", ["table", "skew"])
+@pytest.mark.parametrize("share", [False, True])
+def test_shaw_value_term_matches_loop_reference(impl, share):
+  options = {"value_term": True, "max_distance": 3, "impl": impl, "share_across_layers": share}
+  x, params, logits, out = run_one_layer("shaw", options, PACKED_POSITIONS)
+  weights = jax.nn.softmax(logits, axis=-1)
+  z = reference.shaw_value_output(params, x, PACKED_POSITIONS, weights, MAX_LEN, options)
+  want = np.einsum("blhk,hkd->bld", z, params["attn"]["out"]["kernel"]) + params["attn"]["out"]["bias"]
+  np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4)
+
+
+def test_input_embeddings_match_their_formulas(rng):
+  spec = positions.make("sinusoidal", num_heads=2, hidden_size=6, max_len=8)
+  pos = PACKED_POSITIONS
+  got, _ = absolute.Sinusoidal(spec).init_with_output(jax.random.PRNGKey(0), pos)
+  for b, i, f in np.ndindex(*pos.shape, 3):
+    angle = pos[b, i] / 10_000 ** (2 * f / 6)
+    np.testing.assert_allclose(got.embedding[b, i, 2 * f], math.sin(angle), atol=1e-5)
+    np.testing.assert_allclose(got.embedding[b, i, 2 * f + 1], math.cos(angle), atol=1e-5)
+  spec = positions.make("absolute", num_heads=2, hidden_size=6, max_len=10)
+  got, variables = absolute.Absolute(spec).init_with_output(jax.random.PRNGKey(0), pos)
+  np.testing.assert_array_equal(got.embedding, np.asarray(variables["params"]["table"]["embedding"].value)[pos])
+
+
+def test_t5_bucket_table_matches_the_spec_exactly():
+  rel = np.arange(-300, 301)
+  np.testing.assert_array_equal(np.asarray(t5.bucket(rel)), [reference.t5_bucket(int(r)) for r in rel])
+  assert 16 not in np.asarray(t5.bucket(rel)).tolist()  # the official [CLS] row re-uses this free bucket
+
+
+def test_alibi_slopes_follow_the_paper():
+  np.testing.assert_allclose(alibi.slopes(8), [2.0 ** -(i + 1) for i in range(8)])
+  # 6 heads: the 4 slopes of 4 heads, then every other slope of 8 heads.
+  np.testing.assert_allclose(alibi.slopes(6), [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3])
+
+
+@pytest.mark.parametrize("name,options", [("shaw", {"value_term": True}), ("huang_m4", {}),
+                                          ("shaw", {"max_distance": 2, "value_term": True})])
+def test_table_and_skew_agree(name, options, rng):
+  spec_of = lambda impl: positions.make(name, {**options, "impl": impl}, num_heads=NUM_HEADS, hidden_size=HIDDEN,
+                                        max_len=MAX_LEN)
+  x = rng.normal(size=PACKED_POSITIONS.shape + (HIDDEN,)).astype(np.float32)
+  table, skew = OneLayer(spec_of("table")), OneLayer(spec_of("skew"))
+  params = randomize(table.init(jax.random.PRNGKey(0), x, PACKED_POSITIONS)["params"])
+  loss = lambda model: lambda p: jnp.sum(model.apply({"params": p}, x, PACKED_POSITIONS) ** 2)
+  np.testing.assert_allclose(table.apply({"params": params}, x, PACKED_POSITIONS),
+                             skew.apply({"params": params}, x, PACKED_POSITIONS), rtol=1e-4, atol=1e-4)
+  grads_table, grads_skew = jax.grad(loss(table))(params), jax.grad(loss(skew))(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3), grads_table, grads_skew)
+
+
+def test_auto_impl_is_chosen_by_shape():
+  index = lambda length: np.zeros((1, length, length), np.int32)
+  # BERT-Base training shapes: B·H = 768 heads, d_h = 64, L = 512 -> the [L, L, d_h] table.
+  assert relative.choose_impl("auto", 768, 64, index(512)) == "table"
+  # Long sequence, one example: 12 heads, L = 2048 -> the [B, H, L, 2k+1] skew.
+  assert relative.choose_impl("auto", 12, 64, index(2048)) == "skew"
+  assert relative.choose_impl("table", 12, 64, index(2048)) == "table"
+
+
+@pytest.mark.parametrize("name", ["shaw", "huang_m3", "huang_m4"])
+@pytest.mark.parametrize("impl", ["table", "skew"])
+def test_relative_terms_never_build_a_five_dimensional_tensor(name, impl):
+  b, h, l, k = 2, 4, 12, 8
+  options = {"impl": impl, **({"value_term": True} if name == "shaw" else {})} if name != "huang_m3" else {}
+  spec = positions.make(name, options, num_heads=h, hidden_size=h * k, max_len=l)
+  x = np.ones((b, l, h * k), np.float32)
+  pos = np.broadcast_to(np.arange(l), (b, l))  # per-row positions: the [Bp, L, L, d_h] table has Bp = B
+  model = OneLayer(spec)
+  params = model.init(jax.random.PRNGKey(0), x, pos)["params"]
+  step = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x, pos)))
+  limit = b * h * l * l * k
+  for eqn in all_equations(jax.make_jaxpr(step)(params).jaxpr):
+    for var in eqn.outvars:
+      assert math.prod(getattr(var.aval, "shape", ())) < limit, (eqn.primitive, var.aval)
+
+
+def all_equations(jaxpr):
+  """Every equation of a jaxpr, including those of nested jaxprs (scan bodies, custom derivatives)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from all_equations(sub)
+
+
+def test_out_of_range_positions_give_nan_not_a_clamped_row():
+  spec = positions.make("absolute", num_heads=2, hidden_size=4, max_len=4)
+  module = absolute.Absolute(spec)
+  variables = module.init(jax.random.PRNGKey(0), np.zeros((1, 4), np.int32))
+  emb = module.apply(variables, np.array([[0, 1, 4, -1]])).embedding
+  assert np.isfinite(emb[0, :2]).all() and np.isnan(emb[0, 2:]).all()
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r"])
+@pytest.mark.parametrize("reset", ["official", "paper"])
+def test_tupe_cls_row_and_column_are_one_constant_per_head(name, reset):
+  spec = positions.make(name, {"cls_reset": reset}, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN)
+  model = OneLayer(spec)
+  x = np.zeros((1, 9, HIDDEN), np.float32)  # zero input: the logits are the positional term alone
+  params = randomize(model.init(jax.random.PRNGKey(0), x, PACKED_POSITIONS[:1])["params"])
+  params["attn"]["query"]["bias"] *= 0
+  _, state = model.apply({"params": params}, x, PACKED_POSITIONS[:1], mutable=["intermediates"])
+  term = np.asarray(state["intermediates"]["attn"]["attention_logits"][0][0])  # [H, L, L]
+  for h in range(NUM_HEADS):
+    np.testing.assert_allclose(term[h, 0, :], term[h, 0, 0], rtol=1e-5)  # [CLS] -> everything
+    np.testing.assert_allclose(term[h, 1:, 0], term[h, 1, 0], rtol=1e-5)  # everything else -> [CLS]
+    assert not np.isclose(term[h, 0, 0], term[h, 1, 0])
+    assert np.unique(np.round(term[h, 1:, 1:], 5)).size > 1
+
+
+def test_tupe_reset_modes_differ_as_specified():
+  """paper: θ replaces positional + relative term; official: the relative table's extra entries add to θ."""
+  x = np.zeros((1, 9, HIDDEN), np.float32)
+  pos = PACKED_POSITIONS[:1]
+  terms = {}
+  for reset in ("paper", "official"):
+    spec = positions.make("tupe_r", {"cls_reset": reset}, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN)
+    model = OneLayer(spec)
+    params = randomize(model.init(jax.random.PRNGKey(0), x, pos)["params"])
+    params["attn"]["query"]["bias"] *= 0
+    _, state = model.apply({"params": params}, x, pos, mutable=["intermediates"])
+    terms[reset] = params, np.asarray(state["intermediates"]["attn"]["attention_logits"][0][0])
+  params, term = terms["official"]
+  rel = params["pos"]["correlation"]["relative_bias"]["rel_bias"]
+  assert rel.shape == (33, NUM_HEADS)
+  corr = params["pos"]["correlation"]
+  table, ln = params["pos"]["table"]["embedding"], params["pos"]["pos_ln"]
+  p0 = reference.layer_norm(table[0], ln["scale"], ln["bias"])
+  theta1 = np.sum(reference.project(p0, corr["query"]) * reference.project(p0, corr["key"]), -1) / math.sqrt(2 * HIDDEN // NUM_HEADS)
+  np.testing.assert_allclose(term[:, 0, 3], theta1 + rel[16], rtol=1e-4)
+  params, term = terms["paper"]
+  assert params["pos"]["correlation"]["relative_bias"]["rel_bias"].shape == (33, NUM_HEADS)
+  assert params["pos"]["cls_theta"].shape == (2, HIDDEN)
+  corr, ln = params["pos"]["correlation"], params["pos"]["pos_ln"]
+  p_theta = reference.layer_norm(params["pos"]["cls_theta"][0], ln["scale"], ln["bias"])
+  theta1 = np.sum(reference.project(p_theta, corr["query"]) * reference.project(p_theta, corr["key"]), -1)
+  np.testing.assert_allclose(term[:, 0, 3], theta1 / math.sqrt(2 * HIDDEN // NUM_HEADS), rtol=1e-4)
+
+
+def test_relative_clipping_is_explicit():
+  """Distances past k share the last row (the method's definition), never an index error."""
+  x, params, got, _ = run_one_layer("shaw", {"max_distance": 2}, np.arange(12)[None] % MAX_LEN)
+  want = reference.logits("shaw", {"max_distance": 2}, params, x, np.arange(12)[None], MAX_LEN, NUM_HEADS)
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_fully_padded_row_gives_no_nan():
+  spec = positions.make("tupe_r", num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN)
+  x = np.ones((2, 5, HIDDEN), np.float32)
+  mask = attention.Mask(padding=np.array([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool))
+  model = OneLayer(spec)
+  variables = model.init(jax.random.PRNGKey(0), x, np.arange(5)[None])
+  assert np.isfinite(model.apply(variables, x, np.arange(5)[None], mask)).all()
