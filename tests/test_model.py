@@ -1,0 +1,264 @@
+"""BERT encoder properties for every position method: invariances, packing, gradients, precision, transforms."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import attention, positions
+from posjax.models import (BertConfig, BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
+                           BertForSequenceClassification)
+from conftest import randomize
+
+ALL = positions.names()
+SHIFT_INVARIANT = ["none", "t5", "alibi", "rope", "shaw", "huang_m1", "huang_m2", "huang_m3", "huang_m4"]
+ABSOLUTE = ["absolute", "sinusoidal", "bert_r", "bert_ad", "tupe_a", "tupe_r"]
+assert sorted(SHIFT_INVARIANT + ABSOLUTE) == sorted(ALL)
+
+
+def build(name, options=None, **overrides):
+  config = BertConfig.tiny(position=name, position_options=options or {}, **overrides)
+  model = BertEncoder(config)
+  params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"]
+  return config, model, randomize(params, scale=0.3)
+
+
+def hidden(model, params, ids, **kwargs):
+  return np.asarray(model.apply({"params": params}, jnp.asarray(ids), **kwargs).last_hidden_state)
+
+
+def tokens(rng, *shape):
+  return rng.integers(1, 128, size=shape).astype(np.int32)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_shift_inside_padding(name, rng):
+  """Relative methods: moving a sequence behind padding changes nothing; absolute ones must change."""
+  _, model, params = build(name)
+  content, pad = tokens(rng, 6), 4
+  ids = np.zeros((2, 10), np.int32)
+  ids[0, :6], ids[1, pad:] = content, content
+  mask = np.zeros((2, 10), np.int32)
+  mask[0, :6], mask[1, pad:] = 1, 1
+  h = hidden(model, params, ids, attention_mask=mask)
+  same = np.allclose(h[0, :6], h[1, pad:], atol=1e-4)
+  assert same == (name in SHIFT_INVARIANT)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_appended_padding_changes_nothing(name, rng):
+  _, model, params = build(name)
+  ids = tokens(rng, 2, 8)
+  padded = np.concatenate([ids, np.zeros((2, 5), np.int32)], axis=1)
+  mask = np.concatenate([np.ones((2, 8)), np.zeros((2, 5))], axis=1).astype(np.int32)
+  np.testing.assert_allclose(hidden(model, params, padded, attention_mask=mask)[:, :8], hidden(model, params, ids),
+                             atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_packed_segments_do_not_attend_to_each_other(name, rng):
+  _, model, params = build(name)
+  a, b = tokens(rng, 1, 5), tokens(rng, 1, 4)
+  packed = np.concatenate([a, b], axis=1)
+  pos = np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+  seg = np.array([[0] * 5 + [1] * 4])
+  h = hidden(model, params, packed, positions=pos, segment_ids=seg)
+  np.testing.assert_allclose(h[:, :5], hidden(model, params, a), atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(h[:, 5:], hidden(model, params, b), atol=1e-4, rtol=1e-4)
+
+
+GRADIENT_CASES = [(n, {}) for n in ALL] + [
+    ("tupe_r", {"cls_reset": "paper"}), ("tupe_a", {"share_across_layers": False}),
+    ("shaw", {"value_term": True}), ("huang_m4", {"share_across_layers": True, "impl": "skew"})]
+
+
+@pytest.mark.parametrize("name,options", GRADIENT_CASES, ids=[f"{n}-{o}" for n, o in GRADIENT_CASES])
+def test_gradients_reach_every_parameter(name, options, rng):
+  config = BertConfig.tiny(position=name, position_options=options)
+  model = BertForMaskedLM(config)
+  ids = tokens(rng, 2, 12)
+  mask = np.ones((2, 12), np.int32)
+  mask[1, 9:] = 0
+  params = model.init(jax.random.PRNGKey(0), ids)["params"]
+
+  def loss(p):
+    logits = model.apply({"params": p}, ids, attention_mask=mask, deterministic=False,
+                         rngs={"dropout": jax.random.PRNGKey(1)})
+    return -jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
+  grads = jax.grad(loss)(params)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    g = np.asarray(g.value if hasattr(g, "value") else g)
+    assert np.isfinite(g).all(), path
+    assert np.abs(g).max() > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_bfloat16_compute_under_jit_matches_float32(name, rng):
+  ids = tokens(rng, 2, 10)
+  _, model32, params = build(name)
+  _, model16, _ = build(name, dtype="bfloat16")
+  out16 = jax.jit(lambda p, x: model16.apply({"params": p}, x).last_hidden_state)(params, ids)
+  assert out16.dtype == jnp.bfloat16
+  assert jax.tree.leaves(params)[0].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out16, np.float32), hidden(model32, params, ids), atol=0.15, rtol=0.1)
+
+
+@pytest.mark.parametrize("name", ["tupe_r", "huang_m3", "huang_m4", "rope"])
+def test_jit_and_vmap(name, rng):
+  _, model, params = build(name)
+  ids = tokens(rng, 3, 2, 7)
+  apply = lambda x: model.apply({"params": params}, x).last_hidden_state
+  eager = np.stack([hidden(model, params, x) for x in ids])
+  np.testing.assert_allclose(jax.jit(jax.vmap(apply))(ids), eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_tupe_positional_term_shared_or_per_layer(share):
+  """With the content term switched off, each layer's logits are the positional term alone."""
+  config, model, params = build("tupe_r", {"share_across_layers": share}, num_layers=3)
+  for i in range(3):
+    for name in ("query", "key"):
+      params[f"layer_{i}"]["attention"][name] = jax.tree.map(jnp.zeros_like, params[f"layer_{i}"]["attention"][name])
+  _, state = model.apply({"params": params}, jnp.ones((1, 9), jnp.int32), mutable=["intermediates"])
+  logits = [np.asarray(state["intermediates"][f"layer_{i}"]["attention"]["attention_logits"][0]) for i in range(3)]
+  assert ("position_bias" in state["intermediates"]) == share
+  if share:
+    for layer_logits in logits:
+      np.testing.assert_array_equal(layer_logits, np.asarray(state["intermediates"]["position_bias"][0]))
+  else:
+    assert not np.allclose(logits[0], logits[1]) and not np.allclose(logits[1], logits[2])
+
+
+@pytest.mark.parametrize("name", ["tupe_a", "tupe_r", "bert_ad"])
+def test_tupe_and_bert_ad_add_nothing_at_the_input(name):
+  """The embedding output must not depend on positions: shuffling the positions of a one-layer encoder with
+  its attention switched off (zero value/output projections) leaves it unchanged."""
+  _, model, params = build(name, num_layers=1)
+  for part in ("value", "out"):
+    params["layer_0"]["attention"][part] = jax.tree.map(jnp.zeros_like, params["layer_0"]["attention"][part])
+  ids = np.full((1, 6), 7, np.int32)
+  h = hidden(model, params, ids)
+  shuffled = hidden(model, params, ids, positions=np.array([[0, 5, 3, 2, 4, 1]]))
+  np.testing.assert_allclose(h, shuffled, atol=1e-6)
+  _, absolute_model, absolute_params = build("absolute", num_layers=1)
+  for part in ("value", "out"):
+    absolute_params["layer_0"]["attention"][part] = jax.tree.map(
+        jnp.zeros_like, absolute_params["layer_0"]["attention"][part])
+  assert not np.allclose(hidden(absolute_model, absolute_params, ids),
+                         hidden(absolute_model, absolute_params, ids, positions=np.array([[0, 5, 3, 2, 4, 1]])))
+
+
+FUSABLE = [n for n in ALL if positions.make(n, num_heads=4, hidden_size=32, max_len=64).fusable]
+
+
+@pytest.mark.parametrize("name", FUSABLE)
+def test_fused_kernel_path_matches_reference(name, rng, monkeypatch):
+  """The cuDNN code path (bias folding, padding as sequence lengths) run through jax's XLA implementation."""
+  monkeypatch.setattr(attention, "fused_attention", functools.partial(attention.fused_attention,
+                                                                      implementation="xla"))
+  monkeypatch.setattr(attention, "FUSED_DTYPES", (jnp.float32,))
+  _, reference_model, params = build(name)
+  _, fused_model, _ = build(name, attention_kernel="cudnn")
+  ids = tokens(rng, 2, 9)
+  mask = np.ones((2, 9), np.int32)
+  mask[1, 7:] = 0
+  kwargs = dict(attention_mask=mask, positions=np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3]] * 2),
+                segment_ids=np.array([[0] * 5 + [1] * 4] * 2))
+  want = hidden(reference_model, params, ids, **kwargs)
+  got = hidden(fused_model, params, ids, **kwargs)
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(got[1, :7], want[1, :7], atol=1e-4, rtol=1e-4)
+
+
+def test_heads(rng):
+  config = BertConfig.tiny(position="tupe_r")
+  ids = tokens(rng, 2, 10)
+  mlm = BertForMaskedLM(config)
+  variables = mlm.init(jax.random.PRNGKey(0), ids)
+  full = mlm.apply(variables, ids)
+  assert full.shape == (2, 10, config.vocab_size)
+  where = np.array([[1, 4], [0, 9]])
+  np.testing.assert_allclose(mlm.apply(variables, ids, masked_positions=where),
+                             np.take_along_axis(np.asarray(full), where[..., None], axis=1), atol=1e-5)
+  assert np.isnan(mlm.apply(variables, ids, masked_positions=np.array([[0, 10], [0, 1]]))[0, 1]).all()
+  # The output layer is tied to the word embeddings: no separate [D, V] matrix.
+  assert all(leaf.size != config.hidden_size * config.vocab_size or "word_embeddings" in jax.tree_util.keystr(p)
+             for p, leaf in jax.tree_util.tree_leaves_with_path(variables["params"]))
+  cls = BertForSequenceClassification(config, num_labels=3)
+  assert cls.apply(cls.init(jax.random.PRNGKey(0), ids), ids).shape == (2, 3)
+  qa = BertForQuestionAnswering(config)
+  start, end = qa.apply(qa.init(jax.random.PRNGKey(0), ids), ids)
+  assert start.shape == end.shape == (2, 10)
+
+
+def test_presets_and_logical_axes():
+  assert BertConfig.base().hidden_size == 768 and BertConfig.base().num_layers == 12
+  large = BertConfig.large(position="tupe_r")
+  assert (large.hidden_size, large.num_layers, large.num_heads, large.intermediate_size) == (1024, 24, 16, 4096)
+  config = BertConfig.tiny(position="tupe_r")
+  shapes = jax.eval_shape(BertForMaskedLM(config).init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  boxed = jax.tree.leaves(shapes["params"], is_leaf=lambda x: hasattr(x, "names"))
+  assert boxed and all(hasattr(x, "names") and len(x.names) == len(x.value.shape) for x in boxed)
+  parameters = sum(x.value.size for x in jax.eval_shape(
+      BertEncoder(BertConfig.base()).init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"].values()
+                   for x in jax.tree.leaves(x, is_leaf=lambda y: hasattr(y, "names")))
+  assert 108_000_000 < parameters < 111_000_000  # BERT-Base encoder without heads
+
+
+BAD_CONFIGS = [
+    (dict(position="bogus"), "unknown position method 'bogus'; allowed: none, absolute"),
+    (dict(attention_kernel="flash"), "unknown attention kernel 'flash'"),
+    (dict(num_heads=5), "num_heads=5 must be positive and divide hidden_size=32"),
+    (dict(position="tupe_a", position_options={"relative_distance": "clip"}),
+     "'tupe_a' has no option(s) ['relative_distance']"),
+    (dict(position="tupe_r", position_options={"cls_reset": "first"}), "cls_reset='first' is not allowed"),
+    (dict(position="huang_m1", attention_kernel="cudnn"), "'cudnn' cannot compute position method 'huang_m1'"),
+    (dict(position="shaw", position_options={"value_term": True}, attention_kernel="cudnn"),
+     "'cudnn' cannot compute position method 'shaw'"),
+    (dict(position="shaw", position_options={"max_distance": 0}), "max_distance=0 must be >= 1"),
+    (dict(norm="sandwich"), "norm='sandwich' is not allowed"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_bad_configs_say_what_is_wrong(overrides, message):
+  with pytest.raises(ValueError) as error:
+    BertConfig.tiny(**overrides)
+  assert message in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["absolute", "bert_r", "bert_ad", "tupe_a", "tupe_r"])
+def test_sequence_longer_than_a_learned_table_is_an_error(name):
+  model = BertEncoder(BertConfig.tiny(position=name, max_len=8))
+  with pytest.raises(ValueError, match=f"{name!r} has a learned table of max_len=8 positions and cannot encode a "
+                                       "sequence of length 9"):
+    model.init(jax.random.PRNGKey(0), jnp.ones((1, 9), jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["shaw", "huang_m4", "t5", "rope", "alibi", "sinusoidal"])
+def test_methods_without_a_learned_table_take_longer_sequences(name):
+  model = BertEncoder(BertConfig.tiny(position=name, max_len=8))
+  variables = model.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  assert np.isfinite(model.apply(variables, jnp.ones((1, 20), jnp.int32)).last_hidden_state).all()
+
+
+def test_kernel_choice():
+  spec = positions.make("t5", num_heads=4, hidden_size=32, max_len=8)
+  assert attention.resolve_kernel("auto", spec, dtype=jnp.bfloat16, dropout=False) == "xla"  # CPU: falls back
+  with pytest.raises(ValueError, match="dropout on attention weights"):
+    attention.resolve_kernel("cudnn", spec, dtype=jnp.bfloat16, dropout=True)
+  with pytest.raises(ValueError, match="compute dtype float32 is not bfloat16/float16"):
+    attention.resolve_kernel("cudnn", spec, dtype=jnp.float32, dropout=False)
+  assert attention.resolve_kernel("cudnn", spec, dtype=jnp.bfloat16, dropout=False) == "cudnn"
+
+
+def test_fully_padded_row_gives_finite_output_and_gradients(rng):
+  config = BertConfig.tiny(position="huang_m4")
+  model = BertForMaskedLM(config)
+  ids, mask = tokens(rng, 2, 6), np.array([[1] * 6, [0] * 6])
+  params = model.init(jax.random.PRNGKey(0), ids)["params"]
+  grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, ids, attention_mask=mask)))(params)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
