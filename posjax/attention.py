@@ -27,6 +27,7 @@ from posjax.positions import base
 
 KERNELS = ("xla", "cudnn", "auto")
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+_LOGGED: set[str] = set()  # fallback messages already logged (each layer of each trace would repeat them)
 
 
 @flax.struct.dataclass
@@ -42,11 +43,10 @@ class Mask:
   segment_ids: jax.Array | None = None
 
   def pairs(self):
-    """``[B, 1, L, L]`` bool, True where query i may attend to key j; None when all may."""
+    """``[B, 1, L or 1, L]`` bool, True where query i may attend to key j; None when all may."""
     allowed = None
     if self.padding is not None:
-      allowed = jnp.broadcast_to(self.padding[:, None, None, :].astype(bool),
-                                 self.padding.shape[:1] + (1,) + self.padding.shape[1:] * 2)
+      allowed = self.padding[:, None, None, :].astype(bool)
     if self.segment_ids is not None:
       same = self.segment_ids[:, None, :, None] == self.segment_ids[:, None, None, :]
       allowed = same if allowed is None else allowed & same
@@ -83,7 +83,10 @@ def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool
   if jax.default_backend() != "gpu":
     reasons.append(f"backend is {jax.default_backend()}")
   if reasons:
-    logging.info("attention kernel 'auto' uses 'xla' for %r: %s", spec.name, "; ".join(reasons))
+    message = f"attention kernel 'auto' uses 'xla' for {spec.name!r}: {'; '.join(reasons)}"
+    if message not in _LOGGED:
+      _LOGGED.add(message)
+      logging.info(message)
     return "xla"
   return "cudnn"
 

@@ -173,6 +173,28 @@ def test_fused_kernel_path_matches_reference(name, rng, monkeypatch):
   np.testing.assert_allclose(got[1, :7], want[1, :7], atol=1e-4, rtol=1e-4)
 
 
+def test_pre_layer_norm(rng):
+  """With every residual branch's output projection zeroed, Pre-LN gives final_norm(embedding_norm(E[ids]))
+  while Post-LN applies the layers' own norms."""
+  ids = tokens(rng, 2, 8)
+  outputs = {}
+  for norm in ("pre", "post"):
+    _, model, params = build("none", norm=norm, type_vocab_size=0)
+    for i in range(2):
+      layer = params[f"layer_{i}"]
+      layer["attention"]["out"] = jax.tree.map(jnp.zeros_like, layer["attention"]["out"])
+      layer["mlp_out"] = jax.tree.map(jnp.zeros_like, layer["mlp_out"])
+    outputs[norm] = params, hidden(model, params, ids)
+  params, h = outputs["pre"]
+  layer_norm = lambda x, p: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-12) * np.asarray(
+      p["scale"]) + np.asarray(p["bias"])
+  embedded = np.asarray(params["word_embeddings"]["embedding"])[ids]
+  want = layer_norm(layer_norm(embedded, params["embedding_norm"]), params["final_norm"])
+  np.testing.assert_allclose(h, want, atol=1e-4, rtol=1e-4)
+  assert "final_norm" not in outputs["post"][0]
+  assert not np.allclose(outputs["post"][1], want, atol=1e-2)
+
+
 def test_heads(rng):
   config = BertConfig.tiny(position="tupe_r")
   ids = tokens(rng, 2, 10)

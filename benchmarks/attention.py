@@ -1,0 +1,145 @@
+"""Time and memory of every position method: one attention layer and a BERT-Base MLM train step.
+
+For each method and sequence length it compiles (a) forward+backward of one self-attention layer at
+BERT-Base width (768, 12 heads) including the method's encoder-level part, and (b) a full train step
+(forward, backward, AdamW update) of a BERT-Base MLM model, and reports the median wall time and XLA's
+compiled temporary memory (``memory_analysis().temp_size_in_bytes``). Prints a markdown table.
+
+  python benchmarks/attention.py --lengths=128,512,2048 --batch=8 --dtype=bfloat16 --kernel=auto
+  python benchmarks/attention.py --methods=absolute,tupe_r,huang_m4 --model_time_max_len=512
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags
+
+from posjax import attention, positions
+from posjax.models import BertConfig, BertForMaskedLM
+from posjax.models.bert import DTYPES
+
+_METHODS = flags.DEFINE_list("methods", None, "Methods to run (default: all registered).")
+_LENGTHS = flags.DEFINE_list("lengths", ["128", "512", "2048"], "Sequence lengths.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
+_LAYERS = flags.DEFINE_integer("layers", 12, "Layers of the model step (12 = BERT-Base).")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "Compute dtype (parameters stay float32).")
+_KERNEL = flags.DEFINE_enum("kernel", "auto", list(attention.KERNELS), "Attention kernel.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median reported).")
+_MODEL_TIME_MAX_LEN = flags.DEFINE_integer(
+    "model_time_max_len", 1 << 30, "Longer model steps are compiled for memory but not timed (slow CPUs).")
+_SKIP_MODEL = flags.DEFINE_bool("skip_model", False, "Only the single-layer measurements.")
+
+HIDDEN, HEADS, FFN = 768, 12, 3072
+
+
+def compile_and_time(fn, args, run: bool, repeats: int):
+  """``(median seconds or None, temp bytes)`` of a jitted function."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  memory = compiled.memory_analysis()
+  temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
+  if not run:
+    return None, temp
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), temp
+
+
+def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, repeats: int):
+  spec = positions.make(name, num_heads=HEADS, hidden_size=HIDDEN, max_len=max(512, length), dtype=dtype)
+  kernel = kernel if spec.fusable or kernel != "cudnn" else "xla"
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, pos):
+      encoder = spec.method.encoder
+      state = encoder(spec=spec, name="pos")(pos) if encoder else positions.PositionState()
+      return attention.SelfAttention(spec, kernel, name="attn")(x, state)
+
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(batch, length, HIDDEN)), dtype)
+  pos = jnp.arange(length)[None]
+  params = Layer().init(jax.random.PRNGKey(0), x, pos)["params"]
+  loss = lambda p, x: jnp.sum(Layer().apply({"params": p}, x, pos).astype(jnp.float32) ** 2)
+  return compile_and_time(jax.grad(loss, argnums=(0, 1)), (params, x), True, repeats)
+
+
+def model_measurement(name: str, length: int, batch: int, dtype_name: str, kernel: str, layers: int, run: bool,
+                      repeats: int):
+  config = BertConfig.base(position=name, max_len=max(512, length), num_layers=layers, dtype=dtype_name,
+                           attention_kernel=kernel if BertConfig(position=name).position_spec.fusable else "xla",
+                           dropout_rate=0.0, attention_dropout_rate=0.0)
+  model = BertForMaskedLM(config)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, length)), jnp.int32)
+  masked = jnp.asarray(np.sort(rng.permuted(np.tile(np.arange(length), (batch, 1)), axis=1)[:, : length * 15 // 100]))
+  labels = jnp.take_along_axis(ids, masked, axis=1)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), ids[:1, :8])["params"]
+  optimizer = optax.adamw(1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01)
+  state = (params, optimizer.init(params))
+
+  def step(state, ids, masked, labels):
+    params, opt_state = state
+
+    def loss(p):
+      logits = model.apply({"params": p}, ids, masked_positions=masked)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    grads = jax.grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return compile_and_time(step, (state, ids, masked, labels), run, repeats)
+
+
+def describe_device() -> str:
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), jax {jax.__version__}"
+  return f"{device.device_kind} ({device.platform}), jax {jax.__version__}"
+
+
+def fmt(seconds=None, nbytes=None):
+  if seconds is not None:
+    return f"{seconds * 1e3:.1f}"
+  return "—" if nbytes is None else f"{nbytes / 2**20:.0f}"
+
+
+def main(argv):
+  del argv
+  methods = _METHODS.value or positions.names()
+  dtype = DTYPES[_DTYPE.value]
+  print(f"device: {describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernel {_KERNEL.value}, "
+        f"model {_LAYERS.value}×{HIDDEN}, dropout off\n")
+  header = ("| method | L | layer fwd+bwd ms | layer temp MiB | model step ms | model temp MiB | "
+            "step / absolute |")
+  print(header + "\n|" + "---|" * 7, flush=True)
+  reference = {}
+  for length in map(int, _LENGTHS.value):
+    for name in methods:
+      layer_time, layer_temp = layer_measurement(name, length, _BATCH.value, dtype, _KERNEL.value, _REPEATS.value)
+      step_time = step_temp = None
+      if not _SKIP_MODEL.value:
+        step_time, step_temp = model_measurement(name, length, _BATCH.value, _DTYPE.value, _KERNEL.value,
+                                                 _LAYERS.value, length <= _MODEL_TIME_MAX_LEN.value,
+                                                 _REPEATS.value)
+      if name == "absolute":
+        reference[length] = step_time
+      ratio = f"{step_time / reference[length]:.2f}×" if step_time and reference.get(length) else "—"
+      print(f"| `{name}` | {length} | {fmt(layer_time)} | {fmt(nbytes=layer_temp)} | "
+            f"{fmt(step_time) if step_time else '—'} | {fmt(nbytes=step_temp)} | {ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
