@@ -97,10 +97,14 @@ def attention_logits(terms: base.LayerTerms, shared_bias, scale: float):
     logits = terms.logits.astype(jnp.float32)
   else:
     logits = scale * jnp.einsum("bqhd,bkhd->bhqk", terms.q, terms.k, preferred_element_type=jnp.float32)
-  for bias in (terms.bias, shared_bias):
-    if bias is not None:
-      logits = logits + bias.astype(jnp.float32)
-  return logits
+  bias = add_biases(terms.bias, shared_bias)
+  return logits if bias is None else logits + bias.astype(jnp.float32)
+
+
+def add_biases(*biases):
+  """The sum of the biases that are not None (None when all are)."""
+  present = [b for b in biases if b is not None]
+  return sum(present[1:], present[0]) if present else None
 
 
 def softmax_attention(logits_BxHxLxL, v_BxLxHxK, mask: Mask, value_fn=None, dropout=lambda w: w):
@@ -125,8 +129,7 @@ def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str
   """
   if mask.segment_ids is not None:
     same = mask.segment_ids[:, None, :, None] == mask.segment_ids[:, None, None, :]
-    segment_bias = jnp.where(same, 0.0, 0.5 * jnp.finfo(q.dtype).min)
-    bias = segment_bias if bias is None else bias + segment_bias
+    bias = add_biases(bias, jnp.where(same, 0.0, 0.5 * jnp.finfo(q.dtype).min))
   lengths = None
   if mask.padding is not None:
     lengths = jnp.sum(mask.padding, axis=-1, dtype=jnp.int32)
@@ -161,7 +164,6 @@ class SelfAttention(nn.Module):
       terms = base.LayerTerms(q, k)
     dropout = not deterministic and self.dropout_rate > 0
     kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout)
-    logits = None
     if kernel == "xla" or self.is_mutable_collection("intermediates"):
       logits = attention_logits(terms, state.bias, spec.scale)
       self.sow("intermediates", "attention_logits", logits)
@@ -169,9 +171,7 @@ class SelfAttention(nn.Module):
       drop = lambda w: nn.Dropout(self.dropout_rate)(w, deterministic=not dropout)
       out = softmax_attention(logits, v, mask, terms.value_fn, drop)
     else:
-      bias = terms.bias if state.bias is None else (
-          state.bias if terms.bias is None else terms.bias + state.bias)
-      out = fused_attention(terms.q, terms.k, v, bias, mask, spec.scale)
+      out = fused_attention(terms.q, terms.k, v, add_biases(terms.bias, state.bias), mask, spec.scale)
     return nn.DenseGeneral(
         spec.hidden_size, axis=(-2, -1), use_bias=self.use_bias, dtype=spec.dtype,
         param_dtype=spec.param_dtype, kernel_init=base.normal_init((base.HEADS, base.KV, base.EMBED)),

@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Eight fake CPU devices, for the mesh / pmap tests (set before JAX starts).
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402

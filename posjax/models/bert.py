@@ -205,7 +205,7 @@ class BertForMaskedLM(nn.Module):
   def setup(self):
     c = self.config
     self.encoder = BertEncoder(c)
-    self.transform = _dense(c, c.hidden_size, (base.EMBED, base.EMBED), "transform")
+    self.transform = _dense(c, c.hidden_size, (base.EMBED, MLP), "transform")
     self.transform_norm = _layer_norm(c, "transform_norm")
     self.output_bias = self.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,),
                                   DTYPES[c.param_dtype])
@@ -228,7 +228,7 @@ class BertForSequenceClassification(nn.Module):
   def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
     c = self.config
     h = BertEncoder(c, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
-    pooled = jnp.tanh(_dense(c, c.hidden_size, (base.EMBED, base.EMBED), "pooler")(h.last_hidden_state[:, 0]))
+    pooled = jnp.tanh(_dense(c, c.hidden_size, (base.EMBED, MLP), "pooler")(h.last_hidden_state[:, 0]))
     pooled = nn.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)
     return _dense(c, self.num_labels, (base.EMBED, None), "classifier")(pooled).astype(jnp.float32)
 

@@ -1,0 +1,77 @@
+"""MLM pre-training of a BERT encoder with any position method: the recipe of TUPE's Table 1.
+
+Options (``configs/pretrain.py:position=tupe_r,size=base,runlocal``):
+  position: a registry name (``posjax.positions.names()``); default ``tupe_r``.
+  size: ``tiny`` | ``base`` | ``large``; default ``base``.
+  runlocal: a tiny model for ~1 minute on a CPU, on the synthetic corpus in ``configs/data``.
+
+Paper run (BERT-Base, 1M steps, batch 256 × 512, keeps 100k/300k/600k for Figure 5 and the "mid" rows):
+  python -m posjax.main --config=configs/pretrain.py:position=tupe_r,size=base --workdir=$WORKDIR \\
+      --config.data.source=tfds --config.data.tfds_name=wikipedia/20190301.en --config.data.vocab_file=vocab.txt
+Local:
+  python -m posjax.main --config=configs/pretrain.py:position=tupe_r,runlocal --workdir=/tmp/posjax_local
+  (about 20 s; measured: training loss 5.2 at step 10, eval_loss 3.76 at step 200.)
+"""
+
+import os
+
+import ml_collections
+
+from posjax.config_args import parse_arg
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+SIZES = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
+    "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
+}
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, position="tupe_r", size="base", runlocal=False)
+  if arg.size not in SIZES:
+    raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.total_steps = 1_000_000
+  config.warmup_steps = 10_000
+  config.learning_rate = 1e-4  # peak
+  config.batch_size = 256  # global, sequences
+  config.max_len = 512
+  config.grad_accum_steps = 1
+  config.adam_b1, config.adam_b2, config.adam_eps = 0.9, 0.999, 1e-6
+  config.weight_decay = 0.01
+  config.grad_clip_norm = 1.0
+  config.parallelism = "jit"  # or "pmap"
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.log_every_steps = 100
+  config.eval_every_steps = 10_000
+  config.eval_batches = 50
+  config.checkpoint_every_steps = 10_000
+  config.keep_checkpoints = 3
+  config.keep_steps = (100_000, 300_000, 600_000)
+  config.init_from = ""  # another run's checkpoint directory: warm start (weights only)
+  config.allow_config_change = False
+  config.tensorboard = True
+  config.profile_start_step = -1
+  config.profile_steps = 5
+  config.cpu_collectives = ""  # "gloo" for multi-process CPU runs
+
+  config.model = ml_collections.ConfigDict(dict(
+      vocab_size=0,  # 0: the tokenizer's
+      max_len=0,  # 0: config.max_len
+      position=arg.position, position_options={}, attention_kernel="auto", dtype="bfloat16",
+      dropout_rate=0.1, attention_dropout_rate=0.1, **SIZES[arg.size]))
+  config.data = ml_collections.ConfigDict(dict(
+      source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",
+      data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",
+      packing="full_sentence", mask_rate=0.15, whole_word_masking=False))
+
+  if arg.runlocal:
+    config.model.update(SIZES["tiny"], dtype="float32", attention_kernel="xla")
+    config.data.update(source="text", train_files=os.path.join(DATA, "tiny_train.txt"),
+                       eval_files=os.path.join(DATA, "tiny_eval.txt"), vocab_file=os.path.join(DATA, "tiny_vocab.txt"))
+    config.update(total_steps=200, warmup_steps=20, learning_rate=1e-3, batch_size=16, max_len=64,
+                  log_every_steps=10, eval_every_steps=100, eval_batches=4, checkpoint_every_steps=100,
+                  keep_steps=(), tensorboard=False)
+  return config

@@ -1,0 +1,195 @@
+"""Masked-LM examples: packing sentences into blocks, BERT masking, and a resumable batch iterator.
+
+Packing modes (``packing=``):
+
+- ``full_sentence`` (the papers' RoBERTa-style packing): one [CLS] at position 0 of each block, then the
+  sentences of consecutive documents, each followed by [SEP] (an extra [SEP] ends a document), up to
+  ``max_len``; all tokens of a block attend to each other.
+- ``documents``: every document starts with its own [CLS] at position 0 and gets its own ``segment_ids``
+  and ``positions``, so it never attends to another document in the same block (a document longer than a
+  block continues in the next one, again behind a [CLS]).
+
+Batches are dicts of numpy arrays: ``input_ids``, ``attention_mask``, ``positions``, ``segment_ids``
+(``[B, L]``; padding has segment 0) and ``masked_positions``, ``masked_labels``, ``masked_weights``
+(``[B, P]``). Masking of block ``k`` draws from ``default_rng([seed, shard, k])``, so the batches depend only
+on the seed, and a restored iterator (``state()`` / ``restore()``) continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from posjax.data.tokenizer import Tokenizer
+
+PACKINGS = ("full_sentence", "documents")
+
+
+def _block(tokens: list[int], segments: list[int], positions: list[int], max_len: int, pad_id: int) -> dict:
+  n = len(tokens)
+  pad = max_len - n
+  return {
+      "input_ids": np.asarray(tokens + [pad_id] * pad, np.int32),
+      "attention_mask": np.asarray([1] * n + [0] * pad, np.int32),
+      "segment_ids": np.asarray(segments + [0] * pad, np.int32),
+      "positions": np.asarray(positions + [0] * pad, np.int32),
+  }
+
+
+def pack_full_sentences(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: int, sep_id: int,
+                        pad_id: int) -> Iterator[dict]:
+  """RoBERTa FULL-SENTENCES: ``[CLS] s1 [SEP] s2 [SEP] ... [SEP]`` across document boundaries."""
+  block = [cls_id]
+
+  def emit():
+    return _block(block, [1] * len(block), list(range(len(block))), max_len, pad_id)
+
+  for document in token_docs:
+    for sentence in document:
+      pieces = sentence + [sep_id]
+      while pieces:
+        room = max_len - len(block)
+        if len(pieces) <= room:
+          block, pieces = block + pieces, []
+        elif len(block) > 1:  # the sentence starts the next block
+          yield emit()
+          block = [cls_id]
+        else:  # a sentence longer than a whole block is split
+          block, pieces = block + pieces[:room], pieces[room:]
+          yield emit()
+          block = [cls_id]
+    if 1 < len(block) < max_len:
+      block.append(sep_id)
+  if len(block) > 1:
+    yield emit()
+
+
+def pack_documents(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: int, sep_id: int,
+                   pad_id: int) -> Iterator[dict]:
+  """Isolated documents: each (piece of a) document is a segment that starts with [CLS] at position 0."""
+  tokens, segments, positions = [], [], []
+  for document in token_docs:
+    flat = [t for sentence in document for t in sentence + [sep_id]]
+    pieces = [[cls_id] + flat[i:i + max_len - 1] for i in range(0, len(flat), max_len - 1)]
+    for piece in pieces:
+      if len(tokens) + len(piece) > max_len:
+        yield _block(tokens, segments, positions, max_len, pad_id)
+        tokens, segments, positions = [], [], []
+      segment = (segments[-1] + 1) if segments else 1
+      tokens += piece
+      segments += [segment] * len(piece)
+      positions += list(range(len(piece)))
+  if tokens:
+    yield _block(tokens, segments, positions, max_len, pad_id)
+
+
+def mask_block(block: dict, rng: np.random.Generator, tokenizer: Tokenizer, max_predictions: int,
+               mask_rate: float = 0.15, whole_word: bool = False) -> dict:
+  """BERT masking: ``mask_rate`` of the real non-special tokens (or whole words); 80% [MASK], 10% a random
+  token, 10% unchanged."""
+  ids = block["input_ids"].copy()
+  candidates = [i for i in np.flatnonzero(block["attention_mask"]) if int(ids[i]) not in tokenizer.special_ids]
+  words: list[list[int]] = []
+  for i in candidates:
+    if whole_word and words and words[-1][-1] == i - 1 and tokenizer.continues_word(int(ids[i])):
+      words[-1].append(i)
+    else:
+      words.append([i])
+  budget = min(max_predictions, max(1, round(len(candidates) * mask_rate))) if candidates else 0
+  chosen: list[int] = []
+  for w in rng.permutation(len(words)):
+    if len(chosen) >= budget:
+      break
+    if len(chosen) + len(words[w]) <= budget:
+      chosen += words[w]
+  chosen.sort()
+  labels = ids[chosen].copy()
+  action = rng.random(len(chosen))
+  random_tokens = rng.integers(0, tokenizer.vocab_size, len(chosen))
+  for n, i in enumerate(chosen):
+    if action[n] < 0.8:
+      ids[i] = tokenizer.mask_id
+    elif action[n] < 0.9:
+      ids[i] = random_tokens[n]
+  pad = max_predictions - len(chosen)
+  return {**block, "input_ids": ids,
+          "masked_positions": np.asarray(chosen + [0] * pad, np.int32),
+          "masked_labels": np.asarray(list(labels) + [0] * pad, np.int32),
+          "masked_weights": np.asarray([1.0] * len(chosen) + [0.0] * pad, np.float32)}
+
+
+def default_max_predictions(max_len: int, mask_rate: float) -> int:
+  return max(1, math.ceil(max_len * mask_rate))
+
+
+class MlmBatches:
+  """An endless (or, with ``repeat=False``, one-pass) iterator of masked batches over a document stream.
+
+  Args:
+    documents: a function that returns a fresh stream of this process's documents (called per epoch).
+    tokenizer: text -> ids.
+    batch_size: sequences per batch for this process.
+    shard: this process's index (part of the masking seed).
+  """
+
+  def __init__(self, documents: Callable[[], Iterable[list[str]]], tokenizer: Tokenizer, *, max_len: int,
+               batch_size: int, seed: int, packing: str = "full_sentence", mask_rate: float = 0.15,
+               whole_word: bool = False, max_predictions: int | None = None, repeat: bool = True,
+               shard: int = 0):
+    if packing not in PACKINGS:
+      raise ValueError(f"unknown packing {packing!r}; allowed: {list(PACKINGS)}")
+    if max_len < 8:
+      raise ValueError(f"max_len={max_len} is too short for MLM blocks")
+    self.documents, self.tokenizer = documents, tokenizer
+    self.max_len, self.batch_size, self.seed, self.packing = max_len, batch_size, seed, packing
+    self.mask_rate, self.whole_word, self.repeat, self.shard = mask_rate, whole_word, repeat, shard
+    self.max_predictions = max_predictions or default_max_predictions(max_len, mask_rate)
+    self.blocks_consumed = 0
+    self._blocks = self._block_stream()
+
+  def _block_stream(self) -> Iterator[dict]:
+    pack = pack_full_sentences if self.packing == "full_sentence" else pack_documents
+    tok = self.tokenizer
+    while True:
+      token_docs = (tok.encode_batch(document) for document in self.documents())
+      produced = False
+      for block in pack(token_docs, self.max_len, tok.cls_id, tok.sep_id, tok.pad_id):
+        produced = True
+        yield block
+      if not produced:
+        raise ValueError("the corpus produced no MLM blocks (is it empty?)")
+      if not self.repeat:
+        return
+
+  def state(self) -> dict:
+    return {"blocks_consumed": self.blocks_consumed}
+
+  def restore(self, state: dict) -> None:
+    """Continue after ``state["blocks_consumed"]`` blocks (re-reads and skips them)."""
+    self._blocks = self._block_stream()
+    for _ in range(int(state["blocks_consumed"])):
+      next(self._blocks)
+    self.blocks_consumed = int(state["blocks_consumed"])
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    examples = []
+    for _ in range(self.batch_size):
+      try:
+        block = next(self._blocks)
+      except StopIteration:
+        break
+      rng = np.random.default_rng([self.seed, self.shard, self.blocks_consumed])
+      examples.append(mask_block(block, rng, self.tokenizer, self.max_predictions, self.mask_rate,
+                                 self.whole_word))
+      self.blocks_consumed += 1
+    if not examples:
+      raise StopIteration
+    if len(examples) < self.batch_size:  # the last batch of a one-pass stream: pad with empty rows
+      empty = {k: np.zeros_like(v) for k, v in examples[0].items()}
+      examples += [empty] * (self.batch_size - len(examples))
+    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}

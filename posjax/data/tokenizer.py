@@ -1,0 +1,72 @@
+"""Tokenizers through Hugging Face ``tokenizers``: WordPiece (BERT, a ``vocab.txt``) or any ``tokenizers``
+JSON file (TUPE's 32,768-entry BPE), with BERT's special tokens resolved whichever naming the vocabulary uses."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+# Each special token under its WordPiece and its RoBERTa/BPE name.
+SPECIAL = {"pad": ("[PAD]", "<pad>"), "unk": ("[UNK]", "<unk>"), "cls": ("[CLS]", "<s>"), "sep": ("[SEP]", "</s>"),
+           "mask": ("[MASK]", "<mask>")}
+WORDPIECE_SPECIAL = [names[0] for names in SPECIAL.values()]
+
+
+def wordpiece(vocab: dict[str, int] | str, lowercase: bool = True) -> tokenizers.Tokenizer:
+  """A BERT WordPiece tokenizer from a ``vocab.txt`` path or a vocabulary dict."""
+  model = (models.WordPiece.from_file(str(vocab), unk_token="[UNK]") if isinstance(vocab, str)
+           else models.WordPiece(vocab, unk_token="[UNK]"))
+  tok = tokenizers.Tokenizer(model)
+  tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+  tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+  tok.decoder = decoders.WordPiece()
+  return tok
+
+
+@dataclasses.dataclass
+class Tokenizer:
+  """Text -> ids without special tokens, plus the ids of [CLS], [SEP], [PAD], [MASK], [UNK]."""
+
+  backend: tokenizers.Tokenizer
+
+  def __post_init__(self):
+    vocab = self.backend.get_vocab()
+    for role, names in SPECIAL.items():
+      found = [vocab[n] for n in names if n in vocab]
+      if not found:
+        raise ValueError(f"the vocabulary has no {role} token (looked for {' or '.join(names)})")
+      setattr(self, f"{role}_id", found[0])
+    self.special_ids = frozenset(getattr(self, f"{role}_id") for role in SPECIAL)
+    self._pieces = [""] * self.vocab_size
+    for piece, index in vocab.items():
+      self._pieces[index] = piece
+    self._byte_level = any(p.startswith("Ġ") for p in vocab)
+
+  @classmethod
+  def load(cls, path: str) -> "Tokenizer":
+    """A ``tokenizers`` JSON file, or a WordPiece ``vocab.txt`` (one piece per line, lower-cased)."""
+    if not pathlib.Path(path).exists():
+      raise FileNotFoundError(f"vocabulary file {path} does not exist")
+    if path.endswith(".json"):
+      return cls(tokenizers.Tokenizer.from_file(path))
+    return cls(wordpiece(path))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.backend.get_vocab_size()
+
+  def encode(self, text: str) -> list[int]:
+    return self.backend.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+  def continues_word(self, token_id: int) -> bool:
+    """Whether a token continues the previous one's word (for whole-word masking)."""
+    piece = self._pieces[token_id]
+    if self._byte_level:
+      return token_id not in self.special_ids and not piece.startswith("Ġ")
+    return piece.startswith("##")

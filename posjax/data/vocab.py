@@ -1,0 +1,52 @@
+"""Train a WordPiece vocabulary from text files.
+
+  python -m posjax.data.vocab --files='corpus/*.txt' --size=30522 --out=vocab.txt
+
+``--out`` ending in ``.json`` writes the whole ``tokenizers`` file instead of a ``vocab.txt``.
+"""
+
+from __future__ import annotations
+
+import glob
+
+import tokenizers
+from absl import app, flags
+from tokenizers import models, trainers
+
+from posjax.data import tokenizer as tokenizer_lib
+
+def train_wordpiece(files: list[str], size: int, lowercase: bool = True) -> tokenizers.Tokenizer:
+  if not files:
+    raise ValueError("no text files to train a vocabulary on")
+  tok = tokenizer_lib.wordpiece({"[UNK]": 0}, lowercase)
+  tok.model = models.WordPiece(unk_token="[UNK]")
+  trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=tokenizer_lib.WORDPIECE_SPECIAL,
+                                      show_progress=False)
+  tok.train(files, trainer)
+  return tok
+
+
+def write(tok: tokenizers.Tokenizer, out: str) -> None:
+  if out.endswith(".json"):
+    tok.save(out)
+    return
+  pieces = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+  with open(out, "w") as f:
+    f.writelines(piece + "\n" for piece, _ in pieces)
+
+
+def main(argv):
+  del argv
+  FLAGS = flags.FLAGS
+  files = sorted(glob.glob(FLAGS.files))
+  tok = train_wordpiece(files, FLAGS.size, FLAGS.lowercase)
+  write(tok, FLAGS.out)
+  print(f"wrote {tok.get_vocab_size()} pieces from {len(files)} files to {FLAGS.out}")
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("files", None, "Glob of text files.", required=True)
+  flags.DEFINE_integer("size", 30522, "Vocabulary size.")
+  flags.DEFINE_string("out", None, "Output vocab.txt (or .json).", required=True)
+  flags.DEFINE_bool("lowercase", True, "Lower-case and strip accents (BERT uncased).")
+  app.run(main)

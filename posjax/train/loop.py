@@ -1,0 +1,291 @@
+"""The MLM pre-training loop: data -> sharded jit (or pmap) step -> metrics -> checkpoints, resumable.
+
+``run(config, workdir)`` resumes from the newest checkpoint in ``workdir`` when there is one: the train
+state and the input position are restored, so the resumed run sees exactly the batches, dropout and
+metrics an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+from absl import logging
+
+from posjax.data import corpus, mlm
+from posjax.data.tokenizer import Tokenizer
+from posjax.models import BertConfig, BertForMaskedLM
+from posjax.train import checkpoint as checkpoint_lib
+from posjax.train import metrics as metrics_lib
+from posjax.train import sharding
+from posjax.train.step import TrainState, eval_sums, make_optimizer, train_step
+
+PARALLELISMS = ("jit", "pmap")
+DETERMINISTIC_METRICS = ("loss", "accuracy", "grad_norm", "learning_rate")
+
+
+def bert_config(model: ml_collections.ConfigDict, vocab_size: int, max_len: int) -> BertConfig:
+  """``config.model`` as a BertConfig; ``vocab_size=0`` / ``max_len=0`` take the tokenizer's / the data's."""
+  fields = {f.name for f in dataclasses.fields(BertConfig)}
+  unknown = sorted(set(model.keys()) - fields)
+  if unknown:
+    raise ValueError(f"config.model has unknown field(s) {unknown}; BertConfig fields: {sorted(fields)}")
+  values = model.to_dict()
+  values["vocab_size"] = values.get("vocab_size") or vocab_size
+  values["max_len"] = values.get("max_len") or max_len
+  if values["vocab_size"] != vocab_size:
+    raise ValueError(f"model.vocab_size={values['vocab_size']} but the tokenizer has {vocab_size} pieces")
+  return BertConfig(**values)
+
+
+def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Writes the resolved config; a restart with a different one is an error unless allowed."""
+  path = os.path.join(workdir, "config.json")
+  current = json.loads(config.to_json_best_effort(sort_keys=True))
+  if os.path.exists(path) and not config.get("allow_config_change", False):
+    with open(path) as f:
+      previous = json.load(f)
+    before, now = _flatten(previous), _flatten(current)
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+      raise ValueError(f"{workdir} holds a run with a different config (changed: {changed}); use another workdir "
+                       "or set --config.allow_config_change=True")
+  if jax.process_index() == 0:
+    with open(path + ".tmp", "w") as f:
+      json.dump(current, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in d.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def make_batches(config, tokenizer: Tokenizer, split: str, batch_size: int) -> mlm.MlmBatches:
+  index, count = jax.process_index(), jax.process_count()
+  data = config.data
+  return mlm.MlmBatches(lambda: corpus.documents(data, split, index, count), tokenizer, max_len=config.max_len,
+                        batch_size=batch_size, seed=config.seed + (0 if split == "train" else 1),
+                        packing=data.packing, mask_rate=data.mask_rate, whole_word=data.whole_word_masking,
+                        repeat=split == "train", shard=index)
+
+
+class JitParallel:
+  """One program over a device mesh: parameters sharded by their logical axes, the batch over data/fsdp."""
+
+  def __init__(self, config, abstract_boxed_state):
+    self.mesh = sharding.make_mesh(dict(config.mesh))
+    self.state_shardings = sharding.logical_shardings(abstract_boxed_state, self.mesh)
+    self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                       nn.unbox(abstract_boxed_state), self.state_shardings)
+
+  def init(self, init_fn, rng):
+    return jax.jit(init_fn, out_shardings=self.state_shardings)(rng)
+
+  def compile_step(self, step_fn):
+    batch = sharding.batch_sharding(self.mesh)
+    return jax.jit(step_fn, in_shardings=(self.state_shardings, batch, sharding.replicated(self.mesh)),
+                   out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=0)
+
+  def put_batch(self, local_batch):
+    return sharding.global_batch(local_batch, self.mesh)
+
+  def to_checkpoint(self, state):
+    return state
+
+  def from_checkpoint(self, state):
+    return state
+
+  def params(self, state):
+    return state.params
+
+
+class PmapParallel:
+  """Replicated data parallelism: one copy of the state per local device, gradients summed with psum."""
+
+  def __init__(self, config, abstract_boxed_state):
+    self.devices = jax.local_devices()
+    self.abstract_state = nn.unbox(abstract_boxed_state)
+    self.stacked = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(self.devices), ("batch",)),
+                                              jax.sharding.PartitionSpec("batch"))
+
+  def replicate(self, tree):
+    n = len(self.devices)
+    return jax.device_put(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree), self.stacked)
+
+  def init(self, init_fn, rng):
+    return self.replicate(jax.jit(init_fn)(rng))
+
+  def compile_step(self, step_fn):
+    return jax.pmap(functools.partial(step_fn, axis_name="batch"), axis_name="batch", in_axes=(0, 0, None),
+                    donate_argnums=0)
+
+  def put_batch(self, local_batch):
+    n = len(self.devices)
+    return {k: v.reshape((n, v.shape[0] // n) + v.shape[1:]) for k, v in local_batch.items()}
+
+  def to_checkpoint(self, state):
+    return jax.tree.map(lambda x: x[0], state)
+
+  def from_checkpoint(self, state):
+    return self.replicate(state)
+
+  def params(self, state):
+    return jax.tree.map(lambda x: x[0], state.params)
+
+
+def _check_batch(config) -> int:
+  processes = jax.process_count()
+  if config.batch_size % processes:
+    raise ValueError(f"batch_size={config.batch_size} must divide evenly over {processes} processes")
+  local = config.batch_size // processes
+  if local % config.grad_accum_steps:
+    raise ValueError(f"the per-process batch {local} must divide into grad_accum_steps={config.grad_accum_steps}")
+  return local
+
+
+def run(config: ml_collections.ConfigDict, workdir: str):
+  """Trains ``config`` in ``workdir`` (resuming when it holds checkpoints); returns the final parameters."""
+  if config.parallelism not in PARALLELISMS:
+    raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
+  os.makedirs(workdir, exist_ok=True)
+  check_workdir_config(config, workdir)
+  is_main = jax.process_index() == 0
+  tokenizer = Tokenizer.load(config.data.vocab_file)
+  model = BertForMaskedLM(bert_config(config.model, tokenizer.vocab_size, config.max_len))
+  optimizer, schedule = make_optimizer(config)
+  local_batch = _check_batch(config)
+  batches = make_batches(config, tokenizer, "train", local_batch)
+
+  init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+
+  def init_boxed(rng):
+    params = model.init(rng, jnp.ones((1, config.max_len), jnp.int32))["params"]
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+  parallel = (JitParallel if config.parallelism == "jit" else PmapParallel)(config, jax.eval_shape(init_boxed, init_rng))
+  state = parallel.init(lambda rng: nn.unbox(init_boxed(rng)), init_rng)
+  checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints,
+                                             keep_steps=tuple(config.keep_steps))
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main, tensorboard=config.tensorboard)
+  restored = checkpointer.restore(parallel.abstract_state)
+  if restored is not None:
+    state, data_state = parallel.from_checkpoint(restored[0]), restored[1]
+    batches.restore(data_state)
+    writer.truncate_after(int(jax.device_get(parallel.to_checkpoint(state).step)))
+    logging.warning("resumed from step %d of %s", int(jax.device_get(parallel.to_checkpoint(state).step)), workdir)
+  elif config.init_from:
+    state = _warm_start(state, parallel, config.init_from)
+
+  step_fn = parallel.compile_step(functools.partial(
+      train_step, model=model, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps,
+      use_segments=config.data.packing == "documents"))
+  evaluate = _evaluator(config, model, tokenizer, local_batch, parallel)
+  start = int(jax.device_get(parallel.to_checkpoint(state).step))
+  tokens_per_step = config.batch_size * config.max_len
+  progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
+  pending, last_log = None, (start, time.perf_counter())
+
+  def flush():
+    nonlocal pending, last_log
+    if pending is None:
+      return
+    step, metrics = pending
+    pending = None
+    metrics = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
+    if not math.isfinite(metrics["loss"]):
+      raise FloatingPointError(
+          f"non-finite loss ({metrics['loss']}) at step {step}; stopping. The last good checkpoint is step "
+          f"{checkpointer.manager.latest_step()} in {workdir}")
+    if step % config.log_every_steps == 0 or step == config.total_steps:
+      now = time.perf_counter()
+      metrics["tokens_per_second"] = (step - last_log[0]) * tokens_per_step / max(now - last_log[1], 1e-9)
+      last_log = (step, now)
+      writer.write(step, metrics)
+      progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+
+  profiling = False
+  try:
+    for step in range(start, config.total_steps):
+      if step == config.profile_start_step and is_main:
+        jax.profiler.start_trace(os.path.join(workdir, "profile"))
+        profiling = True
+      batch = parallel.put_batch(next(batches))
+      state, metrics = step_fn(state, batch, dropout_rng)
+      flush()  # the previous step's metrics, fetched while this step runs
+      pending = (step + 1, metrics)
+      done = step + 1
+      progress.update(1)
+      if profiling and done >= config.profile_start_step + config.profile_steps:
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        profiling = False
+      save = done % config.checkpoint_every_steps == 0 or done == config.total_steps
+      run_eval = config.eval_every_steps > 0 and (done % config.eval_every_steps == 0 or done == config.total_steps)
+      if save or run_eval:
+        flush()
+      if run_eval:
+        writer.write(done, evaluate(state))
+      if save:
+        checkpointer.save(done, parallel.to_checkpoint(state), batches.state())
+    flush()
+  finally:
+    if profiling:
+      jax.profiler.stop_trace()
+    progress.close()
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
+  return parallel.params(state)
+
+
+def _warm_start(state, parallel, init_from: str):
+  loaded = checkpoint_lib.load_params(init_from)
+  params = parallel.to_checkpoint(state).params
+  merged, fresh, unused = checkpoint_lib.merge_params(params, loaded)
+  logging.warning("warm start from %s: %d parameters loaded, fresh: %s, unused: %s", init_from,
+               len(jax.tree.leaves(merged)) - len(fresh), fresh, unused)
+  return parallel.from_checkpoint(parallel.to_checkpoint(state).replace(params=merged))
+
+
+def _evaluator(config, model, tokenizer, local_batch, parallel):
+  """Held-out MLM loss and accuracy over the first ``eval_batches`` batches of the eval split."""
+  if config.eval_every_steps <= 0:
+    return None
+  eval_batches = []
+  for batch in make_batches(config, tokenizer, "eval", local_batch):
+    eval_batches.append(batch)
+    if len(eval_batches) >= config.eval_batches:
+      break
+  sums = functools.partial(eval_sums, model=model, use_segments=config.data.packing == "documents")
+  if isinstance(parallel, PmapParallel):
+    sums_fn = jax.pmap(lambda p, b: jax.lax.psum(sums(p, b), "batch"), axis_name="batch")
+  else:
+    sums_fn = jax.jit(sums)
+
+  def evaluate(state):
+    params = state.params
+    totals = {"loss": 0.0, "correct": 0.0, "weight": 0.0}
+    for batch in eval_batches:
+      out = jax.device_get(sums_fn(params, parallel.put_batch(batch)))
+      for k in totals:
+        totals[k] += float(np.asarray(out[k]).reshape(-1)[0])
+    weight = max(totals["weight"], 1.0)
+    return {"eval_loss": totals["loss"] / weight, "eval_accuracy": totals["correct"] / weight}
+
+  return evaluate

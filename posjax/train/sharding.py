@@ -1,0 +1,69 @@
+"""The device mesh and the rules that map logical axis names to it.
+
+Mesh axes: ``data`` (batch), ``fsdp`` (batch and parameter shards) and ``tensor`` (heads / MLP / vocab).
+A size of -1 takes the devices the other axes leave.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+
+# Logical axis (as named on every parameter) -> mesh axes.
+RULES = (
+    ("batch", BATCH),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("kv", None),
+    ("position", None),
+    ("relpos", None),
+    ("relpos_buckets", None),
+)
+
+
+def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
+  shape = [int(sizes.get(axis, 1)) for axis in MESH_AXES]
+  if shape.count(-1) > 1:
+    raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, shape))}")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if num_devices % known:
+      raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} does not divide {num_devices} devices")
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) != num_devices:
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices; there are {num_devices}")
+  return tuple(shape)
+
+
+def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+  devices = jax.devices() if devices is None else devices
+  shape = mesh_shape(sizes, len(devices))
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_shardings(abstract_tree, mesh: Mesh):
+  """NamedShardings for a tree whose leaves carry logical axis names (boxed parameters)."""
+  return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_tree), mesh, RULES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(BATCH))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Each process's rows of the global batch -> global arrays sharded over the batch axes."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}

@@ -1,0 +1,127 @@
+"""Corpora, tokenizers, packing and masking."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from posjax.data import corpus, mlm, synthetic
+from posjax.data.tokenizer import Tokenizer
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "configs", "data")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return Tokenizer.load(os.path.join(DATA, "tiny_vocab.txt"))
+
+
+def test_text_documents_are_separated_by_blank_lines(tmp_path):
+  (tmp_path / "a.txt").write_text("one .\ntwo .\n\n\nthree .\n")
+  (tmp_path / "b.txt").write_text("four .")
+  assert list(corpus.text_documents(str(tmp_path / "*.txt"))) == [["one .", "two ."], ["three ."], ["four ."]]
+  with pytest.raises(FileNotFoundError, match="no text files match"):
+    list(corpus.text_documents(str(tmp_path / "*.md")))
+
+
+def test_tfds_source_reads_documents_and_shards_them():
+  import ml_collections
+  import tensorflow_datasets as tfds
+
+  config = ml_collections.ConfigDict(dict(source="tfds", tfds_name="lm1b", train_split="train", eval_split="test",
+                                          data_dir=None, text_key="text"))
+  with tfds.testing.mock_data(num_examples=6):
+    docs = list(corpus.documents(config, "train"))
+    shard0, shard1 = list(corpus.documents(config, "train", 0, 2)), list(corpus.documents(config, "train", 1, 2))
+  assert len(docs) == 6 and all(isinstance(s, str) for d in docs for s in d)
+  assert shard0 + shard1 != [] and sorted(map(str, shard0 + shard1)) == sorted(map(str, docs))
+  assert not set(map(str, shard0)) & set(map(str, shard1))
+
+
+def test_vocab_command_trains_a_wordpiece_vocabulary(tmp_path):
+  out = tmp_path / "vocab.txt"
+  subprocess.run([sys.executable, "-m", "posjax.data.vocab", f"--files={DATA}/tiny_train.txt", "--size=120",
+                  f"--out={out}"], check=True, capture_output=True)
+  tok = Tokenizer.load(str(out))
+  assert 60 < tok.vocab_size <= 120 and tok.pad_id == 0
+  assert tok.encode("the model sees a river .") and tok.unk_id not in tok.encode("the model sees a river .")
+
+
+def blocks(tokenizer, packing, max_len=48, n=30, num_documents=20):
+  docs = (tokenizer.encode_batch(d) for d in synthetic.documents(num_documents, seed=3))
+  pack = mlm.pack_full_sentences if packing == "full_sentence" else mlm.pack_documents
+  return list(pack(docs, max_len, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id))[:n]
+
+
+def test_full_sentence_packing(tokenizer):
+  for block in blocks(tokenizer, "full_sentence"):
+    real = block["attention_mask"].astype(bool)
+    assert block["input_ids"][0] == tokenizer.cls_id
+    assert (block["input_ids"][real] == tokenizer.cls_id).sum() == 1  # one [CLS], at position 0
+    np.testing.assert_array_equal(block["positions"][real], np.arange(real.sum()))
+    assert set(block["segment_ids"][real]) == {1} and real[: real.sum()].all()
+
+
+def test_document_packing_isolates_documents(tokenizer):
+  for block in blocks(tokenizer, "documents"):
+    real = block["attention_mask"].astype(bool)
+    segments = block["segment_ids"]
+    for s in set(segments[real]):
+      where = np.flatnonzero(segments == s)
+      assert block["input_ids"][where[0]] == tokenizer.cls_id  # each document starts with its own [CLS]
+      np.testing.assert_array_equal(block["positions"][where], np.arange(len(where)))
+      np.testing.assert_array_equal(where, np.arange(where[0], where[-1] + 1))
+
+
+def test_masking_rates(tokenizer):
+  rng = np.random.default_rng(0)
+  masked = replaced = kept = candidates = 0
+  for block in blocks(tokenizer, "full_sentence", n=1000, num_documents=300):
+    out = mlm.mask_block(block, rng, tokenizer, max_predictions=20)
+    n = int(out["masked_weights"].sum())
+    pos, labels = out["masked_positions"][:n], out["masked_labels"][:n]
+    np.testing.assert_array_equal(labels, block["input_ids"][pos])
+    assert not set(labels) & tokenizer.special_ids
+    changed = out["input_ids"] != block["input_ids"]
+    assert not changed[np.setdiff1d(np.arange(48), pos)].any()  # only chosen tokens change
+    masked += int((out["input_ids"][pos] == tokenizer.mask_id).sum())
+    kept += int((out["input_ids"][pos] == labels).sum())
+    replaced += n - int((out["input_ids"][pos] == tokenizer.mask_id).sum()) - int((out["input_ids"][pos] == labels).sum())
+    candidates += sum(int(t) not in tokenizer.special_ids for t in block["input_ids"][block["attention_mask"] == 1])
+  total = masked + replaced + kept
+  assert abs(total / candidates - 0.15) < 0.01
+  assert abs(masked / total - 0.8) < 0.03 and 0.08 < kept / total < 0.14  # a random draw can equal the label
+
+
+def test_whole_word_masking_masks_whole_words(tmp_path):
+  (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "un", "##believ",
+                                                  "##able", "cat", "dog", "."]) + "\n")
+  tok = Tokenizer.load(str(tmp_path / "vocab.txt"))
+  ids = [tok.cls_id] + tok.encode("unbelievable cat unbelievable dog unbelievable .") + [tok.sep_id]
+  block = mlm._block(ids, [1] * len(ids), list(range(len(ids))), 16, tok.pad_id)
+  words = {1: [1, 2, 3], 4: [4], 5: [5, 6, 7], 8: [8], 9: [9, 10, 11], 12: [12]}
+  for seed in range(20):
+    out = mlm.mask_block(block, np.random.default_rng(seed), tok, max_predictions=6, mask_rate=0.4, whole_word=True)
+    chosen = set(out["masked_positions"][out["masked_weights"] > 0].tolist())
+    assert chosen and all(set(w) <= chosen or not set(w) & chosen for w in words.values())
+
+
+@pytest.mark.parametrize("packing", mlm.PACKINGS)
+def test_batches_are_deterministic_and_resume_exactly(tokenizer, packing):
+  make = lambda: mlm.MlmBatches(lambda: corpus.text_documents(os.path.join(DATA, "tiny_eval.txt")), tokenizer,
+                                max_len=32, batch_size=4, seed=7, packing=packing)
+  first = make()
+  stream = [next(first) for _ in range(30)]  # more than one pass over the eval file: repeats
+  resumed = make()
+  [next(resumed) for _ in range(11)]
+  state = resumed.state()
+  restored = make()
+  restored.restore(state)
+  for want in stream[11:]:
+    got = next(restored)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+  other_seed = mlm.MlmBatches(lambda: corpus.text_documents(os.path.join(DATA, "tiny_eval.txt")), tokenizer,
+                              max_len=32, batch_size=4, seed=8, packing=packing)
+  assert not np.array_equal(next(other_seed)["input_ids"], stream[0]["input_ids"])
