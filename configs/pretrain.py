@@ -65,7 +65,8 @@ def get_config(arg=None):
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",
       data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",
-      packing="full_sentence", mask_rate=0.15, whole_word_masking=False))
+      packing="full_sentence", mask_rate=0.15, whole_word_masking=False,
+      num_shards=0))  # document shards the global batch is built from; 0: one per process
 
   if arg.runlocal:
     config.model.update(SIZES["tiny"], dtype="float32", attention_kernel="xla")

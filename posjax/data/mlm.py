@@ -128,10 +128,10 @@ class MlmBatches:
   """An endless (or, with ``repeat=False``, one-pass) iterator of masked batches over a document stream.
 
   Args:
-    documents: a function that returns a fresh stream of this process's documents (called per epoch).
+    documents: a function that returns a fresh stream of this shard's documents (called per epoch).
     tokenizer: text -> ids.
-    batch_size: sequences per batch for this process.
-    shard: this process's index (part of the masking seed).
+    batch_size: sequences per batch from this shard.
+    shard: the shard index (part of the masking seed).
   """
 
   def __init__(self, documents: Callable[[], Iterable[list[str]]], tokenizer: Tokenizer, *, max_len: int,
@@ -193,3 +193,46 @@ class MlmBatches:
       empty = {k: np.zeros_like(v) for k, v in examples[0].items()}
       examples += [empty] * (self.batch_size - len(examples))
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+class ShardedBatches:
+  """Batches built from several shard streams, each contributing its rows in shard order.
+
+  A run reads ``num_shards`` document shards however many processes it has: each process owns a
+  contiguous range of them, so the global batch (and so the training result) does not depend on the
+  number of hosts.
+  """
+
+  def __init__(self, streams: list[MlmBatches]):
+    if not streams:
+      raise ValueError("no shard streams")
+    self.streams = streams
+
+  def state(self) -> dict:
+    return {"shards": {str(s.shard): s.blocks_consumed for s in self.streams}}
+
+  def restore(self, state: dict) -> None:
+    consumed = state["shards"]
+    missing = [s.shard for s in self.streams if str(s.shard) not in consumed]
+    if missing:
+      raise ValueError(f"the saved input position has no entry for shard(s) {missing}; saved: {sorted(consumed)} "
+                       "(data.num_shards must stay the same across a restart)")
+    for stream in self.streams:
+      stream.restore({"blocks_consumed": consumed[str(stream.shard)]})
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    parts, exhausted = [], 0
+    for stream in self.streams:
+      try:
+        parts.append(next(stream))
+      except StopIteration:
+        exhausted += 1
+        parts.append(None)
+    if exhausted == len(self.streams):
+      raise StopIteration
+    template = next(p for p in parts if p is not None)
+    parts = [p if p is not None else {k: np.zeros_like(v) for k, v in template.items()} for p in parts]
+    return {k: np.concatenate([p[k] for p in parts]) for k in template}

@@ -20,6 +20,10 @@ from absl import logging
 from orbax.checkpoint import checkpoint_managers
 
 
+def _handlers() -> dict:
+  return {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int = 3, keep_steps: Sequence[int] = (), async_save: bool = True):
@@ -29,7 +33,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         preservation_policy=checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=_handlers())
 
   def save(self, step: int, state: Any, data_state: dict) -> None:
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -56,11 +60,15 @@ class Checkpointer:
 
 def load_params(directory: str, step: int | None = None) -> dict:
   """Parameters of another run's checkpoint, as a nested dict of numpy arrays (for warm starts)."""
-  manager = ocp.CheckpointManager(os.path.abspath(directory))
+  manager = ocp.CheckpointManager(os.path.abspath(directory), item_handlers=_handlers())
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {directory}")
-  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+  # Restore onto this process's first device, whatever topology the checkpoint was saved from.
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  metadata = manager.item_metadata(step).state
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), metadata)
+  restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
   manager.close()
   state = restored.state
   return state["params"] if isinstance(state, dict) else state.params

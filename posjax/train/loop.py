@@ -76,13 +76,25 @@ def _flatten(d: dict, prefix: str = "") -> dict:
   return out
 
 
-def make_batches(config, tokenizer: Tokenizer, split: str, batch_size: int) -> mlm.MlmBatches:
+def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int) -> mlm.ShardedBatches:
+  """This process's rows of every global batch: ``data.num_shards`` document shards (0: one per process),
+  of which each process owns a contiguous range."""
   index, count = jax.process_index(), jax.process_count()
   data = config.data
-  return mlm.MlmBatches(lambda: corpus.documents(data, split, index, count), tokenizer, max_len=config.max_len,
-                        batch_size=batch_size, seed=config.seed + (0 if split == "train" else 1),
-                        packing=data.packing, mask_rate=data.mask_rate, whole_word=data.whole_word_masking,
-                        repeat=split == "train", shard=index)
+  num_shards = data.num_shards or count
+  if num_shards % count:
+    raise ValueError(f"data.num_shards={num_shards} must be a multiple of the {count} processes")
+  per_process = num_shards // count
+  if local_batch % per_process:
+    raise ValueError(f"the per-process batch {local_batch} must divide over its {per_process} data shards")
+  shards = range(index * per_process, (index + 1) * per_process)
+  return mlm.ShardedBatches([
+      mlm.MlmBatches(functools.partial(corpus.documents, data, split, shard, num_shards), tokenizer,
+                     max_len=config.max_len, batch_size=local_batch // per_process,
+                     seed=config.seed + (0 if split == "train" else 1), packing=data.packing,
+                     mask_rate=data.mask_rate, whole_word=data.whole_word_masking, repeat=split == "train",
+                     shard=shard)
+      for shard in shards])
 
 
 class JitParallel:
