@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) experiments/methods.py
+	$(PY) -m posjax.main --config=configs/probes.py --workdir=workdir/probes
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2

@@ -13,7 +13,10 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from posjax import probes
 from posjax.train import loop
+
+JOBS = {"pretrain": loop.run, "probes": probes.run}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, with ':options'.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the resolved config go here.")
@@ -37,7 +40,10 @@ def main(argv):
       jax.config.update("jax_cpu_collectives_implementation", _CONFIG.value.cpu_collectives)
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   logging.info("process %d of %d, %d devices", jax.process_index(), jax.process_count(), jax.device_count())
-  loop.run(_CONFIG.value, _WORKDIR.value)
+  job = _CONFIG.value.get("job", "pretrain")
+  if job not in JOBS:
+    raise app.UsageError(f"unknown config.job {job!r}; allowed: {sorted(JOBS)}")
+  JOBS[job](_CONFIG.value, _WORKDIR.value)
 
 
 def entry():

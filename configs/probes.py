@@ -1,0 +1,46 @@
+"""Position probes (the embedded default, ``make demo``): one tiny encoder per position method and task,
+trained at ``train_len`` and evaluated at 1×, 2×, 4× that length. See ``posjax/probes.py``.
+
+Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
+  methods: ``+``-separated registry names; default all.
+  steps: training steps per (method, task).
+  size: ``tiny`` (2×64, the CPU demo) or ``small`` (4×256, for an accelerator).
+
+  python -m posjax.main --config=configs/probes.py --workdir=workdir/probes
+  (2 CPU cores: about 10 minutes for all 15 methods × 3 tasks.)
+"""
+
+import ml_collections
+
+from posjax import positions
+from posjax.config_args import parse_arg
+
+SIZES = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
+    "small": dict(hidden_size=256, num_layers=4, num_heads=8, intermediate_size=1024),
+}
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, methods="", steps=300, size="tiny")
+  if arg.size not in SIZES:
+    raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
+  config = ml_collections.ConfigDict()
+  config.job = "probes"
+  config.seed = 0
+  config.methods = tuple(arg.methods.split("+")) if arg.methods else tuple(positions.names())
+  for method in config.methods:
+    positions.get(method)
+  config.tasks = ("copy_left", "reverse", "index")
+  config.symbols = 16
+  config.shift = 2  # copy_left: copy the symbol this many places to the left
+  config.index = 3  # index: copy the symbol at this absolute index
+  config.train_len = 16
+  config.eval_multiples = (1, 2, 4)
+  config.steps = arg.steps
+  config.warmup_steps = 30
+  config.learning_rate = 3e-3
+  config.batch_size = 32
+  config.eval_batch_size = 256
+  config.model = ml_collections.ConfigDict(SIZES[arg.size])
+  return config

@@ -1,0 +1,204 @@
+"""Position probes: tiny encoders, one per position method, on synthetic tasks where position is the whole
+difficulty; trained at one length and evaluated at 1×, 2× and 4× that length (Huang et al.'s inductive
+question: which methods work on sequences longer than seen in training).
+
+Every sequence is ``[CLS]`` followed by random symbols; the model labels every token:
+
+- ``copy_left``: the symbol ``shift`` places to the left (a purely relative task);
+- ``reverse``: the symbol at the mirrored place of the sequence (needs to know where the sequence ends);
+- ``index``: the symbol at absolute index ``index`` (a purely absolute task).
+
+A method with a learned table of positions cannot encode the longer sequences: its cells say
+``unsupported`` instead of clamping. Results go to ``results.md`` / ``results.json`` in the workdir, with
+``accuracy_vs_length.png`` and, for ``tupe_a``, ``tupe_correlation.png`` (its learned positional correlation,
+one map per head). Each (method, task) result is written as soon as it is done, and a restarted run skips
+finished ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from posjax.models import BertConfig, BertEncoder
+
+TASKS = ("copy_left", "reverse", "index")
+UNSUPPORTED = "unsupported"
+
+
+def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, shift: int, index: int):
+  """``(input_ids, labels, weights)``, each ``[batch, length]``; id ``symbols`` is [CLS]."""
+  x = rng.integers(0, symbols, size=(batch, length))
+  x[:, 0] = symbols
+  positions = np.arange(length)
+  labels = np.zeros_like(x)
+  weights = np.zeros(x.shape, np.float32)
+  if task == "copy_left":
+    labels[:, shift + 1:] = x[:, 1:length - shift]
+    weights[:, shift + 1:] = 1
+  elif task == "reverse":
+    labels[:, 1:] = x[:, length - positions[1:]]
+    weights[:, 1:] = 1
+  elif task == "index":
+    labels[:, 1:] = x[:, [index]]
+    weights[:, 1:] = 1
+    weights[:, index] = 0
+  else:
+    raise ValueError(f"unknown probe task {task!r}; allowed: {list(TASKS)}")
+  return x.astype(np.int32), labels.astype(np.int32), weights
+
+
+class Probe(nn.Module):
+  config: BertConfig
+  symbols: int
+
+  @nn.compact
+  def __call__(self, input_ids):
+    h = BertEncoder(self.config, name="encoder")(input_ids).last_hidden_state
+    return nn.Dense(self.symbols, name="classifier")(h).astype(jnp.float32)
+
+
+def model_config(config, method: str) -> BertConfig:
+  return BertConfig(vocab_size=config.symbols + 1, max_len=config.train_len, type_vocab_size=0, position=method,
+                    dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
+
+
+def train_and_evaluate(config, method: str, task: str):
+  """``({length: accuracy or "unsupported"}, params)``."""
+  model = Probe(model_config(config, method), config.symbols)
+  rng = np.random.default_rng([config.seed, TASKS.index(task)])
+  batch = functools.partial(make_batch, task, symbols=config.symbols, shift=config.shift, index=config.index)
+  params = model.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, config.train_len), jnp.int32))["params"]
+  schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps, config.steps)
+  optimizer = optax.adamw(schedule, weight_decay=0.01)
+  opt_state = optimizer.init(params)
+
+  def loss_fn(params, x, y, w):
+    logits = model.apply({"params": params}, x)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y) * w) / jnp.sum(w)
+
+  @jax.jit
+  def step(params, opt_state, x, y, w):
+    grads = jax.grad(loss_fn)(params, x, y, w)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for _ in range(config.steps):
+    params, opt_state = step(params, opt_state, *batch(rng, config.batch_size, config.train_len))
+
+  @jax.jit
+  def accuracy(params, x, y, w):
+    correct = jnp.argmax(model.apply({"params": params}, x), -1) == y
+    return jnp.sum(correct * w) / jnp.sum(w)
+
+  results = {}
+  for multiple in config.eval_multiples:
+    length = config.train_len * multiple
+    x, y, w = batch(np.random.default_rng([config.seed, 99, multiple]), config.eval_batch_size, length)
+    try:
+      results[length] = float(accuracy(params, x, y, w))
+    except ValueError as error:  # a learned position table shorter than the sequence
+      logging.info("%s at length %d: %s", method, length, error)
+      results[length] = UNSUPPORTED
+  return results, params
+
+
+def results_table(results: dict, config) -> str:
+  lengths = [config.train_len * m for m in config.eval_multiples]
+  header = "| method | " + " | ".join(f"{t} @{l}" for t in config.tasks for l in lengths) + " |"
+  rows = [header, "|" + "---|" * (1 + len(config.tasks) * len(lengths))]
+  for method in config.methods:
+    cells = []
+    for task in config.tasks:
+      for length in lengths:
+        value = results.get(method, {}).get(task, {}).get(str(length))
+        cells.append("—" if value is None else UNSUPPORTED if value == UNSUPPORTED else f"{100 * value:.1f}")
+    rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
+  return "\n".join(rows)
+
+
+def plot_accuracy(results: dict, config, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  lengths = [config.train_len * m for m in config.eval_multiples]
+  fig, axes = plt.subplots(1, len(config.tasks), figsize=(5 * len(config.tasks), 4), squeeze=False)
+  for ax, task in zip(axes[0], config.tasks):
+    for method in config.methods:
+      values = [results.get(method, {}).get(task, {}).get(str(l)) for l in lengths]
+      points = [(l, v) for l, v in zip(lengths, values) if isinstance(v, float)]
+      label = method if UNSUPPORTED not in values else f"{method} (≤ {config.train_len} only)"
+      if points:
+        ax.plot(*zip(*points), marker="o", label=label)
+    ax.axvline(config.train_len, color="grey", linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set(title=task, xlabel="evaluation length", ylabel="accuracy", ylim=(0, 1.02))
+    ax.set_xticks(lengths, [str(l) for l in lengths], minor=False)
+    ax.minorticks_off()
+  axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+  fig.suptitle(f"trained at length {config.train_len} (dotted line)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_tupe_correlation(config, params, path: str) -> None:
+  """The learned positional correlation of a TUPE-A probe: one ``[L, L]`` map per head (TUPE's Figure 6)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  model = Probe(model_config(config, "tupe_a"), config.symbols)
+  _, state = model.apply({"params": params}, jnp.zeros((1, config.train_len), jnp.int32), mutable=["intermediates"])
+  bias = np.asarray(state["intermediates"]["encoder"]["position_bias"][0][0])  # [H, L, L]
+  fig, axes = plt.subplots(1, bias.shape[0], figsize=(3 * bias.shape[0], 3), squeeze=False)
+  for h, ax in enumerate(axes[0]):
+    ax.imshow(bias[h], cmap="viridis")
+    ticks = range(0, bias.shape[-1], 4)
+    ax.set(title=f"head {h}", xlabel="key position", ylabel="query position", xticks=ticks, yticks=ticks)
+  fig.suptitle("TUPE-A learned positional correlation")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def run(config, workdir: str) -> dict:
+  unknown = sorted(set(config.tasks) - set(TASKS))
+  if unknown:
+    raise ValueError(f"unknown probe task(s) {unknown}; allowed: {list(TASKS)}")
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "results.json")
+  results = json.load(open(path)) if os.path.exists(path) else {}
+  correlation_plot = os.path.join(workdir, "tupe_correlation.png")
+  start = time.perf_counter()
+  for method in config.methods:
+    for task in config.tasks:
+      plot = method == "tupe_a" and task == config.tasks[0] and not os.path.exists(correlation_plot)
+      if task in results.get(method, {}) and not plot:
+        continue
+      accuracy, params = train_and_evaluate(config, method, task)
+      results.setdefault(method, {})[task] = {str(length): value for length, value in accuracy.items()}
+      if plot and jax.process_index() == 0:
+        plot_tupe_correlation(config, params, correlation_plot)
+      with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+      os.replace(path + ".tmp", path)
+      cells = ", ".join(f"@{l}: {v if v == UNSUPPORTED else f'{100 * v:.0f}%'}" for l, v in accuracy.items())
+      print(f"[{time.perf_counter() - start:5.0f}s] {method:>10} {task:<9} {cells}", flush=True)
+  table = results_table(results, config)
+  with open(os.path.join(workdir, "results.md"), "w") as f:
+    f.write(f"Probe accuracy (%), trained at length {config.train_len}, {config.steps} steps\n\n{table}\n")
+  plot_accuracy(results, config, os.path.join(workdir, "accuracy_vs_length.png"))
+  print("\n" + table + f"\n\nwritten to {workdir}: results.md, results.json, accuracy_vs_length.png, "
+        "tupe_correlation.png", flush=True)
+  return results

@@ -1,0 +1,62 @@
+"""The position-probe suite (``make demo``): task definitions, results, resumption."""
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from posjax import probes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def probes_config(arg):
+  spec = importlib.util.spec_from_file_location("probes_config", ROOT / "configs" / "probes.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+@pytest.mark.parametrize("task", probes.TASKS)
+def test_task_labels(task):
+  x, y, w = probes.make_batch(task, np.random.default_rng(0), 3, 10, symbols=16, shift=2, index=3)
+  assert (x[:, 0] == 16).all() and (x[:, 1:] < 16).all()
+  for b in range(3):
+    for i in range(10):
+      if task == "copy_left":
+        scored, source = i >= 3, i - 2
+      elif task == "reverse":
+        scored, source = i >= 1, 10 - i
+      else:
+        scored, source = i >= 1 and i != 3, 3
+      assert bool(w[b, i]) == scored
+      if scored:
+        assert y[b, i] == x[b, source]
+
+
+def test_probe_run_reports_unsupported_lengths_and_resumes(tmp_path, monkeypatch):
+  config = probes_config("methods=absolute+huang_m4+tupe_a,steps=150")
+  config.tasks = ("copy_left",)
+  results = probes.run(config, str(tmp_path))
+  assert results["absolute"]["copy_left"] == {"16": pytest.approx(results["absolute"]["copy_left"]["16"]),
+                                               "32": "unsupported", "64": "unsupported"}
+  assert all(isinstance(v, float) for v in results["huang_m4"]["copy_left"].values())
+  assert results["huang_m4"]["copy_left"]["64"] > 0.9  # a relative task generalises under a relative method
+  for name in ("results.md", "results.json", "accuracy_vs_length.png", "tupe_correlation.png"):
+    assert (tmp_path / name).stat().st_size > 0
+  assert "| `absolute` |" in (tmp_path / "results.md").read_text()
+
+  def must_not_train(*args):
+    raise AssertionError("a finished probe was trained again")
+
+  monkeypatch.setattr(probes, "train_and_evaluate", must_not_train)
+  assert probes.run(config, str(tmp_path)) == json.loads((tmp_path / "results.json").read_text())
+
+
+def test_unknown_task_is_an_error(tmp_path):
+  config = probes_config("methods=rope,steps=1")
+  config.tasks = ("sort",)
+  with pytest.raises(ValueError, match=r"unknown probe task\(s\) \['sort'\]"):
+    probes.run(config, str(tmp_path))
