@@ -11,20 +11,14 @@ compiled temporary memory (``memory_analysis().temp_size_in_bytes``). Prints a m
 
 from __future__ import annotations
 
-import os
-import platform
-import statistics
-import time
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import app, flags
 
+import common
 from posjax import attention, positions
-from posjax.models import BertConfig, BertForMaskedLM
 from posjax.models.bert import DTYPES
 
 _METHODS = flags.DEFINE_list("methods", None, "Methods to run (default: all registered).")
@@ -39,22 +33,6 @@ _MODEL_TIME_MAX_LEN = flags.DEFINE_integer(
 _SKIP_MODEL = flags.DEFINE_bool("skip_model", False, "Only the single-layer measurements.")
 
 HIDDEN, HEADS, FFN = 768, 12, 3072
-
-
-def compile_and_time(fn, args, run: bool, repeats: int):
-  """``(median seconds or None, temp bytes)`` of a jitted function."""
-  compiled = jax.jit(fn).lower(*args).compile()
-  memory = compiled.memory_analysis()
-  temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
-  if not run:
-    return None, temp
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), temp
 
 
 def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, repeats: int):
@@ -72,42 +50,13 @@ def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, re
   pos = jnp.arange(length)[None]
   params = Layer().init(jax.random.PRNGKey(0), x, pos)["params"]
   loss = lambda p, x: jnp.sum(Layer().apply({"params": p}, x, pos).astype(jnp.float32) ** 2)
-  return compile_and_time(jax.grad(loss, argnums=(0, 1)), (params, x), True, repeats)
+  return common.compile_and_time(jax.grad(loss, argnums=(0, 1)), (params, x), True, repeats)[:2]
 
 
 def model_measurement(name: str, length: int, batch: int, dtype_name: str, kernel: str, layers: int, run: bool,
                       repeats: int):
-  config = BertConfig.base(position=name, max_len=max(512, length), num_layers=layers, dtype=dtype_name,
-                           attention_kernel=kernel if BertConfig(position=name).position_spec.fusable else "xla",
-                           dropout_rate=0.0, attention_dropout_rate=0.0)
-  model = BertForMaskedLM(config)
-  rng = np.random.default_rng(0)
-  ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, length)), jnp.int32)
-  masked = jnp.asarray(np.sort(rng.permuted(np.tile(np.arange(length), (batch, 1)), axis=1)[:, : length * 15 // 100]))
-  labels = jnp.take_along_axis(ids, masked, axis=1)
-  params = jax.jit(model.init)(jax.random.PRNGKey(0), ids[:1, :8])["params"]
-  optimizer = optax.adamw(1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01)
-  state = (params, optimizer.init(params))
-
-  def step(state, ids, masked, labels):
-    params, opt_state = state
-
-    def loss(p):
-      logits = model.apply({"params": p}, ids, masked_positions=masked)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    grads = jax.grad(loss)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return compile_and_time(step, (state, ids, masked, labels), run, repeats)
-
-
-def describe_device() -> str:
-  device = jax.devices()[0]
-  if device.platform == "cpu":
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), jax {jax.__version__}"
-  return f"{device.device_kind} ({device.platform}), jax {jax.__version__}"
+  step, args, _, _ = common.bert_train_step(name, length, batch, dtype_name, kernel, layers)
+  return common.compile_and_time(step, args, run, repeats)[:2]
 
 
 def fmt(seconds=None, nbytes=None):
@@ -120,7 +69,7 @@ def main(argv):
   del argv
   methods = _METHODS.value or positions.names()
   dtype = DTYPES[_DTYPE.value]
-  print(f"device: {describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernel {_KERNEL.value}, "
+  print(f"device: {common.describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernel {_KERNEL.value}, "
         f"model {_LAYERS.value}×{HIDDEN}, dropout off\n")
   header = ("| method | L | layer fwd+bwd ms | layer temp MiB | model step ms | model temp MiB | "
             "step / absolute |")

@@ -61,13 +61,16 @@ def test_shaw_value_term_matches_loop_reference(impl, share):
 
 
 def test_input_embeddings_match_their_formulas(rng):
-  spec = positions.make("sinusoidal", num_heads=2, hidden_size=6, max_len=8)
   pos = PACKED_POSITIONS
-  got, _ = absolute.Sinusoidal(spec).init_with_output(jax.random.PRNGKey(0), pos)
-  for b, i, f in np.ndindex(*pos.shape, 3):
-    angle = pos[b, i] / 10_000 ** (2 * f / 6)
-    np.testing.assert_allclose(got.embedding[b, i, 2 * f], math.sin(angle), atol=1e-5)
-    np.testing.assert_allclose(got.embedding[b, i, 2 * f + 1], math.cos(angle), atol=1e-5)
+  for scale in (1.0, None):
+    spec = positions.make("sinusoidal", {} if scale is None else {"scale": scale}, num_heads=2, hidden_size=6,
+                          max_len=8)
+    got, _ = absolute.Sinusoidal(spec).init_with_output(jax.random.PRNGKey(0), pos)
+    scale = 0.02 * math.sqrt(2) if scale is None else scale
+    for b, i, f in np.ndindex(*pos.shape, 3):
+      angle = pos[b, i] / 10_000 ** (2 * f / 6)
+      np.testing.assert_allclose(got.embedding[b, i, 2 * f], scale * math.sin(angle), atol=1e-5)
+      np.testing.assert_allclose(got.embedding[b, i, 2 * f + 1], scale * math.cos(angle), atol=1e-5)
   spec = positions.make("absolute", num_heads=2, hidden_size=6, max_len=10)
   got, variables = absolute.Absolute(spec).init_with_output(jax.random.PRNGKey(0), pos)
   np.testing.assert_array_equal(got.embedding, np.asarray(variables["params"]["table"]["embedding"].value)[pos])

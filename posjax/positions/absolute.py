@@ -17,9 +17,14 @@ class NoOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SinusoidalOptions:
-  """max_timescale: the longest wavelength is ``2π · max_timescale`` (10,000 in the original)."""
+  """max_timescale: the longest wavelength is ``2π · max_timescale`` (10,000 in the original).
+  scale: the sinusoids are multiplied by it before they are added. The default, 0.02·√2, gives them the
+  RMS of BERT's N(0, 0.02) word embeddings; at 1.0 (the original, which instead scales word embeddings by
+  √D) they drown the words of a BERT-initialised model.
+  """
 
   max_timescale: float = 10_000.0
+  scale: float = 0.02 * 2 ** 0.5
 
 
 class LearnedTable(nn.Module):
@@ -58,7 +63,8 @@ class Sinusoidal(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
-    pe = sinusoid(positions_BxL, self.spec.hidden_size, self.spec.options.max_timescale)
+    options = self.spec.options
+    pe = options.scale * sinusoid(positions_BxL, self.spec.hidden_size, options.max_timescale)
     return base.PositionState(embedding=pe.astype(self.spec.dtype))
 
 

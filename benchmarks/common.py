@@ -1,0 +1,67 @@
+"""Shared pieces of the benchmark scripts: timing compiled functions, the BERT-Base MLM train step."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from posjax.models import BertConfig, BertForMaskedLM
+
+
+def compile_and_time(fn, args, run: bool = True, repeats: int = 5):
+  """``(median seconds or None, temp bytes, compiled)`` of a jitted function."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  memory = compiled.memory_analysis()
+  temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
+  if not run:
+    return None, temp, compiled
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), temp, compiled
+
+
+def describe_device() -> str:
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), jax {jax.__version__}"
+  return f"{device.device_kind} ({device.platform}), jax {jax.__version__}"
+
+
+def bert_train_step(name: str, length: int, batch: int, dtype: str, kernel: str, layers: int = 12):
+  """``(step_fn, args, config, masked)``: one BERT-Base MLM step (forward, backward, AdamW), dropout off,
+  the MLM head on 15% of the positions."""
+  config = BertConfig.base(position=name, max_len=max(512, length), num_layers=layers, dtype=dtype,
+                           attention_kernel=kernel if BertConfig(position=name).position_spec.fusable else "xla",
+                           dropout_rate=0.0, attention_dropout_rate=0.0)
+  model = BertForMaskedLM(config)
+  rng = np.random.default_rng(0)
+  ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, length)), jnp.int32)
+  masked_count = length * 15 // 100
+  masked = jnp.asarray(np.sort(rng.permuted(np.tile(np.arange(length), (batch, 1)), axis=1)[:, :masked_count]))
+  labels = jnp.take_along_axis(ids, masked, axis=1)
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), ids[:1, :8])["params"]
+  optimizer = optax.adamw(1e-4, b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01)
+
+  def step(state, ids, masked, labels):
+    params, opt_state = state
+
+    def loss(p):
+      logits = model.apply({"params": p}, ids, masked_positions=masked)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    grads = jax.grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step, ((params, optimizer.init(params)), ids, masked, labels), config, masked_count
