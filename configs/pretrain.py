@@ -33,7 +33,9 @@ def get_config(arg=None):
     raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.total_steps = 1_000_000
+  config.total_steps = 1_000_000  # or, instead, one of:
+  config.total_epochs = None  # needs data.examples_per_epoch
+  config.total_examples = None  # sequences
   config.warmup_steps = 10_000
   config.learning_rate = 1e-4  # peak
   config.batch_size = 256  # global, sequences
@@ -66,7 +68,8 @@ def get_config(arg=None):
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",
       data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",
       packing="full_sentence", mask_rate=0.15, whole_word_masking=False,
-      num_shards=0))  # document shards the global batch is built from; 0: one per process
+      num_shards=0,  # document shards the global batch is built from; 0: one per process
+      examples_per_epoch=None))  # packed sequences per epoch, for config.total_epochs
 
   if arg.runlocal:
     config.model.update(SIZES["tiny"], dtype="float32", attention_kernel="xla")

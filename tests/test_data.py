@@ -49,6 +49,18 @@ def test_vocab_command_trains_a_wordpiece_vocabulary(tmp_path):
   assert tok.encode("the model sees a river .") and tok.unk_id not in tok.encode("the model sees a river .")
 
 
+def test_vocab_command_trains_a_bpe_vocabulary(tmp_path):
+  out = tmp_path / "bpe.json"
+  subprocess.run([sys.executable, "-m", "posjax.data.vocab", f"--files={DATA}/tiny_train.txt", "--size=400",
+                  "--model=bpe", f"--out={out}"], check=True, capture_output=True)
+  tok = Tokenizer.load(str(out))
+  assert (tok.pad_id, tok.cls_id, tok.sep_id) == (0, 2, 3) and tok.vocab_size <= 400
+  ids = tok.encode("the gardens follow")
+  assert len(ids) == 3 and tok.unk_id not in ids
+  assert [tok.continues_word(i) for i in ids[1:]] == [False, False]  # "Ġ" marks a new word
+  assert all(tok.continues_word(i) for i in tok.encode(" gardensxyz")[1:])  # pieces inside one word
+
+
 def blocks(tokenizer, packing, max_len=48, n=30, num_documents=20):
   docs = (tokenizer.encode_batch(d) for d in synthetic.documents(num_documents, seed=3))
   pack = mlm.pack_full_sentences if packing == "full_sentence" else mlm.pack_documents

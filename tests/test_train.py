@@ -53,7 +53,11 @@ def stream(workdir):
 
 
 def test_local_run_logs_evaluates_and_checkpoints(tmp_path):
-  loop.run(pretrain_config(), str(tmp_path))
+  # 48 sequences at batch 8 = 6 steps; TensorBoard events and a profile of steps 2-3 on the side.
+  loop.run(pretrain_config(total_examples=48, tensorboard=True, profile_start_step=2, profile_steps=2),
+           str(tmp_path))
+  assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+  assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
   lines = metrics.read(str(tmp_path))
   train = [l for l in lines if "loss" in l]
   assert [l["step"] for l in train] == [1, 2, 3, 4, 5, 6]
@@ -199,3 +203,20 @@ def test_unknown_override_is_an_error(tmp_path):
   result = subprocess.run(main_command(tmp_path, "--config.learning_rat=0.1"), cwd=ROOT, capture_output=True,
                           text=True)
   assert result.returncode != 0 and "learning_rat" in result.stderr
+
+
+@pytest.mark.slow
+def test_resume_on_a_different_number_of_devices(tmp_path):
+  """3 steps on 8 devices, then 3 more on 4 devices, equal 6 straight steps on 8."""
+  def run(workdir, devices, steps, *extra):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    subprocess.run(main_command(workdir, f"--config.total_steps={steps}", "--config.model.dropout_rate=0",
+                                "--config.model.attention_dropout_rate=0", *extra),
+                   check=True, cwd=ROOT, env=env, capture_output=True)
+
+  run(tmp_path / "straight", 8, 6)
+  run(tmp_path / "moved", 8, 3)
+  run(tmp_path / "moved", 4, 6, "--config.allow_config_change=True")
+  assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
+                     checkpoint.load_params(str(tmp_path / "moved" / "checkpoints")), rtol=2e-5, atol=2e-6)

@@ -1,6 +1,7 @@
-"""Train a WordPiece vocabulary from text files.
+"""Train a WordPiece (BERT) or byte-level BPE (TUPE) vocabulary from text files.
 
   python -m posjax.data.vocab --files='corpus/*.txt' --size=30522 --out=vocab.txt
+  python -m posjax.data.vocab --files='corpus/*.txt' --size=32768 --model=bpe --out=bpe.json
 
 ``--out`` ending in ``.json`` writes the whole ``tokenizers`` file instead of a ``vocab.txt``.
 """
@@ -26,6 +27,16 @@ def train_wordpiece(files: list[str], size: int, lowercase: bool = True) -> toke
   return tok
 
 
+def train_bpe(files: list[str], size: int) -> tokenizers.Tokenizer:
+  """A byte-level BPE (RoBERTa / TUPE style) with <s>, </s>, <pad>, <mask>, <unk>."""
+  if not files:
+    raise ValueError("no text files to train a vocabulary on")
+  tok = tokenizers.ByteLevelBPETokenizer()
+  tok.train(files, vocab_size=size, special_tokens=[names[1] for names in tokenizer_lib.SPECIAL.values()],
+            show_progress=False)
+  return tok._tokenizer
+
+
 def write(tok: tokenizers.Tokenizer, out: str) -> None:
   if out.endswith(".json"):
     tok.save(out)
@@ -39,7 +50,12 @@ def main(argv):
   del argv
   FLAGS = flags.FLAGS
   files = sorted(glob.glob(FLAGS.files))
-  tok = train_wordpiece(files, FLAGS.size, FLAGS.lowercase)
+  if FLAGS.model == "bpe":
+    if not FLAGS.out.endswith(".json"):
+      raise app.UsageError("a BPE vocabulary is a tokenizers file: give --out=FILE.json")
+    tok = train_bpe(files, FLAGS.size)
+  else:
+    tok = train_wordpiece(files, FLAGS.size, FLAGS.lowercase)
   write(tok, FLAGS.out)
   print(f"wrote {tok.get_vocab_size()} pieces from {len(files)} files to {FLAGS.out}")
 
@@ -48,5 +64,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("files", None, "Glob of text files.", required=True)
   flags.DEFINE_integer("size", 30522, "Vocabulary size.")
   flags.DEFINE_string("out", None, "Output vocab.txt (or .json).", required=True)
-  flags.DEFINE_bool("lowercase", True, "Lower-case and strip accents (BERT uncased).")
+  flags.DEFINE_bool("lowercase", True, "Lower-case and strip accents (BERT uncased; WordPiece only).")
+  flags.DEFINE_enum("model", "wordpiece", ["wordpiece", "bpe"], "WordPiece (BERT) or byte-level BPE (TUPE).")
   app.run(main)

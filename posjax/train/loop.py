@@ -22,6 +22,7 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from posjax import config_args
 from posjax.data import corpus, mlm
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertForMaskedLM
@@ -161,6 +162,17 @@ class PmapParallel:
     return jax.tree.map(lambda x: x[0], state.params)
 
 
+def resolve_durations(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """``total_steps`` from whichever of ``total_steps`` / ``total_epochs`` / ``total_examples`` is set
+  (epochs need ``data.examples_per_epoch``, in packed sequences)."""
+  values = config.to_dict()
+  if any(values.get(f"total_{unit}") is not None for unit in ("epochs", "examples")):
+    values["total_steps"] = None
+    values["total_steps"] = config_args.steps("total", values, examples_per_step=config.batch_size,
+                                              examples_per_epoch=config.data.get("examples_per_epoch"))
+  return ml_collections.ConfigDict(values)
+
+
 def _check_batch(config) -> int:
   processes = jax.process_count()
   if config.batch_size % processes:
@@ -180,6 +192,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   is_main = jax.process_index() == 0
   tokenizer = Tokenizer.load(config.data.vocab_file)
   model = BertForMaskedLM(bert_config(config.model, tokenizer.vocab_size, config.max_len))
+  config = resolve_durations(config)
   optimizer, schedule = make_optimizer(config)
   local_batch = _check_batch(config)
   batches = make_batches(config, tokenizer, "train", local_batch)

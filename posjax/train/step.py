@@ -68,7 +68,7 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model, optimiz
   """One optimizer update from ``accum_steps`` micro-batches; dropout RNG is ``fold_in(rng, step)``."""
   rng = jax.random.fold_in(rng, state.step)
   sums = functools.partial(mlm_sums, model, use_segments=use_segments, deterministic=False)
-  grad_fn = jax.value_and_grad(lambda p, b, r: sums(p, b, r), has_aux=True)
+  grad_fn = jax.value_and_grad(sums, has_aux=True)
 
   def micro(carry, xs):
     grads, loss, correct, weight = carry
