@@ -204,7 +204,6 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
   parallel = (JitParallel if config.parallelism == "jit" else PmapParallel)(config, jax.eval_shape(init_boxed, init_rng))
-  state = parallel.init(lambda rng: nn.unbox(init_boxed(rng)), init_rng)
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints,
                                              keep_steps=tuple(config.keep_steps))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main, tensorboard=config.tensorboard)
@@ -212,10 +211,13 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   if restored is not None:
     state, data_state = parallel.from_checkpoint(restored[0]), restored[1]
     batches.restore(data_state)
-    writer.truncate_after(int(jax.device_get(parallel.to_checkpoint(state).step)))
-    logging.warning("resumed from step %d of %s", int(jax.device_get(parallel.to_checkpoint(state).step)), workdir)
-  elif config.init_from:
-    state = _warm_start(state, parallel, config.init_from)
+    step = int(jax.device_get(parallel.to_checkpoint(state).step))
+    writer.truncate_after(step)
+    logging.warning("resumed from step %d of %s", step, workdir)
+  else:
+    state = parallel.init(lambda rng: nn.unbox(init_boxed(rng)), init_rng)
+    if config.init_from:
+      state = _warm_start(state, parallel, config.init_from)
 
   step_fn = parallel.compile_step(functools.partial(
       train_step, model=model, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps,
