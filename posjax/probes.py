@@ -133,13 +133,15 @@ def plot_accuracy(results: dict, config, path: str) -> None:
 
   lengths = [config.train_len * m for m in config.eval_multiples]
   fig, axes = plt.subplots(1, len(config.tasks), figsize=(5 * len(config.tasks), 4), squeeze=False)
+  colors = plt.cm.tab20(np.linspace(0, 1, max(len(config.methods), 2)))
   for ax, task in zip(axes[0], config.tasks):
-    for method in config.methods:
+    for i, method in enumerate(config.methods):
       values = [results.get(method, {}).get(task, {}).get(str(l)) for l in lengths]
       points = [(l, v) for l, v in zip(lengths, values) if isinstance(v, float)]
       label = method if UNSUPPORTED not in values else f"{method} (≤ {config.train_len} only)"
       if points:
-        ax.plot(*zip(*points), marker="o", label=label)
+        ax.plot(*zip(*points), marker="osD^v"[i % 5], linestyle=("-", "--", ":")[i % 3], color=colors[i],
+                label=label)
     ax.axvline(config.train_len, color="grey", linestyle=":")
     ax.set_xscale("log", base=2)
     ax.set(title=task, xlabel="evaluation length", ylabel="accuracy", ylim=(0, 1.02))
