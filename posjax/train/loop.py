@@ -224,27 +224,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
       use_segments=config.data.packing == "documents"))
   evaluate = _evaluator(config, model, tokenizer, local_batch, parallel)
   start = int(jax.device_get(parallel.to_checkpoint(state).step))
-  tokens_per_step = config.batch_size * config.max_len
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
-  pending, last_log = None, (start, time.perf_counter())
-
-  def flush():
-    nonlocal pending, last_log
-    if pending is None:
-      return
-    step, metrics = pending
-    pending = None
-    metrics = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
-    if not math.isfinite(metrics["loss"]):
-      raise FloatingPointError(
-          f"non-finite loss ({metrics['loss']}) at step {step}; stopping. The last good checkpoint is step "
-          f"{checkpointer.manager.latest_step()} in {workdir}")
-    if step % config.log_every_steps == 0 or step == config.total_steps:
-      now = time.perf_counter()
-      metrics["tokens_per_second"] = (step - last_log[0]) * tokens_per_step / max(now - last_log[1], 1e-9)
-      last_log = (step, now)
-      writer.write(step, metrics)
-      progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+  logger = DelayedMetrics(writer, progress, config, start,
+                          lambda: f"step {checkpointer.manager.latest_step()} in {workdir}")
 
   profiling = False
   try:
@@ -254,9 +236,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         profiling = True
       batch = parallel.put_batch(next(batches))
       state, metrics = step_fn(state, batch, dropout_rng)
-      flush()  # the previous step's metrics, fetched while this step runs
-      pending = (step + 1, metrics)
       done = step + 1
+      logger.push(done, metrics)
       progress.update(1)
       if profiling and done >= config.profile_start_step + config.profile_steps:
         jax.block_until_ready(state)
@@ -265,12 +246,12 @@ def run(config: ml_collections.ConfigDict, workdir: str):
       save = done % config.checkpoint_every_steps == 0 or done == config.total_steps
       run_eval = config.eval_every_steps > 0 and (done % config.eval_every_steps == 0 or done == config.total_steps)
       if save or run_eval:
-        flush()
+        logger.flush()
       if run_eval:
         writer.write(done, evaluate(state))
       if save:
         checkpointer.save(done, parallel.to_checkpoint(state), batches.state())
-    flush()
+    logger.flush()
   finally:
     if profiling:
       jax.profiler.stop_trace()
@@ -279,6 +260,40 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     checkpointer.close()
     writer.close()
   return parallel.params(state)
+
+
+class DelayedMetrics:
+  """A step's metrics stay on the device until the next step has been dispatched, so fetching them never
+  stalls the accelerator; then the loss is checked (a non-finite one stops the run) and every
+  ``log_every_steps`` they are written with the tokens/s since the last write."""
+
+  def __init__(self, writer: metrics_lib.MetricWriter, progress, config, start_step: int, last_good):
+    self.writer, self.progress, self.last_good = writer, progress, last_good
+    self.log_every, self.total_steps = config.log_every_steps, config.total_steps
+    self.tokens_per_step = config.batch_size * config.max_len
+    self.pending = None
+    self.last_write = (start_step, time.perf_counter())
+
+  def push(self, step: int, metrics) -> None:
+    """Fetches the previous step's metrics (the new step is already running), then holds these."""
+    self.flush()
+    self.pending = (step, metrics)
+
+  def flush(self) -> None:
+    if self.pending is None:
+      return
+    (step, metrics), self.pending = self.pending, None
+    metrics = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
+    if not math.isfinite(metrics["loss"]):
+      raise FloatingPointError(f"non-finite loss ({metrics['loss']}) at step {step}; stopping. The last good "
+                               f"checkpoint is {self.last_good()}")
+    if step % self.log_every == 0 or step == self.total_steps:
+      now = time.perf_counter()
+      metrics["tokens_per_second"] = ((step - self.last_write[0]) * self.tokens_per_step
+                                      / max(now - self.last_write[1], 1e-9))
+      self.last_write = (step, now)
+      self.writer.write(step, metrics)
+      self.progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
 
 
 def _warm_start(state, parallel, init_from: str):
