@@ -1,0 +1,32 @@
+"""The cuDNN kernel itself, where a GPU is present (skipped elsewhere): it must agree with the XLA path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import positions
+from posjax.models import BertConfig, BertEncoder
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+
+FUSABLE = [n for n in positions.names() if positions.make(n, num_heads=4, hidden_size=256, max_len=128).fusable]
+
+
+@pytest.mark.parametrize("name", FUSABLE)
+def test_cudnn_matches_xla(name):
+  config = dict(position=name, hidden_size=256, num_heads=4, intermediate_size=512, max_len=128, dtype="bfloat16",
+                vocab_size=128, num_layers=2)
+  ids = jnp.asarray(np.random.default_rng(0).integers(1, 128, (4, 128)), jnp.int32)
+  mask = np.ones((4, 128), np.int32)
+  mask[1, 100:] = 0
+  xla = BertEncoder(BertConfig(**config, attention_kernel="xla"))
+  cudnn = BertEncoder(BertConfig(**config, attention_kernel="cudnn"))
+  variables = xla.init(jax.random.PRNGKey(0), ids)
+  want = jax.jit(lambda v: xla.apply(v, ids, attention_mask=mask).last_hidden_state)(variables)
+  compiled = jax.jit(lambda v: cudnn.apply(v, ids, attention_mask=mask).last_hidden_state).lower(variables).compile()
+  assert "cudnn" in compiled.as_text().lower()  # the fused kernel really runs
+  got = compiled(variables)
+  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=0.1, rtol=0.05)
+  np.testing.assert_allclose(np.asarray(got[1, :100], np.float32), np.asarray(want[1, :100], np.float32),
+                             atol=0.1, rtol=0.05)
