@@ -1,7 +1,9 @@
 """MLM pre-training of a BERT encoder with any position method: the recipe of TUPE's Table 1.
 
 Options (``configs/pretrain.py:position=tupe_r,size=base,runlocal``):
-  position: a registry name (``posjax.positions.names()``); default ``tupe_r``.
+  position: a registry name (``posjax.positions.names()``); default ``tupe_r``. ``model.position_options``
+    starts as that method's defaults, so ``--config.model.position_options.cls_reset=paper`` works; choose
+    the method here rather than with ``--config.model.position`` (the options would not match it).
   size: ``tiny`` | ``base`` | ``large``; default ``base``.
   runlocal: a tiny model for ~1 minute on a CPU, on the synthetic corpus in ``configs/data``.
 
@@ -13,10 +15,12 @@ Local:
   (about 20 s; measured: training loss 5.2 at step 10, eval_loss 3.76 at step 200.)
 """
 
+import dataclasses
 import os
 
 import ml_collections
 
+from posjax import positions
 from posjax.config_args import parse_arg
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -25,6 +29,11 @@ SIZES = {
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
     "large": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
 }
+
+
+def position_defaults(name: str) -> dict:
+  """The method's options with their defaults, so ``--config.model.position_options.<option>=`` works."""
+  return dataclasses.asdict(positions.get(name).options())
 
 
 def get_config(arg=None):
@@ -62,7 +71,8 @@ def get_config(arg=None):
   config.model = ml_collections.ConfigDict(dict(
       vocab_size=0,  # 0: the tokenizer's
       max_len=0,  # 0: config.max_len
-      position=arg.position, position_options={}, attention_kernel="auto", dtype="bfloat16",
+      position=arg.position, position_options=position_defaults(arg.position), attention_kernel="auto",
+      dtype="bfloat16",
       dropout_rate=0.1, attention_dropout_rate=0.1, **SIZES[arg.size]))
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",

@@ -199,6 +199,18 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path):
   assert len(stream(str(tmp_path / "killed"))) == 33  # 30 train lines, 3 eval lines, none repeated
 
 
+def test_position_options_from_the_command_line(tmp_path):
+  command = [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal,position=tupe_r",
+             f"--workdir={tmp_path}", "--config.model.position_options.cls_reset=paper", "--config.total_steps=1",
+             "--config.eval_every_steps=0", "--config.max_len=32", "--config.batch_size=8"]
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-2000:]
+  saved = json.loads((tmp_path / "config.json").read_text())["model"]["position_options"]
+  assert saved["cls_reset"] == "paper" and saved["relative_distance"] == "buckets"
+  params = checkpoint.load_params(str(tmp_path / "checkpoints"))
+  assert "cls_theta" in params["encoder"]["position"]  # the paper's extra θ vectors exist
+
+
 def test_unknown_override_is_an_error(tmp_path):
   result = subprocess.run(main_command(tmp_path, "--config.learning_rat=0.1"), cwd=ROOT, capture_output=True,
                           text=True)
