@@ -126,10 +126,16 @@ def results_table(results: dict, config) -> str:
   return "\n".join(rows)
 
 
-def plot_accuracy(results: dict, config, path: str) -> None:
+def _pyplot():
+  """matplotlib's pyplot on the file-only Agg backend (imported on first use: it is slow to load)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  return plt
+
+
+def plot_accuracy(results: dict, config, path: str) -> None:
+  plt = _pyplot()
 
   lengths = [config.train_len * m for m in config.eval_multiples]
   fig, axes = plt.subplots(1, len(config.tasks), figsize=(5 * len(config.tasks), 4), squeeze=False)
@@ -156,9 +162,7 @@ def plot_accuracy(results: dict, config, path: str) -> None:
 
 def plot_tupe_correlation(config, params, path: str) -> None:
   """The learned positional correlation of a TUPE-A probe: one ``[L, L]`` map per head (TUPE's Figure 6)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = _pyplot()
 
   model = Probe(model_config(config, "tupe_a"), config.symbols)
   _, state = model.apply({"params": params}, jnp.zeros((1, config.train_len), jnp.int32), mutable=["intermediates"])

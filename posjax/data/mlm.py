@@ -124,6 +124,11 @@ def default_max_predictions(max_len: int, mask_rate: float) -> int:
   return max(1, math.ceil(max_len * mask_rate))
 
 
+def empty_like(example: dict) -> dict:
+  """An all-zero example or batch (padding only, weight 0) shaped like ``example``."""
+  return {k: np.zeros_like(v) for k, v in example.items()}
+
+
 class MlmBatches:
   """An endless (or, with ``repeat=False``, one-pass) iterator of masked batches over a document stream.
 
@@ -190,8 +195,7 @@ class MlmBatches:
     if not examples:
       raise StopIteration
     if len(examples) < self.batch_size:  # the last batch of a one-pass stream: pad with empty rows
-      empty = {k: np.zeros_like(v) for k, v in examples[0].items()}
-      examples += [empty] * (self.batch_size - len(examples))
+      examples += [empty_like(examples[0])] * (self.batch_size - len(examples))
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
 
@@ -234,5 +238,5 @@ class ShardedBatches:
     if exhausted == len(self.streams):
       raise StopIteration
     template = next(p for p in parts if p is not None)
-    parts = [p if p is not None else {k: np.zeros_like(v) for k, v in template.items()} for p in parts]
+    parts = [p if p is not None else empty_like(template) for p in parts]
     return {k: np.concatenate([p[k] for p in parts]) for k in template}

@@ -15,6 +15,7 @@ import os
 import time
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -56,7 +57,8 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
   if os.path.exists(path) and not config.get("allow_config_change", False):
     with open(path) as f:
       previous = json.load(f)
-    before, now = _flatten(previous), _flatten(current)
+    before = flax.traverse_util.flatten_dict(previous, sep=".")
+    now = flax.traverse_util.flatten_dict(current, sep=".")
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     if changed:
       raise ValueError(f"{workdir} holds a run with a different config (changed: {changed}); use another workdir "
@@ -65,16 +67,6 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
     with open(path + ".tmp", "w") as f:
       json.dump(current, f, indent=2, sort_keys=True)
     os.replace(path + ".tmp", path)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-  out = {}
-  for key, value in d.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
 
 
 def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int) -> mlm.ShardedBatches:
