@@ -1,4 +1,6 @@
+import importlib.util
 import os
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # Eight fake CPU devices, for the mesh / pmap tests (set before JAX starts).
@@ -41,3 +43,14 @@ def randomize(params, seed=0, scale=0.5):
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config(name: str, arg: str):
+  """``get_config(arg)`` of ``configs/<name>.py``, loaded by path as ``--config`` does."""
+  spec = importlib.util.spec_from_file_location(f"{name}_config", ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)

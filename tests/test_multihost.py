@@ -1,7 +1,6 @@
 """Two processes over localhost (CPU collectives) train exactly like one process with the same global batch."""
 
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -9,9 +8,9 @@ import sys
 import pytest
 
 from posjax.train import checkpoint
+from conftest import ROOT
 from test_train import assert_same_params
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def command(workdir, *extra):

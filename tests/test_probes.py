@@ -1,22 +1,16 @@
 """The position-probe suite (``make demo``): task definitions, results, resumption."""
 
-import importlib.util
 import json
-import pathlib
 
 import numpy as np
 import pytest
 
 from posjax import probes
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import load_config
 
 
 def probes_config(arg):
-  spec = importlib.util.spec_from_file_location("probes_config", ROOT / "configs" / "probes.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return load_config("probes", arg)
 
 
 @pytest.mark.parametrize("task", probes.TASKS)

@@ -1,9 +1,7 @@
 """The training system: loop, checkpoints and resumption, parallelism, configs."""
 
-import importlib.util
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -16,16 +14,13 @@ import pytest
 
 from posjax import config_args
 from posjax.train import checkpoint, loop, metrics
+from conftest import ROOT, load_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 DETERMINISTIC = loop.DETERMINISTIC_METRICS + ("eval_loss", "eval_accuracy")
 
 
 def pretrain_config(arg="runlocal,position=tupe_r", **overrides):
-  spec = importlib.util.spec_from_file_location("pretrain_config", ROOT / "configs" / "pretrain.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg)
+  config = load_config("pretrain", arg)
   config.update(total_steps=6, warmup_steps=2, log_every_steps=1, eval_every_steps=3, checkpoint_every_steps=3,
                 batch_size=8, max_len=32)
   for key, value in overrides.items():
