@@ -7,6 +7,8 @@ boolean flag), and an unknown name is an error that lists the known ones.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import ml_collections
 
 
@@ -51,3 +53,26 @@ def steps(name: str, config, *, examples_per_step: int, examples_per_epoch: int 
   if examples_per_epoch is None:
     raise ValueError(f"{name}_epochs needs a data set of known size")
   return -(-int(value * examples_per_epoch) // examples_per_step)
+
+
+Rule = tuple[str, Callable[[float], bool]]
+POSITIVE: Rule = ("> 0", lambda v: v > 0)
+NON_NEGATIVE: Rule = (">= 0", lambda v: v >= 0)
+FRACTION: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
+OPEN_FRACTION: Rule = ("in (0, 1)", lambda v: 0 < v < 1)
+
+
+def at_least(minimum: float) -> Rule:
+  return (f">= {minimum}", lambda v: v >= minimum)
+
+
+def check_ranges(config, rules: dict[str, Rule]) -> None:
+  """Raises for the first field (a dotted path) whose number breaks its rule; unset (None) fields pass."""
+  for field, (allowed, ok) in rules.items():
+    value = config
+    for part in field.split("."):
+      value = value.get(part) if value is not None else None
+    if value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+      raise ValueError(f"config.{field}={value!r} is out of range: it must be a number {allowed}")

@@ -5,11 +5,16 @@ Multi-host: ``--coordinator_address``, ``--num_processes``, ``--process_id`` (de
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment variables), or
 ``--distributed`` to let JAX detect a TPU pod, SLURM or Open MPI job, start ``jax.distributed`` before
 anything touches a device.
+
+A mistake in the command (an unknown option or field, a value out of range, a missing file) ends the run
+with one line, ``error: <what was wrong and what is allowed>``, and exit status 2 (``-v 1`` also logs the
+traceback); Ctrl-C ends it with one line that names the last checkpoint, status 130.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
@@ -17,6 +22,9 @@ from ml_collections import config_flags
 
 from posjax import probes
 from posjax.train import loop
+
+# What a mistake in the command raises: reported as one line, without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, flags.Error, app.UsageError)
 
 JOBS = {"pretrain": loop.run, "probes": probes.run}
 
@@ -53,8 +61,50 @@ def main(argv):
   JOBS[job](_CONFIG.value, _WORKDIR.value)
 
 
+def error_message(error: BaseException) -> str:
+  """The innermost cause's own words on one line. ml_collections reports an unknown field as a KeyError
+  re-raised as an AttributeError whose repr'd text carries the "did you mean"; absl wraps get_config's errors
+  in flag-parsing ones."""
+  chain = [error]
+  while chain[-1].__cause__ is not None or (chain[-1].__context__ is not None
+                                            and not chain[-1].__suppress_context__):
+    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+  unknown = [e for e in chain if isinstance(e, (AttributeError, KeyError)) and str(e.args[0]).startswith("'")]
+  if unknown:
+    texts = [str(e.args[0]) for e in unknown]
+    name, _, hint = next((t for t in texts if "\n" in t), texts[-1]).partition("\n")
+    key = name.strip("'")
+    given = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.") and
+             a.split("=")[0].split(".")[-1] == key]
+    return f"unknown config field {given[0] if given else name}" + (f"; {' '.join(hint.split())}" if hint else "")
+  root = chain[-1]
+  text = root.args[0] if len(root.args) == 1 and isinstance(root.args[0], str) else str(root)
+  return " ".join(text.split())
+
+
+def parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except Exception as error:  # noqa: BLE001  (a config file or an override that cannot be applied)
+    logging.info("flag parsing failed", exc_info=True)
+    print(f"error: {error_message(error)}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_main(argv):
+  try:
+    main(argv)
+  except loop.Interrupted as interrupted:
+    print(interrupted, file=sys.stderr)
+    sys.exit(130)
+  except USER_ERRORS as error:
+    logging.info("the run stopped", exc_info=True)
+    print(f"error: {error_message(error)}", file=sys.stderr)
+    sys.exit(2)
+
+
 def entry():
-  app.run(main)
+  app.run(run_main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Local files: a glob; documents are separated by blank lines and every other line is a sentence.
 TFDS: any text data set by name (``wikipedia/20190301.en``, ``c4/en``, ``lm1b``, ...) with an optional
-``data_dir``; each example's text field is one document, its lines the sentences.
+``data_dir``; each example's text field is one document, its lines the sentences. Training never downloads:
+TFDS prepares a data set once, before any run (``tfds build wikipedia/20190301.en --data_dir=DIR``).
 Each process of a multi-host run reads only its own shard: every ``shard_count``-th document.
 """
 
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import glob
 import itertools
-from typing import Iterator
+import os
+from typing import Iterator, Sequence
+
+from posjax.data import synthetic
 
 Document = list[str]
 
@@ -36,7 +40,16 @@ def text_documents(pattern: str) -> Iterator[Document]:
 def tfds_documents(name: str, split: str, data_dir: str | None = None, text_key: str = "text") -> Iterator[Document]:
   import tensorflow_datasets as tfds  # imported here: TensorFlow is slow to load and only this source needs it
 
-  dataset = tfds.load(name, split=split, data_dir=data_dir, shuffle_files=False)
+  try:
+    dataset = tfds.load(name, split=split, data_dir=data_dir or None, shuffle_files=False, download=False)
+  except AssertionError as error:  # TFDS's way of saying the data set is not prepared
+    if "could not find data" not in str(error):
+      raise
+    where = f"--data_dir={data_dir}" if data_dir else "--data_dir=DIR (default ~/tensorflow_datasets)"
+    raise FileNotFoundError(
+        f"TFDS data set {name!r} is not prepared{f' in {data_dir}' if data_dir else ''}. TFDS downloads and "
+        f"prepares it once, before training: run `tfds build {name} {where}` and pass the same directory as "
+        "--config.data.data_dir") from None
   for example in tfds.as_numpy(dataset):
     if text_key not in example:
       raise KeyError(f"TFDS data set {name!r} has no field {text_key!r}; fields: {sorted(example)}")
@@ -63,3 +76,29 @@ def documents(data_config, split: str, shard_index: int = 0, shard_count: int = 
   else:
     raise ValueError(f"unknown data.source {data_config.source!r}; allowed: 'text', 'tfds'")
   return itertools.islice(stream, shard_index, None, shard_count)
+
+
+def _is_builtin(pattern: str) -> bool:
+  return bool(pattern) and os.path.abspath(pattern).startswith(synthetic.BUILTIN_DIR + os.sep)
+
+
+def check(data_config, splits: Sequence[str]) -> None:
+  """Fails before a run writes anything: every split must yield a document, and runlocal's built-in
+  synthetic corpus (its text files and vocabulary) must not be mixed with one's own data."""
+  fields = {"vocab_file": _is_builtin(data_config.vocab_file)}
+  if data_config.source == "text":
+    fields.update({f"{split}_files": _is_builtin(data_config.get(f"{split}_files", "")) for split in splits})
+  else:
+    fields["tfds_name"] = False
+  builtin = sorted(f for f, is_builtin in fields.items() if is_builtin)
+  own = sorted(f for f, is_builtin in fields.items() if not is_builtin)
+  if builtin and own:
+    raise ValueError(
+        f"data.{', data.'.join(builtin)} still point at runlocal's built-in synthetic corpus ({synthetic.BUILTIN_DIR}) "
+        f"while data.{', data.'.join(own)} are your own: set " + " and ".join(
+            f"--config.data.{f}=..." for f in builtin) + " to your data as well" + (
+            " (train a vocabulary with python -m posjax.data.vocab)" if "vocab_file" in builtin else "") + (
+            ", or --config.eval_every_steps=0 to train without evaluation" if builtin == ["eval_files"] else ""))
+  for split in splits:
+    if next(iter(documents(data_config, split)), None) is None:
+      raise ValueError(f"the {split} split of the corpus holds no document")

@@ -163,13 +163,22 @@ class MlmBatches:
       for block in pack(token_docs, self.max_len, tok.cls_id, tok.sep_id, tok.pad_id):
         produced = True
         yield block
-      if not produced:
-        raise ValueError("the corpus produced no MLM blocks (is it empty?)")
-      if not self.repeat:
+      if not self.repeat:  # a one-pass stream (evaluation) may be empty on some shards
         return
+      if not produced:
+        raise ValueError(f"shard {self.shard} of the corpus produced no MLM blocks (is it empty, or smaller than "
+                         "the number of data shards?)")
 
   def state(self) -> dict:
     return {"blocks_consumed": self.blocks_consumed}
+
+  def empty(self) -> dict:
+    """A batch of padding rows (no token, no masked position), shaped like this iterator's batches."""
+    row = {**_block([], [], [], self.max_len, self.tokenizer.pad_id),
+           "masked_positions": np.zeros(self.max_predictions, np.int32),
+           "masked_labels": np.zeros(self.max_predictions, np.int32),
+           "masked_weights": np.zeros(self.max_predictions, np.float32)}
+    return {k: np.stack([v] * self.batch_size) for k, v in row.items()}
 
   def restore(self, state: dict) -> None:
     """Continue after ``state["blocks_consumed"]`` blocks (re-reads and skips them)."""
@@ -214,6 +223,10 @@ class ShardedBatches:
 
   def state(self) -> dict:
     return {"shards": {str(s.shard): s.blocks_consumed for s in self.streams}}
+
+  def empty(self) -> dict:
+    parts = [stream.empty() for stream in self.streams]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
   def restore(self, state: dict) -> None:
     consumed = state["shards"]

@@ -16,6 +16,10 @@ from absl import app, flags
 
 from posjax.data import vocab
 
+# Where this checkout keeps the corpus written by this module (the data of ``runlocal`` configs).
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "configs", "data")
+
 DET = {"sg": ["the", "a", "this", "every"], "pl": ["the", "some", "these", "many"]}
 ADJ = ["small", "large", "old", "new", "red", "quiet", "bright", "early", "strange", "gentle"]
 NOUN = {"sg": ["model", "token", "sentence", "layer", "head", "student", "river", "city", "machine", "garden"],

@@ -3,19 +3,25 @@
 Saves are asynchronous and atomic (orbax writes to a temporary directory and renames it when complete),
 so a killed run never leaves a half-written latest checkpoint. Kept: the latest ``keep`` plus every step in
 ``keep_steps`` (e.g. the 100k / 300k / 600k checkpoints of a 1M-step run). Restoring takes the target's
-shardings, so a checkpoint restores onto any number of devices or mesh shape; an unreadable latest
-checkpoint falls back to the previous one with a warning.
+shardings, so a checkpoint restores onto any number of devices or mesh shape.
+
+An unreadable checkpoint (a disk error, a truncated file) is moved aside to ``<directory>.unreadable/<step>``
+(kept for inspection, never deleted) with a one-line warning, and the run restores the newest readable one;
+when checkpoints exist but none can be read, restoring is an error that names them.
 """
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
+import sys
 from typing import Any, Sequence
 
 import flax.traverse_util
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from absl import logging
 from orbax.checkpoint import checkpoint_managers
 
@@ -35,27 +41,91 @@ class Checkpointer:
         enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=_handlers())
 
+  @property
+  def directory(self) -> str:
+    return os.fspath(self.manager.directory)
+
   def save(self, step: int, state: Any, data_state: dict) -> None:
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     data=ocp.args.JsonSave(data_state)), force=True)
 
   def restore(self, abstract_state: Any) -> tuple[Any, dict] | None:
-    """The newest readable checkpoint as ``(state, data_state)``, laid out like ``abstract_state``."""
+    """The newest readable checkpoint as ``(state, data_state)``, laid out like ``abstract_state``; ``None``
+    when there is no checkpoint. Newer unreadable ones are moved aside; none readable is an error."""
+    failed = {}
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return restored.state, dict(restored.data)
       except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: try the one before)
-        logging.warning("checkpoint at step %d in %s cannot be restored (%s: %s); trying an earlier one", step,
-                        self.manager.directory, type(error).__name__, error)
+        _silence_abandoned_reads()
+        failed[step] = _summary(error)
+        continue
+      if failed:
+        self._move_aside(failed)
+      return restored.state, dict(restored.data)
+    if failed:
+      reasons = "; ".join(f"step {step}: {reason}" for step, reason in failed.items())
+      raise ValueError(f"no checkpoint in {self.manager.directory} can be restored ({reasons}). They are left in "
+                       "place; move them away to start this run afresh, or use another workdir")
     return None
+
+  def _move_aside(self, failed: dict[int, str]) -> None:
+    """Renames unreadable steps to ``<directory>.unreadable/<step>`` (process 0; every process waits)."""
+    directory = self.directory
+    aside = directory.rstrip("/") + ".unreadable"
+    _sync("posjax_checkpoint_move_aside_start")
+    for step, reason in failed.items() if jax.process_index() == 0 else ():
+      target, n = os.path.join(aside, str(step)), 1
+      while os.path.exists(target):
+        target, n = os.path.join(aside, f"{step}.{n}"), n + 1
+      os.makedirs(aside, exist_ok=True)
+      os.rename(os.path.join(directory, str(step)), target)
+      logging.warning("checkpoint %d cannot be restored (%s); moved to %s, resuming from an earlier one", step,
+                      reason, target)
+    _sync("posjax_checkpoint_move_aside_done")
+    self.manager.reload()
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.close()
+
+
+def _summary(error: Exception, limit: int = 200) -> str:
+  """The first line of an error, without TensorStore's spec dump."""
+  text = str(error).split("\n")[0].split(" See full TensorStore details")[0]
+  text = f"{type(error).__name__}: {text}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def _silence_abandoned_reads() -> None:
+  """After a failed restore, the reads orbax abandoned still finish: each reports "Event loop is closed" or
+  its own read error (through ``sys.unraisablehook``), or a never-retrieved future (asyncio's logger) -
+  thousands of lines that say nothing the one-line warning does not. Drops exactly those."""
+  previous = sys.unraisablehook
+  if getattr(previous, "posjax_filter", False):
+    return
+
+  def abandoned(unraisable) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)
+    return (("Event loop is closed" in str(unraisable.exc_value) and isinstance(unraisable.exc_value, RuntimeError))
+            or (code is not None and "orbax" in code.co_filename))
+
+  def hook(unraisable):
+    if not abandoned(unraisable):
+      previous(unraisable)
+
+  hook.posjax_filter = True
+  sys.unraisablehook = hook
+  std_logging.getLogger("asyncio").addFilter(
+      lambda record: "exception was never retrieved" not in record.getMessage())
 
 
 def load_params(directory: str, step: int | None = None) -> dict:

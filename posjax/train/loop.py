@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -22,8 +26,10 @@ import ml_collections
 import numpy as np
 import tqdm
 from absl import logging
+from jax.experimental import multihost_utils
 
 from posjax import config_args
+from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, at_least
 from posjax.data import corpus, mlm
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertForMaskedLM
@@ -165,6 +171,18 @@ def resolve_durations(config: ml_collections.ConfigDict) -> ml_collections.Confi
   return ml_collections.ConfigDict(values)
 
 
+RANGES = {
+    "batch_size": POSITIVE, "total_steps": POSITIVE, "total_epochs": POSITIVE, "total_examples": POSITIVE,
+    "warmup_steps": NON_NEGATIVE, "learning_rate": NON_NEGATIVE, "max_len": at_least(8),
+    "grad_accum_steps": POSITIVE, "adam_b1": FRACTION, "adam_b2": FRACTION, "adam_eps": POSITIVE,
+    "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE, "log_every_steps": POSITIVE,
+    "eval_every_steps": NON_NEGATIVE, "eval_batches": POSITIVE, "checkpoint_every_steps": POSITIVE,
+    "keep_checkpoints": POSITIVE, "profile_steps": POSITIVE, "data.mask_rate": OPEN_FRACTION,
+    "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE, "model.dropout_rate": FRACTION,
+    "model.attention_dropout_rate": FRACTION,
+}
+
+
 def _check_batch(config) -> int:
   processes = jax.process_count()
   if config.batch_size % processes:
@@ -175,16 +193,72 @@ def _check_batch(config) -> int:
   return local
 
 
-def run(config: ml_collections.ConfigDict, workdir: str):
-  """Trains ``config`` in ``workdir`` (resuming when it holds checkpoints); returns the final parameters."""
+def _say(message: str) -> None:
+  """A line for the person at the terminal (process 0), printed above the progress bar."""
+  if jax.process_index() == 0:
+    tqdm.tqdm.write(message, file=sys.stderr)
+
+
+class Preemption:
+  """SIGTERM, the preemption notice of TPU VMs and Slurm, stops a run at a step where it saves a checkpoint.
+
+  One process: a signal handler sets a flag. Under ``jax.distributed`` the runtime receives the signal and
+  every process learns, at the same step, that it is time to stop (``reached_preemption_sync_point``, which
+  every process calls after every step), so all of them save that step.
+  """
+
+  def __init__(self):
+    self.received = False
+    self.previous = None
+    self.distributed = jax.distributed.is_initialized()
+    if not self.distributed and threading.current_thread() is threading.main_thread():
+      self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.received = True
+
+  def reached(self, step: int) -> bool:
+    if self.distributed:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.received
+
+  def close(self) -> None:
+    if self.previous is not None:
+      signal.signal(signal.SIGTERM, self.previous)
+
+
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C, with what a rerun of the same command will do."""
+
+
+def _validated(config: ml_collections.ConfigDict):
+  """Every check that can fail before the workdir is touched: ranges, parallelism, tokenizer, model and
+  position options (by tracing the model's init), the corpora. Returns ``(config with total_steps,
+  tokenizer, model)``."""
+  config_args.check_ranges(config, RANGES)
   if config.parallelism not in PARALLELISMS:
     raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
-  os.makedirs(workdir, exist_ok=True)
-  check_workdir_config(config, workdir)
-  is_main = jax.process_index() == 0
+  config = resolve_durations(config)
+  _check_batch(config)
+  if config.parallelism == "jit":
+    sharding.mesh_shape(dict(config.mesh), jax.device_count())
   tokenizer = Tokenizer.load(config.data.vocab_file)
   model = BertForMaskedLM(bert_config(config.model, tokenizer.vocab_size, config.max_len))
-  config = resolve_durations(config)
+  jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, config.max_len), jnp.int32))
+  corpus.check(config.data, ("train", "eval") if config.eval_every_steps > 0 else ("train",))
+  return config, tokenizer, model
+
+
+def run(config: ml_collections.ConfigDict, workdir: str):
+  """Trains ``config`` in ``workdir`` (resuming when it holds checkpoints); returns the final parameters.
+
+  SIGTERM saves a checkpoint and returns; Ctrl-C raises :class:`Interrupted` naming the last checkpoint."""
+  resolved, tokenizer, model = _validated(config)
+  os.makedirs(workdir, exist_ok=True)
+  check_workdir_config(config, workdir)
+  config = resolved
+  is_main = jax.process_index() == 0
   optimizer, schedule = make_optimizer(config)
   local_batch = _check_batch(config)
   batches = make_batches(config, tokenizer, "train", local_batch)
@@ -205,22 +279,29 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     batches.restore(data_state)
     step = int(jax.device_get(parallel.to_checkpoint(state).step))
     writer.truncate_after(step)
-    logging.warning("resumed from step %d of %s", step, workdir)
+    _say(f"resumed from step {step} of {workdir}")
   else:
     state = parallel.init(lambda rng: nn.unbox(init_boxed(rng)), init_rng)
     if config.init_from:
       state = _warm_start(state, parallel, config.init_from)
 
+  start = int(jax.device_get(parallel.to_checkpoint(state).step))
+  if start >= config.total_steps:
+    _say(f"{workdir} is already complete at step {start} (total_steps={config.total_steps}); nothing to do")
+    checkpointer.close()
+    writer.close()
+    return parallel.params(state)
+  _say(f"training to step {config.total_steps}: metrics in {writer.path}, checkpoints in {checkpointer.directory}")
   step_fn = parallel.compile_step(functools.partial(
       train_step, model=model, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps,
       use_segments=config.data.packing == "documents"))
   evaluate = _evaluator(config, model, tokenizer, local_batch, parallel)
-  start = int(jax.device_get(parallel.to_checkpoint(state).step))
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
-  logger = DelayedMetrics(writer, progress, config, start,
-                          lambda: f"step {checkpointer.manager.latest_step()} in {workdir}")
+  logger = DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step)
+  preemption = Preemption()
 
   profiling = False
+  done = start
   try:
     for step in range(start, config.total_steps):
       if step == config.profile_start_step and is_main:
@@ -235,16 +316,29 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
         profiling = False
-      save = done % config.checkpoint_every_steps == 0 or done == config.total_steps
+      preempted = preemption.reached(done)
+      save = done % config.checkpoint_every_steps == 0 or done == config.total_steps or preempted
       run_eval = config.eval_every_steps > 0 and (done % config.eval_every_steps == 0 or done == config.total_steps)
       if save or run_eval:
         logger.flush()
       if run_eval:
-        writer.write(done, evaluate(state))
+        logger.write_eval(done, evaluate(state))
       if save:
-        checkpointer.save(done, parallel.to_checkpoint(state), batches.state())
+        checkpointer.save(done, parallel.to_checkpoint(state), _input_position(batches))
+      if preempted:
+        checkpointer.wait()
+        _say(f"preempted (SIGTERM) at step {done}: checkpoint saved in {checkpointer.directory}; rerun the same "
+             "command to resume")
+        break
     logger.flush()
+  except KeyboardInterrupt:
+    checkpointer.wait()
+    last = checkpointer.manager.latest_step()
+    raise Interrupted(f"interrupted at step {done}, last checkpoint: "
+                      f"{'none' if last is None else f'step {last}'} in {checkpointer.directory}; rerun the same "
+                      "command to resume") from None
   finally:
+    preemption.close()
     if profiling:
       jax.profiler.stop_trace()
     progress.close()
@@ -261,6 +355,7 @@ class DelayedMetrics:
 
   def __init__(self, writer: metrics_lib.MetricWriter, progress, config, start_step: int, last_good):
     self.writer, self.progress, self.last_good = writer, progress, last_good
+    self.postfix = {}
     self.log_every, self.total_steps = config.log_every_steps, config.total_steps
     self.tokens_per_step = config.batch_size * config.max_len
     self.pending = None
@@ -277,15 +372,24 @@ class DelayedMetrics:
     (step, metrics), self.pending = self.pending, None
     metrics = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
     if not math.isfinite(metrics["loss"]):
-      raise FloatingPointError(f"non-finite loss ({metrics['loss']}) at step {step}; stopping. The last good "
-                               f"checkpoint is {self.last_good()}")
+      last = self.last_good()
+      raise FloatingPointError(f"non-finite loss ({metrics['loss']}) at step {step}; stopping. " + (
+          "No checkpoint had been saved yet" if last is None else f"The last good checkpoint is step {last}"))
     if step % self.log_every == 0 or step == self.total_steps:
       now = time.perf_counter()
       metrics["tokens_per_second"] = ((step - self.last_write[0]) * self.tokens_per_step
                                       / max(now - self.last_write[1], 1e-9))
       self.last_write = (step, now)
       self.writer.write(step, metrics)
-      self.progress.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+      self.postfix["loss"] = f"{metrics['loss']:.3f}"
+      self.progress.set_postfix(self.postfix, refresh=False)
+
+  def write_eval(self, step: int, results: dict) -> None:
+    """Evaluation metrics to the files, the progress bar and a line of their own."""
+    self.writer.write(step, results)
+    self.postfix.update({k: f"{v:.3f}" for k, v in results.items()})
+    self.progress.set_postfix(self.postfix)
+    _say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
 
 def _warm_start(state, parallel, init_from: str):
@@ -297,15 +401,34 @@ def _warm_start(state, parallel, init_from: str):
   return parallel.from_checkpoint(parallel.to_checkpoint(state).replace(params=merged))
 
 
+def _input_position(batches: mlm.ShardedBatches) -> dict:
+  """Every process's input position, gathered: the checkpoint's JSON item is written by process 0 alone."""
+  shards = batches.state()["shards"]
+  if jax.process_count() == 1:
+    return {"shards": shards}
+  ids = sorted(shards, key=int)
+  mine = np.asarray([[int(s) for s in ids], [shards[s] for s in ids]], np.int32)
+  gathered = multihost_utils.process_allgather(mine)  # [processes, 2, shards per process]
+  return {"shards": {str(int(shard)): int(count) for part in np.asarray(gathered) for shard, count in zip(*part)}}
+
+
+def _max_over_processes(value: int) -> int:
+  if jax.process_count() == 1:
+    return value
+  return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+
+
 def _evaluator(config, model, tokenizer, local_batch, parallel):
-  """Held-out MLM loss and accuracy over the first ``eval_batches`` batches of the eval split."""
+  """Held-out MLM loss and accuracy over the first ``eval_batches`` batches of the eval split.
+
+  Every process runs the same number of batches (each batch is a collective): a process whose shard of the
+  eval split holds fewer fills in batches of padding, which weigh nothing."""
   if config.eval_every_steps <= 0:
     return None
-  eval_batches = []
-  for batch in make_batches(config, tokenizer, "eval", local_batch):
-    eval_batches.append(batch)
-    if len(eval_batches) >= config.eval_batches:
-      break
+  batches = make_batches(config, tokenizer, "eval", local_batch)
+  eval_batches = list(itertools.islice(batches, config.eval_batches))
+  count = _max_over_processes(len(eval_batches))
+  eval_batches += [batches.empty()] * (count - len(eval_batches))
   sums = functools.partial(eval_sums, model=model, use_segments=config.data.packing == "documents")
   if isinstance(parallel, PmapParallel):
     sums_fn = jax.pmap(lambda p, b: jax.lax.psum(sums(p, b), "batch"), axis_name="batch")
