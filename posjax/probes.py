@@ -29,7 +29,10 @@ import numpy as np
 import optax
 from absl import logging
 
+from posjax import config_args
+from posjax.config_args import NON_NEGATIVE, POSITIVE, at_least
 from posjax.models import BertConfig, BertEncoder
+from posjax.train import loop
 
 TASKS = ("copy_left", "reverse", "index")
 UNSUPPORTED = "unsupported"
@@ -134,20 +137,33 @@ def _pyplot():
   return plt
 
 
+# 15 colours that stay apart (tab10 and five more), cycled with 5 markers and 3 line styles.
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf", "#000000", "#000080", "#ffd700", "#00ff7f", "#ff00ff")
+
+
 def plot_accuracy(results: dict, config, path: str) -> None:
+  """Accuracy against evaluation length, one panel per task. Methods that only run at the training length
+  (a learned table) are single points, spread sideways around it so that none hides another."""
   plt = _pyplot()
 
   lengths = [config.train_len * m for m in config.eval_multiples]
   fig, axes = plt.subplots(1, len(config.tasks), figsize=(5 * len(config.tasks), 4), squeeze=False)
-  colors = plt.cm.tab20(np.linspace(0, 1, max(len(config.methods), 2)))
+  short = [m for m in config.methods if any(UNSUPPORTED in results.get(m, {}).get(t, {}).values()
+                                            for t in config.tasks)]
   for ax, task in zip(axes[0], config.tasks):
     for i, method in enumerate(config.methods):
       values = [results.get(method, {}).get(task, {}).get(str(l)) for l in lengths]
       points = [(l, v) for l, v in zip(lengths, values) if isinstance(v, float)]
-      label = method if UNSUPPORTED not in values else f"{method} (≤ {config.train_len} only)"
-      if points:
-        ax.plot(*zip(*points), marker="osD^v"[i % 5], linestyle=("-", "--", ":")[i % 3], color=colors[i],
-                label=label)
+      if not points:
+        continue
+      style = dict(marker="osD^v"[i % 5], color=COLORS[i % len(COLORS)])
+      if method in short:
+        spread = 0.25 * (short.index(method) - (len(short) - 1) / 2) / max(len(short) - 1, 1)
+        ax.plot([l * 2 ** spread for l, _ in points], [v for _, v in points], linestyle="none", **style,
+                label=f"{method} (≤ {config.train_len} only)")
+      else:
+        ax.plot(*zip(*points), linestyle=("-", "--", ":")[i % 3], label=method, **style)
     ax.axvline(config.train_len, color="grey", linestyle=":")
     ax.set_xscale("log", base=2)
     ax.set(title=task, xlabel="evaluation length", ylabel="accuracy", ylim=(0, 1.02))
@@ -168,23 +184,56 @@ def plot_tupe_correlation(config, params, path: str) -> None:
   _, state = model.apply({"params": params}, jnp.zeros((1, config.train_len), jnp.int32), mutable=["intermediates"])
   bias = np.asarray(state["intermediates"]["encoder"]["position_bias"][0][0])  # [H, L, L]
   fig, axes = plt.subplots(1, bias.shape[0], figsize=(3 * bias.shape[0], 3), squeeze=False)
+  limit = float(np.abs(bias).max()) or 1.0
   for h, ax in enumerate(axes[0]):
-    ax.imshow(bias[h], cmap="viridis")
+    image = ax.imshow(bias[h], cmap="RdBu_r", vmin=-limit, vmax=limit)
     ticks = range(0, bias.shape[-1], 4)
-    ax.set(title=f"head {h}", xlabel="key position", ylabel="query position", xticks=ticks, yticks=ticks)
+    ax.set(title=f"head {h}", xlabel="key position", ylabel="query position" if h == 0 else "", xticks=ticks,
+           yticks=ticks)
+  fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="logit added to attention")
   fig.suptitle("TUPE-A learned positional correlation")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, bbox_inches="tight")
   plt.close(fig)
 
 
-def run(config, workdir: str) -> dict:
+RANGES = {"steps": POSITIVE, "warmup_steps": NON_NEGATIVE, "learning_rate": NON_NEGATIVE, "batch_size": POSITIVE,
+          "eval_batch_size": POSITIVE, "symbols": at_least(2), "train_len": at_least(2), "shift": POSITIVE,
+          "index": POSITIVE}
+
+
+def validate(config) -> None:
+  """Every check that can fail before the workdir is written: ranges, tasks, methods and their models."""
+  config_args.check_ranges(config, RANGES)
   unknown = sorted(set(config.tasks) - set(TASKS))
   if unknown:
     raise ValueError(f"unknown probe task(s) {unknown}; allowed: {list(TASKS)}")
+  if config.warmup_steps > config.steps:
+    raise ValueError(f"config.steps={config.steps} is shorter than the learning-rate warm-up "
+                     f"(config.warmup_steps={config.warmup_steps}); give at least as many steps")
+  for field in ("shift", "index"):
+    if config[field] >= config.train_len:
+      raise ValueError(f"config.{field}={config[field]} must be below config.train_len={config.train_len}")
+  if not config.eval_multiples or any(m < 1 for m in config.eval_multiples):
+    raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
+  for method in config.methods:
+    model = Probe(model_config(config, method), config.symbols)
+    jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, config.train_len), jnp.int32))
+
+
+def run(config, workdir: str) -> dict:
+  """Trains and evaluates every (method, task) not yet in ``workdir``'s results. The workdir's config must
+  match (``methods`` excepted: a run may add methods to a table)."""
+  validate(config)
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "results.json")
-  results = json.load(open(path)) if os.path.exists(path) else {}
+  known = os.path.exists(os.path.join(workdir, "config.json"))
+  loop.check_workdir_config(config, workdir, ignore=("methods",))
+  results = {}
+  if os.path.exists(path) and known:
+    with open(path) as f:
+      results = json.load(f)
+  elif os.path.exists(path):
+    print(f"{path} has no config.json beside it, so its results cannot be checked: computing them anew", flush=True)
   correlation_plot = os.path.join(workdir, "tupe_correlation.png")
   start = time.perf_counter()
   for method in config.methods:
@@ -205,6 +254,7 @@ def run(config, workdir: str) -> dict:
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write(f"Probe accuracy (%), trained at length {config.train_len}, {config.steps} steps\n\n{table}\n")
   plot_accuracy(results, config, os.path.join(workdir, "accuracy_vs_length.png"))
-  print("\n" + table + f"\n\nwritten to {workdir}: results.md, results.json, accuracy_vs_length.png, "
-        "tupe_correlation.png", flush=True)
+  written = ["results.md", "results.json", "accuracy_vs_length.png"] + (
+      ["tupe_correlation.png"] if "tupe_a" in config.methods and os.path.exists(correlation_plot) else [])
+  print("\n" + table + f"\n\nwritten to {workdir}: {', '.join(written)}", flush=True)
   return results

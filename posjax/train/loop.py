@@ -56,8 +56,9 @@ def bert_config(model: ml_collections.ConfigDict, vocab_size: int, max_len: int)
   return BertConfig(**values)
 
 
-def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Writes the resolved config; a restart with a different one is an error unless allowed."""
+def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = ()) -> None:
+  """Writes the config to ``workdir/config.json``; a restart with a different one (fields in ``ignore`` aside)
+  is an error unless ``config.allow_config_change``."""
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json_best_effort(sort_keys=True))
   if os.path.exists(path) and not config.get("allow_config_change", False):
@@ -65,10 +66,10 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> Non
       previous = json.load(f)
     before = flax.traverse_util.flatten_dict(previous, sep=".")
     now = flax.traverse_util.flatten_dict(current, sep=".")
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ignore)
     if changed:
-      raise ValueError(f"{workdir} holds a run with a different config (changed: {changed}); use another workdir "
-                       "or set --config.allow_config_change=True")
+      raise ValueError(f"{workdir} holds a run with a different config (changed: {changed}); use another workdir" + (
+          " or set --config.allow_config_change=True" if "allow_config_change" in config else ""))
   if jax.process_index() == 0:
     with open(path + ".tmp", "w") as f:
       json.dump(current, f, indent=2, sort_keys=True)
