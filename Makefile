@@ -4,7 +4,14 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.posjax-installed
 
-.PHONY: install demo test bench clean
+.PHONY: help install demo test bench clean
+
+help:
+	@echo "make demo     set up .venv, then run the position probes (every method; results in workdir/probes)"
+	@echo "make test     set up .venv with the dev extras and run the test suite"
+	@echo "make bench    the attention benchmark (per-method time and memory)"
+	@echo "make install  only set up .venv"
+	@echo "make clean    remove .venv and build files"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -48,11 +48,18 @@ class Tokenizer:
   @classmethod
   def load(cls, path: str) -> "Tokenizer":
     """A ``tokenizers`` JSON file, or a WordPiece ``vocab.txt`` (one piece per line, lower-cased)."""
-    if not pathlib.Path(path).exists():
-      raise FileNotFoundError(f"vocabulary file {path} does not exist")
-    if path.endswith(".json"):
-      return cls(tokenizers.Tokenizer.from_file(path))
-    return cls(wordpiece(path))
+    if not pathlib.Path(path).is_file():
+      raise FileNotFoundError(f"vocabulary file {path!r} does not exist" if path else
+                              "no vocabulary file given (data.vocab_file)")
+    kind = "a tokenizers JSON file" if path.endswith(".json") else "a WordPiece vocab.txt (one piece per line)"
+    try:
+      backend = tokenizers.Tokenizer.from_file(path) if path.endswith(".json") else wordpiece(path)
+    except Exception as error:  # noqa: BLE001  (tokenizers raises a bare Exception)
+      raise ValueError(f"vocabulary file {path} cannot be read as {kind}: {error}") from None
+    try:
+      return cls(backend)
+    except ValueError as error:
+      raise ValueError(f"vocabulary file {path}: {error}") from None
 
   @property
   def vocab_size(self) -> int:

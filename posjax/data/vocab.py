@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import glob
+import sys
 
 import tokenizers
 from absl import app, flags
@@ -46,18 +47,30 @@ def write(tok: tokenizers.Tokenizer, out: str) -> None:
     f.writelines(piece + "\n" for piece, _ in pieces)
 
 
+def train(pattern: str, size: int, model: str = "wordpiece", lowercase: bool = True) -> tokenizers.Tokenizer:
+  """A vocabulary trained on the files ``pattern`` matches; an empty glob or a corpus with no text is an error."""
+  files = sorted(glob.glob(pattern))
+  if not files:
+    raise FileNotFoundError(f"no text files match {pattern!r}")
+  tok = train_bpe(files, size) if model == "bpe" else train_wordpiece(files, size, lowercase)
+  if tok.get_vocab_size() <= len(tokenizer_lib.SPECIAL):
+    raise ValueError(f"the files matching {pattern!r} ({len(files)}) hold no text to learn pieces from: the "
+                     f"vocabulary would be the {tok.get_vocab_size()} special tokens alone")
+  return tok
+
+
 def main(argv):
   del argv
   FLAGS = flags.FLAGS
-  files = sorted(glob.glob(FLAGS.files))
-  if FLAGS.model == "bpe":
-    if not FLAGS.out.endswith(".json"):
-      raise app.UsageError("a BPE vocabulary is a tokenizers file: give --out=FILE.json")
-    tok = train_bpe(files, FLAGS.size)
-  else:
-    tok = train_wordpiece(files, FLAGS.size, FLAGS.lowercase)
+  if FLAGS.model == "bpe" and not FLAGS.out.endswith(".json"):
+    raise app.UsageError("a BPE vocabulary is a tokenizers file: give --out=FILE.json")
+  try:
+    tok = train(FLAGS.files, FLAGS.size, FLAGS.model, FLAGS.lowercase)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
   write(tok, FLAGS.out)
-  print(f"wrote {tok.get_vocab_size()} pieces from {len(files)} files to {FLAGS.out}")
+  print(f"wrote {tok.get_vocab_size()} pieces from the files matching {FLAGS.files!r} to {FLAGS.out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Golden values per position method at a fixed seed: the parameter shapes of a tiny MLM model and its loss
+over two training steps (before and after one update), from parameters drawn at random so that no position
+term hides behind a zero or one initialisation. Any change to a method's parameters, forward pass,
+initialisation or the train step shows up here; an intended change regenerates the file:
+
+  POSJAX_REGENERATE_GOLDEN=1 python -m pytest tests/test_golden.py
+"""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from posjax import positions
+from posjax.data import corpus, mlm, synthetic
+from posjax.data.tokenizer import Tokenizer
+from posjax.models import BertConfig, BertForMaskedLM
+from posjax.train.step import TrainState, make_optimizer, train_step
+from conftest import ROOT, randomize
+
+GOLDEN = ROOT / "tests" / "golden" / "mlm_two_steps.json"
+REGENERATE = os.environ.get("POSJAX_REGENERATE_GOLDEN") == "1"
+
+
+def one_batch(tokenizer):
+  data = ml_collections.ConfigDict(dict(source="text", train_files=os.path.join(synthetic.BUILTIN_DIR, "tiny_train.txt")))
+  return next(mlm.MlmBatches(functools.partial(corpus.documents, data, "train"), tokenizer, max_len=32, batch_size=4,
+                             seed=0))
+
+
+def measure(method: str) -> dict:
+  tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
+  model = BertForMaskedLM(BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32))
+  params = randomize(model.init(jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
+  optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(
+      learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,
+      adam_eps=1e-6, weight_decay=0.01)))
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  step = jax.jit(functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule))
+  batch = one_batch(tokenizer)
+  losses = []
+  for _ in range(2):
+    state, metrics = step(state, batch, jax.random.PRNGKey(1))
+    losses.append(float(metrics["loss"]))
+  shapes = {jax.tree_util.keystr(path): list(np.shape(leaf))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+  return {"losses": losses, "param_shapes": shapes}
+
+
+def golden() -> dict:
+  return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+
+
+@pytest.mark.parametrize("method", positions.names())
+def test_parameter_shapes_and_two_step_loss_match_the_golden_file(method):
+  got = measure(method)
+  if REGENERATE:
+    pytest.skip(f"regenerating: {method} measured")
+  want = golden().get(method)
+  assert want is not None, f"{GOLDEN} has no entry for {method}: regenerate it (see this file's docstring)"
+  assert got["param_shapes"] == want["param_shapes"]
+  # CPU float32; the tolerance covers other CPUs' vectorisation, not a change of a method (switching
+  # sinusoidal embeddings off moves the loss by 2e-5 of itself, ALiBi's bias by 2e-4).
+  np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+  assert got["losses"][1] != got["losses"][0]  # the update happened
+
+
+def test_golden_file_covers_every_method():
+  if REGENERATE:
+    GOLDEN.parent.mkdir(exist_ok=True)
+    GOLDEN.write_text(json.dumps({m: measure(m) for m in positions.names()}, indent=1, sort_keys=True) + "\n")
+  assert sorted(golden()) == sorted(positions.names())
