@@ -1,9 +1,12 @@
 """Corpora, tokenizers, packing and masking."""
 
+import functools
 import os
+import re
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
@@ -137,3 +140,44 @@ def test_batches_are_deterministic_and_resume_exactly(tokenizer, packing):
   other_seed = mlm.MlmBatches(lambda: corpus.text_documents(os.path.join(DATA, "tiny_eval.txt")), tokenizer,
                               max_len=32, batch_size=4, seed=8, packing=packing)
   assert not np.array_equal(next(other_seed)["input_ids"], stream[0]["input_ids"])
+
+
+def test_an_unprepared_tfds_data_set_says_how_to_prepare_it(tmp_path):
+  import importlib_resources  # noqa: F401  (TFDS imports it to build a data set; the install must bring it)
+
+  with pytest.raises(FileNotFoundError, match=r"TFDS data set 'wikipedia/20190301.en' is not prepared in .*: run "
+                                              r"`tfds build wikipedia/20190301.en --data_dir="):
+    next(corpus.tfds_documents("wikipedia/20190301.en", "train", data_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize("content, name, message", [
+    (bytes(range(256)) * 4, "vocab.txt", r"vocabulary file .*vocab.txt cannot be read as a WordPiece vocab.txt"),
+    (b'{"not": "a tokenizer"}', "vocab.json", r"vocabulary file .*vocab.json cannot be read as a tokenizers JSON"),
+    (b"", "empty.txt", r"vocabulary file .*empty.txt: the vocabulary has no pad token"),
+])
+def test_a_file_that_is_not_a_vocabulary_is_named(tmp_path, content, name, message):
+  (tmp_path / name).write_bytes(content)
+  with pytest.raises(ValueError, match=message):
+    Tokenizer.load(str(tmp_path / name))
+
+
+def test_vocab_command_refuses_an_empty_corpus_and_an_empty_glob(tmp_path):
+  (tmp_path / "empty.txt").write_text("")
+  for files, message in [(tmp_path / "empty.txt", "hold no text to learn pieces from"),
+                         (tmp_path / "nothing*.txt", f"no text files match '{tmp_path}/nothing\\*.txt'")]:
+    result = subprocess.run([sys.executable, "-m", "posjax.data.vocab", f"--files={files}", "--size=100",
+                             f"--out={tmp_path / 'vocab.txt'}"], capture_output=True, text=True)
+    assert result.returncode == 2 and re.match(f"error: .*{message}", result.stderr.strip().splitlines()[-1])
+    assert not (tmp_path / "vocab.txt").exists()
+
+
+def test_an_eval_shard_may_be_empty_a_train_shard_may_not(tokenizer, tmp_path):
+  (tmp_path / "one.txt").write_text("the model sees a river .\n")
+  data = ml_collections.ConfigDict(dict(source="text", train_files=str(tmp_path / "one.txt")))
+  make = functools.partial(mlm.MlmBatches, tokenizer=tokenizer, max_len=16, batch_size=2, seed=0, shard=1)
+  documents = functools.partial(corpus.documents, data, "train", 1, 2)  # shard 1 of 2: no document
+  assert list(make(documents, repeat=False)) == []
+  empty = make(documents, repeat=False).empty()
+  assert empty["input_ids"].shape == (2, 16) and not empty["masked_weights"].any()
+  with pytest.raises(ValueError, match="shard 1 of the corpus produced no MLM blocks"):
+    next(make(documents))

@@ -1,23 +1,30 @@
-"""Two processes over localhost (CPU collectives) train exactly like one process with the same global batch."""
+"""Two processes over localhost (CPU collectives) train, evaluate, checkpoint and stop on SIGTERM exactly like
+one process with the same global batch."""
 
+import functools
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from posjax.train import checkpoint
-from conftest import ROOT
-from test_train import assert_same_params
+from posjax.data import corpus, mlm
+from posjax.data.tokenizer import Tokenizer
+from posjax.train import checkpoint, metrics
+from conftest import ROOT, load_config
+from test_train import assert_same_params, stream
 
+STEPS = 60
 
 
 def command(workdir, *extra):
   return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal,position=tupe_r",
-          f"--workdir={workdir}", "--config.total_steps=3", "--config.batch_size=8", "--config.max_len=32",
-          "--config.eval_every_steps=0", "--config.checkpoint_every_steps=3", "--config.data.num_shards=2",
-          "--config.log_every_steps=1",
+          f"--workdir={workdir}", f"--config.total_steps={STEPS}", "--config.batch_size=8", "--config.max_len=32",
+          "--config.eval_every_steps=10", "--config.eval_batches=50", "--config.checkpoint_every_steps=10",
+          "--config.data.num_shards=2", "--config.log_every_steps=1",
           "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra]
 
 
@@ -25,18 +32,59 @@ def env_with_devices(n):
   return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+def two_processes(workdir, sigterm_once_saved=None):
+  """Both processes' (return code, output); with ``sigterm_once_saved``, process 1 alone gets SIGTERM once that
+  checkpoint exists."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  workers = [subprocess.Popen(command(tmp_path / "two", f"--coordinator_address=localhost:{port}",
-                                      "--num_processes=2", f"--process_id={i}", "--config.cpu_collectives=gloo"),
+  workers = [subprocess.Popen(command(workdir, f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                                      f"--process_id={i}", "--config.cpu_collectives=gloo"),
                               cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in range(2)]
-  outputs = [w.communicate(timeout=600)[0] for w in workers]
-  assert all(w.returncode == 0 for w in workers), outputs[0][-3000:] + outputs[1][-3000:]
+  if sigterm_once_saved is not None:
+    deadline = time.time() + 300
+    while not (workdir / "checkpoints" / str(sigterm_once_saved)).exists():
+      assert all(w.poll() is None for w in workers) and time.time() < deadline
+      time.sleep(0.02)
+    workers[1].send_signal(signal.SIGTERM)
+  try:
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+  finally:
+    for w in workers:
+      w.kill()
+  return [(w.returncode, out) for w, out in zip(workers, outputs)]
+
+
+def eval_batches_per_shard():
+  config = load_config("pretrain", "runlocal")
+  tokenizer = Tokenizer.load(config.data.vocab_file)
+  return [sum(1 for _ in mlm.MlmBatches(functools.partial(corpus.documents, config.data, "eval", shard, 2), tokenizer,
+                                        max_len=32, batch_size=4, seed=1, repeat=False, shard=shard))
+          for shard in range(2)]
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_stop_on_sigterm_and_resume_like_one(tmp_path):
+  # The processes' eval shards hold different numbers of batches: every process must still run as many.
+  counts = eval_batches_per_shard()
+  assert counts[0] != counts[1] and max(counts) < 50
+
+  first = two_processes(tmp_path / "two", sigterm_once_saved=10)
+  assert all(code == 0 for code, _ in first), first[0][1][-3000:] + first[1][1][-3000:]
+  saved = sorted(int(p.name) for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved[-1] not in (10, STEPS) and saved[-1] % 10 != 0, saved  # an extra save, at the same step on both
+  assert f"preempted (SIGTERM) at step {saved[-1]}" in first[0][1]
+
+  second = two_processes(tmp_path / "two")
+  assert all(code == 0 for code, _ in second), second[0][1][-3000:] + second[1][1][-3000:]
+  assert f"resumed from step {saved[-1]}" in second[0][1]
+
   subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
-  assert (tmp_path / "two" / "metrics.jsonl").read_text().count("\n") == 3  # process 0 alone writes
+  one, two = stream(str(tmp_path / "one")), stream(str(tmp_path / "two"))
+  assert [l["step"] for l in one] == [l["step"] for l in two] and len(one) == STEPS + STEPS // 10
+  for want, got in zip(one, two):  # process 0 alone writes; evaluation included, equal to the one-process run
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+  assert len(metrics.read(str(tmp_path / "two"))) == STEPS + STEPS // 10

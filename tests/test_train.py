@@ -1,19 +1,25 @@
 """The training system: loop, checkpoints and resumption, parallelism, configs."""
 
+import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from posjax import config_args
+from posjax.data.tokenizer import Tokenizer
+from posjax.models import BertForMaskedLM
 from posjax.train import checkpoint, loop, metrics
+from posjax.train.step import TrainState, make_optimizer, train_step
 from conftest import ROOT, load_config
 
 DETERMINISTIC = loop.DETERMINISTIC_METRICS + ("eval_loss", "eval_accuracy")
@@ -77,6 +83,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     loop.run(config, str(tmp_path))
   saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
   assert saved and all(np.isfinite(l["loss"]) for l in metrics.read(str(tmp_path)) if "loss" in l)
+  config.checkpoint_every_steps = 100
+  with pytest.raises(FloatingPointError, match=r"at step \d+; stopping. No checkpoint had been saved yet$"):
+    loop.run(config, str(tmp_path / "none_saved"))
 
 
 def test_pmap_and_jit_give_the_same_parameters(tmp_path):
@@ -86,9 +95,13 @@ def test_pmap_and_jit_give_the_same_parameters(tmp_path):
   jit_params = loop.run(pretrain_config(**common, parallelism="jit"), str(tmp_path / "jit"))
   pmap_params = loop.run(pretrain_config(**common, parallelism="pmap"), str(tmp_path / "pmap"))
   assert_same_params(jit_params, pmap_params, rtol=2e-5, atol=2e-6)
-  # The arms differ in what they are meant to: the update really happened.
-  fresh = checkpoint.load_params(str(tmp_path / "jit" / "checkpoints"), step=3)
-  assert_same_params(jit_params, fresh)
+  # Both trained: every parameter moved away from its initial value (a zero learning rate keeps them there),
+  # except the key projection's bias, whose gradient is zero (softmax ignores a shift shared by all keys).
+  initial = flat_params(loop.run(pretrain_config(**{**common, "total_steps": 1}, learning_rate=0.0),
+                                 str(tmp_path / "initial")))
+  for key, value in flat_params(jit_params).items():
+    moved = np.abs(value - initial[key]).max() > 1e-4
+    assert moved != key.endswith("['attention']['key']['bias']"), key
 
 
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
@@ -97,6 +110,39 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   whole = loop.run(pretrain_config(**common), str(tmp_path / "whole"))
   accumulated = loop.run(pretrain_config(**common, grad_accum_steps=4), str(tmp_path / "accumulated"))
   assert_same_params(whole, accumulated, rtol=2e-5, atol=2e-6)
+  # ... and the accumulated step really ran micro-batches: its hidden states are [2, 32, 64], never [8, 32, 64].
+  assert activation_batch_sizes(pretrain_config(**common, grad_accum_steps=4)) == {2}
+  assert activation_batch_sizes(pretrain_config(**common)) == {8}
+
+
+def activation_batch_sizes(config) -> set[int]:
+  """The leading sizes of every [b, max_len, hidden] value in the train step's jaxpr, scan bodies included."""
+  tokenizer = Tokenizer.load(config.data.vocab_file)
+  model = BertForMaskedLM(loop.bert_config(config.model, tokenizer.vocab_size, config.max_len))
+  optimizer, schedule = make_optimizer(config)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, config.max_len), jnp.int32))["params"]
+  state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(optimizer.init, params))
+  batch = next(loop.make_batches(config, tokenizer, "train", config.batch_size))
+  step = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
+                           accum_steps=config.grad_accum_steps)
+  jaxpr = jax.make_jaxpr(step)(nn.unbox(state), batch, jax.random.PRNGKey(0))
+  sizes = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      for var in eqn.outvars:
+        shape = getattr(var.aval, "shape", ())
+        if len(shape) == 3 and shape[1:] == (config.max_len, config.model.hidden_size):
+          sizes.add(shape[0])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if hasattr(sub, "eqns"):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+
+  walk(jaxpr.jaxpr)
+  return sizes
 
 
 def test_restore_onto_another_mesh_and_fsdp_sharding(tmp_path):
@@ -139,6 +185,81 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
   assert data == {"blocks_consumed": 1}
 
 
+def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, capfd):
+  common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
+  straight = loop.run(pretrain_config(**common), str(tmp_path / "straight"))
+  loop.run(pretrain_config(**common, total_steps=6), str(tmp_path / "run"))
+  latest = tmp_path / "run" / "checkpoints" / "6"
+  biggest = max((p for p in latest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  biggest.write_bytes(biggest.read_bytes()[:1000])  # truncated, as by a full disk
+  capfd.readouterr()
+  resumed = loop.run(pretrain_config(**common), str(tmp_path / "run"))
+  err = capfd.readouterr().err
+  assert_same_params(straight, resumed, rtol=2e-5, atol=2e-6)  # retrained 4..6 from step 3, same result
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["3", "6"]
+  assert os.listdir(tmp_path / "run" / "checkpoints.unreadable") == ["6"]  # kept for inspection
+  assert "resumed from step 3" in err and "Traceback" not in err and "Event loop is closed" not in err
+  assert len(err.splitlines()) < 40
+
+
+def test_checkpoints_none_of_which_can_be_read_are_an_error(tmp_path):
+  loop.run(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
+  for path in (tmp_path / "checkpoints" / "3" / "state").rglob("*"):
+    if path.is_file():
+      path.write_bytes(b"garbage")
+  with pytest.raises(ValueError, match=r"no checkpoint in .*checkpoints can be restored \(step 3: .*\). They are "
+                                       r"left in place"):
+    loop.run(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
+  assert os.listdir(tmp_path / "checkpoints") == ["3"]
+
+
+def test_a_finished_run_says_so(tmp_path, capsys):
+  loop.run(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
+  err = capsys.readouterr().err
+  assert f"metrics in {tmp_path}/metrics.jsonl, checkpoints in {tmp_path}/checkpoints" in err
+  loop.run(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
+  assert f"{tmp_path} is already complete at step 2 (total_steps=2); nothing to do" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"batch_size": 0}, r"config.batch_size=0 is out of range: it must be a number > 0"),
+    ({"batch_size": -8}, r"config.batch_size=-8 is out of range"),
+    ({"learning_rate": -1e-3}, r"config.learning_rate=-0.001 is out of range: it must be a number >= 0"),
+    ({"data.mask_rate": 1.5}, r"config.data.mask_rate=1.5 is out of range: it must be a number in \(0, 1\)"),
+    ({"model.position_options.cls_reset": "bogus"}, r"cls_reset='bogus' is not allowed"),
+    ({"mesh.data": 3}, r"needs 3 devices; there are 8"),
+    ({"data.train_files": "/nonexistent/*.txt", "data.eval_files": "/nonexistent/*.txt",
+      "data.vocab_file": "/nonexistent/vocab.txt"}, r"vocabulary file '/nonexistent/vocab.txt' does not exist"),
+])
+def test_bad_configs_are_errors_before_the_workdir_is_written(tmp_path, override, message):
+  with pytest.raises(ValueError if "vocab" not in message else FileNotFoundError, match=message):
+    loop.run(pretrain_config("runlocal,position=tupe_a", **override), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path):
+  with pytest.raises(ValueError, match="cls_reset"):
+    loop.run(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "bogus"},
+                             total_steps=1, eval_every_steps=0), str(tmp_path))
+  loop.run(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "paper"},
+                           total_steps=1, eval_every_steps=0), str(tmp_path))
+
+
+def test_runlocal_does_not_mix_its_corpus_with_ones_own(tmp_path):
+  own = tmp_path / "own.txt"
+  own.write_text("a sentence of my own .\nanother one .\n")
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text((ROOT / "configs" / "data" / "tiny_vocab.txt").read_text())
+  with pytest.raises(ValueError, match=r"data.eval_files still point at runlocal's built-in synthetic corpus .* "
+                                       r"while data.train_files, data.vocab_file are your own: set "
+                                       r"--config.data.eval_files=... to your data as well, or "
+                                       r"--config.eval_every_steps=0"):
+    loop.run(pretrain_config(**{"data.train_files": str(own), "data.vocab_file": str(vocab)}), str(tmp_path / "w"))
+  with pytest.raises(ValueError, match=r"data.eval_files, data.vocab_file still point at runlocal's built-in"):
+    loop.run(pretrain_config(**{"data.train_files": str(own)}), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
 def test_keep_list_survives_the_latest_k(tmp_path):
   manager = checkpoint.Checkpointer(str(tmp_path), keep=2, keep_steps=(2,), async_save=False)
   for step in range(1, 7):
@@ -169,29 +290,49 @@ def test_durations_in_steps_epochs_or_examples():
 
 def main_command(workdir, *overrides):
   return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal,position=huang_m4",
-          f"--workdir={workdir}", "--config.total_steps=30", "--config.checkpoint_every_steps=10",
+          f"--workdir={workdir}", "--config.total_steps=40", "--config.checkpoint_every_steps=10",
           "--config.log_every_steps=1", "--config.eval_every_steps=10", "--config.batch_size=8",
           "--config.max_len=32", *overrides]
 
 
+def interrupt(workdir, sig, once_saved: int) -> subprocess.CompletedProcess:
+  """Starts the run in ``workdir``, sends ``sig`` once checkpoint ``once_saved`` exists, waits for the end."""
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+  process = subprocess.Popen(main_command(workdir), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while not (workdir / "checkpoints" / str(once_saved)).exists():
+    assert process.poll() is None and time.time() < deadline, f"the run ended before its checkpoint {once_saved}"
+    time.sleep(0.02)
+  process.send_signal(sig)
+  out, err = process.communicate(timeout=300)
+  return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path):
+def test_ctrl_c_sigterm_and_sigkill_each_resume_to_the_uninterrupted_result(tmp_path):
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
   subprocess.run(main_command(tmp_path / "straight"), check=True, cwd=ROOT, env=env, capture_output=True)
-  killed = subprocess.Popen(main_command(tmp_path / "killed"), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-  deadline = time.time() + 300
-  while not (tmp_path / "killed" / "checkpoints" / "20").exists():
-    assert killed.poll() is None and time.time() < deadline, "the run ended before its step-20 checkpoint"
-    time.sleep(0.05)
-  killed.send_signal(signal.SIGKILL)
-  killed.wait()
-  assert not (tmp_path / "killed" / "checkpoints" / "30").exists()
-  subprocess.run(main_command(tmp_path / "killed"), check=True, cwd=ROOT, env=env, capture_output=True)
+  run = tmp_path / "interrupted"
+
+  ctrl_c = interrupt(run, signal.SIGINT, once_saved=10)
+  assert ctrl_c.returncode == 130 and "Traceback" not in ctrl_c.stderr
+  assert re.fullmatch(rf"interrupted at step \d+, last checkpoint: step 10 in {run}/checkpoints; rerun the same "
+                      r"command to resume", ctrl_c.stderr.strip().splitlines()[-1])
+
+  preempted = interrupt(run, signal.SIGTERM, once_saved=20)
+  assert preempted.returncode == 0, preempted.stderr[-2000:]
+  saved = int(re.search(r"preempted \(SIGTERM\) at step (\d+): checkpoint saved in", preempted.stderr).group(1))
+  assert 20 <= saved < 30 and (run / "checkpoints" / str(saved)).exists()
+
+  killed = interrupt(run, signal.SIGKILL, once_saved=30)
+  assert killed.returncode == -signal.SIGKILL and not (run / "checkpoints" / "40").exists()
+
+  subprocess.run(main_command(run), check=True, cwd=ROOT, env=env, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
-                     checkpoint.load_params(str(tmp_path / "killed" / "checkpoints")))
-  assert stream(str(tmp_path / "straight")) == stream(str(tmp_path / "killed"))
-  assert len(stream(str(tmp_path / "killed"))) == 33  # 30 train lines, 3 eval lines, none repeated
+                     checkpoint.load_params(str(run / "checkpoints")))
+  assert stream(str(tmp_path / "straight")) == stream(str(run))
+  assert len(stream(str(run))) == 44  # 40 train lines, 4 eval lines, none repeated
 
 
 def test_position_options_from_the_command_line(tmp_path):
@@ -206,10 +347,21 @@ def test_position_options_from_the_command_line(tmp_path):
   assert "cls_theta" in params["encoder"]["position"]  # the paper's extra θ vectors exist
 
 
-def test_unknown_override_is_an_error(tmp_path):
-  result = subprocess.run(main_command(tmp_path, "--config.learning_rat=0.1"), cwd=ROOT, capture_output=True,
-                          text=True)
-  assert result.returncode != 0 and "learning_rat" in result.stderr
+@pytest.mark.parametrize("change, message", [
+    ("--config.learning_rat=0.1", 'error: unknown config field --config.learning_rat; Did you mean "learning_rate" '
+                                  'instead of "learning_rat"?'),
+    ("--config=configs/pretrain.py:runlocal,position=tupe_x", "error: unknown position method 'tupe_x'; allowed: "),
+    ("--config=configs/pretrain.py:runlocal,size=huge", "error: unknown size 'huge'; allowed: ['tiny', 'base', "),
+    ("--config.batch_size=0", "error: config.batch_size=0 is out of range: it must be a number > 0"),
+])
+def test_a_mistake_in_the_command_is_one_line(tmp_path, change, message):
+  command = main_command(tmp_path / "w", change)
+  if change.startswith("--config="):
+    command[3] = change
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+  assert result.returncode == 2
+  assert [line for line in result.stderr.splitlines() if line.strip()][-1].startswith(message), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr and not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow
