@@ -2,7 +2,9 @@
 
 ``--config=configs/pretrain.py:position=tupe_r,size=base,runlocal`` hands ``"position=tupe_r,size=base,
 runlocal"`` to ``get_config``; :func:`parse_arg` turns it into typed options with defaults (a bare name is a
-boolean flag), and an unknown name is an error that lists the known ones.
+boolean flag), and an unknown name is an error that lists the known ones. :func:`check_ranges` checks the
+numbers of a whole config against declared rules, so a run refuses ``batch_size=0`` or a negative learning
+rate before it writes anything.
 """
 
 from __future__ import annotations

@@ -42,14 +42,14 @@ def two_processes(workdir, sigterm_once_saved=None):
                                       f"--process_id={i}", "--config.cpu_collectives=gloo"),
                               cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in range(2)]
-  if sigterm_once_saved is not None:
-    deadline = time.time() + 300
-    while not (workdir / "checkpoints" / str(sigterm_once_saved)).exists():
-      assert all(w.poll() is None for w in workers) and time.time() < deadline
-      time.sleep(0.02)
-    workers[1].send_signal(signal.SIGTERM)
   try:
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    if sigterm_once_saved is not None:
+      deadline = time.time() + 120
+      while not (workdir / "checkpoints" / str(sigterm_once_saved)).exists():
+        assert all(w.poll() is None for w in workers) and time.time() < deadline, "no checkpoint: a hang?"
+        time.sleep(0.02)
+      workers[1].send_signal(signal.SIGTERM)
+    outputs = [w.communicate(timeout=240)[0] for w in workers]
   finally:
     for w in workers:
       w.kill()

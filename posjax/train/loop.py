@@ -233,44 +233,34 @@ class Interrupted(KeyboardInterrupt):
   """Ctrl-C, with what a rerun of the same command will do."""
 
 
-def _validated(config: ml_collections.ConfigDict):
-  """Every check that can fail before the workdir is touched: ranges, parallelism, tokenizer, model and
-  position options (by tracing the model's init), the corpora. Returns ``(config with total_steps,
-  tokenizer, model)``."""
-  config_args.check_ranges(config, RANGES)
-  if config.parallelism not in PARALLELISMS:
-    raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
-  config = resolve_durations(config)
-  _check_batch(config)
-  if config.parallelism == "jit":
-    sharding.mesh_shape(dict(config.mesh), jax.device_count())
-  tokenizer = Tokenizer.load(config.data.vocab_file)
-  model = BertForMaskedLM(bert_config(config.model, tokenizer.vocab_size, config.max_len))
-  jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, config.max_len), jnp.int32))
-  corpus.check(config.data, ("train", "eval") if config.eval_every_steps > 0 else ("train",))
-  return config, tokenizer, model
-
-
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains ``config`` in ``workdir`` (resuming when it holds checkpoints); returns the final parameters.
 
-  SIGTERM saves a checkpoint and returns; Ctrl-C raises :class:`Interrupted` naming the last checkpoint."""
-  resolved, tokenizer, model = _validated(config)
+  Everything that can be wrong with the config (ranges, parallelism, mesh, tokenizer, the model and its
+  position options, the corpora) fails before the workdir is written. SIGTERM saves a checkpoint and
+  returns; Ctrl-C raises :class:`Interrupted`, which names the last checkpoint."""
+  config_args.check_ranges(config, RANGES)
+  if config.parallelism not in PARALLELISMS:
+    raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
+  resolved = resolve_durations(config)
+  local_batch = _check_batch(resolved)
+  tokenizer = Tokenizer.load(resolved.data.vocab_file)
+  model = BertForMaskedLM(bert_config(resolved.model, tokenizer.vocab_size, resolved.max_len))
+  optimizer, schedule = make_optimizer(resolved)
+  init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(resolved.seed))
+
+  def init_boxed(rng):
+    params = model.init(rng, jnp.ones((1, resolved.max_len), jnp.int32))["params"]
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+  abstract_state = jax.eval_shape(init_boxed, init_rng)  # traces the model: its options are checked here
+  parallel = (JitParallel if resolved.parallelism == "jit" else PmapParallel)(resolved, abstract_state)
+  corpus.check(resolved.data, ("train", "eval") if resolved.eval_every_steps > 0 else ("train",))
   os.makedirs(workdir, exist_ok=True)
   check_workdir_config(config, workdir)
   config = resolved
   is_main = jax.process_index() == 0
-  optimizer, schedule = make_optimizer(config)
-  local_batch = _check_batch(config)
   batches = make_batches(config, tokenizer, "train", local_batch)
-
-  init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-
-  def init_boxed(rng):
-    params = model.init(rng, jnp.ones((1, config.max_len), jnp.int32))["params"]
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-
-  parallel = (JitParallel if config.parallelism == "jit" else PmapParallel)(config, jax.eval_shape(init_boxed, init_rng))
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints,
                                              keep_steps=tuple(config.keep_steps))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main, tensorboard=config.tensorboard)
