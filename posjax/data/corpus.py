@@ -45,14 +45,14 @@ def tfds_documents(name: str, split: str, data_dir: str | None = None, text_key:
   except AssertionError as error:  # TFDS's way of saying the data set is not prepared
     if "could not find data" not in str(error):
       raise
-    where = f"--data_dir={data_dir}" if data_dir else "--data_dir=DIR (default ~/tensorflow_datasets)"
-    raise FileNotFoundError(
-        f"TFDS data set {name!r} is not prepared{f' in {data_dir}' if data_dir else ''}. TFDS downloads and "
-        f"prepares it once, before training: run `tfds build {name} {where}` and pass the same directory as "
-        "--config.data.data_dir") from None
+    how = (f"`tfds build {name} --data_dir={data_dir}`" if data_dir else
+           f"`tfds build {name}` (into ~/tensorflow_datasets; elsewhere: --data_dir=DIR, and the same "
+           "--config.data.data_dir=DIR here)")
+    raise FileNotFoundError(f"TFDS data set {name!r} is not prepared{f' in {data_dir}' if data_dir else ''}. TFDS "
+                            f"downloads and prepares it once, before training: run {how}") from None
   for example in tfds.as_numpy(dataset):
     if text_key not in example:
-      raise KeyError(f"TFDS data set {name!r} has no field {text_key!r}; fields: {sorted(example)}")
+      raise ValueError(f"TFDS data set {name!r} has no field {text_key!r} (data.text_key); fields: {sorted(example)}")
     text = example[text_key]
     text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
     document = [line.strip() for line in text.split("\n") if line.strip()]
