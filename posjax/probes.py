@@ -144,7 +144,7 @@ COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 
 def plot_accuracy(results: dict, config, path: str) -> None:
   """Accuracy against evaluation length, one panel per task. Methods that only run at the training length
-  (a learned table) are single points, spread sideways around it so that none hides another."""
+  (a learned table) are single points, set side by side to its left so that none hides another."""
   plt = _pyplot()
 
   lengths = [config.train_len * m for m in config.eval_multiples]
@@ -158,15 +158,16 @@ def plot_accuracy(results: dict, config, path: str) -> None:
       if not points:
         continue
       style = dict(marker="osD^v"[i % 5], color=COLORS[i % len(COLORS)])
-      if method in short:
-        spread = 0.25 * (short.index(method) - (len(short) - 1) / 2) / max(len(short) - 1, 1)
-        ax.plot([l * 2 ** spread for l, _ in points], [v for _, v in points], linestyle="none", **style,
+      if method in short:  # side by side left of the training length, clear of the lines' markers there
+        shift = -0.2 - 0.5 * short.index(method) / max(len(short) - 1, 1)
+        ax.plot([l * 2 ** shift for l, _ in points], [v for _, v in points], linestyle="none", **style,
                 label=f"{method} (≤ {config.train_len} only)")
       else:
         ax.plot(*zip(*points), linestyle=("-", "--", ":")[i % 3], label=method, **style)
     ax.axvline(config.train_len, color="grey", linestyle=":")
     ax.set_xscale("log", base=2)
-    ax.set(title=task, xlabel="evaluation length", ylabel="accuracy", ylim=(0, 1.02))
+    ax.set(title=task, xlabel="evaluation length", ylabel="accuracy", ylim=(0, 1.04),
+           xlim=(lengths[0] * 2 ** -0.9, lengths[-1] * 2 ** 0.2))
     ax.set_xticks(lengths, [str(l) for l in lengths], minor=False)
     ax.minorticks_off()
   axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))

@@ -1,7 +1,8 @@
-"""The README's Python examples run as written, in order, in one namespace."""
+"""The README as a new user meets it: each Python example runs on its own, ``make`` alone lists the targets."""
 
 import pathlib
 import re
+import subprocess
 
 import flax
 import jax
@@ -32,3 +33,10 @@ def test_readme_examples_run_each_on_its_own():
   grads = nnx.grad(lambda block: jnp.sum(block(namespace["x"], namespace["pos"]) ** 2))(namespace["block"])
   leaves = [np.asarray(g) for g in jax.tree.leaves(grads)]
   assert len(leaves) > 8 and all(np.isfinite(g).all() for g in leaves) and any(np.abs(g).max() > 0 for g in leaves)
+
+
+def test_make_alone_lists_the_targets():
+  result = subprocess.run(["make", "--no-print-directory"], cwd=README.parent, capture_output=True, text=True,
+                          check=True)
+  targets = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("make ")]
+  assert {"demo", "test"} <= set(targets)

@@ -213,11 +213,13 @@ def test_checkpoints_none_of_which_can_be_read_are_an_error(tmp_path):
   assert os.listdir(tmp_path / "checkpoints") == ["3"]
 
 
-def test_a_finished_run_says_so(tmp_path, capsys):
-  loop.run(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
+def test_the_terminal_says_where_things_go_shows_evaluations_and_that_a_run_is_finished(tmp_path, capsys):
+  loop.run(pretrain_config(total_steps=2, eval_every_steps=2), str(tmp_path))
   err = capsys.readouterr().err
   assert f"metrics in {tmp_path}/metrics.jsonl, checkpoints in {tmp_path}/checkpoints" in err
-  loop.run(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
+  evaluation = metrics.read(str(tmp_path))[-1]
+  assert f"step 2: eval_loss {evaluation['eval_loss']:.4f}, eval_accuracy {evaluation['eval_accuracy']:.4f}" in err
+  loop.run(pretrain_config(total_steps=2, eval_every_steps=2), str(tmp_path))
   assert f"{tmp_path} is already complete at step 2 (total_steps=2); nothing to do" in capsys.readouterr().err
 
 

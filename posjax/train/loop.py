@@ -211,7 +211,7 @@ class Preemption:
   def __init__(self):
     self.received = False
     self.previous = None
-    self.distributed = jax.distributed.is_initialized()
+    self.distributed = jax.process_count() > 1 or getattr(jax.distributed, "is_initialized", lambda: False)()
     if not self.distributed and threading.current_thread() is threading.main_thread():
       self.previous = signal.signal(signal.SIGTERM, self._handle)
 
