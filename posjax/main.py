@@ -23,8 +23,8 @@ from ml_collections import config_flags
 from posjax import probes
 from posjax.train import loop
 
-# What a mistake in the command raises: reported as one line, without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, flags.Error, app.UsageError)
+# What a mistake in the command (or a non-finite loss) raises: reported as one line, without a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, flags.Error, app.UsageError)
 
 JOBS = {"pretrain": loop.run, "probes": probes.run}
 

@@ -21,8 +21,8 @@ import flax.traverse_util
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from absl import logging
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
 
 
