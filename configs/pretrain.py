@@ -52,6 +52,7 @@ def get_config(arg=None):
   config.grad_accum_steps = 1
   config.adam_b1, config.adam_b2, config.adam_eps = 0.9, 0.999, 1e-6
   config.weight_decay = 0.01
+  config.weight_decay_exclusion = "bert"  # biases and LayerNorm skip decay; "none": every parameter decays (fairseq)
   config.grad_clip_norm = 1.0
   config.parallelism = "jit"  # or "pmap"
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -72,7 +73,10 @@ def get_config(arg=None):
       vocab_size=0,  # 0: the tokenizer's
       max_len=0,  # 0: config.max_len
       position=arg.position, position_options=position_defaults(arg.position), attention_kernel="auto",
-      dtype="bfloat16",
+      dtype="bfloat16", param_dtype="float32",
+      type_vocab_size=2,  # 0: no token-type embeddings (TUPE's RoBERTa-style model)
+      layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5
+      norm="post",  # or "pre"
       dropout_rate=0.1, attention_dropout_rate=0.1, **SIZES[arg.size]))
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",

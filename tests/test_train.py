@@ -387,3 +387,29 @@ def test_resume_on_a_different_number_of_devices(tmp_path):
   run(tmp_path / "moved", 4, 6, "--config.allow_config_change=True")
   assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "moved" / "checkpoints")), rtol=2e-5, atol=2e-6)
+
+
+def test_every_bert_config_field_can_be_set_from_the_command_line(tmp_path):
+  import dataclasses
+  from posjax.models import BertConfig
+  config = pretrain_config()
+  assert {f.name for f in dataclasses.fields(BertConfig)} == set(config.model.keys())
+  params = loop.run(pretrain_config(**{"model.type_vocab_size": 0, "model.layer_norm_eps": 1e-5,
+                                       "weight_decay_exclusion": "none"}, total_steps=1, eval_every_steps=0),
+                    str(tmp_path))
+  assert "token_type_embeddings" not in params["encoder"]
+  with pytest.raises(ValueError, match=r"unknown weight_decay_exclusion 'fairseq'; allowed: \['bert', 'none'\]"):
+    loop.run(pretrain_config(weight_decay_exclusion="fairseq"), str(tmp_path / "w"))
+
+
+def test_weight_decay_exclusion_decides_which_parameters_decay():
+  import optax
+  params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "norm": {"scale": jnp.ones(2)}}
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  for exclusion, decayed in [("bert", {"kernel"}), ("none", {"kernel", "bias", "scale"})]:
+    config = pretrain_config(learning_rate=1.0, warmup_steps=0, weight_decay=0.5, weight_decay_exclusion=exclusion)
+    optimizer, _ = make_optimizer(config)
+    updates, _ = optimizer.update(zero_grads, optimizer.init(params), params)
+    moved = {jax.tree_util.keystr(p).split("'")[-2] for p, u in jax.tree_util.tree_leaves_with_path(updates)
+             if np.abs(u).max() > 0}
+    assert moved == decayed, exclusion

@@ -35,12 +35,22 @@ def decays(params):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
+# Which parameters weight decay skips: BERT's list (biases, LayerNorm scales), or none (fairseq's AdamW, which
+# the official TUPE code trains with, decays every parameter).
+WEIGHT_DECAY_EXCLUSIONS = {"bert": decays, "none": None}
+
+
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with clipping and the warm-up / linear-decay schedule; ``config.weight_decay_exclusion`` is ``bert``
+  (the default) or ``none``."""
+  exclusion = config.get("weight_decay_exclusion", "bert")
+  if exclusion not in WEIGHT_DECAY_EXCLUSIONS:
+    raise ValueError(f"unknown weight_decay_exclusion {exclusion!r}; allowed: {list(WEIGHT_DECAY_EXCLUSIONS)}")
   schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps, config.total_steps)
   optimizer = optax.chain(
       optax.clip_by_global_norm(config.grad_clip_norm),
       optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                  weight_decay=config.weight_decay, mask=decays))
+                  weight_decay=config.weight_decay, mask=WEIGHT_DECAY_EXCLUSIONS[exclusion]))
   return optimizer, schedule
 
 
