@@ -43,8 +43,8 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.total_steps = 1_000_000  # or, instead, one of:
-  config.total_epochs = None  # needs data.examples_per_epoch
-  config.total_examples = None  # sequences
+  config.total_epochs = ml_collections.config_dict.placeholder(float)  # needs data.examples_per_epoch
+  config.total_examples = ml_collections.config_dict.placeholder(int)  # sequences
   config.warmup_steps = 10_000
   config.learning_rate = 1e-4  # peak
   config.batch_size = 256  # global, sequences
@@ -83,7 +83,7 @@ def get_config(arg=None):
       data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",
       packing="full_sentence", mask_rate=0.15, whole_word_masking=False,
       num_shards=0,  # document shards the global batch is built from; 0: one per process
-      examples_per_epoch=None))  # packed sequences per epoch, for config.total_epochs
+      examples_per_epoch=ml_collections.config_dict.placeholder(int)))  # packed sequences per epoch
 
   if arg.runlocal:
     config.model.update(SIZES["tiny"], dtype="float32", attention_kernel="xla")

@@ -9,6 +9,7 @@ rate before it writes anything.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import ml_collections
@@ -53,7 +54,7 @@ def steps(name: str, config, *, examples_per_step: int, examples_per_epoch: int 
   if unit == "examples":
     return -(-int(value) // examples_per_step)
   if examples_per_epoch is None:
-    raise ValueError(f"{name}_epochs needs a data set of known size")
+    raise ValueError(f"{name}_epochs needs the size of an epoch (data.examples_per_epoch, in examples)")
   return -(-int(value * examples_per_epoch) // examples_per_step)
 
 
@@ -76,5 +77,5 @@ def check_ranges(config, rules: dict[str, Rule]) -> None:
       value = value.get(part) if value is not None else None
     if value is None:
       continue
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
       raise ValueError(f"config.{field}={value!r} is out of range: it must be a number {allowed}")

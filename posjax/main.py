@@ -24,7 +24,7 @@ from posjax import probes
 from posjax.train import loop
 
 # What a mistake in the command (or a non-finite loss) raises: reported as one line, without a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, flags.Error, app.UsageError)
+USER_ERRORS = (ValueError, OSError, FloatingPointError, flags.Error, app.UsageError)
 
 JOBS = {"pretrain": loop.run, "probes": probes.run}
 
@@ -45,8 +45,6 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None or not _WORKDIR.value:
     raise app.UsageError("--config and --workdir are required")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; -v 0 shows it
   if _NUM_PROCESSES.value > 1 or _DISTRIBUTED.value:
     if _CONFIG.value.get("cpu_collectives"):
       jax.config.update("jax_cpu_collectives_implementation", _CONFIG.value.cpu_collectives)
@@ -77,7 +75,8 @@ def error_message(error: BaseException) -> str:
     given = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.") and
              a.split("=")[0].split(".")[-1] == key]
     return f"unknown config field {given[0] if given else name}" + (f"; {' '.join(hint.split())}" if hint else "")
-  root = chain[-1]
+  flag_error = next((e for e in chain if isinstance(e, flags.Error) and str(e).startswith("flag --config.")), None)
+  root = flag_error or chain[-1]  # absl's own text names the flag: "flag --config.batch_size=abc: ..."
   text = root.args[0] if len(root.args) == 1 and isinstance(root.args[0], str) else str(root)
   return " ".join(text.split())
 
@@ -92,6 +91,8 @@ def parse_flags(argv):
 
 
 def run_main(argv):
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; -v 0 shows it
   try:
     main(argv)
   except loop.Interrupted as interrupted:

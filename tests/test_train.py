@@ -252,12 +252,12 @@ def test_runlocal_does_not_mix_its_corpus_with_ones_own(tmp_path):
   own.write_text("a sentence of my own .\nanother one .\n")
   vocab = tmp_path / "vocab.txt"
   vocab.write_text((ROOT / "configs" / "data" / "tiny_vocab.txt").read_text())
-  with pytest.raises(ValueError, match=r"data.eval_files still point at runlocal's built-in synthetic corpus .* "
-                                       r"while data.train_files, data.vocab_file are your own: set "
+  with pytest.raises(ValueError, match=r"data.eval_files is runlocal's built-in synthetic corpus .* "
+                                       r"but data.train_files, data.vocab_file are your own: set "
                                        r"--config.data.eval_files=... to your data as well, or "
                                        r"--config.eval_every_steps=0"):
     loop.run(pretrain_config(**{"data.train_files": str(own), "data.vocab_file": str(vocab)}), str(tmp_path / "w"))
-  with pytest.raises(ValueError, match=r"data.eval_files, data.vocab_file still point at runlocal's built-in"):
+  with pytest.raises(ValueError, match=r"data.eval_files, data.vocab_file are runlocal's built-in"):
     loop.run(pretrain_config(**{"data.train_files": str(own)}), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 from posjax.data import synthetic
 
 Document = list[str]
+SOURCES = ("text", "tfds")
 
 
 def text_documents(pattern: str) -> Iterator[Document]:
@@ -26,7 +27,7 @@ def text_documents(pattern: str) -> Iterator[Document]:
   for path in files:
     document: Document = []
     with open(path, encoding="utf-8") as f:
-      for line in f:
+      for line in _lines(f, path):
         line = line.strip()
         if line:
           document.append(line)
@@ -35,6 +36,15 @@ def text_documents(pattern: str) -> Iterator[Document]:
           document = []
     if document:
       yield document
+
+
+def _lines(f, path: str) -> Iterator[str]:
+  number = 0
+  try:
+    for number, line in enumerate(f, 1):
+      yield line
+  except UnicodeDecodeError as error:
+    raise ValueError(f"text file {path} is not UTF-8 text (after line {number}: {error.reason})") from None
 
 
 def tfds_documents(name: str, split: str, data_dir: str | None = None, text_key: str = "text") -> Iterator[Document]:
@@ -74,7 +84,7 @@ def documents(data_config, split: str, shard_index: int = 0, shard_count: int = 
     stream = tfds_documents(data_config.tfds_name, tfds_split, data_config.get("data_dir"),
                             data_config.get("text_key", "text"))
   else:
-    raise ValueError(f"unknown data.source {data_config.source!r}; allowed: 'text', 'tfds'")
+    raise ValueError(f"unknown data.source {data_config.source!r}; allowed: {list(SOURCES)}")
   return itertools.islice(stream, shard_index, None, shard_count)
 
 
@@ -82,9 +92,12 @@ def _is_builtin(pattern: str) -> bool:
   return bool(pattern) and os.path.abspath(pattern).startswith(synthetic.BUILTIN_DIR + os.sep)
 
 
-def check(data_config, splits: Sequence[str]) -> None:
-  """Fails before a run writes anything: every split must yield a document, and runlocal's built-in
-  synthetic corpus (its text files and vocabulary) must not be mixed with one's own data."""
+def check(data_config, splits: Sequence[str], train_shards: Sequence[int] = (0,), num_shards: int = 1) -> None:
+  """Fails before a run writes anything: the source is known, every split yields a document (the train split
+  in each of ``train_shards`` of ``num_shards``), and runlocal's built-in synthetic corpus (its text files and
+  vocabulary) is not mixed with one's own data."""
+  if data_config.source not in SOURCES:
+    raise ValueError(f"unknown data.source {data_config.source!r}; allowed: {list(SOURCES)}")
   fields = {"vocab_file": _is_builtin(data_config.vocab_file)}
   if data_config.source == "text":
     fields.update({f"{split}_files": _is_builtin(data_config.get(f"{split}_files", "")) for split in splits})
@@ -94,11 +107,14 @@ def check(data_config, splits: Sequence[str]) -> None:
   own = sorted(f for f, is_builtin in fields.items() if not is_builtin)
   if builtin and own:
     raise ValueError(
-        f"data.{', data.'.join(builtin)} still point at runlocal's built-in synthetic corpus ({synthetic.BUILTIN_DIR}) "
-        f"while data.{', data.'.join(own)} are your own: set " + " and ".join(
-            f"--config.data.{f}=..." for f in builtin) + " to your data as well" + (
+        f"data.{', data.'.join(builtin)} {'is' if len(builtin) == 1 else 'are'} runlocal's built-in synthetic corpus "
+        f"({synthetic.BUILTIN_DIR}) but data.{', data.'.join(own)} {'is' if len(own) == 1 else 'are'} your own: set "
+        + " and ".join(f"--config.data.{f}=..." for f in builtin) + " to your data as well" + (
             " (train a vocabulary with python -m posjax.data.vocab)" if "vocab_file" in builtin else "") + (
             ", or --config.eval_every_steps=0 to train without evaluation" if builtin == ["eval_files"] else ""))
   for split in splits:
-    if next(iter(documents(data_config, split)), None) is None:
-      raise ValueError(f"the {split} split of the corpus holds no document")
+    for shard in train_shards if split == "train" else (0,):
+      count = num_shards if split == "train" else 1
+      if next(iter(documents(data_config, split, shard, count)), None) is None:
+        where = f"shard {shard} of the {num_shards} data shards (data.num_shards)" if count > 1 else "it"
+        raise ValueError(f"the {split} split of the corpus holds no document for {where}")

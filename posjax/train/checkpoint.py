@@ -55,11 +55,14 @@ class Checkpointer:
     failed = {}
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        restored, reason = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())), None
       except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: try the one before)
         _silence_abandoned_reads()
-        failed[step] = _summary(error)
+        restored, reason = None, _summary(error)
+      elsewhere = _failed_elsewhere(reason is not None)  # every process must settle on the same step
+      if reason is not None or elsewhere:
+        failed[step] = reason or f"unreadable on process(es) {elsewhere}"
         continue
       if failed:
         self._move_aside(failed)
@@ -100,6 +103,23 @@ def _summary(error: Exception, limit: int = 200) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _failed_elsewhere(failed_here: bool) -> list[int]:
+  """The other processes for which the same restore failed (a collective in a multi-process run)."""
+  if jax.process_count() == 1:
+    return []
+  failed = np.asarray(multihost_utils.process_allgather(np.int32(failed_here)))
+  return [int(p) for p in np.flatnonzero(failed) if p != jax.process_index()]
+
+
+def check_directory(directory: str, field: str) -> None:
+  """A directory holding this project's checkpoints (step folders), or an error that names ``field``."""
+  steps = [p for p in os.listdir(directory) if p.isdigit()] if os.path.isdir(directory) else []
+  if not steps:
+    hint = (f"; did you mean {os.path.join(directory, 'checkpoints')}?"
+            if os.path.isdir(os.path.join(directory, "checkpoints")) else "")
+    raise FileNotFoundError(f"{field}={directory!r} holds no checkpoint (step folders){hint}")
+
+
 def _sync(name: str) -> None:
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
@@ -130,10 +150,9 @@ def _silence_abandoned_reads() -> None:
 
 def load_params(directory: str, step: int | None = None) -> dict:
   """Parameters of another run's checkpoint, as a nested dict of numpy arrays (for warm starts)."""
+  check_directory(directory, "checkpoint directory")
   manager = ocp.CheckpointManager(os.path.abspath(directory), item_handlers=_handlers())
   step = manager.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint in {directory}")
   # Restore onto this process's first device, whatever topology the checkpoint was saved from.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   metadata = manager.item_metadata(step).state

@@ -56,9 +56,11 @@ def bert_config(model: ml_collections.ConfigDict, vocab_size: int, max_len: int)
   return BertConfig(**values)
 
 
-def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = ()) -> None:
-  """Writes the config to ``workdir/config.json``; a restart with a different one (fields in ``ignore`` aside)
-  is an error unless ``config.allow_config_change``."""
+def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = (),
+                         write: bool = True) -> None:
+  """Compares the config with ``workdir/config.json`` and (``write``) writes it there; a restart with a different
+  one (fields in ``ignore`` aside) is an error unless ``config.allow_config_change``."""
+  ignore = tuple(ignore) + ("allow_config_change",)
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json_best_effort(sort_keys=True))
   if os.path.exists(path) and not config.get("allow_config_change", False):
@@ -70,7 +72,7 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore
     if changed:
       raise ValueError(f"{workdir} holds a run with a different config (changed: {changed}); use another workdir" + (
           " or set --config.allow_config_change=True" if "allow_config_change" in config else ""))
-  if jax.process_index() == 0:
+  if write and jax.process_index() == 0:
     with open(path + ".tmp", "w") as f:
       json.dump(current, f, indent=2, sort_keys=True)
     os.replace(path + ".tmp", path)
@@ -109,6 +111,13 @@ class JitParallel:
   def init(self, init_fn, rng):
     return jax.jit(init_fn, out_shardings=self.state_shardings)(rng)
 
+  def check_batch(self, local_batch: int, accum_steps: int) -> None:
+    del accum_steps  # micro-batches are split inside the program, whatever their sharding
+    shards = math.prod(self.mesh.shape[axis] for axis in sharding.BATCH)
+    if (local_batch * jax.process_count()) % shards:
+      raise ValueError(f"batch_size={local_batch * jax.process_count()} must divide over the mesh's {shards} data x "
+                       "fsdp devices")
+
   def compile_step(self, step_fn):
     batch = sharding.batch_sharding(self.mesh)
     return jax.jit(step_fn, in_shardings=(self.state_shardings, batch, sharding.replicated(self.mesh)),
@@ -143,6 +152,11 @@ class PmapParallel:
   def init(self, init_fn, rng):
     return self.replicate(jax.jit(init_fn)(rng))
 
+  def check_batch(self, local_batch: int, accum_steps: int) -> None:
+    if local_batch % (len(self.devices) * accum_steps):
+      raise ValueError(f"pmap: the per-process batch {local_batch} must divide over its {len(self.devices)} devices "
+                       f"times grad_accum_steps={accum_steps}")
+
   def compile_step(self, step_fn):
     return jax.pmap(functools.partial(step_fn, axis_name="batch"), axis_name="batch", in_axes=(0, 0, None),
                     donate_argnums=0)
@@ -173,7 +187,7 @@ def resolve_durations(config: ml_collections.ConfigDict) -> ml_collections.Confi
 
 
 RANGES = {
-    "batch_size": POSITIVE, "total_steps": POSITIVE, "total_epochs": POSITIVE, "total_examples": POSITIVE,
+    "seed": NON_NEGATIVE, "batch_size": POSITIVE, "total_steps": POSITIVE, "total_epochs": POSITIVE, "total_examples": POSITIVE,
     "warmup_steps": NON_NEGATIVE, "learning_rate": NON_NEGATIVE, "max_len": at_least(8),
     "grad_accum_steps": POSITIVE, "adam_b1": FRACTION, "adam_b2": FRACTION, "adam_eps": POSITIVE,
     "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE, "log_every_steps": POSITIVE,
@@ -200,33 +214,51 @@ def _say(message: str) -> None:
     tqdm.tqdm.write(message, file=sys.stderr)
 
 
-class Preemption:
-  """SIGTERM, the preemption notice of TPU VMs and Slurm, stops a run at a step where it saves a checkpoint.
+class Interruptions:
+  """SIGTERM (the preemption notice of TPU VMs and Slurm) and Ctrl-C, from the start of a run to its end.
 
-  One process: a signal handler sets a flag. Under ``jax.distributed`` the runtime receives the signal and
-  every process learns, at the same step, that it is time to stop (``reached_preemption_sync_point``, which
-  every process calls after every step), so all of them save that step.
+  One process: SIGTERM sets a flag, and the run saves a checkpoint after the current step and stops. The
+  first Ctrl-C stops the run after the current step (:class:`Interrupted`); a second one stops it at once.
+  Under ``jax.distributed`` the runtime owns SIGTERM and tells every process at the same step that it is time
+  to stop (``reached_preemption_sync_point``, which every process calls after every step), so all of them
+  save that step; Ctrl-C is handed to the runtime as a SIGTERM, because a process that stopped alone would
+  leave the others waiting in their next collective for ever.
   """
 
-  def __init__(self):
-    self.received = False
-    self.previous = None
+  def __enter__(self):
+    self.terminated = self.interrupted = False
     self.distributed = jax.process_count() > 1 or getattr(jax.distributed, "is_initialized", lambda: False)()
-    if not self.distributed and threading.current_thread() is threading.main_thread():
-      self.previous = signal.signal(signal.SIGTERM, self._handle)
+    self.previous = {}
+    if threading.current_thread() is threading.main_thread():
+      if not self.distributed:
+        self.previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._terminate)
+      self.previous[signal.SIGINT] = signal.signal(signal.SIGINT,
+                                                   self._to_runtime if self.distributed else self._interrupt)
+    return self
 
-  def _handle(self, signum, frame):
+  def __exit__(self, *exc):
+    for signum, handler in self.previous.items():
+      signal.signal(signum, handler)
+
+  def _terminate(self, signum, frame):
     del signum, frame
-    self.received = True
+    self.terminated = True
 
-  def reached(self, step: int) -> bool:
+  def _interrupt(self, signum, frame):
+    del signum, frame
+    self.interrupted = True
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _say("Ctrl-C: stopping after this step (press it again to stop at once)")
+
+  def _to_runtime(self, signum, frame):
+    del signum, frame
+    print("Ctrl-C: every process stops, and saves, at the next step they all reach", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  def preempted(self, step: int) -> bool:
     if self.distributed:
       return multihost_utils.reached_preemption_sync_point(step)
-    return self.received
-
-  def close(self) -> None:
-    if self.previous is not None:
-      signal.signal(signal.SIGTERM, self.previous)
+    return self.terminated
 
 
 class Interrupted(KeyboardInterrupt):
@@ -237,11 +269,35 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains ``config`` in ``workdir`` (resuming when it holds checkpoints); returns the final parameters.
 
   Everything that can be wrong with the config (ranges, parallelism, mesh, tokenizer, the model and its
-  position options, the corpora) fails before the workdir is written. SIGTERM saves a checkpoint and
-  returns; Ctrl-C raises :class:`Interrupted`, which names the last checkpoint."""
+  position options, the corpora, ``init_from``) fails before the workdir is written, on every process at
+  once. SIGTERM saves a checkpoint and returns; Ctrl-C raises :class:`Interrupted`, which names the last
+  checkpoint (see :class:`Interruptions`)."""
+  with Interruptions() as interruptions:
+    try:
+      return _run(config, workdir, interruptions)
+    except Interrupted:
+      raise
+    except KeyboardInterrupt:
+      raise Interrupted(f"interrupted before training started; rerun the same command to start or resume "
+                        f"{workdir}") from None
+
+
+def _agree(error: Exception | None) -> None:
+  """Raises on every process when any process's validation failed (a process alone would leave the others
+  waiting in a collective)."""
+  if jax.process_count() > 1:
+    failed = np.flatnonzero(np.asarray(multihost_utils.process_allgather(np.int32(error is not None))))
+    if error is None and len(failed):
+      raise ValueError(f"process(es) {failed.tolist()} refused the config; their output says why")
+  if error is not None:
+    raise error
+
+
+def _validate(config: ml_collections.ConfigDict, workdir: str):
   config_args.check_ranges(config, RANGES)
   if config.parallelism not in PARALLELISMS:
     raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
+  check_workdir_config(config, workdir, write=False)
   resolved = resolve_durations(config)
   local_batch = _check_batch(resolved)
   tokenizer = Tokenizer.load(resolved.data.vocab_file)
@@ -255,12 +311,28 @@ def run(config: ml_collections.ConfigDict, workdir: str):
 
   abstract_state = jax.eval_shape(init_boxed, init_rng)  # traces the model: its options are checked here
   parallel = (JitParallel if resolved.parallelism == "jit" else PmapParallel)(resolved, abstract_state)
-  corpus.check(resolved.data, ("train", "eval") if resolved.eval_every_steps > 0 else ("train",))
-  os.makedirs(workdir, exist_ok=True)
-  check_workdir_config(config, workdir)
-  config = resolved
+  parallel.check_batch(local_batch, resolved.grad_accum_steps)
+  batches = make_batches(resolved, tokenizer, "train", local_batch)
+  corpus.check(resolved.data, ("train", "eval") if resolved.eval_every_steps > 0 else ("train",),
+               train_shards=[s.shard for s in batches.streams], num_shards=resolved.data.num_shards or jax.process_count())
+  if resolved.init_from:
+    checkpoint_lib.check_directory(resolved.init_from, "config.init_from")
+  return (resolved, local_batch, tokenizer, model, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel,
+          batches)
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interruptions):
+  validated, error = None, None
+  try:
+    validated = _validate(config, workdir)
+  except (ValueError, OSError) as caught:
+    error = caught
+  _agree(error)
+  original = config
+  (config, local_batch, tokenizer, model, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel,
+   batches) = validated
   is_main = jax.process_index() == 0
-  batches = make_batches(config, tokenizer, "train", local_batch)
+  os.makedirs(workdir, exist_ok=True)
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints,
                                              keep_steps=tuple(config.keep_steps))
   writer = metrics_lib.MetricWriter(workdir, enabled=is_main, tensorboard=config.tensorboard)
@@ -275,6 +347,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     state = parallel.init(lambda rng: nn.unbox(init_boxed(rng)), init_rng)
     if config.init_from:
       state = _warm_start(state, parallel, config.init_from)
+  check_workdir_config(original, workdir)
 
   start = int(jax.device_get(parallel.to_checkpoint(state).step))
   if start >= config.total_steps:
@@ -289,8 +362,6 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   evaluate = _evaluator(config, model, tokenizer, local_batch, parallel)
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
   logger = DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step)
-  preemption = Preemption()
-
   profiling = False
   done = start
   try:
@@ -307,7 +378,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
         profiling = False
-      preempted = preemption.reached(done)
+      if interruptions.interrupted:
+        raise KeyboardInterrupt
+      preempted = interruptions.preempted(done)
       save = done % config.checkpoint_every_steps == 0 or done == config.total_steps or preempted
       run_eval = config.eval_every_steps > 0 and (done % config.eval_every_steps == 0 or done == config.total_steps)
       if save or run_eval:
@@ -329,7 +402,6 @@ def run(config: ml_collections.ConfigDict, workdir: str):
                       f"{'none' if last is None else f'step {last}'} in {checkpointer.directory}; rerun the same "
                       "command to resume") from None
   finally:
-    preemption.close()
     if profiling:
       jax.profiler.stop_trace()
     progress.close()

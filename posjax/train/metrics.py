@@ -28,7 +28,7 @@ class MetricWriter:
     if not self.enabled or not os.path.exists(self.path):
       return
     with open(self.path) as f:
-      lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+      lines = [line for line in f if _step_of(line) is not None and _step_of(line) <= step]
     with open(self.path + ".tmp", "w") as f:
       f.writelines(lines)
     os.replace(self.path + ".tmp", self.path)
@@ -47,6 +47,14 @@ class MetricWriter:
   def close(self) -> None:
     if self._summary is not None:
       self._summary.flush()
+
+
+def _step_of(line: str) -> int | None:
+  """The step of a logged line; ``None`` for a blank line or the partial last line of a killed run."""
+  try:
+    return int(json.loads(line)["step"])
+  except (ValueError, KeyError, TypeError):
+    return None
 
 
 def read(workdir: str) -> list[dict]:
