@@ -181,3 +181,9 @@ def test_an_eval_shard_may_be_empty_a_train_shard_may_not(tokenizer, tmp_path):
   assert empty["input_ids"].shape == (2, 16) and not empty["masked_weights"].any()
   with pytest.raises(ValueError, match="shard 1 of the corpus produced no MLM blocks"):
     next(make(documents))
+
+
+def test_a_text_file_that_turns_binary_is_named(tmp_path):
+  (tmp_path / "mixed.txt").write_bytes(b"one sentence .\n\nanother .\n" + bytes([0xf0, 0x28, 0x8c, 0x28]) + b"\n")
+  with pytest.raises(ValueError, match=r"text file .*mixed.txt is not UTF-8 text \(invalid continuation byte\)"):
+    list(corpus.text_documents(str(tmp_path / "*.txt")))

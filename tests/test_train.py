@@ -230,11 +230,18 @@ def test_the_terminal_says_where_things_go_shows_evaluations_and_that_a_run_is_f
     ({"data.mask_rate": 1.5}, r"config.data.mask_rate=1.5 is out of range: it must be a number in \(0, 1\)"),
     ({"model.position_options.cls_reset": "bogus"}, r"cls_reset='bogus' is not allowed"),
     ({"mesh.data": 3}, r"needs 3 devices; there are 8"),
+    ({"seed": -1}, r"config.seed=-1 is out of range: it must be a number >= 0"),
+    ({"learning_rate": float("inf")}, r"config.learning_rate=inf is out of range"),
+    ({"data.packing": "bogus"}, r"unknown packing 'bogus'; allowed: \['full_sentence', 'documents'\]"),
+    ({"data.num_shards": 3}, r"the per-process batch 8 must divide over its 3 data shards"),
+    ({"data.source": "bogus"}, r"unknown data.source 'bogus'; allowed: \['text', 'tfds'\]"),
+    ({"batch_size": 12}, r"batch_size=12 must divide over the mesh's 8 data x fsdp devices"),
+    ({"init_from": "/nonexistent"}, r"config.init_from='/nonexistent' holds no checkpoint"),
     ({"data.train_files": "/nonexistent/*.txt", "data.eval_files": "/nonexistent/*.txt",
       "data.vocab_file": "/nonexistent/vocab.txt"}, r"vocabulary file '/nonexistent/vocab.txt' does not exist"),
 ])
 def test_bad_configs_are_errors_before_the_workdir_is_written(tmp_path, override, message):
-  with pytest.raises(ValueError if "vocab" not in message else FileNotFoundError, match=message):
+  with pytest.raises(FileNotFoundError if "vocab" in message or "init_from" in message else ValueError, match=message):
     loop.run(pretrain_config("runlocal,position=tupe_a", **override), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
@@ -245,6 +252,26 @@ def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path):
                              total_steps=1, eval_every_steps=0), str(tmp_path))
   loop.run(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "paper"},
                            total_steps=1, eval_every_steps=0), str(tmp_path))
+
+
+def test_a_failed_config_change_leaves_the_run_resumable(tmp_path):
+  loop.run(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
+  with pytest.raises(ValueError, match=r"no checkpoint in .* can be restored \(step 2: "):
+    loop.run(pretrain_config(total_steps=2, eval_every_steps=0, allow_config_change=True,
+                             **{"model.intermediate_size": 32}), str(tmp_path))
+  assert json.loads((tmp_path / "config.json").read_text())["model"]["intermediate_size"] == 128  # not overwritten
+  loop.run(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True), str(tmp_path))
+  loop.run(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))  # allow_config_change is no change
+
+
+def test_a_partial_last_metrics_line_is_dropped_on_resume(tmp_path):
+  writer = metrics.MetricWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3):
+    writer.write(step, {"loss": 1.0})
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 4, "lo')  # killed mid-write
+  writer.truncate_after(2)
+  assert [line["step"] for line in metrics.read(str(tmp_path))] == [1, 2]
 
 
 def test_runlocal_does_not_mix_its_corpus_with_ones_own(tmp_path):
@@ -361,6 +388,7 @@ def test_position_options_from_the_command_line(tmp_path):
     ("--config=configs/pretrain.py:runlocal,position=tupe_x", "error: unknown position method 'tupe_x'; allowed: "),
     ("--config=configs/pretrain.py:runlocal,size=huge", "error: unknown size 'huge'; allowed: ['tiny', 'base', "),
     ("--config.batch_size=0", "error: config.batch_size=0 is out of range: it must be a number > 0"),
+    ("--config.batch_size=abc", "error: flag --config.batch_size=abc: invalid literal for int()"),
 ])
 def test_a_mistake_in_the_command_is_one_line(tmp_path, change, message):
   command = main_command(tmp_path / "w", change)

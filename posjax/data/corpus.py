@@ -39,12 +39,10 @@ def text_documents(pattern: str) -> Iterator[Document]:
 
 
 def _lines(f, path: str) -> Iterator[str]:
-  number = 0
   try:
-    for number, line in enumerate(f, 1):
-      yield line
+    yield from f
   except UnicodeDecodeError as error:
-    raise ValueError(f"text file {path} is not UTF-8 text (after line {number}: {error.reason})") from None
+    raise ValueError(f"text file {path} is not UTF-8 text ({error.reason})") from None
 
 
 def tfds_documents(name: str, split: str, data_dir: str | None = None, text_key: str = "text") -> Iterator[Document]:
