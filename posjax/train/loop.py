@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import flax.traverse_util
@@ -293,7 +294,22 @@ def _agree(error: Exception | None) -> None:
     raise error
 
 
-def _validate(config: ml_collections.ConfigDict, workdir: str):
+class Prepared(NamedTuple):
+  """What validation built, for the run to use."""
+  config: ml_collections.ConfigDict  # with total_steps resolved
+  local_batch: int
+  tokenizer: Tokenizer
+  model: nn.Module
+  optimizer: Any
+  schedule: Any
+  init_boxed: Callable
+  init_rng: jax.Array
+  dropout_rng: jax.Array
+  parallel: Any
+  batches: mlm.ShardedBatches
+
+
+def _validate(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
   config_args.check_ranges(config, RANGES)
   if config.parallelism not in PARALLELISMS:
     raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
@@ -317,8 +333,8 @@ def _validate(config: ml_collections.ConfigDict, workdir: str):
                train_shards=[s.shard for s in batches.streams], num_shards=resolved.data.num_shards or jax.process_count())
   if resolved.init_from:
     checkpoint_lib.check_directory(resolved.init_from, "config.init_from")
-  return (resolved, local_batch, tokenizer, model, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel,
-          batches)
+  return Prepared(resolved, local_batch, tokenizer, model, optimizer, schedule, init_boxed, init_rng, dropout_rng,
+                  parallel, batches)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interruptions):
