@@ -431,7 +431,6 @@ def test_every_bert_config_field_can_be_set_from_the_command_line(tmp_path):
 
 
 def test_weight_decay_exclusion_decides_which_parameters_decay():
-  import optax
   params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "norm": {"scale": jnp.ones(2)}}
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   for exclusion, decayed in [("bert", {"kernel"}), ("none", {"kernel", "bias", "scale"})]:
