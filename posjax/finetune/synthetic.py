@@ -78,10 +78,19 @@ def pair(task: str, rng: np.random.Generator) -> tuple[list[str], str]:
   raise ValueError(f"unknown GLUE task {task!r}; allowed: {list(glue.TASKS)}")
 
 
-def _header(task: glue.Task) -> list[str] | None:
-  if task.name == "cola":
-    return None
-  return ["index", *task.tsv_columns] if task.name not in ("mrpc", "qqp") else list(task.tsv_columns)
+# The real files' headers, for the tasks whose first columns are not an index.
+HEADERS = {"mrpc": ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"],
+           "qqp": ["id", "qid1", "qid2", "question1", "question2", "is_duplicate"]}
+
+
+def _row(task: glue.Task, n: int, texts: list[str], label: str) -> list[str]:
+  if task.name == "cola":  # no header: source, label, original judgement, sentence
+    return ["syn", label, "" if label == "1" else "*", texts[0]]
+  if task.name == "mrpc":
+    return [label, str(2 * n), str(2 * n + 1), *texts]
+  if task.name == "qqp":
+    return [str(n), str(2 * n), str(2 * n + 1), *texts, label]
+  return [str(n), *texts, label]
 
 
 def write_glue(root: str, num_train: int = 120, num_dev: int = 40, seed: int = 0) -> None:
@@ -92,16 +101,9 @@ def write_glue(root: str, num_train: int = 120, num_dev: int = 40, seed: int = 0
     files = {"train.tsv": num_train, **({"dev_matched.tsv": num_dev, "dev_mismatched.tsv": num_dev}
                                         if task.name == "mnli" else {"dev.tsv": num_dev})}
     for name, count in files.items():
-      header = _header(task)
+      header = None if task.name == "cola" else HEADERS.get(task.name, ["index", *task.tsv_columns])
       rows = [header] if header else []
-      for n in range(count):
-        texts, label = pair(task.name, rng)
-        if task.name == "cola":
-          rows.append(["syn", label, "" if label == "1" else "*", texts[0]])
-        elif header[0] == "index":
-          rows.append([str(n), *texts, label])
-        else:  # MRPC / QQP: their own id columns come first in the real files; ours are the text columns
-          rows.append([*texts, label])
+      rows += [_row(task, n, *pair(task.name, rng)) for n in range(count)]
       with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
         f.writelines("\t".join(row) + "\n" for row in rows)
 
