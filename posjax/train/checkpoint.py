@@ -25,6 +25,8 @@ from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
 
+from posjax.train import sharding
+
 
 def _handlers() -> dict:
   return {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
@@ -105,9 +107,7 @@ def _summary(error: Exception, limit: int = 200) -> str:
 
 def _failed_elsewhere(failed_here: bool) -> list[int]:
   """The other processes for which the same restore failed (a collective in a multi-process run)."""
-  if jax.process_count() == 1:
-    return []
-  failed = np.asarray(multihost_utils.process_allgather(np.int32(failed_here)))
+  failed = sharding.per_process(np.int32(failed_here))
   return [int(p) for p in np.flatnonzero(failed) if p != jax.process_index()]
 
 

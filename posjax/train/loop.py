@@ -286,10 +286,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
 def _agree(error: Exception | None) -> None:
   """Raises on every process when any process's validation failed (a process alone would leave the others
   waiting in a collective)."""
-  if jax.process_count() > 1:
-    failed = np.flatnonzero(np.asarray(multihost_utils.process_allgather(np.int32(error is not None))))
-    if error is None and len(failed):
-      raise ValueError(f"process(es) {failed.tolist()} refused the config; their output says why")
+  failed = np.flatnonzero(sharding.per_process(np.int32(error is not None)))
+  if error is None and len(failed):
+    raise ValueError(f"process(es) {failed.tolist()} refused the config; their output says why")
   if error is not None:
     raise error
 
@@ -483,18 +482,10 @@ def _warm_start(state, parallel, init_from: str):
 def _input_position(batches: mlm.ShardedBatches) -> dict:
   """Every process's input position, gathered: the checkpoint's JSON item is written by process 0 alone."""
   shards = batches.state()["shards"]
-  if jax.process_count() == 1:
-    return {"shards": shards}
   ids = sorted(shards, key=int)
   mine = np.asarray([[int(s) for s in ids], [shards[s] for s in ids]], np.int32)
-  gathered = multihost_utils.process_allgather(mine)  # [processes, 2, shards per process]
-  return {"shards": {str(int(shard)): int(count) for part in np.asarray(gathered) for shard, count in zip(*part)}}
-
-
-def _max_over_processes(value: int) -> int:
-  if jax.process_count() == 1:
-    return value
-  return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int32))))
+  gathered = sharding.per_process(mine)  # [processes, 2, shards per process]
+  return {"shards": {str(int(shard)): int(count) for part in gathered for shard, count in zip(*part)}}
 
 
 def _evaluator(config, model, tokenizer, local_batch, parallel):
@@ -506,7 +497,7 @@ def _evaluator(config, model, tokenizer, local_batch, parallel):
     return None
   batches = make_batches(config, tokenizer, "eval", local_batch)
   eval_batches = list(itertools.islice(batches, config.eval_batches))
-  count = _max_over_processes(len(eval_batches))
+  count = int(sharding.per_process(np.int32(len(eval_batches))).max())
   eval_batches += [batches.empty()] * (count - len(eval_batches))
   sums = functools.partial(eval_sums, model=model, use_segments=config.data.packing == "documents")
   if isinstance(parallel, PmapParallel):

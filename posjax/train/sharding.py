@@ -11,6 +11,7 @@ import math
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -67,3 +68,12 @@ def global_batch(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, ja
   """Each process's rows of the global batch -> global arrays sharded over the batch axes."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
+
+
+def per_process(value) -> np.ndarray:
+  """``value`` (a number or array, the same shape on every process) from every process, stacked in process
+  order: a collective that every process must reach; with one process, no communication."""
+  value = np.asarray(value)
+  if jax.process_count() == 1:
+    return value[None]
+  return np.asarray(multihost_utils.process_allgather(value))
