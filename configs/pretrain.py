@@ -41,11 +41,13 @@ def get_config(arg=None):
   if arg.size not in SIZES:
     raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
   config = ml_collections.ConfigDict()
+  config.task = "mlm"
   config.seed = 0
   config.total_steps = 1_000_000  # or, instead, one of:
   config.total_epochs = ml_collections.config_dict.placeholder(float)  # needs data.examples_per_epoch
   config.total_examples = ml_collections.config_dict.placeholder(int)  # sequences
   config.warmup_steps = 10_000
+  config.warmup_fraction = ml_collections.config_dict.placeholder(float)  # of total_steps, instead of warmup_steps
   config.learning_rate = 1e-4  # peak
   config.batch_size = 256  # global, sequences
   config.max_len = 512
@@ -57,8 +59,8 @@ def get_config(arg=None):
   config.parallelism = "jit"  # or "pmap"
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   config.log_every_steps = 100
-  config.eval_every_steps = 10_000
-  config.eval_batches = 50
+  config.eval_every_steps = 10_000  # and at the end; 0: no evaluation
+  config.evals = ml_collections.ConfigDict(dict(eval=dict(kind="mlm", split="eval", batches=50)))
   config.checkpoint_every_steps = 10_000
   config.keep_checkpoints = 3
   config.keep_steps = (100_000, 300_000, 600_000)
@@ -90,6 +92,7 @@ def get_config(arg=None):
     config.data.update(source="text", train_files=os.path.join(DATA, "tiny_train.txt"),
                        eval_files=os.path.join(DATA, "tiny_eval.txt"), vocab_file=os.path.join(DATA, "tiny_vocab.txt"))
     config.update(total_steps=200, warmup_steps=20, learning_rate=1e-3, batch_size=16, max_len=64,
-                  log_every_steps=10, eval_every_steps=100, eval_batches=4, checkpoint_every_steps=100,
+                  log_every_steps=10, eval_every_steps=100, checkpoint_every_steps=100,
                   keep_steps=(), tensorboard=False)
+    config.evals.eval.batches = 4
   return config

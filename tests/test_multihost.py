@@ -23,7 +23,7 @@ STEPS = 60
 def command(workdir, *extra):
   return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal,position=tupe_r",
           f"--workdir={workdir}", f"--config.total_steps={STEPS}", "--config.batch_size=8", "--config.max_len=32",
-          "--config.eval_every_steps=10", "--config.eval_batches=50", "--config.checkpoint_every_steps=10",
+          "--config.eval_every_steps=10", "--config.evals.eval.batches=50", "--config.checkpoint_every_steps=10",
           "--config.data.num_shards=2", "--config.log_every_steps=1",
           "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra]
 

@@ -18,7 +18,7 @@ import pytest
 from posjax import config_args
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertForMaskedLM
-from posjax.train import checkpoint, loop, metrics
+from posjax.train import checkpoint, loop, metrics, tasks
 from posjax.train.step import TrainState, make_optimizer, train_step
 from conftest import ROOT, load_config
 
@@ -118,12 +118,12 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
 def activation_batch_sizes(config) -> set[int]:
   """The leading sizes of every [b, max_len, hidden] value in the train step's jaxpr, scan bodies included."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
-  model = BertForMaskedLM(loop.bert_config(config.model, tokenizer.vocab_size, config.max_len))
+  model = BertForMaskedLM(tasks.bert_config(config.model, tokenizer.vocab_size, config.max_len))
   optimizer, schedule = make_optimizer(config)
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, config.max_len), jnp.int32))["params"]
   state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(optimizer.init, params))
-  batch = next(loop.make_batches(config, tokenizer, "train", config.batch_size))
-  step = functools.partial(train_step, model=model, optimizer=optimizer, schedule=schedule,
+  batch = next(tasks.make_batches(config, tokenizer, "train", config.batch_size))
+  step = functools.partial(train_step, loss_fn=tasks.mlm_loss(model), optimizer=optimizer, schedule=schedule,
                            accum_steps=config.grad_accum_steps)
   jaxpr = jax.make_jaxpr(step)(nn.unbox(state), batch, jax.random.PRNGKey(0))
   sizes = set()

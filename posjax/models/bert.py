@@ -67,6 +67,12 @@ class BertConfig:
         raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
     attention.check_kernel(self.attention_kernel, self.position_spec)
 
+  def to_dict(self) -> dict:
+    """The fields as plain JSON values (what ``model_config.json`` holds)."""
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    values["position_options"] = dict(self.position_options)
+    return values
+
   @functools.cached_property
   def position_spec(self) -> base.PositionSpec:
     return positions_lib.make(self.position, self.position_options, num_heads=self.num_heads,

@@ -1,15 +1,16 @@
-"""The MLM pre-training loop: data -> sharded jit (or pmap) step -> metrics -> checkpoints, resumable.
+"""The training loop of every task: data -> sharded jit (or pmap) step -> metrics -> evaluators ->
+checkpoints, resumable.
 
-``run(config, workdir)`` resumes from the newest checkpoint in ``workdir`` when there is one: the train
-state and the input position are restored, so the resumed run sees exactly the batches, dropout and
-metrics an uninterrupted one would.
+``run(config, workdir)`` trains the task ``config.task`` names (``mlm`` pre-training, ``glue``, ``squad``; see
+:mod:`posjax.train.tasks`). It resumes from the newest checkpoint in ``workdir`` when there is one: the train
+state and the input position are restored, so the resumed run sees exactly the batches, dropout and metrics
+an uninterrupted one would. The evaluators run every ``eval_every_steps`` and at the end; the last
+evaluation goes to ``results.json`` with what the run was (task, step, seed, learning rate, init, position).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import json
 import math
 import os
@@ -31,30 +32,16 @@ from jax.experimental import multihost_utils
 
 from posjax import config_args
 from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, at_least
-from posjax.data import corpus, mlm
-from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertForMaskedLM
+from posjax.finetune import tasks as finetune_tasks
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import metrics as metrics_lib
-from posjax.train import sharding
-from posjax.train.step import TrainState, eval_sums, make_optimizer, train_step
+from posjax.train import sharding, tasks
+from posjax.train.step import TrainState, make_optimizer, train_step
 
 PARALLELISMS = ("jit", "pmap")
+TASKS = {"mlm": tasks.mlm, "glue": finetune_tasks.glue, "squad": finetune_tasks.squad}
 DETERMINISTIC_METRICS = ("loss", "accuracy", "grad_norm", "learning_rate")
-
-
-def bert_config(model: ml_collections.ConfigDict, vocab_size: int, max_len: int) -> BertConfig:
-  """``config.model`` as a BertConfig; ``vocab_size=0`` / ``max_len=0`` take the tokenizer's / the data's."""
-  fields = {f.name for f in dataclasses.fields(BertConfig)}
-  unknown = sorted(set(model.keys()) - fields)
-  if unknown:
-    raise ValueError(f"config.model has unknown field(s) {unknown}; BertConfig fields: {sorted(fields)}")
-  values = model.to_dict()
-  values["vocab_size"] = values.get("vocab_size") or vocab_size
-  values["max_len"] = values.get("max_len") or max_len
-  if values["vocab_size"] != vocab_size:
-    raise ValueError(f"model.vocab_size={values['vocab_size']} but the tokenizer has {vocab_size} pieces")
-  return BertConfig(**values)
+UNSUPPORTED = "unsupported"  # an evaluation the model cannot run (e.g. longer than its learned position table)
 
 
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = (),
@@ -77,27 +64,6 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore
     with open(path + ".tmp", "w") as f:
       json.dump(current, f, indent=2, sort_keys=True)
     os.replace(path + ".tmp", path)
-
-
-def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int) -> mlm.ShardedBatches:
-  """This process's rows of every global batch: ``data.num_shards`` document shards (0: one per process),
-  of which each process owns a contiguous range."""
-  index, count = jax.process_index(), jax.process_count()
-  data = config.data
-  num_shards = data.num_shards or count
-  if num_shards % count:
-    raise ValueError(f"data.num_shards={num_shards} must be a multiple of the {count} processes")
-  per_process = num_shards // count
-  if local_batch % per_process:
-    raise ValueError(f"the per-process batch {local_batch} must divide over its {per_process} data shards")
-  shards = range(index * per_process, (index + 1) * per_process)
-  return mlm.ShardedBatches([
-      mlm.MlmBatches(functools.partial(corpus.documents, data, split, shard, num_shards), tokenizer,
-                     max_len=config.max_len, batch_size=local_batch // per_process,
-                     seed=config.seed + (0 if split == "train" else 1), packing=data.packing,
-                     mask_rate=data.mask_rate, whole_word=data.whole_word_masking, repeat=split == "train",
-                     shard=shard)
-      for shard in shards])
 
 
 class JitParallel:
@@ -123,6 +89,10 @@ class JitParallel:
     batch = sharding.batch_sharding(self.mesh)
     return jax.jit(step_fn, in_shardings=(self.state_shardings, batch, sharding.replicated(self.mesh)),
                    out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=0)
+
+  def compile_predict(self, predict_fn):
+    """``predict_fn(params, batch)`` with every output row of the global batch on every process."""
+    return jax.jit(predict_fn, out_shardings=sharding.replicated(self.mesh))
 
   def put_batch(self, local_batch):
     return sharding.global_batch(local_batch, self.mesh)
@@ -162,6 +132,10 @@ class PmapParallel:
     return jax.pmap(functools.partial(step_fn, axis_name="batch"), axis_name="batch", in_axes=(0, 0, None),
                     donate_argnums=0)
 
+  def compile_predict(self, predict_fn):
+    gathered = jax.pmap(lambda p, b: jax.lax.all_gather(predict_fn(p, b), "batch", tiled=True), axis_name="batch")
+    return lambda params, batch: jax.tree.map(lambda x: x[0], gathered(params, batch))
+
   def put_batch(self, local_batch):
     n = len(self.devices)
     return {k: v.reshape((n, v.shape[0] // n) + v.shape[1:]) for k, v in local_batch.items()}
@@ -176,25 +150,36 @@ class PmapParallel:
     return jax.tree.map(lambda x: x[0], state.params)
 
 
-def resolve_durations(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """``total_steps`` from whichever of ``total_steps`` / ``total_epochs`` / ``total_examples`` is set
-  (epochs need ``data.examples_per_epoch``, in packed sequences)."""
+def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int | None = None
+                      ) -> ml_collections.ConfigDict:
+  """``total_steps`` from whichever of ``total_steps`` / ``total_epochs`` / ``total_examples`` is set (an epoch
+  is ``examples_per_epoch``: the task's training examples, or for MLM ``data.examples_per_epoch`` packed
+  sequences), and ``warmup_steps`` from ``warmup_fraction`` of the run when that is set instead."""
   values = config.to_dict()
   if any(values.get(f"total_{unit}") is not None for unit in ("epochs", "examples")):
     values["total_steps"] = None
     values["total_steps"] = config_args.steps("total", values, examples_per_step=config.batch_size,
-                                              examples_per_epoch=config.data.get("examples_per_epoch"))
+                                              examples_per_epoch=examples_per_epoch)
+  fraction = values.get("warmup_fraction")
+  if fraction is not None:
+    if values.get("warmup_steps") is not None:
+      raise ValueError(f"config.warmup_steps={values['warmup_steps']} and config.warmup_fraction={fraction} "
+                       "contradict each other; give one (--config.warmup_steps=None to use the fraction)")
+    values["warmup_steps"] = int(round(fraction * values["total_steps"]))
+  elif values.get("warmup_steps") is None:
+    raise ValueError("give config.warmup_steps or config.warmup_fraction (of the run's steps)")
   return ml_collections.ConfigDict(values)
 
 
 RANGES = {
-    "seed": NON_NEGATIVE, "batch_size": POSITIVE, "total_steps": POSITIVE, "total_epochs": POSITIVE, "total_examples": POSITIVE,
-    "warmup_steps": NON_NEGATIVE, "learning_rate": NON_NEGATIVE, "max_len": at_least(8),
-    "grad_accum_steps": POSITIVE, "adam_b1": FRACTION, "adam_b2": FRACTION, "adam_eps": POSITIVE,
-    "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE, "log_every_steps": POSITIVE,
-    "eval_every_steps": NON_NEGATIVE, "eval_batches": POSITIVE, "checkpoint_every_steps": POSITIVE,
-    "keep_checkpoints": POSITIVE, "profile_steps": POSITIVE, "data.mask_rate": OPEN_FRACTION,
-    "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE, "model.dropout_rate": FRACTION,
+    "seed": NON_NEGATIVE, "batch_size": POSITIVE, "eval_batch_size": POSITIVE, "total_steps": POSITIVE,
+    "total_epochs": POSITIVE, "total_examples": POSITIVE, "warmup_steps": NON_NEGATIVE, "warmup_fraction": FRACTION,
+    "learning_rate": NON_NEGATIVE, "max_len": at_least(8), "grad_accum_steps": POSITIVE, "adam_b1": FRACTION,
+    "adam_b2": FRACTION, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE,
+    "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "checkpoint_every_steps": POSITIVE,
+    "keep_checkpoints": POSITIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
+    "data.mask_rate": OPEN_FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
+    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "model.dropout_rate": FRACTION,
     "model.attention_dropout_rate": FRACTION,
 }
 
@@ -295,45 +280,42 @@ def _agree(error: Exception | None) -> None:
 
 class Prepared(NamedTuple):
   """What validation built, for the run to use."""
-  config: ml_collections.ConfigDict  # with total_steps resolved
+  config: ml_collections.ConfigDict  # with total_steps and warmup_steps resolved
   local_batch: int
-  tokenizer: Tokenizer
-  model: nn.Module
+  task: tasks.Task
   optimizer: Any
   schedule: Any
   init_boxed: Callable
   init_rng: jax.Array
   dropout_rng: jax.Array
   parallel: Any
-  batches: mlm.ShardedBatches
 
 
 def _validate(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
   config_args.check_ranges(config, RANGES)
   if config.parallelism not in PARALLELISMS:
     raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
+  name = config.get("task", "mlm")
+  if name not in TASKS:
+    raise ValueError(f"unknown config.task {name!r}; allowed: {list(TASKS)}")
+  tasks.check_evals(config)
   check_workdir_config(config, workdir, write=False)
-  resolved = resolve_durations(config)
-  local_batch = _check_batch(resolved)
-  tokenizer = Tokenizer.load(resolved.data.vocab_file)
-  model = BertForMaskedLM(bert_config(resolved.model, tokenizer.vocab_size, resolved.max_len))
+  local_batch = _check_batch(config)
+  task = TASKS[name](config, local_batch)
+  resolved = resolve_durations(config, task.examples_per_epoch)
   optimizer, schedule = make_optimizer(resolved)
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(resolved.seed))
 
   def init_boxed(rng):
-    params = model.init(rng, jnp.ones((1, resolved.max_len), jnp.int32))["params"]
+    params = task.model.init(rng, **task.init_inputs)["params"]
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
   abstract_state = jax.eval_shape(init_boxed, init_rng)  # traces the model: its options are checked here
   parallel = (JitParallel if resolved.parallelism == "jit" else PmapParallel)(resolved, abstract_state)
   parallel.check_batch(local_batch, resolved.grad_accum_steps)
-  batches = make_batches(resolved, tokenizer, "train", local_batch)
-  corpus.check(resolved.data, ("train", "eval") if resolved.eval_every_steps > 0 else ("train",),
-               train_shards=[s.shard for s in batches.streams], num_shards=resolved.data.num_shards or jax.process_count())
-  if resolved.init_from:
+  if resolved.get("init_from"):
     checkpoint_lib.check_directory(resolved.init_from, "config.init_from")
-  return Prepared(resolved, local_batch, tokenizer, model, optimizer, schedule, init_boxed, init_rng, dropout_rng,
-                  parallel, batches)
+  return Prepared(resolved, local_batch, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel)
 
 
 def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interruptions):
@@ -344,8 +326,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     error = caught
   _agree(error)
   original = config
-  (config, local_batch, tokenizer, model, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel,
-   batches) = validated
+  config, local_batch, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel = validated
+  batches = task.train_batches
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints,
@@ -360,9 +342,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     _say(f"resumed from step {step} of {workdir}")
   else:
     state = parallel.init(lambda rng: nn.unbox(init_boxed(rng)), init_rng)
-    if config.init_from:
+    if config.get("init_from"):
       state = _warm_start(state, parallel, config.init_from)
+    if task.load_init is not None:
+      params = task.load_init(parallel.to_checkpoint(state).params)
+      state = parallel.from_checkpoint(parallel.to_checkpoint(state).replace(params=params))
   check_workdir_config(original, workdir)
+  if is_main:
+    _write_json(os.path.join(workdir, "model_config.json"), task.model_config.to_dict())
 
   start = int(jax.device_get(parallel.to_checkpoint(state).step))
   if start >= config.total_steps:
@@ -370,15 +357,17 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     checkpointer.close()
     writer.close()
     return parallel.params(state)
-  _say(f"training to step {config.total_steps}: metrics in {writer.path}, checkpoints in {checkpointer.directory}")
+  _say(f"training {task.name} to step {config.total_steps}: metrics in {writer.path}, checkpoints in "
+       f"{checkpointer.directory}")
   step_fn = parallel.compile_step(functools.partial(
-      train_step, model=model, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps,
-      use_segments=config.data.packing == "documents"))
-  evaluate = _evaluator(config, model, tokenizer, local_batch, parallel)
+      train_step, loss_fn=task.loss_fn, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps))
+  evaluators = task.evaluators if config.eval_every_steps > 0 else {}
+  evaluate = _evaluation(evaluators, parallel, workdir if is_main else None)
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
   logger = DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step)
   profiling = False
   done = start
+  results = {}
   try:
     for step in range(start, config.total_steps):
       if step == config.profile_start_step and is_main:
@@ -397,11 +386,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
         raise KeyboardInterrupt
       preempted = interruptions.preempted(done)
       save = done % config.checkpoint_every_steps == 0 or done == config.total_steps or preempted
-      run_eval = config.eval_every_steps > 0 and (done % config.eval_every_steps == 0 or done == config.total_steps)
+      run_eval = evaluators and (done % config.eval_every_steps == 0 or done == config.total_steps)
       if save or run_eval:
         logger.flush()
       if run_eval:
-        logger.write_eval(done, evaluate(state))
+        results = evaluate(state)
+        logger.write_eval(done, {f"{name}_{k}": v for name, values in results.items() for k, v in values.items()})
       if save:
         checkpointer.save(done, parallel.to_checkpoint(state), _input_position(batches))
       if preempted:
@@ -410,6 +400,11 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
              "command to resume")
         break
     logger.flush()
+    if done == config.total_steps and is_main:
+      _write_json(os.path.join(workdir, "results.json"), {
+          "task": task.name, "step": done, "seed": config.seed, "learning_rate": config.learning_rate,
+          **task.info, "metrics": results})
+      _say(f"results in {os.path.join(workdir, 'results.json')}")
   except KeyboardInterrupt:
     checkpointer.wait()
     last = checkpointer.manager.latest_step()
@@ -424,6 +419,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     checkpointer.close()
     writer.close()
   return parallel.params(state)
+
+
+def _write_json(path: str, value) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(value, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
 
 
 class DelayedMetrics:
@@ -463,11 +464,13 @@ class DelayedMetrics:
       self.progress.set_postfix(self.postfix, refresh=False)
 
   def write_eval(self, step: int, results: dict) -> None:
-    """Evaluation metrics to the files, the progress bar and a line of their own."""
-    self.writer.write(step, results)
-    self.postfix.update({k: f"{v:.3f}" for k, v in results.items()})
+    """Evaluation metrics to the files, the progress bar and a line of their own (``unsupported`` ones only
+    to the line)."""
+    numbers = {k: v for k, v in results.items() if not isinstance(v, str)}
+    self.writer.write(step, numbers)
+    self.postfix.update({k: f"{v:.3f}" for k, v in numbers.items()})
     self.progress.set_postfix(self.postfix)
-    _say(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+    _say(f"step {step}: " + ", ".join(f"{k} {v}" if isinstance(v, str) else f"{k} {v:.4f}" for k, v in results.items()))
 
 
 def _warm_start(state, parallel, init_from: str):
@@ -479,40 +482,40 @@ def _warm_start(state, parallel, init_from: str):
   return parallel.from_checkpoint(parallel.to_checkpoint(state).replace(params=merged))
 
 
-def _input_position(batches: mlm.ShardedBatches) -> dict:
-  """Every process's input position, gathered: the checkpoint's JSON item is written by process 0 alone."""
-  shards = batches.state()["shards"]
+def _input_position(batches) -> dict:
+  """The input position to save. MLM shards' positions are gathered from every process (the checkpoint's JSON
+  item is written by process 0 alone); an example stream's is the same on every process."""
+  state = batches.state()
+  if "shards" not in state:
+    return state
+  shards = state["shards"]
   ids = sorted(shards, key=int)
   mine = np.asarray([[int(s) for s in ids], [shards[s] for s in ids]], np.int32)
   gathered = sharding.per_process(mine)  # [processes, 2, shards per process]
   return {"shards": {str(int(shard)): int(count) for part in gathered for shard, count in zip(*part)}}
 
 
-def _evaluator(config, model, tokenizer, local_batch, parallel):
-  """Held-out MLM loss and accuracy over the first ``eval_batches`` batches of the eval split.
+def _evaluation(evaluators: dict[str, tasks.Evaluator], parallel, workdir: str | None):
+  """``evaluate(state) -> {name: {metric: value}}`` over every evaluator.
 
-  Every process runs the same number of batches (each batch is a collective): a process whose shard of the
-  eval split holds fewer fills in batches of padding, which weigh nothing."""
-  if config.eval_every_steps <= 0:
-    return None
-  batches = make_batches(config, tokenizer, "eval", local_batch)
-  eval_batches = list(itertools.islice(batches, config.eval_batches))
-  count = int(sharding.per_process(np.int32(len(eval_batches))).max())
-  eval_batches += [batches.empty()] * (count - len(eval_batches))
-  sums = functools.partial(eval_sums, model=model, use_segments=config.data.packing == "documents")
-  if isinstance(parallel, PmapParallel):
-    sums_fn = jax.pmap(lambda p, b: jax.lax.psum(sums(p, b), "batch"), axis_name="batch")
-  else:
-    sums_fn = jax.jit(sums)
+  Every process runs the same number of batches (each batch is a collective): a process with fewer fills in
+  padding batches, which weigh nothing. Outputs are gathered to every process, so each computes the metrics
+  of all rows; ``workdir`` (process 0's) receives any files an evaluator writes (e.g. SQuAD predictions)."""
+  counts = {name: int(sharding.per_process(np.int32(len(ev.batches))).max())
+            for name, ev in evaluators.items() if ev.unsupported is None}
+  compiled = {name: parallel.compile_predict(ev.predict) for name, ev in evaluators.items() if name in counts}
 
-  def evaluate(state):
-    params = state.params
-    totals = {"loss": 0.0, "correct": 0.0, "weight": 0.0}
-    for batch in eval_batches:
-      out = jax.device_get(sums_fn(params, parallel.put_batch(batch)))
-      for k in totals:
-        totals[k] += float(np.asarray(out[k]).reshape(-1)[0])
-    weight = max(totals["weight"], 1.0)
-    return {"eval_loss": totals["loss"] / weight, "eval_accuracy": totals["correct"] / weight}
+  def evaluate(state) -> dict:
+    results = {}
+    for name, ev in evaluators.items():
+      if ev.unsupported is not None:
+        logging.info("%s: unsupported (%s)", name, ev.unsupported)
+        results[name] = {metric: UNSUPPORTED for metric in ev.metric_names}
+        continue
+      batches = ev.batches + [ev.empty] * (counts[name] - len(ev.batches))
+      outputs = [jax.device_get(compiled[name](state.params, parallel.put_batch(b))) for b in batches]
+      joined = {k: np.concatenate([np.asarray(o[k]) for o in outputs]) for k in outputs[0]}
+      results[name] = ev.metrics(joined, workdir)
+    return results
 
   return evaluate

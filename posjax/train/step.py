@@ -1,17 +1,13 @@
-"""Train state, optimizer and the pure MLM train / eval steps."""
+"""Train state, optimizer and the pure train step every task shares."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-
-ENCODER_INPUTS = ("attention_mask", "positions", "segment_ids")
-
 
 @flax.struct.dataclass
 class TrainState:
@@ -54,55 +50,42 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
   return optimizer, schedule
 
 
-def encoder_inputs(batch: dict, use_segments: bool) -> dict:
-  inputs = {k: batch[k] for k in ENCODER_INPUTS if k in batch}
-  if not use_segments:
-    inputs.pop("segment_ids", None)
-  return inputs
+def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optimizer, schedule,
+               accum_steps: int = 1, axis_name: str | None = None):
+  """One optimizer update from ``accum_steps`` micro-batches of any task.
 
-
-def mlm_sums(model, params, batch, rng, *, use_segments: bool, deterministic: bool):
-  """``(summed loss, (summed correct, summed weight))`` over the masked positions of a batch."""
-  logits = model.apply({"params": params}, batch["input_ids"], masked_positions=batch["masked_positions"],
-                       deterministic=deterministic, rngs=None if deterministic else {"dropout": rng},
-                       **encoder_inputs(batch, use_segments))
-  weights = batch["masked_weights"]
-  # Padding rows of masked_positions point at token 0; their weight is 0 and their logits are finite.
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["masked_labels"])
-  correct = (jnp.argmax(logits, -1) == batch["masked_labels"]).astype(jnp.float32)
-  return jnp.sum(losses * weights), (jnp.sum(correct * weights), jnp.sum(weights))
-
-
-def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model, optimizer, schedule,
-               accum_steps: int = 1, use_segments: bool = False, axis_name: str | None = None):
-  """One optimizer update from ``accum_steps`` micro-batches; dropout RNG is ``fold_in(rng, step)``."""
+  ``loss_fn(params, batch, rng) -> (summed loss, sums)`` sums over the examples (or tokens) of a batch;
+  ``sums["weight"]`` counts them and every other sum (e.g. ``correct``) becomes a metric divided by it
+  (``correct`` is reported as ``accuracy``). Gradients are the summed loss's over the summed weight of all
+  micro-batches (and devices), so accumulation and data parallelism give the same update as one big batch.
+  Dropout RNG is ``fold_in(rng, step)``, then the micro-batch index.
+  """
   rng = jax.random.fold_in(rng, state.step)
-  sums = functools.partial(mlm_sums, model, use_segments=use_segments, deterministic=False)
-  grad_fn = jax.value_and_grad(sums, has_aux=True)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def micro(carry, xs):
-    grads, loss, correct, weight = carry
+    grads, loss, sums = carry
     batch_i, index = xs
-    (loss_i, (correct_i, weight_i)), grads_i = grad_fn(state.params, batch_i, jax.random.fold_in(rng, index))
-    return (jax.tree.map(jnp.add, grads, grads_i), loss + loss_i, correct + correct_i, weight + weight_i), None
+    (loss_i, sums_i), grads_i = grad_fn(state.params, batch_i, jax.random.fold_in(rng, index))
+    return (jax.tree.map(jnp.add, grads, grads_i), loss + loss_i, jax.tree.map(jnp.add, sums, sums_i)), None
 
-  zeros = (jax.tree.map(jnp.zeros_like, state.params), 0.0, 0.0, 0.0)
   if accum_steps == 1:
-    (grads, loss, correct, weight), _ = micro(zeros, (batch, 0))
+    (loss, sums), grads = grad_fn(state.params, batch, jax.random.fold_in(rng, 0))
   else:
     split = jax.tree.map(lambda x: x.reshape((accum_steps, x.shape[0] // accum_steps) + x.shape[1:]), batch)
-    (grads, loss, correct, weight), _ = jax.lax.scan(micro, zeros, (split, jnp.arange(accum_steps)))
+    abstract_sums = jax.eval_shape(loss_fn, state.params, jax.tree.map(lambda x: x[0], split), rng)[1]
+    zeros = (jax.tree.map(jnp.zeros_like, state.params), 0.0,
+             jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_sums))
+    (grads, loss, sums), _ = jax.lax.scan(micro, zeros, (split, jnp.arange(accum_steps)))
   if axis_name is not None:
-    grads, loss, correct, weight = jax.lax.psum((grads, loss, correct, weight), axis_name)
-  weight = jnp.maximum(weight, 1.0)
+    grads, loss, sums = jax.lax.psum((grads, loss, sums), axis_name)
+  weight = jnp.maximum(sums["weight"], 1.0)
   grads = jax.tree.map(lambda g: g / weight, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-  metrics = {"loss": loss / weight, "accuracy": correct / weight, "grad_norm": optax.global_norm(grads),
-             "learning_rate": schedule(state.step)}
+  metrics = {METRIC_NAMES.get(k, k): v / weight for k, v in sums.items() if k != "weight"}
+  metrics.update(loss=loss / weight, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
   return new_state, metrics
 
 
-def eval_sums(params, batch, *, model, use_segments: bool = False):
-  loss, (correct, weight) = mlm_sums(model, params, batch, None, use_segments=use_segments, deterministic=True)
-  return {"loss": loss, "correct": correct, "weight": weight}
+METRIC_NAMES = {"correct": "accuracy"}

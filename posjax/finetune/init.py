@@ -1,0 +1,123 @@
+"""Where a fine-tuning run starts: another run's workdir at a kept step (``init``, ``init_step``), or scratch.
+
+From ``init`` the run takes the encoder's parameters, its architecture (``model_config.json``, which every
+posjax run writes) and its vocabulary (``vocab.txt`` beside the checkpoints, else the init run's
+``data.vocab_file``). The fine-tuning config's own model fields are dropout, dtypes and the attention kernel;
+an architecture field set to something else than the init run's is an error, and so is another position
+method or other position options, unless ``allow_position_change`` (then the new position parameters start
+fresh, and the log names them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import ml_collections
+from absl import logging
+
+from posjax.positions import base as positions_base
+from posjax.train import checkpoint as checkpoint_lib
+
+ARCHITECTURE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len",
+                "type_vocab_size", "layer_norm_eps", "norm")
+OWN = ("attention_kernel", "dropout_rate", "attention_dropout_rate", "dtype", "param_dtype")
+DEFAULT_POSITION = "absolute"  # of a run from scratch that names none
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  workdir: str
+  checkpoints: str
+  step: int
+  model: dict  # the init run's BertConfig fields
+  vocab_file: str
+
+
+def kept_steps(directory: str) -> list[int]:
+  return sorted(int(p) for p in os.listdir(directory) if p.isdigit()) if os.path.isdir(directory) else []
+
+
+def find(config: ml_collections.ConfigDict) -> Start | None:
+  """The init run named by ``config.init`` (a workdir), checked: checkpoints, the step, its model and vocabulary."""
+  workdir = config.get("init") or ""
+  if not workdir:
+    if config.get("init_step") is not None:
+      raise ValueError(f"config.init_step={config.init_step} needs config.init (the run to start from)")
+    return None
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(checkpoints) and os.path.basename(os.path.normpath(workdir)) == "checkpoints":
+    workdir, checkpoints = os.path.dirname(os.path.normpath(workdir)), workdir
+  steps = kept_steps(checkpoints)
+  if not steps:
+    raise FileNotFoundError(f"config.init={config.init!r} holds no checkpoint (expected {checkpoints}/<step>)")
+  step = steps[-1] if config.get("init_step") is None else int(config.init_step)
+  if step not in steps:
+    raise ValueError(f"config.init_step={step} was not kept in {checkpoints}; kept steps: {steps}")
+  path = os.path.join(workdir, "model_config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"config.init={config.init!r} has no model_config.json (every posjax run writes one "
+                            "beside its checkpoints)")
+  with open(path) as f:
+    model = json.load(f)
+  vocab_file = os.path.join(workdir, "vocab.txt")
+  if not os.path.isfile(vocab_file):
+    with open(os.path.join(workdir, "config.json")) as f:
+      vocab_file = json.load(f).get("data", {}).get("vocab_file", "")
+  return Start(workdir, checkpoints, step, model, vocab_file)
+
+
+def _position(name: str, options) -> tuple[str, dict]:
+  """A method's canonical name and its full options (defaults filled in), for comparison."""
+  method = positions_base.get(name)
+  return method.name, dataclasses.asdict(positions_base.parse_options(method, dict(options or {})))
+
+
+def model_fields(config: ml_collections.ConfigDict, start: Start | None, vocab_size: int) -> tuple[dict, bool]:
+  """The fine-tuning model's BertConfig fields and whether its position method differs from the init run's."""
+  given = {k: v for k, v in config.model.to_dict().items() if v is not None and v != ""}
+  if start is None:
+    given.setdefault("position", DEFAULT_POSITION)
+    given.setdefault("max_len", config.max_len)
+    given.setdefault("vocab_size", vocab_size)
+    return given, False
+  fields = dict(start.model)
+  for field in ARCHITECTURE:
+    if field in given and given[field] not in (0,) and given[field] != fields[field]:
+      raise ValueError(f"config.model.{field}={given[field]!r}, but the init run {start.workdir} has "
+                       f"{field}={fields[field]!r}: a pre-trained encoder's architecture cannot change")
+  changed = False
+  if "position" in given or given.get("position_options"):
+    wanted = _position(given.get("position", fields["position"]), given.get("position_options"))
+    if wanted != _position(fields["position"], fields.get("position_options")):
+      if not config.get("allow_position_change", False):
+        raise ValueError(
+            f"the init run {start.workdir} uses position {fields['position']!r} with options "
+            f"{_position(fields['position'], fields.get('position_options'))[1]}; this config asks for "
+            f"{wanted[0]!r} with {wanted[1]}. Drop the position fields to keep the init run's, or set "
+            "--config.allow_position_change=True (new position parameters then start fresh)")
+      fields["position"], fields["position_options"] = wanted
+      changed = True
+  fields.update({k: given[k] for k in OWN if k in given})
+  return fields, changed
+
+
+def load(start: Start, fresh: dict, position_changed: bool) -> dict:
+  """``fresh`` with every parameter of the init checkpoint that fits; the task head (outside ``encoder``)
+  starts fresh, and so do position parameters when the method changed. Anything else that does not fit is an
+  error (the checkpoint is not this encoder's)."""
+  loaded = checkpoint_lib.load_params(start.checkpoints, start.step)
+  if "encoder" not in loaded:
+    raise ValueError(f"the checkpoint {start.checkpoints}/{start.step} has no 'encoder' parameters; its top level: "
+                     f"{sorted(loaded)}")
+  merged, kept_fresh, unused = checkpoint_lib.merge_params(fresh, loaded)
+  fresh_encoder = [p for p in kept_fresh if p.startswith("encoder/")]
+  if fresh_encoder and not position_changed:
+    raise ValueError(f"the encoder parameters {fresh_encoder} are missing from, or shaped differently in, "
+                     f"{start.checkpoints}/{start.step}")
+  if fresh_encoder:
+    logging.warning("position method changed: these parameters start fresh: %s", fresh_encoder)
+  logging.info("init from %s step %d: unused %s, fresh head %s", start.checkpoints, start.step, unused,
+               [p for p in kept_fresh if not p.startswith("encoder/")])
+  return merged

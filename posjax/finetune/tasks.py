@@ -1,0 +1,221 @@
+"""Fine-tuning tasks for the training loop: GLUE (classification; STS-B regression) and SQuAD 1.1 (spans).
+
+Each builds its model from where the run starts (:mod:`posjax.finetune.init`), reads and encodes its data
+before anything is written (a bad file, label or question is an error that names it), and declares its
+evaluators from ``config.evals``:
+
+- ``glue`` (``split``: ``validation``, or MNLI's ``validation_matched`` / ``validation_mismatched``): the
+  task's GLUE metrics (:func:`posjax.finetune.metrics.glue`), in percent.
+- ``squad`` (``split``: ``validation``; ``max_lens``: evaluation lengths, default ``(max_len,)``): exact match
+  and F1 of the official v1.1 script at each length, as ``<name>@<length>``; the predictions of each go to
+  ``predictions_<name>@<length>.json`` in the workdir (the official script's format). A length longer than a
+  learned position table is reported ``unsupported``, never clamped.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from posjax.data import features as features_lib
+from posjax.data.tokenizer import Tokenizer
+from posjax.finetune import glue as glue_data
+from posjax.finetune import init as init_lib
+from posjax.finetune import metrics as metrics_lib
+from posjax.finetune import squad as squad_data
+from posjax.models import BertForQuestionAnswering, BertForSequenceClassification
+from posjax.train.tasks import Evaluator, Task, bert_config
+
+SQUAD_SOURCES = ("json", "tfds")
+
+
+def _start(config: ml_collections.ConfigDict):
+  """The init run (or None), the tokenizer, the BertConfig and whether the position method changed."""
+  start = init_lib.find(config)
+  vocab_file = config.data.get("vocab_file") or (start.vocab_file if start else "")
+  if not vocab_file:
+    raise ValueError("no vocabulary: set config.data.vocab_file, or config.init to a run that has one")
+  tokenizer = Tokenizer.load(vocab_file)
+  fields, changed = init_lib.model_fields(config, start, tokenizer.vocab_size)
+  model_config = bert_config(fields, tokenizer.vocab_size, config.max_len)
+  model_config.position_spec.check_length(config.max_len)
+  return start, tokenizer, model_config, changed
+
+
+def _info(config, start, model_config) -> dict:
+  return {"init": start.workdir if start else None, "init_step": start.step if start else None,
+          "position": model_config.position, "max_len": config.max_len}
+
+
+def _inputs(batch: dict, use_types: bool) -> dict:
+  inputs = {"attention_mask": batch["attention_mask"]}
+  if use_types:
+    inputs["token_type_ids"] = batch["token_type_ids"]
+  return inputs
+
+
+def _apply(model, use_types: bool, params, batch, rng=None):
+  return model.apply({"params": params}, batch["input_ids"], deterministic=rng is None,
+                     rngs=None if rng is None else {"dropout": rng}, **_inputs(batch, use_types))
+
+
+def _init_inputs(max_len: int, use_types: bool) -> dict:
+  inputs = {"input_ids": jnp.ones((1, max_len), jnp.int32)}
+  if use_types:
+    inputs["token_type_ids"] = jnp.zeros((1, max_len), jnp.int32)
+  return inputs
+
+
+def _load_init(start, changed):
+  return None if start is None else functools.partial(init_lib.load, start, position_changed=changed)
+
+
+def _in_order(outputs: dict) -> dict:
+  """Rows of real examples (``index >= 0``), sorted by index."""
+  keep = outputs["index"] >= 0
+  order = np.argsort(outputs["index"][keep], kind="stable")
+  return {k: v[keep][order] for k, v in outputs.items()}
+
+
+def _eval_batch(config) -> int:
+  """The global evaluation batch: ``eval_batch_size``, else the training batch."""
+  return config.get("eval_batch_size") or config.batch_size
+
+
+def glue(config: ml_collections.ConfigDict, local_batch: int) -> Task:
+  """A GLUE task (``config.data.glue_task``) from TFDS or the GLUE TSV files (``config.data.source``)."""
+  data = config.data
+  task = glue_data.get(data.glue_task)
+  start, tokenizer, model_config, changed = _start(config)
+  model = BertForSequenceClassification(model_config, task.num_labels)
+  use_types = model_config.type_vocab_size > 0
+  regression = task.labels is None
+  label_dtype = np.float32 if regression else np.int32
+
+  def encode(split: str) -> list[dict]:
+    rows = []
+    for texts, label in glue_data.examples(task.name, split, data.source, data.data_dir):
+      encoded = glue_data.encode(tokenizer, texts, config.max_len)
+      n = int(encoded["attention_mask"].sum())
+      rows.append({"input_ids": encoded["input_ids"][:n], "token_type_ids": encoded["token_type_ids"][:n],
+                   "label": label_dtype(label)})
+    if not rows:
+      raise ValueError(f"GLUE {task.name} {split} ({data.source}) holds no examples")
+    return rows
+
+  def loss_fn(params, batch, rng):
+    logits = _apply(model, use_types, params, batch, rng)
+    weight = batch["weight"]
+    if regression:
+      return jnp.sum(jnp.square(logits[:, 0] - batch["label"]) * weight), {"weight": jnp.sum(weight)}
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
+    return jnp.sum(losses * weight), {"correct": jnp.sum(correct * weight), "weight": jnp.sum(weight)}
+
+  def predict(params, batch):
+    return {"logits": _apply(model, use_types, params, batch), "index": batch["index"]}
+
+  train = encode("train")
+  eval_batch = _eval_batch(config)
+  evaluators = {}
+  for name, spec in config.evals.items():
+    split = spec.get("split", "validation")
+    rows = encode(split)
+    labels = np.asarray([r["label"] for r in rows])
+    key = f"mnli_{split.removeprefix('validation_')}" if task.name == "mnli" else task.name
+
+    def glue_metrics(outputs, workdir, key=key, labels=labels):
+      del workdir
+      logits = _in_order(outputs)["logits"]
+      guesses = logits[:, 0] if regression else np.argmax(logits, -1)
+      return metrics_lib.glue(key, guesses, labels)
+
+    evaluators[name] = Evaluator(
+        features_lib.eval_batches(rows, global_batch=eval_batch, max_len=config.max_len, pad_id=tokenizer.pad_id),
+        predict, glue_metrics)
+  batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
+                                        pad_id=tokenizer.pad_id, seed=config.seed)
+  return Task(f"glue/{task.name}", model, model_config, _init_inputs(config.max_len, use_types), loss_fn, batches,
+              evaluators, examples_per_epoch=len(train), load_init=_load_init(start, changed),
+              info=_info(config, start, model_config))
+
+
+def squad_examples(data: ml_collections.ConfigDict, split: str) -> list[squad_data.Example]:
+  if data.source not in SQUAD_SOURCES:
+    raise ValueError(f"unknown SQuAD source {data.source!r}; allowed: {list(SQUAD_SOURCES)}")
+  if data.source == "json":
+    examples = list(squad_data.json_examples(data.train_file if split == "train" else data.dev_file))
+  else:
+    examples = list(squad_data.tfds_examples(split, data.data_dir))
+  if not examples:
+    raise ValueError(f"SQuAD {split} ({data.source}) holds no questions")
+  return examples
+
+
+def squad(config: ml_collections.ConfigDict, local_batch: int) -> Task:
+  """SQuAD 1.1 from the official JSON files (``data.train_file`` / ``data.dev_file``) or TFDS ``squad/v1.1``."""
+  data = config.data
+  start, tokenizer, model_config, changed = _start(config)
+  model = BertForQuestionAnswering(model_config)
+  use_types = model_config.type_vocab_size > 0
+  window = functools.partial(squad_data.windows, tokenizer, doc_stride=data.doc_stride,
+                             max_query_len=data.max_query_len)
+
+  def feature(w: squad_data.Window, **labels) -> dict:
+    n = int(w.attention_mask.sum())
+    return {"input_ids": w.input_ids[:n], "token_type_ids": w.token_type_ids[:n], **labels}
+
+  train = [feature(w, start_position=np.int32(w.start_position), end_position=np.int32(w.end_position))
+           for example in squad_examples(data, "train") for w in window(example, max_len=config.max_len)]
+
+  def loss_fn(params, batch, rng):
+    start_logits, end_logits = _apply(model, use_types, params, batch, rng)
+    weight = batch["weight"]
+    losses = 0.5 * (optax.softmax_cross_entropy_with_integer_labels(start_logits, batch["start_position"])
+                    + optax.softmax_cross_entropy_with_integer_labels(end_logits, batch["end_position"]))
+    correct = ((jnp.argmax(start_logits, -1) == batch["start_position"])
+               & (jnp.argmax(end_logits, -1) == batch["end_position"])).astype(jnp.float32)
+    return jnp.sum(losses * weight), {"correct": jnp.sum(correct * weight), "weight": jnp.sum(weight)}
+
+  def predict(params, batch):
+    start_logits, end_logits = _apply(model, use_types, params, batch)
+    return {"start": start_logits, "end": end_logits, "index": batch["index"]}
+
+  eval_batch = _eval_batch(config)
+  evaluators = {}
+  for name, spec in config.evals.items():
+    examples = squad_examples(data, spec.get("split", "validation"))
+    by_id = {e.id: e for e in examples}
+    answers = {e.id: list(e.answers) for e in examples}
+    for length in tuple(spec.get("max_lens") or ()) or (config.max_len,):
+      key = f"{name}@{length}"
+      try:
+        model_config.position_spec.check_length(length)
+      except ValueError as error:
+        evaluators[key] = Evaluator([], predict, None, unsupported=str(error), metric_names=("exact_match", "f1"))
+        continue
+      windows = [w for example in examples for w in window(example, max_len=length)]
+
+      def squad_metrics(outputs, workdir, key=key, windows=windows):
+        ordered = _in_order(outputs)
+        found = squad_data.predictions(by_id, windows, ordered["start"], ordered["end"], n_best=data.n_best,
+                                       max_answer_len=data.max_answer_len)
+        if workdir is not None:
+          with open(os.path.join(workdir, f"predictions_{key}.json"), "w") as f:
+            json.dump(found, f, indent=1, ensure_ascii=False)
+        return metrics_lib.squad(found, answers)
+
+      evaluators[key] = Evaluator(
+          features_lib.eval_batches([feature(w) for w in windows], global_batch=eval_batch, max_len=length,
+                                    pad_id=tokenizer.pad_id), predict, squad_metrics)
+  batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
+                                        pad_id=tokenizer.pad_id, seed=config.seed)
+  return Task("squad", model, model_config, _init_inputs(config.max_len, use_types), loss_fn, batches, evaluators,
+              examples_per_epoch=len(train), load_init=_load_init(start, changed),
+              info=_info(config, start, model_config))
