@@ -22,13 +22,9 @@ import ml_collections
 
 from posjax import positions
 from posjax.config_args import parse_arg
+from posjax.models import SIZES
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-SIZES = {
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
-    "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
-    "large": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
-}
 
 
 def position_defaults(name: str) -> dict:

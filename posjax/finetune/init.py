@@ -14,9 +14,11 @@ import dataclasses
 import json
 import os
 
+import flax.traverse_util
 import ml_collections
 from absl import logging
 
+from posjax.models import SIZES
 from posjax.positions import base as positions_base
 from posjax.train import checkpoint as checkpoint_lib
 
@@ -78,6 +80,7 @@ def model_fields(config: ml_collections.ConfigDict, start: Start | None, vocab_s
   """The fine-tuning model's BertConfig fields and whether its position method differs from the init run's."""
   given = {k: v for k, v in config.model.to_dict().items() if v is not None and v != ""}
   if start is None:
+    given = {**SIZES[config.get("model_size", "base")], **given}
     given.setdefault("position", DEFAULT_POSITION)
     given.setdefault("max_len", config.max_len)
     given.setdefault("vocab_size", vocab_size)
@@ -103,21 +106,32 @@ def model_fields(config: ml_collections.ConfigDict, start: Start | None, vocab_s
   return fields, changed
 
 
+def is_position_parameter(path: str) -> bool:
+  """Parameters of a position method live in modules named ``position`` (the encoder's or a layer's)."""
+  return "position" in path.split("/")
+
+
 def load(start: Start, fresh: dict, position_changed: bool) -> dict:
   """``fresh`` with every parameter of the init checkpoint that fits; the task head (outside ``encoder``)
-  starts fresh, and so do position parameters when the method changed. Anything else that does not fit is an
-  error (the checkpoint is not this encoder's)."""
+  starts fresh, and so do the position parameters when the method changed (even where names and shapes
+  agree: another method's table means something else). Any other encoder parameter that does not fit is an
+  error: the checkpoint is not this encoder's."""
   loaded = checkpoint_lib.load_params(start.checkpoints, start.step)
   if "encoder" not in loaded:
     raise ValueError(f"the checkpoint {start.checkpoints}/{start.step} has no 'encoder' parameters; its top level: "
                      f"{sorted(loaded)}")
+  if position_changed:
+    flat = flax.traverse_util.flatten_dict(loaded, sep="/")
+    loaded = flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if not is_position_parameter(k)},
+                                               sep="/")
   merged, kept_fresh, unused = checkpoint_lib.merge_params(fresh, loaded)
   fresh_encoder = [p for p in kept_fresh if p.startswith("encoder/")]
-  if fresh_encoder and not position_changed:
-    raise ValueError(f"the encoder parameters {fresh_encoder} are missing from, or shaped differently in, "
+  wrong = [p for p in fresh_encoder if not (position_changed and is_position_parameter(p))]
+  if wrong:
+    raise ValueError(f"the encoder parameters {wrong} are missing from, or shaped differently in, "
                      f"{start.checkpoints}/{start.step}")
   if fresh_encoder:
-    logging.warning("position method changed: these parameters start fresh: %s", fresh_encoder)
+    logging.warning("position method changed from the init run's: these parameters start fresh: %s", fresh_encoder)
   logging.info("init from %s step %d: unused %s, fresh head %s", start.checkpoints, start.step, unused,
                [p for p in kept_fresh if not p.startswith("encoder/")])
   return merged

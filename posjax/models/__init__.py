@@ -1,7 +1,7 @@
 """Models: the BERT encoder and its task heads."""
 
 from posjax.models.bert import (BertConfig, BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
-                                BertForSequenceClassification, EncoderOutput)
+                                BertForSequenceClassification, EncoderOutput, SIZES)
 
 __all__ = ["BertConfig", "BertEncoder", "BertForMaskedLM", "BertForQuestionAnswering",
-           "BertForSequenceClassification", "EncoderOutput"]
+           "BertForSequenceClassification", "EncoderOutput", "SIZES"]

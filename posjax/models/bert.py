@@ -21,6 +21,12 @@ from posjax import attention, positions as positions_lib
 from posjax.positions import base
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Architectures by name (configs' ``size=`` option): a CPU-sized one, BERT-Base and BERT-Large.
+SIZES = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
+    "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
+    "large": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
+}
 VOCAB, MLP = "vocab", "mlp"
 
 

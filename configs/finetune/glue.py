@@ -1,0 +1,44 @@
+"""GLUE fine-tuning (TUPE, Ke et al. 2021, Table 1): one task, one learning rate, one seed per run.
+
+Options (``configs/finetune/glue.py:task=rte,lr=3e-5,seed=1``):
+  task: cola | sst2 | mrpc | stsb | qqp | mnli | qnli | rte | wnli; default rte.
+  lr: peak learning rate; default 2e-5 (TUPE's grid: 2, 3, 4, 5e-5, five seeds each, median over seeds, best lr).
+  seed: default 0.
+  epochs: default TUPE's: 5 for MNLI, QNLI, QQP; 10 for the rest.
+  max_len: default 512 (TUPE's).
+  source: ``tfds`` (``glue/<task>``, prepared with ``tfds build``) or ``tsv`` (``data.data_dir`` = the GLUE
+    download's directory, holding ``RTE/train.tsv`` ...); default tfds.
+  size, position: the architecture of a run without ``init`` (default base, absolute).
+  runlocal: a tiny model on the made-up TSV files in ``configs/data/glue``, about 20 s on 2 CPU cores.
+
+From a pre-training run (its encoder, position method and vocabulary; ``init_step`` default: its latest):
+  python -m posjax.main --config=configs/finetune/glue.py:task=rte --workdir=$WORKDIR --config.init=$PRETRAIN
+Local:
+  python -m posjax.main --config=configs/finetune/glue.py:task=rte,runlocal --workdir=/tmp/posjax_rte
+Writes ``results.json`` (the task's dev metrics in percent, MNLI matched and mismatched both) beside
+``metrics.jsonl``. MNLI's evaluators are ``mnli_matched`` and ``mnli_mismatched``; the others' the task name.
+"""
+
+import ml_collections
+
+from posjax.config_args import parse_arg
+from posjax.finetune import glue, recipe
+
+LONG_TASKS = ("mnli", "qnli", "qqp")  # 5 epochs in TUPE's recipe; the others 10
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, task="rte", lr=2e-5, seed=0, epochs=0.0, max_len=512, source="tfds", size="base", position="",
+                  runlocal=False)
+  task = glue.get(arg.task)
+  epochs = arg.epochs or (5.0 if task.name in LONG_TASKS else 10.0)
+  config = recipe.base_config(task="glue", learning_rate=arg.lr, batch_size=32, epochs=epochs, max_len=arg.max_len,
+                              seed=arg.seed, size=arg.size, position=arg.position)
+  config.data = ml_collections.ConfigDict(dict(glue_task=task.name, source=arg.source, data_dir="", vocab_file=""))
+  config.evals = ml_collections.ConfigDict({
+      (f"mnli_{split.removeprefix('validation_')}" if task.name == "mnli" else task.name): dict(kind="glue", split=split)
+      for split in task.validation_splits})
+  if arg.runlocal:
+    config.data.update(source="tsv", data_dir=recipe.DATA + "/glue")
+    recipe.runlocal(config, steps=60, max_len=64, batch_size=16)
+  return config

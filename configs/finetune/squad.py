@@ -1,0 +1,43 @@
+"""SQuAD 1.1 fine-tuning (Huang et al. 2020, Tables 1-3): dev exact match and F1, at one or several lengths.
+
+Options (``configs/finetune/squad.py:lr=3e-5,seed=0,max_len=384,eval_max_lens=128+256+384+512+1024``):
+  lr: peak learning rate; default 3e-5 (Huang et al.'s).
+  seed: default 0.
+  epochs: default 2.
+  max_len: the training length; default 512 (Huang et al.; 384 is also reported).
+  eval_max_lens: ``+``-separated evaluation lengths (the inductive experiment: train short, evaluate long);
+    default: max_len. A length beyond a learned position table is reported ``unsupported``.
+  source: ``json`` (``data.train_file`` / ``data.dev_file``: the official train-v1.1.json / dev-v1.1.json) or
+    ``tfds`` (``squad/v1.1``); default json.
+  size, position: the architecture of a run without ``init`` (default base, absolute).
+  runlocal: a tiny model on the made-up files in ``configs/data/squad``, trained at 64 tokens and evaluated
+    at 64 and 128 (unless eval_max_lens says otherwise); about 10 s on 2 CPU cores.
+
+Huang et al.'s recipe: batch 48, 2 epochs, doc stride 128, max query length 64, n-best 20, answers of at most 30
+tokens. Writes ``results.json`` and ``predictions_<eval>@<length>.json`` (the official script's format).
+  python -m posjax.main --config=configs/finetune/squad.py --workdir=$WORKDIR --config.init=$PRETRAIN \\
+      --config.data.train_file=train-v1.1.json --config.data.dev_file=dev-v1.1.json
+  python -m posjax.main --config=configs/finetune/squad.py:runlocal --workdir=/tmp/posjax_squad
+"""
+
+import ml_collections
+
+from posjax.config_args import parse_arg
+from posjax.finetune import recipe
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, lr=3e-5, seed=0, epochs=2.0, max_len=512, eval_max_lens="", source="json", size="base",
+                  position="", runlocal=False)
+  config = recipe.base_config(task="squad", learning_rate=arg.lr, batch_size=48, epochs=arg.epochs,
+                              max_len=arg.max_len, seed=arg.seed, size=arg.size, position=arg.position)
+  config.data = ml_collections.ConfigDict(dict(
+      source=arg.source, train_file="train-v1.1.json", dev_file="dev-v1.1.json", data_dir="", vocab_file="",
+      doc_stride=128, max_query_len=64, n_best=20, max_answer_len=30))
+  lengths = tuple(int(n) for n in arg.eval_max_lens.split("+") if n) or ((64, 128) if arg.runlocal else ())
+  config.evals = ml_collections.ConfigDict(dict(squad=dict(kind="squad", split="validation", max_lens=lengths)))
+  if arg.runlocal:
+    config.data.update(train_file=recipe.DATA + "/squad/train-v1.1.json", dev_file=recipe.DATA + "/squad/dev-v1.1.json",
+                       doc_stride=32)
+    recipe.runlocal(config, steps=80, max_len=64, batch_size=16)
+  return config

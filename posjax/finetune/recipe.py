@@ -1,0 +1,88 @@
+"""The fields every fine-tuning config shares (``configs/finetune/*.py`` start from :func:`base_config`).
+
+The recipe is TUPE's (Ke et al. 2021, §4 and its appendix; it follows BERT's): AdamW β = (0.9, 0.999),
+ε = 1e-6, weight decay 0.01, gradient clipping 1.0, dropout 0.1, linear warm-up over the first 6% of the
+steps, then linear decay to 0. Durations are in epochs of the task's training examples (features, for SQuAD).
+
+``config.model`` holds only what a fine-tuning run chooses for itself (dropout, dtypes, the attention kernel);
+every other model field is ``None``, meaning "the init run's" (:mod:`posjax.finetune.init`), or, without
+``init``, ``model_size``'s architecture with ``position`` (default ``absolute``) and the tokenizer's
+vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import ml_collections
+
+from posjax import positions
+from posjax.data import synthetic
+from posjax.models import SIZES, BertConfig
+
+DATA = synthetic.BUILTIN_DIR
+OWN_MODEL_FIELDS = dict(attention_kernel="auto", dtype="bfloat16", param_dtype="float32", dropout_rate=0.1,
+                        attention_dropout_rate=0.1)
+
+
+def model_fields(position: str) -> ml_collections.ConfigDict:
+  """Every BertConfig field: the run's own choices set, the rest ``None`` (the init run's, or ``model_size``'s)."""
+  types = {f.name: type(f.default) for f in dataclasses.fields(BertConfig) if f.name != "position_options"}
+  model = ml_collections.ConfigDict({name: ml_collections.config_dict.placeholder(kind) for name, kind in types.items()})
+  model.update(OWN_MODEL_FIELDS)
+  model.position = position
+  # A method named here brings its options (so --config.model.position_options.<option>= works); none: the init run's.
+  model.position_options = dataclasses.asdict(positions.get(position).options()) if position else {}
+  return model
+
+
+def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: float, max_len: int, seed: int,
+                size: str = "base", position: str = "") -> ml_collections.ConfigDict:
+  if size not in SIZES:
+    raise ValueError(f"unknown size {size!r}; allowed: {list(SIZES)}")
+  config = ml_collections.ConfigDict()
+  config.task = task
+  config.seed = seed
+  config.init = ""  # a pre-training (or any posjax) workdir to start from; "": from scratch
+  config.init_step = ml_collections.config_dict.placeholder(int)  # a kept step of init; None: its latest
+  config.allow_position_change = False  # a position method other than the init run's (its parameters start fresh)
+  config.total_epochs = float(epochs)
+  config.total_steps = ml_collections.config_dict.placeholder(int)  # or, instead of epochs, steps / examples
+  config.total_examples = ml_collections.config_dict.placeholder(int)
+  config.warmup_fraction = 0.06
+  config.warmup_steps = ml_collections.config_dict.placeholder(int)
+  config.learning_rate = learning_rate
+  config.batch_size = batch_size
+  config.eval_batch_size = ml_collections.config_dict.placeholder(int)  # None: batch_size
+  config.max_len = max_len
+  config.grad_accum_steps = 1
+  config.adam_b1, config.adam_b2, config.adam_eps = 0.9, 0.999, 1e-6
+  config.weight_decay = 0.01
+  config.weight_decay_exclusion = "bert"  # "none": fairseq's AdamW, which decays every parameter
+  config.grad_clip_norm = 1.0
+  config.parallelism = "jit"
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.log_every_steps = 50
+  config.eval_every_steps = 1000  # and at the end
+  config.checkpoint_every_steps = 1000
+  config.keep_checkpoints = 1
+  config.keep_steps = ()
+  config.allow_config_change = False
+  config.tensorboard = True
+  config.profile_start_step = -1
+  config.profile_steps = 5
+  config.cpu_collectives = ""
+  config.model_size = size  # the architecture of a run without init
+  config.model = model_fields(position)
+  return config
+
+
+def runlocal(config: ml_collections.ConfigDict, *, steps: int, max_len: int, batch_size: int) -> None:
+  """A tiny model on the made-up files in ``configs/data`` with the built-in vocabulary: seconds on a CPU."""
+  config.model_size = "tiny"
+  config.model.update(dtype="float32", attention_kernel="xla")
+  config.data.vocab_file = os.path.join(DATA, "tiny_vocab.txt")
+  config.update(total_epochs=None, total_steps=steps, learning_rate=1e-3, batch_size=batch_size, max_len=max_len,
+                log_every_steps=10, eval_every_steps=steps // 2, checkpoint_every_steps=steps // 2,
+                tensorboard=False)
