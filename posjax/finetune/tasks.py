@@ -150,11 +150,13 @@ def squad_examples(data: ml_collections.ConfigDict, split: str) -> list[squad_da
   if data.source not in SQUAD_SOURCES:
     raise ValueError(f"unknown SQuAD source {data.source!r}; allowed: {list(SQUAD_SOURCES)}")
   if data.source == "json":
-    examples = list(squad_data.json_examples(data.train_file if split == "train" else data.dev_file))
+    where = data.train_file if split == "train" else data.dev_file
+    examples = list(squad_data.json_examples(where))
   else:
+    where = f"tfds squad/v1.1 {split}"
     examples = list(squad_data.tfds_examples(split, data.data_dir))
   if not examples:
-    raise ValueError(f"SQuAD {split} ({data.source}) holds no questions")
+    raise ValueError(f"SQuAD {split}: {where} holds no questions")
   return examples
 
 

@@ -1,0 +1,233 @@
+"""Fine-tuning on the one training loop: every task type learns, runs resume exactly, runs start from a
+pre-training run as they should, and bad input fails before the workdir is written."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from posjax.data import features
+from posjax.finetune import init as init_lib
+from posjax.train import checkpoint, loop, metrics
+from conftest import ROOT, load_config
+from test_train import assert_same_params, flat_params
+
+
+def finetune_config(name, arg, **overrides):
+  config = load_config(f"finetune/{name}", arg)
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      target = target[parent]
+    target[leaf] = value
+  return config
+
+
+def pretrain(workdir, position="shaw", steps=2):
+  config = load_config("pretrain", f"runlocal,position={position}")
+  config.update(total_steps=steps, warmup_steps=1, checkpoint_every_steps=1, eval_every_steps=0, batch_size=8,
+                max_len=64)
+  loop.run(config, str(workdir))
+  return workdir
+
+
+def train_losses(workdir):
+  return [line["loss"] for line in metrics.read(str(workdir)) if "loss" in line]
+
+
+@pytest.mark.parametrize("name, arg, task", [("glue", "task=sst2,runlocal", "glue/sst2"),  # classification
+                                             ("glue", "task=stsb,runlocal", "glue/stsb"),  # regression
+                                             ("squad", "runlocal", "squad")])  # span extraction
+def test_each_task_type_lowers_its_loss(tmp_path, name, arg, task):
+  loop.run(finetune_config(name, arg, total_steps=60, log_every_steps=1, eval_every_steps=60), str(tmp_path))
+  losses = train_losses(tmp_path)
+  assert len(losses) == 60 and np.mean(losses[-8:]) < 0.8 * np.mean(losses[:8]), losses
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert (results["task"], results["step"]) == (task, 60)
+
+
+def test_classification_learns_the_made_up_signal_and_results_say_what_ran(tmp_path):
+  loop.run(finetune_config("glue", "task=sst2,runlocal,seed=3"), str(tmp_path))
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["metrics"]["sst2"]["accuracy"] >= 90.0
+  assert {k: results[k] for k in ("task", "step", "seed", "learning_rate", "init", "init_step", "position")} == {
+      "task": "glue/sst2", "step": 60, "seed": 3, "learning_rate": 1e-3, "init": None, "init_step": None,
+      "position": "absolute"}
+  evals = [line for line in metrics.read(str(tmp_path)) if "sst2_accuracy" in line]
+  assert [line["step"] for line in evals] == [30, 60]
+
+
+def test_mnli_reports_matched_and_mismatched(tmp_path):
+  loop.run(finetune_config("glue", "task=mnli,runlocal", total_steps=2), str(tmp_path))
+  results = json.loads((tmp_path / "results.json").read_text())["metrics"]
+  assert set(results) == {"mnli_matched", "mnli_mismatched"} and all("accuracy" in r for r in results.values())
+
+
+def test_squad_writes_predictions_and_marks_lengths_a_learned_table_cannot_reach(tmp_path):
+  loop.run(finetune_config("squad", "runlocal,eval_max_lens=64+128", total_steps=2), str(tmp_path / "absolute"))
+  results = json.loads((tmp_path / "absolute" / "results.json").read_text())["metrics"]
+  assert results["squad@128"] == {"exact_match": "unsupported", "f1": "unsupported"}
+  assert set(results["squad@64"]) == {"exact_match", "f1"}
+  predictions = json.loads((tmp_path / "absolute" / "predictions_squad@64.json").read_text())
+  dev = json.loads((ROOT / "configs" / "data" / "squad" / "dev-v1.1.json").read_text())
+  ids = {qa["id"] for article in dev["data"] for p in article["paragraphs"] for qa in p["qas"]}
+  assert set(predictions) == ids and all(isinstance(text, str) for text in predictions.values())
+
+  loop.run(finetune_config("squad", "runlocal,eval_max_lens=64+128,position=shaw", total_steps=2),
+           str(tmp_path / "shaw"))
+  results = json.loads((tmp_path / "shaw" / "results.json").read_text())["metrics"]
+  assert all(isinstance(v, float) for r in results.values() for v in r.values())
+
+
+def saved_steps(workdir):
+  return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+
+
+@pytest.mark.slow
+def test_a_killed_finetuning_run_resumes_to_the_uninterrupted_result(tmp_path):
+  command = lambda workdir: [sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
+                             f"--workdir={workdir}", "--config.checkpoint_every_steps=10", "--config.log_every_steps=1"]
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+  subprocess.run(command(tmp_path / "straight"), check=True, cwd=ROOT, env=env, capture_output=True)
+  run = tmp_path / "killed"
+  process = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (run / "checkpoints").exists() or not saved_steps(run):
+    assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+    time.sleep(0.01)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert saved_steps(run)[-1] < 60
+  subprocess.run(command(run), check=True, cwd=ROOT, env=env, capture_output=True)
+  assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
+                     checkpoint.load_params(str(run / "checkpoints")))
+  deterministic = lambda w: [{k: v for k, v in line.items() if k != "tokens_per_second"} for line in metrics.read(str(w))]
+  assert deterministic(tmp_path / "straight") == deterministic(run)
+  assert json.loads((tmp_path / "straight" / "results.json").read_text()) == json.loads((run / "results.json").read_text())
+
+
+def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path):
+  pretrained = pretrain(tmp_path / "pretrain", steps=2)
+  # Learning rate 0: the fine-tuned encoder is the pre-trained one, step 1 of the two kept.
+  params = loop.run(finetune_config("glue", "task=sst2,runlocal", total_steps=1, learning_rate=0.0,
+                                    init=str(pretrained), init_step=1), str(tmp_path / "ft"))
+  loaded = checkpoint.load_params(str(pretrained / "checkpoints"), 1)["encoder"]
+  assert_same_params(params["encoder"], loaded)
+  assert not np.allclose(flat_params(loaded)["['word_embeddings']['embedding']"],
+                         flat_params(checkpoint.load_params(str(pretrained / "checkpoints"), 2)["encoder"])[
+                             "['word_embeddings']['embedding']"])
+  model = json.loads((tmp_path / "ft" / "model_config.json").read_text())
+  assert model == {**json.loads((pretrained / "model_config.json").read_text()), "attention_kernel": "xla",
+                   "dtype": "float32"}
+  results = json.loads((tmp_path / "ft" / "results.json").read_text())
+  assert (results["init"], results["init_step"], results["position"]) == (str(pretrained), 1, "shaw")
+
+
+def test_a_position_change_needs_allow_position_change_and_starts_those_parameters_fresh(tmp_path):
+  pretrained = pretrain(tmp_path / "pretrain", steps=2)  # step 1 has learning rate 0: the table moves at step 2
+  with pytest.raises(ValueError, match=r"init run .* uses position 'shaw'.* asks for 'huang_m4'.*allow_position_change"):
+    loop.run(finetune_config("glue", "task=sst2,runlocal,position=huang_m4", init=str(pretrained)), str(tmp_path / "a"))
+  with pytest.raises(ValueError, match=r"asks for 'shaw' with \{'max_distance': 4"):
+    loop.run(finetune_config("glue", "task=sst2,runlocal", **{"model.position": "shaw",
+                                                                "model.position_options": {"max_distance": 4}},
+                             init=str(pretrained)), str(tmp_path / "a"))
+  assert not (tmp_path / "a").exists()
+  params = loop.run(finetune_config("glue", "task=sst2,runlocal,position=huang_m4", total_steps=1, learning_rate=0.0,
+                                    init=str(pretrained), allow_position_change=True), str(tmp_path / "b"))
+  loaded = flat_params(checkpoint.load_params(str(pretrained / "checkpoints"))["encoder"])
+  mine = flat_params(params["encoder"])
+  table = "['layer_0']['attention']['position']['key']"
+  assert mine[table].shape == loaded[table].shape and not np.allclose(mine[table], loaded[table])
+  query = "['layer_0']['attention']['query']['kernel']"
+  np.testing.assert_array_equal(mine[query], loaded[query])
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(init="/nonexistent/run"), FileNotFoundError, r"config.init='/nonexistent/run' holds no checkpoint"),
+    (dict(init="PRETRAIN", init_step=7), ValueError, r"config.init_step=7 was not kept in .*; kept steps: \[1\]"),
+    (dict(init="PRETRAIN", **{"model.hidden_size": 32}), ValueError,
+     r"config.model.hidden_size=32, but the init run .* has hidden_size=64"),
+    (dict(init_step=1), ValueError, r"config.init_step=1 needs config.init"),
+    ({"data.glue_task": "glue9"}, ValueError, r"unknown GLUE task 'glue9'; allowed: \['cola', 'sst2'"),
+    ({"data.data_dir": "/nonexistent"}, FileNotFoundError, r"GLUE sst2 train: no file /nonexistent/SST-2/train.tsv"),
+    ({"evals.sst2.kind": "squad"}, ValueError, r"config.evals.sst2.kind='squad' does not fit task 'glue'"),
+    ({"evals.sst2.split": "test"}, ValueError, r"sst2 has no split 'test'; allowed: \['train', 'validation'\]"),
+    (dict(warmup_steps=3), ValueError, r"warmup_steps=3 and config.warmup_fraction=0.06 contradict"),
+])
+def test_bad_finetuning_input_is_an_error_before_the_workdir_is_written(tmp_path, change, error, message):
+  if change.get("init") == "PRETRAIN":
+    change["init"] = str(pretrain(tmp_path / "pretrain", steps=1))
+  with pytest.raises(error, match=message):
+    loop.run(finetune_config("glue", "task=sst2,runlocal", **change), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_bad_data_files_name_the_file_line_and_value(tmp_path):
+  root = tmp_path / "glue" / "SST-2"
+  root.mkdir(parents=True)
+  (root / "train.tsv").write_text("sentence\tlabel\na fine film .\t1\nawful .\tmaybe\n")
+  (root / "dev.tsv").write_text("sentence\tlabel\nfine .\t1\n")
+  with pytest.raises(ValueError, match=r"train.tsv:3: sst2 label 'maybe' is not one of \['0', '1'\]"):
+    loop.run(finetune_config("glue", "task=sst2,runlocal", **{"data.data_dir": str(tmp_path / "glue")}),
+             str(tmp_path / "w"))
+  broken = tmp_path / "train.json"
+  broken.write_text('{"data": [{"paragraphs": [{"qas": [{"id": "a", "question": "q", "answers": []}]}]}]}')
+  with pytest.raises(ValueError, match=rf"SQuAD file {broken} is not in the official v1.1 format \(KeyError: 'context'"):
+    loop.run(finetune_config("squad", "runlocal", **{"data.train_file": str(broken)}), str(tmp_path / "w"))
+  long_question = tmp_path / "long.json"
+  long_question.write_text(json.dumps({"data": [{"paragraphs": [{"context": "the cat sat .", "qas": [
+      {"id": "q1", "question": "what " * 80, "answers": [{"text": "cat", "answer_start": 4}]}]}]}]}))
+  with pytest.raises(ValueError, match=r"question 'q1': 64 tokens leave no room for context in max_len=64"):
+    loop.run(finetune_config("squad", "runlocal", **{"data.train_file": str(long_question)}), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
+
+
+def test_the_commands_of_the_readme_run_and_report(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=rte,runlocal",
+                        f"--workdir={tmp_path}", "--config.total_steps=2"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert f"results in {tmp_path}/results.json" in out.stderr
+  bad = subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=rtee,runlocal",
+                        f"--workdir={tmp_path}/x"], cwd=ROOT, capture_output=True, text=True)
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: unknown GLUE task 'rtee'")
+
+
+def test_example_stream_visits_each_example_once_per_epoch_and_restores_in_place():
+  rows = [{"input_ids": np.arange(1, 2 + i % 5, dtype=np.int32), "label": np.int32(i)} for i in range(10)]
+  stream_ = features.ExampleBatches(rows, global_batch=4, max_len=8, pad_id=0, seed=0)
+  labels = np.concatenate([next(stream_)["label"] for _ in range(5)])  # 20 examples: two epochs
+  assert sorted(labels[:10]) == list(range(10)) and sorted(labels[10:]) == list(range(10))
+  assert list(labels[:10]) != list(labels[10:])  # reshuffled
+  restored = features.ExampleBatches(rows, global_batch=4, max_len=8, pad_id=0, seed=0)
+  restored.restore({"examples_consumed": 8})
+  again = features.ExampleBatches(rows, global_batch=4, max_len=8, pad_id=0, seed=0)
+  for _ in range(2):
+    next(again)
+  for _ in range(3):
+    a, b = next(restored), next(again)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+  batch = next(features.ExampleBatches(rows, global_batch=4, max_len=8, pad_id=0, seed=1))
+  lengths = batch["attention_mask"].sum(1)
+  assert np.array_equal(lengths, [1 + int(i) % 5 for i in batch["label"]]) and np.all(batch["weight"] == 1)
+  assert np.all(batch["input_ids"][np.arange(8)[None] >= lengths[:, None]] == 0)
+
+
+def test_eval_batches_cover_every_example_once_with_weightless_padding():
+  rows = [{"input_ids": np.ones(3, np.int32), "label": np.int32(i)} for i in range(10)]
+  batches = features.eval_batches(rows, global_batch=4, max_len=5, pad_id=0)
+  index = np.concatenate([b["index"] for b in batches])
+  weight = np.concatenate([b["weight"] for b in batches])
+  assert list(index) == list(range(10)) + [-1, -1] and list(weight) == [1.0] * 10 + [0.0, 0.0]
+
+
+def test_position_parameters_are_recognised_by_their_module():
+  assert init_lib.is_position_parameter("encoder/layer_3/attention/position/key")
+  assert init_lib.is_position_parameter("encoder/position/table/embedding")
+  assert not init_lib.is_position_parameter("encoder/layer_3/attention/query/kernel")
