@@ -17,7 +17,6 @@ finished ones.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -26,13 +25,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ml_collections
 import optax
-from absl import logging
 
 from posjax import config_args
 from posjax.config_args import NON_NEGATIVE, POSITIVE, at_least
+from posjax.data import features
 from posjax.models import BertConfig, BertEncoder
-from posjax.train import loop
+from posjax.train import tasks
 
 TASKS = ("copy_left", "reverse", "index")
 UNSUPPORTED = "unsupported"
@@ -75,44 +75,112 @@ def model_config(config, method: str) -> BertConfig:
                     dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
 
 
-def train_and_evaluate(config, method: str, task: str):
-  """``({length: accuracy or "unsupported"}, params)``."""
-  model = Probe(model_config(config, method), config.symbols)
-  rng = np.random.default_rng([config.seed, TASKS.index(task)])
-  batch = functools.partial(make_batch, task, symbols=config.symbols, shift=config.shift, index=config.index)
-  params = model.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, config.train_len), jnp.int32))["params"]
-  schedule = optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, config.warmup_steps, config.steps)
-  optimizer = optax.adamw(schedule, weight_decay=0.01)
-  opt_state = optimizer.init(params)
+class ProbeBatches:
+  """Endless training batches of one probe task; batch ``n`` is drawn from ``[seed, task, n]`` whole and each
+  process takes its rows, so the batches depend on the seed alone and restoring costs nothing."""
 
-  def loss_fn(params, x, y, w):
-    logits = model.apply({"params": params}, x)
-    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y) * w) / jnp.sum(w)
+  def __init__(self, probe, *, seed: int, global_batch: int, length: int):
+    self.probe, self.seed, self.global_batch, self.length = probe, seed, global_batch, length
+    self.drawn = 0
+    self._rows = features.process_rows(global_batch)
 
-  @jax.jit
-  def step(params, opt_state, x, y, w):
-    grads = jax.grad(loss_fn)(params, x, y, w)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  def __iter__(self):
+    return self
 
-  for _ in range(config.steps):
-    params, opt_state = step(params, opt_state, *batch(rng, config.batch_size, config.train_len))
+  def __next__(self) -> dict:
+    rng = np.random.default_rng([self.seed, TASKS.index(self.probe.task), self.drawn])
+    self.drawn += 1
+    return _rows(draw(self.probe, rng, self.global_batch, self.length), self._rows)
 
-  @jax.jit
-  def accuracy(params, x, y, w):
-    correct = jnp.argmax(model.apply({"params": params}, x), -1) == y
-    return jnp.sum(correct * w) / jnp.sum(w)
+  def state(self) -> dict:
+    return {"batches_drawn": self.drawn}
 
-  results = {}
-  for multiple in config.eval_multiples:
-    length = config.train_len * multiple
-    x, y, w = batch(np.random.default_rng([config.seed, 99, multiple]), config.eval_batch_size, length)
-    try:
-      results[length] = float(accuracy(params, x, y, w))
-    except ValueError as error:  # a learned position table shorter than the sequence
-      logging.info("%s at length %d: %s", method, length, error)
-      results[length] = UNSUPPORTED
-  return results, params
+  def restore(self, state: dict) -> None:
+    self.drawn = int(state["batches_drawn"])
+
+
+def draw(probe, rng: np.random.Generator, batch: int, length: int) -> dict:
+  x, y, w = make_batch(probe.task, rng, batch, length, symbols=probe.symbols, shift=probe.shift, index=probe.index)
+  return {"input_ids": x, "labels": y, "weights": w}
+
+
+def _rows(batch: dict, rows: slice) -> dict:
+  return {k: v[rows] for k, v in batch.items()}
+
+
+def task(config, local_batch: int) -> tasks.Task:
+  """One (method, task) probe for the training loop (``config.task = "probe"``, ``config.probe``: method, task,
+  symbols, shift, index, eval_multiples); evaluators of kind ``probe`` report token accuracy at each multiple
+  of the training length as ``<name>@<length>`` (``unsupported`` beyond a learned table)."""
+  del local_batch
+  probe = config.probe
+  if probe.task not in TASKS:
+    raise ValueError(f"unknown probe task {probe.task!r}; allowed: {list(TASKS)}")
+  settings = ml_collections.ConfigDict(dict(symbols=probe.symbols, train_len=config.max_len, model=config.model))
+  bert = model_config(settings, probe.method)
+  model = Probe(bert, probe.symbols)
+
+  def token_sums(params, batch):
+    logits = model.apply({"params": params}, batch["input_ids"])
+    weights = batch["weights"]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
+    return {"loss": jnp.sum(losses * weights, -1), "correct": jnp.sum(correct * weights, -1),
+            "weight": jnp.sum(weights, -1)}
+
+  def loss_fn(params, batch, rng):
+    del rng  # no dropout
+    rows = token_sums(params, batch)
+    return jnp.sum(rows["loss"]), {"correct": jnp.sum(rows["correct"]), "weight": jnp.sum(rows["weight"])}
+
+  eval_batch = config.get("eval_batch_size") or config.batch_size
+  evaluators = {}
+  for name in config.evals:
+    for multiple in probe.eval_multiples:
+      length = config.max_len * multiple
+      try:
+        bert.position_spec.check_length(length)
+      except ValueError as error:
+        evaluators[f"{name}@{length}"] = tasks.Evaluator([], token_sums, None, unsupported=str(error),
+                                                         metric_names=("accuracy",))
+        continue
+      batch = draw(probe, np.random.default_rng([config.seed, 99, multiple]), eval_batch, length)
+      evaluators[f"{name}@{length}"] = tasks.Evaluator([_rows(batch, features.process_rows(eval_batch))],
+                                                       token_sums, tasks.summed_metrics)
+  batches = ProbeBatches(probe, seed=config.seed, global_batch=config.batch_size, length=config.max_len)
+  return tasks.Task(f"probe/{probe.task}", model, bert, {"input_ids": jnp.zeros((1, config.max_len), jnp.int32)},
+                    loss_fn, batches, evaluators, info={"position": bert.position})
+
+
+def _loop():
+  """The training loop (imported on use: its task registry imports this module)."""
+  from posjax.train import loop
+  return loop
+
+
+def run_config(config, method: str, probe_task: str) -> ml_collections.ConfigDict:
+  """The training-loop config of one (method, task) probe."""
+  return ml_collections.ConfigDict(dict(
+      task="probe", seed=config.seed, total_steps=config.steps, warmup_steps=config.warmup_steps,
+      learning_rate=config.learning_rate, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size,
+      max_len=config.train_len, grad_accum_steps=1, adam_b1=0.9, adam_b2=0.999, adam_eps=1e-8,
+      weight_decay=0.01, weight_decay_exclusion="none", grad_clip_norm=1.0, parallelism="jit",
+      mesh=dict(data=-1, fsdp=1, tensor=1), log_every_steps=config.steps, eval_every_steps=config.steps,
+      checkpoint_every_steps=config.steps, keep_checkpoints=1, keep_steps=(), tensorboard=False,
+      profile_start_step=-1, profile_steps=1, progress=False, model=config.model.to_dict(),
+      probe=dict(method=method, task=probe_task, symbols=config.symbols, shift=config.shift, index=config.index,
+                 eval_multiples=tuple(config.eval_multiples)),
+      evals=dict(probe=dict(kind="probe"))))
+
+
+def train_and_evaluate(config, method: str, probe_task: str, workdir: str):
+  """``({length: accuracy or "unsupported"}, params)``: one probe trained by the training loop in ``workdir``
+  (a killed run resumes there)."""
+  params = _loop().run(run_config(config, method, probe_task), workdir)
+  with open(os.path.join(workdir, "results.json")) as f:
+    metrics = json.load(f)["metrics"]
+  return {config.train_len * m: metrics[f"probe@{config.train_len * m}"]["accuracy"]
+          for m in config.eval_multiples}, params
 
 
 def results_table(results: dict, config) -> str:
@@ -222,13 +290,17 @@ def validate(config) -> None:
 
 
 def run(config, workdir: str) -> dict:
-  """Trains and evaluates every (method, task) not yet in ``workdir``'s results. The workdir's config must
-  match (``methods`` excepted: a run may add methods to a table)."""
+  """Trains and evaluates every (method, task) not yet in ``workdir``'s results, each a run of the training
+  loop in ``workdir/runs/<method>/<task>``. The workdir's config must match (``methods`` excepted: a run may
+  add methods to a table). Compiled programs are cached in ``workdir/compilation_cache`` (JAX's persistent
+  cache): a method's three tasks compile the same programs, and a rerun compiles nothing."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compilation_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   path = os.path.join(workdir, "results.json")
   known = os.path.exists(os.path.join(workdir, "config.json"))
-  loop.check_workdir_config(config, workdir, ignore=("methods",))
+  _loop().check_workdir_config(config, workdir, ignore=("methods",))
   results = {}
   if os.path.exists(path) and known:
     with open(path) as f:
@@ -242,7 +314,7 @@ def run(config, workdir: str) -> dict:
       plot = method == "tupe_a" and task == config.tasks[0] and not os.path.exists(correlation_plot)
       if task in results.get(method, {}) and not plot:
         continue
-      accuracy, params = train_and_evaluate(config, method, task)
+      accuracy, params = train_and_evaluate(config, method, task, os.path.join(workdir, "runs", method, task))
       results.setdefault(method, {})[task] = {str(length): value for length, value in accuracy.items()}
       if plot and jax.process_index() == 0:
         plot_tupe_correlation(config, params, correlation_plot)

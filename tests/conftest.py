@@ -54,3 +54,14 @@ def load_config(name: str, arg: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg)
+
+
+def override(config, **overrides):
+  """``config`` with dotted fields set, as ``--config.a.b=value`` would (``None`` allowed)."""
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      target = target[parent]
+    target[leaf] = value
+  return config

@@ -14,19 +14,12 @@ import pytest
 from posjax.data import features
 from posjax.finetune import init as init_lib
 from posjax.train import checkpoint, loop, metrics
-from conftest import ROOT, load_config
+from conftest import ROOT, load_config, override
 from test_train import assert_same_params, flat_params
 
 
 def finetune_config(name, arg, **overrides):
-  config = load_config(f"finetune/{name}", arg)
-  for key, value in overrides.items():
-    target = config
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      target = target[parent]
-    target[leaf] = value
-  return config
+  return override(load_config(f"finetune/{name}", arg), **overrides)
 
 
 def pretrain(workdir, position="shaw", steps=2):
@@ -158,7 +151,7 @@ def test_a_position_change_needs_allow_position_change_and_starts_those_paramete
     ({"data.data_dir": "/nonexistent"}, FileNotFoundError, r"GLUE sst2 train: no file /nonexistent/SST-2/train.tsv"),
     ({"evals.sst2.kind": "squad"}, ValueError, r"config.evals.sst2.kind='squad' does not fit task 'glue'"),
     ({"evals.sst2.split": "test"}, ValueError, r"sst2 has no split 'test'; allowed: \['train', 'validation'\]"),
-    (dict(warmup_steps=3), ValueError, r"warmup_steps=3 and config.warmup_fraction=0.06 contradict"),
+    (dict(warmup_fraction=1.5), ValueError, r"config.warmup_fraction=1.5 is out of range: it must be a number in"),
 ])
 def test_bad_finetuning_input_is_an_error_before_the_workdir_is_written(tmp_path, change, error, message):
   if change.get("init") == "PRETRAIN":
@@ -231,3 +224,21 @@ def test_position_parameters_are_recognised_by_their_module():
   assert init_lib.is_position_parameter("encoder/layer_3/attention/position/key")
   assert init_lib.is_position_parameter("encoder/position/table/embedding")
   assert not init_lib.is_position_parameter("encoder/layer_3/attention/query/kernel")
+
+
+@pytest.mark.parametrize("name, arg", [("glue", "task=mrpc,runlocal,source=tfds"), ("squad", "runlocal,source=tfds")])
+def test_training_reads_tfds(tmp_path, name, arg):
+  import tensorflow_datasets as tfds
+
+  with tfds.testing.mock_data(num_examples=6):
+    loop.run(finetune_config(name, arg, total_steps=2, batch_size=8, eval_batch_size=8), str(tmp_path))
+  results = json.loads((tmp_path / "results.json").read_text())["metrics"]
+  assert set(results) == ({"mrpc"} if name == "glue" else {"squad@64", "squad@128"})
+
+
+def test_epochs_and_warmup_fraction_become_steps():
+  config = finetune_config("glue", "task=sst2,runlocal", total_steps=None, total_epochs=2.0)
+  resolved = loop.resolve_durations(config, examples_per_epoch=120)
+  assert (resolved.total_steps, resolved.warmup_steps) == (15, 1)  # 240 examples / 16; 6% of 15 steps
+  resolved = loop.resolve_durations(finetune_config("glue", "task=sst2", total_epochs=3.0), examples_per_epoch=3000)
+  assert (resolved.total_steps, resolved.warmup_steps) == (282, 17)  # ceil(9000 / 32); round(0.06 * 282)

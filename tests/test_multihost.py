@@ -2,6 +2,7 @@
 one process with the same global batch."""
 
 import functools
+import json
 import os
 import signal
 import socket
@@ -32,7 +33,7 @@ def env_with_devices(n):
   return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
 
 
-def two_processes(workdir, sigterm_once_saved=None):
+def two_processes(workdir, sigterm_once_saved=None, command=command):
   """Both processes' (return code, output); with ``sigterm_once_saved``, process 1 alone gets SIGTERM once that
   checkpoint exists."""
   with socket.socket() as s:
@@ -89,3 +90,23 @@ def test_two_processes_evaluate_stop_on_sigterm_and_resume_like_one(tmp_path):
   for want, got in zip(one, two):  # process 0 alone writes; evaluation included, equal to the one-process run
     assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
   assert len(metrics.read(str(tmp_path / "two"))) == STEPS + STEPS // 10
+
+
+def finetune_command(workdir, *extra):
+  # 40 dev examples in global batches of 16: process 1's rows of the last batch are all padding.
+  return [sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
+          f"--workdir={workdir}", "--config.total_steps=20", "--config.eval_every_steps=10",
+          "--config.checkpoint_every_steps=10", "--config.eval_batch_size=16", "--config.log_every_steps=1",
+          "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra]
+
+
+@pytest.mark.slow
+def test_two_processes_finetune_and_evaluate_like_one(tmp_path):
+  runs = two_processes(tmp_path / "two", command=finetune_command)
+  assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
+  subprocess.run(finetune_command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True,
+                 capture_output=True)
+  assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
+                     checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
+  one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
+  assert one["metrics"] == two["metrics"] and one["step"] == two["step"] == 20

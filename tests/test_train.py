@@ -20,7 +20,7 @@ from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertForMaskedLM
 from posjax.train import checkpoint, loop, metrics, tasks
 from posjax.train.step import TrainState, make_optimizer, train_step
-from conftest import ROOT, load_config
+from conftest import ROOT, load_config, override
 
 DETERMINISTIC = loop.DETERMINISTIC_METRICS + ("eval_loss", "eval_accuracy")
 
@@ -29,13 +29,7 @@ def pretrain_config(arg="runlocal,position=tupe_r", **overrides):
   config = load_config("pretrain", arg)
   config.update(total_steps=6, warmup_steps=2, log_every_steps=1, eval_every_steps=3, checkpoint_every_steps=3,
                 batch_size=8, max_len=32)
-  for key, value in overrides.items():
-    target = config
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      target = target[parent]
-    target[leaf] = value
-  return config
+  return override(config, **overrides)
 
 
 def flat_params(params):

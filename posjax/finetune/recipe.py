@@ -50,8 +50,7 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.total_epochs = float(epochs)
   config.total_steps = ml_collections.config_dict.placeholder(int)  # or, instead of epochs, steps / examples
   config.total_examples = ml_collections.config_dict.placeholder(int)
-  config.warmup_fraction = 0.06
-  config.warmup_steps = ml_collections.config_dict.placeholder(int)
+  config.warmup_fraction = 0.06  # of the run's steps
   config.learning_rate = learning_rate
   config.batch_size = batch_size
   config.eval_batch_size = ml_collections.config_dict.placeholder(int)  # None: batch_size
@@ -70,6 +69,7 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.keep_steps = ()
   config.allow_config_change = False
   config.tensorboard = True
+  config.progress = True  # the progress bar and the status lines
   config.profile_start_step = -1
   config.profile_steps = 5
   config.cpu_collectives = ""

@@ -30,7 +30,7 @@ import tqdm
 from absl import logging
 from jax.experimental import multihost_utils
 
-from posjax import config_args
+from posjax import config_args, probes
 from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, at_least
 from posjax.finetune import tasks as finetune_tasks
 from posjax.train import checkpoint as checkpoint_lib
@@ -39,7 +39,7 @@ from posjax.train import sharding, tasks
 from posjax.train.step import TrainState, make_optimizer, train_step
 
 PARALLELISMS = ("jit", "pmap")
-TASKS = {"mlm": tasks.mlm, "glue": finetune_tasks.glue, "squad": finetune_tasks.squad}
+TASKS = {"mlm": tasks.mlm, "glue": finetune_tasks.glue, "squad": finetune_tasks.squad, "probe": probes.task}
 DETERMINISTIC_METRICS = ("loss", "accuracy", "grad_norm", "learning_rate")
 UNSUPPORTED = "unsupported"  # an evaluation the model cannot run (e.g. longer than its learned position table)
 
@@ -78,11 +78,11 @@ class JitParallel:
   def init(self, init_fn, rng):
     return jax.jit(init_fn, out_shardings=self.state_shardings)(rng)
 
-  def check_batch(self, local_batch: int, accum_steps: int) -> None:
+  def check_batch(self, local_batch: int, accum_steps: int, field: str = "batch_size") -> None:
     del accum_steps  # micro-batches are split inside the program, whatever their sharding
     shards = math.prod(self.mesh.shape[axis] for axis in sharding.BATCH)
     if (local_batch * jax.process_count()) % shards:
-      raise ValueError(f"batch_size={local_batch * jax.process_count()} must divide over the mesh's {shards} data x "
+      raise ValueError(f"{field}={local_batch * jax.process_count()} must divide over the mesh's {shards} data x "
                        "fsdp devices")
 
   def compile_step(self, step_fn):
@@ -123,10 +123,10 @@ class PmapParallel:
   def init(self, init_fn, rng):
     return self.replicate(jax.jit(init_fn)(rng))
 
-  def check_batch(self, local_batch: int, accum_steps: int) -> None:
+  def check_batch(self, local_batch: int, accum_steps: int, field: str = "batch_size") -> None:
     if local_batch % (len(self.devices) * accum_steps):
-      raise ValueError(f"pmap: the per-process batch {local_batch} must divide over its {len(self.devices)} devices "
-                       f"times grad_accum_steps={accum_steps}")
+      raise ValueError(f"pmap: the per-process {field} {local_batch} must divide over its {len(self.devices)} devices"
+                       + (f" times grad_accum_steps={accum_steps}" if accum_steps > 1 else ""))
 
   def compile_step(self, step_fn):
     return jax.pmap(functools.partial(step_fn, axis_name="batch"), axis_name="batch", in_axes=(0, 0, None),
@@ -154,7 +154,8 @@ def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int
                       ) -> ml_collections.ConfigDict:
   """``total_steps`` from whichever of ``total_steps`` / ``total_epochs`` / ``total_examples`` is set (an epoch
   is ``examples_per_epoch``: the task's training examples, or for MLM ``data.examples_per_epoch`` packed
-  sequences), and ``warmup_steps`` from ``warmup_fraction`` of the run when that is set instead."""
+  sequences), and ``warmup_steps`` from ``warmup_fraction`` of the run when that is set (it replaces
+  ``warmup_steps``, as epochs replace ``total_steps``)."""
   values = config.to_dict()
   if any(values.get(f"total_{unit}") is not None for unit in ("epochs", "examples")):
     values["total_steps"] = None
@@ -162,9 +163,6 @@ def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int
                                               examples_per_epoch=examples_per_epoch)
   fraction = values.get("warmup_fraction")
   if fraction is not None:
-    if values.get("warmup_steps") is not None:
-      raise ValueError(f"config.warmup_steps={values['warmup_steps']} and config.warmup_fraction={fraction} "
-                       "contradict each other; give one (--config.warmup_steps=None to use the fraction)")
     values["warmup_steps"] = int(round(fraction * values["total_steps"]))
   elif values.get("warmup_steps") is None:
     raise ValueError("give config.warmup_steps or config.warmup_fraction (of the run's steps)")
@@ -184,14 +182,17 @@ RANGES = {
 }
 
 
-def _check_batch(config) -> int:
+def _check_batch(config) -> tuple[int, int]:
+  """The per-process training and evaluation batches (``eval_batch_size``, where a task has one)."""
   processes = jax.process_count()
-  if config.batch_size % processes:
-    raise ValueError(f"batch_size={config.batch_size} must divide evenly over {processes} processes")
+  eval_batch = config.get("eval_batch_size") or config.batch_size
+  for field, value in (("batch_size", config.batch_size), ("eval_batch_size", eval_batch)):
+    if value % processes:
+      raise ValueError(f"{field}={value} must divide evenly over {processes} processes")
   local = config.batch_size // processes
   if local % config.grad_accum_steps:
     raise ValueError(f"the per-process batch {local} must divide into grad_accum_steps={config.grad_accum_steps}")
-  return local
+  return local, eval_batch // processes
 
 
 def _say(message: str) -> None:
@@ -300,7 +301,7 @@ def _validate(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
     raise ValueError(f"unknown config.task {name!r}; allowed: {list(TASKS)}")
   tasks.check_evals(config)
   check_workdir_config(config, workdir, write=False)
-  local_batch = _check_batch(config)
+  local_batch, local_eval_batch = _check_batch(config)
   task = TASKS[name](config, local_batch)
   resolved = resolve_durations(config, task.examples_per_epoch)
   optimizer, schedule = make_optimizer(resolved)
@@ -313,6 +314,7 @@ def _validate(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
   abstract_state = jax.eval_shape(init_boxed, init_rng)  # traces the model: its options are checked here
   parallel = (JitParallel if resolved.parallelism == "jit" else PmapParallel)(resolved, abstract_state)
   parallel.check_batch(local_batch, resolved.grad_accum_steps)
+  parallel.check_batch(local_eval_batch, 1, "eval_batch_size")
   if resolved.get("init_from"):
     checkpoint_lib.check_directory(resolved.init_from, "config.init_from")
   return Prepared(resolved, local_batch, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel)
@@ -329,6 +331,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
   config, local_batch, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel = validated
   batches = task.train_batches
   is_main = jax.process_index() == 0
+  quiet = not config.get("progress", True)  # no progress bar, no status lines (e.g. the probes' many short runs)
+  say = (lambda message: None) if quiet else _say
   os.makedirs(workdir, exist_ok=True)
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints,
                                              keep_steps=tuple(config.keep_steps))
@@ -339,7 +343,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     batches.restore(data_state)
     step = int(jax.device_get(parallel.to_checkpoint(state).step))
     writer.truncate_after(step)
-    _say(f"resumed from step {step} of {workdir}")
+    say(f"resumed from step {step} of {workdir}")
   else:
     state = parallel.init(lambda rng: nn.unbox(init_boxed(rng)), init_rng)
     if config.get("init_from"):
@@ -353,18 +357,19 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
 
   start = int(jax.device_get(parallel.to_checkpoint(state).step))
   if start >= config.total_steps:
-    _say(f"{workdir} is already complete at step {start} (total_steps={config.total_steps}); nothing to do")
+    say(f"{workdir} is already complete at step {start} (total_steps={config.total_steps}); nothing to do")
     checkpointer.close()
     writer.close()
     return parallel.params(state)
-  _say(f"training {task.name} to step {config.total_steps}: metrics in {writer.path}, checkpoints in "
+  say(f"training {task.name} to step {config.total_steps}: metrics in {writer.path}, checkpoints in "
        f"{checkpointer.directory}")
   step_fn = parallel.compile_step(functools.partial(
       train_step, loss_fn=task.loss_fn, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps))
   evaluators = task.evaluators if config.eval_every_steps > 0 else {}
   evaluate = _evaluation(evaluators, parallel, workdir if is_main else None)
-  progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
-  logger = DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step)
+  progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=quiet or not is_main, unit="step",
+                       dynamic_ncols=True)
+  logger = DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step, say)
   profiling = False
   done = start
   results = {}
@@ -396,7 +401,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
         checkpointer.save(done, parallel.to_checkpoint(state), _input_position(batches))
       if preempted:
         checkpointer.wait()
-        _say(f"preempted (SIGTERM) at step {done}: checkpoint saved in {checkpointer.directory}; rerun the same "
+        say(f"preempted (SIGTERM) at step {done}: checkpoint saved in {checkpointer.directory}; rerun the same "
              "command to resume")
         break
     logger.flush()
@@ -404,7 +409,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
       _write_json(os.path.join(workdir, "results.json"), {
           "task": task.name, "step": done, "seed": config.seed, "learning_rate": config.learning_rate,
           **task.info, "metrics": results})
-      _say(f"results in {os.path.join(workdir, 'results.json')}")
+      say(f"results in {os.path.join(workdir, 'results.json')}")
   except KeyboardInterrupt:
     checkpointer.wait()
     last = checkpointer.manager.latest_step()
@@ -432,8 +437,8 @@ class DelayedMetrics:
   stalls the accelerator; then the loss is checked (a non-finite one stops the run) and every
   ``log_every_steps`` they are written with the tokens/s since the last write."""
 
-  def __init__(self, writer: metrics_lib.MetricWriter, progress, config, start_step: int, last_good):
-    self.writer, self.progress, self.last_good = writer, progress, last_good
+  def __init__(self, writer: metrics_lib.MetricWriter, progress, config, start_step: int, last_good, say=None):
+    self.writer, self.progress, self.last_good, self.say = writer, progress, last_good, say or _say
     self.postfix = {}
     self.log_every, self.total_steps = config.log_every_steps, config.total_steps
     self.tokens_per_step = config.batch_size * config.max_len
@@ -470,7 +475,7 @@ class DelayedMetrics:
     self.writer.write(step, numbers)
     self.postfix.update({k: f"{v:.3f}" for k, v in numbers.items()})
     self.progress.set_postfix(self.postfix)
-    _say(f"step {step}: " + ", ".join(f"{k} {v}" if isinstance(v, str) else f"{k} {v:.4f}" for k, v in results.items()))
+    self.say(f"step {step}: " + ", ".join(f"{k} {v}" if isinstance(v, str) else f"{k} {v:.4f}" for k, v in results.items()))
 
 
 def _warm_start(state, parallel, init_from: str):

@@ -61,7 +61,7 @@ class Task:
   info: dict = dataclasses.field(default_factory=dict)  # written to results.json
 
 
-EVAL_KINDS = {"mlm": ("mlm",), "glue": ("glue",), "squad": ("squad",)}
+EVAL_KINDS = {"mlm": ("mlm",), "glue": ("glue",), "squad": ("squad",), "probe": ("probe",)}
 
 
 def check_evals(config: ml_collections.ConfigDict) -> None:
