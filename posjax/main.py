@@ -1,4 +1,5 @@
-"""posjax's entry point: ``python -m posjax.main --config=configs/pretrain.py:position=tupe_r --workdir=DIR``.
+"""posjax's entry point: ``python -m posjax.main --config=configs/pretrain.py:position=tupe_r --workdir=DIR``
+(or ``configs/finetune/glue.py:task=rte``, ``configs/finetune/squad.py``, ``configs/probes.py``).
 
 ``--config.a.b=value`` overrides any field. Restarting the same command with the same workdir resumes.
 Multi-host: ``--coordinator_address``, ``--num_processes``, ``--process_id`` (defaults from the
@@ -26,7 +27,9 @@ from posjax.train import loop
 # What a mistake in the command (or a non-finite loss) raises: reported as one line, without a traceback.
 USER_ERRORS = (ValueError, OSError, FloatingPointError, flags.Error, app.UsageError)
 
-JOBS = {"pretrain": loop.run, "probes": probes.run}
+# ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), or the probe table
+# (many runs).
+JOBS = {"train": loop.run, "probes": probes.run}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, with ':options'.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the resolved config go here.")
@@ -53,7 +56,7 @@ def main(argv):
     else:
       jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   logging.info("process %d of %d, %d devices", jax.process_index(), jax.process_count(), jax.device_count())
-  job = _CONFIG.value.get("job", "pretrain")
+  job = _CONFIG.value.get("job", "train")
   if job not in JOBS:
     raise app.UsageError(f"unknown config.job {job!r}; allowed: {sorted(JOBS)}")
   JOBS[job](_CONFIG.value, _WORKDIR.value)

@@ -34,7 +34,10 @@ def get_config(arg=None):
   epochs = arg.epochs or (5.0 if task.name in LONG_TASKS else 10.0)
   config = recipe.base_config(task="glue", learning_rate=arg.lr, batch_size=32, epochs=epochs, max_len=arg.max_len,
                               seed=arg.seed, size=arg.size, position=arg.position)
-  config.data = ml_collections.ConfigDict(dict(glue_task=task.name, source=arg.source, data_dir="", vocab_file=""))
+  config.data = ml_collections.ConfigDict(dict(
+      glue_task=task.name, source=arg.source, data_dir="",
+      vocab_file="",  # "": the init run's (its vocab.txt or data.vocab_file)
+      scratch_vocab_file=""))  # the vocabulary of a run without init
   config.evals = ml_collections.ConfigDict({
       (f"mnli_{split.removeprefix('validation_')}" if task.name == "mnli" else task.name): dict(kind="glue", split=split)
       for split in task.validation_splits})

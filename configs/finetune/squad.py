@@ -32,7 +32,9 @@ def get_config(arg=None):
   config = recipe.base_config(task="squad", learning_rate=arg.lr, batch_size=48, epochs=arg.epochs,
                               max_len=arg.max_len, seed=arg.seed, size=arg.size, position=arg.position)
   config.data = ml_collections.ConfigDict(dict(
-      source=arg.source, train_file="train-v1.1.json", dev_file="dev-v1.1.json", data_dir="", vocab_file="",
+      source=arg.source, train_file="train-v1.1.json", dev_file="dev-v1.1.json", data_dir="",
+      vocab_file="",  # "": the init run's (its vocab.txt or data.vocab_file)
+      scratch_vocab_file="",  # the vocabulary of a run without init
       doc_stride=128, max_query_len=64, n_best=20, max_answer_len=30))
   lengths = tuple(int(n) for n in arg.eval_max_lens.split("+") if n) or ((64, 128) if arg.runlocal else ())
   config.evals = ml_collections.ConfigDict(dict(squad=dict(kind="squad", split="validation", max_lens=lengths)))

@@ -143,19 +143,24 @@ def truncate_longest_first(pieces: Sequence[list[int]], budget: int) -> list[lis
   return pieces
 
 
-def encode(tokenizer: Tokenizer, texts: Sequence[str], max_len: int) -> dict[str, np.ndarray]:
-  """``[CLS] a [SEP]`` or ``[CLS] a [SEP] b [SEP]``, token types 0 then 1, truncated longest-first to
-  ``max_len`` and padded to it."""
-  if not 1 <= len(texts) <= 2:
-    raise ValueError(f"one or two texts per example, got {len(texts)}")
-  specials = len(texts) + 1
+def pair(tokenizer: Tokenizer, pieces: Sequence[list[int]], max_len: int) -> tuple[list[int], list[int]]:
+  """Token ids of one or two tokenized texts as ``[CLS] a [SEP]`` or ``[CLS] a [SEP] b [SEP]``, truncated
+  longest-first to ``max_len``, and their token types (0, then 1): unpadded."""
+  if not 1 <= len(pieces) <= 2:
+    raise ValueError(f"one or two texts per example, got {len(pieces)}")
+  specials = len(pieces) + 1
   if max_len <= specials:
     raise ValueError(f"max_len={max_len} leaves no room for text beside {specials} special tokens")
-  pieces = truncate_longest_first(tokenizer.encode_batch(list(texts)), max_len - specials)
   ids, types = [tokenizer.cls_id], [0]
-  for segment, piece in enumerate(pieces):
+  for segment, piece in enumerate(truncate_longest_first(pieces, max_len - specials)):
     ids += piece + [tokenizer.sep_id]
     types += [segment] * (len(piece) + 1)
+  return ids, types
+
+
+def encode(tokenizer: Tokenizer, texts: Sequence[str], max_len: int) -> dict[str, np.ndarray]:
+  """:func:`pair` of the texts, padded to ``max_len``, with the attention mask."""
+  ids, types = pair(tokenizer, tokenizer.encode_batch(list(texts)), max_len)
   pad = max_len - len(ids)
   return {"input_ids": np.asarray(ids + [tokenizer.pad_id] * pad, np.int32),
           "token_type_ids": np.asarray(types + [0] * pad, np.int32),

@@ -38,7 +38,8 @@ SQUAD_SOURCES = ("json", "tfds")
 def _start(config: ml_collections.ConfigDict):
   """The init run (or None), the tokenizer, the BertConfig and whether the position method changed."""
   start = init_lib.find(config)
-  vocab_file = config.data.get("vocab_file") or (start.vocab_file if start else "")
+  data = config.data
+  vocab_file = data.get("vocab_file") or (start.vocab_file if start else data.get("scratch_vocab_file"))
   if not vocab_file:
     raise ValueError("no vocabulary: set config.data.vocab_file, or config.init to a run that has one")
   tokenizer = Tokenizer.load(vocab_file)
@@ -99,14 +100,15 @@ def glue(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   label_dtype = np.float32 if regression else np.int32
 
   def encode(split: str) -> list[dict]:
-    rows = []
-    for texts, label in glue_data.examples(task.name, split, data.source, data.data_dir):
-      encoded = glue_data.encode(tokenizer, texts, config.max_len)
-      n = int(encoded["attention_mask"].sum())
-      rows.append({"input_ids": encoded["input_ids"][:n], "token_type_ids": encoded["token_type_ids"][:n],
-                   "label": label_dtype(label)})
-    if not rows:
+    examples = list(glue_data.examples(task.name, split, data.source, data.data_dir))
+    if not examples:
       raise ValueError(f"GLUE {task.name} {split} ({data.source}) holds no examples")
+    columns = [tokenizer.encode_batch([texts[i] for texts, _ in examples]) for i in range(len(task.tfds_keys))]
+    rows = []
+    for n, (_, label) in enumerate(examples):
+      ids, types = glue_data.pair(tokenizer, [column[n] for column in columns], config.max_len)
+      rows.append({"input_ids": np.asarray(ids, np.int32), "token_type_ids": np.asarray(types, np.int32),
+                   "label": label_dtype(label)})
     return rows
 
   def loss_fn(params, batch, rng):

@@ -6,7 +6,11 @@ exact resume, metrics, preemption).
 
 - ``mlm``: masked-LM pre-training on a corpus (here);
 - ``glue``: GLUE classification and STS-B regression (:mod:`posjax.finetune.tasks`);
-- ``squad``: SQuAD 1.1 span extraction (:mod:`posjax.finetune.tasks`).
+- ``squad``: SQuAD 1.1 span extraction (:mod:`posjax.finetune.tasks`);
+- ``probe``: one position probe (:mod:`posjax.probes`).
+
+A new task is such a function, registered in ``posjax.train.loop.TASKS`` with its evaluator kinds in
+``EVAL_KINDS``.
 
 Evaluators are declared in ``config.evals`` (``{name: {kind, ...options}}``, after big_vision's
 ``config.evals``); their metrics are logged as ``<name>_<metric>``. A loss function returns the summed loss
