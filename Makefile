@@ -8,7 +8,7 @@ STAMP := $(VENV)/.posjax-installed
 
 help:
 	@echo "make demo     set up .venv, then run the position probes (every method; results in workdir/probes)"
-	@echo "make test     set up .venv with the dev extras and run the test suite"
+	@echo "make test     set up .venv with the dev and convert extras and run the test suite"
 	@echo "make bench    the attention benchmark (per-method time and memory)"
 	@echo "make install  only set up .venv"
 	@echo "make clean    remove .venv and build files"
@@ -16,7 +16,7 @@ help:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,convert]'
 	touch $(STAMP)
 
 install: $(STAMP)

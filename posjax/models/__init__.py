@@ -1,7 +1,7 @@
 """Models: the BERT encoder and its task heads."""
 
-from posjax.models.bert import (BertConfig, BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
-                                BertForSequenceClassification, EncoderOutput, SIZES)
+from posjax.models.bert import (HEADS, SIZES, BertConfig, BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
+                                BertForSequenceClassification, BertModel, BertOutput, EncoderOutput)
 
-__all__ = ["BertConfig", "BertEncoder", "BertForMaskedLM", "BertForQuestionAnswering",
-           "BertForSequenceClassification", "EncoderOutput", "SIZES"]
+__all__ = ["HEADS", "SIZES", "BertConfig", "BertEncoder", "BertForMaskedLM", "BertForQuestionAnswering",
+           "BertForSequenceClassification", "BertModel", "BertOutput", "EncoderOutput"]

@@ -21,6 +21,8 @@ from posjax import attention, positions as positions_lib
 from posjax.positions import base
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
+               "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu}
 # Architectures by name (configs' ``size=`` option): a CPU-sized one, BERT-Base and BERT-Large.
 SIZES = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
@@ -39,6 +41,8 @@ class BertConfig:
     position_options: that method's options (an unknown key is an error).
     attention_kernel: ``xla`` | ``cudnn`` | ``auto`` (see ``posjax.attention``).
     norm: ``post`` (BERT, TUPE) or ``pre`` LayerNorm placement.
+    activation: of the MLP and the MLM head: ``gelu`` (exact, BERT's), ``gelu_tanh`` (the tanh
+      approximation: Hugging Face's ``gelu_new``), ``relu``.
     dtype: compute dtype name (``float32`` | ``bfloat16`` | ``float16``); parameters stay ``param_dtype``.
     type_vocab_size: token-type (segment A/B) embeddings; 0 for none.
   """
@@ -57,6 +61,7 @@ class BertConfig:
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   norm: str = "post"
+  activation: str = "gelu"
   dtype: str = "float32"
   param_dtype: str = "float32"
 
@@ -66,6 +71,7 @@ class BertConfig:
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
     base.check_choice("norm", self.norm, ("post", "pre"))
+    base.check_choice("activation", self.activation, tuple(ACTIVATIONS))
     base.check_choice("dtype", self.dtype, tuple(DTYPES))
     base.check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
     for field in ("dropout_rate", "attention_dropout_rate"):
@@ -129,7 +135,7 @@ class EncoderLayer(nn.Module):
                                      name="attention")
 
     def mlp(y):
-      y = nn.gelu(_dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in")(y), approximate=False)
+      y = ACTIVATIONS[c.activation](_dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in")(y))
       return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out")(y)
 
     attention_norm, mlp_norm = _layer_norm(c, "attention_norm"), _layer_norm(c, "mlp_norm")
@@ -205,6 +211,33 @@ class BertEncoder(nn.Module):
     return self.word_embeddings.attend(x_BxLxD)
 
 
+def mlm_head(module: nn.Module, encoder: BertEncoder, h_BxMxD):
+  """BERT's MLM head, tied to the word embeddings: dense -> activation -> LayerNorm -> ``E^T`` + bias (called
+  inside ``module``'s compact ``__call__``: its parameters are ``transform``, ``transform_norm``, ``output_bias``)."""
+  c = encoder.config
+  h_BxMxD = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](_dense(c, c.hidden_size, (base.EMBED, MLP),
+                                                                               "transform")(h_BxMxD)))
+  bias_V = module.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,), DTYPES[c.param_dtype])
+  return encoder.attend_words(h_BxMxD).astype(jnp.float32) + bias_V
+
+
+def pooler(config: BertConfig, h_BxLxD):
+  """The [CLS] token's state through dense -> tanh (parameters ``pooler``)."""
+  return jnp.tanh(_dense(config, config.hidden_size, (base.EMBED, MLP), "pooler")(h_BxLxD[:, 0]))
+
+
+def classification_head(config: BertConfig, num_labels: int, h_BxLxD, deterministic: bool):
+  """TUPE's and BERT's [CLS] head: pooler -> dropout -> ``num_labels`` outputs (``classifier``)."""
+  pooled = nn.Dropout(config.dropout_rate)(pooler(config, h_BxLxD), deterministic=deterministic)
+  return _dense(config, num_labels, (base.EMBED, None), "classifier")(pooled).astype(jnp.float32)
+
+
+def span_head(config: BertConfig, h_BxLxD):
+  """SQuAD's start and end logits, ``[B, L]`` each (parameters ``span``)."""
+  logits = _dense(config, 2, (base.EMBED, None), "span")(h_BxLxD).astype(jnp.float32)
+  return logits[..., 0], logits[..., 1]
+
+
 class BertForMaskedLM(nn.Module):
   """MLM head tied to the word embeddings: dense -> GELU -> LayerNorm -> ``E^T`` + bias.
 
@@ -214,20 +247,13 @@ class BertForMaskedLM(nn.Module):
 
   config: BertConfig
 
-  def setup(self):
-    c = self.config
-    self.encoder = BertEncoder(c)
-    self.transform = _dense(c, c.hidden_size, (base.EMBED, MLP), "transform")
-    self.transform_norm = _layer_norm(c, "transform_norm")
-    self.output_bias = self.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,),
-                                  DTYPES[c.param_dtype])
-
+  @nn.compact
   def __call__(self, input_ids, *, masked_positions=None, **encoder_kwargs):
-    h = self.encoder(input_ids, **encoder_kwargs).last_hidden_state
+    encoder = BertEncoder(self.config, name="encoder")
+    h = encoder(input_ids, **encoder_kwargs).last_hidden_state
     if masked_positions is not None:
       h = jnp.take_along_axis(h, masked_positions[..., None], axis=1, mode="fill", fill_value=jnp.nan)
-    h = self.transform_norm(nn.gelu(self.transform(h), approximate=False))
-    return self.encoder.attend_words(h).astype(jnp.float32) + self.output_bias
+    return mlm_head(self, encoder, h)
 
 
 class BertForSequenceClassification(nn.Module):
@@ -238,11 +264,8 @@ class BertForSequenceClassification(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
-    c = self.config
-    h = BertEncoder(c, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
-    pooled = jnp.tanh(_dense(c, c.hidden_size, (base.EMBED, MLP), "pooler")(h.last_hidden_state[:, 0]))
-    pooled = nn.Dropout(c.dropout_rate)(pooled, deterministic=deterministic)
-    return _dense(c, self.num_labels, (base.EMBED, None), "classifier")(pooled).astype(jnp.float32)
+    h = BertEncoder(self.config, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
+    return classification_head(self.config, self.num_labels, h.last_hidden_state, deterministic)
 
 
 class BertForQuestionAnswering(nn.Module):
@@ -253,5 +276,43 @@ class BertForQuestionAnswering(nn.Module):
   @nn.compact
   def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
     h = BertEncoder(self.config, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
-    logits = _dense(self.config, 2, (base.EMBED, None), "span")(h.last_hidden_state).astype(jnp.float32)
-    return logits[..., 0], logits[..., 1]
+    return span_head(self.config, h.last_hidden_state)
+
+
+@flax.struct.dataclass
+class BertOutput:
+  """What :class:`BertModel` returns: the encoder's last states and, per its head, the head's outputs."""
+  last_hidden_state: jax.Array
+  pooler_output: jax.Array | None = None
+  logits: jax.Array | None = None  # MLM [B, L, V] or classification [B, num_labels]
+  start_logits: jax.Array | None = None
+  end_logits: jax.Array | None = None
+
+
+HEADS = ("none", "pooler", "mlm", "classification", "span")
+
+
+class BertModel(nn.Module):
+  """The encoder with any one head, returning a :class:`BertOutput` (the shape of Hugging Face's outputs; what
+  the checkpoint converters build). Parameter names are the task models' (``encoder``, ``transform``,
+  ``pooler``, ``classifier``, ``span``...), so its checkpoints start any posjax run."""
+
+  config: BertConfig
+  head: str = "none"
+  num_labels: int = 2
+
+  @nn.compact
+  def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs) -> BertOutput:
+    base.check_choice("head", self.head, HEADS)
+    encoder = BertEncoder(self.config, name="encoder")
+    h = encoder(input_ids, deterministic=deterministic, **encoder_kwargs).last_hidden_state
+    if self.head == "pooler":
+      return BertOutput(h, pooler_output=pooler(self.config, h))
+    if self.head == "mlm":
+      return BertOutput(h, logits=mlm_head(self, encoder, h))
+    if self.head == "classification":
+      return BertOutput(h, logits=classification_head(self.config, self.num_labels, h, deterministic))
+    if self.head == "span":
+      start, end = span_head(self.config, h)
+      return BertOutput(h, start_logits=start, end_logits=end)
+    return BertOutput(h)

@@ -1,7 +1,7 @@
 """Shaw et al. (2018) relative embeddings and Huang et al. (2020) Methods 1-4.
 
-Logit of each method, before the ``1/sqrt(d_h)`` that scales the whole sum (``../shared/papers/
-huang2020.md`` §1); ``r = clip(j - i, -k, k)`` is the clipped relative distance (key minus query):
+Logit of each method, before the ``1/sqrt(d_h)`` that scales the whole sum (Huang et al. 2020, §3;
+Shaw et al. 2018, §3); ``r = clip(j - i, -k, k)`` is the clipped relative distance (key minus query):
 
 | method     | logit                                   | table                      | init |
 |------------|-----------------------------------------|----------------------------|------|
@@ -247,7 +247,7 @@ def _register(name, options, summary, fusable=lambda options: True, *aliases):
 
 
 _register("shaw", ShawOptions, "Shaw et al. 2018: q_i·w_{j-i} key term (value term optional)",
-          lambda options: not options.value_term)
+          lambda options: not options.value_term, "relative_key")
 _register("huang_m1", RelativeOptions, "Huang et al. 2020 Method 1: (q·k) · w_|j-i|", lambda options: False)
 _register("huang_m2", RelativeOptions, "Huang et al. 2020 Method 2: (q·k) · w_{j-i}", lambda options: False)
 _register("huang_m3", RelativeOptions, "Huang et al. 2020 Method 3: Σ_l q_l k_l (w_{j-i})_l",

@@ -1,6 +1,6 @@
 """TUPE (Ke, He, Liu; ICLR 2021): untied positional correlation with [CLS] untying, and BERT-A^d.
 
-TUPE-A logit, per head (``../shared/papers/tupe.md`` §1)::
+TUPE-A logit, per head (Ke, He, Liu 2021, §3)::
 
     α_ij = (x_i W^Q)(x_j W^K)^T / sqrt(2 d_h) + reset_θ( (p_i U^Q)(p_j U^K)^T / sqrt(2 d_h) [+ b_{j-i}] )
 
