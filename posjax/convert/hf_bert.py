@@ -1,0 +1,325 @@
+"""Hugging Face BERT (``transformers`` < 5) <-> posjax, exactly: absolute, ``relative_key`` and
+``relative_key_query`` position embeddings.
+
+``position_embedding_type`` maps to a posjax method: ``absolute`` -> ``absolute``, ``relative_key`` ->
+``shaw`` (Shaw et al. 2018, key term), ``relative_key_query`` -> ``huang_m4`` (Huang et al. 2020, Method 4).
+Hugging Face's relative table has ``2 M - 1`` rows for ``M = max_position_embeddings`` and is indexed by
+query minus key (``i - j + M - 1``); posjax's by key minus query (``j - i + k`` with ``k = M - 1``): the same
+table, rows reversed. Hugging Face does not clip distances (inputs longer than ``M`` fail there); posjax clips
+at ``k``, so the two agree on every input Hugging Face accepts.
+
+Heads come across when the source has them: ``BertForMaskedLM`` / ``BertForPreTraining`` -> ``mlm`` (the NSP
+classifier is dropped), ``BertForSequenceClassification`` -> ``classification``, ``BertForQuestionAnswering``
+-> ``span``, ``BertModel`` -> ``pooler``. Reading a directory with ``model.safetensors`` needs neither
+PyTorch nor ``transformers``; ``pytorch_model.bin`` needs PyTorch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+import flax.traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.models import BertConfig, BertModel
+
+POSITIONS = {"absolute": "absolute", "relative_key": "shaw", "relative_key_query": "huang_m4"}
+TO_HF_POSITIONS = {"absolute": "absolute", "shaw": "relative_key", "huang_m4": "relative_key_query"}
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+               "relu": "relu"}
+TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+# Hugging Face config fields posjax has no counterpart for, with the values it can represent.
+UNSUPPORTED = {"is_decoder": False, "add_cross_attention": False}
+# Weights posjax has no place for and drops (with a log line): buffers, the NSP head, and the absolute table of
+# a relative model (Hugging Face keeps one it never reads).
+DROPPED = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.seq_relationship.weight",
+           "cls.seq_relationship.bias", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
+  """A Hugging Face ``BertConfig`` (as a dict) as posjax's; anything posjax cannot represent is an error."""
+  if hf.get("model_type", "bert") != "bert":
+    raise ValueError(f"config.json has model_type={hf.get('model_type')!r}; the converter reads BERT ('bert') only")
+  for field, supported in UNSUPPORTED.items():
+    if hf.get(field, supported) != supported:
+      raise ValueError(f"config.json has {field}={hf[field]!r}; posjax represents only {field}={supported!r}")
+  kind = hf.get("position_embedding_type", "absolute")
+  if kind not in POSITIONS:
+    raise ValueError(f"config.json has position_embedding_type={kind!r}; posjax reads {sorted(POSITIONS)}")
+  act = hf.get("hidden_act", "gelu")
+  if act not in ACTIVATIONS:
+    raise ValueError(f"config.json has hidden_act={act!r}; posjax reads {sorted(ACTIVATIONS)}")
+  max_len = int(hf.get("max_position_embeddings", 512))
+  position = POSITIONS[kind]
+  return BertConfig(
+      vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
+      num_heads=int(hf["num_attention_heads"]), intermediate_size=int(hf["intermediate_size"]), max_len=max_len,
+      type_vocab_size=int(hf.get("type_vocab_size", 2)), position=position,
+      position_options={} if position == "absolute" else {"max_distance": max_len - 1},
+      dropout_rate=float(hf.get("hidden_dropout_prob", 0.1)),
+      attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.1)),
+      layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)), activation=ACTIVATIONS[act])
+
+
+def config_to_hf(config: BertConfig) -> dict:
+  """posjax's BertConfig as Hugging Face ``BertConfig`` fields; methods or options it cannot express are errors."""
+  if config.position not in TO_HF_POSITIONS:
+    raise ValueError(f"Hugging Face BERT cannot express position {config.position!r}; it has "
+                     f"{sorted(TO_HF_POSITIONS)} ({', '.join(f'{k} = {v}' for k, v in TO_HF_POSITIONS.items())})")
+  options = config.position_spec.options
+  if config.position != "absolute":
+    k = config.max_len - 1 if options.max_distance is None else options.max_distance
+    if k != config.max_len - 1:
+      raise ValueError(f"Hugging Face's relative table clips at max_position_embeddings - 1 = {config.max_len - 1}; "
+                       f"this model's max_distance is {k}")
+    if options.share_across_layers:
+      raise ValueError("Hugging Face has one relative table per layer; this model shares one (share_across_layers)")
+    if getattr(options, "value_term", False):
+      raise ValueError("Hugging Face's relative_key has no value term; this shaw model has value_term=True")
+  if config.norm != "post":
+    raise ValueError(f"Hugging Face BERT is Post-LN; this model has norm={config.norm!r}")
+  return {
+      "model_type": "bert", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+      "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+      "intermediate_size": config.intermediate_size, "max_position_embeddings": config.max_len,
+      # Hugging Face always has token-type embeddings: a model without gets one row of zeros (adds nothing).
+      "type_vocab_size": max(config.type_vocab_size, 1), "position_embedding_type": TO_HF_POSITIONS[config.position],
+      "hidden_act": TO_HF_ACTIVATIONS[config.activation], "hidden_dropout_prob": config.dropout_rate,
+      "attention_probs_dropout_prob": config.attention_dropout_rate, "layer_norm_eps": config.layer_norm_eps}
+
+
+def _strip(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Keys without the task models' ``bert.`` prefix."""
+  return {k.removeprefix("bert."): np.asarray(v) for k, v in state.items()}
+
+
+def detect_head(state: Mapping[str, np.ndarray]) -> tuple[str, int]:
+  """``(head, num_labels)`` from the weights present."""
+  if "cls.predictions.transform.dense.weight" in state:
+    return "mlm", 2
+  if "qa_outputs.weight" in state:
+    return "span", 2
+  if "classifier.weight" in state:
+    return "classification", int(state["classifier.weight"].shape[0])
+  if "pooler.dense.weight" in state:
+    return "pooler", 2
+  return "none", 2
+
+
+def _linear(state, name: str) -> tuple[np.ndarray, np.ndarray]:
+  return state[f"{name}.weight"].T, state[f"{name}.bias"]
+
+
+def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: str) -> tuple[dict, list[str]]:
+  """posjax parameters (flat, ``/``-joined paths) from a Hugging Face state dict, and the keys dropped."""
+  heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
+  used, out = set(), {}
+
+  def take(key):
+    if key not in state:
+      raise ValueError(f"the checkpoint has no weight {key!r} (expected for this {config.position} BERT)")
+    used.add(key)
+    return state[key]
+
+  def norm(target, name):
+    out[f"{target}/scale"], out[f"{target}/bias"] = take(f"{name}.weight"), take(f"{name}.bias")
+
+  def dense(target, name, shape=None):
+    kernel, bias = take(f"{name}.weight").T, take(f"{name}.bias")
+    out[f"{target}/kernel"] = kernel if shape is None else kernel.reshape(shape)
+    out[f"{target}/bias"] = bias if shape is None else bias.reshape(shape[1:])
+
+  out["encoder/word_embeddings/embedding"] = take("embeddings.word_embeddings.weight")
+  if config.type_vocab_size:
+    out["encoder/token_type_embeddings/embedding"] = take("embeddings.token_type_embeddings.weight")
+  if config.position == "absolute":
+    out["encoder/position/table/embedding"] = take("embeddings.position_embeddings.weight")
+  norm("encoder/embedding_norm", "embeddings.LayerNorm")
+  d = config.hidden_size
+  for i in range(config.num_layers):
+    hf, px = f"encoder.layer.{i}", f"encoder/layer_{i}"
+    for part in ("query", "key", "value"):
+      dense(f"{px}/attention/{part}", f"{hf}.attention.self.{part}", (d, heads, head_dim))
+    kernel, bias = take(f"{hf}.attention.output.dense.weight").T, take(f"{hf}.attention.output.dense.bias")
+    out[f"{px}/attention/out/kernel"], out[f"{px}/attention/out/bias"] = kernel.reshape(heads, head_dim, d), bias
+    norm(f"{px}/attention_norm", f"{hf}.attention.output.LayerNorm")
+    dense(f"{px}/mlp_in", f"{hf}.intermediate.dense")
+    dense(f"{px}/mlp_out", f"{hf}.output.dense")
+    norm(f"{px}/mlp_norm", f"{hf}.output.LayerNorm")
+    if config.position != "absolute":
+      out[f"{px}/attention/position/key"] = take(f"{hf}.attention.self.distance_embedding.weight")[::-1]
+  if head == "mlm":
+    dense("transform", "cls.predictions.transform.dense")
+    norm("transform_norm", "cls.predictions.transform.LayerNorm")
+    out["output_bias"] = take("cls.predictions.bias")
+    decoder = state.get("cls.predictions.decoder.weight")
+    if decoder is not None and not np.array_equal(decoder, state["embeddings.word_embeddings.weight"]):
+      raise ValueError("the MLM decoder is not tied to the word embeddings; posjax's MLM head is (as BERT's)")
+  if head in ("pooler", "classification"):
+    dense("pooler", "pooler.dense")
+  if head == "classification":
+    dense("classifier", "classifier")
+  if head == "span":
+    dense("span", "qa_outputs")
+  dropped = sorted(set(state) - used)
+  return out, dropped
+
+
+def _check_shapes(module: BertModel, flat: dict[str, np.ndarray], source: str) -> dict:
+  expected = flax.traverse_util.flatten_dict(jax.eval_shape(
+      module.init, jax.random.PRNGKey(0), jnp.ones((1, 2), jnp.int32))["params"], sep="/")
+  expected = {k: getattr(v, "value", v) for k, v in expected.items()}
+  missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
+  if missing or extra:
+    raise ValueError(f"{source}: the converted parameters do not match the posjax model (missing {missing}, "
+                     f"unexpected {extra})")
+  for path, value in flat.items():
+    if tuple(value.shape) != tuple(expected[path].shape):
+      raise ValueError(f"{source}: {path} has shape {tuple(value.shape)} but its config implies "
+                       f"{tuple(expected[path].shape)}")
+  return flax.traverse_util.unflatten_dict(
+      {k: jnp.asarray(v, expected[k].dtype) for k, v in flat.items()}, sep="/")
+
+
+def read_directory(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
+  """``(config.json as a dict, state dict as numpy)`` of a Hugging Face model directory."""
+  path = os.path.join(directory, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{directory} has no config.json (a Hugging Face model directory has config.json "
+                            "and model.safetensors or pytorch_model.bin)")
+  with open(path) as f:
+    hf_config = json.load(f)
+  safetensors_path = os.path.join(directory, "model.safetensors")
+  torch_path = os.path.join(directory, "pytorch_model.bin")
+  if os.path.isfile(safetensors_path):
+    from safetensors.numpy import load_file  # imported here: an optional dependency (the convert extra)
+    return hf_config, load_file(safetensors_path)
+  if os.path.isfile(torch_path):
+    import torch  # imported here: only .bin files need it
+
+    state = torch.load(torch_path, map_location="cpu", weights_only=True)
+    return hf_config, {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+  raise FileNotFoundError(f"{directory} has no weights: expected model.safetensors or pytorch_model.bin; it has "
+                          f"{sorted(os.listdir(directory))}")
+
+
+def from_hf_bert(source) -> tuple[BertModel, dict]:
+  """``(module, variables)`` equal to a Hugging Face BERT: an in-memory ``transformers`` model or a directory.
+
+  ``module.apply(variables, input_ids, token_type_ids=..., attention_mask=...)`` returns a
+  :class:`posjax.models.BertOutput` (``last_hidden_state``, and the head's logits)."""
+  if isinstance(source, (str, os.PathLike)):
+    hf_config, state = read_directory(os.fspath(source))
+    where = os.fspath(source)
+  else:
+    hf_config = source.config.to_dict()
+    state = {k: v.detach().cpu().float().numpy() if v.is_floating_point() else v.detach().cpu().numpy()
+             for k, v in source.state_dict().items()}
+    where = type(source).__name__
+  state = _strip(state)
+  config = config_from_hf(hf_config)
+  types = state.get("embeddings.token_type_embeddings.weight")
+  if config.type_vocab_size == 1 and types is not None and not types.any():  # posjax's "no token types", written out
+    config = dataclasses.replace(config, type_vocab_size=0)
+    state.pop("embeddings.token_type_embeddings.weight")
+  head, num_labels = detect_head(state)
+  flat, dropped = params_from_hf(config, state, head)
+  unexpected = [k for k in dropped if k not in DROPPED and not k.startswith("pooler.")
+                and k != "embeddings.position_embeddings.weight"]
+  if unexpected:
+    raise ValueError(f"{where}: weights posjax has no place for: {unexpected}")
+  module = BertModel(config, head=head, num_labels=num_labels)
+  return module, {"params": _check_shapes(module, flat, where)}
+
+
+def state_to_hf(config: BertConfig, params: Mapping, head: str) -> dict[str, np.ndarray]:
+  """A Hugging Face state dict (task-model key names: ``bert.`` prefixed unless ``head`` is ``none`` or
+  ``pooler``) from posjax parameters."""
+  flat = {k: np.asarray(v, np.float32) for k, v in flax.traverse_util.flatten_dict(dict(params), sep="/").items()}
+  prefix = "" if head in ("none", "pooler") else "bert."
+  d, out = config.hidden_size, {}
+
+  def put(name, value):
+    out[prefix + name if not name.startswith(("cls.", "classifier", "qa_outputs")) else name] = value
+
+  def norm(name, source):
+    put(f"{name}.weight", flat[f"{source}/scale"])
+    put(f"{name}.bias", flat[f"{source}/bias"])
+
+  def dense(name, source):
+    put(f"{name}.weight", flat[f"{source}/kernel"].T)
+    put(f"{name}.bias", flat[f"{source}/bias"])
+
+  put("embeddings.word_embeddings.weight", flat["encoder/word_embeddings/embedding"])
+  put("embeddings.token_type_embeddings.weight", flat.get("encoder/token_type_embeddings/embedding",
+                                                         np.zeros((1, d), np.float32)))
+  put("embeddings.position_embeddings.weight", flat.get("encoder/position/table/embedding",
+                                                       np.zeros((config.max_len, d), np.float32)))
+  norm("embeddings.LayerNorm", "encoder/embedding_norm")
+  for i in range(config.num_layers):
+    hf, px = f"encoder.layer.{i}", f"encoder/layer_{i}"
+    for part in ("query", "key", "value"):
+      put(f"{hf}.attention.self.{part}.weight", flat[f"{px}/attention/{part}/kernel"].reshape(d, d).T)
+      put(f"{hf}.attention.self.{part}.bias", flat[f"{px}/attention/{part}/bias"].reshape(d))
+    put(f"{hf}.attention.output.dense.weight", flat[f"{px}/attention/out/kernel"].reshape(d, d).T)
+    put(f"{hf}.attention.output.dense.bias", flat[f"{px}/attention/out/bias"])
+    norm(f"{hf}.attention.output.LayerNorm", f"{px}/attention_norm")
+    dense(f"{hf}.intermediate.dense", f"{px}/mlp_in")
+    dense(f"{hf}.output.dense", f"{px}/mlp_out")
+    norm(f"{hf}.output.LayerNorm", f"{px}/mlp_norm")
+    if config.position != "absolute":
+      put(f"{hf}.attention.self.distance_embedding.weight", flat[f"{px}/attention/position/key"][::-1].copy())
+  if head == "mlm":
+    dense("cls.predictions.transform.dense", "transform")
+    norm("cls.predictions.transform.LayerNorm", "transform_norm")
+    put("cls.predictions.bias", flat["output_bias"])
+    put("cls.predictions.decoder.weight", flat["encoder/word_embeddings/embedding"])
+    put("cls.predictions.decoder.bias", flat["output_bias"])
+  if head in ("pooler", "classification"):
+    dense("pooler.dense", "pooler")
+  if head == "classification":
+    dense("classifier", "classifier")
+  if head == "span":
+    dense("qa_outputs", "span")
+  return out
+
+
+HF_CLASSES = {"none": "BertModel", "pooler": "BertModel", "mlm": "BertForMaskedLM",
+              "classification": "BertForSequenceClassification", "span": "BertForQuestionAnswering"}
+
+
+def head_of(params: Mapping) -> tuple[str, int]:
+  """The head a posjax parameter tree carries, from its top-level names."""
+  if "output_bias" in params:
+    return "mlm", 2
+  if "span" in params:
+    return "span", 2
+  if "classifier" in params:
+    return "classification", int(np.shape(params["classifier"]["kernel"])[-1])
+  if "pooler" in params:
+    return "pooler", 2
+  return "none", 2
+
+
+def to_hf_bert(config: BertConfig, variables: Mapping):
+  """The Hugging Face model (``BertModel``, ``BertForMaskedLM``, ``BertForSequenceClassification`` or
+  ``BertForQuestionAnswering``, by the parameters' head) equal to a posjax model, in float32."""
+  import torch  # imported here: the convert extra
+  import transformers
+
+  params = variables.get("params", variables)
+  head, num_labels = head_of(params)
+  hf_config = transformers.BertConfig(**config_to_hf(config), num_labels=num_labels)
+  model_class = getattr(transformers, HF_CLASSES[head])
+  model = model_class(hf_config, add_pooling_layer=head == "pooler") if head in ("none", "pooler") else model_class(hf_config)
+  state = {k: torch.from_numpy(np.array(v)) for k, v in state_to_hf(config, params, head).items()}
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  missing = [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]
+  if missing or unexpected:
+    raise ValueError(f"posjax -> {HF_CLASSES[head]}: missing {missing}, unexpected {unexpected}")
+  return model.eval()
