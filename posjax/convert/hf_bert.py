@@ -60,7 +60,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
       num_heads=int(hf["num_attention_heads"]), intermediate_size=int(hf["intermediate_size"]), max_len=max_len,
       type_vocab_size=int(hf.get("type_vocab_size", 2)), position=position,
-      position_options={} if position == "absolute" else {"max_distance": max_len - 1},
+      position_options={},  # relative: posjax's default clip distance, max_len - 1, is Hugging Face's
       dropout_rate=float(hf.get("hidden_dropout_prob", 0.1)),
       attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.1)),
       layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)), activation=ACTIVATIONS[act])

@@ -1,8 +1,8 @@
 """Where a fine-tuning run starts: another run's workdir at a kept step (``init``, ``init_step``), or scratch.
 
 From ``init`` the run takes the encoder's parameters, its architecture (``model_config.json``, which every
-posjax run writes) and its vocabulary (``vocab.txt`` beside the checkpoints, else the init run's
-``data.vocab_file``). The fine-tuning config's own model fields are dropout, dtypes and the attention kernel;
+posjax run and ``python -m posjax.convert hf-to-posjax`` write) and its vocabulary (``vocab.txt`` or
+``tokenizer.json`` beside the checkpoints, else the init run's ``data.vocab_file``). The fine-tuning config's own model fields are dropout, dtypes and the attention kernel;
 an architecture field set to something else than the init run's is an error, and so is another position
 method or other position options, unless ``allow_position_change`` (then the new position parameters start
 fresh, and the log names them).
@@ -63,8 +63,9 @@ def find(config: ml_collections.ConfigDict) -> Start | None:
                             "beside its checkpoints)")
   with open(path) as f:
     model = json.load(f)
-  vocab_file = os.path.join(workdir, "vocab.txt")
-  if not os.path.isfile(vocab_file):
+  beside = [os.path.join(workdir, name) for name in ("vocab.txt", "tokenizer.json")]
+  vocab_file = next((path for path in beside if os.path.isfile(path)), "")
+  if not vocab_file and os.path.isfile(os.path.join(workdir, "config.json")):
     with open(os.path.join(workdir, "config.json")) as f:
       vocab_file = json.load(f).get("data", {}).get("vocab_file", "")
   return Start(workdir, checkpoints, step, model, vocab_file)

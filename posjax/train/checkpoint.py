@@ -111,13 +111,18 @@ def _failed_elsewhere(failed_here: bool) -> list[int]:
   return [int(p) for p in np.flatnonzero(failed) if p != jax.process_index()]
 
 
+def resolve_directory(directory: str) -> str:
+  """A run's checkpoint directory: ``directory`` itself, or its ``checkpoints`` folder when given a workdir."""
+  inner = os.path.join(directory, "checkpoints")
+  return inner if os.path.isdir(inner) else directory
+
+
 def check_directory(directory: str, field: str) -> None:
-  """A directory holding this project's checkpoints (step folders), or an error that names ``field``."""
-  steps = [p for p in os.listdir(directory) if p.isdigit()] if os.path.isdir(directory) else []
+  """A workdir or a directory holding this project's checkpoints (step folders), or an error naming ``field``."""
+  resolved = resolve_directory(directory)
+  steps = [p for p in os.listdir(resolved) if p.isdigit()] if os.path.isdir(resolved) else []
   if not steps:
-    hint = (f"; did you mean {os.path.join(directory, 'checkpoints')}?"
-            if os.path.isdir(os.path.join(directory, "checkpoints")) else "")
-    raise FileNotFoundError(f"{field}={directory!r} holds no checkpoint (step folders){hint}")
+    raise FileNotFoundError(f"{field}={directory!r} holds no checkpoint (step folders)")
 
 
 def _sync(name: str) -> None:
@@ -149,10 +154,16 @@ def _silence_abandoned_reads() -> None:
 
 
 def load_params(directory: str, step: int | None = None) -> dict:
-  """Parameters of another run's checkpoint, as a nested dict of numpy arrays (for warm starts)."""
+  """Parameters of another run's checkpoint (its workdir or checkpoint directory; ``step`` default: the latest),
+  as a nested dict of arrays (for warm starts)."""
   check_directory(directory, "checkpoint directory")
+  directory = resolve_directory(directory)
   manager = ocp.CheckpointManager(os.path.abspath(directory), item_handlers=_handlers())
-  step = manager.latest_step() if step is None else step
+  kept = sorted(manager.all_steps())
+  if step is not None and step not in kept:
+    manager.close()
+    raise ValueError(f"step {step} was not kept in {directory}; kept steps: {kept}")
+  step = kept[-1] if step is None else step
   # Restore onto this process's first device, whatever topology the checkpoint was saved from.
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   metadata = manager.item_metadata(step).state

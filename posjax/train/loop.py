@@ -482,8 +482,8 @@ def _warm_start(state, parallel, init_from: str):
   loaded = checkpoint_lib.load_params(init_from)
   params = parallel.to_checkpoint(state).params
   merged, fresh, unused = checkpoint_lib.merge_params(params, loaded)
-  logging.warning("warm start from %s: %d parameters loaded, fresh: %s, unused: %s", init_from,
-               len(jax.tree.leaves(merged)) - len(fresh), fresh, unused)
+  logging.warning("warm start from %s: %d parameters loaded; created (fresh): %s; dropped: %s", init_from,
+                  len(jax.tree.leaves(merged)) - len(fresh), fresh, unused)
   return parallel.from_checkpoint(parallel.to_checkpoint(state).replace(params=merged))
 
 

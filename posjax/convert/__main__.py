@@ -1,0 +1,103 @@
+"""Checkpoint conversion from the command line.
+
+  python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
+      A Hugging Face BERT directory -> OUT/checkpoints/0 (orbax), OUT/model_config.json and the tokenizer's
+      vocab.txt (or tokenizer.json): what fine-tuning (``--config.init=OUT``) and pre-training warm starts
+      (``--config.init_from=OUT``) start from.
+  python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
+      A posjax run (absolute, shaw or huang_m4) -> config.json, model.safetensors and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import jax
+
+from posjax.convert import hf_bert
+from posjax.models import BertConfig
+from posjax.train import checkpoint as checkpoint_lib
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")
+
+
+def hf_to_posjax(source: str, workdir: str) -> str:
+  """Writes the converted model as a posjax run in ``workdir``; returns its checkpoint directory."""
+  module, variables = hf_bert.from_hf_bert(source)
+  if os.path.exists(os.path.join(workdir, "checkpoints")):
+    raise ValueError(f"{workdir} already holds checkpoints; convert into a new directory")
+  os.makedirs(workdir, exist_ok=True)
+  checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, async_save=False)
+  checkpointer.save(0, {"step": jax.numpy.zeros((), jax.numpy.int32), "params": variables["params"]},
+                    {"converted_from": os.path.abspath(source)})
+  checkpointer.close()
+  with open(os.path.join(workdir, "model_config.json"), "w") as f:
+    json.dump(module.config.to_dict(), f, indent=1, sort_keys=True)
+  copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+  for name in copied:
+    shutil.copy(os.path.join(source, name), os.path.join(workdir, name))
+  print(f"{source} ({module.config.position}, head {module.head}) -> {workdir}: checkpoints/0, model_config.json"
+        + "".join(f", {name}" for name in copied))
+  return checkpointer.directory
+
+
+def _vocab_of(run: str) -> str:
+  for name in TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(run, name)):
+      return os.path.join(run, name)
+  config = os.path.join(run, "config.json")
+  if os.path.isfile(config):
+    with open(config) as f:
+      return json.load(f).get("data", {}).get("vocab_file", "")
+  return ""
+
+
+def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
+  """Writes the run's model (``step``: default its latest) as a Hugging Face model directory."""
+  path = os.path.join(run, "model_config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{run} has no model_config.json (every posjax run writes one)")
+  with open(path) as f:
+    config = BertConfig(**json.load(f))
+  model = hf_bert.to_hf_bert(config, {"params": checkpoint_lib.load_params(run, step)})
+  model.save_pretrained(out, safe_serialization=True)
+  vocab = _vocab_of(run)
+  if vocab.endswith(".txt") and os.path.isfile(vocab):
+    import transformers
+
+    transformers.BertTokenizerFast(vocab_file=vocab).save_pretrained(out)
+  elif vocab and os.path.isfile(vocab):
+    shutil.copy(vocab, os.path.join(out, "tokenizer.json"))
+  print(f"{run} ({config.position}) -> {out}: {type(model).__name__}" + (f", tokenizer from {vocab}" if vocab else
+                                                                        ", no tokenizer found"))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m posjax.convert", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  commands = parser.add_subparsers(dest="command", required=True)
+  to_posjax = commands.add_parser("hf-to-posjax", help="a Hugging Face BERT directory -> a posjax run")
+  to_posjax.add_argument("--from", dest="source", required=True, help="Hugging Face model directory")
+  to_posjax.add_argument("--workdir", required=True, help="the new posjax run's directory")
+  to_hf = commands.add_parser("posjax-to-hf", help="a posjax run -> a Hugging Face BERT directory")
+  to_hf.add_argument("--workdir", required=True, help="the posjax run")
+  to_hf.add_argument("--step", type=int, default=None, help="a kept step (default: the latest)")
+  to_hf.add_argument("--out", required=True, help="the Hugging Face model directory to write")
+  args = parser.parse_args(argv)
+  try:
+    if args.command == "hf-to-posjax":
+      hf_to_posjax(args.source, args.workdir)
+    else:
+      posjax_to_hf(args.workdir, args.out, args.step)
+  except (ValueError, OSError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
