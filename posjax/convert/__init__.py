@@ -1,11 +1,14 @@
-"""Checkpoint converters: Hugging Face BERT in and out (:mod:`posjax.convert.hf_bert`).
+"""Checkpoint converters: Hugging Face BERT in and out (:mod:`posjax.convert.hf_bert`), and the official TUPE
+code's fairseq checkpoints in (:mod:`posjax.convert.tupe_fairseq`).
 
   python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
   python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
+  python -m posjax.convert tupe-to-posjax --from checkpoint_best.pt --workdir OUT
 
 ``transformers`` and ``torch`` (the ``convert`` extra) are imported only by the functions that need them.
 """
 
 from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, to_hf_bert
+from posjax.convert.tupe_fairseq import from_tupe_fairseq
 
-__all__ = ["config_from_hf", "config_to_hf", "from_hf_bert", "to_hf_bert"]
+__all__ = ["config_from_hf", "config_to_hf", "from_hf_bert", "from_tupe_fairseq", "to_hf_bert"]

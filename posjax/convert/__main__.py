@@ -6,6 +6,9 @@
       (``--config.init_from=OUT``) start from.
   python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
       A posjax run (absolute, shaw or huang_m4) -> config.json, model.safetensors and the tokenizer files.
+  python -m posjax.convert tupe-to-posjax --from checkpoint_best.pt --workdir OUT [--classification_head NAME]
+      An official TUPE (fairseq) checkpoint -> a posjax run. Its vocabulary (a fairseq dictionary over GPT-2
+      BPE) is not converted: give the run a ``tokenizers`` JSON with the same ids (``data.vocab_file``).
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import sys
 
 import jax
 
-from posjax.convert import hf_bert
+from posjax.convert import hf_bert, tupe_fairseq
 from posjax.models import BertConfig
 from posjax.train import checkpoint as checkpoint_lib
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")
 
 
-def hf_to_posjax(source: str, workdir: str) -> str:
-  """Writes the converted model as a posjax run in ``workdir``; returns its checkpoint directory."""
-  module, variables = hf_bert.from_hf_bert(source)
+def write_run(module, variables, workdir: str, source: str) -> str:
+  """A converted model as a posjax run in ``workdir``: ``checkpoints/0`` and ``model_config.json``."""
   if os.path.exists(os.path.join(workdir, "checkpoints")):
     raise ValueError(f"{workdir} already holds checkpoints; convert into a new directory")
   os.makedirs(workdir, exist_ok=True)
@@ -37,12 +39,28 @@ def hf_to_posjax(source: str, workdir: str) -> str:
   checkpointer.close()
   with open(os.path.join(workdir, "model_config.json"), "w") as f:
     json.dump(module.config.to_dict(), f, indent=1, sort_keys=True)
+  return checkpointer.directory
+
+
+def hf_to_posjax(source: str, workdir: str) -> str:
+  """Writes the converted model as a posjax run in ``workdir``, with the tokenizer's files; returns its
+  checkpoint directory."""
+  module, variables = hf_bert.from_hf_bert(source)
+  directory = write_run(module, variables, workdir, source)
   copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
   for name in copied:
     shutil.copy(os.path.join(source, name), os.path.join(workdir, name))
   print(f"{source} ({module.config.position}, head {module.head}) -> {workdir}: checkpoints/0, model_config.json"
         + "".join(f", {name}" for name in copied))
-  return checkpointer.directory
+  return directory
+
+
+def tupe_to_posjax(source: str, workdir: str, classification_head: str | None = None) -> str:
+  module, variables = tupe_fairseq.from_tupe_fairseq(source, classification_head)
+  directory = write_run(module, variables, workdir, source)
+  print(f"{source} ({module.config.position}, head {module.head}) -> {workdir}: checkpoints/0, model_config.json "
+        "(no vocabulary: give runs from it data.vocab_file)")
+  return directory
 
 
 def _vocab_of(run: str) -> str:
@@ -87,10 +105,16 @@ def main(argv=None) -> int:
   to_hf.add_argument("--workdir", required=True, help="the posjax run")
   to_hf.add_argument("--step", type=int, default=None, help="a kept step (default: the latest)")
   to_hf.add_argument("--out", required=True, help="the Hugging Face model directory to write")
+  from_tupe = commands.add_parser("tupe-to-posjax", help="an official TUPE (fairseq) checkpoint -> a posjax run")
+  from_tupe.add_argument("--from", dest="source", required=True, help="checkpoint*.pt of the official TUPE code")
+  from_tupe.add_argument("--workdir", required=True, help="the new posjax run's directory")
+  from_tupe.add_argument("--classification_head", default=None, help="which classification head, if several")
   args = parser.parse_args(argv)
   try:
     if args.command == "hf-to-posjax":
       hf_to_posjax(args.source, args.workdir)
+    elif args.command == "tupe-to-posjax":
+      tupe_to_posjax(args.source, args.workdir, args.classification_head)
     else:
       posjax_to_hf(args.workdir, args.out, args.step)
   except (ValueError, OSError) as error:
