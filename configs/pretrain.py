@@ -76,6 +76,7 @@ def get_config(arg=None):
       type_vocab_size=2,  # 0: no token-type embeddings (TUPE's RoBERTa-style model)
       layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5
       norm="post",  # or "pre"
+      activation="gelu",  # exact GELU (BERT); "gelu_tanh", "relu"
       dropout_rate=0.1, attention_dropout_rate=0.1, **SIZES[arg.size]))
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",

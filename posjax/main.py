@@ -21,15 +21,14 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from posjax import probes
+from posjax import probes, sweep
+from posjax.cli import error_message, run_user_errors
 from posjax.train import loop
 
-# What a mistake in the command (or a non-finite loss) raises: reported as one line, without a traceback.
-USER_ERRORS = (ValueError, OSError, FloatingPointError, flags.Error, app.UsageError)
 
-# ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), or the probe table
-# (many runs).
-JOBS = {"train": loop.run, "probes": probes.run}
+# ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), the probe table, or
+# a paper table's rows (``configs/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
+JOBS = {"train": loop.run, "probes": probes.run, "table": sweep.run_table}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, with ':options'.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the resolved config go here.")
@@ -62,28 +61,6 @@ def main(argv):
   JOBS[job](_CONFIG.value, _WORKDIR.value)
 
 
-def error_message(error: BaseException) -> str:
-  """The innermost cause's own words on one line. ml_collections reports an unknown field as a KeyError
-  re-raised as an AttributeError whose repr'd text carries the "did you mean"; absl wraps get_config's errors
-  in flag-parsing ones."""
-  chain = [error]
-  while chain[-1].__cause__ is not None or (chain[-1].__context__ is not None
-                                            and not chain[-1].__suppress_context__):
-    chain.append(chain[-1].__cause__ or chain[-1].__context__)
-  unknown = [e for e in chain if isinstance(e, (AttributeError, KeyError)) and str(e.args[0]).startswith("'")]
-  if unknown:
-    texts = [str(e.args[0]) for e in unknown]
-    name, _, hint = next((t for t in texts if "\n" in t), texts[-1]).partition("\n")
-    key = name.strip("'")
-    given = [a.split("=")[0] for a in sys.argv[1:] if a.startswith("--config.") and
-             a.split("=")[0].split(".")[-1] == key]
-    return f"unknown config field {given[0] if given else name}" + (f"; {' '.join(hint.split())}" if hint else "")
-  flag_error = next((e for e in chain if isinstance(e, flags.Error) and str(e).startswith("flag --config.")), None)
-  root = flag_error or chain[-1]  # absl's own text names the flag: "flag --config.batch_size=abc: ..."
-  text = root.args[0] if len(root.args) == 1 and isinstance(root.args[0], str) else str(root)
-  return " ".join(text.split())
-
-
 def parse_flags(argv):
   try:
     return flags.FLAGS(argv)
@@ -94,17 +71,7 @@ def parse_flags(argv):
 
 
 def run_main(argv):
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; -v 0 shows it
-  try:
-    main(argv)
-  except loop.Interrupted as interrupted:
-    print(interrupted, file=sys.stderr)
-    sys.exit(130)
-  except USER_ERRORS as error:
-    logging.info("the run stopped", exc_info=True)
-    print(f"error: {error_message(error)}", file=sys.stderr)
-    sys.exit(2)
+  run_user_errors(main, argv)
 
 
 def entry():

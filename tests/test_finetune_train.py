@@ -242,3 +242,12 @@ def test_epochs_and_warmup_fraction_become_steps():
   assert (resolved.total_steps, resolved.warmup_steps) == (15, 1)  # 240 examples / 16; 6% of 15 steps
   resolved = loop.resolve_durations(finetune_config("glue", "task=sst2", total_epochs=3.0), examples_per_epoch=3000)
   assert (resolved.total_steps, resolved.warmup_steps) == (282, 17)  # ceil(9000 / 32); round(0.06 * 282)
+
+
+def test_a_run_killed_before_its_results_evaluates_its_last_checkpoint_on_restart(tmp_path):
+  config = lambda: finetune_config("glue", "task=sst2,runlocal", total_steps=4)  # noqa: E731
+  loop.run(config(), str(tmp_path))
+  first = json.loads((tmp_path / "results.json").read_text())
+  (tmp_path / "results.json").unlink()
+  loop.run(config(), str(tmp_path))
+  assert json.loads((tmp_path / "results.json").read_text()) == first

@@ -202,6 +202,9 @@ def from_tupe_fairseq(checkpoint, classification_head: str | None = None) -> tup
     raise ValueError(f"{where} has several classification heads {names}: name one (classification_head=...)")
   head_name = classification_head or (names[0] if names else None)
   head = "classification" if head_name else ("mlm" if any("lm_head." in key for key in heads) else "none")
+  if head == "classification" and args.get("pooler_activation_fn", "tanh") != "tanh":
+    raise ValueError(f"the classification head uses pooler_activation_fn={args['pooler_activation_fn']!r}; "
+                     "posjax's head uses tanh")
   config = config_from_args(args, encoder)
   num_labels = int(heads[f"classification_heads.{head_name}.out_proj.weight"].shape[0]) if head_name else 2
   module = BertModel(config, head=head, num_labels=num_labels)

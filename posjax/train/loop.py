@@ -356,8 +356,15 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     _write_json(os.path.join(workdir, "model_config.json"), task.model_config.to_dict())
 
   start = int(jax.device_get(parallel.to_checkpoint(state).step))
+  evaluators = task.evaluators if config.eval_every_steps > 0 else {}
+  results_path = os.path.join(workdir, "results.json")
   if start >= config.total_steps:
-    say(f"{workdir} is already complete at step {start} (total_steps={config.total_steps}); nothing to do")
+    if os.path.exists(results_path):
+      say(f"{workdir} is already complete at step {start} (total_steps={config.total_steps}); nothing to do")
+    else:  # killed between its last checkpoint and its results: evaluate that checkpoint
+      say(f"{workdir} has its last step ({start}) but no results.json: evaluating it")
+      _write_results(results_path, config, task, start, _evaluation(evaluators, parallel, workdir if is_main else None)(state)
+                     if evaluators else {}, is_main, say)
     checkpointer.close()
     writer.close()
     return parallel.params(state)
@@ -365,7 +372,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
        f"{checkpointer.directory}")
   step_fn = parallel.compile_step(functools.partial(
       train_step, loss_fn=task.loss_fn, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps))
-  evaluators = task.evaluators if config.eval_every_steps > 0 else {}
   evaluate = _evaluation(evaluators, parallel, workdir if is_main else None)
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=quiet or not is_main, unit="step",
                        dynamic_ncols=True)
@@ -405,11 +411,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
              "command to resume")
         break
     logger.flush()
-    if done == config.total_steps and is_main:
-      _write_json(os.path.join(workdir, "results.json"), {
-          "task": task.name, "step": done, "seed": config.seed, "learning_rate": config.learning_rate,
-          **task.info, "metrics": results})
-      say(f"results in {os.path.join(workdir, 'results.json')}")
+    if done == config.total_steps:
+      _write_results(results_path, config, task, done, results, is_main, say)
   except KeyboardInterrupt:
     checkpointer.wait()
     last = checkpointer.manager.latest_step()
@@ -424,6 +427,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     checkpointer.close()
     writer.close()
   return parallel.params(state)
+
+
+def _write_results(path: str, config, task, step: int, results: dict, is_main: bool, say) -> None:
+  """``results.json``: what the run was and its last evaluation (what sweeps and reports read)."""
+  if is_main:
+    _write_json(path, {"task": task.name, "step": step, "seed": config.seed, "learning_rate": config.learning_rate,
+                       **task.info, "metrics": results})
+    say(f"results in {path}")
 
 
 def _write_json(path: str, value) -> None:

@@ -1,0 +1,32 @@
+"""Huang, Liang, Xu, Xiang (Findings of EMNLP 2020): BERT-Base pre-trained from scratch with each position
+method, SQuAD 1.1 dev exact match and F1 at max length 512.
+
+Rows by the paper's names (``configs/huang2020/table1.py:row=Method 4``): absolute, Shaw, Method 1, Method 2,
+Method 3, Method 4. Paper numbers: those of the authors' released checkpoints (Method 4 EM 83.68 / F1 90.55,
+Shaw F1 89.51; absolute: Google's BERT-Base under Hugging Face's recipe, EM 81.22 / F1 88.52); Methods 1-3 have
+none we could confirm. Recipe: pre-training as ``configs/pretrain.py`` (the paper does not give its steps,
+batch or schedule: BERT's), SQuAD fine-tuning lr 3e-5, 2 epochs, batch 48, stride 128, one seed.
+
+  python -m posjax.sweep --config=configs/huang2020/table1.py --root=$ROOT --launcher=print
+  python -m posjax.sweep --config=configs/huang2020/table1.py:runlocal --root=/tmp/huang
+  python -m posjax.report --root=$ROOT
+"""
+
+from posjax import tables
+from posjax.config_args import parse_arg
+
+PAPER = {"absolute": {"EM": 81.22, "F1": 88.52}, "Shaw": {"F1": 89.51}, "Method 4": {"EM": 83.68, "F1": 90.55}}
+ROWS = {row: dict(position=method, paper=PAPER.get(row, {})) for row, method in tables.HUANG_METHODS.items()}
+
+
+def get_config(arg=None):
+  arg = parse_arg(arg, row="", size="base", runlocal=False)
+  if arg.row and arg.row not in ROWS:
+    raise ValueError(f"unknown row {arg.row!r}; Huang et al.'s table has {list(ROWS)}")
+  rows = {arg.row: ROWS[arg.row]} if arg.row else ROWS
+  length = 64 if arg.runlocal else 512
+  config = tables.squad_table("Huang et al. 2020: SQuAD 1.1 dev (BERT-Base from scratch)", rows, size=arg.size,
+                              runlocal=arg.runlocal, max_len=length, eval_max_lens=(length,),
+                              columns={"EM": (f"squad@{length}", "exact_match"), "F1": (f"squad@{length}", "f1")})
+  config.selected = tuple(rows)
+  return config

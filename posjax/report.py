@@ -1,0 +1,109 @@
+"""The table of a sweep beside the paper's: ``python -m posjax.report --root=DIR``.
+
+Reads only ``DIR/manifest.json`` and the runs' ``results.json``; applies the protocol of the table config
+(per task the median over seeds of each learning rate, then the best learning rate) and prints, per row and
+column, the paper's number, posjax's, and the difference, the seeds behind each number and their spread, the
+average as the paper computes it (TUPE: the GLUE average of the nine numbers), and the runs that are missing or
+unfinished. Written to ``DIR/report.md`` and ``DIR/report.csv``. A partial sweep gives a partial table.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+
+from absl import app, flags
+
+from posjax import experiments
+from posjax.finetune import metrics as metrics_lib
+
+
+def average(table, cells: dict) -> float | None:
+  """The row's average as its paper computes it, or ``None`` while a column is missing."""
+  if table.get("average") != "glue":
+    return None
+  evaluators = {evaluator: (column, metric) for column, evaluator, metric in table.columns}
+  try:
+    return metrics_lib.glue_score({evaluator: {metric: cells[column]["value"]}
+                                   for evaluator, (column, metric) in evaluators.items() if column in cells})
+  except (ValueError, TypeError):
+    return None
+
+
+def build(root: str) -> tuple[str, list[list], list[str]]:
+  """``(markdown, csv rows, missing runs)`` for the sweep in ``root``."""
+  source, runs = experiments.read_manifest(root)
+  table = experiments.load_config(source)
+  if table.get("job") != "table":
+    raise ValueError(f"{source} is not a table config: nothing to report beside a paper")
+  scored = experiments.score(table, runs)
+  columns = [column for column, _, _ in table.columns] + (["Avg"] if table.get("average") else [])
+  header = ["row"] + columns
+  lines = [f"# {table.name}", "", "Each cell: posjax (paper, difference); n = seeds at the best learning rate, "
+           "± = their spread (max - min).", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  rows_csv = [["row", "column", "posjax", "paper", "difference", "best_lr", "seeds", "spread"]]
+  for row in experiments.row_order(table):
+    if not any(run.row == row for run in runs):
+      continue
+    cells = scored["rows"].get(row, {})
+    paper = dict(table.rows[row].get("paper", {}))
+    texts = []
+    for column in columns:
+      if column == "Avg":
+        mine, lr, seeds, spread = average(table, cells), None, None, None
+      elif column in cells:
+        cell = cells[column]
+        mine, lr, seeds, spread = cell["value"], cell["lr"], cell["seeds"], cell["spread"]
+      else:
+        mine = lr = seeds = spread = None
+      theirs = paper.get(column)
+      diff = None if not isinstance(mine, float) or theirs is None else mine - theirs
+      texts.append(_cell(mine, theirs, diff, seeds, spread))
+      rows_csv.append([row, column, mine, theirs, diff, lr, seeds, spread])
+    lines.append(f"| {row} | " + " | ".join(texts) + " |")
+  missing = scored["missing"]
+  if missing:
+    lines += ["", f"Missing or unfinished runs ({len(missing)}): " + ", ".join(missing)]
+  return "\n".join(lines) + "\n", rows_csv, missing
+
+
+def _cell(mine, theirs, diff, seeds, spread) -> str:
+  if mine == experiments.UNSUPPORTED:
+    return mine
+  if mine is None:
+    return "—" if theirs is None else f"— ({theirs:.2f})"
+  text = f"{mine:.2f}"
+  if theirs is not None:
+    text += f" ({theirs:.2f}, {diff:+.2f})"
+  if seeds:
+    text += f" n={seeds}" + (f" ±{spread:.2f}" if seeds > 1 else "")
+  return text
+
+
+def write(root: str) -> str:
+  markdown, rows_csv, _ = build(root)
+  with open(os.path.join(root, "report.md"), "w") as f:
+    f.write(markdown)
+  with open(os.path.join(root, "report.csv"), "w", newline="") as f:
+    csv.writer(f).writerows(rows_csv)
+  return markdown
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS.root:
+    raise app.UsageError("--root is required")
+  print(write(flags.FLAGS.root) + f"\nwritten to {flags.FLAGS.root}: report.md, report.csv", file=sys.stdout)
+
+
+def entry():
+  from posjax import cli  # imported here: it loads the training stack
+
+  flags.DEFINE_string("root", None, "The sweep's root directory (holding manifest.json).")
+  app.run(lambda argv: cli.run_user_errors(main, argv))
+
+
+if __name__ == "__main__":
+  entry()

@@ -1,0 +1,170 @@
+"""The papers' tables: row configs, sweeps (expansion, local runs that skip and resume, printed commands) and
+the report's protocol (median over seeds, best learning rate, the GLUE average, missing runs)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from posjax import experiments, report, sweep
+from posjax.train import loop
+from conftest import ROOT
+
+TABLES = ("configs/tupe/table1.py", "configs/huang2020/table1.py", "configs/huang2020/inductive.py")
+
+
+def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
+  runs = sweep.plan("configs/tupe/table1.py:runlocal", str(tmp_path))
+  pretrain = [r for r in runs if r.kind == "pretrain"]
+  finetune = [r for r in runs if r.kind == "finetune"]
+  # 9 rows, of which the two "mid" rows share their runs' pre-training; 8 tasks x 2 lrs x 2 seeds per row.
+  assert len(pretrain) == 7 and len(finetune) == 9 * 8 * 2 * 2
+  by_name = {r.name: r for r in runs}
+  mid = by_name["TUPE-A_mid/rte/lr0.001_seed2"]
+  assert mid.depends_on == ["TUPE-A/pretrain"] and mid.overrides == {"init": str(tmp_path / "TUPE-A" / "pretrain"),
+                                                                    "init_step": 100}
+  assert by_name["TUPE-A/pretrain"].overrides == {"keep_steps": (100,)}
+  assert by_name["TUPE-A_tie-cls/pretrain"].overrides == {"model.position_options.cls_reset": "none"}
+  order = [r.name for r in runs]
+  assert all(order.index(r.depends_on[0]) < order.index(r.name) for r in finetune)
+  manifest = json.loads((tmp_path / "manifest.json").read_text())
+  assert len(manifest["runs"]) == len(runs) and manifest["config"] == "configs/tupe/table1.py:runlocal"
+  full = sweep.plan("configs/tupe/table1.py", str(tmp_path / "full"))
+  assert len(full) == 7 + 9 * 8 * 4 * 5  # the paper's grid: 4 learning rates x 5 seeds
+
+
+def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_path):
+  runs = sweep.plan("configs/tupe/table1.py:row=TUPE-R (mid)", str(tmp_path))
+  assert {r.row for r in runs} == {"TUPE-R", "TUPE-R (mid)"}  # the mid row brings its pre-training
+  with pytest.raises(ValueError, match=r"unknown row 'TUPE-X'; TUPE Table 1 has \['BERT-A', 'BERT-R'"):
+    sweep.plan("configs/tupe/table1.py:row=TUPE-X", str(tmp_path))
+  with pytest.raises(ValueError, match=r"unknown row\(s\) \['Method 9'\]"):
+    sweep.plan("configs/huang2020/table1.py", str(tmp_path), rows=["Method 9"])
+  with pytest.raises(ValueError, match=r"unknown config field 'learning_rat'"):
+    sweep.plan("configs/finetune/glue.py:task=rte,runlocal", str(tmp_path), grid={"learning_rat": [1, 2]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table", TABLES)
+def test_every_row_runs_in_runlocal_mode(tmp_path, table):
+  """One step of every row's pre-training and of one fine-tuning run each (runlocal itself is the pipeline)."""
+  runs = sweep.plan(f"{table}:runlocal", str(tmp_path))
+  first_task = next(r.task for r in runs if r.kind == "finetune")
+  chosen = [r for r in runs if r.kind == "pretrain" or (r.task == first_task and r.seed == 1 and r.lr == max(
+      x.lr for x in runs if x.kind == "finetune"))]
+  for run in chosen:
+    run.overrides.update(total_steps=1, **({"warmup_steps": 0, "eval_every_steps": 0} if run.kind == "pretrain"
+                                           else {}))
+    if run.overrides.get("init_step"):
+      run.overrides["init_step"] = 1
+      pre = next(r for r in chosen if r.name == run.depends_on[0])
+      pre.overrides["keep_steps"] = (1,)
+  sweep.run_local(chosen, str(tmp_path), say=lambda message: None)
+  assert all(r.finished() for r in chosen if r.kind == "finetune")
+
+
+def tiny_table(tmp_path):
+  """A table config file with one row, one task, one learning rate, two seeds, a few steps."""
+  path = tmp_path / "tiny_table.py"
+  path.write_text(f'''
+import ml_collections
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.job, c.name = "table", "tiny"
+  c.pretrain = dict(config="configs/pretrain.py", options="runlocal,position=shaw",
+                    overrides=[["total_steps", 4], ["warmup_steps", 1], ["eval_every_steps", 0],
+                               ["checkpoint_every_steps", 2], ["batch_size", 8], ["max_len", 32]])
+  c.finetune = dict(sst2=dict(config="configs/finetune/glue.py", options="task=sst2,runlocal",
+                              overrides=[["total_steps", 4], ["checkpoint_every_steps", 2], ["keep_checkpoints", 2]]))
+  c.lrs, c.seeds = (1e-3,), (1, 2)
+  c.columns = [["SST", "sst2", "accuracy"]]
+  c.average = ""
+  c.rows = {{"Shaw": dict(options="", overrides=[], step=None, pretrain_of="", paper=dict(SST=50.0))}}
+  return c
+''')
+  return str(path)
+
+
+def test_local_sweeps_skip_finished_runs_and_resume_unfinished_ones(tmp_path):
+  config = tiny_table(tmp_path)
+  root = tmp_path / "root"
+  runs = sweep.plan(config, str(root))
+  said = []
+  sweep.run_local(runs, str(root), say=said.append)
+  assert said == ["[1/3] Shaw/pretrain", "[2/3] Shaw/sst2/lr0.001_seed1", "[3/3] Shaw/sst2/lr0.001_seed2"]
+  seed2 = root / "Shaw" / "sst2" / "lr0.001_seed2"
+  finished = json.loads((seed2 / "results.json").read_text())
+  (seed2 / "results.json").unlink()  # unfinished: killed after step 2's checkpoint
+  shutil.rmtree(seed2 / "checkpoints" / "4")
+  said.clear()
+  sweep.run_local(sweep.plan(config, str(root)), str(root), say=said.append)
+  assert said == ["[1/3] Shaw/pretrain: finished", "[2/3] Shaw/sst2/lr0.001_seed1: finished",
+                  "[3/3] Shaw/sst2/lr0.001_seed2"]
+  assert json.loads((seed2 / "results.json").read_text()) == finished
+  markdown = report.write(str(root))
+  values = [json.loads((root / "Shaw" / "sst2" / f"lr0.001_seed{s}" / "results.json").read_text())["metrics"]["sst2"]
+            ["accuracy"] for s in (1, 2)]
+  median = sum(values) / 2
+  assert f"| Shaw | {median:.2f} (50.00, {median - 50:+.2f}) n=2 ±{abs(values[0] - values[1]):.2f} |" in markdown
+
+
+def test_printed_commands_run(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "posjax.sweep", "--config=configs/finetune/glue.py:task=sst2,runlocal",
+                        f"--root={tmp_path}", "--launcher=print", "--grid=total_steps=1,2"], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = out.stdout.strip().splitlines()
+  assert len(lines) == 2 and all("--config.total_steps=" in line for line in lines)
+  subprocess.run(lines[0], shell=True, check=True, cwd=ROOT, capture_output=True,
+                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+  assert json.loads((tmp_path / "run" / "total_steps=1" / "results.json").read_text())["step"] == 1
+
+
+def write_results(run, metrics):
+  os.makedirs(run.workdir, exist_ok=True)
+  with open(os.path.join(run.workdir, "results.json"), "w") as f:
+    json.dump({"step": 1, "metrics": metrics}, f)
+
+
+def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
+  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
+  finetune = {(r.task, r.lr, r.seed): r for r in runs if r.kind == "finetune"}
+  # RTE: lr 1e-3 seeds 60, 70 (median 65); lr 3e-4 seeds 62, 90 (median 76): the best lr is 3e-4, 76.
+  for (lr, seed), value in {(1e-3, 1): 60.0, (1e-3, 2): 70.0, (3e-4, 1): 62.0, (3e-4, 2): 90.0}.items():
+    write_results(finetune[("rte", lr, seed)], {"rte": {"accuracy": value}})
+  markdown, rows, missing = report.build(str(tmp_path))
+  assert "| TUPE-A | — (86.05) |" in markdown  # MNLI-m: no result yet, the paper's number shown
+  assert "76.00 (71.61, +4.39) n=2 ±28.00" in markdown
+  assert len(missing) == 7 * 4 and "TUPE-A/rte/lr0.001_seed1" not in missing
+  rte = next(r for r in rows if r[:2] == ["TUPE-A", "RTE"])
+  assert rte[2:] == [76.0, 71.61, pytest.approx(4.39), 3e-4, 2, 28.0]
+
+  # Every task at one value per task: the GLUE average of the nine numbers (MNLI twice), as the paper.
+  numbers = {"mnli_matched": 80.0, "mnli_mismatched": 82.0, "qnli": 90.0, "qqp": 88.0, "sst2": 91.0,
+             "cola": 50.0, "mrpc": 85.0, "rte": 70.0, "stsb": 87.0}
+  metric = {"cola": "matthews", "stsb": "pearson"}
+  for (task, lr, seed), run in finetune.items():
+    evaluators = ("mnli_matched", "mnli_mismatched") if task == "mnli" else (task,)
+    write_results(run, {e: {metric.get(e, "accuracy"): numbers[e]} for e in evaluators})
+  markdown, rows, missing = report.build(str(tmp_path))
+  average = next(r for r in rows if r[:2] == ["TUPE-A", "Avg"])
+  assert not missing and average[2] == pytest.approx(sum(numbers.values()) / 9)
+  assert f"{sum(numbers.values()) / 9:.2f} (84.47" in markdown
+
+
+def test_the_report_shows_lengths_a_method_cannot_reach(tmp_path):
+  runs = sweep.plan("configs/huang2020/inductive.py:runlocal,row=absolute", str(tmp_path))
+  (run,) = [r for r in runs if r.kind == "finetune"]
+  write_results(run, {"squad@32": {"f1": 40.0}, "squad@64": {"f1": 30.0},
+                      "squad@128": {"f1": loop.UNSUPPORTED, "exact_match": loop.UNSUPPORTED}})
+  markdown, _, missing = report.build(str(tmp_path))
+  assert "| absolute | 40.00 n=1 | 30.00 n=1 | unsupported |" in markdown and not missing
+
+
+def test_a_table_config_runs_from_posjax_main_as_a_pipeline(tmp_path):
+  config = experiments.load_config(tiny_table(tmp_path))
+  sweep.run_table(config, str(tmp_path / "root"))
+  assert all(r.finished() for r in experiments.read_manifest(str(tmp_path / "root"))[1])
