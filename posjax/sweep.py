@@ -1,7 +1,7 @@
 """Sweeps from the command line: a table config's rows (or any config) expanded into runs with dependencies.
 
   python -m posjax.sweep --config=configs/tupe/table1.py[:options] --root=DIR [--rows=TUPE-A,TUPE-R]
-      [--launcher=local|print] [--grid=key=v1,v2 ...] [--dry_run]
+      [--launcher=local|print|slurm] [--grid=key=v1,v2 ...] [--dry_run]
 
 Each run gets its own workdir under ``--root`` with a readable name (``TUPE-R/pretrain``,
 ``TUPE-R/rte/lr2e-05_seed1``); fine-tuning runs depend on their row's pre-training run. ``manifest.json`` in
@@ -13,6 +13,10 @@ the root lists every run, its command and its dependencies (``python -m posjax.r
 - ``print`` writes one command per run, in dependency order, for any launcher: a shell loop, a Slurm or TPU
   pod script (``gcloud compute tpus tpu-vm ssh ... --worker=all --command="..."``; add ``--distributed`` to a
   multi-host pre-training command).
+- ``slurm`` submits through submitit: one multi-process JAX job per pre-training run (``--slurm_nodes`` x
+  ``--slurm_tasks_per_node`` processes, ``--distributed``), and per row one job array of its fine-tuning runs
+  that starts when that pre-training has succeeded (``afterok``). Job files and logs: ``ROOT/slurm``. Finished
+  runs are not submitted again.
 
 ``--grid key=v1,v2`` (repeatable) runs every fine-tuning run (or the single run of a plain config) once per
 value of any config field: ablations nobody wrote a file for.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shlex
 import sys
 
 import jax
@@ -29,7 +34,7 @@ from absl import app, flags
 
 from posjax import experiments
 
-LAUNCHERS = ("local", "print")
+LAUNCHERS = ("local", "print", "slurm")
 
 
 
@@ -41,6 +46,11 @@ def _define_flags() -> None:
   flags.DEFINE_enum("launcher", "local", LAUNCHERS, "How to run them.")
   flags.DEFINE_multi_string("grid", [], "key=v1,v2: a grid over a config field.")
   flags.DEFINE_bool("dry_run", False, "Write the manifest and list the runs; run nothing.")
+  flags.DEFINE_string("slurm_partition", "", "slurm: the partition.")
+  flags.DEFINE_integer("slurm_nodes", 1, "slurm: nodes per pre-training job.")
+  flags.DEFINE_integer("slurm_tasks_per_node", 1, "slurm: JAX processes per node (e.g. one per GPU or TPU host).")
+  flags.DEFINE_integer("slurm_gpus_per_node", 0, "slurm: GPUs per node.")
+  flags.DEFINE_integer("slurm_timeout_min", 60 * 24, "slurm: time limit of each job, in minutes.")
 
 
 def parse_grid(items: list[str]) -> dict[str, list]:
@@ -100,6 +110,38 @@ def run_local(runs: list[experiments.Run], root: str, say=print) -> None:
     loop.run(config, run.workdir)
 
 
+def run_slurm(runs: list[experiments.Run], root: str, *, partition: str = "", nodes: int = 1,
+              tasks_per_node: int = 1, gpus_per_node: int = 0, timeout_min: int = 24 * 60) -> list:
+  """Submits the unfinished runs (see the module docstring); returns the submitted jobs."""
+  import submitit  # imported here: only this launcher needs it
+
+  executor = submitit.AutoExecutor(folder=os.path.join(root, "slurm", "%j"))
+  common = dict(timeout_min=timeout_min, gpus_per_node=gpus_per_node or None,
+                slurm_partition=partition or None)
+  common = {k: v for k, v in common.items() if v is not None}
+  jobs, pretrain_jobs = [], {}
+  for run in runs:
+    if run.kind == "pretrain" and not run.finished():
+      executor.update_parameters(name=run.name, nodes=nodes, tasks_per_node=tasks_per_node, **common)
+      command = shlex.split(run.command()) + (["--distributed"] if nodes * tasks_per_node > 1 else [])
+      pretrain_jobs[run.name] = executor.submit(submitit.helpers.CommandFunction(command, cwd=experiments.ROOT))
+      jobs.append(pretrain_jobs[run.name])
+  groups: dict[tuple, list[experiments.Run]] = {}
+  for run in runs:
+    if run.kind != "pretrain" and not run.finished():
+      groups.setdefault(tuple(run.depends_on), []).append(run)
+  for depends_on, group in groups.items():
+    waits = [pretrain_jobs[name].job_id for name in depends_on if name in pretrain_jobs]
+    extra = {"dependency": "afterok:" + ":".join(waits)} if waits else {}
+    executor.update_parameters(name=f"{group[0].row} fine-tuning", nodes=1, tasks_per_node=1,
+                               slurm_additional_parameters=extra, **common)
+    with executor.batch():  # one job array
+      array = [executor.submit(submitit.helpers.CommandFunction(shlex.split(run.command()), cwd=experiments.ROOT))
+               for run in group]
+    jobs += array
+  return jobs
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -111,6 +153,13 @@ def main(argv):
     for run in runs:
       print(run.command() if f.launcher == "print" else f"{run.name}: {run.workdir}")
     print(f"# {len(runs)} runs; manifest: {os.path.join(f.root, 'manifest.json')}", file=sys.stderr)
+    return
+  if f.launcher == "slurm":
+    jobs = run_slurm(runs, f.root, partition=f.slurm_partition, nodes=f.slurm_nodes,
+                     tasks_per_node=f.slurm_tasks_per_node, gpus_per_node=f.slurm_gpus_per_node,
+                     timeout_min=f.slurm_timeout_min)
+    print(f"submitted {len(jobs)} jobs (logs in {os.path.join(f.root, 'slurm')}); when they are done: "
+          f"python -m posjax.report --root={f.root}")
     return
   run_local(runs, f.root)
   print(f"{len(runs)} runs done; python -m posjax.report --root={f.root}")

@@ -168,3 +168,49 @@ def test_a_table_config_runs_from_posjax_main_as_a_pipeline(tmp_path):
   config = experiments.load_config(tiny_table(tmp_path))
   sweep.run_table(config, str(tmp_path / "root"))
   assert all(r.finished() for r in experiments.read_manifest(str(tmp_path / "root"))[1])
+
+
+class FakeExecutor:
+  """submitit's AutoExecutor at its boundary: records parameters, submissions and job arrays."""
+  submitted, arrays = [], []
+
+  def __init__(self, folder):
+    self.folder, self.parameters, self.in_batch = folder, {}, None
+
+  def update_parameters(self, **parameters):
+    self.parameters = parameters
+
+  def submit(self, function):
+    job = type("Job", (), {"job_id": str(100 + len(FakeExecutor.submitted))})()
+    FakeExecutor.submitted.append((dict(self.parameters), function.command, job.job_id))
+    if self.in_batch is not None:
+      self.in_batch.append(job.job_id)
+    return job
+
+  def batch(self):
+    import contextlib
+
+    @contextlib.contextmanager
+    def context():
+      self.in_batch = []
+      yield
+      FakeExecutor.arrays.append(self.in_batch)
+      self.in_batch = None
+    return context()
+
+
+def test_slurm_submits_pretraining_then_a_dependent_job_array_per_row(tmp_path, monkeypatch):
+  import submitit
+
+  monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
+  FakeExecutor.submitted, FakeExecutor.arrays = [], []
+  runs = sweep.plan("configs/huang2020/table1.py:runlocal", str(tmp_path), rows=["Shaw", "Method 4"])
+  sweep.run_slurm(runs, str(tmp_path), nodes=2, tasks_per_node=4, gpus_per_node=4, partition="gpu")
+  pretrain = [s for s in FakeExecutor.submitted if s[0]["name"].endswith("/pretrain")]
+  assert [p[0]["nodes"] for p in pretrain] == [2, 2] and all("--distributed" in p[1] for p in pretrain)
+  assert all(p[0]["slurm_partition"] == "gpu" and p[0]["gpus_per_node"] == 4 for p in pretrain)
+  finetune = [s for s in FakeExecutor.submitted if not s[0]["name"].endswith("/pretrain")]
+  assert len(FakeExecutor.arrays) == 2 and all(len(a) == 1 for a in FakeExecutor.arrays)
+  assert [f[0]["slurm_additional_parameters"] for f in finetune] == [
+      {"dependency": f"afterok:{pretrain[0][2]}"}, {"dependency": f"afterok:{pretrain[1][2]}"}]
+  assert all("--distributed" not in f[1] for f in finetune)

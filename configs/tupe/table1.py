@@ -39,12 +39,10 @@ ROWS = {
 
 def get_config(arg=None):
   arg = parse_arg(arg, row="", size="base", runlocal=False)
-  rows = ROWS
-  if arg.row:
-    if arg.row not in ROWS:
-      raise ValueError(f"unknown row {arg.row!r}; TUPE Table 1 has {list(ROWS)}")
-    owner = ROWS[arg.row].get("pretrain_of")
-    rows = {name: ROWS[name] for name in ROWS if name in (arg.row, owner)}
+  if arg.row and arg.row not in ROWS:
+    raise ValueError(f"unknown row {arg.row!r}; TUPE Table 1 has {list(ROWS)}")
+  owner = ROWS[arg.row].get("pretrain_of") if arg.row else None
+  rows = {name: ROWS[name] for name in ROWS if not arg.row or name in (arg.row, owner)}
   config = tables.glue_table("TUPE Table 1 (BERT-Base, GLUE dev)", rows, size=arg.size, runlocal=arg.runlocal)
   config.selected = (arg.row,) if arg.row else tuple(rows)
   return config
