@@ -13,6 +13,15 @@ GLUE_COLUMNS = {"MNLI-m": ("mnli_matched", "accuracy"), "MNLI-mm": ("mnli_mismat
                 "STS": ("stsb", "pearson")}
 
 
+def select(rows: dict, row: str, table: str) -> dict:
+  """All ``rows``, or only ``row`` and the row whose pre-training it shares; an unknown row is an error."""
+  if not row:
+    return dict(rows)
+  if row not in rows:
+    raise ValueError(f"unknown row {row!r}; {table} has {list(rows)}")
+  return {name: rows[name] for name in rows if name in (row, rows[row].get("pretrain_of"))}
+
+
 def paper_row(values: tuple[float, ...], average: float | None = None) -> dict:
   """The paper's numbers in :data:`GLUE_COLUMNS` order (and its average)."""
   row = dict(zip(GLUE_COLUMNS, values, strict=True))

@@ -14,10 +14,8 @@ from posjax.config_args import parse_arg
 
 def get_config(arg=None):
   arg = parse_arg(arg, row="", size="base", runlocal=False)
-  rows = {row: dict(position=method) for row, method in tables.HUANG_METHODS.items()}
-  if arg.row and arg.row not in rows:
-    raise ValueError(f"unknown row {arg.row!r}; this table has {list(rows)}")
-  rows = {arg.row: rows[arg.row]} if arg.row else rows
+  rows = tables.select({row: dict(position=method) for row, method in tables.HUANG_METHODS.items()}, arg.row,
+                       "the inductive table")
   train, lengths = (32, (32, 64, 128)) if arg.runlocal else (128, (128, 256, 384, 512, 1024))
   config = tables.squad_table("Huang et al. 2020: SQuAD 1.1 F1 by evaluation length, fine-tuned at "
                               f"{train} tokens", rows, size=arg.size, runlocal=arg.runlocal, max_len=train,

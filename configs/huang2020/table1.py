@@ -21,9 +21,7 @@ ROWS = {row: dict(position=method, paper=PAPER.get(row, {})) for row, method in 
 
 def get_config(arg=None):
   arg = parse_arg(arg, row="", size="base", runlocal=False)
-  if arg.row and arg.row not in ROWS:
-    raise ValueError(f"unknown row {arg.row!r}; Huang et al.'s table has {list(ROWS)}")
-  rows = {arg.row: ROWS[arg.row]} if arg.row else ROWS
+  rows = tables.select(ROWS, arg.row, "Huang et al.'s table")
   length = 64 if arg.runlocal else 512
   config = tables.squad_table("Huang et al. 2020: SQuAD 1.1 dev (BERT-Base from scratch)", rows, size=arg.size,
                               runlocal=arg.runlocal, max_len=length, eval_max_lens=(length,),

@@ -22,10 +22,7 @@ ROWS = {
 
 def get_config(arg=None):
   arg = parse_arg(arg, row="", size="large", runlocal=False)
-  if arg.row and arg.row not in ROWS:
-    raise ValueError(f"unknown row {arg.row!r}; TUPE Table 3 has {list(ROWS)}")
-  owner = ROWS[arg.row].get("pretrain_of") if arg.row else None
-  rows = {name: ROWS[name] for name in ROWS if not arg.row or name in (arg.row, owner)}
+  rows = tables.select(ROWS, arg.row, "TUPE Table 3")
   config = tables.glue_table("TUPE Table 3 (BERT-Large, GLUE dev)", rows, size=arg.size, runlocal=arg.runlocal)
   config.selected = tuple(rows)
   return config
