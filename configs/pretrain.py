@@ -83,6 +83,8 @@ def get_config(arg=None):
       data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",
       packing="full_sentence", mask_rate=0.15, whole_word_masking=False,
       num_shards=0,  # document shards the global batch is built from; 0: one per process
+      prepared_dir="",  # source="prepared": a corpus from python -m posjax.data.prepare
+      eval_source="",  # with source="prepared": where evaluation streams its split from (text or tfds)
       examples_per_epoch=ml_collections.config_dict.placeholder(int)))  # packed sequences per epoch
 
   if arg.runlocal:

@@ -72,3 +72,92 @@ def test_a_directory_prepared_differently_is_refused(tmp_path):
     prepare.prepare(config(max_len=64), str(tmp_path), chunks=2, progress=False)
   with pytest.raises(ValueError, match=r"changed: \['chunks'\]"):
     prepare.prepare(config(), str(tmp_path), chunks=3, progress=False)
+
+
+def prepared_batches(out, cfg, global_batch=4, seed=0):
+  from posjax.data import prepared
+
+  tokenizer = Tokenizer.load(cfg.data.vocab_file)
+  return prepared.PreparedBatches(str(out), tokenizer, vocab_file=cfg.data.vocab_file, max_len=cfg.max_len,
+                                  packing=cfg.data.packing, global_batch=global_batch, seed=seed)
+
+
+def unmasked(batch):
+  """The blocks before masking: masked positions get their labels back."""
+  ids = batch["input_ids"].copy()
+  for row in range(len(ids)):
+    keep = batch["masked_weights"][row] > 0
+    ids[row, batch["masked_positions"][row][keep]] = batch["masked_labels"][row][keep]
+  return [tuple(r) for r in ids]
+
+
+def test_reading_visits_every_block_once_per_epoch_in_a_new_order_and_restores_in_place(tmp_path):
+  cfg = config()
+  metadata = prepare.prepare(cfg, str(tmp_path), chunks=2, progress=False)
+  _, files = records(tmp_path)
+  everything = sorted(tuple(b["input_ids"]) for blocks in files for b in blocks)
+  n = metadata["blocks"]
+  stream = prepared_batches(tmp_path, cfg, global_batch=n)  # one batch = one epoch
+  first, second = next(stream), next(stream)
+  assert sorted(unmasked(first)) == everything and sorted(unmasked(second)) == everything
+  assert unmasked(first) != unmasked(second)  # reshuffled
+  masked = first["masked_weights"].sum() / first["attention_mask"].sum()
+  assert 0.10 < masked < 0.20  # 15% of the tokens, specials excluded
+  assert unmasked(next(prepared_batches(tmp_path, cfg, global_batch=n))) == unmasked(first)  # the seed decides
+
+  small = prepared_batches(tmp_path, cfg)
+  for _ in range(3):
+    next(small)
+  state = small.state()
+  expected = next(small)
+  resumed = prepared_batches(tmp_path, cfg)
+  resumed.restore(json.loads(json.dumps(state)))
+  got = next(resumed)
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+def test_processes_read_their_rows_of_the_same_global_batches(tmp_path, monkeypatch):
+  import jax
+
+  cfg = config()
+  prepare.prepare(cfg, str(tmp_path), chunks=2, progress=False)
+  whole = [next(prepared_batches(tmp_path, cfg, global_batch=8)) for _ in range(1)][0]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  parts = []
+  for index in (0, 1):
+    monkeypatch.setattr(jax, "process_index", lambda index=index: index)
+    parts.append(next(prepared_batches(tmp_path, cfg, global_batch=8)))
+  for key in whole:
+    np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key], err_msg=key)
+
+
+def test_a_corpus_prepared_for_another_run_or_damaged_is_an_error(tmp_path):
+  prepare.prepare(config(), str(tmp_path), chunks=2, progress=False)
+  with pytest.raises(ValueError, match=r"was prepared for another run \(max_len: prepared 32, this run 64\)"):
+    prepared_batches(tmp_path, config(max_len=64))
+  (tmp_path / prepare.file_name(1, 2)).unlink()
+  with pytest.raises(FileNotFoundError, match=r"prepared corpus file .*blocks-00001-of-00002.array_record is missing"):
+    prepared_batches(tmp_path, config())
+
+
+def test_training_on_a_prepared_corpus_resumes_exactly(tmp_path):
+  from posjax.train import checkpoint, loop
+  from test_train import assert_same_params
+
+  prepare.prepare(config(), str(tmp_path / "data"), chunks=2, progress=False)
+
+  def run(workdir):
+    cfg = config(**{"data.source": "prepared", "data.prepared_dir": str(tmp_path / "data"),
+                    "data.eval_source": "text"}, total_steps=6, warmup_steps=1, checkpoint_every_steps=3,
+                 eval_every_steps=3, batch_size=8)
+    return loop.run(cfg, str(workdir))
+
+  straight = run(tmp_path / "straight")
+  run(tmp_path / "resumed")
+  import shutil
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")
+  (tmp_path / "resumed" / "results.json").unlink()
+  resumed = run(tmp_path / "resumed")
+  assert_same_params(straight, resumed)
+  assert_same_params(checkpoint.load_params(str(tmp_path / "straight")), checkpoint.load_params(str(tmp_path / "resumed")))

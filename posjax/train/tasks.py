@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from posjax.data import corpus
+from posjax.data import corpus, prepared
 from posjax.data import mlm as mlm_data
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertForMaskedLM
@@ -148,16 +148,32 @@ def summed_metrics(outputs: dict, workdir: str | None = None) -> dict:
 
 
 def mlm(config: ml_collections.ConfigDict, local_batch: int) -> Task:
-  """Masked-LM pre-training on ``config.data``; evaluators of kind ``mlm`` (``split``: ``eval``; ``batches``:
-  how many global batches of that split)."""
+  """Masked-LM pre-training on ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a
+  corpus prepared by ``python -m posjax.data.prepare``, read by index); evaluators of kind ``mlm`` (``split``:
+  ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared corpus from
+  ``data.eval_source``)."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
   model_config = bert_config(config.model, tokenizer.vocab_size, config.max_len)
   model = BertForMaskedLM(model_config)
-  use_segments = config.data.packing == "documents"
-  batches = make_batches(config, tokenizer, "train", local_batch)
+  data = config.data
+  use_segments = data.packing == "documents"
   evals = dict(config.evals) if config.eval_every_steps > 0 else {}
-  corpus.check(config.data, ("train", *{spec.get("split", "eval") for spec in evals.values()}),
-               train_shards=[s.shard for s in batches.streams], num_shards=config.data.num_shards or jax.process_count())
+  eval_splits = tuple({spec.get("split", "eval") for spec in evals.values()})
+  if data.source == "prepared":
+    batches = prepared.PreparedBatches(
+        data.prepared_dir, tokenizer, vocab_file=data.vocab_file, max_len=config.max_len, packing=data.packing,
+        global_batch=config.batch_size, seed=config.seed, mask_rate=data.mask_rate, whole_word=data.whole_word_masking)
+    if evals:  # evaluation streams its split from data.eval_source
+      if data.get("eval_source", "") not in corpus.SOURCES:
+        raise ValueError(f"data.source='prepared' evaluates on a streaming source: set data.eval_source to one of "
+                         f"{list(corpus.SOURCES)} (or --config.eval_every_steps=0)")
+      config = ml_collections.ConfigDict(config.to_dict())
+      config.data.source = data.eval_source
+      corpus.check(config.data, eval_splits)
+  else:
+    batches = make_batches(config, tokenizer, "train", local_batch)
+    corpus.check(data, ("train", *eval_splits), train_shards=[s.shard for s in batches.streams],
+                 num_shards=data.num_shards or jax.process_count())
   predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
   evaluators = {}
   for name, spec in evals.items():
