@@ -56,8 +56,7 @@ def test_every_row_runs_in_runlocal_mode(tmp_path, table):
   chosen = [r for r in runs if r.kind == "pretrain" or (r.task == first_task and r.seed == 1 and r.lr == max(
       x.lr for x in runs if x.kind == "finetune"))]
   for run in chosen:
-    run.overrides.update(total_steps=1, **({"warmup_steps": 0, "eval_every_steps": 0} if run.kind == "pretrain"
-                                           else {}))
+    run.overrides.update(total_steps=1, eval_every_steps=0, **({"warmup_steps": 0} if run.kind == "pretrain" else {}))
     if run.overrides.get("init_step"):
       run.overrides["init_step"] = 1
       pre = next(r for r in chosen if r.name == run.depends_on[0])
