@@ -1,6 +1,7 @@
 """Corpora, tokenizers, packing and masking."""
 
 import functools
+import itertools
 import os
 import re
 import subprocess
@@ -187,3 +188,52 @@ def test_a_text_file_that_turns_binary_is_named(tmp_path):
   (tmp_path / "mixed.txt").write_bytes(b"one sentence .\n\nanother .\n" + bytes([0xf0, 0x28, 0x8c, 0x28]) + b"\n")
   with pytest.raises(ValueError, match=r"text file .*mixed.txt is not UTF-8 text \(invalid continuation byte\)"):
     list(corpus.text_documents(str(tmp_path / "*.txt")))
+
+
+def mask_block_loop(block, rng, tokenizer, max_predictions, mask_rate=0.15, whole_word=False):
+  """BERT masking written as the explicit loop over positions (the reference for mlm.mask_block's numpy)."""
+  ids = block["input_ids"].copy()
+  candidates = [i for i in np.flatnonzero(block["attention_mask"]) if int(ids[i]) not in tokenizer.special_ids]
+  words = []
+  for i in candidates:
+    if whole_word and words and words[-1][-1] == i - 1 and tokenizer.continues_word(int(ids[i])):
+      words[-1].append(i)
+    else:
+      words.append([i])
+  budget = min(max_predictions, max(1, round(len(candidates) * mask_rate))) if candidates else 0
+  chosen = []
+  for w in rng.permutation(len(words)):
+    if len(chosen) >= budget:
+      break
+    if len(chosen) + len(words[w]) <= budget:
+      chosen += words[w]
+  chosen.sort()
+  labels = ids[chosen].copy()
+  action = rng.random(len(chosen))
+  random_tokens = rng.integers(0, tokenizer.vocab_size, len(chosen))
+  for n, i in enumerate(chosen):
+    if action[n] < 0.8:
+      ids[i] = tokenizer.mask_id
+    elif action[n] < 0.9:
+      ids[i] = random_tokens[n]
+  pad = max_predictions - len(chosen)
+  return {**block, "input_ids": ids, "masked_positions": np.asarray(chosen + [0] * pad, np.int32),
+          "masked_labels": np.asarray(list(labels) + [0] * pad, np.int32),
+          "masked_weights": np.asarray([1.0] * len(chosen) + [0.0] * pad, np.float32)}
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_masking_equals_the_loop_reference_draw_for_draw(whole_word):
+  from posjax.data import synthetic
+
+  tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
+  data = ml_collections.ConfigDict(dict(source="text", train_files=os.path.join(synthetic.BUILTIN_DIR, "tiny_train.txt")))
+  docs = (tokenizer.encode_batch(d) for d in corpus.documents(data, "train"))
+  blocks = list(itertools.islice(mlm.pack_full_sentences(docs, 48, tokenizer.cls_id, tokenizer.sep_id,
+                                                         tokenizer.pad_id), 40))
+  for k, block in enumerate(blocks):
+    for rate in (0.15, 0.4):
+      got = mlm.mask_block(block, np.random.default_rng([k, 7]), tokenizer, 12, rate, whole_word)
+      want = mask_block_loop(block, np.random.default_rng([k, 7]), tokenizer, 12, rate, whole_word)
+      for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=f"block {k}, {key}")

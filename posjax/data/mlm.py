@@ -88,36 +88,44 @@ def pack_documents(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: 
 def mask_block(block: dict, rng: np.random.Generator, tokenizer: Tokenizer, max_predictions: int,
                mask_rate: float = 0.15, whole_word: bool = False) -> dict:
   """BERT masking: ``mask_rate`` of the real non-special tokens (or whole words); 80% [MASK], 10% a random
-  token, 10% unchanged."""
+  token, 10% unchanged. The draws: a permutation of the words, then one uniform and one random token per
+  chosen position; the first words of the permutation that fit ``min(max_predictions, round(mask_rate * n))``
+  are masked."""
   ids = block["input_ids"].copy()
-  candidates = [i for i in np.flatnonzero(block["attention_mask"]) if int(ids[i]) not in tokenizer.special_ids]
+  candidates = np.flatnonzero(block["attention_mask"].astype(bool) & ~np.isin(ids, tokenizer.special_array))
+  budget = min(max_predictions, max(1, round(len(candidates) * mask_rate))) if len(candidates) else 0
+  if whole_word:
+    chosen = _whole_words(ids, candidates, budget, rng, tokenizer)
+  else:  # every candidate is a word: the first ``budget`` of the permutation
+    chosen = np.sort(candidates[rng.permutation(len(candidates))[:budget]])
+  labels = ids[chosen]
+  action = rng.random(len(chosen))
+  random_tokens = rng.integers(0, tokenizer.vocab_size, len(chosen))
+  ids[chosen[action < 0.8]] = tokenizer.mask_id
+  replace = (action >= 0.8) & (action < 0.9)
+  ids[chosen[replace]] = random_tokens[replace]
+  pad = max_predictions - len(chosen)
+  return {**block, "input_ids": ids,
+          "masked_positions": np.concatenate([chosen, np.zeros(pad, np.int64)]).astype(np.int32),
+          "masked_labels": np.concatenate([labels, np.zeros(pad, labels.dtype)]).astype(np.int32),
+          "masked_weights": np.concatenate([np.ones(len(chosen)), np.zeros(pad)]).astype(np.float32)}
+
+
+def _whole_words(ids, candidates, budget: int, rng: np.random.Generator, tokenizer: Tokenizer) -> np.ndarray:
+  """Positions of the whole words chosen: words in permutation order, each taken if it still fits."""
   words: list[list[int]] = []
   for i in candidates:
-    if whole_word and words and words[-1][-1] == i - 1 and tokenizer.continues_word(int(ids[i])):
-      words[-1].append(i)
+    if words and words[-1][-1] == i - 1 and tokenizer.continues_word(int(ids[i])):
+      words[-1].append(int(i))
     else:
-      words.append([i])
-  budget = min(max_predictions, max(1, round(len(candidates) * mask_rate))) if candidates else 0
+      words.append([int(i)])
   chosen: list[int] = []
   for w in rng.permutation(len(words)):
     if len(chosen) >= budget:
       break
     if len(chosen) + len(words[w]) <= budget:
       chosen += words[w]
-  chosen.sort()
-  labels = ids[chosen].copy()
-  action = rng.random(len(chosen))
-  random_tokens = rng.integers(0, tokenizer.vocab_size, len(chosen))
-  for n, i in enumerate(chosen):
-    if action[n] < 0.8:
-      ids[i] = tokenizer.mask_id
-    elif action[n] < 0.9:
-      ids[i] = random_tokens[n]
-  pad = max_predictions - len(chosen)
-  return {**block, "input_ids": ids,
-          "masked_positions": np.asarray(chosen + [0] * pad, np.int32),
-          "masked_labels": np.asarray(list(labels) + [0] * pad, np.int32),
-          "masked_weights": np.asarray([1.0] * len(chosen) + [0.0] * pad, np.float32)}
+  return np.asarray(sorted(chosen), np.int64)
 
 
 def default_max_predictions(max_len: int, mask_rate: float) -> int:

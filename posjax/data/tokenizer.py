@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import numpy as np
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
@@ -40,7 +41,8 @@ class Tokenizer:
         raise ValueError(f"the vocabulary has no {role} token (looked for {' or '.join(names)})")
       setattr(self, f"{role}_id", found[0])
     self.special_ids = frozenset(getattr(self, f"{role}_id") for role in SPECIAL)
-    self._pieces = [""] * self.vocab_size
+    self.special_array = np.asarray(sorted(self.special_ids), np.int64)
+    self._pieces = [""] * self.backend.get_vocab_size()
     for piece, index in vocab.items():
       self._pieces[index] = piece
     self._byte_level = any(p.startswith("Ġ") for p in vocab)
@@ -63,7 +65,7 @@ class Tokenizer:
 
   @property
   def vocab_size(self) -> int:
-    return self.backend.get_vocab_size()
+    return len(self._pieces)  # tokenizers' get_vocab_size() rebuilds the vocabulary: milliseconds per call
 
   def encode(self, text: str) -> list[int]:
     return self.backend.encode(text, add_special_tokens=False).ids
