@@ -39,7 +39,25 @@ def check(metadata: dict, directory: str, *, vocab_file: str, packing: str, max_
   for path, entry in zip(paths, metadata["files"]):
     if not os.path.isfile(path):
       raise FileNotFoundError(f"prepared corpus file {path} is missing")
+    blocks = _count(path)
+    if blocks != entry["blocks"]:
+      raise ValueError(f"prepared corpus file {path} holds {blocks} blocks, metadata.json says {entry['blocks']} "
+                       "(truncated or replaced?); prepare the corpus again")
   return paths
+
+
+def _count(path: str) -> int | str:
+  """The records in an ArrayRecord file, or why it cannot be read."""
+  from array_record.python.array_record_module import ArrayRecordReader  # imported here: an optional reader
+
+  try:
+    reader = ArrayRecordReader(path)
+    count = reader.num_records()
+    reader.close()  # a damaged file fails here at the latest
+  except Exception as error:  # noqa: BLE001  (the C++ reader's errors are not typed)
+    reason = (str(error).splitlines() or [""])[0][:120]
+    return f"none readable ({type(error).__name__}{': ' + reason if reason else ''})"
+  return count
 
 
 class PreparedBatches:
