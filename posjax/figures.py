@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -36,12 +35,7 @@ def _pyplot():
 
 
 def _run(workdir: str, step: int | None = None) -> tuple[BertConfig, dict]:
-  path = os.path.join(workdir, "model_config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{workdir} has no model_config.json (every posjax run writes one)")
-  with open(path) as f:
-    config = BertConfig(**json.load(f))
-  return config, checkpoint_lib.load_params(workdir, step)
+  return BertConfig(**checkpoint_lib.read_model_config(workdir)), checkpoint_lib.load_params(workdir, step)
 
 
 def mlm_loss(root: str, out: str) -> None:

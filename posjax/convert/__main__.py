@@ -25,9 +25,6 @@ from posjax.convert import hf_bert, tupe_fairseq
 from posjax.models import BertConfig
 from posjax.train import checkpoint as checkpoint_lib
 
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")
-
-
 def write_run(module, variables, workdir: str, source: str) -> str:
   """A converted model as a posjax run in ``workdir``: ``checkpoints/0`` and ``model_config.json``."""
   if os.path.exists(os.path.join(workdir, "checkpoints")):
@@ -47,7 +44,7 @@ def hf_to_posjax(source: str, workdir: str) -> str:
   checkpoint directory."""
   module, variables = hf_bert.from_hf_bert(source)
   directory = write_run(module, variables, workdir, source)
-  copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+  copied = [name for name in checkpoint_lib.TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
   for name in copied:
     shutil.copy(os.path.join(source, name), os.path.join(workdir, name))
   print(f"{source} ({module.config.position}, head {module.head}) -> {workdir}: checkpoints/0, model_config.json"
@@ -63,27 +60,12 @@ def tupe_to_posjax(source: str, workdir: str, classification_head: str | None = 
   return directory
 
 
-def _vocab_of(run: str) -> str:
-  for name in TOKENIZER_FILES:
-    if os.path.isfile(os.path.join(run, name)):
-      return os.path.join(run, name)
-  config = os.path.join(run, "config.json")
-  if os.path.isfile(config):
-    with open(config) as f:
-      return json.load(f).get("data", {}).get("vocab_file", "")
-  return ""
-
-
 def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
   """Writes the run's model (``step``: default its latest) as a Hugging Face model directory."""
-  path = os.path.join(run, "model_config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{run} has no model_config.json (every posjax run writes one)")
-  with open(path) as f:
-    config = BertConfig(**json.load(f))
+  config = BertConfig(**checkpoint_lib.read_model_config(run, "--workdir"))
   model = hf_bert.to_hf_bert(config, {"params": checkpoint_lib.load_params(run, step)})
   model.save_pretrained(out, safe_serialization=True)
-  vocab = _vocab_of(run)
+  vocab = checkpoint_lib.vocab_file_of(run)
   if vocab.endswith(".txt") and os.path.isfile(vocab):
     import transformers
 

@@ -11,7 +11,6 @@ fresh, and the log names them).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import flax.traverse_util
@@ -57,17 +56,8 @@ def find(config: ml_collections.ConfigDict) -> Start | None:
   step = steps[-1] if config.get("init_step") is None else int(config.init_step)
   if step not in steps:
     raise ValueError(f"config.init_step={step} was not kept in {checkpoints}; kept steps: {steps}")
-  path = os.path.join(workdir, "model_config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"config.init={config.init!r} has no model_config.json (every posjax run writes one "
-                            "beside its checkpoints)")
-  with open(path) as f:
-    model = json.load(f)
-  beside = [os.path.join(workdir, name) for name in ("vocab.txt", "tokenizer.json")]
-  vocab_file = next((path for path in beside if os.path.isfile(path)), "")
-  if not vocab_file and os.path.isfile(os.path.join(workdir, "config.json")):
-    with open(os.path.join(workdir, "config.json")) as f:
-      vocab_file = json.load(f).get("data", {}).get("vocab_file", "")
+  model = checkpoint_lib.read_model_config(workdir, "config.init")
+  vocab_file = checkpoint_lib.vocab_file_of(workdir)
   return Start(workdir, checkpoints, step, model, vocab_file)
 
 

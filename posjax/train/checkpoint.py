@@ -12,6 +12,7 @@ when checkpoints exist but none can be read, restoring is an error that names th
 
 from __future__ import annotations
 
+import json
 import logging as std_logging
 import os
 import sys
@@ -151,6 +152,32 @@ def _silence_abandoned_reads() -> None:
   sys.unraisablehook = hook
   std_logging.getLogger("asyncio").addFilter(
       lambda record: "exception was never retrieved" not in record.getMessage())
+
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")  # a run's vocabulary, when kept beside its checkpoints
+
+
+def read_model_config(workdir: str, field: str = "workdir") -> dict:
+  """A run's ``model_config.json`` (its BertConfig fields), or an error naming ``field``."""
+  path = os.path.join(workdir, "model_config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{field}={workdir!r} has no model_config.json (every posjax run writes one beside its "
+                            "checkpoints)")
+  with open(path) as f:
+    return json.load(f)
+
+
+def vocab_file_of(workdir: str) -> str:
+  """A run's vocabulary: ``vocab.txt`` or ``tokenizer.json`` beside it, else its config's ``data.vocab_file``
+  ("" when neither)."""
+  for name in TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(workdir, name)):
+      return os.path.join(workdir, name)
+  config = os.path.join(workdir, "config.json")
+  if os.path.isfile(config):
+    with open(config) as f:
+      return json.load(f).get("data", {}).get("vocab_file", "")
+  return ""
 
 
 def load_params(directory: str, step: int | None = None) -> dict:
