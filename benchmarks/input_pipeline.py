@@ -35,7 +35,7 @@ _BATCHES = flags.DEFINE_integer("batches", 10, "Timed batches per measurement.")
 
 
 def rate(iterator, batches: int, tokens_per_batch: int) -> float:
-  next(iterator)  # warm-up: reader threads started, first blocks read
+  next(iterator)  # warm-up: readers started, first blocks read
   start = time.perf_counter()
   for _ in range(batches):
     next(iterator)
@@ -71,18 +71,20 @@ def main(argv):
       seconds = time.perf_counter() - start
       print(f"| {length} | prepare | {workers} worker(s) | {metadata['tokens'] / seconds:,.0f} | "
             f"{metadata['blocks']} blocks, {seconds:.1f} s |")
-    for threads in (1, 2):
+    for workers in (0, 1, 2):
       reader = prepared.PreparedBatches(out, tokenizer, vocab_file=vocab_file, max_len=length,
-                                        packing="full_sentence", global_batch=_BATCH.value, seed=0, threads=threads)
-      print(f"| {length} | prepared | {threads} thread(s) | {rate(reader, _BATCHES.value, tokens):,.0f} | |")
+                                        packing="full_sentence", global_batch=_BATCH.value, seed=0, workers=workers)
+      readers = f"{workers} worker process(es)" if workers else "1 thread in the training process"
+      print(f"| {length} | prepared | {readers} | {rate(reader, _BATCHES.value, tokens):,.0f} | |")
+      reader.close()
     reader = prepared.PreparedBatches(out, tokenizer, vocab_file=vocab_file, max_len=length, packing="full_sentence",
                                       global_batch=_BATCH.value, seed=0)
     start = time.perf_counter()
-    reader.restore({"prepared": {"next_index": 10**8 // _BATCH.value}})
+    reader.restore({"prepared": {"next_batch": 10**8 // _BATCH.value}})
     restored = time.perf_counter()
     next(reader)
     print(f"| {length} | restore at block 10^8 | | | {restored - start:.3f} s (then {time.perf_counter() - restored:.1f} s "
-          "to the first batch: the reader's prefetch filling) |")
+          "to the first batch) |")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def get_config(arg=None):
   config.parallelism = "jit"  # or "pmap"
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   config.log_every_steps = 100
+  config.device_prefetch = 2  # batches put on the devices ahead of the step (the transfer overlaps the step)
   config.eval_every_steps = 10_000  # and at the end; 0: no evaluation
   config.evals = ml_collections.ConfigDict(dict(eval=dict(kind="mlm", split="eval", batches=50)))
   config.checkpoint_every_steps = 10_000
@@ -85,6 +86,7 @@ def get_config(arg=None):
       num_shards=0,  # document shards the global batch is built from; 0: one per process
       prepared_dir="",  # source="prepared": a corpus from python -m posjax.data.prepare
       eval_source="",  # with source="prepared": where evaluation streams its split from (text or tfds)
+      workers=0,  # source="prepared": grain reader processes (0: a reader thread in the training process)
       examples_per_epoch=ml_collections.config_dict.placeholder(int)))  # packed sequences per epoch
 
   if arg.runlocal:

@@ -110,3 +110,25 @@ def test_two_processes_finetune_and_evaluate_like_one(tmp_path):
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
   assert one["metrics"] == two["metrics"] and one["step"] == two["step"] == 20
+
+
+@pytest.mark.slow
+def test_two_processes_on_a_prepared_corpus_train_like_one(tmp_path):
+  from posjax.data import prepare
+  from test_prepare import config, prepared_run_command
+
+  prepare.prepare(config(), str(tmp_path / "data"), chunks=2, progress=False)
+  def command(workdir, *extra):
+    # data.num_shards: the evaluation split (streamed) is cut into the same document shards in both runs.
+    return prepared_run_command(workdir, tmp_path / "data", "--config.total_steps=20", "--config.data.num_shards=2",
+                                "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra)
+
+  runs = two_processes(tmp_path / "two", command=command)
+  assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
+  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
+  assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
+                     checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
+  one, two = stream(str(tmp_path / "one")), stream(str(tmp_path / "two"))
+  assert len(one) == len(two) == 21
+  for want, got in zip(one, two):
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)

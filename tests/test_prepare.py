@@ -3,13 +3,16 @@ workers, resumable, and refused when prepared differently."""
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from posjax.data import corpus, mlm, prepare
 from posjax.data.tokenizer import Tokenizer
-from conftest import load_config, override
+from conftest import ROOT, load_config, override
 
 
 def config(**overrides):
@@ -17,16 +20,20 @@ def config(**overrides):
 
 
 def records(out):
-  from grain.python import ArrayRecordDataSource
-
   metadata = json.loads((out / "metadata.json").read_text())
-  dtype = np.dtype(metadata["record"]["dtype"])
   blocks = []
   for entry in metadata["files"]:
-    source = ArrayRecordDataSource([str(out / entry["file"])])
-    assert len(source) == entry["blocks"]
-    blocks.append([prepare.decode_block(source[i], metadata["max_len"], dtype) for i in range(len(source))])
+    blocks.append(records_of(out / entry["file"], metadata))
+    assert len(blocks[-1]) == entry["blocks"]
   return metadata, blocks
+
+
+def records_of(path, metadata):
+  from grain.python import ArrayRecordDataSource
+
+  source = ArrayRecordDataSource([str(path)])
+  dtype = np.dtype(metadata["record"]["dtype"])
+  return [prepare.decode_block(source[i], metadata["max_len"], dtype) for i in range(len(source))]
 
 
 @pytest.mark.parametrize("packing", mlm.PACKINGS)
@@ -66,6 +73,58 @@ def test_output_is_byte_identical_whatever_the_workers_and_resumes(tmp_path):
     assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
+def test_several_corpora_in_one_directory_are_read_as_one_pool(tmp_path):
+  cfg = config()
+  files = [cfg.data.train_files, cfg.data.eval_files]
+  both = prepare.prepare(cfg, str(tmp_path / "both"), chunks=2, corpora=[f"text:{f}" for f in files], progress=False)
+  alone = [prepare.prepare(cfg, str(tmp_path / f"c{i}"), chunks=2, corpora=[f"text:{f}"], progress=False)
+           for i, f in enumerate(files)]
+  assert [c["blocks"] for c in both["corpora"]] == [a["blocks"] for a in alone]
+  assert [c["train_files"] for c in both["corpora"]] == files
+  assert both["blocks"] == sum(a["blocks"] for a in alone) and both["tokens"] == sum(a["tokens"] for a in alone)
+  for i in (0, 1):  # corpus 1's files are corpus 1's blocks, prepared alone
+    for chunk in (0, 1):
+      assert ((tmp_path / "both" / prepare.file_name(chunk, 2, i)).read_bytes() ==
+              (tmp_path / f"c{i}" / prepare.file_name(chunk, 2)).read_bytes())
+  again = prepare.prepare(cfg, str(tmp_path / "both"), chunks=2, corpora=[f"text:{f}" for f in files],
+                          progress=False)  # complete: nothing to redo
+  assert again == both
+  _, parts = records(tmp_path / "both")
+  everything = sorted(tuple(b["input_ids"]) for blocks in parts for b in blocks)
+  assert sorted(unmasked(next(prepared_batches(tmp_path / "both", cfg, global_batch=both["blocks"])))) == everything
+  with pytest.raises(ValueError, match=r"--corpus='wiki': expected text:GLOB or tfds:NAME\[@SPLIT\]"):
+    prepare.prepare(cfg, str(tmp_path / "bad"), corpora=["wiki"], progress=False)
+  own_vocab = tmp_path / "vocab.txt"
+  own_vocab.write_text(open(cfg.data.vocab_file).read())
+  with pytest.raises(FileNotFoundError, match=r"--corpus=text:/nowhere/\*.txt: no text files match"):
+    prepare.prepare(config(**{"data.vocab_file": str(own_vocab)}), str(tmp_path / "bad"),
+                    corpora=["text:/nowhere/*.txt"], progress=False)
+
+
+def test_a_tfds_corpus_and_text_files_prepared_together(tmp_path):
+  import tensorflow_datasets as tfds
+
+  base = config()
+  own = {"data.vocab_file": str(tmp_path / "vocab.txt"), "data.train_files": str(tmp_path / "train.txt")}
+  for field, path in own.items():
+    (tmp_path / os.path.basename(path)).write_text(open(base.data[field.split(".")[1]]).read())
+  cfg = config(**own)
+  with tfds.testing.mock_data(num_examples=6):
+    metadata = prepare.prepare(cfg, str(tmp_path / "out"), chunks=2, progress=False,
+                               corpora=["tfds:lm1b@train", f"text:{tmp_path / 'train.txt'}"])
+    wiki = prepare.corpus_config(cfg.data, "tfds:lm1b@train")
+    tokenizer = Tokenizer.load(cfg.data.vocab_file)
+    for chunk in (0, 1):
+      docs = (tokenizer.encode_batch(d) for d in corpus.documents(wiki, "train", chunk, 2))
+      want = list(mlm.pack_full_sentences(docs, 32, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id))
+      got = records_of(tmp_path / "out" / prepare.file_name(chunk, 2, corpus=0), metadata)
+      assert len(got) == len(want) > 0
+      for a, b in zip(got, want):
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+  assert metadata["corpora"][0]["tfds_name"] == "lm1b" and metadata["corpora"][0]["train_split"] == "train"
+  assert all(part["blocks"] > 0 for part in metadata["corpora"])
+
+
 def test_a_directory_prepared_differently_is_refused(tmp_path):
   prepare.prepare(config(), str(tmp_path), chunks=2, progress=False)
   with pytest.raises(ValueError, match=r"prepared differently \(changed: \['max_len'\]\)"):
@@ -74,12 +133,12 @@ def test_a_directory_prepared_differently_is_refused(tmp_path):
     prepare.prepare(config(), str(tmp_path), chunks=3, progress=False)
 
 
-def prepared_batches(out, cfg, global_batch=4, seed=0):
+def prepared_batches(out, cfg, global_batch=4, seed=0, workers=0):
   from posjax.data import prepared
 
   tokenizer = Tokenizer.load(cfg.data.vocab_file)
   return prepared.PreparedBatches(str(out), tokenizer, vocab_file=cfg.data.vocab_file, max_len=cfg.max_len,
-                                  packing=cfg.data.packing, global_batch=global_batch, seed=seed)
+                                  packing=cfg.data.packing, global_batch=global_batch, seed=seed, workers=workers)
 
 
 def unmasked(batch):
@@ -109,12 +168,17 @@ def test_reading_visits_every_block_once_per_epoch_in_a_new_order_and_restores_i
   for _ in range(3):
     next(small)
   state = small.state()
-  expected = next(small)
-  resumed = prepared_batches(tmp_path, cfg)
+  expected = [next(small) for _ in range(3)]
+  # Resumed with two grain worker processes (each reads every other batch): the same batches, in order.
+  resumed = prepared_batches(tmp_path, cfg, workers=2)
   resumed.restore(json.loads(json.dumps(state)))
-  got = next(resumed)
-  for key in expected:
-    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+  try:
+    got = [next(resumed) for _ in range(3)]
+  finally:
+    resumed.close()
+  for want, batch in zip(expected, got):
+    for key in want:
+      np.testing.assert_array_equal(batch[key], want[key], err_msg=key)
 
 
 def test_processes_read_their_rows_of_the_same_global_batches(tmp_path, monkeypatch):
@@ -137,31 +201,45 @@ def test_a_corpus_prepared_for_another_run_or_damaged_is_an_error(tmp_path):
   with pytest.raises(ValueError, match=r"was prepared for another run \(max_len: prepared 32, this run 64\)"):
     prepared_batches(tmp_path, config(max_len=64))
   (tmp_path / prepare.file_name(1, 2)).unlink()
-  with pytest.raises(FileNotFoundError, match=r"prepared corpus file .*blocks-00001-of-00002.array_record is missing"):
+  with pytest.raises(FileNotFoundError, match=r"prepared corpus file .*blocks-c00-00001-of-00002.array_record is missing"):
     prepared_batches(tmp_path, config())
   damaged = tmp_path / prepare.file_name(0, 2)
   damaged.write_bytes(damaged.read_bytes()[:len(damaged.read_bytes()) // 2])
-  with pytest.raises(ValueError, match=r"prepared corpus file .*blocks-00000-of-00002.array_record holds none readable"):
+  with pytest.raises(ValueError, match=r"prepared corpus file .*blocks-c00-00000-of-00002.array_record holds none readable"):
     prepared_batches(tmp_path, config())
 
 
-def test_training_on_a_prepared_corpus_resumes_exactly(tmp_path):
-  from posjax.train import checkpoint, loop
-  from test_train import assert_same_params
+def prepared_run_command(workdir, data_dir, *extra):
+  return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal", f"--workdir={workdir}",
+          "--config.max_len=32", "--config.batch_size=8", "--config.data.source=prepared",
+          f"--config.data.prepared_dir={data_dir}", "--config.data.eval_source=text", "--config.total_steps=40",
+          "--config.warmup_steps=4", "--config.checkpoint_every_steps=10", "--config.eval_every_steps=20",
+          "--config.log_every_steps=1", *extra]
 
-  prepare.prepare(config(), str(tmp_path / "data"), chunks=2, progress=False)
 
-  def run(workdir):
-    cfg = config(**{"data.source": "prepared", "data.prepared_dir": str(tmp_path / "data"),
-                    "data.eval_source": "text"}, total_steps=6, warmup_steps=1, checkpoint_every_steps=3,
-                 eval_every_steps=3, batch_size=8)
-    return loop.run(cfg, str(workdir))
+@pytest.mark.slow
+def test_training_on_a_prepared_corpus_killed_resumes_exactly(tmp_path):
+  """SIGKILL after the first checkpoint, resumed with two reader processes: the uninterrupted run's result."""
+  from posjax.train import checkpoint
+  from test_train import assert_same_params, saved_steps, stream
 
-  straight = run(tmp_path / "straight")
-  run(tmp_path / "resumed")
-  import shutil
-  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")
-  (tmp_path / "resumed" / "results.json").unlink()
-  resumed = run(tmp_path / "resumed")
-  assert_same_params(straight, resumed)
-  assert_same_params(checkpoint.load_params(str(tmp_path / "straight")), checkpoint.load_params(str(tmp_path / "resumed")))
+  data_dir = tmp_path / "data"
+  prepare.prepare(config(), str(data_dir), chunks=2, progress=False)
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+  subprocess.run(prepared_run_command(tmp_path / "straight", data_dir), cwd=ROOT, env=env, check=True,
+                 capture_output=True)
+  run = tmp_path / "killed"
+  process = subprocess.Popen(prepared_run_command(run, data_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (run / "checkpoints").exists() or not saved_steps(run):
+    assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+    time.sleep(0.02)
+  process.kill()
+  process.wait()
+  assert saved_steps(run)[-1] < 40
+  subprocess.run(prepared_run_command(run, data_dir, "--config.data.workers=2"), cwd=ROOT, env=env, check=True,
+                 capture_output=True)
+  assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
+                     checkpoint.load_params(str(run / "checkpoints")))
+  assert stream(str(tmp_path / "straight")) == stream(str(run)) and len(stream(str(run))) == 42

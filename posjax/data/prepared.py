@@ -4,7 +4,7 @@ Every epoch is a fresh permutation of all blocks drawn from the seed (grain's in
 materialized), read as one stream cut into global batches; each process reads only its own rows of each batch,
 and masks them at read time from ``[seed, position in the stream]``, so the batches depend on the seed alone,
 not on the number of processes or reader threads, and every epoch is masked anew (RoBERTa's dynamic masking).
-The iterator's state is grain's (the next batch's index): restoring it costs the same at any step.
+The state is the next batch's index: restoring it costs the same at any step.
 """
 
 from __future__ import annotations
@@ -60,14 +60,41 @@ def _count(path: str) -> int | str:
   return count
 
 
+class _MaskRows:
+  """``(batch index, block indices) -> this process's rows, masked``: a class, not a closure, so that grain's
+  worker processes receive it by pickling."""
+
+  def __init__(self, source, tokenizer: Tokenizer, rows: slice, *, seed: int, global_batch: int, max_len: int,
+               dtype, max_predictions: int, mask_rate: float, whole_word: bool):
+    self.source, self.tokenizer, self.rows, self.seed, self.global_batch = source, tokenizer, rows, seed, global_batch
+    self.max_len, self.dtype, self.max_predictions = max_len, dtype, max_predictions
+    self.mask_rate, self.whole_word = mask_rate, whole_word
+
+  def __call__(self, step: int, indices_G: np.ndarray) -> dict:
+    examples = []
+    for row, index in zip(range(self.rows.start, self.rows.stop), indices_G[self.rows]):
+      block = prepare.decode_block(self.source[int(index)], self.max_len, self.dtype)
+      rng = np.random.default_rng([self.seed, step * self.global_batch + row])
+      examples.append(mlm.mask_block(block, rng, self.tokenizer, self.max_predictions, self.mask_rate,
+                                     self.whole_word))
+    return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+
 class PreparedBatches:
-  """This process's rows of every global MLM batch of a prepared corpus (see the module docstring)."""
+  """This process's rows of every global MLM batch of a prepared corpus (see the module docstring).
+
+  ``workers``: grain worker processes that read and mask (0: one reader thread in this process); each takes
+  every ``workers``-th batch and grain interleaves them back in order, so the batches do not depend on it. The
+  state is the number of batches consumed: a run may resume with another number of workers or processes.
+  """
 
   def __init__(self, directory: str, tokenizer: Tokenizer, *, vocab_file: str, max_len: int, packing: str,
                global_batch: int, seed: int, mask_rate: float = 0.15, whole_word: bool = False,
-               max_predictions: int | None = None, threads: int = 2, prefetch: int = 4):
+               max_predictions: int | None = None, workers: int = 0, prefetch: int = 4):
     import grain.python as grain  # imported here: only prepared corpora need it
 
+    if workers < 0:
+      raise ValueError(f"data.workers={workers}: the number of reader processes must be >= 0 (0: none)")
     metadata = read_metadata(directory)
     paths = check(metadata, directory, vocab_file=vocab_file, packing=packing, max_len=max_len)
     source = grain.ArrayRecordDataSource(paths)
@@ -78,38 +105,56 @@ class PreparedBatches:
       raise ValueError(f"{directory} holds no blocks")
     self.tokenizer, self.max_len, self.global_batch = tokenizer, max_len, global_batch
     self.max_predictions = max_predictions or mlm.default_max_predictions(max_len, mask_rate)
-    dtype = np.dtype(metadata["record"]["dtype"])
-    rows = features.process_rows(global_batch)
+    self.blocks, self.workers, self.prefetch = len(source), workers, prefetch
+    load = _MaskRows(source, tokenizer, features.process_rows(global_batch), seed=seed, global_batch=global_batch,
+                     max_len=max_len, dtype=np.dtype(metadata["record"]["dtype"]),
+                     max_predictions=self.max_predictions, mask_rate=mask_rate, whole_word=whole_word)
+    self._batches = (grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat().batch(global_batch)
+                     .map_with_index(load))
+    self._iterator, self._next = None, 0
 
-    def load(step: int, indices: np.ndarray) -> dict:
-      examples = []
-      for row, index in zip(range(rows.start, rows.stop), indices[rows]):
-        block = prepare.decode_block(source[int(index)], max_len, dtype)
-        rng = np.random.default_rng([seed, step * global_batch + row])
-        examples.append(mlm.mask_block(block, rng, tokenizer, self.max_predictions, mask_rate, whole_word))
-      return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+  def _start(self) -> None:
+    """Starts reading at batch ``self._next`` (lazily: a restore right after construction spawns no workers
+    twice)."""
+    import grain.python as grain
 
-    dataset = (grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat().batch(global_batch)
-               .map_with_index(load))
-    self._dataset = dataset.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
-    self._iterator = iter(self._dataset)
-    self.blocks = len(source)
+    dataset = self._batches[self._next:].to_iter_dataset(
+        grain.ReadOptions(num_threads=1, prefetch_buffer_size=self.prefetch))
+    if self.workers:
+      from absl import flags
+
+      if not flags.FLAGS.is_parsed():  # grain reads its absl flags; a program without absl.app has not parsed them
+        flags.FLAGS.mark_as_parsed()
+      dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.workers,
+                                                                 per_worker_buffer_size=self.prefetch))
+    self._iterator = iter(dataset)
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
-    return next(self._iterator)
+    if self._iterator is None:
+      self._start()
+    batch = next(self._iterator)
+    self._next += 1
+    return batch
 
   def state(self) -> dict:
-    return {"prepared": self._iterator.get_state()}
+    return {"prepared": {"next_batch": self._next}}
 
   def restore(self, state: dict) -> None:
-    if "prepared" not in state:
+    position = state.get("prepared")
+    if not isinstance(position, dict) or not isinstance(position.get("next_batch"), int):
       raise ValueError(f"the saved input position {state} is not a prepared corpus's (was this workdir trained on "
                        "a streaming source?)")
-    self._iterator = iter(self._dataset)
-    self._iterator.set_state(state["prepared"])
+    self.close()
+    self._next = position["next_batch"]
+
+  def close(self) -> None:
+    """Stops the worker processes, if any (also on garbage collection, but not at a guaranteed time)."""
+    if self._iterator is not None and hasattr(self._iterator, "close"):
+      self._iterator.close()
+    self._iterator = None
 
   def empty(self) -> dict:
     row = {"input_ids": np.full(self.max_len, self.tokenizer.pad_id, np.int32),

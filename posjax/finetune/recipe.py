@@ -63,6 +63,7 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.parallelism = "jit"
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   config.log_every_steps = 50
+  config.device_prefetch = 2  # batches put on the devices ahead of the step
   config.eval_every_steps = 1000  # and at the end
   config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 1

@@ -10,6 +10,7 @@ evaluation goes to ``results.json`` with what the run was (task, step, seed, lea
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -44,11 +45,15 @@ DETERMINISTIC_METRICS = ("loss", "accuracy", "grad_norm", "learning_rate")
 UNSUPPORTED = "unsupported"  # an evaluation the model cannot run (e.g. longer than its learned position table)
 
 
+# Fields that change how a run reads its input or reports, not what it computes: a resumed run may change them.
+RESUMABLE_CHANGES = ("allow_config_change", "progress", "device_prefetch", "data.workers")
+
+
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = (),
                          write: bool = True) -> None:
   """Compares the config with ``workdir/config.json`` and (``write``) writes it there; a restart with a different
-  one (fields in ``ignore`` aside) is an error unless ``config.allow_config_change``."""
-  ignore = tuple(ignore) + ("allow_config_change",)
+  one (fields in ``ignore`` and ``RESUMABLE_CHANGES`` aside) is an error unless ``config.allow_config_change``."""
+  ignore = tuple(ignore) + RESUMABLE_CHANGES
   path = os.path.join(workdir, "config.json")
   current = json.loads(config.to_json_best_effort(sort_keys=True))
   if os.path.exists(path) and not config.get("allow_config_change", False):
@@ -175,7 +180,7 @@ RANGES = {
     "learning_rate": NON_NEGATIVE, "max_len": at_least(8), "grad_accum_steps": POSITIVE, "adam_b1": FRACTION,
     "adam_b2": FRACTION, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE,
     "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "checkpoint_every_steps": POSITIVE,
-    "keep_checkpoints": POSITIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
+    "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
     "data.mask_rate": OPEN_FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
     "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "model.dropout_rate": FRACTION,
     "model.attention_dropout_rate": FRACTION,
@@ -370,6 +375,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     return parallel.params(state)
   say(f"training {task.name} to step {config.total_steps}: metrics in {writer.path}, checkpoints in "
        f"{checkpointer.directory}")
+  feed = DeviceFeed(batches, parallel.put_batch, config.get("device_prefetch", 2))
   step_fn = parallel.compile_step(functools.partial(
       train_step, loss_fn=task.loss_fn, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps))
   evaluate = _evaluation(evaluators, parallel, workdir if is_main else None)
@@ -384,7 +390,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
       if step == config.profile_start_step and is_main:
         jax.profiler.start_trace(os.path.join(workdir, "profile"))
         profiling = True
-      batch = parallel.put_batch(next(batches))
+      batch = next(feed)
       state, metrics = step_fn(state, batch, dropout_rng)
       done = step + 1
       logger.push(done, metrics)
@@ -404,7 +410,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
         results = evaluate(state)
         logger.write_eval(done, {f"{name}_{k}": v for name, values in results.items() for k, v in values.items()})
       if save:
-        checkpointer.save(done, parallel.to_checkpoint(state), _input_position(batches))
+        checkpointer.save(done, parallel.to_checkpoint(state), _input_position(feed))
       if preempted:
         checkpointer.wait()
         say(f"preempted (SIGTERM) at step {done}: checkpoint saved in {checkpointer.directory}; rerun the same "
@@ -426,6 +432,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     checkpointer.wait()
     checkpointer.close()
     writer.close()
+    if hasattr(batches, "close"):
+      batches.close()  # reader processes
   return parallel.params(state)
 
 
@@ -441,6 +449,29 @@ def _write_json(path: str, value) -> None:
   with open(path + ".tmp", "w") as f:
     json.dump(value, f, indent=1, sort_keys=True)
   os.replace(path + ".tmp", path)
+
+
+class DeviceFeed:
+  """The training batches, put on the devices ``ahead`` batches before the step that uses them: JAX transfers
+  asynchronously, so a batch travels while earlier steps run and the host reads the next. ``state()`` is the
+  input position after the batches handed out, not after those read ahead, so checkpoints resume exactly."""
+
+  def __init__(self, batches, put: Callable[[dict], Any], ahead: int):
+    self.batches, self.put, self.ahead = batches, put, ahead
+    self.queue = collections.deque()
+    self.position = batches.state()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    while len(self.queue) <= self.ahead:
+      self.queue.append((self.put(next(self.batches)), self.batches.state()))
+    batch_on_devices, self.position = self.queue.popleft()
+    return batch_on_devices
+
+  def state(self) -> dict:
+    return self.position
 
 
 class DelayedMetrics:

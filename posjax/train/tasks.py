@@ -162,7 +162,8 @@ def mlm(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   if data.source == "prepared":
     batches = prepared.PreparedBatches(
         data.prepared_dir, tokenizer, vocab_file=data.vocab_file, max_len=config.max_len, packing=data.packing,
-        global_batch=config.batch_size, seed=config.seed, mask_rate=data.mask_rate, whole_word=data.whole_word_masking)
+        global_batch=config.batch_size, seed=config.seed, mask_rate=data.mask_rate, whole_word=data.whole_word_masking,
+        workers=data.get("workers", 0))
     if evals:  # evaluation streams its split from data.eval_source
       if data.get("eval_source", "") not in corpus.SOURCES:
         raise ValueError(f"data.source='prepared' evaluates on a streaming source: set data.eval_source to one of "
