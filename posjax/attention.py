@@ -9,7 +9,13 @@ float32; dropout on the weights. Kernels (``kernel=``):
   q/k transforms and an additive bias (segments are folded into it) and padding as sequence lengths, so
   it needs right-padded rows. It cannot compute the multiplicative Methods 1-3 or Shaw's value term, nor
   dropout on the attention weights: asking for it there is an error.
-- ``auto``: ``cudnn`` where it can compute the layer, otherwise ``xla`` with a log line.
+- ``pallas``: :func:`posjax.kernels.relative_attention`, flash attention with the method's terms built inside
+  each tile from the batch's positions (ALiBi, T5 / TUPE-R buckets, TUPE's untied term and [CLS] reset, Shaw /
+  Method 4 vectors; q/k transforms such as RoPE before it). No ``[B, H, L, L]`` array is kept for the backward
+  pass. Not Methods 1-3, Shaw's value term or attention dropout (an error). On a CPU it runs in Pallas
+  interpret mode: slow, but the same outputs and gradients as ``xla``, for tests and for checking a model.
+- ``auto``: ``cudnn`` where it can compute the layer, otherwise ``xla`` with a log line (it does not pick
+  ``pallas``: its GPU speed has not been measured yet).
 
 When the ``intermediates`` collection is mutable, every layer sows ``attention_logits``
 ``[B, H, L, L]``: scaled, with every position term, before masking.
@@ -23,9 +29,10 @@ import flax.linen as nn
 import flax.struct
 from absl import logging
 
+from posjax import kernels
 from posjax.positions import base
 
-KERNELS = ("xla", "cudnn", "auto")
+KERNELS = ("xla", "cudnn", "pallas", "auto")
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
 _LOGGED: set[str] = set()  # fallback messages already logged (each layer of each trace would repeat them)
 
@@ -57,18 +64,23 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
   """Static check: the kernel exists and can compute the method."""
   if kernel not in KERNELS:
     raise ValueError(f"unknown attention kernel {kernel!r}; allowed: {list(KERNELS)}")
-  if kernel == "cudnn" and not spec.fusable:
+  if kernel in ("cudnn", "pallas") and not spec.fusable:
     raise ValueError(
-        f"attention kernel 'cudnn' cannot compute position method {spec.name!r} with options "
+        f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
         f"{spec.options}: it needs the full logits (multiplicative terms) or the attention weights (value "
         f"term); use kernel 'xla' (or 'auto', which falls back to it)")
 
 
 def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool) -> str:
-  """The kernel one call runs on: ``xla`` or ``cudnn``."""
+  """The kernel one call runs on: ``xla``, ``cudnn`` or ``pallas``."""
   check_kernel(kernel, spec)
   if kernel == "xla":
     return "xla"
+  if kernel == "pallas":
+    if dropout:
+      raise ValueError("attention kernel 'pallas' has no dropout on the attention weights: set "
+                       "attention_dropout_rate=0 or use kernel 'xla'")
+    return "pallas"
   reasons = []
   if not spec.fusable:
     reasons.append(f"position method {spec.name!r} needs the full logits or the weights")
@@ -143,7 +155,8 @@ class SelfAttention(nn.Module):
   """Self-attention with the position method of ``spec``; drop it into any linen model.
 
   Call with the ``PositionState`` the method's encoder-level module returned for this batch (built once
-  and shared by all layers; an empty ``PositionState()`` for methods without one).
+  and shared by all layers; an empty ``PositionState()`` for methods without one). The ``pallas`` kernel reads
+  the batch's positions from ``state.positions`` (default ``0..L-1``).
   """
 
   spec: base.PositionSpec
@@ -170,6 +183,10 @@ class SelfAttention(nn.Module):
     if kernel == "xla":
       drop = lambda w: nn.Dropout(self.dropout_rate)(w, deterministic=not dropout)
       out = softmax_attention(logits, v, mask, terms.value_fn, drop)
+    elif kernel == "pallas":
+      out = kernels.relative_attention(
+          terms.q, terms.k, v, terms=kernels.merge(state.kernel_terms, terms.kernel_terms), positions=state.positions,
+          segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale)
     else:
       out = fused_attention(terms.q, terms.k, v, add_biases(terms.bias, state.bias), mask, spec.scale)
     return nn.DenseGeneral(

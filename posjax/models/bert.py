@@ -39,7 +39,7 @@ class BertConfig:
   Attributes:
     position: a position-method registry name (``posjax.positions.names()``).
     position_options: that method's options (an unknown key is an error).
-    attention_kernel: ``xla`` | ``cudnn`` | ``auto`` (see ``posjax.attention``).
+    attention_kernel: ``xla`` | ``cudnn`` | ``pallas`` | ``auto`` (see ``posjax.attention``).
     norm: ``post`` (BERT, TUPE) or ``pre`` LayerNorm placement.
     activation: of the MLP and the MLM head: ``gelu`` (exact, BERT's), ``gelu_tanh`` (the tanh
       approximation: Hugging Face's ``gelu_new``), ``relu``.
@@ -186,6 +186,7 @@ class BertEncoder(nn.Module):
     if positions.ndim != 2 or positions.shape[1] != length or positions.shape[0] not in (1, batch):
       raise ValueError(f"positions must be [{batch} or 1, {length}], got shape {positions.shape}")
     state = self.position(positions) if spec.method.encoder is not None else base.PositionState()
+    state = state.replace(positions=positions)
     if state.bias is not None:
       self.sow("intermediates", "position_bias", state.bias)
 

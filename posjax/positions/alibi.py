@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from posjax import kernels
 from posjax.positions import absolute, base
 
 
@@ -31,7 +32,8 @@ class AlibiBias(nn.Module):
   def __call__(self, positions_BxL):
     distance = jnp.abs(base.relative_positions(positions_BxL)).astype(jnp.float32)
     bias = -slopes(self.spec.num_heads)[None, :, None, None] * distance[:, None]
-    return base.PositionState(bias=bias)
+    return base.PositionState(bias=bias, kernel_terms=kernels.Terms(alibi=kernels.Alibi(
+        jnp.asarray(slopes(self.spec.num_heads)))))
 
 
 base.register(base.Method("alibi", absolute.NoOptions, encoder=AlibiBias,

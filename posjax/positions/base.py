@@ -43,11 +43,16 @@ class PositionState:
     embedding: ``[Bp, L, D]`` added to the word embeddings, or None.
     bias: ``[Bp, H, L, L]`` added to every layer's attention logits after scaling, or None.
     context: a pytree the per-layer terms read (position tables, relative distances, rotations).
+    kernel_terms: ``bias`` in the form a fused kernel builds per tile (:class:`posjax.kernels.Terms`), or None.
+      Under ``jit`` whichever of the two the attention kernel does not read is never computed.
+    positions: ``[Bp, L]`` the batch's positions (set by the encoder; fused kernels read them).
   """
 
   embedding: Array | None = None
   bias: Array | None = None
   context: Any = None
+  kernel_terms: Any = None
+  positions: Array | None = None
 
 
 @dataclasses.dataclass
@@ -62,6 +67,7 @@ class LayerTerms:
       1-3). A method that sets it cannot run in a fused kernel.
     value_fn: ``weights_BxHxLxL -> [B, L, H, K]``, added to the attention output (Shaw's value term).
       A method that sets it cannot run in a fused kernel.
+    kernel_terms: ``bias`` as :class:`posjax.kernels.Terms` (what a fused kernel builds per tile), or None.
   """
 
   q: Array
@@ -69,6 +75,7 @@ class LayerTerms:
   bias: Array | None = None
   logits: Array | None = None
   value_fn: Callable[[Array], Array] | None = None
+  kernel_terms: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from posjax import kernels
 from posjax.positions import base
 
 
@@ -192,7 +193,8 @@ def shaw(spec, q, k, rel, tables, scale):
   value_fn = None
   if spec.options.value_term:
     value_fn = lambda weights: value_term(weights, tables["value"], index, impl)
-  return base.LayerTerms(q, k, bias=scale * query_term(q, tables["key"], index, impl), value_fn=value_fn)
+  return base.LayerTerms(q, k, bias=scale * query_term(q, tables["key"], index, impl), value_fn=value_fn,
+                         kernel_terms=kernels.Terms(relative=kernels.Relative(tables["key"], kk, query=True)))
 
 
 def huang_m1(spec, q, k, rel, tables, scale):
@@ -213,7 +215,8 @@ def huang_m3(spec, q, k, rel, tables, scale):
 def huang_m4(spec, q, k, rel, tables, scale):
   index, impl = clipped_index(rel, max_distance(spec)), spec.options.impl
   term = query_term(q, tables["key"], index, impl) + key_term(k, tables["key"], index, impl)
-  return base.LayerTerms(q, k, bias=scale * term)
+  relative = kernels.Relative(tables["key"], max_distance(spec), query=True, key=True)
+  return base.LayerTerms(q, k, bias=scale * term, kernel_terms=kernels.Terms(relative=relative))
 
 
 TERMS = {"shaw": shaw, "huang_m1": huang_m1, "huang_m2": huang_m2, "huang_m3": huang_m3, "huang_m4": huang_m4}

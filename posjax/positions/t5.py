@@ -7,6 +7,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
+from posjax import kernels
 from posjax.positions import absolute, base
 
 
@@ -54,24 +55,31 @@ class T5Options:
 
 
 class BucketBias(nn.Module):
-  """One learned scalar per (bucket, head): ``index [Bp, L, L] -> bias [Bp, H, L, L]``."""
+  """One learned scalar per (bucket, head): ``index [Bp, L, L] -> bias [Bp, H, L, L]``; ``table`` is the
+  ``[rows, H]`` parameter (what a fused kernel reads instead of the bias)."""
 
   num_heads: int
   num_rows: int
   param_dtype: jnp.dtype = jnp.float32
 
-  @nn.compact
+  def setup(self):
+    self.table = self.param("rel_bias", base.normal_init((base.BUCKETS, base.HEADS)),
+                            (self.num_rows, self.num_heads), self.param_dtype)
+
   def __call__(self, index_BxLxL):
-    table = self.param("rel_bias", base.normal_init((base.BUCKETS, base.HEADS)),
-                       (self.num_rows, self.num_heads), self.param_dtype)
-    return jnp.take(table, index_BxLxL, axis=0).transpose(0, 3, 1, 2)
+    return jnp.take(self.table, index_BxLxL, axis=0).transpose(0, 3, 1, 2)
 
 
-def t5_bias(spec: base.PositionSpec, positions_BxL, name: str = "relative_bias"):
+def t5_bias(spec: base.PositionSpec, positions_BxL, name: str = "relative_bias") -> base.PositionState:
+  """The bucket bias and, for fused kernels, the same as :class:`posjax.kernels.Buckets`."""
   opts = spec.options
   index = bucket(base.relative_positions(positions_BxL), opts.num_buckets, opts.max_distance,
                  opts.bidirectional)
-  return BucketBias(spec.num_heads, opts.num_buckets, spec.param_dtype, name=name)(index)
+  module = BucketBias(spec.num_heads, opts.num_buckets, spec.param_dtype, name=name)
+  bias = module(index)
+  terms = kernels.Terms(buckets=kernels.Buckets(module.table, num_buckets=opts.num_buckets,
+                                                max_distance=opts.max_distance, bidirectional=opts.bidirectional))
+  return base.PositionState(bias=bias, kernel_terms=terms)
 
 
 class T5Bias(nn.Module):
@@ -79,7 +87,7 @@ class T5Bias(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
-    return base.PositionState(bias=t5_bias(self.spec, positions_BxL))
+    return t5_bias(self.spec, positions_BxL)
 
 
 class BertR(nn.Module):
@@ -90,7 +98,7 @@ class BertR(nn.Module):
   @nn.compact
   def __call__(self, positions_BxL):
     state = absolute.Absolute(self.spec, name="absolute")(positions_BxL)
-    return state.replace(bias=t5_bias(self.spec, positions_BxL))
+    return t5_bias(self.spec, positions_BxL).replace(embedding=state.embedding)
 
 
 base.register(base.Method("t5", T5Options, encoder=T5Bias,

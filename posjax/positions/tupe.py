@@ -31,6 +31,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
+from posjax import kernels
 from posjax.positions import absolute, base, t5
 
 
@@ -94,7 +95,8 @@ def untie_cls(corr_BxHxLxL, is_cls_BxL, theta_row_H, theta_col_H):
 
 
 class UntiedCorrelation(nn.Module):
-  """The positional term ``[Bp, H, L, L]`` from the LayerNorm-ed positions in ``context``."""
+  """The positional term from the LayerNorm-ed positions in ``context``: ``(bias [Bp, H, L, L], the same as
+  posjax.kernels.Terms)``; the kernel form is the rank-``d_h`` factors, never an ``[H, L, L]`` tensor."""
 
   spec: base.PositionSpec
 
@@ -104,18 +106,26 @@ class UntiedCorrelation(nn.Module):
     uq = base.head_projection(spec, "query", opts.projection_bias)
     uk = base.head_projection(spec, "key", opts.projection_bias)
     scale = 1.0 / math.sqrt(2 * spec.head_dim)
-    corr = base.dot_heads(uq(context["p"]), uk(context["p"])) * scale
+    p_q, p_k = uq(context["p"]), uk(context["p"])
+    corr = base.dot_heads(p_q, p_k) * scale
+    theta_2xH = None
     if opts.cls_reset != "none":
       theta_2xH = jnp.sum(uq(context["p_theta"]) * uk(context["p_theta"]), axis=-1) * scale
+    terms = kernels.Terms(untied=kernels.Untied(p_q * scale, p_k, theta_2xH, reset=opts.cls_reset))
     b = 0.0
     if isinstance(opts, TupeROptions):
-      rows, _, _ = relative_layout(opts)
-      b = t5.BucketBias(spec.num_heads, rows, spec.param_dtype, name="relative_bias")(context["rel_index"])
+      rows, row, col = relative_layout(opts)
+      module = t5.BucketBias(spec.num_heads, rows, spec.param_dtype, name="relative_bias")
+      b = module(context["rel_index"])
+      official = opts.cls_reset == "official"
+      terms = terms.replace(buckets=kernels.Buckets(
+          module.table, kind=opts.relative_distance, num_buckets=opts.num_buckets, max_distance=opts.max_distance,
+          bidirectional=True, cls_row=row if official else None, cls_col=col if official else None))
     if opts.cls_reset == "paper":
-      return untie_cls(corr + b, context["is_cls"], theta_2xH[0], theta_2xH[1])
+      return untie_cls(corr + b, context["is_cls"], theta_2xH[0], theta_2xH[1]), terms
     if opts.cls_reset == "official":
       corr = untie_cls(corr, context["is_cls"], theta_2xH[0], theta_2xH[1])
-    return corr + b
+    return corr + b, terms
 
 
 class Tupe(nn.Module):
@@ -146,7 +156,8 @@ class Tupe(nn.Module):
         index = jnp.where(is_cls_BxL[:, :, None], row, index)
       context["rel_index"] = index
     if opts.share_across_layers:
-      return base.PositionState(bias=UntiedCorrelation(spec, name="correlation")(context))
+      bias, terms = UntiedCorrelation(spec, name="correlation")(context)
+      return base.PositionState(bias=bias, kernel_terms=terms)
     return base.PositionState(context=context)
 
 
@@ -159,7 +170,8 @@ class TupeLayer(nn.Module):
   def __call__(self, q, k, context, scale):
     if self.spec.options.share_across_layers:
       return base.LayerTerms(q, k)
-    return base.LayerTerms(q, k, bias=UntiedCorrelation(self.spec, name="correlation")(context))
+    bias, terms = UntiedCorrelation(self.spec, name="correlation")(context)
+    return base.LayerTerms(q, k, bias=bias, kernel_terms=terms)
 
 
 @dataclasses.dataclass(frozen=True)

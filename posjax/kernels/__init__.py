@@ -1,0 +1,76 @@
+"""Fused attention with the position terms computed inside the kernel: :func:`relative_attention`.
+
+One op for every method a kernel can compute: ALiBi, T5 buckets (and TUPE-R's bucket term), TUPE's untied
+term with its [CLS] reset, Shaw / Method 4 relative vectors; RoPE and the absolute methods only change q and k
+before the call. The terms (:mod:`posjax.kernels.terms`) are built in each tile from the batch's positions and
+segment ids, so packed rows are exact and no ``[B, H, L, L]`` array is stored for the backward pass.
+
+Implementations: ``pallas`` (:mod:`posjax.kernels.pallas`; on a CPU it runs in Pallas interpret mode: slow,
+for tests and for checking a model) and ``xla`` (:mod:`posjax.kernels.xla`, dense; the reference).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, merge
+
+IMPLEMENTATIONS = ("pallas", "xla")
+__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "merge", "IMPLEMENTATIONS"]
+
+
+def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
+                       segment_ids=None, lengths=None, padding=None, scale: float | None = None,
+                       causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] = (64, 64),
+                       interpret: bool | None = None):
+  """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
+
+  Args:
+    positions: ``[B, L]`` int (default ``0..L-1``); relative distances are ``p_j - p_i``; position 0 is [CLS].
+    segment_ids: ``[B, L]`` int; tokens attend only within their segment (packed rows).
+    lengths: ``[B]`` int, right padding: keys at or past it are masked. Or ``padding``: ``[B, L]``, True at real
+      tokens (any layout). A query with no key to attend to averages all keys, as the ``xla`` path does.
+    scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
+    causal: key j only for queries i >= j (token order).
+    implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile; the sequence is padded
+      to a multiple of both. interpret: Pallas interpret mode (default: on a CPU).
+  """
+  from posjax.kernels import pallas, xla  # imported here: position methods import this package for its terms
+
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown implementation {implementation!r}; allowed: {list(IMPLEMENTATIONS)}")
+  if lengths is not None and padding is not None:
+    raise ValueError("give the key padding as lengths (right padding) or as a padding mask, not both")
+  terms = terms or Terms()
+  b, length, h, d = q_BxLxHxK.shape
+  if k_BxLxHxK.shape != q_BxLxHxK.shape or v_BxLxHxK.shape[:3] != q_BxLxHxK.shape[:3]:
+    raise ValueError(f"q {q_BxLxHxK.shape}, k {k_BxLxHxK.shape} and v {v_BxLxHxK.shape} must agree on "
+                     "[B, L, H] (and q, k on K)")
+  terms.check(h, d, length)
+  scale = 1.0 / d ** 0.5 if scale is None else float(scale)
+  positions = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
+               else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
+  segment_ids = (jnp.zeros((b, length), jnp.int32) if segment_ids is None
+                 else jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, length)))
+  if lengths is not None:
+    valid = jnp.arange(length)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+  elif padding is not None:
+    valid = jnp.broadcast_to(jnp.asarray(padding, bool), (b, length))
+  else:
+    valid = jnp.ones((b, length), bool)
+  if implementation == "xla":
+    return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions,
+                         segment_ids_BxL=segment_ids, valid_BxL=valid, scale=scale, causal=causal)
+  bq, bk, padded = pallas.block_sizes(length, *block_sizes)
+  extra = padded - length
+  pad = lambda x, axis=1: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+  if terms.untied is not None:
+    terms = terms.replace(untied=terms.untied.replace(u_q=pad(terms.untied.u_q), u_k=pad(terms.untied.u_k)))
+  leaves, treedef = jax.tree_util.tree_flatten(terms)
+  plan = pallas.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
+                     interpret=jax.default_backend() == "cpu" if interpret is None else interpret, treedef=treedef)
+  heads_first = lambda x: pad(x).transpose(0, 2, 1, 3)
+  out = pallas.attention(plan, leaves, heads_first(q_BxLxHxK), heads_first(k_BxLxHxK), heads_first(v_BxLxHxK),
+                         pad(positions), pad(segment_ids), pad(valid.astype(jnp.int32)))
+  return out.transpose(0, 2, 1, 3)[:, :length]

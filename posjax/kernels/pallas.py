@@ -1,0 +1,419 @@
+"""Flash attention in Pallas with the position terms built inside each tile (the op's ``pallas`` implementation).
+
+Three Triton-style kernels over a ``(batch, head, tile)`` grid, each reading its (batch, head) rows and looping
+over the other side's tiles: the forward (online softmax; saves the log-sum-exp), the ``dq`` kernel (one query
+tile against every key tile) and the ``dk/dv`` kernel (one key tile against every query tile). Every tile
+recomputes its logits from the tile's positions, segment ids and the terms' small inputs
+(:mod:`posjax.kernels.terms`), so no ``[B, H, L, L]`` array exists, forward or backward.
+
+Gradients of the position inputs, all without atomics (deterministic):
+
+- bucket table, θ and ALiBi slopes (a scalar per head: cheap, and exact should one learn them): the ``dq`` kernel
+  writes per-(batch, head, query tile) partial sums, summed after it;
+- TUPE's ``u_q`` / ``u_k``: rows of the ``dq`` / ``dk`` kernel, like ``dq`` / ``dk`` themselves;
+- relative vectors (variant "G" of the design notes): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
+  (``[B, H, L, 2k+1]``) are computed outside the kernel and gathered per tile; their gradients are rows of the
+  ``dq`` / ``dk`` kernels, and ``dq += scale dqe·a``, ``da = scale (dqeᵀq + dkeᵀk)`` outside. The gather and its
+  transpose are one-hot contractions over the ``2k+1`` distances, exact for any positions: cheap for small
+  ``k``, and ``O(L·k)`` memory, which is ``O(L²)`` at the default ``k = max_len - 1`` (the windowed variant "M"
+  that removes it is not built yet).
+
+A masked logit is the most negative float32 (not -inf) so that a fully masked row averages every key, as the
+``xla`` path does; keys past the sequence (block padding) are -inf, so they never count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from posjax.kernels.terms import Terms
+
+MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static about one call: hashable, so it is a ``custom_vjp`` non-differentiable argument."""
+
+  scale: float
+  causal: bool
+  block_q: int
+  block_k: int
+  length: int  # the real sequence length (inputs are padded to a multiple of both blocks)
+  interpret: bool
+  treedef: jax.tree_util.PyTreeDef  # of the Terms (its static options included)
+
+  def terms(self, leaves) -> Terms:
+    return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _dot(a, b, contract=((1,), (0,))):
+  return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):
+  """``a @ b.T``."""
+  return _dot(a, b, ((1,), (1,)))
+
+
+def _t_dot(a, b):
+  """``a.T @ b``."""
+  return _dot(a, b, ((0,), (0,)))
+
+
+def _one_hot(index, size: int):
+  return (index[..., None] == jax.lax.broadcasted_iota(jnp.int32, (*index.shape, size), index.ndim)).astype(
+      jnp.float32)
+
+
+class _Tile:
+  """One (query tile, key tile) pair: its logits, mask and what the backward needs to route gradients."""
+
+  def __init__(self, plan: Plan, terms: Terms, refs: dict, i0, j0):
+    bq, bk = plan.block_q, plan.block_k
+    self.plan, self.terms, self.refs = plan, terms, refs
+    rows, cols = pl.ds(i0, bq), pl.ds(j0, bk)
+    self.rows, self.cols = rows, cols
+    self.q, self.k = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
+    pos_i, pos_j = refs["positions"][0, rows], refs["positions"][0, cols]
+    rel = pos_j[None, :] - pos_i[:, None]
+    self.cls_i, self.cls_j = pos_i == 0, pos_j == 0
+    s = plan.scale * _dot_t(self.q, self.k)
+    if terms.alibi is not None:
+      self.distance = jnp.abs(rel).astype(jnp.float32)
+      s = s - refs["slopes"][0, 0] * self.distance
+    if terms.relative is not None:
+      r = terms.relative
+      self.rel_hot = _one_hot(r.entries(rel), 2 * r.max_distance + 1)  # [bq, bk, R]
+      if r.query:
+        s = s + jnp.einsum("ar,acr->ac", refs["qe"][0, 0, rows, :].astype(jnp.float32), self.rel_hot)
+      if r.key:
+        s = s + jnp.einsum("cr,acr->ac", refs["ke"][0, 0, cols, :].astype(jnp.float32), self.rel_hot)
+    reset = terms.untied.reset if terms.untied is not None else "none"
+    self.reset = reset
+    neither = ~self.cls_i[:, None] & ~self.cls_j[None, :]
+    self.neither = neither
+    positional = jnp.zeros_like(s)
+    if terms.untied is not None:
+      self.u_q, self.u_k = refs["u_q"][0, 0, rows, :], refs["u_k"][0, 0, cols, :]
+      positional = _dot_t(self.u_q, self.u_k)
+    if reset == "official":
+      positional = self._untie(positional)
+    if terms.buckets is not None:
+      b = terms.buckets
+      self.bucket_hot = _one_hot(b.entries(rel, self.cls_i, self.cls_j), b.table.shape[0])  # [bq, bk, N]
+      positional = positional + jnp.einsum("acn,n->ac", self.bucket_hot,
+                                           refs["bucket_table"][0, :].astype(jnp.float32))
+    if reset == "paper":
+      positional = self._untie(positional)
+    s = s + positional
+    valid_j = refs["valid"][0, cols] > 0
+    allowed = valid_j[None, :] & (refs["segment_ids"][0, rows][:, None] == refs["segment_ids"][0, cols][None, :])
+    index_i = i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    index_j = j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    if plan.causal:
+      allowed = allowed & (index_j <= index_i)
+    self.allowed = allowed
+    self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+
+  def _untie(self, positional):
+    theta = self.refs["theta"][0, :].astype(jnp.float32)
+    positional = jnp.where(self.cls_j[None, :], theta[1], positional)
+    return jnp.where(self.cls_i[:, None], theta[0], positional)
+
+  def position_grads(self, ds):
+    """``ds``'s share for the untied and bucket terms: ``(d corr, d bucket term)``."""
+    untied = ds if self.reset == "none" else jnp.where(self.neither, ds, 0.0)
+    bucket = jnp.where(self.neither, ds, 0.0) if self.reset == "paper" else ds
+    return untied, bucket
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels. Inputs are whole (batch, head) rows; outputs are this program's tile.
+
+
+def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
+  r = dict(zip(names, refs))
+  i0 = pl.program_id(2) * plan.block_q
+  bq, head_dim = plan.block_q, r["v"].shape[-1]
+
+  def body(t, carry):
+    m, l, acc = carry
+    tile = _Tile(plan, terms, r, i0, t * plan.block_k)
+    m_new = jnp.maximum(m, jnp.max(tile.logits, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(tile.logits - m_new[:, None])
+    v = r["v"][0, 0, tile.cols, :]
+    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+
+  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, head_dim), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, init)
+  r["out"][0, 0, :, :] = (acc / l[:, None]).astype(r["out"].dtype)
+  r["lse"][0, 0, :] = m + jnp.log(l)
+
+
+def _ds(plan: Plan, r: dict, tile: _Tile):
+  """The tile's softmax weights and the gradient of its logits (zero where masked)."""
+  rows = tile.rows
+  p = jnp.exp(tile.logits - r["lse"][0, 0, rows][:, None])
+  do = r["d_out"][0, 0, rows, :]
+  dp = _dot_t(do, r["v"][0, 0, tile.cols, :])
+  ds = p * (dp - r["delta"][0, 0, rows][:, None])
+  return p, jnp.where(tile.allowed, ds, 0.0)
+
+
+def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  r = dict(zip(names, refs))
+  i0 = pl.program_id(2) * plan.block_q
+  bq, head_dim = plan.block_q, r["q"].shape[-1]
+  acc = {"dq": jnp.zeros((bq, head_dim), jnp.float32)}
+  if terms.relative is not None and terms.relative.query:
+    acc["dqe"] = jnp.zeros((bq, 2 * terms.relative.max_distance + 1), jnp.float32)
+  if terms.untied is not None:
+    acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
+    if terms.untied.reset != "none":
+      acc["dtheta"] = jnp.zeros((2,), jnp.float32)
+  if terms.buckets is not None:
+    acc["dbucket"] = jnp.zeros((terms.buckets.table.shape[0],), jnp.float32)
+  if terms.alibi is not None:
+    acc["dslope"] = jnp.zeros((1,), jnp.float32)
+
+  def body(t, acc):
+    tile = _Tile(plan, terms, r, i0, t * plan.block_k)
+    _, ds = _ds(plan, r, tile)
+    acc = dict(acc)
+    acc["dq"] = acc["dq"] + plan.scale * _dot(ds.astype(tile.k.dtype), tile.k).astype(jnp.float32)
+    if "dqe" in acc:
+      acc["dqe"] = acc["dqe"] + jnp.einsum("ac,acr->ar", ds, tile.rel_hot)
+    d_untied, d_bucket = tile.position_grads(ds)
+    if "du_q" in acc:
+      acc["du_q"] = acc["du_q"] + _dot(d_untied, tile.u_k.astype(jnp.float32))
+    if "dtheta" in acc:
+      on_row = jnp.sum(jnp.where(tile.cls_i[:, None], ds, 0.0))
+      on_col = jnp.sum(jnp.where(~tile.cls_i[:, None] & tile.cls_j[None, :], ds, 0.0))
+      acc["dtheta"] = acc["dtheta"] + jnp.stack([on_row, on_col])
+    if "dbucket" in acc:
+      acc["dbucket"] = acc["dbucket"] + jnp.einsum("ac,acn->n", d_bucket, tile.bucket_hot)
+    if "dslope" in acc:
+      acc["dslope"] = acc["dslope"] - jnp.sum(ds * tile.distance)
+    return acc
+
+  acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
+  for name, value in acc.items():
+    out = r[name]
+    if name in ("dtheta", "dbucket", "dslope"):
+      out[0, 0, 0, :] = value.astype(out.dtype)
+    else:
+      out[0, 0, :, :] = value.astype(out.dtype)
+
+
+def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  r = dict(zip(names, refs))
+  j0 = pl.program_id(2) * plan.block_k
+  bk, head_dim = plan.block_k, r["k"].shape[-1]
+  acc = {"dk": jnp.zeros((bk, head_dim), jnp.float32), "dv": jnp.zeros((bk, r["v"].shape[-1]), jnp.float32)}
+  if terms.relative is not None and terms.relative.key:
+    acc["dke"] = jnp.zeros((bk, 2 * terms.relative.max_distance + 1), jnp.float32)
+  if terms.untied is not None:
+    acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
+
+  def body(t, acc):
+    tile = _Tile(plan, terms, r, t * plan.block_q, j0)
+    p, ds = _ds(plan, r, tile)
+    acc = dict(acc)
+    do = r["d_out"][0, 0, tile.rows, :]
+    acc["dv"] = acc["dv"] + _t_dot(p.astype(do.dtype), do)
+    acc["dk"] = acc["dk"] + plan.scale * _t_dot(ds.astype(tile.q.dtype), tile.q)
+    if "dke" in acc:
+      acc["dke"] = acc["dke"] + jnp.einsum("ac,acr->cr", ds, tile.rel_hot)
+    if "du_k" in acc:
+      d_untied, _ = tile.position_grads(ds)
+      acc["du_k"] = acc["du_k"] + _t_dot(d_untied, tile.u_q.astype(jnp.float32))
+    return acc
+
+  acc = jax.lax.fori_loop(0, r["q"].shape[2] // plan.block_q, body, acc)
+  for name, value in acc.items():
+    r[name][0, 0, :, :] = value.astype(r[name].dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pallas_call plumbing.
+
+
+def _row_spec(array, block: int | None = None):
+  """A ``[B, H, L, X]`` array: the program's (batch, head) rows, all of them or its tile of ``block``."""
+  if block is None:
+    return pl.BlockSpec((1, 1, *array.shape[2:]), lambda b, h, i: (b, h, 0, 0))
+  return pl.BlockSpec((1, 1, block, *array.shape[3:]), lambda b, h, i: (b, h, i, *[0] * (array.ndim - 3)))
+
+
+def _batch_spec(array):
+  return pl.BlockSpec((1, array.shape[1]), lambda b, h, i: (b, 0))
+
+
+def _head_spec(array):
+  return pl.BlockSpec((1, array.shape[1]), lambda b, h, i: (h, 0))
+
+
+def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, extra: dict):
+  """Names, arrays and block specs of a kernel's inputs (whole rows; per-head parameter rows)."""
+  inputs = {"q": q, "k": k, "v": v, **extra}
+  specs = {name: _row_spec(x) for name, x in inputs.items()}
+  for name, x in (("positions", positions), ("segment_ids", segment_ids), ("valid", valid)):
+    inputs[name], specs[name] = x, _batch_spec(x)
+  if terms.alibi is not None:
+    inputs["slopes"] = terms.alibi.slopes.astype(jnp.float32)[:, None]
+  if terms.buckets is not None:
+    inputs["bucket_table"] = terms.buckets.table.T
+  if terms.untied is not None and terms.untied.reset != "none":
+    inputs["theta"] = terms.untied.theta.T
+  for name in ("slopes", "bucket_table", "theta"):
+    if name in inputs:
+      specs[name] = _head_spec(inputs[name])
+  return inputs, specs
+
+
+def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: dict, out_specs: dict, tiles: int):
+  names = list(inputs) + list(outputs)
+  b, h = inputs["q"].shape[:2]
+  results = pl.pallas_call(
+      functools.partial(kernel, plan, terms, names),
+      grid=(b, h, tiles),
+      in_specs=[specs[n] for n in inputs],
+      out_specs=[out_specs[n] for n in outputs],
+      out_shape=[outputs[n] for n in outputs],
+      interpret=plan.interpret,
+      name=kernel.__name__.strip("_"),
+  )(*inputs.values())
+  return dict(zip(outputs, results))
+
+
+def _per_head_rows(terms: Terms, q, k, scale: float, batch: int) -> dict:
+  """The ``[B, H, L, X]`` inputs computed outside the kernel: ``qe``/``ke`` and the broadcast ``u_q``/``u_k``."""
+  extra = {}
+  if terms.relative is not None:
+    table = terms.relative.table
+    if terms.relative.query:
+      extra["qe"] = scale * jnp.einsum("bhlk,rk->bhlr", q, table.astype(q.dtype), preferred_element_type=jnp.float32)
+    if terms.relative.key:
+      extra["ke"] = scale * jnp.einsum("bhlk,rk->bhlr", k, table.astype(k.dtype), preferred_element_type=jnp.float32)
+  if terms.untied is not None:
+    for name in ("u_q", "u_k"):
+      u = getattr(terms.untied, name).transpose(0, 2, 1, 3)
+      extra[name] = jnp.broadcast_to(u, (batch, *u.shape[1:]))
+  return extra
+
+
+def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+  terms = plan.terms(leaves)
+  b, h, l, d = q.shape
+  extra = _per_head_rows(terms, q, k, plan.scale, b)
+  inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, extra)
+  out = _call(_forward_kernel, plan, terms, inputs, specs,
+              {"out": jax.ShapeDtypeStruct((b, h, l, v.shape[-1]), v.dtype),
+               "lse": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
+              {"out": _row_spec(v, plan.block_q),
+               "lse": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))},
+              l // plan.block_q)
+  return out["out"], (out["lse"], extra)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+  """``[B, H, L, K]`` attention of ``[B, H, L, K]`` inputs (L a multiple of both blocks); ``leaves``: the
+  Terms' arrays (``plan.treedef``)."""
+  return _forward(plan, leaves, q, k, v, positions, segment_ids, valid)[0]
+
+
+def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid):
+  out, (lse, extra) = _forward(plan, leaves, q, k, v, positions, segment_ids, valid)
+  return out, (leaves, q, k, v, positions, segment_ids, valid, out, lse, extra)
+
+
+def _attention_bwd(plan, residuals, d_out):
+  leaves, q, k, v, positions, segment_ids, valid, out, lse, extra = residuals
+  terms = plan.terms(leaves)
+  b, h, l, d = q.shape
+  n_q, n_k = l // plan.block_q, l // plan.block_k
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid,
+                          {**extra, "d_out": d_out})
+  inputs["lse"], inputs["delta"] = lse, delta
+  specs["lse"] = specs["delta"] = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  partial_spec = lambda n: pl.BlockSpec((1, 1, 1, n), lambda b, h, i: (b, h, i, 0))
+
+  dq_out, dq_specs = {"dq": f32(b, h, l, d)}, {"dq": _row_spec(q, plan.block_q)}
+  if "qe" in extra:
+    dq_out["dqe"], dq_specs["dqe"] = f32(*extra["qe"].shape), _row_spec(extra["qe"], plan.block_q)
+  if terms.untied is not None:
+    dq_out["du_q"], dq_specs["du_q"] = f32(b, h, l, d), _row_spec(q, plan.block_q)
+    if terms.untied.reset != "none":
+      dq_out["dtheta"], dq_specs["dtheta"] = f32(b, h, n_q, 2), partial_spec(2)
+  if terms.buckets is not None:
+    n = terms.buckets.table.shape[0]
+    dq_out["dbucket"], dq_specs["dbucket"] = f32(b, h, n_q, n), partial_spec(n)
+  if terms.alibi is not None:
+    dq_out["dslope"], dq_specs["dslope"] = f32(b, h, n_q, 1), partial_spec(1)
+  dq_res = _call(_dq_kernel, plan, terms, inputs, specs, dq_out, dq_specs, n_q)
+
+  dkv_out = {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v.shape[-1])}
+  dkv_specs = {"dk": _row_spec(k, plan.block_k), "dv": _row_spec(v, plan.block_k)}
+  if "ke" in extra:
+    dkv_out["dke"], dkv_specs["dke"] = f32(*extra["ke"].shape), _row_spec(extra["ke"], plan.block_k)
+  if terms.untied is not None:
+    dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k, plan.block_k)
+  dkv_res = _call(_dkv_kernel, plan, terms, inputs, specs, dkv_out, dkv_specs, n_k)
+
+  dq, dk, dv = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
+  d_terms = jax.tree.map(jnp.zeros_like, terms)
+  if terms.relative is not None:
+    table = terms.relative.table.astype(jnp.float32)
+    d_table = jnp.zeros_like(table)
+    if "dqe" in dq_res:
+      dq = dq + plan.scale * jnp.einsum("bhlr,rk->bhlk", dq_res["dqe"], table)
+      d_table = d_table + plan.scale * jnp.einsum("bhlr,bhlk->rk", dq_res["dqe"], q.astype(jnp.float32))
+    if "dke" in dkv_res:
+      dk = dk + plan.scale * jnp.einsum("bhlr,rk->bhlk", dkv_res["dke"], table)
+      d_table = d_table + plan.scale * jnp.einsum("bhlr,bhlk->rk", dkv_res["dke"], k.astype(jnp.float32))
+    d_terms = d_terms.replace(relative=d_terms.relative.replace(
+        table=d_table.astype(terms.relative.table.dtype)))
+  if terms.untied is not None:
+    u = terms.untied
+    to_input = lambda g, like: _sum_to(g.transpose(0, 2, 1, 3), like.shape).astype(like.dtype)
+    untied = d_terms.untied.replace(u_q=to_input(dq_res["du_q"], u.u_q), u_k=to_input(dkv_res["du_k"], u.u_k))
+    if "dtheta" in dq_res:
+      untied = untied.replace(theta=jnp.sum(dq_res["dtheta"], axis=(0, 2)).T.astype(u.theta.dtype))
+    d_terms = d_terms.replace(untied=untied)
+  if terms.buckets is not None:
+    d_bucket = jnp.sum(dq_res["dbucket"], axis=(0, 2)).T.astype(terms.buckets.table.dtype)
+    d_terms = d_terms.replace(buckets=d_terms.buckets.replace(table=d_bucket))
+  if terms.alibi is not None:
+    d_slopes = jnp.sum(dq_res["dslope"], axis=(0, 2, 3)).astype(terms.alibi.slopes.dtype)
+    d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes))
+  d_leaves = jax.tree_util.tree_leaves(d_terms)
+  return (d_leaves, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None)
+
+
+def _sum_to(x, shape):
+  """Sums the leading (batch) axis down to ``shape`` (1 when the input was shared by the batch)."""
+  return jnp.sum(x, axis=0, keepdims=True) if shape[0] == 1 and x.shape[0] != 1 else x
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def block_sizes(length: int, block_q: int, block_k: int) -> tuple[int, int, int]:
+  """``(block_q, block_k, padded length)``: blocks no longer than the sequence rounded up to 8, and the length
+  padded to a multiple of both."""
+  round8 = -(-length // 8) * 8
+  bq, bk = min(block_q, round8), min(block_k, round8)
+  multiple = bq * bk // math.gcd(bq, bk)
+  return bq, bk, -(-length // multiple) * multiple
