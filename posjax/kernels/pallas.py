@@ -1,7 +1,7 @@
 """Flash attention in Pallas with the position terms built inside each tile (the op's ``pallas`` implementation).
 
 Three Triton-style kernels over a ``(batch, head, tile)`` grid, each reading its (batch, head) rows and looping
-over the other side's tiles: the forward (online softmax; saves the log-sum-exp), the ``dq`` kernel (one query
+over the other side's tiles: the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel (one query
 tile against every key tile) and the ``dk/dv`` kernel (one key tile against every query tile). Every tile
 recomputes its logits from the tile's positions, segment ids and the terms' small inputs
 (:mod:`posjax.kernels.terms`), so no ``[B, H, L, L]`` array exists, forward or backward.
@@ -156,13 +156,16 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
           jnp.zeros((bq, head_dim), jnp.float32))
   m, l, acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, init)
   r["out"][0, 0, :, :] = (acc / l[:, None]).astype(r["out"].dtype)
-  r["lse"][0, 0, :] = m + jnp.log(l)
+  # The row maximum and sum, not their log-sum-exp: in a fully masked row m is the most negative float32 and
+  # m + log(l) would round back to m.
+  r["row_max"][0, 0, :] = m
+  r["row_sum"][0, 0, :] = l
 
 
 def _ds(plan: Plan, r: dict, tile: _Tile):
   """The tile's softmax weights and the gradient of its logits (zero where masked)."""
   rows = tile.rows
-  p = jnp.exp(tile.logits - r["lse"][0, 0, rows][:, None])
+  p = jnp.exp(tile.logits - r["row_max"][0, 0, rows][:, None]) / r["row_sum"][0, 0, rows][:, None]
   do = r["d_out"][0, 0, rows, :]
   dp = _dot_t(do, r["v"][0, 0, tile.cols, :])
   ds = p * (dp - r["delta"][0, 0, rows][:, None])
@@ -318,11 +321,13 @@ def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
   inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, extra)
   out = _call(_forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v.shape[-1]), v.dtype),
-               "lse": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
+               "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
+               "row_sum": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
               {"out": _row_spec(v, plan.block_q),
-               "lse": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))},
+               "row_max": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i)),
+               "row_sum": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))},
               l // plan.block_q)
-  return out["out"], (out["lse"], extra)
+  return out["out"], ((out["row_max"], out["row_sum"]), extra)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -333,20 +338,21 @@ def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
 
 
 def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid):
-  out, (lse, extra) = _forward(plan, leaves, q, k, v, positions, segment_ids, valid)
-  return out, (leaves, q, k, v, positions, segment_ids, valid, out, lse, extra)
+  out, (stats, extra) = _forward(plan, leaves, q, k, v, positions, segment_ids, valid)
+  return out, (leaves, q, k, v, positions, segment_ids, valid, out, stats, extra)
 
 
 def _attention_bwd(plan, residuals, d_out):
-  leaves, q, k, v, positions, segment_ids, valid, out, lse, extra = residuals
+  leaves, q, k, v, positions, segment_ids, valid, out, (row_max, row_sum), extra = residuals
   terms = plan.terms(leaves)
   b, h, l, d = q.shape
   n_q, n_k = l // plan.block_q, l // plan.block_k
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid,
                           {**extra, "d_out": d_out})
-  inputs["lse"], inputs["delta"] = lse, delta
-  specs["lse"] = specs["delta"] = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
+  inputs.update(row_max=row_max, row_sum=row_sum, delta=delta)
+  for name in ("row_max", "row_sum", "delta"):
+    specs[name] = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   partial_spec = lambda n: pl.BlockSpec((1, 1, 1, n), lambda b, h, i: (b, h, i, 0))
 

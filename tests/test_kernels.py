@@ -1,0 +1,160 @@
+"""The fused kernel (Pallas, in interpret mode on this CPU) against the dense ``xla`` path: outputs and the
+gradients of q, k, v and every position input, over random shapes, tiles, terms and packed/padded rows; and
+BERT models with ``attention_kernel="pallas"`` against the same models on ``xla``."""
+
+import functools
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import kernels
+from posjax.models import BertConfig, BertModel
+
+
+def packed_rows(rng, batch, length):
+  """Positions restarting at each segment, segment ids, and lengths (one row fully padded when batch > 2)."""
+  positions, segments = np.zeros((batch, length), np.int32), np.zeros((batch, length), np.int32)
+  for row in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, length), size=min(rng.integers(0, 3), length - 1), replace=False))
+    for segment, (start, stop) in enumerate(zip([0, *cuts], [*cuts, length])):
+      positions[row, start:stop] = np.arange(stop - start)
+      segments[row, start:stop] = segment + 1
+  lengths = rng.integers(1, length + 1, size=batch)
+  lengths[0] = length
+  if batch > 2:
+    lengths[2] = 0
+  return positions, segments, lengths
+
+
+def random_terms(rng, draw, batch, length, heads, head_dim):
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  fields = {}
+  if draw(st.booleans()):
+    fields["alibi"] = kernels.Alibi(jnp.asarray(rng.uniform(0.1, 1.0, heads), jnp.float32))
+  reset = draw(st.sampled_from(["official", "paper", "none", None]))
+  if draw(st.booleans()):
+    kind = draw(st.sampled_from(["buckets", "clip"]))
+    rows = 32 if kind == "buckets" else 2 * 5 + 1
+    cls = reset == "official"
+    fields["buckets"] = kernels.Buckets(f32(rows + 2, heads), kind=kind, num_buckets=32, max_distance=5 if kind == "clip" else 20,
+                                        cls_row=rows if cls else None, cls_col=rows + 1 if cls else None)
+  if reset is not None:
+    shared = draw(st.booleans())
+    fields["untied"] = kernels.Untied(f32(1 if shared else batch, length, heads, head_dim),
+                                      f32(1 if shared else batch, length, heads, head_dim),
+                                      f32(2, heads) if reset != "none" else None, reset=reset)
+  if draw(st.booleans()) or not fields:
+    k = draw(st.sampled_from([1, 7, length - 1]))
+    side = draw(st.sampled_from([(True, False), (False, True), (True, True)]))
+    fields["relative"] = kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k, query=side[0], key=side[1])
+  return kernels.Terms(**fields)
+
+
+def assert_close_tree(got, want, rtol=2e-5, atol=2e-5):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
+    scale = max(1.0, float(np.abs(x).max()))
+    np.testing.assert_allclose(y, x, rtol=rtol, atol=atol * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@hypothesis.settings(max_examples=6, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(st.data())
+def test_pallas_matches_xla_outputs_and_gradients(data):
+  draw = data.draw
+  length = draw(st.sampled_from([5, 16, 24, 37]))
+  batch, heads, head_dim = draw(st.sampled_from([1, 3])), 2, 8
+  blocks = (draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 16])))
+  causal = draw(st.booleans())
+  rng = np.random.default_rng(draw(st.integers(0, 1000)))
+  positions, segments, lengths = packed_rows(rng, batch, length)
+  terms = random_terms(rng, draw, batch, length, heads, head_dim)
+  q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3))
+  weights = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=lengths, causal=causal, implementation=implementation,
+                                     block_sizes=blocks)
+    return jnp.sum(out * weights), out
+
+  grads = {impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+           for impl in ("xla", "pallas")}
+  assert_close_tree(grads["pallas"], grads["xla"])
+
+
+def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 12, 1, 4)), jnp.float32) for _ in range(3))
+  out = kernels.relative_attention(q, k, v, lengths=np.array([12, 0]), block_sizes=(8, 8))
+  np.testing.assert_allclose(out[1], np.broadcast_to(v[1].mean(axis=0), (12, 1, 4)), rtol=1e-5, atol=1e-6)
+
+
+MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}), ("tupe_a", {"cls_reset": "paper", "share_across_layers": False}),
+          ("tupe_r", {"relative_distance": "clip", "max_distance": 6, "cls_reset": "none"}), ("shaw", {"max_distance": 3}),
+          ("huang_m4", {}), ("rope", {})]
+
+
+@pytest.mark.parametrize("position,options", MODELS, ids=[f"{m}-{'-'.join(map(str, o.values()))}" for m, o in MODELS])
+def test_a_model_on_pallas_matches_it_on_xla(position, options):
+  rng = np.random.default_rng(1)
+  batch, length = 2, 20
+  ids = jnp.asarray(rng.integers(5, 128, (batch, length)))
+  positions = jnp.asarray(np.concatenate([np.arange(12), np.arange(8)])[None].repeat(batch, 0))
+  segments = jnp.asarray(np.repeat([[1] * 12 + [2] * 8], batch, 0))
+  padding = jnp.asarray(np.arange(length)[None] < np.array([[20], [15]]))
+  configs = {kernel: BertConfig.tiny(position=position, position_options=options, attention_kernel=kernel,
+                                     num_layers=1, dropout_rate=0.0, attention_dropout_rate=0.0)
+             for kernel in ("xla", "pallas")}
+  params = BertModel(configs["xla"]).init(jax.random.key(0), ids)["params"]
+
+  def loss(kernel, params):
+    out = BertModel(configs[kernel]).apply({"params": params}, ids, positions=positions, segment_ids=segments,
+                                           attention_mask=padding)
+    return jnp.sum(jnp.sin(out.last_hidden_state) * padding[..., None]), out.last_hidden_state
+
+  (_, want), want_grads = jax.value_and_grad(functools.partial(loss, "xla"), has_aux=True)(params)
+  (_, got), got_grads = jax.value_and_grad(functools.partial(loss, "pallas"), has_aux=True)(params)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert_close_tree(got_grads, want_grads)
+
+
+@pytest.mark.parametrize("config,message", [
+    (dict(position="huang_m1"), "attention kernel 'pallas' cannot compute position method 'huang_m1'"),
+    (dict(position="shaw", position_options={"value_term": True}), "cannot compute position method 'shaw'"),
+])
+def test_methods_the_kernel_cannot_compute_are_errors(config, message):
+  with pytest.raises(ValueError, match=message):
+    BertConfig.tiny(attention_kernel="pallas", **config)
+
+
+def test_attention_dropout_on_pallas_is_an_error():
+  config = BertConfig.tiny(position="alibi", attention_kernel="pallas")
+  ids = jnp.ones((1, 8), jnp.int32)
+  params = BertModel(config).init(jax.random.key(0), ids)["params"]
+  with pytest.raises(ValueError, match="'pallas' has no dropout on the attention weights"):
+    BertModel(config).apply({"params": params}, ids, deterministic=False, rngs={"dropout": jax.random.key(1)})
+
+
+@pytest.mark.parametrize("terms,message", [
+    (lambda: kernels.Terms(alibi=kernels.Alibi(jnp.ones(3))), r"ALiBi slopes have shape \(3,\); expected \(2,\)"),
+    (lambda: kernels.Terms(relative=kernels.Relative(jnp.ones((5, 4)), max_distance=3)),
+     r"relative table has shape \(5, 4\); expected \(7, 4\) for max_distance=3"),
+    (lambda: kernels.Terms(buckets=kernels.Buckets(jnp.ones((8, 2)), num_buckets=32)),
+     "bucket table has 8 entries; the options need 32"),
+    (lambda: kernels.Terms(untied=kernels.Untied(jnp.ones((1, 8, 2, 4)), jnp.ones((1, 8, 2, 4)), None)),
+     r"Untied.theta must have shape \(2, 2\)"),
+])
+def test_bad_terms_are_errors(terms, message):
+  x = jnp.ones((1, 8, 2, 4))
+  with pytest.raises(ValueError, match=message):
+    kernels.relative_attention(x, x, x, terms=terms())
+
+
+def test_unknown_implementation_is_an_error():
+  x = jnp.ones((1, 8, 2, 4))
+  with pytest.raises(ValueError, match=r"unknown implementation 'triton'; allowed: \['pallas', 'xla'\]"):
+    kernels.relative_attention(x, x, x, implementation="triton")
