@@ -1,4 +1,4 @@
-"""The fused kernel (Pallas, in interpret mode on this CPU) against the dense ``xla`` path: outputs and the
+"""The fused kernel (Pallas, in the generic and the TPU interpreter on this CPU) against the dense ``xla`` path: outputs and the
 gradients of q, k, v and every position input, over random shapes, tiles, terms and packed/padded rows; and
 BERT models with ``attention_kernel="pallas"`` against the same models on ``xla``."""
 
@@ -60,7 +60,7 @@ def assert_close_tree(got, want, rtol=2e-5, atol=2e-5):
     np.testing.assert_allclose(y, x, rtol=rtol, atol=atol * scale, err_msg=jax.tree_util.keystr(path))
 
 
-@hypothesis.settings(max_examples=6, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
+@hypothesis.settings(max_examples=8, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(st.data())
 def test_pallas_matches_xla_outputs_and_gradients(data):
@@ -69,6 +69,7 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   batch, heads, head_dim = draw(st.sampled_from([1, 3])), 2, 8
   blocks = (draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 16])))
   causal = draw(st.booleans())
+  interpreter = draw(st.sampled_from([True, "tpu"]))  # the generic (Triton-style) and the Mosaic TPU interpreter
   rng = np.random.default_rng(draw(st.integers(0, 1000)))
   positions, segments, lengths = packed_rows(rng, batch, length)
   terms = random_terms(rng, draw, batch, length, heads, head_dim)
@@ -78,7 +79,7 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=lengths, causal=causal, implementation=implementation,
-                                     block_sizes=blocks)
+                                     block_sizes=blocks, interpret=interpreter)
     return jnp.sum(out * weights), out
 
   grads = {impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
@@ -154,7 +155,9 @@ def test_bad_terms_are_errors(terms, message):
     kernels.relative_attention(x, x, x, terms=terms())
 
 
-def test_unknown_implementation_is_an_error():
+def test_unknown_implementation_or_interpreter_is_an_error():
   x = jnp.ones((1, 8, 2, 4))
   with pytest.raises(ValueError, match=r"unknown implementation 'triton'; allowed: \['pallas', 'xla'\]"):
     kernels.relative_attention(x, x, x, implementation="triton")
+  with pytest.raises(ValueError, match=r"interpret='gpu'; allowed: None, True, False, 'tpu'"):
+    kernels.relative_attention(x, x, x, interpret="gpu")

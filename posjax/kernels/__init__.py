@@ -34,7 +34,10 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
     causal: key j only for queries i >= j (token order).
     implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile; the sequence is padded
-      to a multiple of both. interpret: Pallas interpret mode (default: on a CPU).
+      to a multiple of both.
+    interpret: run the kernels in a Pallas interpreter: True (the generic one, Triton semantics) or ``"tpu"``
+      (the Mosaic TPU interpreter, ``pltpu.InterpretParams()``); False compiles them for the device. Default:
+      interpret on a CPU, compile elsewhere.
   """
   from posjax.kernels import pallas, xla  # imported here: position methods import this package for its terms
 
@@ -62,6 +65,14 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   if implementation == "xla":
     return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions,
                          segment_ids_BxL=segment_ids, valid_BxL=valid, scale=scale, causal=causal)
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  elif interpret == "tpu":
+    from jax.experimental.pallas import tpu as pltpu
+
+    interpret = pltpu.InterpretParams()
+  elif not isinstance(interpret, bool):
+    raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
   bq, bk, padded = pallas.block_sizes(length, *block_sizes)
   extra = padded - length
   pad = lambda x, axis=1: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
@@ -69,7 +80,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     terms = terms.replace(untied=terms.untied.replace(u_q=pad(terms.untied.u_q), u_k=pad(terms.untied.u_k)))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = pallas.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
-                     interpret=jax.default_backend() == "cpu" if interpret is None else interpret, treedef=treedef)
+                     interpret=interpret, treedef=treedef)
   heads_first = lambda x: pad(x).transpose(0, 2, 1, 3)
   out = pallas.attention(plan, leaves, heads_first(q_BxLxHxK), heads_first(k_BxLxHxK), heads_first(v_BxLxHxK),
                          pad(positions), pad(segment_ids), pad(valid.astype(jnp.int32)))

@@ -14,7 +14,8 @@ Gradients of the position inputs, all without atomics (deterministic):
 - relative vectors (variant "G" of the design notes): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
   (``[B, H, L, 2k+1]``) are computed outside the kernel and gathered per tile; their gradients are rows of the
   ``dq`` / ``dk`` kernels, and ``dq += scale dqe·a``, ``da = scale (dqeᵀq + dkeᵀk)`` outside. The gather and its
-  transpose are one-hot contractions over the ``2k+1`` distances, exact for any positions: cheap for small
+  transpose are one-hot products summed over the ``2k+1`` distances (no batched matmul inside the kernel, which
+  Triton does not lower), exact for any positions: cheap for small
   ``k``, and ``O(L·k)`` memory, which is ``O(L²)`` at the default ``k = max_len - 1`` (the windowed variant "M"
   that removes it is not built yet).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +48,7 @@ class Plan:
   block_q: int
   block_k: int
   length: int  # the real sequence length (inputs are padded to a multiple of both blocks)
-  interpret: bool
+  interpret: Any  # False, True or the TPU interpreter's parameters
   treedef: jax.tree_util.PyTreeDef  # of the Terms (its static options included)
 
   def terms(self, leaves) -> Terms:
@@ -92,9 +94,9 @@ class _Tile:
       r = terms.relative
       self.rel_hot = _one_hot(r.entries(rel), 2 * r.max_distance + 1)  # [bq, bk, R]
       if r.query:
-        s = s + jnp.einsum("ar,acr->ac", refs["qe"][0, 0, rows, :].astype(jnp.float32), self.rel_hot)
+        s = s + jnp.sum(refs["qe"][0, 0, rows, :].astype(jnp.float32)[:, None, :] * self.rel_hot, axis=-1)
       if r.key:
-        s = s + jnp.einsum("cr,acr->ac", refs["ke"][0, 0, cols, :].astype(jnp.float32), self.rel_hot)
+        s = s + jnp.sum(refs["ke"][0, 0, cols, :].astype(jnp.float32)[None, :, :] * self.rel_hot, axis=-1)
     reset = terms.untied.reset if terms.untied is not None else "none"
     self.reset = reset
     neither = ~self.cls_i[:, None] & ~self.cls_j[None, :]
@@ -108,8 +110,7 @@ class _Tile:
     if terms.buckets is not None:
       b = terms.buckets
       self.bucket_hot = _one_hot(b.entries(rel, self.cls_i, self.cls_j), b.table.shape[0])  # [bq, bk, N]
-      positional = positional + jnp.einsum("acn,n->ac", self.bucket_hot,
-                                           refs["bucket_table"][0, :].astype(jnp.float32))
+      positional = positional + jnp.sum(self.bucket_hot * refs["bucket_table"][0, :].astype(jnp.float32), axis=-1)
     if reset == "paper":
       positional = self._untie(positional)
     s = s + positional
@@ -194,7 +195,7 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc = dict(acc)
     acc["dq"] = acc["dq"] + plan.scale * _dot(ds.astype(tile.k.dtype), tile.k).astype(jnp.float32)
     if "dqe" in acc:
-      acc["dqe"] = acc["dqe"] + jnp.einsum("ac,acr->ar", ds, tile.rel_hot)
+      acc["dqe"] = acc["dqe"] + jnp.sum(ds[:, :, None] * tile.rel_hot, axis=1)
     d_untied, d_bucket = tile.position_grads(ds)
     if "du_q" in acc:
       acc["du_q"] = acc["du_q"] + _dot(d_untied, tile.u_k.astype(jnp.float32))
@@ -203,7 +204,7 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
       on_col = jnp.sum(jnp.where(~tile.cls_i[:, None] & tile.cls_j[None, :], ds, 0.0))
       acc["dtheta"] = acc["dtheta"] + jnp.stack([on_row, on_col])
     if "dbucket" in acc:
-      acc["dbucket"] = acc["dbucket"] + jnp.einsum("ac,acn->n", d_bucket, tile.bucket_hot)
+      acc["dbucket"] = acc["dbucket"] + jnp.sum(d_bucket[:, :, None] * tile.bucket_hot, axis=(0, 1))
     if "dslope" in acc:
       acc["dslope"] = acc["dslope"] - jnp.sum(ds * tile.distance)
     return acc
@@ -235,7 +236,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dv"] = acc["dv"] + _t_dot(p.astype(do.dtype), do)
     acc["dk"] = acc["dk"] + plan.scale * _t_dot(ds.astype(tile.q.dtype), tile.q)
     if "dke" in acc:
-      acc["dke"] = acc["dke"] + jnp.einsum("ac,acr->cr", ds, tile.rel_hot)
+      acc["dke"] = acc["dke"] + jnp.sum(ds[:, :, None] * tile.rel_hot, axis=0)
     if "du_k" in acc:
       d_untied, _ = tile.position_grads(ds)
       acc["du_k"] = acc["du_k"] + _t_dot(d_untied, tile.u_q.astype(jnp.float32))
