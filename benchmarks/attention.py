@@ -5,8 +5,8 @@ BERT-Base width (768, 12 heads) including the method's encoder-level part, and (
 (forward, backward, AdamW update) of a BERT-Base MLM model, and reports the median wall time and XLA's
 compiled temporary memory (``memory_analysis().temp_size_in_bytes``). Prints a markdown table.
 
-  python benchmarks/attention.py --lengths=128,512,2048 --batch=8 --dtype=bfloat16 --kernel=auto
-  python benchmarks/attention.py --methods=absolute,tupe_r,huang_m4 --model_time_max_len=512
+  python benchmarks/attention.py --lengths=128,512,2048 --batch=8 --dtype=bfloat16 --kernels=auto
+  python benchmarks/attention.py --methods=absolute,tupe_r,huang_m4 --kernels=cudnn,pallas,xla --lengths=512,2048
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ _LENGTHS = flags.DEFINE_list("lengths", ["128", "512", "2048"], "Sequence length
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
 _LAYERS = flags.DEFINE_integer("layers", 12, "Layers of the model step (12 = BERT-Base).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "Compute dtype (parameters stay float32).")
-_KERNEL = flags.DEFINE_enum("kernel", "auto", list(attention.KERNELS), "Attention kernel.")
+_KERNELS = flags.DEFINE_list("kernels", ["auto"], f"Attention kernels ({', '.join(attention.KERNELS)}); ratios are "
+                             "to absolute on the first.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median reported).")
 _MODEL_TIME_MAX_LEN = flags.DEFINE_integer(
     "model_time_max_len", 1 << 30, "Longer model steps are compiled for memory but not timed (slow CPUs).")
@@ -37,7 +38,7 @@ HIDDEN, HEADS, FFN = 768, 12, 3072
 
 def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, repeats: int):
   spec = positions.make(name, num_heads=HEADS, hidden_size=HIDDEN, max_len=max(512, length), dtype=dtype)
-  kernel = kernel if spec.fusable or kernel != "cudnn" else "xla"
+  kernel = common.kernel_for(name, kernel)
 
   class Layer(nn.Module):
     @nn.compact
@@ -69,25 +70,30 @@ def main(argv):
   del argv
   methods = _METHODS.value or positions.names()
   dtype = DTYPES[_DTYPE.value]
-  print(f"device: {common.describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernel {_KERNEL.value}, "
-        f"model {_LAYERS.value}×{HIDDEN}, dropout off\n")
-  header = ("| method | L | layer fwd+bwd ms | layer temp MiB | model step ms | model temp MiB | "
-            "step / absolute |")
-  print(header + "\n|" + "---|" * 7, flush=True)
+  print(f"device: {common.describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernels "
+        f"{','.join(_KERNELS.value)}, model {_LAYERS.value}×{HIDDEN}, dropout off\n")
+  header = ("| method | L | kernel | layer fwd+bwd ms | layer temp MiB | model step ms | model temp MiB | "
+            f"step / absolute on {_KERNELS.value[0]} |")
+  print(header + "\n|" + "---|" * 8, flush=True)
   reference = {}
   for length in map(int, _LENGTHS.value):
     for name in methods:
-      layer_time, layer_temp = layer_measurement(name, length, _BATCH.value, dtype, _KERNEL.value, _REPEATS.value)
-      step_time = step_temp = None
-      if not _SKIP_MODEL.value:
-        step_time, step_temp = model_measurement(name, length, _BATCH.value, _DTYPE.value, _KERNEL.value,
-                                                 _LAYERS.value, length <= _MODEL_TIME_MAX_LEN.value,
-                                                 _REPEATS.value)
-      if name == "absolute":
-        reference[length] = step_time
-      ratio = f"{step_time / reference[length]:.2f}×" if step_time and reference.get(length) else "—"
-      print(f"| `{name}` | {length} | {fmt(layer_time)} | {fmt(nbytes=layer_temp)} | "
-            f"{fmt(step_time) if step_time else '—'} | {fmt(nbytes=step_temp)} | {ratio} |", flush=True)
+      for kernel in _KERNELS.value:
+        runs_on = common.kernel_for(name, kernel)
+        if runs_on != kernel and kernel != _KERNELS.value[0] and "xla" in _KERNELS.value:
+          continue  # the xla row is measured anyway
+        layer_time, layer_temp = layer_measurement(name, length, _BATCH.value, dtype, kernel, _REPEATS.value)
+        step_time = step_temp = None
+        if not _SKIP_MODEL.value:
+          step_time, step_temp = model_measurement(name, length, _BATCH.value, _DTYPE.value, kernel,
+                                                   _LAYERS.value, length <= _MODEL_TIME_MAX_LEN.value,
+                                                   _REPEATS.value)
+        if name == "absolute" and kernel == _KERNELS.value[0]:
+          reference[length] = step_time
+        ratio = f"{step_time / reference[length]:.2f}×" if step_time and reference.get(length) else "—"
+        shown = runs_on if runs_on == kernel else f"{runs_on} (no {kernel})"
+        print(f"| `{name}` | {length} | {shown} | {fmt(layer_time)} | {fmt(nbytes=layer_temp)} | "
+              f"{fmt(step_time) if step_time else '—'} | {fmt(nbytes=step_temp)} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

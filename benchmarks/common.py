@@ -38,11 +38,16 @@ def describe_device() -> str:
   return f"{device.device_kind} ({device.platform}), jax {jax.__version__}"
 
 
+def kernel_for(name: str, kernel: str) -> str:
+  """The kernel a method runs on when ``kernel`` is asked for: ``xla`` where a fused kernel cannot compute it."""
+  return kernel if kernel in ("xla", "auto") or BertConfig(position=name).position_spec.fusable else "xla"
+
+
 def bert_train_step(name: str, length: int, batch: int, dtype: str, kernel: str, layers: int = 12):
   """``(step_fn, args, config, masked)``: one BERT-Base MLM step (forward, backward, AdamW), dropout off,
   the MLM head on 15% of the positions."""
   config = BertConfig.base(position=name, max_len=max(512, length), num_layers=layers, dtype=dtype,
-                           attention_kernel=kernel if BertConfig(position=name).position_spec.fusable else "xla",
+                           attention_kernel=kernel_for(name, kernel),
                            dropout_rate=0.0, attention_dropout_rate=0.0)
   model = BertForMaskedLM(config)
   rng = np.random.default_rng(0)

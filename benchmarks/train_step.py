@@ -5,7 +5,7 @@ Model FLOPs per step (the usual MFU convention, forward + backward = 3 × forwar
 T = batch · L tokens, and the MLM output layer on the M masked tokens. MFU divides by the device's peak
 (bf16 dense): a known accelerator's from the table below, or ``--peak_tflops``; on a CPU it is left out.
 
-  python benchmarks/train_step.py --lengths=128,512 --batch=32 --dtype=bfloat16 --kernel=auto
+  python benchmarks/train_step.py --lengths=128,512 --batch=32 --dtype=bfloat16 --kernels=auto
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ _METHODS = flags.DEFINE_list("methods", None, "Methods to run (default: all regi
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "512"], "Sequence lengths.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Sequences per step.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", list(DTYPES), "Compute dtype (parameters stay float32).")
-_KERNEL = flags.DEFINE_enum("kernel", "auto", list(attention.KERNELS), "Attention kernel.")
+_KERNELS = flags.DEFINE_list("kernels", ["auto"], f"Attention kernels ({', '.join(attention.KERNELS)}); ratios are "
+                             "to absolute on the first.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed steps (median reported).")
 _PEAK = flags.DEFINE_float("peak_tflops", None, "Peak dense TFLOP/s of the device (default: known devices).")
 
@@ -50,17 +51,27 @@ def model_flops(config, params, length: int, batch: int, masked: int) -> float:
 def main(argv):
   del argv
   peak = peak_tflops()
-  print(f"device: {common.describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernel "
-        f"{_KERNEL.value}, BERT-Base, dropout off, peak {peak or '—'} TFLOP/s\n")
-  print("| method | L | step ms | tokens/s | model TFLOP/s | MFU |\n|---|---|---|---|---|---|", flush=True)
+  print(f"device: {common.describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernels "
+        f"{','.join(_KERNELS.value)}, BERT-Base, dropout off, peak {peak or '—'} TFLOP/s\n")
+  print(f"| method | L | kernel | step ms | tokens/s | model TFLOP/s | MFU | step / absolute on {_KERNELS.value[0]} |"
+        "\n|---|---|---|---|---|---|---|---|", flush=True)
   for length in map(int, _LENGTHS.value):
+    reference = None
     for name in _METHODS.value or positions.names():
-      step, args, config, masked = common.bert_train_step(name, length, _BATCH.value, _DTYPE.value, _KERNEL.value)
-      seconds, _, _ = common.compile_and_time(step, args, True, _REPEATS.value)
-      flops = model_flops(config, args[0][0], length, _BATCH.value, masked) / seconds
-      mfu = f"{100 * flops / (peak * 1e12):.1f}%" if peak else "—"
-      print(f"| `{name}` | {length} | {seconds * 1e3:.0f} | {_BATCH.value * length / seconds:,.0f} | "
-            f"{flops / 1e12:.3f} | {mfu} |", flush=True)
+      for kernel in _KERNELS.value:
+        runs_on = common.kernel_for(name, kernel)
+        if runs_on != kernel and kernel != _KERNELS.value[0] and "xla" in _KERNELS.value:
+          continue
+        step, args, config, masked = common.bert_train_step(name, length, _BATCH.value, _DTYPE.value, kernel)
+        seconds, _, _ = common.compile_and_time(step, args, True, _REPEATS.value)
+        if name == "absolute" and kernel == _KERNELS.value[0]:
+          reference = seconds
+        flops = model_flops(config, args[0][0], length, _BATCH.value, masked) / seconds
+        mfu = f"{100 * flops / (peak * 1e12):.1f}%" if peak else "—"
+        ratio = f"{seconds / reference:.2f}×" if reference else "—"
+        shown = runs_on if runs_on == kernel else f"{runs_on} (no {kernel})"
+        print(f"| `{name}` | {length} | {shown} | {seconds * 1e3:.0f} | {_BATCH.value * length / seconds:,.0f} | "
+              f"{flops / 1e12:.3f} | {mfu} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

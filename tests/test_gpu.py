@@ -1,4 +1,5 @@
-"""The cuDNN kernel itself, where a GPU is present (skipped elsewhere): it must agree with the XLA path."""
+"""The cuDNN and the compiled Pallas kernels, where a GPU is present (skipped elsewhere): they must agree with the
+XLA path."""
 
 import jax
 import jax.numpy as jnp
@@ -30,3 +31,31 @@ def test_cudnn_matches_xla(name):
   np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=0.1, rtol=0.05)
   np.testing.assert_allclose(np.asarray(got[1, :100], np.float32), np.asarray(want[1, :100], np.float32),
                              atol=0.1, rtol=0.05)
+
+
+KERNEL_METHODS = [("alibi", {}), ("t5", {}), ("tupe_r", {}), ("shaw", {"max_distance": 16}), ("huang_m4", {}),
+                  ("rope", {})]
+
+
+@pytest.mark.parametrize("name,options", KERNEL_METHODS, ids=[m for m, _ in KERNEL_METHODS])
+def test_pallas_compiles_and_matches_xla(name, options):
+  config = dict(position=name, position_options=options, hidden_size=256, num_heads=4, intermediate_size=512,
+                max_len=128, dtype="bfloat16", vocab_size=128, num_layers=2, dropout_rate=0.0,
+                attention_dropout_rate=0.0)
+  ids = jnp.asarray(np.random.default_rng(0).integers(1, 128, (4, 128)), jnp.int32)
+  mask = np.ones((4, 128), np.int32)
+  mask[1, 100:] = 0
+  xla = BertEncoder(BertConfig(**config, attention_kernel="xla"))
+  fused = BertEncoder(BertConfig(**config, attention_kernel="pallas"))
+  variables = xla.init(jax.random.PRNGKey(0), ids)
+
+  def loss(encoder):
+    return lambda v: jnp.sum(encoder.apply(v, ids, attention_mask=mask).last_hidden_state.astype(jnp.float32) ** 2)
+
+  want, want_grads = jax.jit(jax.value_and_grad(loss(xla)))(variables)
+  got, got_grads = jax.jit(jax.value_and_grad(loss(fused)))(variables)  # compiled: interpret is off on a GPU
+  np.testing.assert_allclose(got, want, rtol=2e-2)
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want_grads), jax.tree_util.tree_leaves(got_grads)):
+    scale = float(np.abs(w).max()) or 1.0
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=5e-2 * scale,
+                               err_msg=jax.tree_util.keystr(path))
