@@ -1,6 +1,6 @@
-"""The fused kernel (Pallas, in the generic and the TPU interpreter on this CPU) against the dense ``xla`` path: outputs and the
-gradients of q, k, v and every position input, over random shapes, tiles, terms and packed/padded rows; and
-BERT models with ``attention_kernel="pallas"`` against the same models on ``xla``."""
+"""The fused kernel (Pallas, in the generic and the TPU interpreter on this CPU) against the dense ``xla`` path:
+outputs and the gradients of q, k, v and every position input, over random shapes, tiles, terms and
+packed/padded rows; and BERT models with ``attention_kernel="pallas"`` against the same models on ``xla``."""
 
 import functools
 
@@ -40,7 +40,8 @@ def random_terms(rng, draw, batch, length, heads, head_dim):
     kind = draw(st.sampled_from(["buckets", "clip"]))
     rows = 32 if kind == "buckets" else 2 * 5 + 1
     cls = reset == "official"
-    fields["buckets"] = kernels.Buckets(f32(rows + 2, heads), kind=kind, num_buckets=32, max_distance=5 if kind == "clip" else 20,
+    fields["buckets"] = kernels.Buckets(f32(rows + 2, heads), kind=kind, num_buckets=32,
+                                        max_distance=5 if kind == "clip" else 20,
                                         cls_row=rows if cls else None, cls_col=rows + 1 if cls else None)
   if reset is not None:
     shared = draw(st.booleans())
@@ -94,9 +95,10 @@ def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
   np.testing.assert_allclose(out[1], np.broadcast_to(v[1].mean(axis=0), (12, 1, 4)), rtol=1e-5, atol=1e-6)
 
 
-MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}), ("tupe_a", {"cls_reset": "paper", "share_across_layers": False}),
-          ("tupe_r", {"relative_distance": "clip", "max_distance": 6, "cls_reset": "none"}), ("shaw", {"max_distance": 3}),
-          ("huang_m4", {}), ("rope", {})]
+MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}),
+          ("tupe_a", {"cls_reset": "paper", "share_across_layers": False}),
+          ("tupe_r", {"relative_distance": "clip", "max_distance": 6, "cls_reset": "none"}),
+          ("shaw", {"max_distance": 3}), ("huang_m4", {}), ("rope", {})]
 
 
 @pytest.mark.parametrize("position,options", MODELS, ids=[f"{m}-{'-'.join(map(str, o.values()))}" for m, o in MODELS])

@@ -201,11 +201,11 @@ def test_a_corpus_prepared_for_another_run_or_damaged_is_an_error(tmp_path):
   with pytest.raises(ValueError, match=r"was prepared for another run \(max_len: prepared 32, this run 64\)"):
     prepared_batches(tmp_path, config(max_len=64))
   (tmp_path / prepare.file_name(1, 2)).unlink()
-  with pytest.raises(FileNotFoundError, match=r"prepared corpus file .*blocks-c00-00001-of-00002.array_record is missing"):
+  with pytest.raises(FileNotFoundError, match=r"corpus file .*blocks-c00-00001-of-00002.array_record is missing"):
     prepared_batches(tmp_path, config())
   damaged = tmp_path / prepare.file_name(0, 2)
   damaged.write_bytes(damaged.read_bytes()[:len(damaged.read_bytes()) // 2])
-  with pytest.raises(ValueError, match=r"prepared corpus file .*blocks-c00-00000-of-00002.array_record holds none readable"):
+  with pytest.raises(ValueError, match=r"file .*blocks-c00-00000-of-00002.array_record holds none readable"):
     prepared_batches(tmp_path, config())
 
 

@@ -65,6 +65,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   if implementation == "xla":
     return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions,
                          segment_ids_BxL=segment_ids, valid_BxL=valid, scale=scale, causal=causal)
+  tpu = interpret == "tpu" or (not interpret and jax.default_backend() == "tpu")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   elif interpret == "tpu":
@@ -80,7 +81,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     terms = terms.replace(untied=terms.untied.replace(u_q=pad(terms.untied.u_q), u_k=pad(terms.untied.u_k)))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = pallas.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
-                     interpret=interpret, treedef=treedef)
+                     interpret=interpret, treedef=treedef, gathers=not tpu)
   heads_first = lambda x: pad(x).transpose(0, 2, 1, 3)
   out = pallas.attention(plan, leaves, heads_first(q_BxLxHxK), heads_first(k_BxLxHxK), heads_first(v_BxLxHxK),
                          pad(positions), pad(segment_ids), pad(valid.astype(jnp.int32)))

@@ -1,8 +1,8 @@
 """Flash attention in Pallas with the position terms built inside each tile (the op's ``pallas`` implementation).
 
 Three Triton-style kernels over a ``(batch, head, tile)`` grid, each reading its (batch, head) rows and looping
-over the other side's tiles: the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel (one query
-tile against every key tile) and the ``dk/dv`` kernel (one key tile against every query tile). Every tile
+over the other side's tiles: the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel
+(one query tile against every key tile) and the ``dk/dv`` kernel (one key tile against every query tile). Every tile
 recomputes its logits from the tile's positions, segment ids and the terms' small inputs
 (:mod:`posjax.kernels.terms`), so no ``[B, H, L, L]`` array exists, forward or backward.
 
@@ -13,11 +13,14 @@ Gradients of the position inputs, all without atomics (deterministic):
 - TUPE's ``u_q`` / ``u_k``: rows of the ``dq`` / ``dk`` kernel, like ``dq`` / ``dk`` themselves;
 - relative vectors (variant "G" of the design notes): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
   (``[B, H, L, 2k+1]``) are computed outside the kernel and gathered per tile; their gradients are rows of the
-  ``dq`` / ``dk`` kernels, and ``dq += scale dqe·a``, ``da = scale (dqeᵀq + dkeᵀk)`` outside. The gather and its
-  transpose are one-hot products summed over the ``2k+1`` distances (no batched matmul inside the kernel, which
-  Triton does not lower), exact for any positions: cheap for small
-  ``k``, and ``O(L·k)`` memory, which is ``O(L²)`` at the default ``k = max_len - 1`` (the windowed variant "M"
-  that removes it is not built yet).
+  ``dq`` / ``dk`` kernels, and ``dq += scale dqe·a``, ``da = scale (dqeᵀq + dkeᵀk)`` outside. ``O(L·k)`` memory:
+  small for a clipped ``k``, ``O(L²)`` at the default ``k = max_len - 1`` (the windowed variant "M" that
+  removes it is not built yet).
+
+Per-pair lookups (``qe``, ``ke``, the bucket table) are gather loads from refs on GPU and in the generic
+interpreter, one-hot products on TPU (no gather there); the backward's scatter of a pair's gradient to its
+distance or bucket is a one-hot product summed (deterministic, exact for any positions; no batched matmul,
+which Triton does not lower).
 
 A masked logit is the most negative float32 (not -inf) so that a fully masked row averages every key, as the
 ``xla`` path does; keys past the sequence (block padding) are -inf, so they never count.
@@ -50,6 +53,7 @@ class Plan:
   length: int  # the real sequence length (inputs are padded to a multiple of both blocks)
   interpret: Any  # False, True or the TPU interpreter's parameters
   treedef: jax.tree_util.PyTreeDef  # of the Terms (its static options included)
+  gathers: bool = True  # gather loads from refs (GPU / the generic interpreter); False on TPU
 
   def terms(self, leaves) -> Terms:
     return jax.tree_util.tree_unflatten(self.treedef, leaves)
@@ -92,11 +96,11 @@ class _Tile:
       s = s - refs["slopes"][0, 0] * self.distance
     if terms.relative is not None:
       r = terms.relative
-      self.rel_hot = _one_hot(r.entries(rel), 2 * r.max_distance + 1)  # [bq, bk, R]
+      self.rel_index = r.entries(rel)  # [bq, bk]
       if r.query:
-        s = s + jnp.sum(refs["qe"][0, 0, rows, :].astype(jnp.float32)[:, None, :] * self.rel_hot, axis=-1)
+        s = s + self._gather("qe", i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0), self.rel_index)
       if r.key:
-        s = s + jnp.sum(refs["ke"][0, 0, cols, :].astype(jnp.float32)[None, :, :] * self.rel_hot, axis=-1)
+        s = s + self._gather("ke", j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1), self.rel_index)
     reset = terms.untied.reset if terms.untied is not None else "none"
     self.reset = reset
     neither = ~self.cls_i[:, None] & ~self.cls_j[None, :]
@@ -109,8 +113,8 @@ class _Tile:
       positional = self._untie(positional)
     if terms.buckets is not None:
       b = terms.buckets
-      self.bucket_hot = _one_hot(b.entries(rel, self.cls_i, self.cls_j), b.table.shape[0])  # [bq, bk, N]
-      positional = positional + jnp.sum(self.bucket_hot * refs["bucket_table"][0, :].astype(jnp.float32), axis=-1)
+      self.bucket_index = b.entries(rel, self.cls_i, self.cls_j)  # [bq, bk]
+      positional = positional + self._gather("bucket_table", None, self.bucket_index)
     if reset == "paper":
       positional = self._untie(positional)
     s = s + positional
@@ -122,6 +126,30 @@ class _Tile:
       allowed = allowed & (index_j <= index_i)
     self.allowed = allowed
     self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+
+  def _gather(self, name: str, row_index, column_index):
+    """``ref[row, column]`` per pair (``[B, H, L, X]`` rows, or the ``[1, N]`` per-head table when ``row_index``
+    is None): a gather load where the backend has one (Triton lowers integer-array indexers to pointer
+    gathers), a one-hot product summed over the columns on TPU (whose kernels have no gather)."""
+    ref = self.refs[name]
+    if self.plan.gathers:
+      if row_index is None:
+        return ref[0, column_index].astype(jnp.float32)
+      return ref[0, 0, row_index, column_index].astype(jnp.float32)
+    width = ref.shape[-1]
+    if row_index is None:
+      return jnp.sum(_one_hot(column_index, width) * ref[0, :].astype(jnp.float32), axis=-1)
+    rows = self.rows if name == "qe" else self.cols
+    values = ref[0, 0, rows, :].astype(jnp.float32)
+    values = values[:, None, :] if name == "qe" else values[None, :, :]
+    return jnp.sum(_one_hot(column_index, width) * values, axis=-1)
+
+  def one_hot_relative(self):
+    """``[bq, bk, 2k+1]``: the backward's scatter of a pair's gradient to its distance, as a one-hot product."""
+    return _one_hot(self.rel_index, 2 * self.terms.relative.max_distance + 1)
+
+  def one_hot_bucket(self):
+    return _one_hot(self.bucket_index, self.terms.buckets.table.shape[0])
 
   def _untie(self, positional):
     theta = self.refs["theta"][0, :].astype(jnp.float32)
@@ -195,7 +223,7 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc = dict(acc)
     acc["dq"] = acc["dq"] + plan.scale * _dot(ds.astype(tile.k.dtype), tile.k).astype(jnp.float32)
     if "dqe" in acc:
-      acc["dqe"] = acc["dqe"] + jnp.sum(ds[:, :, None] * tile.rel_hot, axis=1)
+      acc["dqe"] = acc["dqe"] + jnp.sum(ds[:, :, None] * tile.one_hot_relative(), axis=1)
     d_untied, d_bucket = tile.position_grads(ds)
     if "du_q" in acc:
       acc["du_q"] = acc["du_q"] + _dot(d_untied, tile.u_k.astype(jnp.float32))
@@ -204,7 +232,7 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
       on_col = jnp.sum(jnp.where(~tile.cls_i[:, None] & tile.cls_j[None, :], ds, 0.0))
       acc["dtheta"] = acc["dtheta"] + jnp.stack([on_row, on_col])
     if "dbucket" in acc:
-      acc["dbucket"] = acc["dbucket"] + jnp.sum(d_bucket[:, :, None] * tile.bucket_hot, axis=(0, 1))
+      acc["dbucket"] = acc["dbucket"] + jnp.sum(d_bucket[:, :, None] * tile.one_hot_bucket(), axis=(0, 1))
     if "dslope" in acc:
       acc["dslope"] = acc["dslope"] - jnp.sum(ds * tile.distance)
     return acc
@@ -236,7 +264,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dv"] = acc["dv"] + _t_dot(p.astype(do.dtype), do)
     acc["dk"] = acc["dk"] + plan.scale * _t_dot(ds.astype(tile.q.dtype), tile.q)
     if "dke" in acc:
-      acc["dke"] = acc["dke"] + jnp.sum(ds[:, :, None] * tile.rel_hot, axis=0)
+      acc["dke"] = acc["dke"] + jnp.sum(ds[:, :, None] * tile.one_hot_relative(), axis=0)
     if "du_k" in acc:
       d_untied, _ = tile.position_grads(ds)
       acc["du_k"] = acc["du_k"] + _t_dot(d_untied, tile.u_q.astype(jnp.float32))

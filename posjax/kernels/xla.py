@@ -1,8 +1,8 @@
 """The op's ``xla`` implementation: every term materialised as ``[B, H, L, L]`` and a plain float32 softmax.
 
 It is the oracle the kernels are tested against. It builds each term with the position modules' own helpers
-(:func:`posjax.positions.t5.bucket`, :func:`posjax.positions.relative.query_term`, :func:`posjax.positions.tupe.untie_cls`),
-which are checked against loop references in ``tests/test_positions.py``.
+(:func:`posjax.positions.t5.bucket`, :func:`posjax.positions.relative.query_term`,
+:func:`posjax.positions.tupe.untie_cls`), which are checked against loop references in ``tests/test_positions.py``.
 """
 
 from __future__ import annotations
