@@ -31,12 +31,14 @@ _KERNELS = flags.DEFINE_list("kernels", ["auto"], f"Attention kernels ({', '.joi
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median reported).")
 _MODEL_TIME_MAX_LEN = flags.DEFINE_integer(
     "model_time_max_len", 1 << 30, "Longer model steps are compiled for memory but not timed (slow CPUs).")
+_LAYER_TIME_MAX_LEN = flags.DEFINE_integer(
+    "layer_time_max_len", 1 << 30, "Longer layers are compiled for memory but not timed (e.g. Pallas interpret mode).")
 _SKIP_MODEL = flags.DEFINE_bool("skip_model", False, "Only the single-layer measurements.")
 
 HIDDEN, HEADS, FFN = 768, 12, 3072
 
 
-def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, repeats: int):
+def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, repeats: int, run: bool = True):
   spec = positions.make(name, num_heads=HEADS, hidden_size=HIDDEN, max_len=max(512, length), dtype=dtype)
   kernel = common.kernel_for(name, kernel)
 
@@ -51,7 +53,7 @@ def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, re
   pos = jnp.arange(length)[None]
   params = Layer().init(jax.random.PRNGKey(0), x, pos)["params"]
   loss = lambda p, x: jnp.sum(Layer().apply({"params": p}, x, pos).astype(jnp.float32) ** 2)
-  return common.compile_and_time(jax.grad(loss, argnums=(0, 1)), (params, x), True, repeats)[:2]
+  return common.compile_and_time(jax.grad(loss, argnums=(0, 1)), (params, x), run, repeats)[:2]
 
 
 def model_measurement(name: str, length: int, batch: int, dtype_name: str, kernel: str, layers: int, run: bool,
@@ -82,7 +84,8 @@ def main(argv):
         runs_on = common.kernel_for(name, kernel)
         if runs_on != kernel and kernel != _KERNELS.value[0] and "xla" in _KERNELS.value:
           continue  # the xla row is measured anyway
-        layer_time, layer_temp = layer_measurement(name, length, _BATCH.value, dtype, kernel, _REPEATS.value)
+        layer_time, layer_temp = layer_measurement(name, length, _BATCH.value, dtype, kernel, _REPEATS.value,
+                                                   length <= _LAYER_TIME_MAX_LEN.value)
         step_time = step_temp = None
         if not _SKIP_MODEL.value:
           step_time, step_temp = model_measurement(name, length, _BATCH.value, _DTYPE.value, kernel,
