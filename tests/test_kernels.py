@@ -125,6 +125,33 @@ def test_a_model_on_pallas_matches_it_on_xla(position, options):
   assert_close_tree(got_grads, want_grads)
 
 
+LOWERED = {
+    "none": lambda f32: None,
+    "alibi+t5": lambda f32: kernels.Terms(alibi=kernels.Alibi(jnp.ones(2)), buckets=kernels.Buckets(f32(32, 2))),
+    "tupe_r official": lambda f32: kernels.Terms(
+        buckets=kernels.Buckets(f32(33, 2), cls_row=16, cls_col=32),
+        untied=kernels.Untied(f32(1, 40, 2, 24), f32(1, 40, 2, 24), f32(2, 2))),
+    "huang_m4": lambda f32: kernels.Terms(relative=kernels.Relative(f32(15, 24), 7, query=True, key=True)),
+}
+
+
+@pytest.mark.parametrize("terms", LOWERED.values(), ids=LOWERED.keys())
+def test_the_kernels_lower_for_gpu_with_triton(terms):
+  # Lowering (not running) for CUDA from this CPU machine: Triton's constraints (power-of-two arrays, no slicing
+  # of loaded values, no batched matmul) are checked here, so a GPU session starts from kernels that compile.
+  rng = np.random.default_rng(0)
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, k, v = (f32(2, 40, 2, 24).astype(jnp.bfloat16) for _ in range(3))  # L=40, d=24: padded to powers of two
+
+  def loss(q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, lengths=np.array([40, 31]), interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms(f32)).lower(
+      lowering_platforms=("cuda",))
+  assert lowered.as_text().count("xla.gpu.triton") == 3  # forward, dq and dk/dv kernels
+
+
 @pytest.mark.parametrize("config,message", [
     (dict(position="huang_m1"), "attention kernel 'pallas' cannot compute position method 'huang_m1'"),
     (dict(position="shaw", position_options={"value_term": True}), "cannot compute position method 'shaw'"),
@@ -155,6 +182,24 @@ def test_bad_terms_are_errors(terms, message):
   x = jnp.ones((1, 8, 2, 4))
   with pytest.raises(ValueError, match=message):
     kernels.relative_attention(x, x, x, terms=terms())
+
+
+def test_bad_options_are_errors():
+  x = jnp.ones((2, 8, 2, 4))
+  table = jnp.ones((8, 2))
+  cases = [
+      (dict(terms=kernels.Terms(buckets=kernels.Buckets(table, num_buckets=8, max_distance=2))),
+       r"max_distance=2 must exceed the 2 exact buckets"),
+      (dict(terms=kernels.Terms(buckets=kernels.Buckets(table, num_buckets=8, cls_col=-1))),
+       r"Buckets.cls_col=-1 is not an entry of the 8-row table"),
+      (dict(terms=kernels.Terms(buckets=kernels.Buckets(table, kind="clip", max_distance=0))),
+       r"Buckets.max_distance=0 must be >= 1 with kind='clip'"),
+      (dict(lengths=np.array([5, 2, 7])), r"lengths has shape \(3,\); expected \(2,\)"),
+      (dict(block_sizes=(48, 64)), r"block_q=48 must be a positive power of two"),
+  ]
+  for kwargs, message in cases:
+    with pytest.raises(ValueError, match=message):
+      kernels.relative_attention(x, x, x, **kwargs)
 
 
 def test_unknown_implementation_or_interpreter_is_an_error():

@@ -33,11 +33,13 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
       tokens (any layout). A query with no key to attend to averages all keys, as the ``xla`` path does.
     scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
     causal: key j only for queries i >= j (token order).
-    implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile; the sequence is padded
-      to a multiple of both.
+    implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile, powers of two; the
+      sequence is padded to a power of two (as are head dimensions and table rows: Triton's arrays must be).
     interpret: run the kernels in a Pallas interpreter: True (the generic one, Triton semantics) or ``"tpu"``
       (the Mosaic TPU interpreter, ``pltpu.InterpretParams()``); False compiles them for the device. Default:
-      interpret on a CPU, compile elsewhere.
+      interpret on a CPU, compile elsewhere (on GPU with Pallas's Triton backend).
+
+  First-order gradients only (a ``custom_vjp``; differentiating the backward pass again is not supported).
   """
   from posjax.kernels import pallas, xla  # imported here: position methods import this package for its terms
 
@@ -57,6 +59,8 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   segment_ids = (jnp.zeros((b, length), jnp.int32) if segment_ids is None
                  else jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, length)))
   if lengths is not None:
+    if jnp.shape(lengths) != (b,):
+      raise ValueError(f"lengths has shape {jnp.shape(lengths)}; expected ({b},): one per row")
     valid = jnp.arange(length)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
   elif padding is not None:
     valid = jnp.broadcast_to(jnp.asarray(padding, bool), (b, length))
@@ -75,14 +79,27 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   elif not isinstance(interpret, bool):
     raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
   bq, bk, padded = pallas.block_sizes(length, *block_sizes)
-  extra = padded - length
-  pad = lambda x, axis=1: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+  # Power-of-two sizes everywhere (Triton's arrays must be): the sequence, head dimensions and the tables' rows,
+  # padded with zeros that change no logit (padded keys are masked) and get no gradient.
+  pad = lambda x, axis, size: jnp.pad(x, [(0, size - x.shape[a] if a == axis else 0) for a in range(x.ndim)])
+  pow2 = pallas.next_power_of_two
+  head_dim, value_dim = pow2(d), pow2(v_BxLxHxK.shape[-1])
   if terms.untied is not None:
-    terms = terms.replace(untied=terms.untied.replace(u_q=pad(terms.untied.u_q), u_k=pad(terms.untied.u_k)))
+    u = terms.untied
+    terms = terms.replace(untied=u.replace(u_q=pad(pad(u.u_q, 1, padded), 3, head_dim),
+                                           u_k=pad(pad(u.u_k, 1, padded), 3, head_dim)))
+  if terms.relative is not None:
+    table = terms.relative.table
+    terms = terms.replace(relative=terms.relative.replace(
+        table=pad(pad(table, 0, pow2(table.shape[0])), 1, head_dim)))
+  if terms.buckets is not None:
+    terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
+                                                                  pow2(terms.buckets.table.shape[0]))))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = pallas.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
                      interpret=interpret, treedef=treedef, gathers=not tpu)
-  heads_first = lambda x: pad(x).transpose(0, 2, 1, 3)
-  out = pallas.attention(plan, leaves, heads_first(q_BxLxHxK), heads_first(k_BxLxHxK), heads_first(v_BxLxHxK),
-                         pad(positions), pad(segment_ids), pad(valid.astype(jnp.int32)))
-  return out.transpose(0, 2, 1, 3)[:, :length]
+  heads_first = lambda x, dim: pad(pad(x, 1, padded), 3, dim).transpose(0, 2, 1, 3)
+  out = pallas.attention(plan, leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
+                         heads_first(v_BxLxHxK, value_dim), pad(positions, 1, padded), pad(segment_ids, 1, padded),
+                         pad(valid.astype(jnp.int32), 1, padded))
+  return out.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxHxK.shape[-1]]

@@ -146,15 +146,16 @@ class _Tile:
 
   def one_hot_relative(self):
     """``[bq, bk, 2k+1]``: the backward's scatter of a pair's gradient to its distance, as a one-hot product."""
-    return _one_hot(self.rel_index, 2 * self.terms.relative.max_distance + 1)
+    return _one_hot(self.rel_index, self.terms.relative.table.shape[0])
 
   def one_hot_bucket(self):
     return _one_hot(self.bucket_index, self.terms.buckets.table.shape[0])
 
   def _untie(self, positional):
-    theta = self.refs["theta"][0, :].astype(jnp.float32)
-    positional = jnp.where(self.cls_j[None, :], theta[1], positional)
-    return jnp.where(self.cls_i[:, None], theta[0], positional)
+    theta_row = self.refs["theta_row"][0, 0].astype(jnp.float32)
+    theta_col = self.refs["theta_col"][0, 0].astype(jnp.float32)
+    positional = jnp.where(self.cls_j[None, :], theta_col, positional)
+    return jnp.where(self.cls_i[:, None], theta_row, positional)
 
   def position_grads(self, ds):
     """``ds``'s share for the untied and bucket terms: ``(d corr, d bucket term)``."""
@@ -207,11 +208,11 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   bq, head_dim = plan.block_q, r["q"].shape[-1]
   acc = {"dq": jnp.zeros((bq, head_dim), jnp.float32)}
   if terms.relative is not None and terms.relative.query:
-    acc["dqe"] = jnp.zeros((bq, 2 * terms.relative.max_distance + 1), jnp.float32)
+    acc["dqe"] = jnp.zeros((bq, terms.relative.table.shape[0]), jnp.float32)
   if terms.untied is not None:
     acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
     if terms.untied.reset != "none":
-      acc["dtheta"] = jnp.zeros((2,), jnp.float32)
+      acc["dtheta_row"] = acc["dtheta_col"] = jnp.zeros((1,), jnp.float32)
   if terms.buckets is not None:
     acc["dbucket"] = jnp.zeros((terms.buckets.table.shape[0],), jnp.float32)
   if terms.alibi is not None:
@@ -227,10 +228,9 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     d_untied, d_bucket = tile.position_grads(ds)
     if "du_q" in acc:
       acc["du_q"] = acc["du_q"] + _dot(d_untied, tile.u_k.astype(jnp.float32))
-    if "dtheta" in acc:
-      on_row = jnp.sum(jnp.where(tile.cls_i[:, None], ds, 0.0))
-      on_col = jnp.sum(jnp.where(~tile.cls_i[:, None] & tile.cls_j[None, :], ds, 0.0))
-      acc["dtheta"] = acc["dtheta"] + jnp.stack([on_row, on_col])
+    if "dtheta_row" in acc:
+      acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i[:, None], ds, 0.0))
+      acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i[:, None] & tile.cls_j[None, :], ds, 0.0))
     if "dbucket" in acc:
       acc["dbucket"] = acc["dbucket"] + jnp.sum(d_bucket[:, :, None] * tile.one_hot_bucket(), axis=(0, 1))
     if "dslope" in acc:
@@ -240,7 +240,7 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
   for name, value in acc.items():
     out = r[name]
-    if name in ("dtheta", "dbucket", "dslope"):
+    if name in ("dtheta_row", "dtheta_col", "dbucket", "dslope"):
       out[0, 0, 0, :] = value.astype(out.dtype)
     else:
       out[0, 0, :, :] = value.astype(out.dtype)
@@ -252,7 +252,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   bk, head_dim = plan.block_k, r["k"].shape[-1]
   acc = {"dk": jnp.zeros((bk, head_dim), jnp.float32), "dv": jnp.zeros((bk, r["v"].shape[-1]), jnp.float32)}
   if terms.relative is not None and terms.relative.key:
-    acc["dke"] = jnp.zeros((bk, 2 * terms.relative.max_distance + 1), jnp.float32)
+    acc["dke"] = jnp.zeros((bk, terms.relative.table.shape[0]), jnp.float32)
   if terms.untied is not None:
     acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
 
@@ -305,8 +305,8 @@ def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, ex
   if terms.buckets is not None:
     inputs["bucket_table"] = terms.buckets.table.T
   if terms.untied is not None and terms.untied.reset != "none":
-    inputs["theta"] = terms.untied.theta.T
-  for name in ("slopes", "bucket_table", "theta"):
+    inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
+  for name in ("slopes", "bucket_table", "theta_row", "theta_col"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
   return inputs, specs
@@ -317,6 +317,7 @@ def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: 
   b, h = inputs["q"].shape[:2]
   results = pl.pallas_call(
       functools.partial(kernel, plan, terms, names),
+      compiler_params=_triton_params() if plan.gathers else None,
       grid=(b, h, tiles),
       in_specs=[specs[n] for n in inputs],
       out_specs=[out_specs[n] for n in outputs],
@@ -325,6 +326,14 @@ def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: 
       name=kernel.__name__.strip("_"),
   )(*inputs.values())
   return dict(zip(outputs, results))
+
+
+def _triton_params():
+  """Pallas's Triton backend (the default GPU backend of this jax is Mosaic GPU, which these kernels are not
+  written for)."""
+  from jax.experimental.pallas import triton as pltriton
+
+  return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _per_head_rows(terms: Terms, q, k, scale: float, batch: int) -> dict:
@@ -391,7 +400,8 @@ def _attention_bwd(plan, residuals, d_out):
   if terms.untied is not None:
     dq_out["du_q"], dq_specs["du_q"] = f32(b, h, l, d), _row_spec(q, plan.block_q)
     if terms.untied.reset != "none":
-      dq_out["dtheta"], dq_specs["dtheta"] = f32(b, h, n_q, 2), partial_spec(2)
+      for name in ("dtheta_row", "dtheta_col"):
+        dq_out[name], dq_specs[name] = f32(b, h, n_q, 1), partial_spec(1)
   if terms.buckets is not None:
     n = terms.buckets.table.shape[0]
     dq_out["dbucket"], dq_specs["dbucket"] = f32(b, h, n_q, n), partial_spec(n)
@@ -424,8 +434,9 @@ def _attention_bwd(plan, residuals, d_out):
     u = terms.untied
     to_input = lambda g, like: _sum_to(g.transpose(0, 2, 1, 3), like.shape).astype(like.dtype)
     untied = d_terms.untied.replace(u_q=to_input(dq_res["du_q"], u.u_q), u_k=to_input(dkv_res["du_k"], u.u_k))
-    if "dtheta" in dq_res:
-      untied = untied.replace(theta=jnp.sum(dq_res["dtheta"], axis=(0, 2)).T.astype(u.theta.dtype))
+    if "dtheta_row" in dq_res:
+      d_theta = jnp.stack([jnp.sum(dq_res[name], axis=(0, 2, 3)) for name in ("dtheta_row", "dtheta_col")])
+      untied = untied.replace(theta=d_theta.astype(u.theta.dtype))
     d_terms = d_terms.replace(untied=untied)
   if terms.buckets is not None:
     d_bucket = jnp.sum(dq_res["dbucket"], axis=(0, 2)).T.astype(terms.buckets.table.dtype)
@@ -445,10 +456,15 @@ def _sum_to(x, shape):
 attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def next_power_of_two(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
 def block_sizes(length: int, block_q: int, block_k: int) -> tuple[int, int, int]:
-  """``(block_q, block_k, padded length)``: blocks no longer than the sequence rounded up to 8, and the length
-  padded to a multiple of both."""
-  round8 = -(-length // 8) * 8
-  bq, bk = min(block_q, round8), min(block_k, round8)
-  multiple = bq * bk // math.gcd(bq, bk)
-  return bq, bk, -(-length // multiple) * multiple
+  """``(block_q, block_k, padded length)``: power-of-two tiles (Triton's blocks must be) no longer than the
+  sequence rounded up to a power of two, which is the padded length."""
+  for name, block in (("block_q", block_q), ("block_k", block_k)):
+    if not isinstance(block, int) or block < 1 or block & (block - 1):
+      raise ValueError(f"block_sizes: {name}={block!r} must be a positive power of two")
+  padded = next_power_of_two(length)
+  return min(block_q, padded), min(block_k, padded), padded

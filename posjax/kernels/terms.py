@@ -108,6 +108,16 @@ class Terms:
         raise ValueError(f"Buckets.kind={b.kind!r}; allowed: ['buckets', 'clip']")
       if b.table.ndim != 2 or b.table.shape[1] != num_heads:
         raise ValueError(f"bucket table has shape {b.table.shape}; expected (entries, {num_heads})")
+      if b.kind == "buckets":
+        from posjax.positions import t5 as t5_lib
+
+        t5_lib.T5Options(b.num_buckets, b.max_distance, b.bidirectional)  # its errors name the bad option
+      elif b.max_distance < 1:
+        raise ValueError(f"Buckets.max_distance={b.max_distance} must be >= 1 with kind='clip'")
+      for name in ("cls_row", "cls_col"):
+        entry = getattr(b, name)
+        if entry is not None and not 0 <= entry < b.table.shape[0]:
+          raise ValueError(f"Buckets.{name}={entry} is not an entry of the {b.table.shape[0]}-row table")
       needed = (b.num_buckets if b.kind == "buckets" else 2 * b.max_distance + 1)
       needed = max([needed - 1] + [e for e in (b.cls_row, b.cls_col) if e is not None]) + 1
       if b.table.shape[0] < needed:
