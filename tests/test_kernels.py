@@ -61,7 +61,7 @@ def assert_close_tree(got, want, rtol=2e-5, atol=2e-5):
     np.testing.assert_allclose(y, x, rtol=rtol, atol=atol * scale, err_msg=jax.tree_util.keystr(path))
 
 
-@hypothesis.settings(max_examples=8, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
+@hypothesis.settings(max_examples=6, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(st.data())
 def test_pallas_matches_xla_outputs_and_gradients(data):

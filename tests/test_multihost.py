@@ -112,23 +112,49 @@ def test_two_processes_finetune_and_evaluate_like_one(tmp_path):
   assert one["metrics"] == two["metrics"] and one["step"] == two["step"] == 20
 
 
+def prepared_command(workdir, data_dir, *extra):
+  return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal", f"--workdir={workdir}",
+          "--config.max_len=32", "--config.batch_size=8", "--config.data.source=prepared",
+          f"--config.data.prepared_dir={data_dir}", "--config.data.eval_source=text", "--config.total_steps=40",
+          "--config.warmup_steps=4", "--config.checkpoint_every_steps=10", "--config.eval_every_steps=20",
+          "--config.log_every_steps=1", "--config.data.num_shards=2", "--config.model.dropout_rate=0",
+          "--config.model.attention_dropout_rate=0", *extra]
+
+
 @pytest.mark.slow
-def test_two_processes_on_a_prepared_corpus_train_like_one(tmp_path):
+def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninterrupted_process(tmp_path):
+  """Two processes (4 devices each) train like one with 8; a run killed by SIGKILL after its first checkpoint
+  and resumed with two grain reader processes ends exactly like the uninterrupted one. (data.num_shards: the
+  streamed evaluation split is cut into the same document shards in every run.)"""
   from posjax.data import prepare
-  from test_prepare import config, prepared_run_command
+  from test_prepare import config
+  from test_train import saved_steps
 
   prepare.prepare(config(), str(tmp_path / "data"), chunks=2, progress=False)
-  def command(workdir, *extra):
-    # data.num_shards: the evaluation split (streamed) is cut into the same document shards in both runs.
-    return prepared_run_command(workdir, tmp_path / "data", "--config.total_steps=20", "--config.data.num_shards=2",
-                                "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra)
+  command = lambda workdir, *extra: prepared_command(workdir, tmp_path / "data", *extra)
+  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
+  one = stream(str(tmp_path / "one"))
+  assert len(one) == 42
 
   runs = two_processes(tmp_path / "two", command=command)
   assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
-  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
-  one, two = stream(str(tmp_path / "one")), stream(str(tmp_path / "two"))
-  assert len(one) == len(two) == 21
-  for want, got in zip(one, two):
+  for want, got in zip(one, stream(str(tmp_path / "two")), strict=True):
     assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+  run = tmp_path / "killed"
+  process = subprocess.Popen(command(run), cwd=ROOT, env=env_with_devices(8), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (run / "checkpoints").exists() or not saved_steps(run):
+    assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+    time.sleep(0.02)
+  process.kill()
+  process.wait()
+  assert saved_steps(run)[-1] < 40
+  subprocess.run(command(run, "--config.data.workers=2"), cwd=ROOT, env=env_with_devices(8), check=True,
+                 capture_output=True)
+  assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
+                     checkpoint.load_params(str(run / "checkpoints")))
+  assert stream(str(run)) == one

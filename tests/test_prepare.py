@@ -3,16 +3,13 @@ workers, resumable, and refused when prepared differently."""
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
 from posjax.data import corpus, mlm, prepare
 from posjax.data.tokenizer import Tokenizer
-from conftest import ROOT, load_config, override
+from conftest import load_config, override
 
 
 def config(**overrides):
@@ -207,39 +204,3 @@ def test_a_corpus_prepared_for_another_run_or_damaged_is_an_error(tmp_path):
   damaged.write_bytes(damaged.read_bytes()[:len(damaged.read_bytes()) // 2])
   with pytest.raises(ValueError, match=r"file .*blocks-c00-00000-of-00002.array_record holds none readable"):
     prepared_batches(tmp_path, config())
-
-
-def prepared_run_command(workdir, data_dir, *extra):
-  return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal", f"--workdir={workdir}",
-          "--config.max_len=32", "--config.batch_size=8", "--config.data.source=prepared",
-          f"--config.data.prepared_dir={data_dir}", "--config.data.eval_source=text", "--config.total_steps=40",
-          "--config.warmup_steps=4", "--config.checkpoint_every_steps=10", "--config.eval_every_steps=20",
-          "--config.log_every_steps=1", *extra]
-
-
-@pytest.mark.slow
-def test_training_on_a_prepared_corpus_killed_resumes_exactly(tmp_path):
-  """SIGKILL after the first checkpoint, resumed with two reader processes: the uninterrupted run's result."""
-  from posjax.train import checkpoint
-  from test_train import assert_same_params, saved_steps, stream
-
-  data_dir = tmp_path / "data"
-  prepare.prepare(config(), str(data_dir), chunks=2, progress=False)
-  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-  subprocess.run(prepared_run_command(tmp_path / "straight", data_dir), cwd=ROOT, env=env, check=True,
-                 capture_output=True)
-  run = tmp_path / "killed"
-  process = subprocess.Popen(prepared_run_command(run, data_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-  deadline = time.time() + 300
-  while not (run / "checkpoints").exists() or not saved_steps(run):
-    assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-    time.sleep(0.02)
-  process.kill()
-  process.wait()
-  assert saved_steps(run)[-1] < 40
-  subprocess.run(prepared_run_command(run, data_dir, "--config.data.workers=2"), cwd=ROOT, env=env, check=True,
-                 capture_output=True)
-  assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
-                     checkpoint.load_params(str(run / "checkpoints")))
-  assert stream(str(tmp_path / "straight")) == stream(str(run)) and len(stream(str(run))) == 42
