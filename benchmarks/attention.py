@@ -80,10 +80,7 @@ def main(argv):
   reference = {}
   for length in map(int, _LENGTHS.value):
     for name in methods:
-      for kernel in _KERNELS.value:
-        runs_on = common.kernel_for(name, kernel)
-        if runs_on != kernel and kernel != _KERNELS.value[0] and "xla" in _KERNELS.value:
-          continue  # the xla row is measured anyway
+      for kernel, shown in common.kernel_rows(name, _KERNELS.value):
         layer_time, layer_temp = layer_measurement(name, length, _BATCH.value, dtype, kernel, _REPEATS.value,
                                                    length <= _LAYER_TIME_MAX_LEN.value)
         step_time = step_temp = None
@@ -94,7 +91,6 @@ def main(argv):
         if name == "absolute" and kernel == _KERNELS.value[0]:
           reference[length] = step_time
         ratio = f"{step_time / reference[length]:.2f}×" if step_time and reference.get(length) else "—"
-        shown = runs_on if runs_on == kernel else f"{runs_on} (no {kernel})"
         print(f"| `{name}` | {length} | {shown} | {fmt(layer_time)} | {fmt(nbytes=layer_temp)} | "
               f"{fmt(step_time) if step_time else '—'} | {fmt(nbytes=step_temp)} | {ratio} |", flush=True)
 

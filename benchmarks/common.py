@@ -43,6 +43,19 @@ def kernel_for(name: str, kernel: str) -> str:
   return kernel if kernel in ("xla", "auto") or BertConfig(position=name).position_spec.fusable else "xla"
 
 
+def kernel_rows(name: str, kernels: list[str]) -> list[tuple[str, str]]:
+  """``(kernel to ask for, what the table shows)`` per measured row of a method: a kernel that cannot compute the
+  method runs ``xla`` and is shown so, and is left out when ``xla`` is measured anyway (unless it is the first,
+  the ratios' reference)."""
+  rows = []
+  for kernel in kernels:
+    runs_on = kernel_for(name, kernel)
+    if runs_on != kernel and kernel != kernels[0] and "xla" in kernels:
+      continue
+    rows.append((kernel, runs_on if runs_on == kernel else f"{runs_on} (no {kernel})"))
+  return rows
+
+
 def bert_train_step(name: str, length: int, batch: int, dtype: str, kernel: str, layers: int = 12):
   """``(step_fn, args, config, masked)``: one BERT-Base MLM step (forward, backward, AdamW), dropout off,
   the MLM head on 15% of the positions."""

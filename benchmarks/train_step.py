@@ -58,10 +58,7 @@ def main(argv):
   for length in map(int, _LENGTHS.value):
     reference = None
     for name in _METHODS.value or positions.names():
-      for kernel in _KERNELS.value:
-        runs_on = common.kernel_for(name, kernel)
-        if runs_on != kernel and kernel != _KERNELS.value[0] and "xla" in _KERNELS.value:
-          continue
+      for kernel, shown in common.kernel_rows(name, _KERNELS.value):
         step, args, config, masked = common.bert_train_step(name, length, _BATCH.value, _DTYPE.value, kernel)
         seconds, _, _ = common.compile_and_time(step, args, True, _REPEATS.value)
         if name == "absolute" and kernel == _KERNELS.value[0]:
@@ -69,7 +66,6 @@ def main(argv):
         flops = model_flops(config, args[0][0], length, _BATCH.value, masked) / seconds
         mfu = f"{100 * flops / (peak * 1e12):.1f}%" if peak else "—"
         ratio = f"{seconds / reference:.2f}×" if reference else "—"
-        shown = runs_on if runs_on == kernel else f"{runs_on} (no {kernel})"
         print(f"| `{name}` | {length} | {shown} | {seconds * 1e3:.0f} | {_BATCH.value * length / seconds:,.0f} | "
               f"{flops / 1e12:.3f} | {mfu} | {ratio} |", flush=True)
 

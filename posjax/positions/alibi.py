@@ -30,10 +30,10 @@ class AlibiBias(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
+    slopes_H = slopes(self.spec.num_heads)
     distance = jnp.abs(base.relative_positions(positions_BxL)).astype(jnp.float32)
-    bias = -slopes(self.spec.num_heads)[None, :, None, None] * distance[:, None]
-    return base.PositionState(bias=bias, kernel_terms=kernels.Terms(alibi=kernels.Alibi(
-        jnp.asarray(slopes(self.spec.num_heads)))))
+    bias = -slopes_H[None, :, None, None] * distance[:, None]
+    return base.PositionState(bias=bias, kernel_terms=kernels.Terms(alibi=kernels.Alibi(jnp.asarray(slopes_H))))
 
 
 base.register(base.Method("alibi", absolute.NoOptions, encoder=AlibiBias,
