@@ -88,6 +88,30 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   assert_close_tree(grads["pallas"], grads["xla"])
 
 
+def test_every_term_at_once_matches_xla():
+  """All four terms in one call (the random draws above need not cover each gradient): ALiBi, T5 buckets with
+  [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset."""
+  rng = np.random.default_rng(3)
+  batch, length, heads, head_dim = 2, 21, 2, 8
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  positions, segments, lengths = packed_rows(rng, batch, length)
+  terms = kernels.Terms(
+      alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
+      buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33),
+      relative=kernels.Relative(0.5 * f32(11, head_dim), max_distance=5, query=True, key=True),
+      untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads)))
+  q, k, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=lengths, implementation=implementation, block_sizes=(8, 16))
+    return jnp.sum(out * weights)
+
+  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms)
+               for impl in ("xla", "pallas"))
+  assert_close_tree(got, want)
+
+
 def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 12, 1, 4)), jnp.float32) for _ in range(3))
