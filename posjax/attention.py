@@ -12,7 +12,8 @@ float32; dropout on the weights. Kernels (``kernel=``):
 - ``pallas``: :func:`posjax.kernels.relative_attention`, flash attention with the method's terms built inside
   each tile from the batch's positions (ALiBi, T5 / TUPE-R buckets, TUPE's untied term and [CLS] reset, Shaw /
   Method 4 vectors; q/k transforms such as RoPE before it). No ``[B, H, L, L]`` array is kept for the backward
-  pass. Not Methods 1-3, Shaw's value term or attention dropout (an error). On a CPU it runs in Pallas
+  pass. Shaw / Method 4 with a table wider than two tiles read it windowed, which needs positions rising by one
+  inside each segment (rows where they do not are NaN; :class:`posjax.kernels.Relative`). Not Methods 1-3, Shaw's value term or attention dropout (an error). On a CPU it runs in Pallas
   interpret mode: slow, but the same outputs and gradients as ``xla``, for tests and for checking a model.
 - ``auto``: ``cudnn`` where it can compute the layer, otherwise ``xla`` with a log line (it does not pick
   ``pallas``: its GPU speed has not been measured yet).

@@ -51,7 +51,9 @@ def random_terms(rng, draw, batch, length, heads, head_dim):
   if draw(st.booleans()) or not fields:
     k = draw(st.sampled_from([1, 7, length - 1]))
     side = draw(st.sampled_from([(True, False), (False, True), (True, True)]))
-    fields["relative"] = kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k, query=side[0], key=side[1])
+    window = draw(st.sampled_from([None, True, False]))  # None: the op chooses (the window for a wide table)
+    fields["relative"] = kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k, query=side[0], key=side[1],
+                                          window=window)
   return kernels.Terms(**fields)
 
 
@@ -74,6 +76,8 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   rng = np.random.default_rng(draw(st.integers(0, 1000)))
   positions, segments, lengths = packed_rows(rng, batch, length)
   terms = random_terms(rng, draw, batch, length, heads, head_dim)
+  if terms.relative is not None and terms.relative.window:
+    blocks = (blocks[0], blocks[0])  # the windowed table needs square tiles
   q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3))
   weights = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
 
@@ -110,6 +114,47 @@ def test_every_term_at_once_matches_xla():
   want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms)
                for impl in ("xla", "pallas"))
   assert_close_tree(got, want)
+
+
+@pytest.mark.parametrize("length,k,causal,interpreter", [(37, 36, False, True), (24, 5, True, "tpu")])
+def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter):
+  """The window on both sides, with distances past k (clipped rows: their gradient sums) or without; packed,
+  padded and causal rows."""
+  rng = np.random.default_rng(length)
+  batch, heads, head_dim = 3, 2, 8
+  positions, segments, lengths = packed_rows(rng, batch, length)
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  terms = kernels.Terms(relative=kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k, query=True,
+                                                  key=True, window=True))
+  q, k_, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=lengths, causal=causal, implementation=implementation,
+                                     block_sizes=(8, 8), interpret=interpreter)
+    return jnp.sum(out * weights)
+
+  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k_, v, terms)
+               for impl in ("xla", "pallas"))
+  assert_close_tree(got, want)
+
+
+def test_windowed_relative_vectors_make_rows_with_skipping_positions_nan():
+  """The window reads index distances: where an attended key's position difference is not its index difference
+  the row is NaN (every other row exact); the gathered table is exact for the same positions."""
+  rng = np.random.default_rng(5)
+  length, heads, head_dim = 24, 2, 8
+  positions = np.concatenate([np.arange(10), np.arange(8), [0, 1, 2, 5, 6, 7]])[None]  # a skip in segment 3
+  segments = np.repeat([1, 2, 3], [10, 8, 6])[None]
+  q, k, v = (jnp.asarray(rng.normal(size=(1, length, heads, head_dim)), jnp.float32) for _ in range(3))
+  table = jnp.asarray(rng.normal(size=(2 * 23 + 1, head_dim)), jnp.float32)
+  run = lambda window, implementation="pallas": kernels.relative_attention(
+      q, k, v, terms=kernels.Terms(relative=kernels.Relative(table, 23, query=True, key=True, window=window)),
+      positions=positions, segment_ids=segments, implementation=implementation, block_sizes=(8, 8))
+  want, windowed, gathered = run(None, "xla"), run(True), run(False)
+  assert np.isnan(windowed[0, 18:]).all()
+  np.testing.assert_allclose(windowed[0, :18], want[0, :18], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(gathered, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
@@ -156,6 +201,8 @@ LOWERED = {
         buckets=kernels.Buckets(f32(33, 2), cls_row=16, cls_col=32),
         untied=kernels.Untied(f32(1, 40, 2, 24), f32(1, 40, 2, 24), f32(2, 2))),
     "huang_m4": lambda f32: kernels.Terms(relative=kernels.Relative(f32(15, 24), 7, query=True, key=True)),
+    "huang_m4 window": lambda f32: kernels.Terms(relative=kernels.Relative(f32(79, 24), 39, query=True, key=True,
+                                                                                  window=True)),
 }
 
 
@@ -171,9 +218,11 @@ def test_the_kernels_lower_for_gpu_with_triton(terms):
     out = kernels.relative_attention(q, k, v, terms=terms, lengths=np.array([40, 31]), interpret=False)
     return jnp.sum(out.astype(jnp.float32))
 
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms(f32)).lower(
-      lowering_platforms=("cuda",))
-  assert lowered.as_text().count("xla.gpu.triton") == 3  # forward, dq and dk/dv kernels
+  terms = terms(f32)
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=("cuda",))
+  # forward, dq and dk/dv kernels, and the windowed table's gradient kernel
+  window = terms is not None and terms.relative is not None and terms.relative.window
+  assert lowered.as_text().count("xla.gpu.triton") == 3 + bool(window)
 
 
 @pytest.mark.parametrize("config,message", [
@@ -220,6 +269,10 @@ def test_bad_options_are_errors():
        r"Buckets.max_distance=0 must be >= 1 with kind='clip'"),
       (dict(lengths=np.array([5, 2, 7])), r"lengths has shape \(3,\); expected \(2,\)"),
       (dict(block_sizes=(48, 64)), r"block_q=48 must be a positive power of two"),
+      (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window=True)), block_sizes=(8, 4)),
+       r"Relative.window=True needs equal query and key blocks; the tiles are 8x4"),
+      (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window="yes"))),
+       r"Relative.window='yes'; allowed: None \(choose\), True, False"),
   ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message):

@@ -89,9 +89,13 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     terms = terms.replace(untied=u.replace(u_q=pad(pad(u.u_q, 1, padded), 3, head_dim),
                                            u_k=pad(pad(u.u_k, 1, padded), 3, head_dim)))
   if terms.relative is not None:
-    table = terms.relative.table
-    terms = terms.replace(relative=terms.relative.replace(
-        table=pad(pad(table, 0, pow2(table.shape[0])), 1, head_dim)))
+    r = terms.relative
+    window = r.window if r.window is not None else bq == bk and 2 * r.max_distance + 1 > 2 * bq
+    if window and bq != bk:
+      raise ValueError(f"Relative.window=True needs equal query and key blocks; the tiles are {bq}x{bk} "
+                       f"(block_sizes={tuple(block_sizes)} for length {length})")
+    terms = terms.replace(relative=r.replace(table=pad(pad(r.table, 0, pow2(r.table.shape[0])), 1, head_dim),
+                                             window=bool(window)))
   if terms.buckets is not None:
     terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
                                                                   pow2(terms.buckets.table.shape[0]))))

@@ -11,14 +11,19 @@ Gradients of the position inputs, all without atomics (deterministic):
 - bucket table, θ and ALiBi slopes (a scalar per head: cheap, and exact should one learn them): the ``dq`` kernel
   writes per-(batch, head, query tile) partial sums, summed after it;
 - TUPE's ``u_q`` / ``u_k``: rows of the ``dq`` / ``dk`` kernel, like ``dq`` / ``dk`` themselves;
-- relative vectors (variant "G" of the design notes): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
+- relative vectors, gathered (``Relative.window=False``): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
   (``[B, H, L, 2k+1]``) are computed outside the kernel and gathered per tile; their gradients are rows of the
   ``dq`` / ``dk`` kernels, and ``dq += scale dqe·a``, ``da = scale (dqeᵀq + dkeᵀk)`` outside. ``O(L·k)`` memory:
-  small for a clipped ``k``, ``O(L²)`` at the default ``k = max_len - 1`` (the windowed variant "M" that
-  removes it is not built yet).
+  small for a clipped ``k``, ``O(L²)`` at ``k = max_len - 1``;
+- relative vectors, windowed (``window=True``; ``O(L)`` for any ``k``): the table is laid out by distance
+  (``[2L, K]``, clipped rows repeated), a tile (i0, j0) reads the ``2·block`` rows from ``j0 - i0 - block``
+  and skews ``q_tile·windowᵀ`` (and ``k_tile·windowᵀ``) into its logits; ``dq`` / ``dk`` take the unskewed
+  ``ds`` times the window inside their kernels, and a fourth kernel, one program per tile diagonal (whose
+  tiles share a window), sums the window's gradient along the diagonal: per-(batch, head, diagonal) partials
+  added by halves into the ``[2L, K]`` layout and folded back into the table (clipped ends summed).
 
-Per-pair lookups (``qe``, ``ke``, the bucket table) are gather loads from refs on GPU and in the generic
-interpreter, one-hot products on TPU (no gather there); the backward's scatter of a pair's gradient to its
+Per-pair lookups (``qe``, ``ke``, the bucket table, the window's skew through a per-program scratch block) are
+gather loads from refs on GPU and in the generic interpreter, one-hot products on TPU (no gather there); the backward's scatter of a pair's gradient to its
 distance or bucket is a one-hot product summed (deterministic, exact for any positions; no batched matmul,
 which Triton does not lower).
 
@@ -35,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from posjax.kernels.terms import Terms
@@ -95,12 +101,7 @@ class _Tile:
       self.distance = jnp.abs(rel).astype(jnp.float32)
       s = s - refs["slopes"][0, 0] * self.distance
     if terms.relative is not None:
-      r = terms.relative
-      self.rel_index = r.entries(rel)  # [bq, bk]
-      if r.query:
-        s = s + self._gather("qe", i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0), self.rel_index)
-      if r.key:
-        s = s + self._gather("ke", j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1), self.rel_index)
+      s = s + self._relative(terms.relative, i0, j0, rel)
     reset = terms.untied.reset if terms.untied is not None else "none"
     self.reset = reset
     neither = ~self.cls_i[:, None] & ~self.cls_j[None, :]
@@ -126,6 +127,63 @@ class _Tile:
       allowed = allowed & (index_j <= index_i)
     self.allowed = allowed
     self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+
+  def _relative(self, r, i0, j0, rel):
+    """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
+    ``2·block`` table rows its index distances reach, skewed: pair (a, c) has distance ``j0 - i0 + c - a``,
+    window row ``c - a + block``."""
+    bq, bk = self.plan.block_q, self.plan.block_k
+    row = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    term = jnp.zeros((bq, bk), jnp.float32)
+    if not r.window:
+      self.rel_index = r.entries(rel)  # [bq, bk]
+      if r.query:
+        term = term + self._gather("qe", i0 + row, self.rel_index)
+      if r.key:
+        term = term + self._gather("ke", j0 + col, self.rel_index)
+      return term
+    self.skew_index = col - row + bq
+    self.misplaced = rel != j0 - i0 + col - row
+    start = j0 - i0 - bq + self.refs["q"].shape[2]
+    self.e_win = self.refs["window_table"][pl.ds(start, 2 * bq), :]  # [2 bq, K]
+    if r.query:
+      term = term + self._skew(self.plan.scale * _dot_t(self.q, self.e_win.astype(self.q.dtype)), key=False)
+    if r.key:
+      term = term + self._skew(self.plan.scale * _dot_t(self.k, self.e_win.astype(self.k.dtype)), key=True)
+    return term
+
+  def _skew(self, x, key: bool):
+    """``[bq, 2 bq]`` window products to ``[bq, bk]`` logits: ``out[a, c] = x[a or c, c - a + bq]`` (a on the
+    query side, c on the key side). With gathers: through this program's scratch block in memory (a register
+    array cannot be gathered from); on TPU a one-hot product."""
+    if not self.plan.gathers:
+      values = x[None, :, :] if key else x[:, None, :]
+      return jnp.sum(_one_hot(self.skew_index, x.shape[1]) * values, axis=-1)
+    scratch = self.refs["scratch"]
+    _barrier(self.plan)
+    scratch[0, 0, 0, :, :] = x
+    _barrier(self.plan)
+    source = jax.lax.broadcasted_iota(jnp.int32, self.skew_index.shape, 1 if key else 0)
+    return scratch[0, 0, 0, source, self.skew_index]
+
+  def unskew(self, ds, key: bool):
+    """The transpose of :meth:`_skew`: ``[bq, bk]`` logit gradients to ``[bq, 2 bq]`` window-product
+    gradients (row a: the query side; row c: the key side)."""
+    bq = self.plan.block_q
+    if not self.plan.gathers:
+      return jnp.sum(ds[:, :, None] * _one_hot(self.skew_index, 2 * bq), axis=0 if key else 1)
+    scratch = self.refs["scratch"]
+    _barrier(self.plan)
+    scratch[0, 0, 0, :, pl.ds(0, bq)] = ds
+    _barrier(self.plan)
+    row = jax.lax.broadcasted_iota(jnp.int32, (bq, 2 * bq), 0)
+    window_row = jax.lax.broadcasted_iota(jnp.int32, (bq, 2 * bq), 1)
+    other = row - window_row + bq if key else window_row + row - bq  # the pair's query (key side) or key
+    inside = (other >= 0) & (other < bq)
+    other = jnp.clip(other, 0, bq - 1)
+    values = scratch[0, 0, 0, other, row] if key else scratch[0, 0, 0, row, other]
+    return jnp.where(inside, values, 0.0)
 
   def _gather(self, name: str, row_index, column_index):
     """``ref[row, column]`` per pair (``[B, H, L, X]`` rows, or the ``[1, N]`` per-head table when ``row_index``
@@ -173,19 +231,25 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
   i0 = pl.program_id(2) * plan.block_q
   bq, head_dim = plan.block_q, r["v"].shape[-1]
 
+  window = terms.relative is not None and terms.relative.window
+
   def body(t, carry):
-    m, l, acc = carry
+    m, l, acc, misplaced = carry
     tile = _Tile(plan, terms, r, i0, t * plan.block_k)
     m_new = jnp.maximum(m, jnp.max(tile.logits, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(tile.logits - m_new[:, None])
     v = r["v"][0, 0, tile.cols, :]
-    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+    if window:
+      misplaced = jnp.maximum(misplaced, jnp.max(jnp.where(tile.allowed & tile.misplaced, 1.0, 0.0), axis=1))
+    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v), misplaced
 
   init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, head_dim), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, init)
-  r["out"][0, 0, :, :] = (acc / l[:, None]).astype(r["out"].dtype)
+          jnp.zeros((bq, head_dim), jnp.float32), jnp.zeros((bq,), jnp.float32))
+  m, l, acc, misplaced = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, init)
+  # A windowed relative term read index distances: rows whose positions disagree with them are NaN, not wrong.
+  out = jnp.where(misplaced[:, None] > 0, jnp.nan, acc / l[:, None])
+  r["out"][0, 0, :, :] = out.astype(r["out"].dtype)
   # The row maximum and sum, not their log-sum-exp: in a fully masked row m is the most negative float32 and
   # m + log(l) would round back to m.
   r["row_max"][0, 0, :] = m
@@ -207,7 +271,8 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   i0 = pl.program_id(2) * plan.block_q
   bq, head_dim = plan.block_q, r["q"].shape[-1]
   acc = {"dq": jnp.zeros((bq, head_dim), jnp.float32)}
-  if terms.relative is not None and terms.relative.query:
+  window = terms.relative is not None and terms.relative.window
+  if terms.relative is not None and terms.relative.query and not window:
     acc["dqe"] = jnp.zeros((bq, terms.relative.table.shape[0]), jnp.float32)
   if terms.untied is not None:
     acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
@@ -225,6 +290,8 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dq"] = acc["dq"] + plan.scale * _dot(ds.astype(tile.k.dtype), tile.k).astype(jnp.float32)
     if "dqe" in acc:
       acc["dqe"] = acc["dqe"] + jnp.sum(ds[:, :, None] * tile.one_hot_relative(), axis=1)
+    if window and terms.relative.query:
+      acc["dq"] = acc["dq"] + plan.scale * _dot(tile.unskew(ds, key=False), tile.e_win.astype(jnp.float32))
     d_untied, d_bucket = tile.position_grads(ds)
     if "du_q" in acc:
       acc["du_q"] = acc["du_q"] + _dot(d_untied, tile.u_k.astype(jnp.float32))
@@ -251,7 +318,8 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   j0 = pl.program_id(2) * plan.block_k
   bk, head_dim = plan.block_k, r["k"].shape[-1]
   acc = {"dk": jnp.zeros((bk, head_dim), jnp.float32), "dv": jnp.zeros((bk, r["v"].shape[-1]), jnp.float32)}
-  if terms.relative is not None and terms.relative.key:
+  window = terms.relative is not None and terms.relative.window
+  if terms.relative is not None and terms.relative.key and not window:
     acc["dke"] = jnp.zeros((bk, terms.relative.table.shape[0]), jnp.float32)
   if terms.untied is not None:
     acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
@@ -265,6 +333,8 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dk"] = acc["dk"] + plan.scale * _t_dot(ds.astype(tile.q.dtype), tile.q)
     if "dke" in acc:
       acc["dke"] = acc["dke"] + jnp.sum(ds[:, :, None] * tile.one_hot_relative(), axis=0)
+    if window and terms.relative.key:
+      acc["dk"] = acc["dk"] + plan.scale * _dot(tile.unskew(ds, key=True), tile.e_win.astype(jnp.float32))
     if "du_k" in acc:
       d_untied, _ = tile.position_grads(ds)
       acc["du_k"] = acc["du_k"] + _t_dot(d_untied, tile.u_q.astype(jnp.float32))
@@ -275,8 +345,61 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     r[name][0, 0, :, :] = value.astype(r[name].dtype)
 
 
+def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
+  """The windowed table's gradient without atomics: program ``p`` takes the tile diagonal
+  ``t - s = p - (n - 1)``, whose tiles all read the same ``2·block`` window rows, and sums their
+  ``scale (dqeᵀ q + dkeᵀ k)`` over the diagonal (``[B, H, 2n - 1, 2 block, K]`` partials, ``O(L)``)."""
+  r = dict(zip(names, refs))
+  block, n = plan.block_q, r["q"].shape[2] // plan.block_q
+  diagonal = pl.program_id(2) - (n - 1)
+  first = jnp.maximum(0, -diagonal)
+
+  def body(step, acc):
+    s = first + step
+    tile = _Tile(plan, terms, r, s * block, (s + diagonal) * block)
+    _, ds = _ds(plan, r, tile)
+    if terms.relative.query:
+      acc = acc + _t_dot(tile.unskew(ds, key=False), tile.q.astype(jnp.float32))
+    if terms.relative.key:
+      acc = acc + _t_dot(tile.unskew(ds, key=True), tile.k.astype(jnp.float32))
+    return acc
+
+  acc = jax.lax.fori_loop(0, n - jnp.abs(diagonal), body, jnp.zeros((2 * block, r["q"].shape[-1]), jnp.float32))
+  r["d_window"][0, 0, 0, :, :] = plan.scale * acc
+
+
 # ----------------------------------------------------------------------------------------------------------
 # pallas_call plumbing.
+
+
+def _barrier(plan: Plan):
+  """Orders a program's scratch stores before its loads on GPU (the interpreters run a program sequentially)."""
+  if plan.interpret is False and plan.gathers:
+    from jax.experimental.pallas import triton as pltriton
+
+    pltriton.debug_barrier()
+
+
+def _window_table(relative, padded: int):
+  """``[2L, K]``: row ``u`` is ``a_clip(u - L)``, so a tile's window is a contiguous, block-aligned slice."""
+  k = relative.max_distance
+  return jnp.take(relative.table, np.clip(np.arange(2 * padded) - padded, -k, k) + k, axis=0)
+
+
+def _window_table_grad(d_window, relative, padded: int, block: int):
+  """The table's gradient from the diagonals' window partials ``[2n - 1, 2 block, K]``: windows overlap by
+  half, so each half adds into its block of the ``[2L, K]`` padded table, whose rows then fold into the table's
+  (the clipped ends summed); static slices and sums, deterministic."""
+  pad_blocks = lambda x, before: jnp.pad(x, ((before, 1 - before), (0, 0), (0, 0)))
+  d_pad = (pad_blocks(d_window[:, :block], 0) + pad_blocks(d_window[:, block:], 1)).reshape(2 * padded, -1)
+  k = relative.max_distance
+  lo, hi = max(1 - k, -padded), min(k - 1, padded - 1)
+  grad = jnp.zeros(relative.table.shape, jnp.float32).at[lo + k:hi + k + 1].set(d_pad[lo + padded:hi + padded + 1])
+  if k <= padded:
+    grad = grad.at[0].set(jnp.sum(d_pad[:padded - k + 1], axis=0))
+  if k < padded:
+    grad = grad.at[2 * k].set(jnp.sum(d_pad[padded + k:], axis=0))
+  return grad
 
 
 def _row_spec(array, block: int | None = None):
@@ -306,6 +429,9 @@ def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, ex
     inputs["bucket_table"] = terms.buckets.table.T
   if terms.untied is not None and terms.untied.reset != "none":
     inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
+  if terms.relative is not None and terms.relative.window:
+    inputs["window_table"] = _window_table(terms.relative, q.shape[2])
+    specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
   for name in ("slopes", "bucket_table", "theta_row", "theta_col"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
@@ -313,8 +439,13 @@ def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, ex
 
 
 def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: dict, out_specs: dict, tiles: int):
-  names = list(inputs) + list(outputs)
   b, h = inputs["q"].shape[:2]
+  if plan.gathers and terms.relative is not None and terms.relative.window:
+    block = plan.block_q
+    outputs = {**outputs, "scratch": jax.ShapeDtypeStruct((b, h, tiles, block, 2 * block), jnp.float32)}
+    out_specs = {**out_specs, "scratch": pl.BlockSpec((1, 1, 1, block, 2 * block),
+                                                      lambda b, h, i: (b, h, i, 0, 0))}
+  names = list(inputs) + list(outputs)
   results = pl.pallas_call(
       functools.partial(kernel, plan, terms, names),
       compiler_params=_triton_params() if plan.gathers else None,
@@ -339,7 +470,7 @@ def _triton_params():
 def _per_head_rows(terms: Terms, q, k, scale: float, batch: int) -> dict:
   """The ``[B, H, L, X]`` inputs computed outside the kernel: ``qe``/``ke`` and the broadcast ``u_q``/``u_k``."""
   extra = {}
-  if terms.relative is not None:
+  if terms.relative is not None and not terms.relative.window:
     table = terms.relative.table
     if terms.relative.query:
       extra["qe"] = scale * jnp.einsum("bhlk,rk->bhlr", q, table.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -419,7 +550,14 @@ def _attention_bwd(plan, residuals, d_out):
 
   dq, dk, dv = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
   d_terms = jax.tree.map(jnp.zeros_like, terms)
-  if terms.relative is not None:
+  if terms.relative is not None and terms.relative.window:
+    d_window = _call(_window_grad_kernel, plan, terms, inputs, specs,
+                     {"d_window": f32(b, h, n_q + n_k - 1, 2 * plan.block_q, d)},
+                     {"d_window": pl.BlockSpec((1, 1, 1, 2 * plan.block_q, d), lambda b, h, i: (b, h, i, 0, 0))},
+                     n_q + n_k - 1)["d_window"]
+    d_table = _window_table_grad(jnp.sum(d_window, axis=(0, 1)), terms.relative, l, plan.block_q)
+    d_terms = d_terms.replace(relative=d_terms.relative.replace(table=d_table.astype(terms.relative.table.dtype)))
+  elif terms.relative is not None:
     table = terms.relative.table.astype(jnp.float32)
     d_table = jnp.zeros_like(table)
     if "dqe" in dq_res:

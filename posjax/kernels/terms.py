@@ -66,12 +66,26 @@ class Buckets:
 @flax.struct.dataclass
 class Relative:
   """Shaw's / Method 4's relative vectors ``a_r``, ``r = clip(p_j - p_i, -k, k)``; ``query``: the
-  ``q_i·a_r`` term, ``key``: the ``a_r·k_j`` term (Shaw: query only; Method 4: both)."""
+  ``q_i·a_r`` term, ``key``: the ``a_r·k_j`` term (Shaw: query only; Method 4: both).
+
+  ``window`` chooses how the Pallas kernel reads the table (the ``xla`` path ignores it):
+
+  - False ("gather"): ``scale q·a_r`` and ``scale k·a_r`` for every row and every ``r`` (``[B, H, L, 2k+1]``)
+    are computed before the kernel and gathered per pair: exact for any positions, ``O(L·k)`` memory.
+  - True ("window"): each tile multiplies its queries and keys by the ``2·block`` table rows its distances can
+    reach and skews the product in the tile: ``O(L)`` memory for any ``k``. It takes ``r`` as the index
+    distance ``j - i``, so it needs positions that rise by one inside each segment (as posjax's packing makes
+    them); a query row with an attended key where ``p_j - p_i != j - i`` comes out NaN, never silently wrong.
+    Needs equal query and key blocks.
+  - None (default): the window when the table is wider than a window (``2k+1 > 2·block``) and the blocks are
+    equal, else the gather.
+  """
 
   table: jax.Array  # [2k+1, K]
   max_distance: int = flax.struct.field(pytree_node=False, default=1)
   query: bool = flax.struct.field(pytree_node=False, default=True)
   key: bool = flax.struct.field(pytree_node=False, default=False)
+  window: bool | None = flax.struct.field(pytree_node=False, default=None)
 
   def entries(self, rel):
     return jnp.clip(rel, -self.max_distance, self.max_distance) + self.max_distance
@@ -131,6 +145,8 @@ class Terms:
                          f"{head_dim}) for max_distance={r.max_distance}")
       if not (r.query or r.key):
         raise ValueError("Relative term with neither the query nor the key side")
+      if r.window not in (None, True, False):
+        raise ValueError(f"Relative.window={r.window!r}; allowed: None (choose), True, False")
     if self.untied is not None:
       u = self.untied
       if u.reset not in RESETS:
