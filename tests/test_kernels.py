@@ -76,7 +76,9 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   rng = np.random.default_rng(draw(st.integers(0, 1000)))
   positions, segments, lengths = packed_rows(rng, batch, length)
   terms = random_terms(rng, draw, batch, length, heads, head_dim)
-  if terms.relative is not None and terms.relative.window:
+  if terms.relative is not None and interpreter == "tpu":
+    terms = terms.replace(relative=terms.relative.replace(window=None))  # the TPU kernels always window
+  if terms.relative is not None and (terms.relative.window or interpreter == "tpu"):
     blocks = (blocks[0], blocks[0])  # the windowed table needs square tiles
   q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3))
   weights = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
@@ -92,7 +94,8 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   assert_close_tree(grads["pallas"], grads["xla"])
 
 
-def test_every_term_at_once_matches_xla():
+@pytest.mark.parametrize("interpreter,blocks", [(True, (8, 16)), ("tpu", (16, 16))])
+def test_every_term_at_once_matches_xla(interpreter, blocks):
   """All four terms in one call (the random draws above need not cover each gradient): ALiBi, T5 buckets with
   [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset."""
   rng = np.random.default_rng(3)
@@ -108,7 +111,8 @@ def test_every_term_at_once_matches_xla():
 
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
-                                     lengths=lengths, implementation=implementation, block_sizes=(8, 16))
+                                     lengths=lengths, implementation=implementation, block_sizes=blocks,
+                                     interpret=interpreter)
     return jnp.sum(out * weights)
 
   want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms)
@@ -116,7 +120,7 @@ def test_every_term_at_once_matches_xla():
   assert_close_tree(got, want)
 
 
-@pytest.mark.parametrize("length,k,causal,interpreter", [(37, 36, False, True), (24, 5, True, "tpu")])
+@pytest.mark.parametrize("length,k,causal,interpreter", [(37, 36, False, True), (16, 5, True, "tpu")])
 def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter):
   """The window on both sides, with distances past k (clipped rows: their gradient sums) or without; packed,
   padded and causal rows."""
@@ -139,9 +143,10 @@ def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter):
   assert_close_tree(got, want)
 
 
-def test_windowed_relative_vectors_make_rows_with_skipping_positions_nan():
+@pytest.mark.parametrize("interpreter", [True, "tpu"])
+def test_windowed_relative_vectors_make_rows_with_skipping_positions_nan(interpreter):
   """The window reads index distances: where an attended key's position difference is not its index difference
-  the row is NaN (every other row exact); the gathered table is exact for the same positions."""
+  the row is NaN (every other row exact); the gathered table (GPU) is exact for the same positions."""
   rng = np.random.default_rng(5)
   length, heads, head_dim = 24, 2, 8
   positions = np.concatenate([np.arange(10), np.arange(8), [0, 1, 2, 5, 6, 7]])[None]  # a skip in segment 3
@@ -150,11 +155,13 @@ def test_windowed_relative_vectors_make_rows_with_skipping_positions_nan():
   table = jnp.asarray(rng.normal(size=(2 * 23 + 1, head_dim)), jnp.float32)
   run = lambda window, implementation="pallas": kernels.relative_attention(
       q, k, v, terms=kernels.Terms(relative=kernels.Relative(table, 23, query=True, key=True, window=window)),
-      positions=positions, segment_ids=segments, implementation=implementation, block_sizes=(8, 8))
-  want, windowed, gathered = run(None, "xla"), run(True), run(False)
+      positions=positions, segment_ids=segments, implementation=implementation, block_sizes=(8, 8),
+      interpret=interpreter)
+  want, windowed = run(None, "xla"), run(True)
   assert np.isnan(windowed[0, 18:]).all()
   np.testing.assert_allclose(windowed[0, :18], want[0, :18], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(gathered, want, rtol=1e-5, atol=1e-5)
+  if interpreter is True:
+    np.testing.assert_allclose(run(False), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
@@ -206,10 +213,14 @@ LOWERED = {
 }
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("terms", LOWERED.values(), ids=LOWERED.keys())
-def test_the_kernels_lower_for_gpu_with_triton(terms):
-  # Lowering (not running) for CUDA from this CPU machine: Triton's constraints (power-of-two arrays, no slicing
-  # of loaded values, no batched matmul) are checked here, so a GPU session starts from kernels that compile.
+def test_the_kernels_lower_for_gpu_and_tpu(terms, platform, monkeypatch):
+  # Lowering (not running) from this CPU machine, for CUDA with Triton and for TPU with Mosaic: each backend's
+  # constraints (Triton: power-of-two arrays, no slicing of loaded values, no batched matmul; Mosaic: block
+  # shapes, no gathers) are checked here, so an accelerator session starts from kernels that lower.
+  if platform == "tpu":
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # the op picks its TPU kernels
   rng = np.random.default_rng(0)
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   q, k, v = (f32(2, 40, 2, 24).astype(jnp.bfloat16) for _ in range(3))  # L=40, d=24: padded to powers of two
@@ -219,10 +230,12 @@ def test_the_kernels_lower_for_gpu_with_triton(terms):
     return jnp.sum(out.astype(jnp.float32))
 
   terms = terms(f32)
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=("cuda",))
-  # forward, dq and dk/dv kernels, and the windowed table's gradient kernel
-  window = terms is not None and terms.relative is not None and terms.relative.window
-  assert lowered.as_text().count("xla.gpu.triton") == 3 + bool(window)
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=(platform,))
+  # forward, dq and dk/dv kernels, and the windowed table's gradient kernel (always windowed on TPU)
+  relative = terms is not None and terms.relative is not None
+  window = relative and (terms.relative.window or platform == "tpu")
+  call = "xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+  assert lowered.as_text().count(call) == 3 + bool(window)
 
 
 @pytest.mark.parametrize("config,message", [
@@ -271,6 +284,8 @@ def test_bad_options_are_errors():
       (dict(block_sizes=(48, 64)), r"block_q=48 must be a positive power of two"),
       (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window=True)), block_sizes=(8, 4)),
        r"Relative.window=True needs equal query and key blocks; the tiles are 8x4"),
+      (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window=False)), interpret="tpu"),
+       r"Relative.window=False \(gathered relative vectors\) needs gathers, which TPU kernels do not have"),
       (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window="yes"))),
        r"Relative.window='yes'; allowed: None \(choose\), True, False"),
   ]

@@ -5,8 +5,9 @@ term with its [CLS] reset, Shaw / Method 4 relative vectors; RoPE and the absolu
 before the call. The terms (:mod:`posjax.kernels.terms`) are built in each tile from the batch's positions and
 segment ids, so packed rows are exact and no ``[B, H, L, L]`` array is stored for the backward pass.
 
-Implementations: ``pallas`` (:mod:`posjax.kernels.pallas`; on a CPU it runs in Pallas interpret mode: slow,
-for tests and for checking a model) and ``xla`` (:mod:`posjax.kernels.xla`, dense; the reference).
+Implementations: ``pallas`` — Triton kernels on GPU (:mod:`posjax.kernels.pallas`), Mosaic kernels on TPU
+(:mod:`posjax.kernels.mosaic`); on a CPU either runs in its Pallas interpreter: slow, for tests and for checking
+a model — and ``xla`` (:mod:`posjax.kernels.xla`, dense; the reference).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ __all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untie
 
 def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
                        segment_ids=None, lengths=None, padding=None, scale: float | None = None,
-                       causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] = (64, 64),
+                       causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] | None = None,
                        interpret: bool | None = None):
   """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
 
@@ -33,15 +34,18 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
       tokens (any layout). A query with no key to attend to averages all keys, as the ``xla`` path does.
     scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
     causal: key j only for queries i >= j (token order).
-    implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile, powers of two; the
-      sequence is padded to a power of two (as are head dimensions and table rows: Triton's arrays must be).
-    interpret: run the kernels in a Pallas interpreter: True (the generic one, Triton semantics) or ``"tpu"``
-      (the Mosaic TPU interpreter, ``pltpu.InterpretParams()``); False compiles them for the device. Default:
-      interpret on a CPU, compile elsewhere (on GPU with Pallas's Triton backend).
+    implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile, powers of two (default
+      64×64 for the GPU kernels, 128×128 for the TPU ones, whose lane width is 128); the sequence is padded to a
+      power of two (as are head dimensions and table rows: Triton's arrays must be).
+    interpret: run the kernels in a Pallas interpreter: True (the GPU kernels in the generic one) or ``"tpu"``
+      (the TPU kernels in the Mosaic TPU interpreter, ``pltpu.InterpretParams()``); False compiles them for the
+      device (Triton on GPU, Mosaic on TPU). Default: interpret on a CPU (the GPU kernels), compile elsewhere.
+      The TPU kernels need blocks that are multiples of (8, 128) or the whole padded sequence, and always read
+      relative vectors windowed.
 
   First-order gradients only (a ``custom_vjp``; differentiating the backward pass again is not supported).
   """
-  from posjax.kernels import pallas, xla  # imported here: position methods import this package for its terms
+  from posjax.kernels import mosaic, pallas, xla  # imported here: position methods import this package for its terms
 
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; allowed: {list(IMPLEMENTATIONS)}")
@@ -78,6 +82,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     interpret = pltpu.InterpretParams()
   elif not isinstance(interpret, bool):
     raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
+  block_sizes = block_sizes or ((128, 128) if tpu else (64, 64))
   bq, bk, padded = pallas.block_sizes(length, *block_sizes)
   # Power-of-two sizes everywhere (Triton's arrays must be): the sequence, head dimensions and the tables' rows,
   # padded with zeros that change no logit (padded keys are masked) and get no gradient.
@@ -90,20 +95,24 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
                                            u_k=pad(pad(u.u_k, 1, padded), 3, head_dim)))
   if terms.relative is not None:
     r = terms.relative
-    window = r.window if r.window is not None else bq == bk and 2 * r.max_distance + 1 > 2 * bq
+    window = r.window if r.window is not None else tpu or (bq == bk and 2 * r.max_distance + 1 > 2 * bq)
+    if tpu and not window:
+      raise ValueError("Relative.window=False (gathered relative vectors) needs gathers, which TPU kernels do not "
+                       "have; use window=True or None there")
     if window and bq != bk:
       raise ValueError(f"Relative.window=True needs equal query and key blocks; the tiles are {bq}x{bk} "
                        f"(block_sizes={tuple(block_sizes)} for length {length})")
     terms = terms.replace(relative=r.replace(table=pad(pad(r.table, 0, pow2(r.table.shape[0])), 1, head_dim),
                                              window=bool(window)))
-  if terms.buckets is not None:
+  if terms.buckets is not None and not tpu:  # the TPU kernels select per entry: no padded entries
     terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
                                                                   pow2(terms.buckets.table.shape[0]))))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = pallas.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
-                     interpret=interpret, treedef=treedef, gathers=not tpu)
+                     interpret=interpret, treedef=treedef)
   heads_first = lambda x, dim: pad(pad(x, 1, padded), 3, dim).transpose(0, 2, 1, 3)
-  out = pallas.attention(plan, leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
-                         heads_first(v_BxLxHxK, value_dim), pad(positions, 1, padded), pad(segment_ids, 1, padded),
-                         pad(valid.astype(jnp.int32), 1, padded))
+  out = (mosaic if tpu else pallas).attention(
+      plan, leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
+      heads_first(v_BxLxHxK, value_dim), pad(positions, 1, padded), pad(segment_ids, 1, padded),
+      pad(valid.astype(jnp.int32), 1, padded))
   return out.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxHxK.shape[-1]]

@@ -1,4 +1,5 @@
-"""Flash attention in Pallas with the position terms built inside each tile (the op's ``pallas`` implementation).
+"""Flash attention in Pallas with the position terms built inside each tile: the GPU (Triton) kernels of the op's
+``pallas`` implementation (TPU: :mod:`posjax.kernels.mosaic`).
 
 Three Triton-style kernels over a ``(batch, head, tile)`` grid, each reading its (batch, head) rows and looping
 over the other side's tiles: the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel
@@ -23,8 +24,8 @@ Gradients of the position inputs, all without atomics (deterministic):
   added by halves into the ``[2L, K]`` layout and folded back into the table (clipped ends summed).
 
 Per-pair lookups (``qe``, ``ke``, the bucket table, the window's skew through a per-program scratch block) are
-gather loads from refs on GPU and in the generic interpreter, one-hot products on TPU (no gather there); the backward's scatter of a pair's gradient to its
-distance or bucket is a one-hot product summed (deterministic, exact for any positions; no batched matmul,
+gather loads from refs (Triton lowers integer-array indexers to pointer gathers); the backward's scatter of a
+pair's gradient to its distance or bucket is a one-hot product summed (deterministic, exact for any positions; no batched matmul,
 which Triton does not lower).
 
 A masked logit is the most negative float32 (not -inf) so that a fully masked row averages every key, as the
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -59,7 +59,6 @@ class Plan:
   length: int  # the real sequence length (inputs are padded to a multiple of both blocks)
   interpret: Any  # False, True or the TPU interpreter's parameters
   treedef: jax.tree_util.PyTreeDef  # of the Terms (its static options included)
-  gathers: bool = True  # gather loads from refs (GPU / the generic interpreter); False on TPU
 
   def terms(self, leaves) -> Terms:
     return jax.tree_util.tree_unflatten(self.treedef, leaves)
@@ -114,7 +113,7 @@ class _Tile:
       positional = self._untie(positional)
     if terms.buckets is not None:
       b = terms.buckets
-      self.bucket_index = b.entries(rel, self.cls_i, self.cls_j)  # [bq, bk]
+      self.bucket_index = b.entries(rel, self.cls_i[:, None], self.cls_j[None, :])  # [bq, bk]
       positional = positional + self._gather("bucket_table", None, self.bucket_index)
     if reset == "paper":
       positional = self._untie(positional)
@@ -155,11 +154,8 @@ class _Tile:
 
   def _skew(self, x, key: bool):
     """``[bq, 2 bq]`` window products to ``[bq, bk]`` logits: ``out[a, c] = x[a or c, c - a + bq]`` (a on the
-    query side, c on the key side). With gathers: through this program's scratch block in memory (a register
-    array cannot be gathered from); on TPU a one-hot product."""
-    if not self.plan.gathers:
-      values = x[None, :, :] if key else x[:, None, :]
-      return jnp.sum(_one_hot(self.skew_index, x.shape[1]) * values, axis=-1)
+    query side, c on the key side), through this program's scratch block in memory (a register array cannot be
+    gathered from)."""
     scratch = self.refs["scratch"]
     _barrier(self.plan)
     scratch[0, 0, 0, :, :] = x
@@ -171,8 +167,6 @@ class _Tile:
     """The transpose of :meth:`_skew`: ``[bq, bk]`` logit gradients to ``[bq, 2 bq]`` window-product
     gradients (row a: the query side; row c: the key side)."""
     bq = self.plan.block_q
-    if not self.plan.gathers:
-      return jnp.sum(ds[:, :, None] * _one_hot(self.skew_index, 2 * bq), axis=0 if key else 1)
     scratch = self.refs["scratch"]
     _barrier(self.plan)
     scratch[0, 0, 0, :, pl.ds(0, bq)] = ds
@@ -187,20 +181,11 @@ class _Tile:
 
   def _gather(self, name: str, row_index, column_index):
     """``ref[row, column]`` per pair (``[B, H, L, X]`` rows, or the ``[1, N]`` per-head table when ``row_index``
-    is None): a gather load where the backend has one (Triton lowers integer-array indexers to pointer
-    gathers), a one-hot product summed over the columns on TPU (whose kernels have no gather)."""
+    is None): a gather load (Triton lowers integer-array indexers to pointer gathers)."""
     ref = self.refs[name]
-    if self.plan.gathers:
-      if row_index is None:
-        return ref[0, column_index].astype(jnp.float32)
-      return ref[0, 0, row_index, column_index].astype(jnp.float32)
-    width = ref.shape[-1]
     if row_index is None:
-      return jnp.sum(_one_hot(column_index, width) * ref[0, :].astype(jnp.float32), axis=-1)
-    rows = self.rows if name == "qe" else self.cols
-    values = ref[0, 0, rows, :].astype(jnp.float32)
-    values = values[:, None, :] if name == "qe" else values[None, :, :]
-    return jnp.sum(_one_hot(column_index, width) * values, axis=-1)
+      return ref[0, column_index].astype(jnp.float32)
+    return ref[0, 0, row_index, column_index].astype(jnp.float32)
 
   def one_hot_relative(self):
     """``[bq, bk, 2k+1]``: the backward's scatter of a pair's gradient to its distance, as a one-hot product."""
@@ -374,7 +359,7 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
 
 def _barrier(plan: Plan):
   """Orders a program's scratch stores before its loads on GPU (the interpreters run a program sequentially)."""
-  if plan.interpret is False and plan.gathers:
+  if plan.interpret is False:
     from jax.experimental.pallas import triton as pltriton
 
     pltriton.debug_barrier()
@@ -386,12 +371,16 @@ def _window_table(relative, padded: int):
   return jnp.take(relative.table, np.clip(np.arange(2 * padded) - padded, -k, k) + k, axis=0)
 
 
-def _window_table_grad(d_window, relative, padded: int, block: int):
-  """The table's gradient from the diagonals' window partials ``[2n - 1, 2 block, K]``: windows overlap by
-  half, so each half adds into its block of the ``[2L, K]`` padded table, whose rows then fold into the table's
-  (the clipped ends summed); static slices and sums, deterministic."""
+def _overlap_add(d_window, block: int):
+  """``[2L, K]`` from the diagonals' window gradients ``[2n - 1, 2 block, K]`` (diagonal p's window starts at
+  row ``p·block``): windows overlap by half, so each half adds into its block. Static pads and adds."""
   pad_blocks = lambda x, before: jnp.pad(x, ((before, 1 - before), (0, 0), (0, 0)))
-  d_pad = (pad_blocks(d_window[:, :block], 0) + pad_blocks(d_window[:, block:], 1)).reshape(2 * padded, -1)
+  return (pad_blocks(d_window[:, :block], 0) + pad_blocks(d_window[:, block:], 1)).reshape(-1, d_window.shape[-1])
+
+
+def _fold_window_table(d_pad, relative, padded: int):
+  """The table's gradient from its ``[2L, K]`` distance layout's (:func:`_window_table`): rows fold into the
+  table's, the clipped ends summed; static slices and sums, deterministic."""
   k = relative.max_distance
   lo, hi = max(1 - k, -padded), min(k - 1, padded - 1)
   grad = jnp.zeros(relative.table.shape, jnp.float32).at[lo + k:hi + k + 1].set(d_pad[lo + padded:hi + padded + 1])
@@ -440,7 +429,7 @@ def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, ex
 
 def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: dict, out_specs: dict, tiles: int):
   b, h = inputs["q"].shape[:2]
-  if plan.gathers and terms.relative is not None and terms.relative.window:
+  if terms.relative is not None and terms.relative.window:
     block = plan.block_q
     outputs = {**outputs, "scratch": jax.ShapeDtypeStruct((b, h, tiles, block, 2 * block), jnp.float32)}
     out_specs = {**out_specs, "scratch": pl.BlockSpec((1, 1, 1, block, 2 * block),
@@ -448,7 +437,7 @@ def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: 
   names = list(inputs) + list(outputs)
   results = pl.pallas_call(
       functools.partial(kernel, plan, terms, names),
-      compiler_params=_triton_params() if plan.gathers else None,
+      compiler_params=_triton_params(),
       grid=(b, h, tiles),
       in_specs=[specs[n] for n in inputs],
       out_specs=[out_specs[n] for n in outputs],
@@ -555,7 +544,7 @@ def _attention_bwd(plan, residuals, d_out):
                      {"d_window": f32(b, h, n_q + n_k - 1, 2 * plan.block_q, d)},
                      {"d_window": pl.BlockSpec((1, 1, 1, 2 * plan.block_q, d), lambda b, h, i: (b, h, i, 0, 0))},
                      n_q + n_k - 1)["d_window"]
-    d_table = _window_table_grad(jnp.sum(d_window, axis=(0, 1)), terms.relative, l, plan.block_q)
+    d_table = _fold_window_table(_overlap_add(jnp.sum(d_window, axis=(0, 1)), plan.block_q), terms.relative, l)
     d_terms = d_terms.replace(relative=d_terms.relative.replace(table=d_table.astype(terms.relative.table.dtype)))
   elif terms.relative is not None:
     table = terms.relative.table.astype(jnp.float32)
@@ -569,12 +558,10 @@ def _attention_bwd(plan, residuals, d_out):
     d_terms = d_terms.replace(relative=d_terms.relative.replace(
         table=d_table.astype(terms.relative.table.dtype)))
   if terms.untied is not None:
-    u = terms.untied
-    to_input = lambda g, like: _sum_to(g.transpose(0, 2, 1, 3), like.shape).astype(like.dtype)
-    untied = d_terms.untied.replace(u_q=to_input(dq_res["du_q"], u.u_q), u_k=to_input(dkv_res["du_k"], u.u_k))
+    untied = _untied_grads(terms.untied, dq_res["du_q"], dkv_res["du_k"])
     if "dtheta_row" in dq_res:
       d_theta = jnp.stack([jnp.sum(dq_res[name], axis=(0, 2, 3)) for name in ("dtheta_row", "dtheta_col")])
-      untied = untied.replace(theta=d_theta.astype(u.theta.dtype))
+      untied = untied.replace(theta=d_theta.astype(terms.untied.theta.dtype))
     d_terms = d_terms.replace(untied=untied)
   if terms.buckets is not None:
     d_bucket = jnp.sum(dq_res["dbucket"], axis=(0, 2)).T.astype(terms.buckets.table.dtype)
@@ -586,9 +573,16 @@ def _attention_bwd(plan, residuals, d_out):
   return (d_leaves, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None)
 
 
-def _sum_to(x, shape):
-  """Sums the leading (batch) axis down to ``shape`` (1 when the input was shared by the batch)."""
-  return jnp.sum(x, axis=0, keepdims=True) if shape[0] == 1 and x.shape[0] != 1 else x
+def _untied_grads(untied, du_q, du_k):
+  """The untied term's gradient (θ's zero) from the kernels' ``[B, H, L, K]`` rows, summed over the batch
+  where the factors were shared by it."""
+  def to_input(g, like):
+    g = g.transpose(0, 2, 1, 3)
+    g = jnp.sum(g, axis=0, keepdims=True) if like.shape[0] == 1 and g.shape[0] != 1 else g
+    return g.astype(like.dtype)
+
+  return untied.replace(u_q=to_input(du_q, untied.u_q), u_k=to_input(du_k, untied.u_k),
+                        theta=None if untied.theta is None else jnp.zeros_like(untied.theta))
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

@@ -49,7 +49,8 @@ class Buckets:
   cls_col: int | None = flax.struct.field(pytree_node=False, default=None)
 
   def entries(self, rel, is_cls_i, is_cls_j):
-    """Table entry of each pair; ``rel`` ``[..., Q, K]``, the [CLS] flags ``[..., Q]`` and ``[..., K]``."""
+    """Table entry of each pair; ``rel`` ``[..., Q, K]``, the [CLS] flags of the query and the key, each
+    broadcastable to it (``[..., Q, 1]``, ``[..., 1, K]``)."""
     if self.kind == "buckets":
       from posjax.positions import t5 as t5_lib  # imported here: position methods import this module
 
@@ -57,9 +58,9 @@ class Buckets:
     else:
       index = jnp.clip(rel, -self.max_distance, self.max_distance) + self.max_distance
     if self.cls_col is not None:
-      index = jnp.where(is_cls_j[..., None, :], self.cls_col, index)
+      index = jnp.where(is_cls_j, self.cls_col, index)
     if self.cls_row is not None:
-      index = jnp.where(is_cls_i[..., :, None], self.cls_row, index)
+      index = jnp.where(is_cls_i, self.cls_row, index)
     return index
 
 

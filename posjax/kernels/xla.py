@@ -35,7 +35,7 @@ def logits(q_BxLxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float):
   if reset == "official":
     positional = tupe.untie_cls(jnp.broadcast_to(positional, out.shape), is_cls_BxL, *terms.untied.theta)
   if terms.buckets is not None:
-    index = terms.buckets.entries(rel_BxLxL, is_cls_BxL, is_cls_BxL)
+    index = terms.buckets.entries(rel_BxLxL, is_cls_BxL[:, :, None], is_cls_BxL[:, None, :])
     positional = positional + jnp.take(terms.buckets.table, index, axis=0).transpose(0, 3, 1, 2)
   if reset == "paper":
     positional = tupe.untie_cls(jnp.broadcast_to(positional, out.shape), is_cls_BxL, *terms.untied.theta)

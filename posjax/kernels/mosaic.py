@@ -1,0 +1,449 @@
+"""Flash attention for TPU (Pallas Mosaic) with the position terms built inside each tile.
+
+The TPU counterpart of :mod:`posjax.kernels.pallas` (same op, same terms, same numerics), shaped the way Mosaic
+kernels are: a ``(batch, head, tile, tile)`` grid whose last axis runs sequentially, q/k/v tiles brought in by
+BlockSpecs, running statistics in VMEM scratch; no gathers (Mosaic has none):
+
+- the bucket table and the per-head scalars (ALiBi slopes, θ) sit in SMEM; a pair's bucket value is a select
+  per table entry;
+- relative vectors are always windowed (``Relative.window``): a tile's ``2·block`` table rows arrive as two
+  blocks of a distance-ordered ``[2L, K]`` table (and of its reverse, for the key side) and the products are
+  skewed with strided ``pltpu.roll``; the table's gradient is summed along tile diagonals in an output block
+  that stays resident across the sequential axis (no atomics);
+- the gradients of the bucket table, slopes and θ are per-row partial sums (columns of one ``[B, H, L, C]``
+  output of the ``dq`` kernel), summed after it.
+
+Query-side integers (positions, segment ids) come replicated across the key tile's lanes (``[B, L, block]``) and
+the row statistics are kept ``[B, H, L, block]``, as in JAX's own TPU flash attention: no vector relayouts.
+Blocks must be multiples of (8, 128) or the whole padded sequence (Mosaic's rule); relative vectors need
+square tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from posjax.kernels import pallas as gpu
+from posjax.kernels.pallas import MASKED, Plan, _dot, _dot_t, _t_dot
+from posjax.kernels.terms import Terms
+
+
+class _Tile:
+  """The logits of tile (i, j) of one (batch, head) from this program's blocks, and the masks the backward
+  needs (as :class:`posjax.kernels.pallas._Tile`, reading blocks instead of rows)."""
+
+  def __init__(self, plan: Plan, terms: Terms, r: dict, h, i, j):
+    bq, bk = plan.block_q, plan.block_k
+    self.plan, self.terms, self.r, self.h = plan, terms, r, h
+    self.q, self.k = r["q"][0, 0], r["k"][0, 0]
+    pos_i, pos_j = r["q_positions"][0], r["k_positions"][0]  # [bq, bk], [1, bk]
+    rel = pos_j - pos_i
+    self.cls_i, self.cls_j = pos_i == 0, pos_j == 0
+    row = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    s = plan.scale * _dot_t(self.q, self.k)
+    if terms.alibi is not None:
+      self.distance = jnp.abs(rel).astype(jnp.float32)
+      s = s - r["slopes"][h] * self.distance
+    if terms.relative is not None:
+      self.misplaced = rel != (j - i) * bq + col - row
+      s = s + self._relative(terms.relative)
+    self.reset = terms.untied.reset if terms.untied is not None else "none"
+    self.neither = ~self.cls_i & ~self.cls_j
+    positional = jnp.zeros_like(s)
+    if terms.untied is not None:
+      self.u_q, self.u_k = r["u_q"][0, 0], r["u_k"][0, 0]
+      positional = _dot_t(self.u_q, self.u_k)
+    if self.reset == "official":
+      positional = self._untie(positional)
+    if terms.buckets is not None:
+      self.bucket_index = terms.buckets.entries(rel, self.cls_i, self.cls_j)
+      value = jnp.zeros_like(s)
+      for n in range(terms.buckets.table.shape[0]):
+        value = jnp.where(self.bucket_index == n, r["bucket_table"][h, n], value)
+      positional = positional + value
+    if self.reset == "paper":
+      positional = self._untie(positional)
+    s = s + positional
+    allowed = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
+    index_i, index_j = i * bq + row, j * bk + col
+    if plan.causal:
+      allowed = allowed & (index_j <= index_i)
+    self.allowed = allowed
+    self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+
+  def _relative(self, rel):
+    """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
+    ``bq + a``; the key side multiplies the reversed window, ``out[a, c] = g[a - c + bq - 1, c]``, a roll of
+    column c by ``bq + 1 + c``."""
+    bq = self.plan.block_q
+    term = 0.0
+    if rel.query:
+      self.window = jnp.concatenate([self.r["window_lo"][...], self.r["window_hi"][...]], axis=0)
+      qe = self.plan.scale * _dot_t(self.q, self.window.astype(self.q.dtype))  # [bq, 2 bq]
+      term = term + pltpu.roll(qe, bq, 1, stride=1, stride_axis=0)[:, :bq]
+    if rel.key:
+      self.reversed = jnp.concatenate([self.r["reversed_lo"][...], self.r["reversed_hi"][...]], axis=0)
+      g = self.plan.scale * _dot_t(self.reversed.astype(self.k.dtype), self.k)  # [2 bq, bk]
+      term = term + pltpu.roll(g, bq + 1, 0, stride=1, stride_axis=1)[:bq, :]
+    return term
+
+  def unskew_query(self, ds):
+    """``[bq, 2 bq]``: the gradient of ``qe`` (the transpose of its roll, on ds padded with zeros)."""
+    bq = self.plan.block_q
+    padded = jnp.concatenate([ds, jnp.zeros_like(ds)], axis=1)
+    return pltpu.roll(padded, bq, 1, stride=2 * bq - 1, stride_axis=0)
+
+  def unskew_key(self, ds):
+    """``[2 bq, bk]``: the gradient of the key side's ``g``."""
+    bq = self.plan.block_q
+    padded = jnp.concatenate([ds, jnp.zeros_like(ds)], axis=0)
+    return pltpu.roll(padded, bq - 1, 0, stride=2 * bq - 1, stride_axis=1)
+
+  def _untie(self, positional):
+    positional = jnp.where(self.cls_j, self.r["theta"][1, self.h], positional)
+    return jnp.where(self.cls_i, self.r["theta"][0, self.h], positional)
+
+  def position_grads(self, ds):
+    untied = ds if self.reset == "none" else jnp.where(self.neither, ds, 0.0)
+    bucket = jnp.where(self.neither, ds, 0.0) if self.reset == "paper" else ds
+    return untied, bucket
+
+
+def _ds(plan: Plan, r: dict, tile: _Tile):
+  p = jnp.exp(tile.logits - r["row_max"][0, 0]) / r["row_sum"][0, 0]
+  dp = _dot_t(r["d_out"][0, 0], r["v"][0, 0])
+  return p, jnp.where(tile.allowed, p * (dp - r["delta"][0, 0]), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels. Grid (batch, head, outer tile, inner tile); the inner axis is sequential.
+
+
+def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
+  r = dict(zip(names, refs))
+  _, h, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _():
+    r["m"][...] = jnp.full(r["m"].shape, -jnp.inf, jnp.float32)
+    r["l"][...] = jnp.zeros(r["l"].shape, jnp.float32)
+    r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
+    r["misplaced"][...] = jnp.zeros(r["misplaced"].shape, jnp.float32)
+
+  tile = _Tile(plan, terms, r, h, i, j)
+  m = r["m"][...]
+  m_new = jnp.maximum(m, jnp.max(tile.logits, axis=1, keepdims=True))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(tile.logits - m_new)
+  v = r["v"][0, 0]
+  r["m"][...] = m_new
+  r["l"][...] = alpha * r["l"][...] + jnp.sum(p, axis=1, keepdims=True)
+  r["acc"][...] = alpha[:, :1] * r["acc"][...] + _dot(p.astype(v.dtype), v)
+  if terms.relative is not None:
+    bad = jnp.max(jnp.where(tile.allowed & tile.misplaced, 1.0, 0.0), axis=1, keepdims=True)
+    r["misplaced"][...] = jnp.maximum(r["misplaced"][...], bad)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _():
+    out = r["acc"][...] / r["l"][...][:, :1]
+    out = jnp.where(r["misplaced"][...][:, :1] > 0, jnp.nan, out)
+    r["out"][0, 0] = out.astype(r["out"].dtype)
+    r["row_max"][0, 0] = r["m"][...]
+    r["row_sum"][0, 0] = r["l"][...]
+
+
+def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  r = dict(zip(names, refs))
+  _, h, i, j = (pl.program_id(a) for a in range(4))
+  accumulators = [n for n in ("dq", "du_q", "dpos") if n in r]
+  _zero_on_first_step(r, accumulators, j)
+  tile = _Tile(plan, terms, r, h, i, j)
+  _, ds = _ds(plan, r, tile)
+  dq = plan.scale * _dot(ds.astype(tile.k.dtype), tile.k)
+  rel = terms.relative
+  if rel is not None and rel.query:
+    dq = dq + plan.scale * _dot(tile.unskew_query(ds), tile.window.astype(jnp.float32))
+  r["acc_dq"][...] += dq
+  d_untied, d_bucket = tile.position_grads(ds)
+  if "du_q" in r:
+    r["acc_du_q"][...] += _dot(d_untied, tile.u_k.astype(jnp.float32))
+  if "dpos" in r:
+    r["acc_dpos"][...] += _position_columns(terms, tile, ds, d_bucket, r["acc_dpos"].shape)
+  _write_on_last_step(r, accumulators, j)
+
+
+def _zero_on_first_step(r: dict, names, step):
+  """Zeroes the VMEM accumulators ``acc_<name>`` when the sequential axis starts."""
+  @pl.when(step == 0)
+  def _():
+    for name in names:
+      r["acc_" + name][...] = jnp.zeros(r["acc_" + name].shape, jnp.float32)
+
+
+def _write_on_last_step(r: dict, names, step):
+  """Writes each accumulator to its output block when the sequential axis ends."""
+  @pl.when(step == pl.num_programs(3) - 1)
+  def _():
+    for name in names:
+      r[name][0, 0] = r["acc_" + name][...].astype(r[name].dtype)
+
+
+def _position_columns(terms: Terms, tile: _Tile, ds, d_bucket, shape):
+  """``[bq, C]`` row sums of the tile's gradient per scalar input: one column per bucket entry, then the ALiBi
+  slope and θ1, θ2 (:func:`_columns`)."""
+  lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  out = jnp.zeros(shape, jnp.float32)
+  for column, part in _columns(terms, tile, ds, d_bucket):
+    out = jnp.where(lane == column, jnp.sum(part, axis=1, keepdims=True), out)
+  return out
+
+
+def _columns(terms: Terms, tile, ds, d_bucket):
+  column = 0
+  if terms.buckets is not None:
+    for n in range(terms.buckets.table.shape[0]):
+      yield column + n, jnp.where(tile.bucket_index == n, d_bucket, 0.0)
+    column += terms.buckets.table.shape[0]
+  if terms.alibi is not None:
+    yield column, -ds * tile.distance
+    column += 1
+  if terms.untied is not None and terms.untied.reset != "none":
+    yield column, jnp.where(tile.cls_i, ds, 0.0)
+    yield column + 1, jnp.where(~tile.cls_i & tile.cls_j, ds, 0.0)
+
+
+def _column_count(terms: Terms) -> int:
+  count = terms.buckets.table.shape[0] if terms.buckets is not None else 0
+  count += terms.alibi is not None
+  return count + 2 * (terms.untied is not None and terms.untied.reset != "none")
+
+
+def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  r = dict(zip(names, refs))
+  _, h, j, i = (pl.program_id(a) for a in range(4))
+  accumulators = [n for n in ("dk", "dv", "du_k") if n in r]
+  _zero_on_first_step(r, accumulators, i)
+  tile = _Tile(plan, terms, r, h, i, j)
+  p, ds = _ds(plan, r, tile)
+  do = r["d_out"][0, 0]
+  r["acc_dv"][...] += _t_dot(p.astype(do.dtype), do)
+  dk = plan.scale * _t_dot(ds.astype(tile.q.dtype), tile.q)
+  if terms.relative is not None and terms.relative.key:
+    dk = dk + plan.scale * _t_dot(tile.unskew_key(ds), tile.reversed.astype(jnp.float32))
+  r["acc_dk"][...] += dk
+  if "du_k" in r:
+    d_untied, _ = tile.position_grads(ds)
+    r["acc_du_k"][...] += _t_dot(d_untied, tile.u_q.astype(jnp.float32))
+  _write_on_last_step(r, accumulators, i)
+
+
+def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
+  """Grid (batch, head, diagonal p, step s): tile (s, s + p - (n - 1)) when it exists; the window gradients
+  (``d_window``, ``d_reversed``: ``[2 bq, K]``) stay resident across the steps."""
+  r = dict(zip(names, refs))
+  _, h, p, s = (pl.program_id(a) for a in range(4))
+  n = pl.num_programs(3)
+  t = s + p - (n - 1)
+  outputs = [name for name in ("d_window", "d_reversed") if name in r]
+
+  @pl.when(s == 0)
+  def _():
+    for name in outputs:
+      r[name][...] = jnp.zeros(r[name].shape, jnp.float32)
+
+  @pl.when((t >= 0) & (t < n))
+  def _():
+    tile = _Tile(plan, terms, r, h, s, t)
+    _, ds = _ds(plan, r, tile)
+    if "d_window" in r:
+      r["d_window"][0, 0, 0] += plan.scale * _t_dot(tile.unskew_query(ds), tile.q.astype(jnp.float32))
+    if "d_reversed" in r:
+      r["d_reversed"][0, 0, 0] += plan.scale * _dot(tile.unskew_key(ds), tile.k.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pallas_call plumbing. A kernel's ``tiles(b, h, x, y)`` maps its grid to (query tile i, key tile j).
+
+
+def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
+  """BlockSpecs of every input, each a function of the tile pair the grid point works on."""
+  bq, bk = plan.block_q, plan.block_k
+  n = arrays["q"].shape[2] // bq
+  smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+  at = lambda shape, where: pl.BlockSpec(shape, lambda *g: where(*g[:2], *tiles(*g)))
+  row_block = lambda a, size: (1, 1, size, a.shape[-1])
+  specs = {}
+  for name, a in arrays.items():
+    if name in ("q", "d_out", "u_q"):
+      specs[name] = at(row_block(a, bq), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
+    elif name in ("k", "v", "u_k"):
+      specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
+    elif name in ("row_max", "row_sum", "delta"):
+      specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, h, i, 0))
+    elif name in ("q_positions", "q_segments"):
+      specs[name] = at((1, bq, bk), lambda b, h, i, j: (b, i, 0))
+    elif name in ("k_positions", "k_segments", "k_valid"):
+      specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
+    elif name in ("slopes", "theta", "bucket_table"):
+      specs[name] = smem
+    elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
+      shift = name == "window_hi"
+      specs[name] = at((bq, a.shape[-1]), lambda b, h, i, j, shift=shift: (j - i - 1 + n + shift, 0))
+    elif name in ("reversed_lo", "reversed_hi"):  # the same rows of the reversed table
+      shift = name == "reversed_hi"
+      specs[name] = at((bq, a.shape[-1]), lambda b, h, i, j, shift=shift: (n - 1 - (j - i) + shift, 0))
+    else:
+      raise AssertionError(name)
+  return specs
+
+
+def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, extra: dict):
+  """The kernels' arrays (see the module docstring for their layouts)."""
+  bk = plan.block_k
+  replicate = lambda x: jnp.broadcast_to(x[:, :, None], (*x.shape, bk))
+  arrays = {"q": q, "k": k, "v": v, **extra,
+            "q_positions": replicate(positions), "q_segments": replicate(segment_ids),
+            "k_positions": positions[:, None], "k_segments": segment_ids[:, None], "k_valid": valid[:, None]}
+  if terms.alibi is not None:
+    arrays["slopes"] = terms.alibi.slopes.astype(jnp.float32)
+  if terms.buckets is not None:
+    arrays["bucket_table"] = terms.buckets.table.T.astype(jnp.float32)
+  if terms.untied is not None:
+    arrays["u_q"], arrays["u_k"] = (getattr(terms.untied, n).transpose(0, 2, 1, 3) for n in ("u_q", "u_k"))
+    if terms.untied.reset != "none":
+      arrays["theta"] = terms.untied.theta.astype(jnp.float32)
+  rel = terms.relative
+  if rel is not None:
+    table = gpu._window_table(rel, q.shape[2])
+    if rel.query:
+      arrays["window_lo"] = arrays["window_hi"] = table
+    if rel.key:
+      arrays["reversed_lo"] = arrays["reversed_hi"] = table[::-1]
+  return arrays
+
+
+def _call(kernel, plan: Plan, terms: Terms, arrays: dict, outputs: dict, grid, tiles, scratch: dict | None = None):
+  """``outputs``: name → (ShapeDtypeStruct, BlockSpec); ``tiles(b, h, x, y)``: the grid point's (i, j);
+  ``scratch``: name → shape of a float32 VMEM buffer."""
+  scratch = scratch or {}
+  specs = _specs(plan, terms, arrays, tiles)
+  results = pl.pallas_call(
+      functools.partial(kernel, plan, terms, list(arrays) + list(outputs) + list(scratch)),
+      grid=grid,
+      in_specs=[specs[n] for n in arrays],
+      out_specs=[spec for _, spec in outputs.values()],
+      out_shape=[shape for shape, _ in outputs.values()],
+      scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch.values()],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=plan.interpret,
+      name=kernel.__name__.strip("_"),
+  )(*arrays.values())
+  return dict(zip(outputs, results))
+
+
+def _rows(shape, block: int, dtype=jnp.float32, *, axis: int = 2):
+  """A ``[B, H, L, X]`` output written a tile of ``block`` rows at a time (tile index: grid axis ``axis``)."""
+  spec = pl.BlockSpec((1, 1, block, shape[-1]), lambda b, h, x, y: (b, h, (x, y)[axis - 2], 0))
+  return jax.ShapeDtypeStruct(shape, dtype), spec
+
+
+_QUERY_MAJOR = lambda b, h, i, j: (i, j)
+_KEY_MAJOR = lambda b, h, j, i: (i, j)
+
+
+def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+  terms = plan.terms(leaves)
+  b, h, l, _ = q.shape
+  bq, bk = plan.block_q, plan.block_k
+  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, {})
+  out = _call(_forward_kernel, plan, terms, arrays,
+              {"out": _rows(v.shape, bq, v.dtype), "row_max": _rows((b, h, l, bk), bq),
+               "row_sum": _rows((b, h, l, bk), bq)},
+              (b, h, l // bq, l // bk), _QUERY_MAJOR,
+              {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v.shape[-1]), "misplaced": (bq, bk)})
+  return out["out"], (out["row_max"], out["row_sum"])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+  """As :func:`posjax.kernels.pallas.attention`, on TPU."""
+  return _forward(plan, leaves, q, k, v, positions, segment_ids, valid)[0]
+
+
+def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid):
+  out, stats = _forward(plan, leaves, q, k, v, positions, segment_ids, valid)
+  return out, (leaves, q, k, v, positions, segment_ids, valid, out, stats)
+
+
+def _attention_bwd(plan, residuals, d_out):
+  leaves, q, k, v, positions, segment_ids, valid, out, (row_max, row_sum) = residuals
+  terms = plan.terms(leaves)
+  b, h, l, d = q.shape
+  bq, bk = plan.block_q, plan.block_k
+  n_q, n_k = l // bq, l // bk
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid,
+                   {"d_out": d_out, "row_max": row_max, "row_sum": row_sum,
+                    "delta": jnp.broadcast_to(delta, row_max.shape)})
+
+  dq_out, dq_scratch = {"dq": _rows(q.shape, bq)}, {"acc_dq": (bq, d)}
+  if terms.untied is not None:
+    dq_out["du_q"], dq_scratch["acc_du_q"] = _rows((b, h, l, d), bq), (bq, d)
+  columns = _column_count(terms)
+  if columns:
+    dq_out["dpos"], dq_scratch["acc_dpos"] = _rows((b, h, l, columns), bq), (bq, columns)
+  dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _QUERY_MAJOR, dq_scratch)
+
+  dkv_out = {"dk": _rows(k.shape, bk), "dv": _rows(v.shape, bk)}
+  dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v.shape[-1])}
+  if terms.untied is not None:
+    dkv_out["du_k"], dkv_scratch["acc_du_k"] = _rows((b, h, l, d), bk), (bk, d)
+  dkv_res = _call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), _KEY_MAJOR, dkv_scratch)
+
+  d_terms = jax.tree.map(jnp.zeros_like, terms)
+  rel = terms.relative
+  if rel is not None:
+    window_out = {}
+    spec = pl.BlockSpec((1, 1, 1, 2 * bq, d), lambda b, h, p, s: (b, h, p, 0, 0))
+    for name, side in (("d_window", rel.query), ("d_reversed", rel.key)):
+      if side:
+        window_out[name] = jax.ShapeDtypeStruct((b, h, 2 * n_q - 1, 2 * bq, d), jnp.float32), spec
+    # grid point (p, s) works on tile (s, s + p - (n - 1)), clamped into the sequence where it does not exist
+    diagonal = lambda b, h, p, s: (s, jnp.clip(s + p - (n_q - 1), 0, n_q - 1))
+    res = _call(_window_grad_kernel, plan, terms, arrays, window_out, (b, h, 2 * n_q - 1, n_q), diagonal)
+    d_pad = jnp.zeros((2 * l, d), jnp.float32)
+    if "d_window" in res:
+      d_pad = d_pad + gpu._overlap_add(jnp.sum(res["d_window"], axis=(0, 1)), bq)
+    if "d_reversed" in res:
+      d_pad = d_pad + gpu._overlap_add(jnp.sum(res["d_reversed"], axis=(0, 1))[::-1], bq)[::-1]
+    d_table = gpu._fold_window_table(d_pad, rel, l)
+    d_terms = d_terms.replace(relative=d_terms.relative.replace(table=d_table.astype(rel.table.dtype)))
+  if terms.untied is not None:
+    d_terms = d_terms.replace(untied=gpu._untied_grads(terms.untied, dq_res["du_q"], dkv_res["du_k"]))
+  if columns:
+    d_columns = jnp.sum(dq_res["dpos"], axis=(0, 2))  # [H, C]
+    column = 0
+    if terms.buckets is not None:
+      n = terms.buckets.table.shape[0]
+      d_terms = d_terms.replace(buckets=d_terms.buckets.replace(
+          table=d_columns[:, :n].T.astype(terms.buckets.table.dtype)))
+      column = n
+    if terms.alibi is not None:
+      d_terms = d_terms.replace(alibi=d_terms.alibi.replace(
+          slopes=d_columns[:, column].astype(terms.alibi.slopes.dtype)))
+      column += 1
+    if terms.untied is not None and terms.untied.reset != "none":
+      d_terms = d_terms.replace(untied=d_terms.untied.replace(
+          theta=d_columns[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
+  dq, dk, dv = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
+  return (jax.tree_util.tree_leaves(d_terms), dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None, None, None)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
