@@ -94,12 +94,13 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   assert_close_tree(grads["pallas"], grads["xla"])
 
 
-@pytest.mark.parametrize("interpreter,blocks", [(True, (8, 16)), ("tpu", (16, 16))])
-def test_every_term_at_once_matches_xla(interpreter, blocks):
+@pytest.mark.parametrize("interpreter,blocks,length", [(True, (8, 16), 21), ("tpu", (16, 16), 21),
+                                                       (True, (32, 64), 100)])
+def test_every_term_at_once_matches_xla(interpreter, blocks, length):
   """All four terms in one call (the random draws above need not cover each gradient): ALiBi, T5 buckets with
   [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset."""
   rng = np.random.default_rng(3)
-  batch, length, heads, head_dim = 2, 21, 2, 8
+  batch, heads, head_dim = 2, 2, 8
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   positions, segments, lengths = packed_rows(rng, batch, length)
   terms = kernels.Terms(
