@@ -98,15 +98,21 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
                                                        (True, (32, 64), 100)])
 def test_every_term_at_once_matches_xla(interpreter, blocks, length):
   """All four terms in one call (the random draws above need not cover each gradient): ALiBi, T5 buckets with
-  [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset."""
+  [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset. At
+  L=100 the bucket and relative tables are wide (clip at 90: 256 padded rows), so the backward scatters them
+  in pieces."""
   rng = np.random.default_rng(3)
   batch, heads, head_dim = 2, 2, 8
+  wide = 90 if length >= 100 else 5
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   positions, segments, lengths = packed_rows(rng, batch, length)
   terms = kernels.Terms(
       alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
-      buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33),
-      relative=kernels.Relative(0.5 * f32(11, head_dim), max_distance=5, query=True, key=True),
+      buckets=(kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33)
+               if length < 100 else kernels.Buckets(f32(183, heads), kind="clip", max_distance=90, cls_row=181,
+                                                    cls_col=182)),
+      relative=kernels.Relative(0.5 * f32(2 * wide + 1, head_dim), max_distance=wide, query=True, key=True,
+                                window=False if length >= 100 else None),
       untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads)))
   q, k, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
 
@@ -121,13 +127,16 @@ def test_every_term_at_once_matches_xla(interpreter, blocks, length):
   assert_close_tree(got, want)
 
 
-@pytest.mark.parametrize("length,k,causal,interpreter", [(37, 36, False, True), (16, 5, True, "tpu")])
-def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter):
+@pytest.mark.parametrize("length,k,causal,interpreter,packed", [
+    (37, 36, False, True, True), (16, 5, True, "tpu", True), (21, 3, False, True, False),
+    (21, 30, False, "tpu", False)])
+def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter, packed):
   """The window on both sides, with distances past k (clipped rows: their gradient sums) or without; packed,
-  padded and causal rows."""
+  padded and causal rows; or one default segment with a length that is no power of two (the kernel's padding
+  rows then share the tokens' segment)."""
   rng = np.random.default_rng(length)
   batch, heads, head_dim = 3, 2, 8
-  positions, segments, lengths = packed_rows(rng, batch, length)
+  positions, segments, lengths = packed_rows(rng, batch, length) if packed else (None, None, None)
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   terms = kernels.Terms(relative=kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k, query=True,
                                                   key=True, window=True))
@@ -154,7 +163,7 @@ def test_windowed_relative_vectors_make_rows_with_skipping_positions_nan(interpr
   segments = np.repeat([1, 2, 3], [10, 8, 6])[None]
   q, k, v = (jnp.asarray(rng.normal(size=(1, length, heads, head_dim)), jnp.float32) for _ in range(3))
   table = jnp.asarray(rng.normal(size=(2 * 23 + 1, head_dim)), jnp.float32)
-  run = lambda window, implementation="pallas": kernels.relative_attention(
+  run = lambda window, implementation="pallas", q=q, k=k, v=v: kernels.relative_attention(
       q, k, v, terms=kernels.Terms(relative=kernels.Relative(table, 23, query=True, key=True, window=window)),
       positions=positions, segment_ids=segments, implementation=implementation, block_sizes=(8, 8),
       interpret=interpreter)
@@ -163,6 +172,10 @@ def test_windowed_relative_vectors_make_rows_with_skipping_positions_nan(interpr
   np.testing.assert_allclose(windowed[0, :18], want[0, :18], rtol=1e-5, atol=1e-5)
   if interpreter is True:
     np.testing.assert_allclose(run(False), want, rtol=1e-5, atol=1e-5)
+  # a loss that leaves the NaN rows out gets finite gradients, the xla path's
+  loss = lambda implementation, q, k, v: jnp.sum(run(True, implementation, q, k, v)[:, :18] ** 2)
+  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(q, k, v) for impl in ("xla", "pallas"))
+  assert_close_tree(got, want)
 
 
 def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
@@ -211,6 +224,11 @@ LOWERED = {
     "huang_m4": lambda f32: kernels.Terms(relative=kernels.Relative(f32(15, 24), 7, query=True, key=True)),
     "huang_m4 window": lambda f32: kernels.Terms(relative=kernels.Relative(f32(79, 24), 39, query=True, key=True,
                                                                                   window=True)),
+    # 259 bucket entries and 257 gathered distances: the backward scatters them in pieces (a one-hot of
+    # [64, 64, 512] is over Triton's 2^20 elements)
+    "wide tables": lambda f32: kernels.Terms(
+        buckets=kernels.Buckets(f32(259, 2), kind="clip", max_distance=128, cls_row=257, cls_col=258),
+        relative=kernels.Relative(f32(257, 24), 128, query=True, key=True, window=False)),
 }
 
 
@@ -231,12 +249,22 @@ def test_the_kernels_lower_for_gpu_and_tpu(terms, platform, monkeypatch):
     return jnp.sum(out.astype(jnp.float32))
 
   terms = terms(f32)
+  if platform == "tpu" and terms is not None and terms.relative is not None:
+    terms = terms.replace(relative=terms.relative.replace(window=None))  # always windowed there
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=(platform,))
   # forward, dq and dk/dv kernels, and the windowed table's gradient kernel (always windowed on TPU)
   relative = terms is not None and terms.relative is not None
   window = relative and (terms.relative.window or platform == "tpu")
   call = "xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
   assert lowered.as_text().count(call) == 3 + bool(window)
+
+
+def test_tpu_blocks_mosaic_cannot_tile_are_an_error(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  x = jnp.ones((1, 512, 2, 64))
+  with pytest.raises(ValueError, match=r"a key block that is a multiple of 128 \(or blocks as long as the padded "
+                                       r"sequence, 512\); the tiles are 64x64"):
+    kernels.relative_attention(x, x, x, block_sizes=(64, 64), interpret=False)
 
 
 @pytest.mark.parametrize("config,message", [
@@ -284,7 +312,9 @@ def test_bad_options_are_errors():
       (dict(lengths=np.array([5, 2, 7])), r"lengths has shape \(3,\); expected \(2,\)"),
       (dict(block_sizes=(48, 64)), r"block_q=48 must be a positive power of two"),
       (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window=True)), block_sizes=(8, 4)),
-       r"Relative.window=True needs equal query and key blocks; the tiles are 8x4"),
+       r"relative vectors read windowed \(Relative.window=True\) need equal query and key blocks; the tiles are 8x4"),
+      (dict(terms=kernels.Terms(untied=kernels.Untied(jnp.ones((3, 8, 2, 4)), jnp.ones((1, 8, 2, 4)), jnp.ones((2, 2))))),
+       r"Untied.u_q has shape \(3, 8, 2, 4\); expected \(2 or 1, 8, 2, 4\)"),
       (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window=False)), interpret="tpu"),
        r"Relative.window=False \(gathered relative vectors\) needs gathers, which TPU kernels do not have"),
       (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window="yes"))),

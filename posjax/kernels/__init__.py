@@ -56,7 +56,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   if k_BxLxHxK.shape != q_BxLxHxK.shape or v_BxLxHxK.shape[:3] != q_BxLxHxK.shape[:3]:
     raise ValueError(f"q {q_BxLxHxK.shape}, k {k_BxLxHxK.shape} and v {v_BxLxHxK.shape} must agree on "
                      "[B, L, H] (and q, k on K)")
-  terms.check(h, d, length)
+  terms.check(b, h, d, length)
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
                else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
@@ -84,6 +84,10 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
   block_sizes = block_sizes or ((128, 128) if tpu else (64, 64))
   bq, bk, padded = pallas.block_sizes(length, *block_sizes)
+  if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):
+    raise ValueError(f"the TPU kernels need a query block that is a multiple of 8 and a key block that is a "
+                     f"multiple of 128 (or blocks as long as the padded sequence, {padded}); the tiles are "
+                     f"{bq}x{bk} (block_sizes={tuple(block_sizes)})")
   # Power-of-two sizes everywhere (Triton's arrays must be): the sequence, head dimensions and the tables' rows,
   # padded with zeros that change no logit (padded keys are masked) and get no gradient.
   pad = lambda x, axis, size: jnp.pad(x, [(0, size - x.shape[a] if a == axis else 0) for a in range(x.ndim)])
@@ -100,8 +104,9 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
       raise ValueError("Relative.window=False (gathered relative vectors) needs gathers, which TPU kernels do not "
                        "have; use window=True or None there")
     if window and bq != bk:
-      raise ValueError(f"Relative.window=True needs equal query and key blocks; the tiles are {bq}x{bk} "
-                       f"(block_sizes={tuple(block_sizes)} for length {length})")
+      raise ValueError(f"relative vectors read windowed (Relative.window={r.window}"
+                       f"{', as on TPU always' if tpu else ''}) need equal query and key blocks; the tiles are "
+                       f"{bq}x{bk} (block_sizes={tuple(block_sizes)} for length {length})")
     terms = terms.replace(relative=r.replace(table=pad(pad(r.table, 0, pow2(r.table.shape[0])), 1, head_dim),
                                              window=bool(window)))
   if terms.buckets is not None and not tpu:  # the TPU kernels select per entry: no padded entries

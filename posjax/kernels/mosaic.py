@@ -51,7 +51,7 @@ class _Tile:
       self.distance = jnp.abs(rel).astype(jnp.float32)
       s = s - r["slopes"][h] * self.distance
     if terms.relative is not None:
-      self.misplaced = rel != (j - i) * bq + col - row
+      self.misplaced = (rel != (j - i) * bq + col - row) & (i * bq + row < plan.length)
       s = s + self._relative(terms.relative)
     self.reset = terms.untied.reset if terms.untied is not None else "none"
     self.neither = ~self.cls_i & ~self.cls_j
@@ -387,7 +387,7 @@ def _attention_bwd(plan, residuals, d_out):
   b, h, l, d = q.shape
   bq, bk = plan.block_q, plan.block_k
   n_q, n_k = l // bq, l // bk
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+  delta = gpu.row_delta(d_out, out, keepdims=True)
   arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid,
                    {"d_out": d_out, "row_max": row_max, "row_sum": row_sum,
                     "delta": jnp.broadcast_to(delta, row_max.shape)})

@@ -143,7 +143,7 @@ class _Tile:
         term = term + self._gather("ke", j0 + col, self.rel_index)
       return term
     self.skew_index = col - row + bq
-    self.misplaced = rel != j0 - i0 + col - row
+    self.misplaced = (rel != j0 - i0 + col - row) & (i0 + row < self.plan.length)
     start = j0 - i0 - bq + self.refs["q"].shape[2]
     self.e_win = self.refs["window_table"][pl.ds(start, 2 * bq), :]  # [2 bq, K]
     if r.query:
@@ -187,12 +187,13 @@ class _Tile:
       return ref[0, column_index].astype(jnp.float32)
     return ref[0, 0, row_index, column_index].astype(jnp.float32)
 
-  def one_hot_relative(self):
-    """``[bq, bk, 2k+1]``: the backward's scatter of a pair's gradient to its distance, as a one-hot product."""
-    return _one_hot(self.rel_index, self.terms.relative.table.shape[0])
-
-  def one_hot_bucket(self):
-    return _one_hot(self.bucket_index, self.terms.buckets.table.shape[0])
+  def scatter(self, values, index, entries: int, axis):
+    """The backward's scatter of each pair's gradient to its table entry (distance or bucket): ``values``
+    ``[bq, bk]`` times ``one_hot(index, entries)`` summed over ``axis``, in pieces of :func:`_chunk` entries
+    (a tuple): Triton caps an array at 2^20 elements, which ``[bq, bk, entries]`` exceeds for wide tables."""
+    chunk = _chunk(self.plan, entries)
+    return tuple(jnp.sum(values[:, :, None] * _one_hot(index - start, chunk), axis=axis)
+                 for start in range(0, entries, chunk))
 
   def _untie(self, positional):
     theta_row = self.refs["theta_row"][0, 0].astype(jnp.float32)
@@ -251,6 +252,32 @@ def _ds(plan: Plan, r: dict, tile: _Tile):
   return p, jnp.where(tile.allowed, ds, 0.0)
 
 
+def _chunk(plan: Plan, entries: int) -> int:
+  """Table entries per scatter piece: a ``[bq, bk, piece]`` one-hot of at most 2^18 elements."""
+  return min(entries, max(1, (1 << 18) // (plan.block_q * plan.block_k)))
+
+
+def _zero_pieces(plan: Plan, rows: tuple, entries: int):
+  chunk = _chunk(plan, entries)
+  return tuple(jnp.zeros((*rows, chunk), jnp.float32) for _ in range(entries // chunk))
+
+
+def _add(acc, pieces):
+  return tuple(a + p for a, p in zip(acc, pieces))
+
+
+def _write(out, value, rows: bool):
+  """An accumulator into this program's output block: rows ``[b, L, X]`` or a partial sum ``[X]``; a tuple of
+  scatter pieces fills the last axis piece by piece."""
+  pieces = value if isinstance(value, tuple) else (value,)
+  width = pieces[0].shape[-1]
+  for c, piece in enumerate(pieces):
+    if rows:
+      out[0, 0, :, pl.ds(c * width, width)] = piece.astype(out.dtype)
+    else:
+      out[0, 0, 0, pl.ds(c * width, width)] = piece.astype(out.dtype)
+
+
 def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
@@ -258,13 +285,13 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   acc = {"dq": jnp.zeros((bq, head_dim), jnp.float32)}
   window = terms.relative is not None and terms.relative.window
   if terms.relative is not None and terms.relative.query and not window:
-    acc["dqe"] = jnp.zeros((bq, terms.relative.table.shape[0]), jnp.float32)
+    acc["dqe"] = _zero_pieces(plan, (bq,), terms.relative.table.shape[0])
   if terms.untied is not None:
     acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
     if terms.untied.reset != "none":
       acc["dtheta_row"] = acc["dtheta_col"] = jnp.zeros((1,), jnp.float32)
   if terms.buckets is not None:
-    acc["dbucket"] = jnp.zeros((terms.buckets.table.shape[0],), jnp.float32)
+    acc["dbucket"] = _zero_pieces(plan, (), terms.buckets.table.shape[0])
   if terms.alibi is not None:
     acc["dslope"] = jnp.zeros((1,), jnp.float32)
 
@@ -274,7 +301,7 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc = dict(acc)
     acc["dq"] = acc["dq"] + plan.scale * _dot(ds.astype(tile.k.dtype), tile.k).astype(jnp.float32)
     if "dqe" in acc:
-      acc["dqe"] = acc["dqe"] + jnp.sum(ds[:, :, None] * tile.one_hot_relative(), axis=1)
+      acc["dqe"] = _add(acc["dqe"], tile.scatter(ds, tile.rel_index, terms.relative.table.shape[0], 1))
     if window and terms.relative.query:
       acc["dq"] = acc["dq"] + plan.scale * _dot(tile.unskew(ds, key=False), tile.e_win.astype(jnp.float32))
     d_untied, d_bucket = tile.position_grads(ds)
@@ -284,18 +311,15 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
       acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i[:, None], ds, 0.0))
       acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i[:, None] & tile.cls_j[None, :], ds, 0.0))
     if "dbucket" in acc:
-      acc["dbucket"] = acc["dbucket"] + jnp.sum(d_bucket[:, :, None] * tile.one_hot_bucket(), axis=(0, 1))
+      acc["dbucket"] = _add(acc["dbucket"], tile.scatter(d_bucket, tile.bucket_index,
+                                                         terms.buckets.table.shape[0], (0, 1)))
     if "dslope" in acc:
       acc["dslope"] = acc["dslope"] - jnp.sum(ds * tile.distance)
     return acc
 
   acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
   for name, value in acc.items():
-    out = r[name]
-    if name in ("dtheta_row", "dtheta_col", "dbucket", "dslope"):
-      out[0, 0, 0, :] = value.astype(out.dtype)
-    else:
-      out[0, 0, :, :] = value.astype(out.dtype)
+    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dbucket", "dslope"))
 
 
 def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -305,7 +329,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   acc = {"dk": jnp.zeros((bk, head_dim), jnp.float32), "dv": jnp.zeros((bk, r["v"].shape[-1]), jnp.float32)}
   window = terms.relative is not None and terms.relative.window
   if terms.relative is not None and terms.relative.key and not window:
-    acc["dke"] = jnp.zeros((bk, terms.relative.table.shape[0]), jnp.float32)
+    acc["dke"] = _zero_pieces(plan, (bk,), terms.relative.table.shape[0])
   if terms.untied is not None:
     acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
 
@@ -317,7 +341,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dv"] = acc["dv"] + _t_dot(p.astype(do.dtype), do)
     acc["dk"] = acc["dk"] + plan.scale * _t_dot(ds.astype(tile.q.dtype), tile.q)
     if "dke" in acc:
-      acc["dke"] = acc["dke"] + jnp.sum(ds[:, :, None] * tile.one_hot_relative(), axis=0)
+      acc["dke"] = _add(acc["dke"], tile.scatter(ds, tile.rel_index, terms.relative.table.shape[0], 0))
     if window and terms.relative.key:
       acc["dk"] = acc["dk"] + plan.scale * _dot(tile.unskew(ds, key=True), tile.e_win.astype(jnp.float32))
     if "du_k" in acc:
@@ -327,7 +351,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
 
   acc = jax.lax.fori_loop(0, r["q"].shape[2] // plan.block_q, body, acc)
   for name, value in acc.items():
-    r[name][0, 0, :, :] = value.astype(r[name].dtype)
+    _write(r[name], value, rows=True)
 
 
 def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -505,7 +529,7 @@ def _attention_bwd(plan, residuals, d_out):
   terms = plan.terms(leaves)
   b, h, l, d = q.shape
   n_q, n_k = l // plan.block_q, l // plan.block_k
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = row_delta(d_out, out)
   inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid,
                           {**extra, "d_out": d_out})
   inputs.update(row_max=row_max, row_sum=row_sum, delta=delta)
@@ -571,6 +595,13 @@ def _attention_bwd(plan, residuals, d_out):
     d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None)
+
+
+def row_delta(d_out, out, keepdims: bool = False):
+  """``Σ_k d_out·out`` per row (the softmax backward's correction), counting nothing where ``d_out`` is 0: a NaN
+  row (a windowed table's flag) whose output the loss ignores must not poison every other gradient."""
+  terms = jnp.where(d_out == 0, 0.0, d_out.astype(jnp.float32) * out.astype(jnp.float32))
+  return jnp.sum(terms, axis=-1, keepdims=keepdims)
 
 
 def _untied_grads(untied, du_q, du_k):

@@ -113,7 +113,7 @@ class Terms:
   relative: Relative | None = None
   untied: Untied | None = None
 
-  def check(self, num_heads: int, head_dim: int, length: int) -> None:
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
     """Shapes and options, with errors that say what was given and what is allowed."""
     if self.alibi is not None and self.alibi.slopes.shape != (num_heads,):
       raise ValueError(f"ALiBi slopes have shape {self.alibi.slopes.shape}; expected ({num_heads},) (one per head)")
@@ -153,8 +153,8 @@ class Terms:
       if u.reset not in RESETS:
         raise ValueError(f"Untied.reset={u.reset!r}; allowed: {list(RESETS)}")
       for name, x in (("u_q", u.u_q), ("u_k", u.u_k)):
-        if x.ndim != 4 or x.shape[1:] != (length, num_heads, head_dim):
-          raise ValueError(f"Untied.{name} has shape {x.shape}; expected (B or 1, {length}, {num_heads}, "
+        if x.ndim != 4 or x.shape[0] not in (1, batch) or x.shape[1:] != (length, num_heads, head_dim):
+          raise ValueError(f"Untied.{name} has shape {x.shape}; expected ({batch} or 1, {length}, {num_heads}, "
                            f"{head_dim})")
       if u.reset != "none" and (u.theta is None or u.theta.shape != (2, num_heads)):
         raise ValueError(f"Untied.theta must have shape (2, {num_heads}) with reset={u.reset!r}")
