@@ -13,8 +13,10 @@ float32; dropout on the weights. Kernels (``kernel=``):
   each tile from the batch's positions (ALiBi, T5 / TUPE-R buckets, TUPE's untied term and [CLS] reset, Shaw /
   Method 4 vectors; q/k transforms such as RoPE before it). No ``[B, H, L, L]`` array is kept for the backward
   pass. Shaw / Method 4 with a table wider than two tiles read it windowed, which needs positions rising by one
-  inside each segment (rows where they do not are NaN; :class:`posjax.kernels.Relative`). Not Methods 1-3, Shaw's value term or attention dropout (an error). On a CPU it runs in Pallas
-  interpret mode: slow, but the same outputs and gradients as ``xla``, for tests and for checking a model.
+  inside each segment (rows where they do not are NaN; :class:`posjax.kernels.Relative`). Attention dropout uses
+  a hashed mask that the kernel recomputes per tile (:mod:`posjax.kernels.dropout`; other draws than the ``xla``
+  path's). Not Methods 1-3 or Shaw's value term (an error). On a CPU it runs in Pallas interpret mode: slow,
+  but the same outputs and gradients as ``xla``, for tests and for checking a model.
 - ``auto``: ``cudnn`` where it can compute the layer, otherwise ``xla`` with a log line (it does not pick
   ``pallas``: its GPU speed has not been measured yet).
 
@@ -78,9 +80,6 @@ def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool
   if kernel == "xla":
     return "xla"
   if kernel == "pallas":
-    if dropout:
-      raise ValueError("attention kernel 'pallas' has no dropout on the attention weights: set "
-                       "attention_dropout_rate=0 or use kernel 'xla'")
     return "pallas"
   reasons = []
   if not spec.fusable:
@@ -185,9 +184,11 @@ class SelfAttention(nn.Module):
       drop = lambda w: nn.Dropout(self.dropout_rate)(w, deterministic=not dropout)
       out = softmax_attention(logits, v, mask, terms.value_fn, drop)
     elif kernel == "pallas":
+      seed = kernels.dropout.seed_from_key(self.make_rng("dropout")) if dropout else None
       out = kernels.relative_attention(
           terms.q, terms.k, v, terms=kernels.merge(state.kernel_terms, terms.kernel_terms), positions=state.positions,
-          segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale)
+          segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale,
+          dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
     else:
       out = fused_attention(terms.q, terms.k, v, add_biases(terms.bias, state.bias), mask, spec.scale)
     return nn.DenseGeneral(

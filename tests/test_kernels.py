@@ -233,8 +233,8 @@ LOWERED = {
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("terms", LOWERED.values(), ids=LOWERED.keys())
-def test_the_kernels_lower_for_gpu_and_tpu(terms, platform, monkeypatch):
+@pytest.mark.parametrize("name", LOWERED)
+def test_the_kernels_lower_for_gpu_and_tpu(name, platform, monkeypatch):
   # Lowering (not running) from this CPU machine, for CUDA with Triton and for TPU with Mosaic: each backend's
   # constraints (Triton: power-of-two arrays, no slicing of loaded values, no batched matmul; Mosaic: block
   # shapes, no gathers) are checked here, so an accelerator session starts from kernels that lower.
@@ -244,11 +244,14 @@ def test_the_kernels_lower_for_gpu_and_tpu(terms, platform, monkeypatch):
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   q, k, v = (f32(2, 40, 2, 24).astype(jnp.bfloat16) for _ in range(3))  # L=40, d=24: padded to powers of two
 
+  rate = 0.1 if name == "alibi+t5" else 0.0  # one case with attention dropout (its hash: logical shifts)
+
   def loss(q, k, v, terms):
-    out = kernels.relative_attention(q, k, v, terms=terms, lengths=np.array([40, 31]), interpret=False)
+    out = kernels.relative_attention(q, k, v, terms=terms, lengths=np.array([40, 31]), interpret=False,
+                                     dropout_rate=rate, dropout_seed=jnp.int32(7))
     return jnp.sum(out.astype(jnp.float32))
 
-  terms = terms(f32)
+  terms = LOWERED[name](f32)
   if platform == "tpu" and terms is not None and terms.relative is not None:
     terms = terms.replace(relative=terms.relative.replace(window=None))  # always windowed there
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=(platform,))
@@ -276,12 +279,59 @@ def test_methods_the_kernel_cannot_compute_are_errors(config, message):
     BertConfig.tiny(attention_kernel="pallas", **config)
 
 
-def test_attention_dropout_on_pallas_is_an_error():
-  config = BertConfig.tiny(position="alibi", attention_kernel="pallas")
-  ids = jnp.ones((1, 8), jnp.int32)
+@pytest.mark.parametrize("interpreter,blocks", [(True, (8, 16)), ("tpu", (8, 8))])
+def test_dropout_matches_xla_with_the_same_mask(interpreter, blocks):
+  """The kernels' tiles rebuild the hashed mask the ``xla`` path builds densely: equal outputs and gradients."""
+  rng = np.random.default_rng(4)
+  batch, length, heads, head_dim = 2, 21, 2, 8
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  positions, segments, lengths = packed_rows(rng, batch, length)
+  terms = kernels.Terms(alibi=kernels.Alibi(jnp.asarray([0.3, 0.1])),
+                        relative=kernels.Relative(0.5 * f32(11, head_dim), max_distance=5, query=True, key=True))
+  q, k, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=lengths, implementation=implementation, block_sizes=blocks,
+                                     interpret=interpreter, dropout_rate=0.3, dropout_seed=1234)
+    return jnp.sum(out * weights)
+
+  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms)
+               for impl in ("xla", "pallas"))
+  assert_close_tree(got, want)
+
+
+def test_the_dropout_mask_keeps_the_rate_and_is_unbiased():
+  """Properties of the hashed mask and the reference: keep fraction 1 - rate; independent of other heads, rows
+  and seeds (agreement p² + (1-p)²); the average over seeds is the output without dropout."""
+  rate, length = 0.1, 256
+  index = jnp.arange(length, dtype=jnp.int32)
+  masks = [kernels.dropout.keep(kernels.dropout.salts(seed, 2, 3)[:, :, None, None], index[:, None],
+                                index[None, :], rate) for seed in (0, 1)]
+  assert abs(float(jnp.mean(masks[0])) - (1 - rate)) < 0.003
+  agree = (1 - rate) ** 2 + rate ** 2
+  for a, b in ((masks[0], masks[1]), (masks[0][:, 0], masks[0][:, 1]), (masks[0][0], masks[0][1]),
+               (masks[0][..., :-1, :], masks[0][..., 1:, :])):
+    assert abs(float(jnp.mean(a == b)) - agree) < 0.005
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 12, 2, 4)), jnp.float32) for _ in range(3))
+  run = lambda seed, rate: kernels.relative_attention(q, k, v, implementation="xla", dropout_rate=rate,
+                                                      dropout_seed=seed)
+  mean = jnp.mean(jax.vmap(lambda seed: run(seed, 0.5))(jnp.arange(4000)), axis=0)
+  np.testing.assert_allclose(mean, run(None, 0.0), atol=0.06)
+
+
+def test_a_model_on_pallas_trains_with_attention_dropout():
+  config = BertConfig.tiny(position="alibi", attention_kernel="pallas", num_layers=1, dropout_rate=0.0)
+  ids = jnp.asarray(np.random.default_rng(0).integers(5, 128, (2, 16)))
   params = BertModel(config).init(jax.random.key(0), ids)["params"]
-  with pytest.raises(ValueError, match="'pallas' has no dropout on the attention weights"):
-    BertModel(config).apply({"params": params}, ids, deterministic=False, rngs={"dropout": jax.random.key(1)})
+  apply = lambda params, key: BertModel(config).apply({"params": params}, ids, deterministic=key is None,
+                                                      rngs=None if key is None else {"dropout": key}).last_hidden_state
+  plain, dropped, again = apply(params, None), apply(params, jax.random.key(1)), apply(params, jax.random.key(1))
+  assert float(jnp.abs(dropped - plain).max()) > 1e-4  # the weights were dropped (float noise: ~1e-7)
+  np.testing.assert_array_equal(dropped, again)  # the same key, the same mask
+  grads = jax.grad(lambda p: jnp.sum(apply(p, jax.random.key(1)) ** 2))(params)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
 
 
 @pytest.mark.parametrize("terms,message", [
@@ -310,6 +360,8 @@ def test_bad_options_are_errors():
       (dict(terms=kernels.Terms(buckets=kernels.Buckets(table, kind="clip", max_distance=0))),
        r"Buckets.max_distance=0 must be >= 1 with kind='clip'"),
       (dict(lengths=np.array([5, 2, 7])), r"lengths has shape \(3,\); expected \(2,\)"),
+      (dict(dropout_rate=0.1), r"dropout_rate=0.1 needs a dropout_seed"),
+      (dict(dropout_rate=1.0, dropout_seed=0), r"dropout_rate=1.0 must be in \[0, 1\)"),
       (dict(block_sizes=(48, 64)), r"block_q=48 must be a positive power of two"),
       (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window=True)), block_sizes=(8, 4)),
        r"relative vectors read windowed \(Relative.window=True\) need equal query and key blocks; the tiles are 8x4"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posjax.kernels import dropout as dropout_lib
 from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -24,7 +25,7 @@ __all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untie
 def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
                        segment_ids=None, lengths=None, padding=None, scale: float | None = None,
                        causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] | None = None,
-                       interpret: bool | None = None):
+                       interpret: bool | None = None, dropout_rate: float = 0.0, dropout_seed=None):
   """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
 
   Args:
@@ -43,6 +44,10 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
       The TPU kernels need blocks that are multiples of (8, 128) or the whole padded sequence, and always read
       relative vectors windowed.
 
+    dropout_rate, dropout_seed: dropout on the attention weights (kept weights scaled by ``1/(1 - rate)``), its
+      mask a hash of the int ``dropout_seed``, the (batch row, head) and the pair (:mod:`posjax.kernels.dropout`):
+      the kernels recompute it per tile and the ``xla`` path builds the same one.
+
   First-order gradients only (a ``custom_vjp``; differentiating the backward pass again is not supported).
   """
   from posjax.kernels import mosaic, pallas, xla  # imported here: position methods import this package for its terms
@@ -57,6 +62,11 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     raise ValueError(f"q {q_BxLxHxK.shape}, k {k_BxLxHxK.shape} and v {v_BxLxHxK.shape} must agree on "
                      "[B, L, H] (and q, k on K)")
   terms.check(b, h, d, length)
+  dropout_rate = dropout_lib.check_rate(dropout_rate)
+  if dropout_rate and dropout_seed is None:
+    raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_seed (an int, e.g. "
+                     "posjax.kernels.dropout.seed_from_key(key))")
+  salts = dropout_lib.salts(dropout_seed if dropout_rate else 0, b, h)
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
                else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
@@ -72,7 +82,8 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     valid = jnp.ones((b, length), bool)
   if implementation == "xla":
     return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions,
-                         segment_ids_BxL=segment_ids, valid_BxL=valid, scale=scale, causal=causal)
+                         segment_ids_BxL=segment_ids, valid_BxL=valid, scale=scale, causal=causal,
+                         dropout_rate=dropout_rate, salts_BxH=salts)
   tpu = interpret == "tpu" or (not interpret and jax.default_backend() == "tpu")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
@@ -114,10 +125,10 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
                                                                   pow2(terms.buckets.table.shape[0]))))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = pallas.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
-                     interpret=interpret, treedef=treedef)
+                     interpret=interpret, treedef=treedef, dropout=dropout_rate)
   heads_first = lambda x, dim: pad(pad(x, 1, padded), 3, dim).transpose(0, 2, 1, 3)
   out = (mosaic if tpu else pallas).attention(
       plan, leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
       heads_first(v_BxLxHxK, value_dim), pad(positions, 1, padded), pad(segment_ids, 1, padded),
-      pad(valid.astype(jnp.int32), 1, padded))
+      pad(valid.astype(jnp.int32), 1, padded), salts)
   return out.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxHxK.shape[-1]]

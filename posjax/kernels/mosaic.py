@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import pallas as gpu
 from posjax.kernels.pallas import MASKED, Plan, _dot, _dot_t, _t_dot
 from posjax.kernels.terms import Terms
@@ -37,9 +38,9 @@ class _Tile:
   """The logits of tile (i, j) of one (batch, head) from this program's blocks, and the masks the backward
   needs (as :class:`posjax.kernels.pallas._Tile`, reading blocks instead of rows)."""
 
-  def __init__(self, plan: Plan, terms: Terms, r: dict, h, i, j):
+  def __init__(self, plan: Plan, terms: Terms, r: dict, b, h, i, j):
     bq, bk = plan.block_q, plan.block_k
-    self.plan, self.terms, self.r, self.h = plan, terms, r, h
+    self.plan, self.terms, self.r, self.b, self.h = plan, terms, r, b, h
     self.q, self.k = r["q"][0, 0], r["k"][0, 0]
     pos_i, pos_j = r["q_positions"][0], r["k_positions"][0]  # [bq, bk], [1, bk]
     rel = pos_j - pos_i
@@ -75,7 +76,15 @@ class _Tile:
     if plan.causal:
       allowed = allowed & (index_j <= index_i)
     self.allowed = allowed
+    self.index_i, self.index_j = index_i, index_j
     self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+
+  def dropped(self, x):
+    """``x`` with this tile's dropout applied (the salt of this (batch row, head) from SMEM)."""
+    if not self.plan.dropout:
+      return x
+    keep = dropout_lib.keep(self.r["salts"][self.b, self.h], self.index_i, self.index_j, self.plan.dropout)
+    return jnp.where(keep, x * (1.0 / (1.0 - self.plan.dropout)), 0.0)
 
   def _relative(self, rel):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
@@ -117,8 +126,8 @@ class _Tile:
 
 def _ds(plan: Plan, r: dict, tile: _Tile):
   p = jnp.exp(tile.logits - r["row_max"][0, 0]) / r["row_sum"][0, 0]
-  dp = _dot_t(r["d_out"][0, 0], r["v"][0, 0])
-  return p, jnp.where(tile.allowed, p * (dp - r["delta"][0, 0]), 0.0)
+  dp = tile.dropped(_dot_t(r["d_out"][0, 0], r["v"][0, 0]))
+  return tile.dropped(p), jnp.where(tile.allowed, p * (dp - r["delta"][0, 0]), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -127,7 +136,7 @@ def _ds(plan: Plan, r: dict, tile: _Tile):
 
 def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
-  _, h, i, j = (pl.program_id(a) for a in range(4))
+  b, h, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
   def _():
@@ -136,7 +145,7 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
     r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
     r["misplaced"][...] = jnp.zeros(r["misplaced"].shape, jnp.float32)
 
-  tile = _Tile(plan, terms, r, h, i, j)
+  tile = _Tile(plan, terms, r, b, h, i, j)
   m = r["m"][...]
   m_new = jnp.maximum(m, jnp.max(tile.logits, axis=1, keepdims=True))
   alpha = jnp.exp(m - m_new)
@@ -144,7 +153,7 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
   v = r["v"][0, 0]
   r["m"][...] = m_new
   r["l"][...] = alpha * r["l"][...] + jnp.sum(p, axis=1, keepdims=True)
-  r["acc"][...] = alpha[:, :1] * r["acc"][...] + _dot(p.astype(v.dtype), v)
+  r["acc"][...] = alpha[:, :1] * r["acc"][...] + _dot(tile.dropped(p).astype(v.dtype), v)
   if terms.relative is not None:
     bad = jnp.max(jnp.where(tile.allowed & tile.misplaced, 1.0, 0.0), axis=1, keepdims=True)
     r["misplaced"][...] = jnp.maximum(r["misplaced"][...], bad)
@@ -160,10 +169,10 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
 
 def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
-  _, h, i, j = (pl.program_id(a) for a in range(4))
+  b, h, i, j = (pl.program_id(a) for a in range(4))
   accumulators = [n for n in ("dq", "du_q", "dpos") if n in r]
   _zero_on_first_step(r, accumulators, j)
-  tile = _Tile(plan, terms, r, h, i, j)
+  tile = _Tile(plan, terms, r, b, h, i, j)
   _, ds = _ds(plan, r, tile)
   dq = plan.scale * _dot(ds.astype(tile.k.dtype), tile.k)
   rel = terms.relative
@@ -226,10 +235,10 @@ def _column_count(terms: Terms) -> int:
 
 def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
-  _, h, j, i = (pl.program_id(a) for a in range(4))
+  b, h, j, i = (pl.program_id(a) for a in range(4))
   accumulators = [n for n in ("dk", "dv", "du_k") if n in r]
   _zero_on_first_step(r, accumulators, i)
-  tile = _Tile(plan, terms, r, h, i, j)
+  tile = _Tile(plan, terms, r, b, h, i, j)
   p, ds = _ds(plan, r, tile)
   do = r["d_out"][0, 0]
   r["acc_dv"][...] += _t_dot(p.astype(do.dtype), do)
@@ -247,7 +256,7 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
   """Grid (batch, head, diagonal p, step s): tile (s, s + p - (n - 1)) when it exists; the window gradients
   (``d_window``, ``d_reversed``: ``[2 bq, K]``) stay resident across the steps."""
   r = dict(zip(names, refs))
-  _, h, p, s = (pl.program_id(a) for a in range(4))
+  b, h, p, s = (pl.program_id(a) for a in range(4))
   n = pl.num_programs(3)
   t = s + p - (n - 1)
   outputs = [name for name in ("d_window", "d_reversed") if name in r]
@@ -259,7 +268,7 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
 
   @pl.when((t >= 0) & (t < n))
   def _():
-    tile = _Tile(plan, terms, r, h, s, t)
+    tile = _Tile(plan, terms, r, b, h, s, t)
     _, ds = _ds(plan, r, tile)
     if "d_window" in r:
       r["d_window"][0, 0, 0] += plan.scale * _t_dot(tile.unskew_query(ds), tile.q.astype(jnp.float32))
@@ -290,7 +299,7 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at((1, bq, bk), lambda b, h, i, j: (b, i, 0))
     elif name in ("k_positions", "k_segments", "k_valid"):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
-    elif name in ("slopes", "theta", "bucket_table"):
+    elif name in ("slopes", "theta", "bucket_table", "salts"):
       specs[name] = smem
     elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
       shift = name == "window_hi"
@@ -303,13 +312,15 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
   return specs
 
 
-def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, extra: dict):
+def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, salts, extra: dict):
   """The kernels' arrays (see the module docstring for their layouts)."""
   bk = plan.block_k
   replicate = lambda x: jnp.broadcast_to(x[:, :, None], (*x.shape, bk))
   arrays = {"q": q, "k": k, "v": v, **extra,
             "q_positions": replicate(positions), "q_segments": replicate(segment_ids),
             "k_positions": positions[:, None], "k_segments": segment_ids[:, None], "k_valid": valid[:, None]}
+  if plan.dropout:
+    arrays["salts"] = salts
   if terms.alibi is not None:
     arrays["slopes"] = terms.alibi.slopes.astype(jnp.float32)
   if terms.buckets is not None:
@@ -357,11 +368,11 @@ _QUERY_MAJOR = lambda b, h, i, j: (i, j)
 _KEY_MAJOR = lambda b, h, j, i: (i, j)
 
 
-def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid, salts):
   terms = plan.terms(leaves)
   b, h, l, _ = q.shape
   bq, bk = plan.block_q, plan.block_k
-  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, {})
+  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, salts, {})
   out = _call(_forward_kernel, plan, terms, arrays,
               {"out": _rows(v.shape, bq, v.dtype), "row_max": _rows((b, h, l, bk), bq),
                "row_sum": _rows((b, h, l, bk), bq)},
@@ -371,24 +382,24 @@ def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid, salts):
   """As :func:`posjax.kernels.pallas.attention`, on TPU."""
-  return _forward(plan, leaves, q, k, v, positions, segment_ids, valid)[0]
+  return _forward(plan, leaves, q, k, v, positions, segment_ids, valid, salts)[0]
 
 
-def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid):
-  out, stats = _forward(plan, leaves, q, k, v, positions, segment_ids, valid)
-  return out, (leaves, q, k, v, positions, segment_ids, valid, out, stats)
+def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid, salts):
+  out, stats = _forward(plan, leaves, q, k, v, positions, segment_ids, valid, salts)
+  return out, (leaves, q, k, v, positions, segment_ids, valid, salts, out, stats)
 
 
 def _attention_bwd(plan, residuals, d_out):
-  leaves, q, k, v, positions, segment_ids, valid, out, (row_max, row_sum) = residuals
+  leaves, q, k, v, positions, segment_ids, valid, salts, out, (row_max, row_sum) = residuals
   terms = plan.terms(leaves)
   b, h, l, d = q.shape
   bq, bk = plan.block_q, plan.block_k
   n_q, n_k = l // bq, l // bk
   delta = gpu.row_delta(d_out, out, keepdims=True)
-  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid,
+  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, salts,
                    {"d_out": d_out, "row_max": row_max, "row_sum": row_sum,
                     "delta": jnp.broadcast_to(delta, row_max.shape)})
 
@@ -443,7 +454,7 @@ def _attention_bwd(plan, residuals, d_out):
           theta=d_columns[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
   dq, dk, dv = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
   return (jax.tree_util.tree_leaves(d_terms), dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None, None, None)
+          None, None, None, None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

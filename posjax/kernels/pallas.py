@@ -28,6 +28,9 @@ gather loads from refs (Triton lowers integer-array indexers to pointer gathers)
 pair's gradient to its distance or bucket is a one-hot product summed (deterministic, exact for any positions; no batched matmul,
 which Triton does not lower).
 
+Attention dropout: each tile rebuilds its mask from a hash of the (batch row, head) salt and the pair's indices
+(:mod:`posjax.kernels.dropout`), in the forward and again in the backward; nothing is stored.
+
 A masked logit is the most negative float32 (not -inf) so that a fully masked row averages every key, as the
 ``xla`` path does; keys past the sequence (block padding) are -inf, so they never count.
 """
@@ -43,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from posjax.kernels import dropout as dropout_lib
 from posjax.kernels.terms import Terms
 
 MASKED = float(jnp.finfo(jnp.float32).min)
@@ -59,6 +63,7 @@ class Plan:
   length: int  # the real sequence length (inputs are padded to a multiple of both blocks)
   interpret: Any  # False, True or the TPU interpreter's parameters
   treedef: jax.tree_util.PyTreeDef  # of the Terms (its static options included)
+  dropout: float = 0.0  # the rate on the attention weights (mask: posjax.kernels.dropout)
 
   def terms(self, leaves) -> Terms:
     return jax.tree_util.tree_unflatten(self.treedef, leaves)
@@ -125,7 +130,15 @@ class _Tile:
     if plan.causal:
       allowed = allowed & (index_j <= index_i)
     self.allowed = allowed
+    self.index_i, self.index_j = index_i, index_j
     self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+
+  def dropped(self, x):
+    """``x`` with this tile's dropout applied (kept entries scaled by ``1/(1 - rate)``); ``x`` without dropout."""
+    if not self.plan.dropout:
+      return x
+    keep = dropout_lib.keep(self.refs["salts"][0, 0], self.index_i, self.index_j, self.plan.dropout)
+    return jnp.where(keep, x * (1.0 / (1.0 - self.plan.dropout)), 0.0)
 
   def _relative(self, r, i0, j0, rel):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
@@ -226,9 +239,10 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(tile.logits - m_new[:, None])
     v = r["v"][0, 0, tile.cols, :]
+    p_dropped = tile.dropped(p)
     if window:
       misplaced = jnp.maximum(misplaced, jnp.max(jnp.where(tile.allowed & tile.misplaced, 1.0, 0.0), axis=1))
-    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p.astype(v.dtype), v), misplaced
+    return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(p_dropped.astype(v.dtype), v), misplaced
 
   init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros((bq, head_dim), jnp.float32), jnp.zeros((bq,), jnp.float32))
@@ -243,13 +257,13 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
 
 
 def _ds(plan: Plan, r: dict, tile: _Tile):
-  """The tile's softmax weights and the gradient of its logits (zero where masked)."""
+  """The tile's softmax weights after dropout and the gradient of its logits (zero where masked)."""
   rows = tile.rows
   p = jnp.exp(tile.logits - r["row_max"][0, 0, rows][:, None]) / r["row_sum"][0, 0, rows][:, None]
   do = r["d_out"][0, 0, rows, :]
-  dp = _dot_t(do, r["v"][0, 0, tile.cols, :])
+  dp = tile.dropped(_dot_t(do, r["v"][0, 0, tile.cols, :]))
   ds = p * (dp - r["delta"][0, 0, rows][:, None])
-  return p, jnp.where(tile.allowed, ds, 0.0)
+  return tile.dropped(p), jnp.where(tile.allowed, ds, 0.0)
 
 
 def _chunk(plan: Plan, entries: int) -> int:
@@ -430,10 +444,12 @@ def _head_spec(array):
   return pl.BlockSpec((1, array.shape[1]), lambda b, h, i: (h, 0))
 
 
-def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, extra: dict):
+def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, salts, extra: dict):
   """Names, arrays and block specs of a kernel's inputs (whole rows; per-head parameter rows)."""
   inputs = {"q": q, "k": k, "v": v, **extra}
   specs = {name: _row_spec(x) for name, x in inputs.items()}
+  if plan.dropout:
+    inputs["salts"], specs["salts"] = salts, pl.BlockSpec((1, 1), lambda b, h, i: (b, h))
   for name, x in (("positions", positions), ("segment_ids", segment_ids), ("valid", valid)):
     inputs[name], specs[name] = x, _batch_spec(x)
   if terms.alibi is not None:
@@ -496,11 +512,11 @@ def _per_head_rows(terms: Terms, q, k, scale: float, batch: int) -> dict:
   return extra
 
 
-def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid, salts):
   terms = plan.terms(leaves)
-  b, h, l, d = q.shape
+  b, h, l, _ = q.shape
   extra = _per_head_rows(terms, q, k, plan.scale, b)
-  inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, extra)
+  inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, salts, extra)
   out = _call(_forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v.shape[-1]), v.dtype),
                "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
@@ -513,24 +529,24 @@ def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid):
+def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid, salts):
   """``[B, H, L, K]`` attention of ``[B, H, L, K]`` inputs (L a multiple of both blocks); ``leaves``: the
-  Terms' arrays (``plan.treedef``)."""
-  return _forward(plan, leaves, q, k, v, positions, segment_ids, valid)[0]
+  Terms' arrays (``plan.treedef``); ``salts``: ``[B, H]`` int32, the dropout masks' (unread without dropout)."""
+  return _forward(plan, leaves, q, k, v, positions, segment_ids, valid, salts)[0]
 
 
-def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid):
-  out, (stats, extra) = _forward(plan, leaves, q, k, v, positions, segment_ids, valid)
-  return out, (leaves, q, k, v, positions, segment_ids, valid, out, stats, extra)
+def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid, salts):
+  out, (stats, extra) = _forward(plan, leaves, q, k, v, positions, segment_ids, valid, salts)
+  return out, (leaves, q, k, v, positions, segment_ids, valid, salts, out, stats, extra)
 
 
 def _attention_bwd(plan, residuals, d_out):
-  leaves, q, k, v, positions, segment_ids, valid, out, (row_max, row_sum), extra = residuals
+  leaves, q, k, v, positions, segment_ids, valid, salts, out, (row_max, row_sum), extra = residuals
   terms = plan.terms(leaves)
   b, h, l, d = q.shape
   n_q, n_k = l // plan.block_q, l // plan.block_k
   delta = row_delta(d_out, out)
-  inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid,
+  inputs, specs = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, salts,
                           {**extra, "d_out": d_out})
   inputs.update(row_max=row_max, row_sum=row_sum, delta=delta)
   for name in ("row_max", "row_sum", "delta"):
@@ -594,7 +610,7 @@ def _attention_bwd(plan, residuals, d_out):
     d_slopes = jnp.sum(dq_res["dslope"], axis=(0, 2, 3)).astype(terms.alibi.slopes.dtype)
     d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
-  return (d_leaves, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None)
+  return (d_leaves, dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
 
 
 def row_delta(d_out, out, keepdims: bool = False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posjax.kernels import dropout
 from posjax.kernels.terms import Terms
 from posjax.positions import base, relative, tupe
 
@@ -52,9 +53,15 @@ def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool):
 
 
 def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms: Terms, *, positions_BxL, segment_ids_BxL, valid_BxL,
-              scale: float, causal: bool):
-  """``[B, L, H, K]``; a masked logit is the most negative float32, so a fully masked row averages all keys."""
+              scale: float, causal: bool, dropout_rate: float = 0.0, salts_BxH=None):
+  """``[B, L, H, K]``; a masked logit is the most negative float32, so a fully masked row averages all keys.
+  Dropout: the mask of :mod:`posjax.kernels.dropout`, the kernels' own."""
   s = logits(q_BxLxHxK, k_BxLxHxK, terms, positions_BxL, scale)
   s = jnp.where(allowed_pairs(valid_BxL, segment_ids_BxL, causal), s, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(s, axis=-1)
+  if dropout_rate:
+    length = s.shape[-1]
+    i = jnp.arange(length, dtype=jnp.int32)
+    keep = dropout.keep(salts_BxH[:, :, None, None], i[:, None], i[None, :], dropout_rate)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v_BxLxHxK.dtype), v_BxLxHxK)

@@ -1,0 +1,54 @@
+"""Dropout on the attention weights whose mask is a hash of (seed, batch and head, query, key).
+
+A kernel cannot keep an ``[L, L]`` mask for its backward pass, and Pallas's GPU backend has no random number
+generator: so each tile recomputes its mask from integer arithmetic alone (a 32-bit mixing function, Wellons's
+"lowbias32", applied twice), forward and backward alike, and the dense reference builds the very same mask. A
+pair is kept when the top 24 bits of its hash are at or above ``round(rate·2^24)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_GOLDEN = int(np.uint32(0x9E3779B9).view(np.int32))
+_M1 = int(np.uint32(0x7FEB352D).view(np.int32))
+_M2 = int(np.uint32(0x846CA68B).view(np.int32))
+
+
+def mix(x):
+  """int32 → int32, wrapping (shifts are logical: the bits are read as unsigned)."""
+  x = x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+  x = x * _M1
+  x = x ^ jax.lax.shift_right_logical(x, jnp.int32(15))
+  x = x * _M2
+  return x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+
+
+def threshold(rate: float) -> int:
+  return round(rate * (1 << 24))
+
+
+def check_rate(rate: float) -> float:
+  rate = float(rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate={rate} must be in [0, 1)")
+  return rate
+
+
+def salts(seed, batch: int, heads: int):
+  """``[B, H]`` int32: one salt per (batch row, head) from an integer ``seed`` (any shape-() integer array)."""
+  index = jnp.arange(batch * heads, dtype=jnp.int32).reshape(batch, heads)
+  return mix(jnp.asarray(seed).astype(jnp.uint32).view(jnp.int32) ^ mix(index * _GOLDEN))
+
+
+def keep(salt, i, j, rate: float):
+  """bool, broadcasting int32 ``salt`` (per batch row and head), query indices ``i`` and key indices ``j``."""
+  x = mix(mix(salt ^ i) + j * _GOLDEN)
+  return jax.lax.shift_right_logical(x, jnp.int32(8)) >= threshold(rate)
+
+
+def seed_from_key(key):
+  """An int32 seed from a JAX PRNG key (the model's ``dropout`` stream)."""
+  return jax.random.bits(key, dtype=jnp.uint32).view(jnp.int32)
