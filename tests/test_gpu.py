@@ -1,6 +1,8 @@
 """The cuDNN and the compiled Pallas kernels, where a GPU is present (skipped elsewhere): they must agree with the
 XLA path."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +57,36 @@ def test_pallas_compiles_and_matches_xla(name, options):
   got, got_grads = jax.jit(jax.value_and_grad(loss(fused)))(variables)  # compiled: interpret is off on a GPU
   np.testing.assert_allclose(got, want, rtol=2e-2)
   for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want_grads), jax.tree_util.tree_leaves(got_grads)):
+    scale = float(np.abs(w).max()) or 1.0
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=5e-2 * scale,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_pallas_dropout_and_relative_vectors_compile_and_match_xla(window):
+  """The compiled kernels with attention dropout (the same hashed mask as the xla path) and Method 4's
+  relative vectors, gathered or windowed (the scratch round trip of the window's skew), packed and padded."""
+  from posjax import kernels
+
+  rng = np.random.default_rng(0)
+  batch, length, heads, head_dim = 2, 200, 4, 64
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, k, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
+  segments = np.repeat([[1] * 120 + [2] * 80], batch, 0)
+  positions = np.concatenate([np.arange(120), np.arange(80)])[None].repeat(batch, 0)
+  terms = kernels.Terms(relative=kernels.Relative(0.3 * f32(2 * 150 + 1, head_dim), 150, query=True, key=True,
+                                                  window=window))
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                                     terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=np.array([200, 170]), implementation=implementation,
+                                     dropout_rate=0.1, dropout_seed=5)
+    return jnp.sum(out.astype(jnp.float32) * weights)
+
+  want, got = (jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3)))(q, k, v, terms)
+               for impl in ("xla", "pallas"))
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
     scale = float(np.abs(w).max()) or 1.0
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=5e-2 * scale,
                                err_msg=jax.tree_util.keystr(path))
