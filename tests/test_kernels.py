@@ -317,6 +317,9 @@ def test_the_dropout_mask_keeps_the_rate_and_is_unbiased():
   q, k, v = (jnp.asarray(rng.normal(size=(1, 12, 2, 4)), jnp.float32) for _ in range(3))
   run = lambda seed, rate: kernels.relative_attention(q, k, v, implementation="xla", dropout_rate=rate,
                                                       dropout_seed=seed)
+  # a seed is taken modulo 2^32, whatever its type
+  same = [kernels.dropout.salts(seed, 2, 3) for seed in (5, 5 + 2 ** 32, np.int64(5 + 2 ** 32), jnp.uint32(5))]
+  assert all(np.array_equal(same[0], other) for other in same[1:])
   mean = jnp.mean(jax.vmap(lambda seed: run(seed, 0.5))(jnp.arange(4000)), axis=0)
   np.testing.assert_allclose(mean, run(None, 0.0), atol=0.06)
 
@@ -362,6 +365,8 @@ def test_bad_options_are_errors():
       (dict(lengths=np.array([5, 2, 7])), r"lengths has shape \(3,\); expected \(2,\)"),
       (dict(dropout_rate=0.1), r"dropout_rate=0.1 needs a dropout_seed"),
       (dict(dropout_rate=1.0, dropout_seed=0), r"dropout_rate=1.0 must be in \[0, 1\)"),
+      (dict(dropout_rate=0.1, dropout_seed=0.5), r"dropout_seed must be one integer .*; got float32 of shape \(\)"),
+      (dict(dropout_rate=0.1, dropout_seed=np.arange(2)), r"dropout_seed must be one integer .*of shape \(2,\)"),
       (dict(block_sizes=(48, 64)), r"block_q=48 must be a positive power of two"),
       (dict(terms=kernels.Terms(relative=kernels.Relative(jnp.ones((3, 4)), window=True)), block_sizes=(8, 4)),
        r"relative vectors read windowed \(Relative.window=True\) need equal query and key blocks; the tiles are 8x4"),

@@ -19,7 +19,7 @@ from posjax import config_args
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertForMaskedLM
 from posjax.train import checkpoint, loop, metrics, tasks
-from posjax.train.step import TrainState, make_optimizer, train_step
+from posjax.train.step import TrainState, make_optimizer, step_rng, train_step
 from conftest import ROOT, load_config, override
 
 DETERMINISTIC = loop.DETERMINISTIC_METRICS + ("eval_loss", "eval_accuracy")
@@ -80,6 +80,14 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   config.checkpoint_every_steps = 100
   with pytest.raises(FloatingPointError, match=r"at step \d+; stopping. No checkpoint had been saved yet$"):
     loop.run(config, str(tmp_path / "none_saved"))
+
+
+def test_pmap_devices_draw_their_own_dropout_masks():
+  rng = jax.random.key(0)
+  draw = lambda _: jax.random.uniform(step_rng(rng, 3, "batch"), (4,))
+  draws = np.asarray(jax.pmap(draw, axis_name="batch")(jnp.arange(jax.device_count())))
+  assert len({tuple(row) for row in draws}) == jax.device_count()
+  np.testing.assert_array_equal(draws[0], jax.random.uniform(jax.random.fold_in(jax.random.fold_in(rng, 3), 0), (4,)))
 
 
 def test_pmap_and_jit_give_the_same_parameters(tmp_path):

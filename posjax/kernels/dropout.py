@@ -3,7 +3,8 @@
 A kernel cannot keep an ``[L, L]`` mask for its backward pass, and Pallas's GPU backend has no random number
 generator: so each tile recomputes its mask from integer arithmetic alone (a 32-bit mixing function, Wellons's
 "lowbias32", applied twice), forward and backward alike, and the dense reference builds the very same mask. A
-pair is kept when the top 24 bits of its hash are at or above ``round(rate·2^24)``.
+pair is kept when the top 24 bits of its hash are at or above ``round(rate·2^24)`` (so the rate's resolution is
+2^-24: a rate above 1 - 2^-25 drops every weight).
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ def check_rate(rate: float) -> float:
 
 
 def salts(seed, batch: int, heads: int):
-  """``[B, H]`` int32: one salt per (batch row, head) from an integer ``seed`` (any shape-() integer array)."""
+  """``[B, H]`` int32: one salt per (batch row, head) from an integer ``seed``: a Python int or an integer
+  array of shape () (traced is fine), taken modulo 2^32."""
+  if isinstance(seed, int):
+    seed = jnp.asarray(seed % (1 << 32), jnp.uint32)
+  seed = jnp.asarray(seed)
+  if seed.shape != () or not jnp.issubdtype(seed.dtype, jnp.integer):
+    raise ValueError(f"dropout_seed must be one integer (a Python int or an integer array of shape ()); got "
+                     f"{seed.dtype} of shape {seed.shape}")
   index = jnp.arange(batch * heads, dtype=jnp.int32).reshape(batch, heads)
-  return mix(jnp.asarray(seed).astype(jnp.uint32).view(jnp.int32) ^ mix(index * _GOLDEN))
+  return mix(seed.astype(jnp.uint32).view(jnp.int32) ^ mix(index * _GOLDEN))
 
 
 def keep(salt, i, j, rate: float):

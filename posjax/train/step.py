@@ -50,6 +50,13 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
   return optimizer, schedule
 
 
+def step_rng(rng: jax.Array, step, axis_name: str | None = None) -> jax.Array:
+  """The step's dropout key: ``fold_in(rng, step)``, and under ``pmap`` the device's index too (every device
+  gets the same ``rng`` but holds other examples; without it their masks would repeat)."""
+  rng = jax.random.fold_in(rng, step)
+  return rng if axis_name is None else jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+
+
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optimizer, schedule,
                accum_steps: int = 1, axis_name: str | None = None):
   """One optimizer update from ``accum_steps`` micro-batches of any task.
@@ -58,9 +65,9 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optim
   ``sums["weight"]`` counts them and every other sum (e.g. ``correct``) becomes a metric divided by it
   (``correct`` is reported as ``accuracy``). Gradients are the summed loss's over the summed weight of all
   micro-batches (and devices), so accumulation and data parallelism give the same update as one big batch.
-  Dropout RNG is ``fold_in(rng, step)``, then the micro-batch index.
+  Dropout RNG: :func:`step_rng`, then the micro-batch index.
   """
-  rng = jax.random.fold_in(rng, state.step)
+  rng = step_rng(rng, state.step, axis_name)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def micro(carry, xs):
