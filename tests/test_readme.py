@@ -13,7 +13,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 def test_readme_examples_run_each_on_its_own():
   blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-  assert len(blocks) == 3
+  assert len(blocks) == 4
   previous = flax.config.flax_always_shard_variable
   namespaces = [{} for _ in blocks]
   try:
@@ -21,11 +21,13 @@ def test_readme_examples_run_each_on_its_own():
       exec(compile(block, str(README), "exec"), namespace)
   finally:
     flax.config.update("flax_always_shard_variable", previous)
-  linen, bridged, bert = namespaces
+  linen, bridged, bert, fused = namespaces
   assert linen["y"].shape == (2, 16, 64) and np.isfinite(linen["y"]).all()
   assert bridged["y"].shape == (2, 16, 64) and np.isfinite(bridged["y"]).all()
   assert bert["out"].last_hidden_state.shape == (2, 16, 32)
   assert bert["state"]["intermediates"]["position_bias"][0].shape == (1, 4, 16, 16)
+  np.testing.assert_allclose(fused["out"], fused["reference"], rtol=1e-5, atol=1e-5)
+  assert fused["dq"].shape == (2, 48, 4, 16) and np.isfinite(fused["dq"]).all()
   namespace = bridged
   # The NNX block trains: gradients reach the bridged linen parameters.
   from flax import nnx
