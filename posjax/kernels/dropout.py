@@ -57,6 +57,11 @@ def keep(salt, i, j, rate: float):
   return jax.lax.shift_right_logical(x, jnp.int32(8)) >= threshold(rate)
 
 
+def apply(x, salt, i, j, rate: float):
+  """``x`` with the dropped pairs zeroed and the kept ones scaled by ``1/(1 - rate)``."""
+  return jnp.where(keep(salt, i, j, rate), x * (1.0 / (1.0 - rate)), 0.0)
+
+
 def seed_from_key(key):
   """An int32 seed from a JAX PRNG key (the model's ``dropout`` stream)."""
   return jax.random.bits(key, dtype=jnp.uint32).view(jnp.int32)

@@ -28,75 +28,59 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import pallas as gpu
-from posjax.kernels.pallas import MASKED, Plan, _dot, _dot_t, _t_dot
+from posjax.kernels.pallas import Plan, _dot, _dot_t, _t_dot
 from posjax.kernels.terms import Terms
 
 
-class _Tile:
+class _Tile(gpu.TileBase):
   """The logits of tile (i, j) of one (batch, head) from this program's blocks, and the masks the backward
   needs (as :class:`posjax.kernels.pallas._Tile`, reading blocks instead of rows)."""
 
   def __init__(self, plan: Plan, terms: Terms, r: dict, b, h, i, j):
     bq, bk = plan.block_q, plan.block_k
-    self.plan, self.terms, self.r, self.b, self.h = plan, terms, r, b, h
+    self.plan, self.terms, self.r, self.b, self.h, self.i, self.j = plan, terms, r, b, h, i, j
     self.q, self.k = r["q"][0, 0], r["k"][0, 0]
     pos_i, pos_j = r["q_positions"][0], r["k_positions"][0]  # [bq, bk], [1, bk]
-    rel = pos_j - pos_i
     self.cls_i, self.cls_j = pos_i == 0, pos_j == 0
-    row = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    s = plan.scale * _dot_t(self.q, self.k)
-    if terms.alibi is not None:
-      self.distance = jnp.abs(rel).astype(jnp.float32)
-      s = s - r["slopes"][h] * self.distance
-    if terms.relative is not None:
-      self.misplaced = (rel != (j - i) * bq + col - row) & (i * bq + row < plan.length)
-      s = s + self._relative(terms.relative)
-    self.reset = terms.untied.reset if terms.untied is not None else "none"
-    self.neither = ~self.cls_i & ~self.cls_j
-    positional = jnp.zeros_like(s)
-    if terms.untied is not None:
-      self.u_q, self.u_k = r["u_q"][0, 0], r["u_k"][0, 0]
-      positional = _dot_t(self.u_q, self.u_k)
-    if self.reset == "official":
-      positional = self._untie(positional)
-    if terms.buckets is not None:
-      self.bucket_index = terms.buckets.entries(rel, self.cls_i, self.cls_j)
-      value = jnp.zeros_like(s)
-      for n in range(terms.buckets.table.shape[0]):
-        value = jnp.where(self.bucket_index == n, r["bucket_table"][h, n], value)
-      positional = positional + value
-    if self.reset == "paper":
-      positional = self._untie(positional)
-    s = s + positional
+    self.row = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    self.col = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    s = self._position_terms(plan.scale * _dot_t(self.q, self.k), pos_j - pos_i)
     allowed = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
-    index_i, index_j = i * bq + row, j * bk + col
-    if plan.causal:
-      allowed = allowed & (index_j <= index_i)
-    self.allowed = allowed
-    self.index_i, self.index_j = index_i, index_j
-    self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+    self._mask(s, allowed, i * bq + self.row, j * bk + self.col)
 
-  def dropped(self, x):
-    """``x`` with this tile's dropout applied (the salt of this (batch row, head) from SMEM)."""
-    if not self.plan.dropout:
-      return x
-    keep = dropout_lib.keep(self.r["salts"][self.b, self.h], self.index_i, self.index_j, self.plan.dropout)
-    return jnp.where(keep, x * (1.0 / (1.0 - self.plan.dropout)), 0.0)
+  def _slope(self):
+    return self.r["slopes"][self.h]
 
-  def _relative(self, rel):
+  def _untied_factors(self):
+    return self.r["u_q"][0, 0], self.r["u_k"][0, 0]
+
+  def _bucket_values(self, index):
+    """One select per table entry (Mosaic has no gather), the entry's value read from SMEM."""
+    value = jnp.zeros(index.shape, jnp.float32)
+    for n in range(self.terms.buckets.table.shape[0]):
+      value = jnp.where(index == n, self.r["bucket_table"][self.h, n], value)
+    return value
+
+  def _theta(self):
+    return self.r["theta"][0, self.h], self.r["theta"][1, self.h]
+
+  def _salt(self):
+    return self.r["salts"][self.b, self.h]
+
+  def _relative_term(self, rel):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
     ``bq + a``; the key side multiplies the reversed window, ``out[a, c] = g[a - c + bq - 1, c]``, a roll of
     column c by ``bq + 1 + c``."""
-    bq = self.plan.block_q
+    bq, rel_terms = self.plan.block_q, self.terms.relative
+    index_distance = (self.j - self.i) * bq + self.col - self.row
+    self.misplaced = (rel != index_distance) & (self.i * bq + self.row < self.plan.length)
     term = 0.0
-    if rel.query:
+    if rel_terms.query:
       self.window = jnp.concatenate([self.r["window_lo"][...], self.r["window_hi"][...]], axis=0)
       qe = self.plan.scale * _dot_t(self.q, self.window.astype(self.q.dtype))  # [bq, 2 bq]
       term = term + pltpu.roll(qe, bq, 1, stride=1, stride_axis=0)[:, :bq]
-    if rel.key:
+    if rel_terms.key:
       self.reversed = jnp.concatenate([self.r["reversed_lo"][...], self.r["reversed_hi"][...]], axis=0)
       g = self.plan.scale * _dot_t(self.reversed.astype(self.k.dtype), self.k)  # [2 bq, bk]
       term = term + pltpu.roll(g, bq + 1, 0, stride=1, stride_axis=1)[:bq, :]
@@ -113,15 +97,6 @@ class _Tile:
     bq = self.plan.block_q
     padded = jnp.concatenate([ds, jnp.zeros_like(ds)], axis=0)
     return pltpu.roll(padded, bq - 1, 0, stride=2 * bq - 1, stride_axis=1)
-
-  def _untie(self, positional):
-    positional = jnp.where(self.cls_j, self.r["theta"][1, self.h], positional)
-    return jnp.where(self.cls_i, self.r["theta"][0, self.h], positional)
-
-  def position_grads(self, ds):
-    untied = ds if self.reset == "none" else jnp.where(self.neither, ds, 0.0)
-    bucket = jnp.where(self.neither, ds, 0.0) if self.reset == "paper" else ds
-    return untied, bucket
 
 
 def _ds(plan: Plan, r: dict, tile: _Tile):

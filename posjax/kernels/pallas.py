@@ -88,62 +88,103 @@ def _one_hot(index, size: int):
       jnp.float32)
 
 
-class _Tile:
+class TileBase:
+  """What the tiles of both backends (this module's and :mod:`posjax.kernels.mosaic`'s) share, given their own
+  loads through the hooks ``_slope``, ``_relative_term``, ``_untied_factors``, ``_bucket_values``, ``_theta``
+  and ``_salt``: the position terms and the [CLS] reset, the mask and the logits, dropout, and the routing of the
+  logits' gradient to the untied and bucket terms. ``cls_i`` / ``cls_j``: [CLS] flags broadcastable to the tile."""
+
+  plan: Plan
+  terms: Terms
+
+  def _position_terms(self, s, rel):
+    """``s`` plus every position term of the pairs at relative positions ``rel``."""
+    terms = self.terms
+    if terms.alibi is not None:
+      self.distance = jnp.abs(rel).astype(jnp.float32)
+      s = s - self._slope() * self.distance
+    if terms.relative is not None:
+      s = s + self._relative_term(rel)
+    self.reset = terms.untied.reset if terms.untied is not None else "none"
+    self.neither = ~self.cls_i & ~self.cls_j
+    positional = jnp.zeros_like(s)
+    if terms.untied is not None:
+      self.u_q, self.u_k = self._untied_factors()
+      positional = _dot_t(self.u_q, self.u_k)
+    if self.reset == "official":
+      positional = self._untie(positional)
+    if terms.buckets is not None:
+      self.bucket_index = terms.buckets.entries(rel, self.cls_i, self.cls_j)  # [bq, bk]
+      positional = positional + self._bucket_values(self.bucket_index)
+    if self.reset == "paper":
+      positional = self._untie(positional)
+    return s + positional
+
+  def _untie(self, positional):
+    theta_row, theta_col = self._theta()
+    positional = jnp.where(self.cls_j, theta_col, positional)
+    return jnp.where(self.cls_i, theta_row, positional)
+
+  def _mask(self, s, allowed, index_i, index_j):
+    """The tile's logits: masked pairs the most negative float32, keys past the sequence -inf."""
+    if self.plan.causal:
+      allowed = allowed & (index_j <= index_i)
+    self.allowed = allowed
+    self.index_i, self.index_j = index_i, index_j
+    self.logits = jnp.where(index_j < self.plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+
+  def dropped(self, x):
+    """``x`` with this tile's dropout applied; ``x`` without dropout."""
+    if not self.plan.dropout:
+      return x
+    return dropout_lib.apply(x, self._salt(), self.index_i, self.index_j, self.plan.dropout)
+
+  def position_grads(self, ds):
+    """``ds``'s share for the untied and bucket terms: ``(d corr, d bucket term)``."""
+    untied = ds if self.reset == "none" else jnp.where(self.neither, ds, 0.0)
+    bucket = jnp.where(self.neither, ds, 0.0) if self.reset == "paper" else ds
+    return untied, bucket
+
+
+class _Tile(TileBase):
   """One (query tile, key tile) pair: its logits, mask and what the backward needs to route gradients."""
 
   def __init__(self, plan: Plan, terms: Terms, refs: dict, i0, j0):
     bq, bk = plan.block_q, plan.block_k
-    self.plan, self.terms, self.refs = plan, terms, refs
+    self.plan, self.terms, self.refs, self.i0, self.j0 = plan, terms, refs, i0, j0
     rows, cols = pl.ds(i0, bq), pl.ds(j0, bk)
     self.rows, self.cols = rows, cols
     self.q, self.k = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
     pos_i, pos_j = refs["positions"][0, rows], refs["positions"][0, cols]
     rel = pos_j[None, :] - pos_i[:, None]
-    self.cls_i, self.cls_j = pos_i == 0, pos_j == 0
-    s = plan.scale * _dot_t(self.q, self.k)
-    if terms.alibi is not None:
-      self.distance = jnp.abs(rel).astype(jnp.float32)
-      s = s - refs["slopes"][0, 0] * self.distance
-    if terms.relative is not None:
-      s = s + self._relative(terms.relative, i0, j0, rel)
-    reset = terms.untied.reset if terms.untied is not None else "none"
-    self.reset = reset
-    neither = ~self.cls_i[:, None] & ~self.cls_j[None, :]
-    self.neither = neither
-    positional = jnp.zeros_like(s)
-    if terms.untied is not None:
-      self.u_q, self.u_k = refs["u_q"][0, 0, rows, :], refs["u_k"][0, 0, cols, :]
-      positional = _dot_t(self.u_q, self.u_k)
-    if reset == "official":
-      positional = self._untie(positional)
-    if terms.buckets is not None:
-      b = terms.buckets
-      self.bucket_index = b.entries(rel, self.cls_i[:, None], self.cls_j[None, :])  # [bq, bk]
-      positional = positional + self._gather("bucket_table", None, self.bucket_index)
-    if reset == "paper":
-      positional = self._untie(positional)
-    s = s + positional
+    self.cls_i, self.cls_j = (pos_i == 0)[:, None], (pos_j == 0)[None, :]
+    s = self._position_terms(plan.scale * _dot_t(self.q, self.k), rel)
     valid_j = refs["valid"][0, cols] > 0
     allowed = valid_j[None, :] & (refs["segment_ids"][0, rows][:, None] == refs["segment_ids"][0, cols][None, :])
     index_i = i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     index_j = j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    if plan.causal:
-      allowed = allowed & (index_j <= index_i)
-    self.allowed = allowed
-    self.index_i, self.index_j = index_i, index_j
-    self.logits = jnp.where(index_j < plan.length, jnp.where(allowed, s, MASKED), -jnp.inf)
+    self._mask(s, allowed, index_i, index_j)
 
-  def dropped(self, x):
-    """``x`` with this tile's dropout applied (kept entries scaled by ``1/(1 - rate)``); ``x`` without dropout."""
-    if not self.plan.dropout:
-      return x
-    keep = dropout_lib.keep(self.refs["salts"][0, 0], self.index_i, self.index_j, self.plan.dropout)
-    return jnp.where(keep, x * (1.0 / (1.0 - self.plan.dropout)), 0.0)
+  def _slope(self):
+    return self.refs["slopes"][0, 0]
 
-  def _relative(self, r, i0, j0, rel):
+  def _untied_factors(self):
+    return self.refs["u_q"][0, 0, self.rows, :], self.refs["u_k"][0, 0, self.cols, :]
+
+  def _bucket_values(self, index):
+    return self._gather("bucket_table", None, index)
+
+  def _theta(self):
+    return (self.refs["theta_row"][0, 0].astype(jnp.float32), self.refs["theta_col"][0, 0].astype(jnp.float32))
+
+  def _salt(self):
+    return self.refs["salts"][0, 0]
+
+  def _relative_term(self, rel):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
     ``2·block`` table rows its index distances reach, skewed: pair (a, c) has distance ``j0 - i0 + c - a``,
     window row ``c - a + block``."""
+    r, i0, j0 = self.terms.relative, self.i0, self.j0
     bq, bk = self.plan.block_q, self.plan.block_k
     row = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
@@ -207,18 +248,6 @@ class _Tile:
     chunk = _chunk(self.plan, entries)
     return tuple(jnp.sum(values[:, :, None] * _one_hot(index - start, chunk), axis=axis)
                  for start in range(0, entries, chunk))
-
-  def _untie(self, positional):
-    theta_row = self.refs["theta_row"][0, 0].astype(jnp.float32)
-    theta_col = self.refs["theta_col"][0, 0].astype(jnp.float32)
-    positional = jnp.where(self.cls_j[None, :], theta_col, positional)
-    return jnp.where(self.cls_i[:, None], theta_row, positional)
-
-  def position_grads(self, ds):
-    """``ds``'s share for the untied and bucket terms: ``(d corr, d bucket term)``."""
-    untied = ds if self.reset == "none" else jnp.where(self.neither, ds, 0.0)
-    bucket = jnp.where(self.neither, ds, 0.0) if self.reset == "paper" else ds
-    return untied, bucket
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -322,8 +351,8 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     if "du_q" in acc:
       acc["du_q"] = acc["du_q"] + _dot(d_untied, tile.u_k.astype(jnp.float32))
     if "dtheta_row" in acc:
-      acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i[:, None], ds, 0.0))
-      acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i[:, None] & tile.cls_j[None, :], ds, 0.0))
+      acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i, ds, 0.0))
+      acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i & tile.cls_j, ds, 0.0))
     if "dbucket" in acc:
       acc["dbucket"] = _add(acc["dbucket"], tile.scatter(d_bucket, tile.bucket_index,
                                                          terms.buckets.table.shape[0], (0, 1)))

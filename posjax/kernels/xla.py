@@ -62,6 +62,5 @@ def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms: Terms, *, positions_BxL, s
   if dropout_rate:
     length = s.shape[-1]
     i = jnp.arange(length, dtype=jnp.int32)
-    keep = dropout.keep(salts_BxH[:, :, None, None], i[:, None], i[None, :], dropout_rate)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    weights = dropout.apply(weights, salts_BxH[:, :, None, None], i[:, None], i[None, :], dropout_rate)
   return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v_BxLxHxK.dtype), v_BxLxHxK)
