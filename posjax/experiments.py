@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -32,8 +33,10 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from posjax import results as results_lib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNSUPPORTED = "unsupported"  # an evaluation a model cannot run (a length beyond its learned table)
+UNSUPPORTED = results_lib.UNSUPPORTED
 
 
 @dataclasses.dataclass
@@ -121,11 +124,12 @@ def expand(table: ml_collections.ConfigDict, root: str, rows: Iterable[str] | No
       overrides = {**dict(table.pretrain.get("overrides", ())), **dict(own.get("overrides", ()))}
       steps = sorted({table.rows[r].step for r in names if (table.rows[r].get("pretrain_of") or r) == owner
                       and table.rows[r].get("step")})
-      if steps:
-        overrides["keep_steps"] = tuple(steps)
       run = Run(f"{slug(owner)}/pretrain", owner, "pretrain", table.pretrain.config,
                 _options(table.pretrain.options, own.options), overrides,
                 os.path.join(root, slug(owner), "pretrain"))
+      if steps:  # the mid rows' steps beside the recipe's own (TUPE's Figure 5 needs 100k, 300k, 600k)
+        recipe = tuple(build(run).get("keep_steps", ()))
+        run.overrides["keep_steps"] = tuple(sorted({*recipe, *steps}))
       pretrain_runs[owner] = runs[run.name] = run
     pre = pretrain_runs[owner]
     for task, job in table.finetune.items():
@@ -191,44 +195,98 @@ def build(run: Run) -> ml_collections.ConfigDict:
 
 
 def results(run: Run) -> dict | None:
-  path = os.path.join(run.workdir, "results.json")
-  if not os.path.isfile(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return results_lib.read_json(os.path.join(run.workdir, "results.json"))
+
+
+def _value(found: dict, evaluator: str, metric: str):
+  """A run's number for a column (a float, possibly NaN), ``UNSUPPORTED``, or ``None`` when it has none."""
+  value = found.get("metrics", {}).get(evaluator, {}).get(metric)
+  if value == UNSUPPORTED:
+    return UNSUPPORTED
+  return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _finite(value) -> bool:
+  return isinstance(value, float) and math.isfinite(value)
+
+
+def task_columns(table) -> dict[str, list[tuple[str, str, str]]]:
+  """``{task: [(column, evaluator, metric), ...]}`` in the table's order; the first column of a task is the one
+  its learning rate is chosen by (``table.selection``: ``{task: column}`` names another)."""
+  grouped: dict[str, list] = {}
+  for column, evaluator, metric in table.columns:
+    grouped.setdefault(_task_of(table, evaluator), []).append((column, evaluator, metric))
+  for task, column in dict(table.get("selection", {})).items():
+    chosen = [c for c in grouped.get(task, []) if c[0] == column]
+    if not chosen:
+      raise ValueError(f"table.selection.{task}={column!r} is not a column of task {task!r}")
+    grouped[task] = chosen + [c for c in grouped[task] if c[0] != column]
+  return grouped
 
 
 def score(table: ml_collections.ConfigDict, runs: list[Run]) -> dict:
-  """``{row: {column: {value, lr, seeds, spread}}}``: per task the median over seeds of each learning rate, and
-  the best learning rate's median (TUPE's protocol; one lr and one seed give that run's number); missing runs
-  are listed under ``"missing"``."""
-  table_out: dict[str, Any] = {"rows": {}, "missing": []}
+  """TUPE's protocol over a sweep's results (each run's ``metrics``: the evaluation its config selects):
+
+  - per task and learning rate, the median over seeds; the reported learning rate is the best median of the
+    task's selection column (its first; MNLI: matched), and every column of the task comes from that learning
+    rate's runs (MNLI-mm from the learning rate MNLI-m chose);
+  - a learning rate is eligible only with all its runs finished and finite while any learning rate has that;
+    otherwise (a partial sweep) the best of what finished, and the cell is ``complete: False``;
+  - a finished run whose selection number is not finite (NaN: e.g. STS-B's Pearson of constant predictions) is
+    failed: never in a median, listed under ``failed``; runs without results are listed under ``missing``.
+
+  Returns ``{"rows": {row: {column: cell}}, "starts": {row: [init steps]}, "missing": [...], "failed": [...]}``
+  with cells ``{value, lr, seeds, spread, complete, runs, finished}`` (``finished``: runs of the task's grid
+  with a finite number, ``runs``: all of them)."""
+  out: dict[str, Any] = {"rows": {}, "starts": {}, "missing": [], "failed": []}
+  grouped = task_columns(table)
   for row in row_order(table):
-    cells = {}
-    for column, evaluator, metric in table.columns:
-      by_lr: dict[float, list[float]] = {}
+    cells, starts = {}, set()
+    for task, columns in grouped.items():
+      task_runs = [r for r in runs if r.row == row and r.kind == "finetune" and r.task == task]
+      lrs = list(dict.fromkeys(r.lr for r in task_runs))
+      good: dict[float, list[dict]] = {lr: [] for lr in lrs}
       unsupported = False
-      task = _task_of(table, evaluator)
-      for run in runs:
-        if run.row != row or run.kind != "finetune" or run.task != task:
-          continue
+      for run in task_runs:
         found = results(run)
-        value = None if found is None else found.get("metrics", {}).get(evaluator, {}).get(metric)
-        if isinstance(value, (int, float)):
-          by_lr.setdefault(run.lr, []).append(float(value))
-        elif value == UNSUPPORTED:
+        if found is None:
+          out["missing"].append(run.name)
+          continue
+        if found.get("init_step") is not None:
+          starts.add(int(found["init_step"]))
+        values = {column: _value(found, evaluator, metric) for column, evaluator, metric in columns}
+        chosen = values[columns[0][0]]
+        if chosen == UNSUPPORTED:
           unsupported = True
-        elif run.name not in table_out["missing"]:
-          table_out["missing"].append(run.name)
-      if unsupported and not by_lr:
-        cells[column] = {"value": UNSUPPORTED, "lr": None, "seeds": None, "spread": None}
-      if by_lr:
-        medians = {lr: statistics.median(values) for lr, values in by_lr.items()}
-        best = max(medians, key=medians.get)
-        cells[column] = {"value": medians[best], "lr": best, "seeds": len(by_lr[best]),
-                         "spread": max(by_lr[best]) - min(by_lr[best])}
-    table_out["rows"][row] = cells
-  return table_out
+        elif chosen is None:
+          out["missing"].append(run.name)
+        elif not math.isfinite(chosen):
+          out["failed"].append(run.name)
+        else:
+          good[run.lr].append(values)
+      expected = {lr: sum(r.lr == lr for r in task_runs) for lr in lrs}
+      complete = [lr for lr in lrs if good[lr] and len(good[lr]) == expected[lr]]
+      eligible = complete or [lr for lr in lrs if good[lr]]
+      if not eligible:
+        if unsupported:
+          cells.update({c[0]: {"value": UNSUPPORTED, "lr": None, "seeds": None, "spread": None, "complete": True}
+                        for c in columns})
+        continue
+      median = {lr: statistics.median(v[columns[0][0]] for v in good[lr]) for lr in eligible}
+      best = max(eligible, key=lambda lr: (median[lr], -lrs.index(lr)))  # a tie: the first learning rate
+      finished = sum(map(len, good.values()))
+      for column, _, _ in columns:
+        numbers = [v[column] for v in good[best] if _finite(v[column])]
+        if not numbers:
+          if any(v[column] == UNSUPPORTED for v in good[best]):
+            cells[column] = {"value": UNSUPPORTED, "lr": best, "seeds": None, "spread": None, "complete": True}
+          continue
+        cells[column] = {"value": statistics.median(numbers), "lr": best, "seeds": len(numbers),
+                         "spread": max(numbers) - min(numbers), "complete": finished == len(task_runs),
+                         "finished": finished, "runs": len(task_runs)}
+    out["rows"][row] = cells
+    out["starts"][row] = sorted(starts)
+  return out
 
 
 def row_order(table) -> list[str]:

@@ -39,6 +39,25 @@ def test_tsv_files_as_the_glue_download_writes_them(tmp_path):
       (("A premise .", "A hypothesis ."), 2)]
 
 
+def test_a_byte_order_mark_and_qqps_short_lines_are_read_as_the_references_read_them(tmp_path, caplog):
+  # MRPC as the GLUE download script writes it: a UTF-8 byte-order mark before 'Quality'.
+  (tmp_path / "MRPC").mkdir()
+  (tmp_path / "MRPC" / "dev.tsv").write_bytes("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                                              "0\t1\t2\tA café .\tB .\n".encode("utf-8"))
+  assert list(glue.examples("mrpc", "validation", "tsv", str(tmp_path))) == [(("A café .", "B ."), 0)]
+  # QQP: lines with fewer than the header's 6 fields are dropped and counted; elsewhere they are errors.
+  write(tmp_path, "QQP", "train.tsv", [["id", "qid1", "qid2", "question1", "question2", "is_duplicate"],
+                                      ["0", "1", "2", "How ?", "Why ?", "0"], ["1", "3", "4", "What ?"],
+                                      ["2", "5", "6", "Who ?", "Whom ?", "1"], ["3", "7", "8", "When ?", "1"]])
+  with caplog.at_level("WARNING"):
+    assert list(glue.examples("qqp", "train", "tsv", str(tmp_path))) == [(("How ?", "Why ?"), 0),
+                                                                          (("Who ?", "Whom ?"), 1)]
+  assert "dropped 2 line(s) with fewer than the header's 6 fields" in caplog.text
+  write(tmp_path, "RTE", "dev.tsv", [["index", "sentence1", "sentence2", "label"], ["0", "a", "entailment"]])
+  with pytest.raises(ValueError, match=r"RTE/dev.tsv:2: 3 tab-separated fields, need at least 4"):
+    list(glue.examples("rte", "validation", "tsv", str(tmp_path)))
+
+
 def test_bad_tsv_input_names_the_file_line_and_value(tmp_path):
   write(tmp_path, "RTE", "train.tsv", [["index", "sentence1", "sentence2", "label"], ["0", "a", "b", "entailment"],
                                       ["1", "a", "b", "maybe"]])

@@ -3,6 +3,7 @@ pre-training run as they should, and bad input fails before the workdir is writt
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,8 +53,15 @@ def test_classification_learns_the_made_up_signal_and_results_say_what_ran(tmp_p
   assert {k: results[k] for k in ("task", "step", "seed", "learning_rate", "init", "init_step", "position")} == {
       "task": "glue/sst2", "step": 60, "seed": 3, "learning_rate": 1e-3, "init": None, "init_step": None,
       "position": "absolute"}
-  evals = [line for line in metrics.read(str(tmp_path)) if "sst2_accuracy" in line]
-  assert [line["step"] for line in evals] == [30, 60]
+  # TUPE's protocol: two evaluations an epoch (120 examples / batch 16), all kept, the best by accuracy reported.
+  steps = [e["step"] for e in results["evaluations"]]
+  assert steps == [4, 8, 11, 15, 19, 23, 26, 30, 34, 38, 41, 45, 49, 53, 56, 60]
+  assert [line["step"] for line in metrics.read(str(tmp_path)) if "sst2_accuracy" in line] == steps
+  best = max(results["evaluations"], key=lambda e: (e["metrics"]["sst2"]["accuracy"], -e["step"]))
+  assert (results["select"], results["select_metric"]) == ("best", "sst2/accuracy")
+  assert results["selected_step"] == best["step"] and results["metrics"] == best["metrics"]
+  logged = [json.loads(line) for line in (tmp_path / "evaluations.jsonl").read_text().splitlines()]
+  assert logged == results["evaluations"]
 
 
 def test_mnli_reports_matched_and_mismatched(tmp_path):
@@ -71,6 +79,10 @@ def test_squad_writes_predictions_and_marks_lengths_a_learned_table_cannot_reach
   dev = json.loads((ROOT / "configs" / "data" / "squad" / "dev-v1.1.json").read_text())
   ids = {qa["id"] for article in dev["data"] for p in article["paragraphs"] for qa in p["qas"]}
   assert set(predictions) == ids and all(isinstance(text, str) for text in predictions.values())
+  nbest = json.loads((tmp_path / "absolute" / "nbest_predictions_squad@64.json").read_text())
+  assert set(nbest) == ids and all(nbest[i][0]["text"] == predictions[i] for i in ids)
+  assert all(abs(sum(a["probability"] for a in answers) - 1) < 1e-6 and len({a["text"] for a in answers}) == len(answers)
+             and len(answers) <= 20 for answers in nbest.values())
 
   loop.run(finetune_config("squad", "runlocal,eval_max_lens=64+128,position=shaw", total_steps=2),
            str(tmp_path / "shaw"))
@@ -120,6 +132,19 @@ def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_
                    "dtype": "float32"}
   results = json.loads((tmp_path / "ft" / "results.json").read_text())
   assert (results["init"], results["init_step"], results["position"]) == (str(pretrained), 1, "shaw")
+
+
+def test_an_unfinished_pretraining_run_is_an_error_unless_init_step_names_a_step(tmp_path):
+  pretrained = pretrain(tmp_path / "pretrain", steps=2)
+  (pretrained / "results.json").unlink()  # as if killed by its wall-clock limit after step 1's checkpoint
+  shutil.rmtree(pretrained / "checkpoints" / "2")
+  with pytest.raises(ValueError, match=r"did not finish \(no results.json; last kept step 1 of total_steps=2\); "
+                                       r"resume it, or set config.init_step=1"):
+    loop.run(finetune_config("glue", "task=sst2,runlocal", init=str(pretrained)), str(tmp_path / "a"))
+  assert not (tmp_path / "a").exists()
+  loop.run(finetune_config("glue", "task=sst2,runlocal", total_steps=1, init=str(pretrained), init_step=1),
+           str(tmp_path / "b"))
+  assert json.loads((tmp_path / "b" / "results.json").read_text())["init_step"] == 1
 
 
 def test_a_position_change_needs_allow_position_change_and_starts_those_parameters_fresh(tmp_path):
@@ -231,7 +256,9 @@ def test_training_reads_tfds(tmp_path, name, arg):
   import tensorflow_datasets as tfds
 
   with tfds.testing.mock_data(num_examples=6):
-    loop.run(finetune_config(name, arg, total_steps=2, batch_size=8, eval_batch_size=8), str(tmp_path))
+    # The mock's random answers are not at their answer_start: SQuAD trains on them anyway here.
+    extra = {"data.skip_misplaced_answers": False} if name == "squad" else {}
+    loop.run(finetune_config(name, arg, total_steps=2, batch_size=8, eval_batch_size=8, **extra), str(tmp_path))
   results = json.loads((tmp_path / "results.json").read_text())["metrics"]
   assert set(results) == ({"mrpc"} if name == "glue" else {"squad@64", "squad@128"})
 

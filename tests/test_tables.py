@@ -34,6 +34,8 @@ def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
   assert len(manifest["runs"]) == len(runs) and manifest["config"] == "configs/tupe/table1.py:runlocal"
   full = sweep.plan("configs/tupe/table1.py", str(tmp_path / "full"))
   assert len(full) == 7 + 9 * 8 * 4 * 5  # the paper's grid: 4 learning rates x 5 seeds
+  # The mid row's step is kept beside the recipe's (Figure 5's 100k and 600k), not instead of them.
+  assert next(r for r in full if r.name == "TUPE-A/pretrain").overrides["keep_steps"] == (100_000, 300_000, 600_000)
 
 
 def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_path):
@@ -107,7 +109,7 @@ def test_local_sweeps_skip_finished_runs_and_resume_unfinished_ones(tmp_path):
   values = [json.loads((root / "Shaw" / "sst2" / f"lr0.001_seed{s}" / "results.json").read_text())["metrics"]["sst2"]
             ["accuracy"] for s in (1, 2)]
   median = sum(values) / 2
-  assert f"| Shaw | {median:.2f} (50.00, {median - 50:+.2f}) n=2 ±{abs(values[0] - values[1]):.2f} |" in markdown
+  assert f"| Shaw | 4 | {median:.2f} (50.00, {median - 50:+.2f}) n=2 ±{abs(values[0] - values[1]):.2f} |" in markdown
 
 
 def test_printed_commands_run(tmp_path):
@@ -122,10 +124,10 @@ def test_printed_commands_run(tmp_path):
   assert json.loads((tmp_path / "run" / "total_steps=1" / "results.json").read_text())["step"] == 1
 
 
-def write_results(run, metrics):
+def write_results(run, metrics, **info):
   os.makedirs(run.workdir, exist_ok=True)
   with open(os.path.join(run.workdir, "results.json"), "w") as f:
-    json.dump({"step": 1, "metrics": metrics}, f)
+    json.dump({"step": 1, "metrics": metrics, **info}, f)
 
 
 def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
@@ -135,11 +137,11 @@ def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
   for (lr, seed), value in {(1e-3, 1): 60.0, (1e-3, 2): 70.0, (3e-4, 1): 62.0, (3e-4, 2): 90.0}.items():
     write_results(finetune[("rte", lr, seed)], {"rte": {"accuracy": value}})
   markdown, rows, missing = report.build(str(tmp_path))
-  assert "| TUPE-A | — (86.05) |" in markdown  # MNLI-m: no result yet, the paper's number shown
-  assert "76.00 (71.61, +4.39) n=2 ±28.00" in markdown
+  assert "| TUPE-A | — | — (86.05) |" in markdown  # MNLI-m: no result yet, the paper's number shown
+  assert "76.00 (71.61, +4.39) n=2 ±28.00 |" in markdown
   assert len(missing) == 7 * 4 and "TUPE-A/rte/lr0.001_seed1" not in missing
   rte = next(r for r in rows if r[:2] == ["TUPE-A", "RTE"])
-  assert rte[2:] == [76.0, 71.61, pytest.approx(4.39), 3e-4, 2, 28.0]
+  assert rte[2:] == [76.0, 71.61, pytest.approx(4.39), 3e-4, 2, 28.0, True, "—"]
 
   # Every task at one value per task: the GLUE average of the nine numbers (MNLI twice), as the paper.
   numbers = {"mnli_matched": 80.0, "mnli_mismatched": 82.0, "qnli": 90.0, "qqp": 88.0, "sst2": 91.0,
@@ -154,13 +156,72 @@ def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
   assert f"{sum(numbers.values()) / 9:.2f} (84.47" in markdown
 
 
+def rte_grid(tmp_path, values, row="TUPE-A"):
+  """A TUPE Table 1 sweep (runlocal: lrs 1e-3, 3e-4 x seeds 1, 2) with RTE results ``{(lr, seed): accuracy}``."""
+  runs = sweep.plan(f"configs/tupe/table1.py:runlocal,row={row}", str(tmp_path))
+  finetune = {(r.task, r.lr, r.seed): r for r in runs if r.kind == "finetune"}
+  for (lr, seed), value in values.items():
+    write_results(finetune[("rte", lr, seed)], {"rte": {"accuracy": value}}, init_step=200)
+  return finetune
+
+
+def test_a_learning_rate_with_missing_seeds_is_not_eligible_while_a_complete_one_exists(tmp_path):
+  # One lucky seed at 1e-3 (its other seed unfinished) against a complete 3e-4: the cell is 3e-4's median.
+  rte_grid(tmp_path, {(1e-3, 1): 90.0, (3e-4, 1): 72.0, (3e-4, 2): 75.0})
+  markdown, rows, _ = report.build(str(tmp_path))
+  rte = next(r for r in rows if r[:2] == ["TUPE-A", "RTE"])
+  assert rte[2] == 73.5 and rte[5] == 3e-4 and rte[8] is False
+  assert "73.50 (71.61, +1.89) n=2 ±3.00 *partial 3/4* |" in markdown  # marked in the cell itself
+  # No complete learning rate: the best of what finished, still marked.
+  rte_grid(tmp_path / "b", {(1e-3, 1): 90.0, (3e-4, 1): 72.0})
+  assert "90.00 (71.61, +18.39) n=1 *partial 2/4* |" in report.build(str(tmp_path / "b"))[0]
+
+
+def test_failed_runs_never_become_a_median_and_are_listed(tmp_path):
+  nan = float("nan")
+  # Whatever the order of seeds and learning rates, a NaN is never a median: 1e-3 has a failed seed, so the
+  # complete 3e-4 is reported.
+  for i, values in enumerate([{(1e-3, 1): nan, (1e-3, 2): 95.0, (3e-4, 1): 70.0, (3e-4, 2): 71.0},
+                              {(1e-3, 1): 95.0, (1e-3, 2): nan, (3e-4, 2): 70.0, (3e-4, 1): 71.0}]):
+    rte_grid(tmp_path / str(i), values)
+    markdown, rows, _ = report.build(str(tmp_path / str(i)))
+    assert next(r for r in rows if r[:2] == ["TUPE-A", "RTE"])[2] == 70.5
+    assert "nan" not in markdown.lower().replace("failed runs", "")
+    assert f"Failed runs (1: a non-finite number, left out of every median): TUPE-A/rte/lr0.001_seed{i + 1}" in markdown
+
+
+def test_mnli_matched_and_mismatched_come_from_one_learning_rate_chosen_on_matched(tmp_path):
+  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
+  for run in runs:
+    if run.task == "mnli":  # 1e-3 is best on matched, 3e-4 on mismatched
+      m, mm = (80.0, 70.0) if run.lr == 1e-3 else (79.0, 90.0)
+      write_results(run, {"mnli_matched": {"accuracy": m}, "mnli_mismatched": {"accuracy": mm}})
+  rows = report.build(str(tmp_path))[1]
+  cells = {r[1]: r for r in rows if r[0] == "TUPE-A"}
+  assert (cells["MNLI-m"][2], cells["MNLI-m"][5]) == (80.0, 1e-3)
+  assert (cells["MNLI-mm"][2], cells["MNLI-mm"][5]) == (70.0, 1e-3)
+
+
+def test_the_report_shows_the_step_each_row_starts_from_and_marks_a_partial_average(tmp_path):
+  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A (mid)", str(tmp_path))
+  metric = {"cola": "matthews", "stsb": "pearson"}
+  for run in runs:
+    if run.kind == "finetune" and not (run.task == "qqp" and run.seed == 2 and run.lr == 3e-4):
+      evaluators = ("mnli_matched", "mnli_mismatched") if run.task == "mnli" else (run.task,)
+      write_results(run, {e: {metric.get(e, "accuracy"): 60.0} for e in evaluators},
+                    init_step=100)
+  markdown = report.build(str(tmp_path))[0]
+  assert "| TUPE-A (mid) | 100 | 60.00 (84.76, -24.76) n=2 ±0.00 |" in markdown
+  assert "60.00 (83.33, -23.33) *partial* |" in markdown  # the mid row's average: its QQP lacks a seed
+
+
 def test_the_report_shows_lengths_a_method_cannot_reach(tmp_path):
   runs = sweep.plan("configs/huang2020/inductive.py:runlocal,row=absolute", str(tmp_path))
   (run,) = [r for r in runs if r.kind == "finetune"]
   write_results(run, {"squad@32": {"f1": 40.0}, "squad@64": {"f1": 30.0},
                       "squad@128": {"f1": loop.UNSUPPORTED, "exact_match": loop.UNSUPPORTED}})
   markdown, _, missing = report.build(str(tmp_path))
-  assert "| absolute | 40.00 n=1 | 30.00 n=1 | unsupported |" in markdown and not missing
+  assert "| absolute | — | 40.00 n=1 | 30.00 n=1 | unsupported |" in markdown and not missing
 
 
 def test_a_table_config_runs_from_posjax_main_as_a_pipeline(tmp_path):

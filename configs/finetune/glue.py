@@ -15,14 +15,15 @@ From a pre-training run (its encoder, position method and vocabulary; ``init_ste
   python -m posjax.main --config=configs/finetune/glue.py:task=rte --workdir=$WORKDIR --config.init=$PRETRAIN
 Local:
   python -m posjax.main --config=configs/finetune/glue.py:task=rte,runlocal --workdir=/tmp/posjax_rte
-Writes ``results.json`` (the task's dev metrics in percent, MNLI matched and mismatched both) beside
-``metrics.jsonl``. MNLI's evaluators are ``mnli_matched`` and ``mnli_mismatched``; the others' the task name.
+Evaluates twice an epoch and at the end (``evals_per_epoch``); ``results.json`` holds every evaluation and, as
+``metrics``, the best one by the paper's metric (``select``, ``select_metric``: TUPE's protocol; ``select=last``
+reports the last), the task's dev metrics in percent, MNLI matched and mismatched both. MNLI's evaluators are ``mnli_matched`` and ``mnli_mismatched``; the others' the task name.
 """
 
 import ml_collections
 
 from posjax.config_args import parse_arg
-from posjax.finetune import glue, recipe
+from posjax.finetune import glue, metrics, recipe
 
 LONG_TASKS = ("mnli", "qnli", "qqp")  # 5 epochs in TUPE's recipe; the others 10
 
@@ -37,10 +38,17 @@ def get_config(arg=None):
   config.data = ml_collections.ConfigDict(dict(
       glue_task=task.name, source=arg.source, data_dir="",
       vocab_file="",  # "": the init run's (its vocab.txt or data.vocab_file)
-      scratch_vocab_file=""))  # the vocabulary of a run without init
-  config.evals = ml_collections.ConfigDict({
-      (f"mnli_{split.removeprefix('validation_')}" if task.name == "mnli" else task.name): dict(kind="glue", split=split)
-      for split in task.validation_splits})
+      scratch_vocab_file="",  # the vocabulary of a run without init
+      **recipe.batching_fields()))
+  names = [f"mnli_{split.removeprefix('validation_')}" if task.name == "mnli" else task.name
+           for split in task.validation_splits]
+  config.evals = ml_collections.ConfigDict({name: dict(kind="glue", split=split)
+                                            for name, split in zip(names, task.validation_splits)})
+  # TUPE's protocol: validate twice an epoch, report the best (fairseq's best checkpoint metric: accuracy, mcc for
+  # CoLA, pearson for STS-B; for MNLI its first validation set, matched).
+  config.evals_per_epoch = 2
+  config.select = "best"
+  config.select_metric = f"{names[0]}/{metrics.PAPER_METRIC[names[0]]}"
   if arg.runlocal:
     config.data.update(source="tsv", data_dir=recipe.DATA + "/glue")
     recipe.runlocal(config, steps=60, max_len=64, batch_size=16)

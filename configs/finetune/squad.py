@@ -35,9 +35,11 @@ def get_config(arg=None):
       source=arg.source, train_file="train-v1.1.json", dev_file="dev-v1.1.json", data_dir="",
       vocab_file="",  # "": the init run's (its vocab.txt or data.vocab_file)
       scratch_vocab_file="",  # the vocabulary of a run without init
-      doc_stride=128, max_query_len=64, n_best=20, max_answer_len=30))
+      **recipe.batching_fields(), doc_stride=128, max_query_len=64, n_best=20, max_answer_len=30,
+      skip_misplaced_answers=True))  # BERT's: training questions whose answer is not at answer_start are skipped
   lengths = tuple(int(n) for n in arg.eval_max_lens.split("+") if n) or ((64, 128) if arg.runlocal else ())
   config.evals = ml_collections.ConfigDict(dict(squad=dict(kind="squad", split="validation", max_lens=lengths)))
+  config.evals_per_epoch = 1  # a curve at each epoch's end; Huang et al. report the last (select="last")
   if arg.runlocal:
     config.data.update(train_file=recipe.DATA + "/squad/train-v1.1.json", dev_file=recipe.DATA + "/squad/dev-v1.1.json",
                        doc_stride=32)

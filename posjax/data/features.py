@@ -2,9 +2,19 @@
 for evaluation, each process taking its rows of every global batch.
 
 A feature is a dict of 1-D arrays (``input_ids``, ``token_type_ids``: the tokens, unpadded) and scalars
-(``label``, ``start_position``, ...). :func:`collate` pads the tokens to ``max_len`` and adds
-``attention_mask``, ``weight`` (1 for a real example, 0 for padding) and ``index`` (the feature's place in the
-list, -1 for padding), so predictions can be matched to their examples whatever batch they were in.
+(``label``, ``start_position``, ...). :func:`collate` pads the tokens to a length and adds ``attention_mask``,
+``weight`` (1 for a real example, 0 for padding) and ``index`` (the feature's place in the list, -1 for
+padding), so predictions can be matched to their examples whatever batch they were in.
+
+How long a batch is (``batching``), so that the cost follows the examples, not ``max_len``:
+- ``fixed``: every batch padded to ``max_len``;
+- ``dynamic`` (fairseq's, which TUPE fine-tuned with; Hugging Face's dynamic padding): the same batches as
+  ``fixed``, each padded to the smallest of ``buckets`` that holds its longest example, so few shapes compile;
+- ``grouped`` (Hugging Face's ``group_by_length``): as ``dynamic``, and each epoch's order is cut into
+  mega-batches of ``group_size`` batches whose examples are sorted by length (longest first), so a batch holds
+  examples of similar lengths; the stream is another one than ``fixed``'s, drawn from the seed alone.
+Evaluation (:func:`eval_batches`) sorts the examples by length for any batching but ``fixed``; predictions
+are per row, so metrics do not depend on the batching or the batch size.
 """
 
 from __future__ import annotations
@@ -45,6 +55,63 @@ def collate(features: Sequence[dict], indices: Sequence[int], *, rows: int, max_
   return batch
 
 
+BATCHINGS = ("fixed", "dynamic", "grouped")
+
+
+def length_buckets(max_len: int) -> tuple[int, ...]:
+  """The padded lengths a batch may have: multiples of 8 up to 64, of 16 up to 128, of 32 up to 256, then of 64,
+  and ``max_len``: a batch pads at most 7 tokens or a fifth of its length past its longest example, in 20 shapes
+  up to 512."""
+  lengths, n = [], 0
+  while n < max_len:
+    n += 8 if n < 64 else 16 if n < 128 else 32 if n < 256 else 64
+    lengths.append(min(n, max_len))
+  return tuple(lengths)
+
+
+def padded_length(longest: int, buckets: Sequence[int]) -> int:
+  """The smallest of ``buckets`` that holds ``longest`` tokens."""
+  for length in buckets:
+    if length >= longest:
+      return length
+  raise ValueError(f"a batch holds {longest} tokens, more than the longest length {max(buckets)}")
+
+
+def _check_batching(batching: str, buckets: Sequence[int] | None, max_len: int) -> tuple[int, ...]:
+  """The sorted bucket lengths (``max_len`` always among them); a bad batching or length is an error."""
+  if batching not in BATCHINGS:
+    raise ValueError(f"data.batching={batching!r}; allowed: {list(BATCHINGS)}")
+  if not buckets:
+    return length_buckets(max_len)
+  if any(int(b) != b or not 0 < b <= max_len for b in buckets):
+    raise ValueError(f"data.length_buckets={tuple(buckets)} must be whole numbers in [1, max_len={max_len}]")
+  return tuple(sorted({int(b) for b in buckets} | {max_len}))
+
+
+def lengths_of(features: Sequence[dict], max_len: int) -> np.ndarray:
+  """Every feature's number of tokens; one longer than ``max_len`` is an error that names it."""
+  lengths = getattr(features, "lengths", None)
+  if lengths is None:
+    lengths = np.fromiter((len(f["input_ids"]) for f in features), np.int64, len(features))
+  if len(lengths) and lengths.max() > max_len:
+    index = int(np.argmax(lengths))
+    raise ValueError(f"feature {index} has {int(lengths[index])} tokens; max_len is {max_len}")
+  return np.asarray(lengths)
+
+
+def join_outputs(outputs: Sequence[dict]) -> dict:
+  """Per-batch outputs as one array per key, in batch order; per-token outputs of batches padded to other
+  lengths are padded with 0 to the longest."""
+  joined = {}
+  for key in outputs[0]:
+    parts = [np.asarray(o[key]) for o in outputs]
+    width = max(p.shape[1] for p in parts) if parts[0].ndim > 1 else None
+    if width is not None:
+      parts = [np.pad(p, [(0, 0), (0, width - p.shape[1])] + [(0, 0)] * (p.ndim - 2)) for p in parts]
+    joined[key] = np.concatenate(parts)
+  return joined
+
+
 def process_rows(global_batch: int) -> slice:
   """This process's rows of a global batch (contiguous, in process order)."""
   import jax
@@ -55,19 +122,33 @@ def process_rows(global_batch: int) -> slice:
 
 class ExampleBatches:
   """Endless training batches over ``features``: a fresh permutation per epoch, drawn from ``[seed, epoch]``,
-  read as one continuous stream (a batch may span two epochs). The state is the number of examples consumed,
-  so restoring costs nothing; the batches depend on the seed alone, not on the number of processes."""
+  read as one continuous stream (a batch may span two epochs), padded as ``batching`` says (module docstring).
+  The state is the number of examples consumed, so restoring costs nothing; the batches depend on the seed
+  alone, not on the number of processes (each process pads its rows to the global batch's length)."""
 
-  def __init__(self, features: Sequence[dict], *, global_batch: int, max_len: int, pad_id: int, seed: int):
+  def __init__(self, features: Sequence[dict], *, global_batch: int, max_len: int, pad_id: int, seed: int,
+               batching: str = "fixed", buckets: Sequence[int] | None = None, group_size: int = 50):
     if not features:
       raise ValueError("no training examples")
+    self.buckets = _check_batching(batching, buckets, max_len)
     self.features, self.global_batch, self.max_len, self.pad_id, self.seed = (
         features, global_batch, max_len, pad_id, seed)
+    self.batching, self.group_size = batching, group_size
+    self.lengths = lengths_of(features, max_len)
     self.consumed = 0
     self._rows = process_rows(global_batch)
+    self._orders: dict[int, np.ndarray] = {}
 
   def _order(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng([self.seed, epoch]).permutation(len(self.features))
+    """The epoch's order of examples (the last two kept: a batch may span two epochs)."""
+    if epoch not in self._orders:
+      order = np.random.default_rng([self.seed, epoch]).permutation(len(self.features))
+      if self.batching == "grouped":
+        mega = self.group_size * self.global_batch
+        order = np.concatenate([chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+                                for chunk in np.split(order, range(mega, len(order), mega))])
+      self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1} | {epoch: order}
+    return self._orders[epoch]
 
   def global_indices(self, start: int, count: int) -> np.ndarray:
     """Indices of the ``count`` examples after the first ``start`` of the stream."""
@@ -80,13 +161,20 @@ class ExampleBatches:
       start, count = start + take, count - take
     return np.concatenate(out)
 
+  def length(self, indices: np.ndarray) -> int:
+    """The padded length of a global batch of these examples."""
+    if self.batching == "fixed":
+      return self.max_len
+    return padded_length(int(self.lengths[indices].max()), self.buckets)
+
   def __iter__(self):
     return self
 
   def __next__(self) -> dict:
-    indices = self.global_indices(self.consumed, self.global_batch)[self._rows]
+    chosen = self.global_indices(self.consumed, self.global_batch)
+    indices = chosen[self._rows]
     self.consumed += self.global_batch
-    return collate([self.features[i] for i in indices], indices, rows=len(indices), max_len=self.max_len,
+    return collate([self.features[i] for i in indices], indices, rows=len(indices), max_len=self.length(chosen),
                    pad_id=self.pad_id)
 
   def state(self) -> dict:
@@ -99,15 +187,22 @@ class ExampleBatches:
     self.consumed = int(state["examples_consumed"])
 
 
-def eval_batches(features: Sequence[dict], *, global_batch: int, max_len: int, pad_id: int) -> list[dict]:
-  """This process's rows of every global batch of one pass over ``features`` (the last one padded)."""
+def eval_batches(features: Sequence[dict], *, global_batch: int, max_len: int, pad_id: int, batching: str = "fixed",
+                 buckets: Sequence[int] | None = None) -> list[dict]:
+  """This process's rows of every global batch of one pass over ``features`` (the last one padded with rows of
+  weight 0): in order for ``fixed`` batching, else longest first, each batch padded to its bucket."""
+  buckets = _check_batching(batching, buckets, max_len)
+  lengths = lengths_of(features, max_len)
+  order = np.arange(len(features)) if batching == "fixed" else np.argsort(-lengths, kind="stable")
   rows = process_rows(global_batch)
   local = rows.stop - rows.start
   batches = []
   for start in range(0, len(features), global_batch):
-    indices = list(range(start, min(start + global_batch, len(features))))[rows]
-    chosen = [features[i] for i in indices] or features[:1]  # a process whose rows are all padding: a template
-    batches.append(collate(chosen, indices, rows=local, max_len=max_len, pad_id=pad_id))
+    chosen = order[start:start + global_batch]
+    length = max_len if batching == "fixed" else padded_length(int(lengths[chosen].max()), buckets)
+    indices = list(chosen[rows])
+    picked = [features[i] for i in indices] or [features[0]]  # a process whose rows are all padding: a template
+    batches.append(collate(picked, indices, rows=local, max_len=length, pad_id=pad_id))
   return batches
 
 

@@ -6,7 +6,9 @@ Sources, one interface (:func:`examples`):
 - ``tsv``: the directory the GLUE download script writes (``CoLA/``, ``SST-2/``, ``MRPC/``, ``STS-B/``,
   ``QQP/``, ``MNLI/``, ``QNLI/``, ``RTE/``, ``WNLI/``, each with ``train.tsv`` and ``dev.tsv``; MNLI with
   ``dev_matched.tsv`` and ``dev_mismatched.tsv``). Columns are found by the header's names; CoLA's files have no
-  header (source, label, original label, sentence).
+  header (source, label, original label, sentence). Read as the references read them: a leading byte-order mark
+  is skipped (MRPC's files have one), and QQP's lines with fewer fields than its header are dropped and counted
+  (GLUE's preprocessing drops them); a short line of any other task is an error naming it.
 
 Labels are class ids in TFDS's order (MNLI: entailment, neutral, contradiction; QNLI/RTE: entailment,
 not_entailment) or, for STS-B, the similarity score. Splits: ``train``, ``validation`` (MNLI:
@@ -22,6 +24,7 @@ import sys
 from typing import Iterator, Sequence
 
 import numpy as np
+from absl import logging
 
 from posjax.data.tokenizer import Tokenizer
 
@@ -34,6 +37,7 @@ class Task:
   tsv_dir: str
   tsv_columns: tuple[str, ...]  # the TSV's text columns, then its label column
   validation_splits: tuple[str, ...] = ("validation",)
+  drop_short_rows: bool = False  # rows with fewer fields than the header: dropped (QQP's), else an error
 
   @property
   def num_labels(self) -> int:
@@ -45,7 +49,8 @@ TASKS = {t.name: t for t in [
     Task("sst2", ("sentence",), ("0", "1"), "SST-2", ("sentence", "label")),
     Task("mrpc", ("sentence1", "sentence2"), ("0", "1"), "MRPC", ("#1 String", "#2 String", "Quality")),
     Task("stsb", ("sentence1", "sentence2"), None, "STS-B", ("sentence1", "sentence2", "score")),
-    Task("qqp", ("question1", "question2"), ("0", "1"), "QQP", ("question1", "question2", "is_duplicate")),
+    Task("qqp", ("question1", "question2"), ("0", "1"), "QQP", ("question1", "question2", "is_duplicate"),
+         drop_short_rows=True),
     Task("mnli", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"), "MNLI",
          ("sentence1", "sentence2", "gold_label"), ("validation_matched", "validation_mismatched")),
     Task("qnli", ("question", "sentence"), ("entailment", "not_entailment"), "QNLI", ("question", "sentence", "label")),
@@ -77,21 +82,29 @@ def tsv_examples(task: Task, split: str, root: str) -> Iterator[tuple[tuple[str,
     raise FileNotFoundError(f"GLUE {task.name} {split}: no file {path} (data.glue_dir is the directory the GLUE "
                             f"download script writes, holding {task.tsv_dir}/)")
   csv.field_size_limit(sys.maxsize)
-  with open(path, encoding="utf-8", newline="") as f:
+  dropped = 0
+  # utf-8-sig: the GLUE download's MRPC files start with a byte-order mark (the header reads '\ufeffQuality').
+  with open(path, encoding="utf-8-sig", newline="") as f:
     rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
     if task.name == "cola":
-      columns, first_line = [int(c) for c in task.tsv_columns], 1
+      columns, first_line, fields = [int(c) for c in task.tsv_columns], 1, 0
     else:
       header = next(rows, None) or []
       missing = [c for c in task.tsv_columns if c not in header]
       if missing:
         raise ValueError(f"{path}: the header has no column(s) {missing}; it has {header}")
-      columns, first_line = [header.index(c) for c in task.tsv_columns], 2
+      columns, first_line, fields = [header.index(c) for c in task.tsv_columns], 2, len(header)
     for line, row in enumerate(rows, first_line):
+      if task.drop_short_rows and len(row) < fields:
+        dropped += 1  # GLUE's own QQP preprocessing skips these malformed lines
+        continue
       if len(row) <= max(columns):
         raise ValueError(f"{path}:{line}: {len(row)} tab-separated fields, need at least {max(columns) + 1}")
       *texts, label = (row[c] for c in columns)
       yield tuple(texts), _label(task, label, f"{path}:{line}")
+  if dropped:
+    logging.warning("%s: dropped %d line(s) with fewer than the header's %d fields (as GLUE's preprocessing does)",
+                    path, dropped, fields)
 
 
 def _label(task: Task, value, where: str) -> float | int:

@@ -1,5 +1,8 @@
 """Where a fine-tuning run starts: another run's workdir at a kept step (``init``, ``init_step``), or scratch.
 
+Without ``init_step`` the init run must have finished (its ``results.json``, or its last kept step at its
+``total_steps``); an unfinished one is an error naming its last step.
+
 From ``init`` the run takes the encoder's parameters, its architecture (``model_config.json``, which every
 posjax run and ``python -m posjax.convert hf-to-posjax`` write) and its vocabulary (``vocab.txt`` or
 ``tokenizer.json`` beside the checkpoints, else the init run's ``data.vocab_file``). The fine-tuning config's own model fields are dropout, dtypes and the attention kernel;
@@ -17,6 +20,7 @@ import flax.traverse_util
 import ml_collections
 from absl import logging
 
+from posjax import results as results_lib
 from posjax.models import SIZES
 from posjax.positions import base as positions_base
 from posjax.train import checkpoint as checkpoint_lib
@@ -53,12 +57,29 @@ def find(config: ml_collections.ConfigDict) -> Start | None:
   steps = kept_steps(checkpoints)
   if not steps:
     raise FileNotFoundError(f"config.init={config.init!r} holds no checkpoint (expected {checkpoints}/<step>)")
+  if config.get("init_step") is None:
+    _check_finished(workdir, steps[-1])
   step = steps[-1] if config.get("init_step") is None else int(config.init_step)
   if step not in steps:
     raise ValueError(f"config.init_step={step} was not kept in {checkpoints}; kept steps: {steps}")
   model = checkpoint_lib.read_model_config(workdir, "config.init")
   vocab_file = checkpoint_lib.vocab_file_of(workdir)
   return Start(workdir, checkpoints, step, model, vocab_file)
+
+
+def _check_finished(workdir: str, last: int) -> None:
+  """An init run without ``init_step`` must have finished: a run killed by its wall-clock limit would otherwise
+  be fine-tuned from wherever it stopped. Converted checkpoints (no ``config.json``) are not training runs."""
+  if os.path.isfile(os.path.join(workdir, "results.json")):
+    return
+  trained = results_lib.read_json(os.path.join(workdir, "config.json"))
+  if trained is None:
+    return
+  total = trained.get("total_steps")
+  if total is not None and last >= total:
+    return
+  raise ValueError(f"config.init={workdir!r} did not finish (no results.json; last kept step {last} of "
+                   f"total_steps={total}); resume it, or set config.init_step={last} to start from that step anyway")
 
 
 def _position(name: str, options) -> tuple[str, dict]:

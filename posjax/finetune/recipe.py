@@ -65,6 +65,9 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.log_every_steps = 50
   config.device_prefetch = 2  # batches put on the devices ahead of the step
   config.eval_every_steps = 1000  # and at the end
+  config.evals_per_epoch = 0  # instead of eval_every_steps: this many evaluations an epoch (TUPE: 2), and the end
+  config.select = "last"  # the evaluation results.json reports: last | best (of select_metric)
+  config.select_metric = ""  # "<evaluator>/<metric>", for select="best"
   config.checkpoint_every_steps = 1000
   config.keep_checkpoints = 1
   config.keep_steps = ()
@@ -77,6 +80,14 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.model_size = size  # the architecture of a run without init
   config.model = model_fields(position)
   return config
+
+
+def batching_fields() -> dict:
+  """How fine-tuning batches are padded (:mod:`posjax.data.features`): ``dynamic`` pads each batch to the bucket of
+  its longest example (the same batches as ``fixed``, which pads to ``max_len``); ``grouped`` also sorts
+  mega-batches of ``group_size`` batches by length. ``length_buckets``: the padded lengths, ``()``: the default
+  ladder of :func:`posjax.data.features.length_buckets`."""
+  return dict(batching="dynamic", length_buckets=(), group_size=50)
 
 
 def runlocal(config: ml_collections.ConfigDict, *, steps: int, max_len: int, batch_size: int) -> None:

@@ -8,7 +8,8 @@ evaluators from ``config.evals``:
   task's GLUE metrics (:func:`posjax.finetune.metrics.glue`), in percent.
 - ``squad`` (``split``: ``validation``; ``max_lens``: evaluation lengths, default ``(max_len,)``): exact match
   and F1 of the official v1.1 script at each length, as ``<name>@<length>``; the predictions of each go to
-  ``predictions_<name>@<length>.json`` in the workdir (the official script's format). A length longer than a
+  ``predictions_<name>@<length>.json`` in the workdir (the official script's format), the n-best answers with
+  their probabilities to ``nbest_predictions_<name>@<length>.json`` (BERT's). A length longer than a
   learned position table is reported ``unsupported``, never clamped.
 """
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 
 from posjax.data import features as features_lib
 from posjax.data.tokenizer import Tokenizer
@@ -84,6 +86,10 @@ def _in_order(outputs: dict) -> dict:
   return {k: v[keep][order] for k, v in outputs.items()}
 
 
+def _batching(data) -> dict:
+  return dict(batching=data.get("batching", "fixed"), buckets=tuple(data.get("length_buckets") or ()) or None)
+
+
 def _eval_batch(config) -> int:
   """The global evaluation batch: ``eval_batch_size``, else the training batch."""
   return config.get("eval_batch_size") or config.batch_size
@@ -139,10 +145,11 @@ def glue(config: ml_collections.ConfigDict, local_batch: int) -> Task:
       return metrics_lib.glue(key, guesses, labels)
 
     evaluators[name] = Evaluator(
-        features_lib.eval_batches(rows, global_batch=eval_batch, max_len=config.max_len, pad_id=tokenizer.pad_id),
-        predict, glue_metrics)
+        features_lib.eval_batches(rows, global_batch=eval_batch, max_len=config.max_len, pad_id=tokenizer.pad_id,
+                                  **_batching(data)), predict, glue_metrics)
   batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
-                                        pad_id=tokenizer.pad_id, seed=config.seed)
+                                        pad_id=tokenizer.pad_id, seed=config.seed, group_size=data.get("group_size", 50),
+                                        **_batching(data))
   return Task(f"glue/{task.name}", model, model_config, _init_inputs(config.max_len, use_types), loss_fn, batches,
               evaluators, examples_per_epoch=len(train), load_init=_load_init(start, changed),
               info=_info(config, start, model_config))
@@ -175,8 +182,17 @@ def squad(config: ml_collections.ConfigDict, local_batch: int) -> Task:
     n = int(w.attention_mask.sum())
     return {"input_ids": w.input_ids[:n], "token_type_ids": w.token_type_ids[:n], **labels}
 
+  examples = squad_examples(data, "train")
+  if data.get("skip_misplaced_answers", True):
+    examples, skipped = squad_data.training_examples(examples)
+    if not examples:
+      raise ValueError(f"SQuAD train: none of its {skipped} questions has its answer text at its answer_start "
+                       "(set data.skip_misplaced_answers=False to train on them anyway)")
+    if skipped:
+      logging.warning("SQuAD train: skipped %d question(s) whose answer text is not at its answer_start (as BERT "
+                      "does)", skipped)
   train = [feature(w, start_position=np.int32(w.start_position), end_position=np.int32(w.end_position))
-           for example in squad_examples(data, "train") for w in window(example, max_len=config.max_len)]
+           for example in examples for w in window(example, max_len=config.max_len)]
 
   def loss_fn(params, batch, rng):
     start_logits, end_logits = _apply(model, use_types, params, batch, rng)
@@ -208,18 +224,21 @@ def squad(config: ml_collections.ConfigDict, local_batch: int) -> Task:
 
       def squad_metrics(outputs, workdir, key=key, windows=windows):
         ordered = _in_order(outputs)
-        found = squad_data.predictions(by_id, windows, ordered["start"], ordered["end"], n_best=data.n_best,
-                                       max_answer_len=data.max_answer_len)
+        nbest = squad_data.n_best_answers(by_id, windows, ordered["start"], ordered["end"], n_best=data.n_best,
+                                          max_answer_len=data.max_answer_len)
+        found = {example_id: candidates[0]["text"] for example_id, candidates in nbest.items()}
         if workdir is not None:
-          with open(os.path.join(workdir, f"predictions_{key}.json"), "w") as f:
-            json.dump(found, f, indent=1, ensure_ascii=False)
+          for name, value in ((f"predictions_{key}.json", found), (f"nbest_predictions_{key}.json", nbest)):
+            with open(os.path.join(workdir, name), "w") as f:
+              json.dump(value, f, indent=1, ensure_ascii=False)
         return metrics_lib.squad(found, answers)
 
       evaluators[key] = Evaluator(
           features_lib.eval_batches([feature(w) for w in windows], global_batch=eval_batch, max_len=length,
-                                    pad_id=tokenizer.pad_id), predict, squad_metrics)
+                                    pad_id=tokenizer.pad_id, **_batching(data)), predict, squad_metrics)
   batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
-                                        pad_id=tokenizer.pad_id, seed=config.seed)
+                                        pad_id=tokenizer.pad_id, seed=config.seed, group_size=data.get("group_size", 50),
+                                        **_batching(data))
   return Task("squad", model, model_config, _init_inputs(config.max_len, use_types), loss_fn, batches, evaluators,
               examples_per_epoch=len(train), load_init=_load_init(start, changed),
               info=_info(config, start, model_config))

@@ -4,8 +4,9 @@ checkpoints, resumable.
 ``run(config, workdir)`` trains the task ``config.task`` names (``mlm`` pre-training, ``glue``, ``squad``; see
 :mod:`posjax.train.tasks`). It resumes from the newest checkpoint in ``workdir`` when there is one: the train
 state and the input position are restored, so the resumed run sees exactly the batches, dropout and metrics
-an uninterrupted one would. The evaluators run every ``eval_every_steps`` and at the end; the last
-evaluation goes to ``results.json`` with what the run was (task, step, seed, learning rate, init, position).
+an uninterrupted one would. The evaluators run every ``eval_every_steps`` (or ``evals_per_epoch`` times an
+epoch) and at the end; every evaluation, and the one ``config.select`` chooses, goes to ``results.json`` with
+what the run was (task, step, seed, learning rate, init, position): see :mod:`posjax.results`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from posjax import config_args, probes
+from posjax import results as results_lib
 from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, at_least
+from posjax.data import features
 from posjax.finetune import tasks as finetune_tasks
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import metrics as metrics_lib
@@ -42,7 +45,7 @@ from posjax.train.step import TrainState, make_optimizer, train_step
 PARALLELISMS = ("jit", "pmap")
 TASKS = {"mlm": tasks.mlm, "glue": finetune_tasks.glue, "squad": finetune_tasks.squad, "probe": probes.task}
 DETERMINISTIC_METRICS = ("loss", "accuracy", "grad_norm", "learning_rate")
-UNSUPPORTED = "unsupported"  # an evaluation the model cannot run (e.g. longer than its learned position table)
+UNSUPPORTED = results_lib.UNSUPPORTED
 
 
 # Fields that change how a run reads its input or reports, not what it computes: a resumed run may change them.
@@ -171,7 +174,26 @@ def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int
     values["warmup_steps"] = int(round(fraction * values["total_steps"]))
   elif values.get("warmup_steps") is None:
     raise ValueError("give config.warmup_steps or config.warmup_fraction (of the run's steps)")
+  if values.get("evals_per_epoch"):
+    if not examples_per_epoch:
+      raise ValueError("config.evals_per_epoch needs a task with a known epoch (fine-tuning, or data.examples_per_epoch)")
+    values["steps_per_epoch"] = examples_per_epoch / config.batch_size
   return ml_collections.ConfigDict(values)
+
+
+def eval_steps(config: ml_collections.ConfigDict) -> frozenset[int]:
+  """The steps after which the evaluators run: every ``eval_every_steps``, or ``evals_per_epoch`` times per
+  epoch (TUPE's fine-tuning: fairseq's ``--validate-interval-updates 2``, in the middle and at the end of each
+  epoch), and always the last step; none when both are 0."""
+  total = config.total_steps
+  if config.get("evals_per_epoch"):
+    every = config.steps_per_epoch / config.evals_per_epoch
+    steps = {max(1, math.floor(k * every + 0.5)) for k in range(1, math.ceil(total / every) + 1)}
+  elif config.eval_every_steps > 0:
+    steps = set(range(config.eval_every_steps, total + 1, config.eval_every_steps))
+  else:
+    return frozenset()
+  return frozenset(s for s in steps if s < total) | {total}
 
 
 RANGES = {
@@ -179,10 +201,10 @@ RANGES = {
     "total_epochs": POSITIVE, "total_examples": POSITIVE, "warmup_steps": NON_NEGATIVE, "warmup_fraction": FRACTION,
     "learning_rate": NON_NEGATIVE, "max_len": at_least(8), "grad_accum_steps": POSITIVE, "adam_b1": FRACTION,
     "adam_b2": FRACTION, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE,
-    "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "checkpoint_every_steps": POSITIVE,
+    "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE, "checkpoint_every_steps": POSITIVE,
     "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
     "data.mask_rate": OPEN_FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
-    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "model.dropout_rate": FRACTION,
+    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": POSITIVE, "model.dropout_rate": FRACTION,
     "model.attention_dropout_rate": FRACTION,
 }
 
@@ -308,6 +330,7 @@ def _validate(config: ml_collections.ConfigDict, workdir: str) -> Prepared:
   check_workdir_config(config, workdir, write=False)
   local_batch, local_eval_batch = _check_batch(config)
   task = TASKS[name](config, local_batch)
+  results_lib.check_selection(config.get("select", "last"), config.get("select_metric", ""), task.evaluators)
   resolved = resolve_durations(config, task.examples_per_epoch)
   optimizer, schedule = make_optimizer(resolved)
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(resolved.seed))
@@ -358,18 +381,21 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
       state = parallel.from_checkpoint(parallel.to_checkpoint(state).replace(params=params))
   check_workdir_config(original, workdir)
   if is_main:
-    _write_json(os.path.join(workdir, "model_config.json"), task.model_config.to_dict())
+    results_lib.write_json(os.path.join(workdir, "model_config.json"), task.model_config.to_dict())
 
   start = int(jax.device_get(parallel.to_checkpoint(state).step))
-  evaluators = task.evaluators if config.eval_every_steps > 0 else {}
+  when = eval_steps(config)
+  evaluators = task.evaluators if when else {}
+  log = results_lib.EvaluationLog(workdir, start, enabled=is_main)
   results_path = os.path.join(workdir, "results.json")
   if start >= config.total_steps:
     if os.path.exists(results_path):
       say(f"{workdir} is already complete at step {start} (total_steps={config.total_steps}); nothing to do")
     else:  # killed between its last checkpoint and its results: evaluate that checkpoint
       say(f"{workdir} has its last step ({start}) but no results.json: evaluating it")
-      _write_results(results_path, config, task, start, _evaluation(evaluators, parallel, workdir if is_main else None)(state)
-                     if evaluators else {}, is_main, say)
+      if evaluators:
+        log.append(start, _evaluation(evaluators, parallel, workdir if is_main else None)(state))
+      _write_results(results_path, config, task, start, log, is_main, say)
     checkpointer.close()
     writer.close()
     return parallel.params(state)
@@ -384,7 +410,6 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
   logger = DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step, say)
   profiling = False
   done = start
-  results = {}
   try:
     for step in range(start, config.total_steps):
       if step == config.profile_start_step and is_main:
@@ -403,11 +428,12 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
         raise KeyboardInterrupt
       preempted = interruptions.preempted(done)
       save = done % config.checkpoint_every_steps == 0 or done == config.total_steps or preempted
-      run_eval = evaluators and (done % config.eval_every_steps == 0 or done == config.total_steps)
+      run_eval = evaluators and done in when
       if save or run_eval:
         logger.flush()
       if run_eval:
         results = evaluate(state)
+        log.append(done, results)
         logger.write_eval(done, {f"{name}_{k}": v for name, values in results.items() for k, v in values.items()})
       if save:
         checkpointer.save(done, parallel.to_checkpoint(state), _input_position(feed))
@@ -418,7 +444,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
         break
     logger.flush()
     if done == config.total_steps:
-      _write_results(results_path, config, task, done, results, is_main, say)
+      _write_results(results_path, config, task, done, log, is_main, say)
   except KeyboardInterrupt:
     checkpointer.wait()
     last = checkpointer.manager.latest_step()
@@ -437,18 +463,14 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
   return parallel.params(state)
 
 
-def _write_results(path: str, config, task, step: int, results: dict, is_main: bool, say) -> None:
-  """``results.json``: what the run was and its last evaluation (what sweeps and reports read)."""
+def _write_results(path: str, config, task, step: int, log: results_lib.EvaluationLog, is_main: bool, say) -> None:
+  """``results.json``: what the run was, its evaluations and the one ``config.select`` reports (what sweeps and
+  reports read)."""
   if is_main:
-    _write_json(path, {"task": task.name, "step": step, "seed": config.seed, "learning_rate": config.learning_rate,
-                       **task.info, "metrics": results})
+    info = {"task": task.name, "step": step, "seed": config.seed, "learning_rate": config.learning_rate, **task.info}
+    results_lib.write_json(path, results_lib.run_results(info, log.evaluations, config.get("select", "last"),
+                                                          config.get("select_metric", "")))
     say(f"results in {path}")
-
-
-def _write_json(path: str, value) -> None:
-  with open(path + ".tmp", "w") as f:
-    json.dump(value, f, indent=1, sort_keys=True)
-  os.replace(path + ".tmp", path)
 
 
 class DeviceFeed:
@@ -561,8 +583,7 @@ def _evaluation(evaluators: dict[str, tasks.Evaluator], parallel, workdir: str |
         continue
       batches = ev.batches + [ev.empty] * (counts[name] - len(ev.batches))
       outputs = [jax.device_get(compiled[name](state.params, parallel.put_batch(b))) for b in batches]
-      joined = {k: np.concatenate([np.asarray(o[k]) for o in outputs]) for k in outputs[0]}
-      results[name] = ev.metrics(joined, workdir)
+      results[name] = ev.metrics(features.join_outputs(outputs), workdir)
     return results
 
   return evaluate

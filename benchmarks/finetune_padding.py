@@ -1,0 +1,127 @@
+"""What fine-tuning pays for padding: per GLUE task, the padded share of the token slots and the steps of TUPE's
+recipe (batch 32, max length 512) under each batching of :mod:`posjax.data.features`, and the wall time of a
+runlocal fine-tuning side by side.
+
+  python benchmarks/finetune_padding.py [--glue_dir=GLUE_DIR --vocab=vocab.txt] [--wall] [--max_lens=64,512]
+
+Lengths: with ``--glue_dir`` (the GLUE download) and ``--vocab``, every training example of the real files is
+encoded as posjax encodes it. Without them, each task's lengths are drawn from a log-normal with the mean and
+95th percentile in ``LENGTHS`` (BERT WordPiece tokens with [CLS]/[SEP]; approximate figures for the GLUE
+training sets, not measured here): the fractions are then estimates. ``--wall`` times
+``configs/finetune/glue.py:task=sst2,runlocal`` at each ``--max_lens`` for ``fixed`` and ``dynamic`` batching.
+Prints markdown tables (record them in docs/benchmarks.md with the machine).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import describe_device  # noqa: E402
+
+from posjax.data import features  # noqa: E402
+
+_GLUE_DIR = flags.DEFINE_string("glue_dir", "", "The GLUE download's directory (real lengths); needs --vocab.")
+_VOCAB = flags.DEFINE_string("vocab", "", "The vocabulary to encode --glue_dir with.")
+_WALL = flags.DEFINE_bool("wall", False, "Also time runlocal SST-2 fine-tuning at each --max_lens.")
+_MAX_LENS = flags.DEFINE_list("max_lens", ["64", "512"], "max_len of the timed runlocal runs.")
+_STEP = flags.DEFINE_integer("step", 0, "Buckets every this many tokens instead of the default ladder (1: exact).")
+
+# task: (training examples, TUPE's epochs, mean tokens, 95th percentile tokens)
+LENGTHS = {"mnli": (392_702, 5, 39, 72), "qqp": (363_846, 5, 30, 62), "qnli": (104_743, 5, 50, 96),
+           "sst2": (67_349, 10, 13, 34), "cola": (8_551, 10, 11, 20), "mrpc": (3_668, 10, 53, 80),
+           "stsb": (5_749, 10, 31, 56), "rte": (2_490, 10, 73, 160)}
+BATCH, MAX_LEN = 32, 512
+
+
+def modelled_lengths(n: int, mean: float, p95: float, seed: int = 0) -> np.ndarray:
+  """A log-normal with this mean and 95th percentile, rounded and cut to [3, MAX_LEN]."""
+  sigma = 1.645 - math.sqrt(1.645 ** 2 - 2 * math.log(p95 / mean))
+  mu = math.log(mean) - sigma ** 2 / 2
+  draws = np.random.default_rng(seed).lognormal(mu, sigma, n)
+  return np.clip(np.rint(draws), 3, MAX_LEN).astype(np.int64)
+
+
+def real_lengths(task: str) -> np.ndarray:
+  from posjax.data.tokenizer import Tokenizer
+  from posjax.finetune import glue
+
+  tokenizer = Tokenizer.load(_VOCAB.value)
+  spec = glue.get(task)
+  examples = list(glue.examples(task, "train", "tsv", _GLUE_DIR.value))
+  columns = [tokenizer.encode_batch([texts[i] for texts, _ in examples]) for i in range(len(spec.tfds_keys))]
+  return np.asarray([len(glue.pair(tokenizer, [c[n] for c in columns], MAX_LEN)[0]) for n in range(len(examples))])
+
+
+def padding(lengths: np.ndarray, epochs: int, batching: str) -> tuple[float, int, int]:
+  """(padded share of the token slots, steps, distinct padded lengths) over one run of the recipe."""
+  rows = [{"input_ids": np.zeros(n, np.int32)} for n in lengths]
+
+  class Lengths(list):
+    pass
+
+  table = Lengths(rows)
+  table.lengths = lengths
+  buckets = tuple(range(_STEP.value, MAX_LEN + 1, _STEP.value)) if _STEP.value else None
+  stream = features.ExampleBatches(table, global_batch=BATCH, max_len=MAX_LEN, pad_id=0, seed=0, batching=batching,
+                                   buckets=buckets)
+  steps = -(-len(lengths) * epochs // BATCH)
+  real = slots = 0
+  shapes = set()
+  for step in range(steps):
+    chosen = stream.global_indices(step * BATCH, BATCH)
+    length = stream.length(chosen)
+    shapes.add(length)
+    real += int(lengths[chosen].sum())
+    slots += BATCH * length
+  return 1 - real / slots, steps, len(shapes)
+
+
+def wall_time(max_len: int, batching: str) -> float:
+  with tempfile.TemporaryDirectory() as workdir:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
+                    f"--workdir={workdir}", f"--config.max_len={max_len}", f"--config.data.batching={batching}",
+                    "--config.progress=False"], check=True, capture_output=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return time.perf_counter() - start
+
+
+def main(argv):
+  del argv
+  source = "real files" if _GLUE_DIR.value else "modelled lengths (LENGTHS)"
+  ladder = f"buckets every {_STEP.value} tokens" if _STEP.value else "the default bucket ladder"
+  print(f"{describe_device()}; batch {BATCH}, max_len {MAX_LEN}, {source}, {ladder}\n")
+  print("| task | examples x epochs | mean tokens | steps | padded: fixed | dynamic | grouped | shapes: dynamic | "
+        "grouped |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  totals = {b: [0, 0] for b in features.BATCHINGS}
+  for task, (n, epochs, mean, p95) in LENGTHS.items():
+    lengths = real_lengths(task) if _GLUE_DIR.value else modelled_lengths(n, mean, p95)
+    found = {b: padding(lengths, epochs, b) for b in features.BATCHINGS}
+    for b, (share, steps, _) in found.items():
+      slots = steps * BATCH * MAX_LEN * (1 - found["fixed"][0]) / (1 - share)  # real tokens / (1 - share)
+      totals[b][0] += slots * (1 - share)
+      totals[b][1] += slots
+    print(f"| {task} | {len(lengths):,} x {epochs} | {lengths.mean():.1f} | {found['fixed'][1]:,} | "
+          + " | ".join(f"{100 * found[b][0]:.1f}%" for b in features.BATCHINGS)
+          + f" | {found['dynamic'][2]} | {found['grouped'][2]} |")
+  print("| all eight, by token slots | | | | " + " | ".join(
+      f"{100 * (1 - real / slots):.1f}%" for real, slots in totals.values()) + " | | |")
+  if _WALL.value:
+    print("\n| runlocal SST-2 | " + " | ".join(f"max_len {n}" for n in _MAX_LENS.value) + " |")
+    print("|---|" + "---|" * len(_MAX_LENS.value))
+    for batching in ("fixed", "dynamic"):
+      print(f"| {batching} | " + " | ".join(f"{wall_time(int(n), batching):.0f} s" for n in _MAX_LENS.value) + " |")
+
+
+if __name__ == "__main__":
+  app.run(main)
