@@ -135,7 +135,9 @@ def expand(table: ml_collections.ConfigDict, root: str, rows: Iterable[str] | No
     for task, job in table.finetune.items():
       for lr in table.lrs:
         for seed in table.seeds:
-          overrides = {**dict(job.get("overrides", ())), "init": pre.workdir}
+          # One cache of encoded features for the whole sweep: each task is tokenized once, not once a run.
+          overrides = {"data.cache_dir": os.path.join(root, "feature_cache"), **dict(job.get("overrides", ())),
+                       "init": pre.workdir}
           if spec.get("step"):
             overrides["init_step"] = int(spec.step)
           name = f"{slug(row)}/{task}/lr{lr:g}_seed{seed}"

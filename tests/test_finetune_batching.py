@@ -104,3 +104,27 @@ def test_dynamic_padding_trains_like_padding_to_max_len(tmp_path):
     losses[batching] = [line["loss"] for line in metrics.read(str(tmp_path / batching)) if "loss" in line]
   np.testing.assert_allclose(losses["dynamic"], losses["fixed"], rtol=1e-4)
   assert losses["fixed"][0] != losses["fixed"][-1]
+
+
+def test_encoded_features_are_cached_by_their_inputs_and_read_back_the_same(tmp_path):
+  import shutil
+
+  from posjax.data import feature_cache, synthetic
+
+  def train_rows(**changes):
+    config = override(load_config("finetune/glue", "task=mrpc,runlocal"), **{"data.cache_dir": str(tmp_path / "c"),
+                                                                             **changes})
+    return finetune_tasks.glue(config, 16).train_batches.features
+
+  built = train_rows()
+  read = train_rows()
+  assert isinstance(read, feature_cache.Table) and len(read) == len(built) == 120
+  assert all(np.array_equal(read[i][k], built[i][k]) for i in (0, 57, 119) for k in built[i])
+  assert len(list((tmp_path / "c").iterdir())) == 2  # train and validation
+  vocab = tmp_path / "vocab.txt"  # the same pieces with one more: another key, never the stale cache
+  shutil.copy(f"{synthetic.BUILTIN_DIR}/tiny_vocab.txt", vocab)
+  with open(vocab, "a") as f:
+    f.write("zzzextra\n")
+  train_rows(**{"data.scratch_vocab_file": str(vocab)})
+  train_rows(max_len=32)
+  assert len(list((tmp_path / "c").iterdir())) == 6

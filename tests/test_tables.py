@@ -24,8 +24,9 @@ def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
   assert len(pretrain) == 7 and len(finetune) == 9 * 8 * 2 * 2
   by_name = {r.name: r for r in runs}
   mid = by_name["TUPE-A_mid/rte/lr0.001_seed2"]
-  assert mid.depends_on == ["TUPE-A/pretrain"] and mid.overrides == {"init": str(tmp_path / "TUPE-A" / "pretrain"),
-                                                                    "init_step": 100}
+  assert mid.depends_on == ["TUPE-A/pretrain"] and mid.overrides == {
+      "init": str(tmp_path / "TUPE-A" / "pretrain"), "init_step": 100,
+      "data.cache_dir": str(tmp_path / "feature_cache")}
   assert by_name["TUPE-A/pretrain"].overrides == {"keep_steps": (100,)}
   assert by_name["TUPE-A_tie-cls/pretrain"].overrides == {"model.position_options.cls_reset": "none"}
   order = [r.name for r in runs]

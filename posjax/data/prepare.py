@@ -22,7 +22,6 @@ with its counts beside it, so an interrupted prepare redoes only the unfinished 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import multiprocessing
 import os
@@ -32,7 +31,7 @@ from typing import Sequence
 import numpy as np
 import tqdm
 
-from posjax.data import corpus, mlm
+from posjax.data import corpus, feature_cache, mlm
 from posjax.data.tokenizer import Tokenizer
 
 FORMAT = 2
@@ -72,12 +71,7 @@ def describe(data) -> dict:
   return {"source": data.source, "tfds_name": data.get("tfds_name", ""), "train_split": data.get("train_split", "")}
 
 
-def sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for part in iter(lambda: f.read(1 << 20), b""):
-      digest.update(part)
-  return digest.hexdigest()
+sha256 = feature_cache.file_digest
 
 
 def record_dtype(vocab_size: int, max_len: int):

@@ -66,7 +66,7 @@ def get(name: str) -> Task:
   return TASKS[name]
 
 
-def _tsv_file(task: Task, split: str, root: str) -> str:
+def tsv_file(task: Task, split: str, root: str) -> str:
   if split == "train":
     name = "train.tsv"
   elif split in task.validation_splits:
@@ -77,7 +77,7 @@ def _tsv_file(task: Task, split: str, root: str) -> str:
 
 
 def tsv_examples(task: Task, split: str, root: str) -> Iterator[tuple[tuple[str, ...], float | int]]:
-  path = _tsv_file(task, split, root)
+  path = tsv_file(task, split, root)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GLUE {task.name} {split}: no file {path} (data.glue_dir is the directory the GLUE "
                             f"download script writes, holding {task.tsv_dir}/)")

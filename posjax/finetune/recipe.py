@@ -86,8 +86,10 @@ def batching_fields() -> dict:
   """How fine-tuning batches are padded (:mod:`posjax.data.features`): ``dynamic`` pads each batch to the bucket of
   its longest example (the same batches as ``fixed``, which pads to ``max_len``); ``grouped`` also sorts
   mega-batches of ``group_size`` batches by length. ``length_buckets``: the padded lengths, ``()``: the default
-  ladder of :func:`posjax.data.features.length_buckets`."""
-  return dict(batching="dynamic", length_buckets=(), group_size=50)
+  ladder of :func:`posjax.data.features.length_buckets`. ``cache_dir``: where the encoded training and evaluation
+  features are kept for the next run (:mod:`posjax.data.feature_cache`; a sweep points every run at one)."""
+  return dict(batching="dynamic", length_buckets=(), group_size=50,
+              cache_dir="")  # encoded features stored here, keyed by files, vocabulary and max_len; "": none
 
 
 def runlocal(config: ml_collections.ConfigDict, *, steps: int, max_len: int, batch_size: int) -> None:

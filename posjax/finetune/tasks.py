@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from absl import logging
 
+from posjax.data import feature_cache
 from posjax.data import features as features_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.finetune import glue as glue_data
@@ -38,7 +39,7 @@ SQUAD_SOURCES = ("json", "tfds")
 
 
 def _start(config: ml_collections.ConfigDict):
-  """The init run (or None), the tokenizer, the BertConfig and whether the position method changed."""
+  """The init run (or None), the tokenizer, the BertConfig, whether the position method changed, the vocabulary."""
   start = init_lib.find(config)
   data = config.data
   vocab_file = data.get("vocab_file") or (start.vocab_file if start else data.get("scratch_vocab_file"))
@@ -48,7 +49,7 @@ def _start(config: ml_collections.ConfigDict):
   fields, changed = init_lib.model_fields(config, start, tokenizer.vocab_size)
   model_config = bert_config(fields, tokenizer.vocab_size, config.max_len)
   model_config.position_spec.check_length(config.max_len)
-  return start, tokenizer, model_config, changed
+  return start, tokenizer, model_config, changed, vocab_file
 
 
 def _info(config, start, model_config) -> dict:
@@ -99,13 +100,14 @@ def glue(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """A GLUE task (``config.data.glue_task``) from TFDS or the GLUE TSV files (``config.data.source``)."""
   data = config.data
   task = glue_data.get(data.glue_task)
-  start, tokenizer, model_config, changed = _start(config)
+  start, tokenizer, model_config, changed, vocab_file = _start(config)
+  vocab_digest = feature_cache.file_digest(vocab_file) if data.get("cache_dir") else ""
   model = BertForSequenceClassification(model_config, task.num_labels)
   use_types = model_config.type_vocab_size > 0
   regression = task.labels is None
   label_dtype = np.float32 if regression else np.int32
 
-  def encode(split: str) -> list[dict]:
+  def build(split: str) -> tuple[list[dict], dict]:
     examples = list(glue_data.examples(task.name, split, data.source, data.data_dir))
     if not examples:
       raise ValueError(f"GLUE {task.name} {split} ({data.source}) holds no examples")
@@ -115,7 +117,14 @@ def glue(config: ml_collections.ConfigDict, local_batch: int) -> Task:
       ids, types = glue_data.pair(tokenizer, [column[n] for column in columns], config.max_len)
       rows.append({"input_ids": np.asarray(ids, np.int32), "token_type_ids": np.asarray(types, np.int32),
                    "label": label_dtype(label)})
-    return rows
+    return rows, {}
+
+  def encode(split: str):
+    path = glue_data.tsv_file(task, split, data.data_dir) if data.source == "tsv" else ""
+    source = (feature_cache.file_digest(path) if os.path.isfile(path)
+              else f"{data.source} glue/{task.name} {os.path.abspath(data.data_dir) if data.data_dir else ''}")
+    key = {"glue": task.name, "split": split, "source": source, "vocab": vocab_digest, "max_len": config.max_len}
+    return feature_cache.cached(data.get("cache_dir", ""), key, lambda: build(split))[0]
 
   def loss_fn(params, batch, rng):
     logits = _apply(model, use_types, params, batch, rng)
@@ -172,7 +181,7 @@ def squad_examples(data: ml_collections.ConfigDict, split: str) -> list[squad_da
 def squad(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """SQuAD 1.1 from the official JSON files (``data.train_file`` / ``data.dev_file``) or TFDS ``squad/v1.1``."""
   data = config.data
-  start, tokenizer, model_config, changed = _start(config)
+  start, tokenizer, model_config, changed, vocab_file = _start(config)
   model = BertForQuestionAnswering(model_config)
   use_types = model_config.type_vocab_size > 0
   window = functools.partial(squad_data.windows, tokenizer, doc_stride=data.doc_stride,
@@ -182,17 +191,26 @@ def squad(config: ml_collections.ConfigDict, local_batch: int) -> Task:
     n = int(w.attention_mask.sum())
     return {"input_ids": w.input_ids[:n], "token_type_ids": w.token_type_ids[:n], **labels}
 
-  examples = squad_examples(data, "train")
-  if data.get("skip_misplaced_answers", True):
-    examples, skipped = squad_data.training_examples(examples)
-    if not examples:
-      raise ValueError(f"SQuAD train: none of its {skipped} questions has its answer text at its answer_start "
-                       "(set data.skip_misplaced_answers=False to train on them anyway)")
-    if skipped:
-      logging.warning("SQuAD train: skipped %d question(s) whose answer text is not at its answer_start (as BERT "
-                      "does)", skipped)
-  train = [feature(w, start_position=np.int32(w.start_position), end_position=np.int32(w.end_position))
-           for example in examples for w in window(example, max_len=config.max_len)]
+  def build() -> tuple[list[dict], dict]:
+    examples, skipped = squad_examples(data, "train"), 0
+    if data.get("skip_misplaced_answers", True):
+      examples, skipped = squad_data.training_examples(examples)
+      if not examples:
+        raise ValueError(f"SQuAD train: none of its {skipped} questions has its answer text at its answer_start "
+                         "(set data.skip_misplaced_answers=False to train on them anyway)")
+    rows = [feature(w, start_position=np.int32(w.start_position), end_position=np.int32(w.end_position))
+            for example in examples for w in window(example, max_len=config.max_len)]
+    return rows, {"skipped": skipped}
+
+  source = (feature_cache.file_digest(data.train_file) if data.source == "json" and os.path.isfile(data.train_file)
+            else f"{data.source} {data.train_file} {os.path.abspath(data.data_dir) if data.data_dir else ''}")
+  key = {"squad": "train", "source": source, "max_len": config.max_len, "doc_stride": data.doc_stride,
+         "max_query_len": data.max_query_len, "skip": data.get("skip_misplaced_answers", True),
+         "vocab": feature_cache.file_digest(vocab_file) if data.get("cache_dir") else ""}
+  train, meta = feature_cache.cached(data.get("cache_dir", ""), key, build)
+  if meta.get("skipped"):
+    logging.warning("SQuAD train: skipped %d question(s) whose answer text is not at its answer_start (as BERT does)",
+                    meta["skipped"])
 
   def loss_fn(params, batch, rng):
     start_logits, end_logits = _apply(model, use_types, params, batch, rng)
