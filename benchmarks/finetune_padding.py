@@ -2,12 +2,15 @@
 recipe (batch 32, max length 512) under each batching of :mod:`posjax.data.features`, and the wall time of a
 runlocal fine-tuning side by side.
 
-  python benchmarks/finetune_padding.py [--glue_dir=GLUE_DIR --vocab=vocab.txt] [--wall] [--max_lens=64,512]
+  python benchmarks/finetune_padding.py [--glue_dir=GLUE_DIR --vocab=vocab.txt] [--per_doubling=4,8] [--wall]
+      [--max_lens=64,512]
 
 Lengths: with ``--glue_dir`` (the GLUE download) and ``--vocab``, every training example of the real files is
 encoded as posjax encodes it. Without them, each task's lengths are drawn from a log-normal with the mean and
 95th percentile in ``LENGTHS`` (BERT WordPiece tokens with [CLS]/[SEP]; approximate figures for the GLUE
-training sets, not measured here): the fractions are then estimates. ``--wall`` times
+training sets, not measured here): the fractions are then estimates. Columns: ``data.batching`` (``grouped``
+with mega-batches of 50 batches, and of the whole epoch: ``data.group_size=0``); shapes: the padded lengths a run
+compiles. ``--wall`` times
 ``configs/finetune/glue.py:task=sst2,runlocal`` at each ``--max_lens`` for ``fixed`` and ``dynamic`` batching.
 Prints markdown tables (record them in docs/benchmarks.md with the machine).
 """
@@ -33,7 +36,7 @@ _GLUE_DIR = flags.DEFINE_string("glue_dir", "", "The GLUE download's directory (
 _VOCAB = flags.DEFINE_string("vocab", "", "The vocabulary to encode --glue_dir with.")
 _WALL = flags.DEFINE_bool("wall", False, "Also time runlocal SST-2 fine-tuning at each --max_lens.")
 _MAX_LENS = flags.DEFINE_list("max_lens", ["64", "512"], "max_len of the timed runlocal runs.")
-_STEP = flags.DEFINE_integer("step", 0, "Buckets every this many tokens instead of the default ladder (1: exact).")
+_PER_DOUBLING = flags.DEFINE_list("per_doubling", ["4", "8"], "Bucket ladders (data.buckets_per_doubling) to compare.")
 
 # task: (training examples, TUPE's epochs, mean tokens, 95th percentile tokens)
 LENGTHS = {"mnli": (392_702, 5, 39, 72), "qqp": (363_846, 5, 30, 62), "qnli": (104_743, 5, 50, 96),
@@ -61,18 +64,21 @@ def real_lengths(task: str) -> np.ndarray:
   return np.asarray([len(glue.pair(tokenizer, [c[n] for c in columns], MAX_LEN)[0]) for n in range(len(examples))])
 
 
-def padding(lengths: np.ndarray, epochs: int, batching: str) -> tuple[float, int, int]:
+MODES = {"fixed": ("fixed", 50), "dynamic": ("dynamic", 50), "grouped": ("grouped", 50),
+         "grouped, epoch": ("grouped", 0)}  # column: (data.batching, data.group_size)
+
+
+def padding(lengths: np.ndarray, epochs: int, mode: str, per_doubling: int) -> tuple[float, int, int]:
   """(padded share of the token slots, steps, distinct padded lengths) over one run of the recipe."""
-  rows = [{"input_ids": np.zeros(n, np.int32)} for n in lengths]
 
   class Lengths(list):
     pass
 
-  table = Lengths(rows)
+  table = Lengths([{"input_ids": np.zeros(n, np.int32)} for n in lengths])
   table.lengths = lengths
-  buckets = tuple(range(_STEP.value, MAX_LEN + 1, _STEP.value)) if _STEP.value else None
+  batching, group_size = MODES[mode]
   stream = features.ExampleBatches(table, global_batch=BATCH, max_len=MAX_LEN, pad_id=0, seed=0, batching=batching,
-                                   buckets=buckets)
+                                   buckets=per_doubling, group_size=group_size)
   steps = -(-len(lengths) * epochs // BATCH)
   real = slots = 0
   shapes = set()
@@ -98,26 +104,30 @@ def wall_time(max_len: int, batching: str) -> float:
 def main(argv):
   del argv
   source = "real files" if _GLUE_DIR.value else "modelled lengths (LENGTHS)"
-  ladder = f"buckets every {_STEP.value} tokens" if _STEP.value else "the default bucket ladder"
-  print(f"{describe_device()}; batch {BATCH}, max_len {MAX_LEN}, {source}, {ladder}\n")
-  print("| task | examples x epochs | mean tokens | steps | padded: fixed | dynamic | grouped | shapes: dynamic | "
-        "grouped |")
-  print("|---|---|---|---|---|---|---|---|---|")
-  totals = {b: [0, 0] for b in features.BATCHINGS}
-  for task, (n, epochs, mean, p95) in LENGTHS.items():
-    lengths = real_lengths(task) if _GLUE_DIR.value else modelled_lengths(n, mean, p95)
-    found = {b: padding(lengths, epochs, b) for b in features.BATCHINGS}
-    for b, (share, steps, _) in found.items():
-      slots = steps * BATCH * MAX_LEN * (1 - found["fixed"][0]) / (1 - share)  # real tokens / (1 - share)
-      totals[b][0] += slots * (1 - share)
-      totals[b][1] += slots
-    print(f"| {task} | {len(lengths):,} x {epochs} | {lengths.mean():.1f} | {found['fixed'][1]:,} | "
-          + " | ".join(f"{100 * found[b][0]:.1f}%" for b in features.BATCHINGS)
-          + f" | {found['dynamic'][2]} | {found['grouped'][2]} |")
-  print("| all eight, by token slots | | | | " + " | ".join(
-      f"{100 * (1 - real / slots):.1f}%" for real, slots in totals.values()) + " | | |")
+  lengths = {task: real_lengths(task) if _GLUE_DIR.value else modelled_lengths(n, mean, p95)
+             for task, (n, _, mean, p95) in LENGTHS.items()}
+  for per_doubling in map(int, _PER_DOUBLING.value):
+    ladder = features.length_buckets(MAX_LEN, per_doubling)
+    print(f"{describe_device()}; batch {BATCH}, max_len {MAX_LEN}, {source}; buckets_per_doubling={per_doubling} "
+          f"({len(ladder)} lengths)\n")
+    print("| task | examples x epochs | mean tokens | steps | padded: " + " | ".join(MODES) + " | shapes: "
+          + " | ".join(m for m in MODES if m != "fixed") + " |")
+    print("|---|---|---|---|" + "---|" * (2 * len(MODES) - 1))
+    totals = {m: [0, 0] for m in MODES}
+    for task, (_, epochs, _, _) in LENGTHS.items():
+      found = {m: padding(lengths[task], epochs, m, per_doubling) for m in MODES}
+      real = int(lengths[task].sum()) * epochs
+      for m, (share, _, _) in found.items():
+        totals[m][0] += real
+        totals[m][1] += real / (1 - share)
+      print(f"| {task} | {len(lengths[task]):,} x {epochs} | {lengths[task].mean():.1f} | {found['fixed'][1]:,} | "
+            + " | ".join(f"{100 * found[m][0]:.1f}%" for m in MODES) + " | "
+            + " | ".join(str(found[m][2]) for m in MODES if m != "fixed") + " |")
+    print("| all eight, by token slots | | | | " + " | ".join(
+        f"{100 * (1 - real / slots):.1f}%" for real, slots in totals.values()) + " |" + " |" * (len(MODES) - 1))
+    print()
   if _WALL.value:
-    print("\n| runlocal SST-2 | " + " | ".join(f"max_len {n}" for n in _MAX_LENS.value) + " |")
+    print("| runlocal SST-2 | " + " | ".join(f"max_len {n}" for n in _MAX_LENS.value) + " |")
     print("|---|" + "---|" * len(_MAX_LENS.value))
     for batching in ("fixed", "dynamic"):
       print(f"| {batching} | " + " | ".join(f"{wall_time(int(n), batching):.0f} s" for n in _MAX_LENS.value) + " |")

@@ -237,15 +237,19 @@ def score(table: ml_collections.ConfigDict, runs: list[Run]) -> dict:
   - a finished run whose selection number is not finite (NaN: e.g. STS-B's Pearson of constant predictions) is
     failed: never in a median, listed under ``failed``; runs without results are listed under ``missing``.
 
-  Returns ``{"rows": {row: {column: cell}}, "starts": {row: [init steps]}, "missing": [...], "failed": [...]}``
+  Runs of a ``--grid`` are scored per grid value, as rows ``"<row> [<key>=<value>]"`` (``base``: their row).
+  Returns ``{"rows": {row: {column: cell}}, "starts": {row: [init steps]}, "base": {row: table row}, "missing":
+  [...], "failed": [...]}``
   with cells ``{value, lr, seeds, spread, complete, runs, finished}`` (``finished``: runs of the task's grid
   with a finite number, ``runs``: all of them)."""
-  out: dict[str, Any] = {"rows": {}, "starts": {}, "missing": [], "failed": []}
+  out: dict[str, Any] = {"rows": {}, "starts": {}, "base": {}, "missing": [], "failed": []}
   grouped = task_columns(table)
-  for row in row_order(table):
+  for row, arm in ((row, arm) for row in row_order(table) for arm in grid_arms(runs, row)):
+    label = f"{row} [{arm}]" if arm else row
     cells, starts = {}, set()
     for task, columns in grouped.items():
-      task_runs = [r for r in runs if r.row == row and r.kind == "finetune" and r.task == task]
+      task_runs = [r for r in runs if r.row == row and r.kind == "finetune" and r.task == task
+                   and grid_arm(r) == arm]
       lrs = list(dict.fromkeys(r.lr for r in task_runs))
       good: dict[float, list[dict]] = {lr: [] for lr in lrs}
       unsupported = False
@@ -262,8 +266,8 @@ def score(table: ml_collections.ConfigDict, runs: list[Run]) -> dict:
           unsupported = True
         elif chosen is None:
           out["missing"].append(run.name)
-        elif not math.isfinite(chosen):
-          out["failed"].append(run.name)
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in values.values()):
+          out["failed"].append(run.name)  # e.g. MNLI-mm NaN beside a finite MNLI-m: the run failed
         else:
           good[run.lr].append(values)
       expected = {lr: sum(r.lr == lr for r in task_runs) for lr in lrs}
@@ -286,9 +290,19 @@ def score(table: ml_collections.ConfigDict, runs: list[Run]) -> dict:
         cells[column] = {"value": statistics.median(numbers), "lr": best, "seeds": len(numbers),
                          "spread": max(numbers) - min(numbers), "complete": finished == len(task_runs),
                          "finished": finished, "runs": len(task_runs)}
-    out["rows"][row] = cells
-    out["starts"][row] = sorted(starts)
+    out["rows"][label], out["starts"][label], out["base"][label] = cells, sorted(starts), row
   return out
+
+
+def grid_arm(run: Run) -> str:
+  """The ``--grid`` values a fine-tuning run adds to its table cell (``"data.batching=fixed"``), or ``""``."""
+  base = f"{slug(run.row)}/{run.task}/lr{run.lr:g}_seed{run.seed}"
+  return run.name[len(base) + 1:] if run.name.startswith(base + "/") else ""
+
+
+def grid_arms(runs: list[Run], row: str) -> list[str]:
+  """A row's grid arms, each scored as a row of its own (``[""]``: no grid)."""
+  return list(dict.fromkeys(grid_arm(r) for r in runs if r.row == row and r.kind == "finetune")) or [""]
 
 
 def row_order(table) -> list[str]:

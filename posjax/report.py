@@ -49,12 +49,11 @@ def build(root: str) -> tuple[str, list[list], list[str]]:
            "the cell (and the average) may change. start: the pre-training step the row fine-tunes from.", "",
            "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   rows_csv = [["row", "column", "posjax", "paper", "difference", "best_lr", "seeds", "spread", "complete", "start"]]
-  for row in experiments.row_order(table):
-    if not any(run.row == row for run in runs):
+  for row, cells in scored["rows"].items():
+    if not any(run.row == scored["base"][row] for run in runs):
       continue
-    cells = scored["rows"].get(row, {})
     start = ", ".join(str(s) for s in scored["starts"].get(row, [])) or "—"
-    paper = dict(table.rows[row].get("paper", {}))
+    paper = dict(table.rows[scored["base"][row]].get("paper", {}))
     texts = []
     for column in columns:
       cell = {"value": None}

@@ -68,6 +68,10 @@ def select(evaluations: list[dict], how: str, metric: str = "") -> dict | None:
     return evaluations[-1]
   if how != "best":
     raise ValueError(f"unknown selection {how!r}; allowed: {list(SELECTIONS)}")
+  evaluator, _, name = metric.partition("/")
+  if not any(name in e["metrics"].get(evaluator, {}) for e in evaluations):
+    known = sorted({m for e in evaluations for m in e["metrics"].get(evaluator, {})})
+    raise ValueError(f"config.select_metric={metric!r}: evaluator {evaluator!r} reports no {name!r}; it reports {known}")
   scored = [(metric_value(e["metrics"], metric), -i, e) for i, e in enumerate(evaluations)]
   finite = [s for s in scored if s[0] is not None]
   if not finite:

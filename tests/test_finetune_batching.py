@@ -55,10 +55,27 @@ def test_grouped_batches_visit_every_example_once_an_epoch_with_less_padding():
     labels = np.concatenate([b["label"] for b in batches])
     assert sorted(labels[:64]) == list(range(64)) and sorted(labels[64:]) == list(range(64))
     padded[batching] = sum(b["attention_mask"].size - b["attention_mask"].sum() for b in batches)
-    if batching == "grouped":  # each mega-batch of 4 batches is sorted, longest first
-      lengths = np.concatenate([b["attention_mask"].sum(1) for b in batches[:4]])
-      assert list(lengths) == sorted(lengths, reverse=True)
+    if batching == "grouped":  # a mega-batch of 4 batches: each batch a run of its examples sorted by length
+      lengths = [sorted(b["attention_mask"].sum(1), reverse=True) for b in batches[:4]]
+      joined = sum(sorted(lengths, key=lambda run: -run[0]), [])
+      assert joined == sorted(joined, reverse=True) and lengths != sorted(lengths, key=lambda run: -run[0])
   assert padded["grouped"] < padded["dynamic"] / 2
+
+
+def test_grouping_cuts_where_the_stream_cuts_in_every_epoch():
+  # 66 examples, batches of 4: epoch 1 starts 2 examples into a batch. Sorted whole epochs (group_size=0) keep
+  # each batch within one length run, in later epochs too.
+  rows = varied_rows(66, seed=2)
+  stream = features.ExampleBatches(rows, global_batch=4, max_len=64, pad_id=0, seed=0, batching="grouped",
+                                   group_size=0, buckets=tuple(range(1, 65)))
+  epoch_of = lambda b: b // 16.5  # noqa: E731
+  spread = {}
+  for b in range(48):
+    batch = next(stream)
+    if epoch_of(4 * b) == epoch_of(4 * b + 3):  # not straddling two epochs
+      lengths = batch["attention_mask"].sum(1)
+      spread.setdefault(int(epoch_of(4 * b)), []).append(int(lengths.max() - lengths.min()))
+  assert all(max(s) <= 6 for s in spread.values()), spread
 
 
 def predictions(config, batching, eval_batch):
@@ -128,3 +145,14 @@ def test_encoded_features_are_cached_by_their_inputs_and_read_back_the_same(tmp_
   train_rows(**{"data.scratch_vocab_file": str(vocab)})
   train_rows(max_len=32)
   assert len(list((tmp_path / "c").iterdir())) == 6
+
+
+def test_explicit_buckets_serve_evaluation_lengths_below_max_len():
+  import ml_collections
+
+  data = ml_collections.ConfigDict(dict(batching="dynamic", length_buckets=(128, 256, 384), buckets_per_doubling=4))
+  options = finetune_tasks._batching(data, 200)
+  assert options == {"batching": "dynamic", "buckets": (128, 200)}
+  batches = features.eval_batches(varied_rows(), global_batch=8, max_len=200, pad_id=0, **options)
+  assert {b["input_ids"].shape[1] for b in batches} == {128}
+  assert finetune_tasks._batching(data) == {"batching": "dynamic", "buckets": (128, 256, 384)}

@@ -58,6 +58,26 @@ def test_a_byte_order_mark_and_qqps_short_lines_are_read_as_the_references_read_
     list(glue.examples("rte", "validation", "tsv", str(tmp_path)))
 
 
+def test_test_files_as_the_glue_download_writes_them_and_the_servers_submission_format(tmp_path):
+  write(tmp_path, "CoLA", "test.tsv", [["index", "sentence"], ["0", "Bill cried ."]])  # a header, unlike train
+  write(tmp_path, "QQP", "test.tsv", [["id", "question1", "question2"], ["7", "How ?", "Why ?"]])
+  write(tmp_path, "MNLI", "test_matched.tsv", [["index", "promptID", "pairID", "genre", "sentence1", "sentence2"],
+                                              ["3", "1", "1a", "fiction", "A premise .", "A hypothesis ."]])
+  assert list(glue.test_examples("cola", "test", "tsv", str(tmp_path))) == [("0", ("Bill cried .",))]
+  assert list(glue.test_examples("qqp", "test", "tsv", str(tmp_path))) == [("7", ("How ?", "Why ?"))]
+  assert list(glue.test_examples("mnli", "test_matched", "tsv", str(tmp_path))) == [
+      ("3", ("A premise .", "A hypothesis ."))]
+  assert glue.has_test("mnli", "validation_matched", "tsv", str(tmp_path))
+  assert not glue.has_test("mnli", "validation_mismatched", "tsv", str(tmp_path))
+  glue.write_submission(str(tmp_path / "MNLI-m.tsv"), "mnli", ["3", "4"], [2, 0])
+  assert (tmp_path / "MNLI-m.tsv").read_text() == "index\tprediction\n3\tcontradiction\n4\tentailment\n"
+  glue.write_submission(str(tmp_path / "STS-B.tsv"), "stsb", ["0"], [3.14159])
+  assert (tmp_path / "STS-B.tsv").read_text() == "index\tprediction\n0\t3.142\n"
+  with pytest.raises(ValueError, match=r"QQP/test.tsv: the header has no column\(s\) \['id'\]"):
+    write(tmp_path, "QQP", "test.tsv", [["index", "question1", "question2"], ["7", "How ?", "Why ?"]])
+    list(glue.test_examples("qqp", "test", "tsv", str(tmp_path)))
+
+
 def test_bad_tsv_input_names_the_file_line_and_value(tmp_path):
   write(tmp_path, "RTE", "train.tsv", [["index", "sentence1", "sentence2", "label"], ["0", "a", "b", "entailment"],
                                       ["1", "a", "b", "maybe"]])

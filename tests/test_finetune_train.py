@@ -64,6 +64,26 @@ def test_classification_learns_the_made_up_signal_and_results_say_what_ran(tmp_p
   assert logged == results["evaluations"]
 
 
+def test_test_set_predictions_are_the_reported_evaluations_in_the_glue_servers_format(tmp_path):
+  # A test.tsv holding the dev sentences: the written predictions must score exactly what results.json reports
+  # (the best evaluation, not the last model).
+  glue_dir = tmp_path / "glue"
+  shutil.copytree(ROOT / "configs" / "data" / "glue" / "SST-2", glue_dir / "SST-2")
+  dev = [line.split("\t")[1:] for line in (glue_dir / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+  (glue_dir / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
+      f"{i}\t{sentence}\n" for i, (sentence, _) in enumerate(dev)))
+  loop.run(finetune_config("glue", "task=sst2,runlocal,seed=3", **{"data.data_dir": str(glue_dir)}),
+           str(tmp_path / "run"))
+  results = json.loads((tmp_path / "run" / "results.json").read_text())
+  lines = (tmp_path / "run" / "glue_test" / "SST-2.tsv").read_text().splitlines()
+  assert lines[0] == "index\tprediction" and [line.split("\t")[0] for line in lines[1:]] == [str(i) for i in range(len(dev))]
+  predicted = [line.split("\t")[1] for line in lines[1:]]
+  accuracy = 100 * np.mean([p == label for p, (_, label) in zip(predicted, dev)])
+  assert accuracy == pytest.approx(results["metrics"]["sst2"]["accuracy"])
+  assert results["selected_step"] != results["step"] or len({e["metrics"]["sst2"]["accuracy"]
+                                                               for e in results["evaluations"]}) == 1
+
+
 def test_mnli_reports_matched_and_mismatched(tmp_path):
   loop.run(finetune_config("glue", "task=mnli,runlocal", total_steps=2), str(tmp_path))
   results = json.loads((tmp_path / "results.json").read_text())["metrics"]

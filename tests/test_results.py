@@ -23,6 +23,9 @@ def test_best_is_the_highest_selection_number_earliest_on_ties_and_never_nan():
   assert results.select(log, "last")["step"] == 50
   assert results.select([evaluation(10, NAN), evaluation(20, NAN)], "best", "mnli_matched/accuracy")["step"] == 20
   assert results.select([], "best", "mnli_matched/accuracy") is None
+  with pytest.raises(ValueError, match=r"select_metric='mnli_matched/acc': evaluator 'mnli_matched' reports no "
+                                       r"'acc'; it reports \['accuracy'\]"):
+    results.select(log, "best", "mnli_matched/acc")
   written = results.run_results({"task": "glue/mnli"}, log, "best", "mnli_matched/accuracy")
   assert written["selected_step"] == 30 and written["evaluations"] == log and written["metrics"] == log[2]["metrics"]
 
@@ -40,7 +43,7 @@ def test_selection_fields_are_checked_against_the_evaluators():
 def test_evaluations_twice_an_epoch_and_at_the_end():
   config = ml_collections.ConfigDict(dict(total_steps=31, eval_every_steps=1000, evals_per_epoch=2,
                                           steps_per_epoch=10.0))
-  assert sorted(loop.eval_steps(config)) == [5, 10, 15, 20, 25, 30, 31]
+  assert sorted(loop.eval_steps(config)) == [5, 10, 15, 20, 25, 31]  # 30 is a step before the end: the end's
   config.update(evals_per_epoch=0, eval_every_steps=10)
   assert sorted(loop.eval_steps(config)) == [10, 20, 30, 31]
   config.eval_every_steps = 0

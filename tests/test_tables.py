@@ -203,6 +203,24 @@ def test_mnli_matched_and_mismatched_come_from_one_learning_rate_chosen_on_match
   assert (cells["MNLI-mm"][2], cells["MNLI-mm"][5]) == (70.0, 1e-3)
 
 
+def test_a_grids_values_are_scored_as_rows_of_their_own_and_a_nan_in_any_column_fails_the_run(tmp_path):
+  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path), grid={"data.batching": ["fixed",
+                                                                                                         "dynamic"]})
+  for run in runs:
+    if run.task == "rte":
+      write_results(run, {"rte": {"accuracy": 61.0 if run.name.endswith("fixed") else 81.0}})
+    if run.task == "mnli":  # one run's mismatched is NaN: the run failed, in both columns
+      mm = float("nan") if run.name == "TUPE-A/mnli/lr0.001_seed1/batching=fixed" else 70.0
+      write_results(run, {"mnli_matched": {"accuracy": 80.0}, "mnli_mismatched": {"accuracy": mm}})
+  markdown, rows, _ = report.build(str(tmp_path))
+  cells = {(r[0], r[1]): r for r in rows}
+  assert cells[("TUPE-A [batching=fixed]", "RTE")][2:4] == [61.0, 71.61]
+  assert cells[("TUPE-A [batching=dynamic]", "RTE")][2] == 81.0 and cells[("TUPE-A [batching=dynamic]", "RTE")][6] == 2
+  assert cells[("TUPE-A [batching=fixed]", "MNLI-mm")][5] == 3e-4  # 1e-3 lost a seed: the complete lr
+  assert "Failed runs (1: a non-finite number, left out of every median): TUPE-A/mnli/lr0.001_seed1/batching=fixed" \
+      in markdown
+
+
 def test_the_report_shows_the_step_each_row_starts_from_and_marks_a_partial_average(tmp_path):
   runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A (mid)", str(tmp_path))
   metric = {"cola": "matthews", "stsb": "pearson"}

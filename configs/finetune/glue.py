@@ -39,6 +39,7 @@ def get_config(arg=None):
       glue_task=task.name, source=arg.source, data_dir="",
       vocab_file="",  # "": the init run's (its vocab.txt or data.vocab_file)
       scratch_vocab_file="",  # the vocabulary of a run without init
+      test_predictions=True,  # where a test split is there: glue_test/<Task>.tsv of the reported evaluation
       **recipe.batching_fields()))
   names = [f"mnli_{split.removeprefix('validation_')}" if task.name == "mnli" else task.name
            for split in task.validation_splits]

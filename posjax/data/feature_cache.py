@@ -14,6 +14,8 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import uuid
 from typing import Callable, Sequence
 
 import numpy as np
@@ -45,6 +47,8 @@ class Table(Sequence):
     return len(self.lengths)
 
   def __getitem__(self, i: int) -> dict:
+    if not 0 <= i < len(self):
+      raise IndexError(f"feature {i} of {len(self)}")
     start, stop = self.offsets[i], self.offsets[i + 1]
     return {name: np.asarray(column[start:stop]) if name in TOKEN_FIELDS else column[i][()]
             for name, column in self.columns.items()}
@@ -71,11 +75,14 @@ def cached(directory: str, key: dict, build: Callable[[], tuple[list[dict], dict
     features, meta = build()
     if not features:
       return features, meta
-    partial = f"{path}.tmp-{os.getpid()}"
-    os.makedirs(partial, exist_ok=True)
-    _write(partial, features, meta)
+    partial = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"  # unique on a shared disk
     try:
+      os.makedirs(partial)
+      _write(partial, features, meta)
       os.rename(partial, path)
-    except OSError:  # another process stored it first: the same features
+    except OSError:
+      if not os.path.isfile(os.path.join(path, "fields.json")):
+        raise
+    finally:  # another process stored it first (the same features), or this one failed
       shutil.rmtree(partial, ignore_errors=True)
   return Table(path), Table(path).meta

@@ -11,8 +11,9 @@ How long a batch is (``batching``), so that the cost follows the examples, not `
 - ``dynamic`` (fairseq's, which TUPE fine-tuned with; Hugging Face's dynamic padding): the same batches as
   ``fixed``, each padded to the smallest of ``buckets`` that holds its longest example, so few shapes compile;
 - ``grouped`` (Hugging Face's ``group_by_length``): as ``dynamic``, and each epoch's order is cut into
-  mega-batches of ``group_size`` batches whose examples are sorted by length (longest first), so a batch holds
-  examples of similar lengths; the stream is another one than ``fixed``'s, drawn from the seed alone.
+  mega-batches of ``group_size`` batches (0: the whole epoch) whose examples are sorted by length, so a batch
+  holds examples of similar lengths, the batches of a mega-batch in a random order; the stream is another one
+  than ``fixed``'s, drawn from the seed alone.
 Evaluation (:func:`eval_batches`) sorts the examples by length for any batching but ``fixed``; predictions
 are per row, so metrics do not depend on the batching or the batch size.
 """
@@ -58,13 +59,14 @@ def collate(features: Sequence[dict], indices: Sequence[int], *, rows: int, max_
 BATCHINGS = ("fixed", "dynamic", "grouped")
 
 
-def length_buckets(max_len: int) -> tuple[int, ...]:
-  """The padded lengths a batch may have: multiples of 8 up to 64, of 16 up to 128, of 32 up to 256, then of 64,
-  and ``max_len``: a batch pads at most 7 tokens or a fifth of its length past its longest example, in 20 shapes
-  up to 512."""
+def length_buckets(max_len: int, per_doubling: int = 4) -> tuple[int, ...]:
+  """The padded lengths a batch may have: ``per_doubling`` steps between two powers of two from 64 on, steps of
+  ``32 // per_doubling`` below, and ``max_len``. The default (8, 16, ..., 64, 80, ..., 128, 160, ..., 512: 20
+  shapes) pads at most 7 tokens or a fifth of a batch's length past its longest example; ``per_doubling=8`` halves
+  that in 40 shapes."""
   lengths, n = [], 0
   while n < max_len:
-    n += 8 if n < 64 else 16 if n < 128 else 32 if n < 256 else 64
+    n += max(32, 1 << max(n.bit_length() - 1, 0)) // per_doubling
     lengths.append(min(n, max_len))
   return tuple(lengths)
 
@@ -83,6 +85,10 @@ def _check_batching(batching: str, buckets: Sequence[int] | None, max_len: int) 
     raise ValueError(f"data.batching={batching!r}; allowed: {list(BATCHINGS)}")
   if not buckets:
     return length_buckets(max_len)
+  if isinstance(buckets, int):
+    if buckets not in (1, 2, 4, 8, 16, 32):
+      raise ValueError(f"data.buckets_per_doubling={buckets}; allowed: 1, 2, 4, 8, 16, 32")
+    return length_buckets(max_len, buckets)
   if any(int(b) != b or not 0 < b <= max_len for b in buckets):
     raise ValueError(f"data.length_buckets={tuple(buckets)} must be whole numbers in [1, max_len={max_len}]")
   return tuple(sorted({int(b) for b in buckets} | {max_len}))
@@ -127,7 +133,7 @@ class ExampleBatches:
   alone, not on the number of processes (each process pads its rows to the global batch's length)."""
 
   def __init__(self, features: Sequence[dict], *, global_batch: int, max_len: int, pad_id: int, seed: int,
-               batching: str = "fixed", buckets: Sequence[int] | None = None, group_size: int = 50):
+               batching: str = "fixed", buckets: Sequence[int] | int | None = None, group_size: int = 50):
     if not features:
       raise ValueError("no training examples")
     self.buckets = _check_batching(batching, buckets, max_len)
@@ -142,13 +148,25 @@ class ExampleBatches:
   def _order(self, epoch: int) -> np.ndarray:
     """The epoch's order of examples (the last two kept: a batch may span two epochs)."""
     if epoch not in self._orders:
-      order = np.random.default_rng([self.seed, epoch]).permutation(len(self.features))
+      rng = np.random.default_rng([self.seed, epoch])
+      order = rng.permutation(len(self.features))
       if self.batching == "grouped":
-        mega = self.group_size * self.global_batch
-        order = np.concatenate([chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-                                for chunk in np.split(order, range(mega, len(order), mega))])
+        order = self._grouped(order, rng, epoch)
       self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1} | {epoch: order}
     return self._orders[epoch]
+
+  def _grouped(self, order: np.ndarray, rng: np.random.Generator, epoch: int) -> np.ndarray:
+    """Mega-batches of ``group_size`` batches sorted by length, cut into batches where the stream cuts them (the
+    first ``shift`` examples finish the previous epoch's last batch), the batches of each in a random order."""
+    batch, mega = self.global_batch, (self.group_size * self.global_batch) or len(order)
+    shift = (-epoch * len(order)) % batch
+    parts = [order[:shift]]
+    for chunk in np.split(order[shift:], range(mega, len(order) - shift, mega)):
+      ordered = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+      full = len(ordered) // batch * batch  # an incomplete last batch stays last, where the stream cuts
+      batches = np.split(ordered[:full], range(batch, full, batch))
+      parts += [batches[i] for i in rng.permutation(len(batches))] + [ordered[full:]]
+    return np.concatenate(parts)
 
   def global_indices(self, start: int, count: int) -> np.ndarray:
     """Indices of the ``count`` examples after the first ``start`` of the stream."""
@@ -188,7 +206,7 @@ class ExampleBatches:
 
 
 def eval_batches(features: Sequence[dict], *, global_batch: int, max_len: int, pad_id: int, batching: str = "fixed",
-                 buckets: Sequence[int] | None = None) -> list[dict]:
+                 buckets: Sequence[int] | int | None = None) -> list[dict]:
   """This process's rows of every global batch of one pass over ``features`` (the last one padded with rows of
   weight 0): in order for ``fixed`` batching, else longest first, each batch padded to its bucket."""
   buckets = _check_batching(batching, buckets, max_len)

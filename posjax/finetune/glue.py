@@ -66,17 +66,26 @@ def get(name: str) -> Task:
   return TASKS[name]
 
 
+def test_split(validation_split: str) -> str:
+  """The test split beside a validation split (``validation_matched`` -> ``test_matched``)."""
+  return "test" + validation_split.removeprefix("validation")
+
+
 def tsv_file(task: Task, split: str, root: str) -> str:
   if split == "train":
     name = "train.tsv"
   elif split in task.validation_splits:
     name = "dev.tsv" if split == "validation" else f"dev_{split.removeprefix('validation_')}.tsv"
+  elif split in map(test_split, task.validation_splits):
+    name = f"{split}.tsv"
   else:
     raise ValueError(f"{task.name} has no split {split!r}; allowed: {['train', *task.validation_splits]}")
   return os.path.join(root, task.tsv_dir, name)
 
 
 def tsv_examples(task: Task, split: str, root: str) -> Iterator[tuple[tuple[str, ...], float | int]]:
+  if split != "train" and split not in task.validation_splits:  # test splits have no labels: test_examples
+    raise ValueError(f"{task.name} has no split {split!r}; allowed: {['train', *task.validation_splits]}")
   path = tsv_file(task, split, root)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GLUE {task.name} {split}: no file {path} (data.glue_dir is the directory the GLUE "
@@ -144,6 +153,63 @@ def examples(name: str, split: str, source: str = "tfds", data_dir: str = "") ->
   if source == "tfds":
     return tfds_examples(task, split, data_dir)
   raise ValueError(f"unknown GLUE source {source!r}; allowed: {list(SOURCES)}")
+
+
+def has_test(name: str, split: str, source: str, data_dir: str = "") -> bool:
+  """Whether the test split of ``split`` (a validation split) is there to predict."""
+  task, test = get(name), test_split(split)
+  if source == "tsv":
+    return os.path.isfile(tsv_file(task, test, data_dir))
+  import tensorflow_datasets as tfds  # imported here: TensorFlow is slow to load
+
+  # An error here is an error on every process alike (the training split was just read from the same builder).
+  return test in tfds.builder(f"glue/{task.name}", data_dir=data_dir or None).info.splits
+
+
+def test_examples(name: str, split: str, source: str, data_dir: str = "") -> Iterator[tuple[str, tuple[str, ...]]]:
+  """``(id, texts)`` of a test split (``test``, MNLI's ``test_matched`` / ``test_mismatched``), without labels.
+  The GLUE download's test files all have a header (CoLA's too) and an ``index`` column (QQP's: ``id``)."""
+  task = get(name)
+  if source == "tfds":
+    import tensorflow_datasets as tfds  # imported here: TensorFlow is slow to load
+
+    dataset = tfds.load(f"glue/{task.name}", split=split, data_dir=data_dir or None, shuffle_files=False,
+                        download=False)
+    for example in tfds.as_numpy(dataset):
+      yield str(int(example["idx"])), tuple(example[k].decode("utf-8") for k in task.tfds_keys)
+    return
+  path = tsv_file(task, split, data_dir)
+  csv.field_size_limit(sys.maxsize)
+  with open(path, encoding="utf-8-sig", newline="") as f:
+    rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+    header = next(rows, None) or []
+    wanted = ["id" if task.name == "qqp" else "index",
+              *(("sentence",) if task.name == "cola" else task.tsv_columns[:-1])]
+    missing = [c for c in wanted if c not in header]
+    if missing:
+      raise ValueError(f"{path}: the header has no column(s) {missing}; it has {header}")
+    columns = [header.index(c) for c in wanted]
+    for line, row in enumerate(rows, 2):
+      if len(row) <= max(columns):
+        raise ValueError(f"{path}:{line}: {len(row)} tab-separated fields, need at least {max(columns) + 1}")
+      example_id, *texts = (row[c] for c in columns)
+      yield example_id, tuple(texts)
+
+
+SUBMISSION = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "stsb": "STS-B", "qqp": "QQP", "qnli": "QNLI",
+              "rte": "RTE", "wnli": "WNLI", "mnli_matched": "MNLI-m", "mnli_mismatched": "MNLI-mm"}
+
+
+def write_submission(path: str, name: str, ids: Sequence[str], predictions: Sequence) -> None:
+  """The GLUE server's file for one task: ``index<TAB>prediction`` lines, labels by name (MNLI, QNLI, RTE) or
+  id, STS-B's score as predicted."""
+  task = get(name)
+  with open(path + ".tmp", "w") as f:
+    f.write("index\tprediction\n")
+    for example_id, value in zip(ids, predictions, strict=True):
+      label = f"{float(value):.3f}" if task.labels is None else task.labels[int(value)]
+      f.write(f"{example_id}\t{label}\n")
+  os.replace(path + ".tmp", path)
 
 
 def truncate_longest_first(pieces: Sequence[list[int]], budget: int) -> list[list[int]]:

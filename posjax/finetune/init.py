@@ -75,7 +75,8 @@ def _check_finished(workdir: str, last: int) -> None:
   trained = results_lib.read_json(os.path.join(workdir, "config.json"))
   if trained is None:
     return
-  total = trained.get("total_steps")
+  # total_steps holds the run's length only when neither examples nor epochs replaced it.
+  total = None if trained.get("total_examples") or trained.get("total_epochs") else trained.get("total_steps")
   if total is not None and last >= total:
     return
   raise ValueError(f"config.init={workdir!r} did not finish (no results.json; last kept step {last} of "

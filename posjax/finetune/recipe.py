@@ -85,10 +85,11 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
 def batching_fields() -> dict:
   """How fine-tuning batches are padded (:mod:`posjax.data.features`): ``dynamic`` pads each batch to the bucket of
   its longest example (the same batches as ``fixed``, which pads to ``max_len``); ``grouped`` also sorts
-  mega-batches of ``group_size`` batches by length. ``length_buckets``: the padded lengths, ``()``: the default
-  ladder of :func:`posjax.data.features.length_buckets`. ``cache_dir``: where the encoded training and evaluation
+  mega-batches of ``group_size`` batches (0: the epoch) by length. ``length_buckets``: the padded lengths; ``()``:
+  the ladder of :func:`posjax.data.features.length_buckets` with ``buckets_per_doubling`` steps (4: 20 shapes up to
+  512; 8: 40 shapes, half the rounding). ``cache_dir``: where the encoded training and evaluation
   features are kept for the next run (:mod:`posjax.data.feature_cache`; a sweep points every run at one)."""
-  return dict(batching="dynamic", length_buckets=(), group_size=50,
+  return dict(batching="dynamic", length_buckets=(), buckets_per_doubling=4, group_size=50,
               cache_dir="")  # encoded features stored here, keyed by files, vocabulary and max_len; "": none
 
 

@@ -5,7 +5,10 @@ before anything is written (a bad file, label or question is an error that names
 evaluators from ``config.evals``:
 
 - ``glue`` (``split``: ``validation``, or MNLI's ``validation_matched`` / ``validation_mismatched``): the
-  task's GLUE metrics (:func:`posjax.finetune.metrics.glue`), in percent.
+  task's GLUE metrics (:func:`posjax.finetune.metrics.glue`), in percent. Where the split's test set is there
+  (``test.tsv``, ``test_matched.tsv``, ...; TFDS's ``test``) and ``data.test_predictions``, its predictions are
+  written in the GLUE server's format to ``glue_test/<Task>.tsv`` after every evaluation that ``config.select``
+  reports, so the file holds the predictions of the reported model.
 - ``squad`` (``split``: ``validation``; ``max_lens``: evaluation lengths, default ``(max_len,)``): exact match
   and F1 of the official v1.1 script at each length, as ``<name>@<length>``; the predictions of each go to
   ``predictions_<name>@<length>.json`` in the workdir (the official script's format), the n-best answers with
@@ -87,8 +90,14 @@ def _in_order(outputs: dict) -> dict:
   return {k: v[keep][order] for k, v in outputs.items()}
 
 
-def _batching(data) -> dict:
-  return dict(batching=data.get("batching", "fixed"), buckets=tuple(data.get("length_buckets") or ()) or None)
+def _batching(data, length: int | None = None) -> dict:
+  """The padding options of :mod:`posjax.data.features`: explicit ``length_buckets``, else a ladder with
+  ``buckets_per_doubling`` steps. ``length``: an evaluation length other than ``max_len``, which keeps the
+  buckets up to it."""
+  buckets = tuple(data.get("length_buckets") or ())
+  if buckets and length is not None:
+    buckets = tuple(b for b in buckets if b < length) + (length,)
+  return dict(batching=data.get("batching", "fixed"), buckets=buckets or data.get("buckets_per_doubling") or None)
 
 
 def _eval_batch(config) -> int:
@@ -108,42 +117,51 @@ def glue(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   label_dtype = np.float32 if regression else np.int32
 
   def build(split: str) -> tuple[list[dict], dict]:
-    examples = list(glue_data.examples(task.name, split, data.source, data.data_dir))
-    if not examples:
+    """Encoded examples; a test split's carry their ids (in ``meta``) instead of labels."""
+    test = split.startswith("test")
+    found = list(glue_data.test_examples(task.name, split, data.source, data.data_dir) if test else
+                 ((texts, label) for texts, label in glue_data.examples(task.name, split, data.source, data.data_dir)))
+    if not found:
       raise ValueError(f"GLUE {task.name} {split} ({data.source}) holds no examples")
-    columns = [tokenizer.encode_batch([texts[i] for texts, _ in examples]) for i in range(len(task.tfds_keys))]
+    texts = [t for _, t in found] if test else [t for t, _ in found]
+    columns = [tokenizer.encode_batch([t[i] for t in texts]) for i in range(len(task.tfds_keys))]
     rows = []
-    for n, (_, label) in enumerate(examples):
+    for n, (first, second) in enumerate(found):
       ids, types = glue_data.pair(tokenizer, [column[n] for column in columns], config.max_len)
       rows.append({"input_ids": np.asarray(ids, np.int32), "token_type_ids": np.asarray(types, np.int32),
-                   "label": label_dtype(label)})
-    return rows, {}
+                   "label": label_dtype(0 if test else second)})
+    return rows, {"ids": [str(first) for first, _ in found]} if test else {}
 
   def encode(split: str):
     path = glue_data.tsv_file(task, split, data.data_dir) if data.source == "tsv" else ""
     source = (feature_cache.file_digest(path) if os.path.isfile(path)
               else f"{data.source} glue/{task.name} {os.path.abspath(data.data_dir) if data.data_dir else ''}")
     key = {"glue": task.name, "split": split, "source": source, "vocab": vocab_digest, "max_len": config.max_len}
-    return feature_cache.cached(data.get("cache_dir", ""), key, lambda: build(split))[0]
+    return feature_cache.cached(data.get("cache_dir", ""), key, lambda: build(split))
 
   def loss_fn(params, batch, rng):
     logits = _apply(model, use_types, params, batch, rng)
     weight = batch["weight"]
+    tokens = jnp.sum(batch["attention_mask"]).astype(jnp.float32)
     if regression:
-      return jnp.sum(jnp.square(logits[:, 0] - batch["label"]) * weight), {"weight": jnp.sum(weight)}
+      squares = jnp.square(logits[:, 0] - batch["label"])
+      return jnp.sum(squares * weight), {"weight": jnp.sum(weight), "tokens": tokens}
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
-    return jnp.sum(losses * weight), {"correct": jnp.sum(correct * weight), "weight": jnp.sum(weight)}
+    return jnp.sum(losses * weight), {"correct": jnp.sum(correct * weight), "weight": jnp.sum(weight),
+                                      "tokens": tokens}
 
   def predict(params, batch):
     return {"logits": _apply(model, use_types, params, batch), "index": batch["index"]}
 
-  train = encode("train")
+  train = encode("train")[0]
   eval_batch = _eval_batch(config)
-  evaluators = {}
+  evaluators, predictors = {}, {}
   for name, spec in config.evals.items():
     split = spec.get("split", "validation")
-    rows = encode(split)
+    if split not in task.validation_splits:
+      raise ValueError(f"{task.name} has no split {split!r}; allowed: {['train', *task.validation_splits]}")
+    rows = encode(split)[0]
     labels = np.asarray([r["label"] for r in rows])
     key = f"mnli_{split.removeprefix('validation_')}" if task.name == "mnli" else task.name
 
@@ -153,15 +171,27 @@ def glue(config: ml_collections.ConfigDict, local_batch: int) -> Task:
       guesses = logits[:, 0] if regression else np.argmax(logits, -1)
       return metrics_lib.glue(key, guesses, labels)
 
-    evaluators[name] = Evaluator(
-        features_lib.eval_batches(rows, global_batch=eval_batch, max_len=config.max_len, pad_id=tokenizer.pad_id,
-                                  **_batching(data)), predict, glue_metrics)
+    eval_batches_of = functools.partial(features_lib.eval_batches, global_batch=eval_batch, max_len=config.max_len,
+                                pad_id=tokenizer.pad_id, **_batching(data))
+    evaluators[name] = Evaluator(eval_batches_of(rows), predict, glue_metrics)
+    if data.get("test_predictions", True) and glue_data.has_test(task.name, split, data.source, data.data_dir):
+      test_rows, meta = encode(glue_data.test_split(split))
+
+      def submission(outputs, workdir, key=key, ids=meta["ids"]):
+        if workdir is not None:
+          logits = _in_order(outputs)["logits"]
+          os.makedirs(os.path.join(workdir, "glue_test"), exist_ok=True)
+          glue_data.write_submission(os.path.join(workdir, "glue_test", f"{glue_data.SUBMISSION[key]}.tsv"),
+                                     task.name, ids, logits[:, 0] if regression else np.argmax(logits, -1))
+        return {}
+
+      predictors[f"{name}_test"] = Evaluator(eval_batches_of(test_rows), predict, submission)
   batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
                                         pad_id=tokenizer.pad_id, seed=config.seed, group_size=data.get("group_size", 50),
                                         **_batching(data))
   return Task(f"glue/{task.name}", model, model_config, _init_inputs(config.max_len, use_types), loss_fn, batches,
               evaluators, examples_per_epoch=len(train), load_init=_load_init(start, changed),
-              info=_info(config, start, model_config))
+              info=_info(config, start, model_config), predictors=predictors)
 
 
 def squad_examples(data: ml_collections.ConfigDict, split: str) -> list[squad_data.Example]:
@@ -219,7 +249,8 @@ def squad(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                     + optax.softmax_cross_entropy_with_integer_labels(end_logits, batch["end_position"]))
     correct = ((jnp.argmax(start_logits, -1) == batch["start_position"])
                & (jnp.argmax(end_logits, -1) == batch["end_position"])).astype(jnp.float32)
-    return jnp.sum(losses * weight), {"correct": jnp.sum(correct * weight), "weight": jnp.sum(weight)}
+    return jnp.sum(losses * weight), {"correct": jnp.sum(correct * weight), "weight": jnp.sum(weight),
+                                      "tokens": jnp.sum(batch["attention_mask"]).astype(jnp.float32)}
 
   def predict(params, batch):
     start_logits, end_logits = _apply(model, use_types, params, batch)
@@ -253,7 +284,7 @@ def squad(config: ml_collections.ConfigDict, local_batch: int) -> Task:
 
       evaluators[key] = Evaluator(
           features_lib.eval_batches([feature(w) for w in windows], global_batch=eval_batch, max_len=length,
-                                    pad_id=tokenizer.pad_id, **_batching(data)), predict, squad_metrics)
+                                    pad_id=tokenizer.pad_id, **_batching(data, length)), predict, squad_metrics)
   batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
                                         pad_id=tokenizer.pad_id, seed=config.seed, group_size=data.get("group_size", 50),
                                         **_batching(data))

@@ -190,10 +190,12 @@ def eval_steps(config: ml_collections.ConfigDict) -> frozenset[int]:
     every = config.steps_per_epoch / config.evals_per_epoch
     steps = {max(1, math.floor(k * every + 0.5)) for k in range(1, math.ceil(total / every) + 1)}
   elif config.eval_every_steps > 0:
+    every = 0
     steps = set(range(config.eval_every_steps, total + 1, config.eval_every_steps))
   else:
     return frozenset()
-  return frozenset(s for s in steps if s < total) | {total}
+  # An evaluation less than half an interval before the last step (a rounded-up final epoch) is the last one's.
+  return frozenset(s for s in steps if s < total - every / 2) | {total}
 
 
 RANGES = {
@@ -204,7 +206,7 @@ RANGES = {
     "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE, "checkpoint_every_steps": POSITIVE,
     "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
     "data.mask_rate": OPEN_FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
-    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": POSITIVE, "model.dropout_rate": FRACTION,
+    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": NON_NEGATIVE, "model.dropout_rate": FRACTION,
     "model.attention_dropout_rate": FRACTION,
 }
 
@@ -395,6 +397,8 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
       say(f"{workdir} has its last step ({start}) but no results.json: evaluating it")
       if evaluators:
         log.append(start, _evaluation(evaluators, parallel, workdir if is_main else None)(state))
+        _predict_if_reported(config, log, start, _evaluation(task.predictors, parallel, workdir if is_main else None),
+                             state)
       _write_results(results_path, config, task, start, log, is_main, say)
     checkpointer.close()
     writer.close()
@@ -405,6 +409,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
   step_fn = parallel.compile_step(functools.partial(
       train_step, loss_fn=task.loss_fn, optimizer=optimizer, schedule=schedule, accum_steps=config.grad_accum_steps))
   evaluate = _evaluation(evaluators, parallel, workdir if is_main else None)
+  predict = _evaluation(task.predictors if evaluators else {}, parallel, workdir if is_main else None)
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=quiet or not is_main, unit="step",
                        dynamic_ncols=True)
   logger = DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step, say)
@@ -434,6 +439,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
       if run_eval:
         results = evaluate(state)
         log.append(done, results)
+        _predict_if_reported(config, log, done, predict, state)
         logger.write_eval(done, {f"{name}_{k}": v for name, values in results.items() for k, v in values.items()})
       if save:
         checkpointer.save(done, parallel.to_checkpoint(state), _input_position(feed))
@@ -461,6 +467,19 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
     if hasattr(batches, "close"):
       batches.close()  # reader processes
   return parallel.params(state)
+
+
+def _predict_if_reported(config, log: results_lib.EvaluationLog, step: int, predict, state) -> None:
+  """Runs the task's predictors (e.g. test-set files) when this step's evaluation is the one results.json reports
+  (so far): for ``select="last"`` the last step, for ``best`` each new best. Every process decides alike: the
+  metrics are computed from all rows on every process."""
+  how = config.get("select", "last")
+  if how == "last":
+    reported = step == config.total_steps
+  else:
+    reported = results_lib.select(log.evaluations, how, config.get("select_metric", ""))["step"] == step
+  if reported:
+    predict(state)
 
 
 def _write_results(path: str, config, task, step: int, log: results_lib.EvaluationLog, is_main: bool, say) -> None:
@@ -499,13 +518,15 @@ class DeviceFeed:
 class DelayedMetrics:
   """A step's metrics stay on the device until the next step has been dispatched, so fetching them never
   stalls the accelerator; then the loss is checked (a non-finite one stops the run) and every
-  ``log_every_steps`` they are written with the tokens/s since the last write."""
+  ``log_every_steps`` they are written with the tokens/s since the last write: the real (unpadded) tokens where
+  the task counts them (a ``tokens`` sum), else ``batch_size x max_len`` a step."""
 
   def __init__(self, writer: metrics_lib.MetricWriter, progress, config, start_step: int, last_good, say=None):
     self.writer, self.progress, self.last_good, self.say = writer, progress, last_good, say or _say
     self.postfix = {}
     self.log_every, self.total_steps = config.log_every_steps, config.total_steps
-    self.tokens_per_step = config.batch_size * config.max_len
+    self.tokens_per_step = config.batch_size * config.max_len  # a task that counts its tokens reports them
+    self.tokens = 0.0
     self.pending = None
     self.last_write = (start_step, time.perf_counter())
 
@@ -519,15 +540,15 @@ class DelayedMetrics:
       return
     (step, metrics), self.pending = self.pending, None
     metrics = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
+    self.tokens += metrics.pop("tokens", self.tokens_per_step)
     if not math.isfinite(metrics["loss"]):
       last = self.last_good()
       raise FloatingPointError(f"non-finite loss ({metrics['loss']}) at step {step}; stopping. " + (
           "No checkpoint had been saved yet" if last is None else f"The last good checkpoint is step {last}"))
     if step % self.log_every == 0 or step == self.total_steps:
       now = time.perf_counter()
-      metrics["tokens_per_second"] = ((step - self.last_write[0]) * self.tokens_per_step
-                                      / max(now - self.last_write[1], 1e-9))
-      self.last_write = (step, now)
+      metrics["tokens_per_second"] = self.tokens / max(now - self.last_write[1], 1e-9)
+      self.last_write, self.tokens = (step, now), 0.0
       self.writer.write(step, metrics)
       self.postfix["loss"] = f"{metrics['loss']:.3f}"
       self.progress.set_postfix(self.postfix, refresh=False)

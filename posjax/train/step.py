@@ -63,7 +63,7 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optim
 
   ``loss_fn(params, batch, rng) -> (summed loss, sums)`` sums over the examples (or tokens) of a batch;
   ``sums["weight"]`` counts them and every other sum (e.g. ``correct``) becomes a metric divided by it
-  (``correct`` is reported as ``accuracy``). Gradients are the summed loss's over the summed weight of all
+  (``correct`` is reported as ``accuracy``), except ``tokens``, the step's real tokens, reported whole. Gradients are the summed loss's over the summed weight of all
   micro-batches (and devices), so accumulation and data parallelism give the same update as one big batch.
   Dropout RNG: :func:`step_rng`, then the micro-batch index.
   """
@@ -90,9 +90,11 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optim
   grads = jax.tree.map(lambda g: g / weight, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-  metrics = {METRIC_NAMES.get(k, k): v / weight for k, v in sums.items() if k != "weight"}
+  metrics = {METRIC_NAMES.get(k, k): v if k in TOTALS else v / weight
+             for k, v in sums.items() if k != "weight"}
   metrics.update(loss=loss / weight, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
   return new_state, metrics
 
 
 METRIC_NAMES = {"correct": "accuracy"}
+TOTALS = ("tokens",)  # sums reported as they are (the real tokens of the step), not per example

@@ -63,6 +63,8 @@ class Task:
   examples_per_epoch: int | None = None
   load_init: Callable | None = None  # fresh params -> params taken from the run it starts from
   info: dict = dataclasses.field(default_factory=dict)  # written to results.json
+  # Run after an evaluation that config.select reports (e.g. test-set predictions, written to the workdir).
+  predictors: dict[str, Evaluator] = dataclasses.field(default_factory=dict)
 
 
 EVAL_KINDS = {"mlm": ("mlm",), "glue": ("glue",), "squad": ("squad",), "probe": ("probe",)}
