@@ -167,6 +167,15 @@ def test_an_unfinished_pretraining_run_is_an_error_unless_init_step_names_a_step
   assert json.loads((tmp_path / "b" / "results.json").read_text())["init_step"] == 1
 
 
+def test_a_run_sized_in_epochs_without_results_counts_as_unfinished(tmp_path):
+  import ml_collections
+
+  (tmp_path / "checkpoints" / "5").mkdir(parents=True)
+  (tmp_path / "config.json").write_text(json.dumps({"total_steps": 1_000_000, "total_epochs": 3.0}))
+  with pytest.raises(ValueError, match=r"did not finish \(no results.json; last kept step 5 of total_steps=None\)"):
+    init_lib.find(ml_collections.ConfigDict({"init": str(tmp_path), "init_step": None}))
+
+
 def test_a_position_change_needs_allow_position_change_and_starts_those_parameters_fresh(tmp_path):
   pretrained = pretrain(tmp_path / "pretrain", steps=2)  # step 1 has learning rate 0: the table moves at step 2
   with pytest.raises(ValueError, match=r"init run .* uses position 'shaw'.* asks for 'huang_m4'.*allow_position_change"):

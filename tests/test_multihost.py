@@ -4,6 +4,7 @@ one process with the same global batch."""
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -102,14 +103,27 @@ def finetune_command(workdir, *extra):
 
 @pytest.mark.slow
 def test_two_processes_finetune_and_evaluate_like_one(tmp_path):
-  runs = two_processes(tmp_path / "two", command=finetune_command)
+  # With a test split: its predictions are made by both processes at the evaluations they agree are reported.
+  glue_dir = tmp_path / "glue"
+  shutil.copytree(ROOT / "configs" / "data" / "glue" / "SST-2", glue_dir / "SST-2")
+  dev = (glue_dir / "SST-2" / "dev.tsv").read_text().splitlines()[1:]
+  (glue_dir / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
+      "\t".join(line.split("\t")[:2]) + "\n" for line in dev))
+  command = functools.partial(finetune_command_in, glue_dir)
+  runs = two_processes(tmp_path / "two", command=command)
   assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
-  subprocess.run(finetune_command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True,
-                 capture_output=True)
+  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
   assert one["metrics"] == two["metrics"] and one["step"] == two["step"] == 20
+  assert one["evaluations"] == two["evaluations"] and len(one["evaluations"]) > 2
+  assert ((tmp_path / "one" / "glue_test" / "SST-2.tsv").read_text()
+          == (tmp_path / "two" / "glue_test" / "SST-2.tsv").read_text())
+
+
+def finetune_command_in(glue_dir, workdir, *extra):
+  return finetune_command(workdir, f"--config.data.data_dir={glue_dir}", *extra)
 
 
 def prepared_command(workdir, data_dir, *extra):

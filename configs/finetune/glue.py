@@ -17,7 +17,13 @@ Local:
   python -m posjax.main --config=configs/finetune/glue.py:task=rte,runlocal --workdir=/tmp/posjax_rte
 Evaluates twice an epoch and at the end (``evals_per_epoch``); ``results.json`` holds every evaluation and, as
 ``metrics``, the best one by the paper's metric (``select``, ``select_metric``: TUPE's protocol; ``select=last``
-reports the last), the task's dev metrics in percent, MNLI matched and mismatched both. MNLI's evaluators are ``mnli_matched`` and ``mnli_mismatched``; the others' the task name.
+reports the last), the task's dev metrics in percent, MNLI matched and mismatched both. MNLI's evaluators are
+``mnli_matched`` and ``mnli_mismatched``; the others' the task name. Batches are padded to the bucket of their
+longest example (``data.batching=dynamic``; ``fixed``: to max_len; ``grouped``: sorted by length), and where a
+test split is there its predictions go to ``glue_test/<Task>.tsv`` (``data.test_predictions``).
+
+Not reproduced from fairseq: its batches also hold at most ``--max-tokens 4400`` tokens (fewer than 32 examples
+once a batch's longest passes 137 tokens); posjax keeps 32 examples a batch.
 """
 
 import ml_collections

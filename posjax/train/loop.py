@@ -176,7 +176,8 @@ def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int
     raise ValueError("give config.warmup_steps or config.warmup_fraction (of the run's steps)")
   if values.get("evals_per_epoch"):
     if not examples_per_epoch:
-      raise ValueError("config.evals_per_epoch needs a task with a known epoch (fine-tuning, or data.examples_per_epoch)")
+      raise ValueError("config.evals_per_epoch needs a task with a known epoch (fine-tuning, or "
+                       "data.examples_per_epoch)")
     values["steps_per_epoch"] = examples_per_epoch / config.batch_size
   return ml_collections.ConfigDict(values)
 
@@ -203,11 +204,11 @@ RANGES = {
     "total_epochs": POSITIVE, "total_examples": POSITIVE, "warmup_steps": NON_NEGATIVE, "warmup_fraction": FRACTION,
     "learning_rate": NON_NEGATIVE, "max_len": at_least(8), "grad_accum_steps": POSITIVE, "adam_b1": FRACTION,
     "adam_b2": FRACTION, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE,
-    "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE, "checkpoint_every_steps": POSITIVE,
-    "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
+    "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE,
+    "checkpoint_every_steps": POSITIVE, "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
     "data.mask_rate": OPEN_FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
-    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": NON_NEGATIVE, "model.dropout_rate": FRACTION,
-    "model.attention_dropout_rate": FRACTION,
+    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": NON_NEGATIVE,
+    "model.dropout_rate": FRACTION, "model.attention_dropout_rate": FRACTION,
 }
 
 
@@ -398,7 +399,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
       if evaluators:
         log.append(start, _evaluation(evaluators, parallel, workdir if is_main else None)(state))
         _predict_if_reported(config, log, start, _evaluation(task.predictors, parallel, workdir if is_main else None),
-                             state)
+                             task.predictors, state)
       _write_results(results_path, config, task, start, log, is_main, say)
     checkpointer.close()
     writer.close()
@@ -439,7 +440,7 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
       if run_eval:
         results = evaluate(state)
         log.append(done, results)
-        _predict_if_reported(config, log, done, predict, state)
+        _predict_if_reported(config, log, done, predict, task.predictors, state)
         logger.write_eval(done, {f"{name}_{k}": v for name, values in results.items() for k, v in values.items()})
       if save:
         checkpointer.save(done, parallel.to_checkpoint(state), _input_position(feed))
@@ -469,16 +470,19 @@ def _run(config: ml_collections.ConfigDict, workdir: str, interruptions: Interru
   return parallel.params(state)
 
 
-def _predict_if_reported(config, log: results_lib.EvaluationLog, step: int, predict, state) -> None:
+def _predict_if_reported(config, log: results_lib.EvaluationLog, step: int, predict, predictors: dict,
+                         state) -> None:
   """Runs the task's predictors (e.g. test-set files) when this step's evaluation is the one results.json reports
-  (so far): for ``select="last"`` the last step, for ``best`` each new best. Every process decides alike: the
-  metrics are computed from all rows on every process."""
+  (so far): for ``select="last"`` the last step, for ``best`` each new best. Process 0 decides (it alone holds the
+  evaluations of an earlier attempt when the workdir is not shared), and every process follows it."""
+  if not predictors:
+    return
   how = config.get("select", "last")
   if how == "last":
     reported = step == config.total_steps
   else:
     reported = results_lib.select(log.evaluations, how, config.get("select_metric", ""))["step"] == step
-  if reported:
+  if sharding.per_process(np.int32(reported))[0]:
     predict(state)
 
 
