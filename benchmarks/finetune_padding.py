@@ -12,7 +12,8 @@ training sets, not measured here): the fractions are then estimates. Columns: ``
 with mega-batches of 50 batches, and of the whole epoch: ``data.group_size=0``); shapes: the padded lengths a run
 compiles. ``--wall`` times
 ``configs/finetune/glue.py:task=sst2,runlocal`` at each ``--max_lens`` for ``fixed`` and ``dynamic`` batching,
-with an empty and then a filled persistent compilation cache.
+with an empty and then a filled persistent compilation cache, on the default bucket ladder (runlocal's own is
+coarser, for fewer compiles).
 Prints markdown tables (record them in docs/benchmarks.md with the machine).
 """
 
@@ -104,7 +105,8 @@ def wall_time(max_len: int, batching: str) -> tuple[float, float]:
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
                         f"--workdir={workdir}", f"--config.max_len={max_len}", f"--config.data.batching={batching}",
-                        "--config.progress=False"], check=True, capture_output=True, env=env,
+                        "--config.data.buckets_per_doubling=4", "--config.progress=False"], check=True,
+                       capture_output=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         times.append(time.perf_counter() - start)
   return times[0], times[1]

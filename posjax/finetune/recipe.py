@@ -98,6 +98,7 @@ def runlocal(config: ml_collections.ConfigDict, *, steps: int, max_len: int, bat
   config.model_size = "tiny"
   config.model.update(dtype="float32", attention_kernel="xla")
   config.data.scratch_vocab_file = os.path.join(DATA, "tiny_vocab.txt")  # with init: the init run's
+  config.data.buckets_per_doubling = 1  # 32, 64, 128: few shapes to compile for runs of a few dozen steps
   config.update(total_epochs=None, total_steps=steps, learning_rate=1e-3, batch_size=batch_size, max_len=max_len,
                 log_every_steps=10, eval_every_steps=steps // 2, checkpoint_every_steps=steps // 2,
                 tensorboard=False)
