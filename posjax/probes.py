@@ -29,13 +29,14 @@ import ml_collections
 import optax
 
 from posjax import config_args
+from posjax import results as results_lib
 from posjax.config_args import NON_NEGATIVE, POSITIVE, at_least
 from posjax.data import features
 from posjax.models import BertConfig, BertEncoder
 from posjax.train import tasks
 
 TASKS = ("copy_left", "reverse", "index")
-UNSUPPORTED = "unsupported"
+UNSUPPORTED = results_lib.UNSUPPORTED
 
 
 def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, shift: int, index: int):

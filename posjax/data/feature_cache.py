@@ -38,7 +38,8 @@ class Table(Sequence):
   def __init__(self, path: str):
     load = lambda name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r")  # noqa: E731
     with open(os.path.join(path, "fields.json")) as f:
-      self.fields, self.meta = (lambda d: (d["fields"], d["meta"]))(json.load(f))
+      stored = json.load(f)
+    self.fields, self.meta = stored["fields"], stored["meta"]
     self.offsets = np.asarray(load("offsets"))
     self.columns = {name: load(name) for name in self.fields}
     self.lengths = np.diff(self.offsets)
@@ -85,4 +86,5 @@ def cached(directory: str, key: dict, build: Callable[[], tuple[list[dict], dict
         raise
     finally:  # another process stored it first (the same features), or this one failed
       shutil.rmtree(partial, ignore_errors=True)
-  return Table(path), Table(path).meta
+  table = Table(path)
+  return table, table.meta
