@@ -1,5 +1,5 @@
 """Position probes (the embedded default, ``make demo``): one tiny encoder per position method and task,
-trained at ``train_len`` and evaluated at 1×, 2×, 4× that length. See ``posjax/probes.py``.
+trained at ``train_len`` and evaluated at 1×, 2×, 4× that length. See :mod:`posjax.experiments.probes` (the experiment) and :mod:`posjax.tasks.probe` (the task).
 
 Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
   methods: ``+``-separated registry names; default all.

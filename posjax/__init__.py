@@ -1,5 +1,7 @@
-"""posjax: positional encoding for Transformers, in JAX/Flax."""
+"""posjax: positional encoding for Transformers, in JAX/Flax.
 
-from posjax import attention, models, positions  # noqa: F401
+``import posjax`` loads nothing else (no JAX): import what you use, e.g. ``from posjax import attention,
+positions`` or ``from posjax.models import BertConfig``.
+"""
 
 __version__ = "0.1.0"

@@ -1,13 +1,12 @@
 """What every posjax command does with a mistake: one line, ``error: <what was wrong and what is allowed>``,
-exit status 2 (``-v 1`` logs the traceback); Ctrl-C in a training run: the loop's line, status 130."""
+exit status 2 (``-v 1`` logs the traceback); Ctrl-C: the line the interrupted command gives (a training run names
+its last checkpoint), status 130. Imports nothing of posjax, so every command, with or without JAX, can use it."""
 
 from __future__ import annotations
 
 import sys
 
 from absl import app, flags, logging
-
-from posjax.train import loop
 
 # What a mistake in the command (or a non-finite loss) raises: reported as one line, without a traceback.
 USER_ERRORS = (ValueError, OSError, FloatingPointError, flags.Error, app.UsageError)
@@ -36,14 +35,14 @@ def error_message(error: BaseException) -> str:
 
 
 def run_user_errors(fn, argv) -> None:
-  """``fn(argv)``, with a mistake in the command reported as one line (exit status 2) and Ctrl-C as the loop's
-  line (130)."""
+  """``fn(argv)``, with a mistake in the command reported as one line (exit status 2) and Ctrl-C as the
+  interrupted command's line (130)."""
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; -v 0 shows it
   try:
     fn(argv)
-  except loop.Interrupted as interrupted:
-    print(interrupted, file=sys.stderr)
+  except KeyboardInterrupt as interrupted:
+    print(str(interrupted) or "interrupted", file=sys.stderr)
     sys.exit(130)
   except USER_ERRORS as error:
     logging.info("the run stopped", exc_info=True)

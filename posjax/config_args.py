@@ -4,12 +4,15 @@
 runlocal"`` to ``get_config``; :func:`parse_arg` turns it into typed options with defaults (a bare name is a
 boolean flag), and an unknown name is an error that lists the known ones. :func:`check_ranges` checks the
 numbers of a whole config against declared rules, so a run refuses ``batch_size=0`` or a negative learning
-rate before it writes anything.
+rate before it writes anything. :func:`load_config` loads a config file by path, as ``--config`` does.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import re
 from typing import Callable
 
 import ml_collections
@@ -66,6 +69,7 @@ OPEN_FRACTION: Rule = ("in (0, 1)", lambda v: 0 < v < 1)
 
 
 def at_least(minimum: float) -> Rule:
+  """The rule ``>= minimum``: for a number with a floor other than 0 (e.g. ``max_len``)."""
   return (f">= {minimum}", lambda v: v >= minimum)
 
 
@@ -79,3 +83,46 @@ def check_ranges(config, rules: dict[str, Rule]) -> None:
       continue
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
       raise ValueError(f"config.{field}={value!r} is out of range: it must be a number {allowed}")
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: configs/ lives here
+
+# Config folders that moved, old prefix -> new: an old path is an error that names the new one.
+MOVED = {"configs/tupe/": "configs/papers/tupe/", "configs/huang2020/": "configs/papers/huang2020/"}
+
+
+def config_path(path: str) -> str:
+  """The file of a ``--config`` path (relative to the working directory, else to the checkout); a missing one,
+  or one whose folder moved, is an error naming what exists."""
+  for candidate in (path, os.path.join(ROOT, path)):
+    if os.path.isfile(candidate):
+      return candidate
+  for old, new in MOVED.items():
+    if path.startswith(old) or f"/{old}" in path:
+      raise FileNotFoundError(f"config file {path} does not exist: {old} moved to {new} "
+                              f"(--config={path.replace(old, new, 1)})")
+  raise FileNotFoundError(f"config file {path} does not exist")
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """``path/to/config.py[:options]`` -> ``get_config(options)``, as ``--config`` loads it."""
+  path, _, options = spec.partition(":")
+  full = config_path(path)
+  name = "posjax_config_" + re.sub(r"\W+", "_", os.path.splitext(path)[0])
+  module_spec = importlib.util.spec_from_file_location(name, full)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(options or None)
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """``config`` with dotted fields set (as ``--config.a.b=value``); an unknown field is an error."""
+  for key, value in overrides.items():
+    target = config
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      target = target[parent]
+    if leaf not in target:
+      raise ValueError(f"unknown config field {key!r} (in an override or --grid)")
+    target[leaf] = value
+  return config

@@ -1,5 +1,6 @@
 """posjax's entry point: ``python -m posjax.main --config=configs/pretrain.py:position=tupe_r --workdir=DIR``
-(or ``configs/finetune/glue.py:task=rte``, ``configs/finetune/squad.py``, ``configs/probes.py``).
+(or ``configs/finetune/glue.py:task=rte``, ``configs/finetune/squad.py``, ``configs/probes.py``, a paper table's
+``configs/papers/tupe/table1.py:row=TUPE-R``). It is the one composition root: it hands the tasks to the loop.
 
 ``--config.a.b=value`` overrides any field. Restarting the same command with the same workdir resumes.
 Multi-host: ``--coordinator_address``, ``--num_processes``, ``--process_id`` (defaults from the
@@ -14,6 +15,7 @@ traceback); Ctrl-C ends it with one line that names the last checkpoint, status 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -21,14 +23,18 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from posjax import probes, sweep
+from posjax import config_args, tasks
 from posjax.cli import error_message, run_user_errors
+from posjax.experiments import probes, sweep
 from posjax.train import loop
 
+# The one place the loop meets its tasks: ``train(config, workdir)`` trains the task ``config.task`` names.
+train = functools.partial(loop.run, build_task=tasks.build)
 
 # ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), the probe table, or
-# a paper table's rows (``configs/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
-JOBS = {"train": loop.run, "probes": probes.run, "table": sweep.run_table}
+# a paper table's rows (``configs/papers/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
+JOBS = {"train": train, "probes": functools.partial(probes.run, train=train),
+        "table": functools.partial(sweep.run_table, train=train)}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, with ':options'.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the resolved config go here.")
@@ -43,6 +49,7 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Start jax.distributed an
 
 
 def main(argv):
+  """Starts ``jax.distributed`` where asked, then runs ``config.job`` in ``--workdir``."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _CONFIG.value is None or not _WORKDIR.value:
@@ -62,7 +69,11 @@ def main(argv):
 
 
 def parse_flags(argv):
+  """absl's flag parsing, with a config that cannot be loaded or applied reported as one line (status 2)."""
   try:
+    for arg in argv[1:]:
+      if arg.startswith("--config="):
+        config_args.config_path(arg.removeprefix("--config=").partition(":")[0])
     return flags.FLAGS(argv)
   except Exception as error:  # noqa: BLE001  (a config file or an override that cannot be applied)
     logging.info("flag parsing failed", exc_info=True)
@@ -71,10 +82,12 @@ def parse_flags(argv):
 
 
 def run_main(argv):
+  """:func:`main`, with its mistakes as one line."""
   run_user_errors(main, argv)
 
 
 def entry():
+  """``python -m posjax.main``."""
   app.run(run_main, flags_parser=parse_flags)
 
 

@@ -26,14 +26,15 @@ SELECTIONS = ("best", "last")
 EVALUATIONS = "evaluations.jsonl"
 
 
-def write_json(path: str, value: Any) -> None:
+def write_json(path: str, value: Any, *, indent: int = 1, sort_keys: bool = True) -> None:
   """``value`` to ``path`` atomically: a reader sees the old file or the new one, never a part."""
   with open(path + ".tmp", "w") as f:
-    json.dump(value, f, indent=1, sort_keys=True)
+    json.dump(value, f, indent=indent, sort_keys=sort_keys)
   os.replace(path + ".tmp", path)
 
 
 def read_json(path: str) -> Any | None:
+  """The JSON value in ``path``; None when there is no such file."""
   if not os.path.isfile(path):
     return None
   with open(path) as f:
@@ -105,6 +106,7 @@ class EvaluationLog:
 
 
 def read_evaluations(workdir: str) -> list[dict]:
+  """A run's ``evaluations.jsonl``, in order; none when it has not evaluated yet."""
   path = os.path.join(workdir, EVALUATIONS)
   if not os.path.isfile(path):
     return []

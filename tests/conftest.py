@@ -1,4 +1,3 @@
-import importlib.util
 import os
 import pathlib
 
@@ -11,7 +10,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from posjax import attention, positions  # noqa: E402
+from posjax import attention, config_args, positions  # noqa: E402
 
 # Tests compile many tiny programs: optimisation passes cost more than they save.
 jax.config.update("jax_disable_most_optimizations", True)
@@ -50,10 +49,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def load_config(name: str, arg: str):
   """``get_config(arg)`` of ``configs/<name>.py``, loaded by path as ``--config`` does."""
-  spec = importlib.util.spec_from_file_location(f"{name}_config", ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  return config_args.load_config(f"configs/{name}.py:{arg}" if arg else f"configs/{name}.py")
 
 
 def override(config, **overrides):

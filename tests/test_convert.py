@@ -20,7 +20,8 @@ from posjax.convert import __main__ as cli  # noqa: E402
 from posjax.convert import hf_bert  # noqa: E402
 from posjax.data.tokenizer import Tokenizer  # noqa: E402
 from posjax.models import BertConfig, BertForMaskedLM, BertModel  # noqa: E402
-from posjax.train import checkpoint, loop  # noqa: E402
+from posjax.main import train  # noqa: E402
+from posjax.train import checkpoint  # noqa: E402
 from conftest import ROOT, load_config, override, randomize  # noqa: E402
 from test_train import assert_same_params, flat_params  # noqa: E402
 
@@ -181,7 +182,7 @@ def test_command_line_round_trip_and_runs_that_start_from_a_converted_model(tmp_
   assert cli.main(["hf-to-posjax", "--from", str(tmp_path / "hf"), "--workdir", str(tmp_path / "posjax")]) == 2
 
   # Fine-tuning from it (learning rate 0: the encoder stays the converted one).
-  params = loop.run(override(load_config("finetune/glue", "task=sst2,runlocal"), total_steps=1, learning_rate=0.0,
+  params = train(override(load_config("finetune/glue", "task=sst2,runlocal"), total_steps=1, learning_rate=0.0,
                              init=str(tmp_path / "posjax")), str(tmp_path / "sst2"))
   converted = checkpoint.load_params(str(tmp_path / "posjax"))
   assert_same_params(params["encoder"], converted["encoder"])
@@ -202,7 +203,7 @@ def test_drop_in_pretraining_switches_a_converted_absolute_bert_to_method_4(tmp_
   tiny_hf_directory(tmp_path / "hf")
   cli.hf_to_posjax(str(tmp_path / "hf"), str(tmp_path / "converted"))
   config = load_config("huang2020/dropin", f"init={tmp_path / 'converted'},runlocal")
-  params = loop.run(override(config, total_steps=1, learning_rate=0.0, eval_every_steps=0), str(tmp_path / "m4"))
+  params = train(override(config, total_steps=1, learning_rate=0.0, eval_every_steps=0), str(tmp_path / "m4"))
   converted = flat_params(checkpoint.load_params(str(tmp_path / "converted")))
   mine = flat_params(params)
   fresh = sorted(k for k in mine if k not in converted)
@@ -213,7 +214,7 @@ def test_drop_in_pretraining_switches_a_converted_absolute_bert_to_method_4(tmp_
   assert "dropped: ['encoder/position/table/embedding']" in caplog.text
   assert json.loads((tmp_path / "m4" / "model_config.json").read_text())["position"] == "huang_m4"
   # ... then SQuAD from the Method-4 run.
-  loop.run(override(load_config("finetune/squad", "runlocal"), total_steps=2, init=str(tmp_path / "m4")),
+  train(override(load_config("finetune/squad", "runlocal"), total_steps=2, init=str(tmp_path / "m4")),
            str(tmp_path / "squad"))
   results = json.loads((tmp_path / "squad" / "results.json").read_text())
   assert results["position"] == "huang_m4" and results["init"] == str(tmp_path / "m4")

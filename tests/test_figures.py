@@ -4,26 +4,26 @@ import json
 
 import pytest
 
-from posjax import experiments, figures
-from posjax.train import loop
+from posjax.experiments import figures, protocol
+from posjax.main import train
 
 
 @pytest.fixture(scope="module")
 def sweep_root(tmp_path_factory):
   """A two-row pre-training sweep (absolute, tupe_a) with evaluations, and made-up inductive SQuAD results."""
   root = tmp_path_factory.mktemp("sweep")
-  runs = [experiments.Run(f"{name}/pretrain", name, "pretrain", "configs/pretrain.py", f"runlocal,position={name}",
+  runs = [protocol.Run(f"{name}/pretrain", name, "pretrain", "configs/pretrain.py", f"runlocal,position={name}",
                           {"total_steps": 4, "warmup_steps": 1, "eval_every_steps": 2, "batch_size": 8,
                            "max_len": 32}, str(root / name / "pretrain")) for name in ("absolute", "tupe_a")]
   for run in runs:
-    loop.run(experiments.build(run), run.workdir)
-  squad = experiments.Run("absolute/squad/lr0.001_seed1", "absolute", "finetune", "configs/finetune/squad.py",
+    train(protocol.build(run), run.workdir)
+  squad = protocol.Run("absolute/squad/lr0.001_seed1", "absolute", "finetune", "configs/finetune/squad.py",
                           "runlocal", {}, str(root / "absolute" / "squad"), task="squad", lr=1e-3, seed=1)
   squad_dir = root / "absolute" / "squad"
   squad_dir.mkdir(parents=True)
   (squad_dir / "results.json").write_text(json.dumps({"metrics": {"squad@32": {"f1": 40.0}, "squad@64": {"f1": 35.0},
                                                                    "squad@128": {"f1": "unsupported"}}}))
-  experiments.write_manifest(runs + [squad], str(root), "configs/pretrain.py")
+  protocol.write_manifest(runs + [squad], str(root), "configs/pretrain.py")
   return root
 
 

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 
 from posjax.data import features
-from posjax.finetune import tasks as finetune_tasks
-from posjax.train import loop, metrics
+from posjax import tasks
+from posjax.tasks import common
+from posjax.tasks import glue as glue_task
+from posjax.main import train
+from posjax.train import metrics
 from conftest import load_config, override
 
 
@@ -80,13 +83,13 @@ def test_grouping_cuts_where_the_stream_cuts_in_every_epoch():
 
 def predictions(config, batching, eval_batch):
   config = override(config, **{"data.batching": batching, "eval_batch_size": eval_batch})
-  task = getattr(finetune_tasks, config.task)(config, eval_batch)
+  task = tasks.TASKS[config.task].build(config, eval_batch)
   params = task.model.init(jax.random.PRNGKey(0), **task.init_inputs)["params"]
   out = {}
   for name, ev in task.evaluators.items():
     if ev.unsupported is None:
       outputs = features.join_outputs([jax.device_get(ev.predict(params, b)) for b in ev.batches])
-      out[name] = (finetune_tasks._in_order(outputs), ev.metrics(outputs, None))
+      out[name] = (common.in_order(outputs), ev.metrics(outputs, None))
   return out
 
 
@@ -117,7 +120,7 @@ def test_dynamic_padding_trains_like_padding_to_max_len(tmp_path):
     # Without dropout: its masks are drawn per padded shape, so with it the two runs differ by their random draws.
     override(config, total_steps=8, log_every_steps=1, evals_per_epoch=0, eval_every_steps=8,
              **{"data.batching": batching, "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0})
-    loop.run(config, str(tmp_path / batching))
+    train(config, str(tmp_path / batching))
     losses[batching] = [line["loss"] for line in metrics.read(str(tmp_path / batching)) if "loss" in line]
   np.testing.assert_allclose(losses["dynamic"], losses["fixed"], rtol=1e-4)
   assert losses["fixed"][0] != losses["fixed"][-1]
@@ -131,7 +134,7 @@ def test_encoded_features_are_cached_by_their_inputs_and_read_back_the_same(tmp_
   def train_rows(**changes):
     config = override(load_config("finetune/glue", "task=mrpc,runlocal"), **{"data.cache_dir": str(tmp_path / "c"),
                                                                              **changes})
-    return finetune_tasks.glue(config, 16).train_batches.features
+    return glue_task.build(config, 16).train_batches.features
 
   built = train_rows()
   read = train_rows()
@@ -151,8 +154,8 @@ def test_explicit_buckets_serve_evaluation_lengths_below_max_len():
   import ml_collections
 
   data = ml_collections.ConfigDict(dict(batching="dynamic", length_buckets=(128, 256, 384), buckets_per_doubling=4))
-  options = finetune_tasks._batching(data, 200)
+  options = common.batching(data, 200)
   assert options == {"batching": "dynamic", "buckets": (128, 200)}
   batches = features.eval_batches(varied_rows(), global_batch=8, max_len=200, pad_id=0, **options)
   assert {b["input_ids"].shape[1] for b in batches} == {128}
-  assert finetune_tasks._batching(data) == {"batching": "dynamic", "buckets": (128, 256, 384)}
+  assert common.batching(data) == {"batching": "dynamic", "buckets": (128, 256, 384)}

@@ -14,7 +14,8 @@ import pytest
 
 from posjax.data import features
 from posjax.finetune import init as init_lib
-from posjax.train import checkpoint, loop, metrics
+from posjax.main import train
+from posjax.train import checkpoint, metrics, validate
 from conftest import ROOT, load_config, override
 from test_train import assert_same_params, flat_params
 
@@ -27,7 +28,7 @@ def pretrain(workdir, position="shaw", steps=2):
   config = load_config("pretrain", f"runlocal,position={position}")
   config.update(total_steps=steps, warmup_steps=1, checkpoint_every_steps=1, eval_every_steps=0, batch_size=8,
                 max_len=64)
-  loop.run(config, str(workdir))
+  train(config, str(workdir))
   return workdir
 
 
@@ -39,7 +40,7 @@ def train_losses(workdir):
                                              ("glue", "task=stsb,runlocal", "glue/stsb"),  # regression
                                              ("squad", "runlocal", "squad")])  # span extraction
 def test_each_task_type_lowers_its_loss(tmp_path, name, arg, task):
-  loop.run(finetune_config(name, arg, total_steps=60, log_every_steps=1, eval_every_steps=60), str(tmp_path))
+  train(finetune_config(name, arg, total_steps=60, log_every_steps=1, eval_every_steps=60), str(tmp_path))
   losses = train_losses(tmp_path)
   assert len(losses) == 60 and np.mean(losses[-8:]) < 0.8 * np.mean(losses[:8]), losses
   results = json.loads((tmp_path / "results.json").read_text())
@@ -47,7 +48,7 @@ def test_each_task_type_lowers_its_loss(tmp_path, name, arg, task):
 
 
 def test_classification_learns_the_made_up_signal_and_results_say_what_ran(tmp_path):
-  loop.run(finetune_config("glue", "task=sst2,runlocal,seed=3"), str(tmp_path))
+  train(finetune_config("glue", "task=sst2,runlocal,seed=3"), str(tmp_path))
   results = json.loads((tmp_path / "results.json").read_text())
   assert results["metrics"]["sst2"]["accuracy"] >= 90.0
   assert {k: results[k] for k in ("task", "step", "seed", "learning_rate", "init", "init_step", "position")} == {
@@ -72,7 +73,7 @@ def test_test_set_predictions_are_the_reported_evaluations_in_the_glue_servers_f
   dev = [line.split("\t")[1:] for line in (glue_dir / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
   (glue_dir / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
       f"{i}\t{sentence}\n" for i, (sentence, _) in enumerate(dev)))
-  loop.run(finetune_config("glue", "task=sst2,runlocal,seed=3", **{"data.data_dir": str(glue_dir)}),
+  train(finetune_config("glue", "task=sst2,runlocal,seed=3", **{"data.data_dir": str(glue_dir)}),
            str(tmp_path / "run"))
   results = json.loads((tmp_path / "run" / "results.json").read_text())
   lines = (tmp_path / "run" / "glue_test" / "SST-2.tsv").read_text().splitlines()
@@ -85,13 +86,13 @@ def test_test_set_predictions_are_the_reported_evaluations_in_the_glue_servers_f
 
 
 def test_mnli_reports_matched_and_mismatched(tmp_path):
-  loop.run(finetune_config("glue", "task=mnli,runlocal", total_steps=2), str(tmp_path))
+  train(finetune_config("glue", "task=mnli,runlocal", total_steps=2), str(tmp_path))
   results = json.loads((tmp_path / "results.json").read_text())["metrics"]
   assert set(results) == {"mnli_matched", "mnli_mismatched"} and all("accuracy" in r for r in results.values())
 
 
 def test_squad_writes_predictions_and_marks_lengths_a_learned_table_cannot_reach(tmp_path):
-  loop.run(finetune_config("squad", "runlocal,eval_max_lens=64+128", total_steps=2), str(tmp_path / "absolute"))
+  train(finetune_config("squad", "runlocal,eval_max_lens=64+128", total_steps=2), str(tmp_path / "absolute"))
   results = json.loads((tmp_path / "absolute" / "results.json").read_text())["metrics"]
   assert results["squad@128"] == {"exact_match": "unsupported", "f1": "unsupported"}
   assert set(results["squad@64"]) == {"exact_match", "f1"}
@@ -104,7 +105,7 @@ def test_squad_writes_predictions_and_marks_lengths_a_learned_table_cannot_reach
   assert all(abs(sum(a["probability"] for a in answers) - 1) < 1e-6 and len({a["text"] for a in answers}) == len(answers)
              and len(answers) <= 20 for answers in nbest.values())
 
-  loop.run(finetune_config("squad", "runlocal,eval_max_lens=64+128,position=shaw", total_steps=2),
+  train(finetune_config("squad", "runlocal,eval_max_lens=64+128,position=shaw", total_steps=2),
            str(tmp_path / "shaw"))
   results = json.loads((tmp_path / "shaw" / "results.json").read_text())["metrics"]
   assert all(isinstance(v, float) for r in results.values() for v in r.values())
@@ -140,7 +141,7 @@ def test_a_killed_finetuning_run_resumes_to_the_uninterrupted_result(tmp_path):
 def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path):
   pretrained = pretrain(tmp_path / "pretrain", steps=2)
   # Learning rate 0: the fine-tuned encoder is the pre-trained one, step 1 of the two kept.
-  params = loop.run(finetune_config("glue", "task=sst2,runlocal", total_steps=1, learning_rate=0.0,
+  params = train(finetune_config("glue", "task=sst2,runlocal", total_steps=1, learning_rate=0.0,
                                     init=str(pretrained), init_step=1), str(tmp_path / "ft"))
   loaded = checkpoint.load_params(str(pretrained / "checkpoints"), 1)["encoder"]
   assert_same_params(params["encoder"], loaded)
@@ -160,9 +161,9 @@ def test_an_unfinished_pretraining_run_is_an_error_unless_init_step_names_a_step
   shutil.rmtree(pretrained / "checkpoints" / "2")
   with pytest.raises(ValueError, match=r"did not finish \(no results.json; last kept step 1 of total_steps=2\); "
                                        r"resume it, or set config.init_step=1"):
-    loop.run(finetune_config("glue", "task=sst2,runlocal", init=str(pretrained)), str(tmp_path / "a"))
+    train(finetune_config("glue", "task=sst2,runlocal", init=str(pretrained)), str(tmp_path / "a"))
   assert not (tmp_path / "a").exists()
-  loop.run(finetune_config("glue", "task=sst2,runlocal", total_steps=1, init=str(pretrained), init_step=1),
+  train(finetune_config("glue", "task=sst2,runlocal", total_steps=1, init=str(pretrained), init_step=1),
            str(tmp_path / "b"))
   assert json.loads((tmp_path / "b" / "results.json").read_text())["init_step"] == 1
 
@@ -179,13 +180,13 @@ def test_a_run_sized_in_epochs_without_results_counts_as_unfinished(tmp_path):
 def test_a_position_change_needs_allow_position_change_and_starts_those_parameters_fresh(tmp_path):
   pretrained = pretrain(tmp_path / "pretrain", steps=2)  # step 1 has learning rate 0: the table moves at step 2
   with pytest.raises(ValueError, match=r"init run .* uses position 'shaw'.* asks for 'huang_m4'.*allow_position_change"):
-    loop.run(finetune_config("glue", "task=sst2,runlocal,position=huang_m4", init=str(pretrained)), str(tmp_path / "a"))
+    train(finetune_config("glue", "task=sst2,runlocal,position=huang_m4", init=str(pretrained)), str(tmp_path / "a"))
   with pytest.raises(ValueError, match=r"asks for 'shaw' with \{'max_distance': 4"):
-    loop.run(finetune_config("glue", "task=sst2,runlocal", **{"model.position": "shaw",
+    train(finetune_config("glue", "task=sst2,runlocal", **{"model.position": "shaw",
                                                                 "model.position_options": {"max_distance": 4}},
                              init=str(pretrained)), str(tmp_path / "a"))
   assert not (tmp_path / "a").exists()
-  params = loop.run(finetune_config("glue", "task=sst2,runlocal,position=huang_m4", total_steps=1, learning_rate=0.0,
+  params = train(finetune_config("glue", "task=sst2,runlocal,position=huang_m4", total_steps=1, learning_rate=0.0,
                                     init=str(pretrained), allow_position_change=True), str(tmp_path / "b"))
   loaded = flat_params(checkpoint.load_params(str(pretrained / "checkpoints"))["encoder"])
   mine = flat_params(params["encoder"])
@@ -211,7 +212,7 @@ def test_bad_finetuning_input_is_an_error_before_the_workdir_is_written(tmp_path
   if change.get("init") == "PRETRAIN":
     change["init"] = str(pretrain(tmp_path / "pretrain", steps=1))
   with pytest.raises(error, match=message):
-    loop.run(finetune_config("glue", "task=sst2,runlocal", **change), str(tmp_path / "w"))
+    train(finetune_config("glue", "task=sst2,runlocal", **change), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -221,17 +222,17 @@ def test_bad_data_files_name_the_file_line_and_value(tmp_path):
   (root / "train.tsv").write_text("sentence\tlabel\na fine film .\t1\nawful .\tmaybe\n")
   (root / "dev.tsv").write_text("sentence\tlabel\nfine .\t1\n")
   with pytest.raises(ValueError, match=r"train.tsv:3: sst2 label 'maybe' is not one of \['0', '1'\]"):
-    loop.run(finetune_config("glue", "task=sst2,runlocal", **{"data.data_dir": str(tmp_path / "glue")}),
+    train(finetune_config("glue", "task=sst2,runlocal", **{"data.data_dir": str(tmp_path / "glue")}),
              str(tmp_path / "w"))
   broken = tmp_path / "train.json"
   broken.write_text('{"data": [{"paragraphs": [{"qas": [{"id": "a", "question": "q", "answers": []}]}]}]}')
   with pytest.raises(ValueError, match=rf"SQuAD file {broken} is not in the official v1.1 format \(KeyError: 'context'"):
-    loop.run(finetune_config("squad", "runlocal", **{"data.train_file": str(broken)}), str(tmp_path / "w"))
+    train(finetune_config("squad", "runlocal", **{"data.train_file": str(broken)}), str(tmp_path / "w"))
   long_question = tmp_path / "long.json"
   long_question.write_text(json.dumps({"data": [{"paragraphs": [{"context": "the cat sat .", "qas": [
       {"id": "q1", "question": "what " * 80, "answers": [{"text": "cat", "answer_start": 4}]}]}]}]}))
   with pytest.raises(ValueError, match=r"question 'q1': 64 tokens leave no room for context in max_len=64"):
-    loop.run(finetune_config("squad", "runlocal", **{"data.train_file": str(long_question)}), str(tmp_path / "w"))
+    train(finetune_config("squad", "runlocal", **{"data.train_file": str(long_question)}), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -287,23 +288,23 @@ def test_training_reads_tfds(tmp_path, name, arg):
   with tfds.testing.mock_data(num_examples=6):
     # The mock's random answers are not at their answer_start: SQuAD trains on them anyway here.
     extra = {"data.skip_misplaced_answers": False} if name == "squad" else {}
-    loop.run(finetune_config(name, arg, total_steps=2, batch_size=8, eval_batch_size=8, **extra), str(tmp_path))
+    train(finetune_config(name, arg, total_steps=2, batch_size=8, eval_batch_size=8, **extra), str(tmp_path))
   results = json.loads((tmp_path / "results.json").read_text())["metrics"]
   assert set(results) == ({"mrpc"} if name == "glue" else {"squad@64", "squad@128"})
 
 
 def test_epochs_and_warmup_fraction_become_steps():
   config = finetune_config("glue", "task=sst2,runlocal", total_steps=None, total_epochs=2.0)
-  resolved = loop.resolve_durations(config, examples_per_epoch=120)
+  resolved = validate.resolve_durations(config, examples_per_epoch=120)
   assert (resolved.total_steps, resolved.warmup_steps) == (15, 1)  # 240 examples / 16; 6% of 15 steps
-  resolved = loop.resolve_durations(finetune_config("glue", "task=sst2", total_epochs=3.0), examples_per_epoch=3000)
+  resolved = validate.resolve_durations(finetune_config("glue", "task=sst2", total_epochs=3.0), examples_per_epoch=3000)
   assert (resolved.total_steps, resolved.warmup_steps) == (282, 17)  # ceil(9000 / 32); round(0.06 * 282)
 
 
 def test_a_run_killed_before_its_results_evaluates_its_last_checkpoint_on_restart(tmp_path):
   config = lambda: finetune_config("glue", "task=sst2,runlocal", total_steps=4)  # noqa: E731
-  loop.run(config(), str(tmp_path))
+  train(config(), str(tmp_path))
   first = json.loads((tmp_path / "results.json").read_text())
   (tmp_path / "results.json").unlink()
-  loop.run(config(), str(tmp_path))
+  train(config(), str(tmp_path))
   assert json.loads((tmp_path / "results.json").read_text()) == first

@@ -20,7 +20,7 @@ from posjax import positions
 from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertForMaskedLM
-from posjax.train import tasks
+from posjax.tasks import mlm as mlm_task
 from posjax.train.step import TrainState, make_optimizer, train_step
 from conftest import ROOT, randomize
 
@@ -42,7 +42,7 @@ def measure(method: str) -> dict:
       learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,
       adam_eps=1e-6, weight_decay=0.01)))
   state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
-  step = jax.jit(functools.partial(train_step, loss_fn=tasks.mlm_loss(model), optimizer=optimizer, schedule=schedule))
+  step = jax.jit(functools.partial(train_step, loss_fn=mlm_task.mlm_loss(model), optimizer=optimizer, schedule=schedule))
   batch = one_batch(tokenizer)
   losses = []
   for _ in range(2):

@@ -1,12 +1,16 @@
-"""The README as a new user meets it: each Python example runs on its own, ``make`` alone lists the targets."""
+"""The README as a new user meets it: each Python example runs on its own, ``make`` alone lists the targets, and
+every command and config the README, docs and configs name exists and loads (old names say where they moved)."""
 
 import pathlib
 import re
 import subprocess
+import sys
 
 import flax
 import jax
 import numpy as np
+
+from posjax import config_args
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -42,3 +46,50 @@ def test_make_alone_lists_the_targets():
                           check=True)
   targets = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("make ")]
   assert {"demo", "test"} <= set(targets)
+
+
+DOCUMENTED = [README, *sorted((README.parent / "docs").glob("*.md")), *sorted((README.parent / "configs").rglob("*.py")),
+              *sorted((README.parent / "configs").rglob("*.md"))]
+COMMAND = re.compile(r"python -m (posjax[\w.]*)")
+CONFIG = re.compile(r"--config=(configs/[\w/.]+\.py)(?::([^\s`'\"\\]*))?")
+
+
+def _documented(pattern):
+  return sorted({(path.relative_to(README.parent).as_posix(), *match.groups(""))
+                 for path in DOCUMENTED for match in pattern.finditer(path.read_text())})
+
+
+def test_every_documented_command_names_a_module_that_runs():
+  modules = sorted({module for _, module in _documented(COMMAND)})
+  assert {"posjax.main", "posjax.experiments.sweep", "posjax.experiments.report", "posjax.convert"} <= set(modules)
+  for module in modules:
+    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=README.parent, capture_output=True,
+                            text=True, timeout=300)
+    where = [path for path, m in _documented(COMMAND) if m == module]
+    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, (module, where, result.stderr[-2000:])
+    assert "usage" in (result.stdout + result.stderr).lower() or "flags" in (result.stdout + result.stderr), module
+
+
+def test_every_documented_config_loads_with_its_options():
+  found = _documented(CONFIG)
+  assert len({config for _, config, _ in found}) >= 8
+  for where, config, options in found:
+    options = (options or "").rstrip(".,)")
+    if "..." in options or "[" in options:
+      options = ""  # an elided or optional list of the text: the file itself must load
+    options = re.sub(r"\$\w+", "/a/workdir", options)  # $CONVERTED and such: the text's placeholders
+    try:
+      config_args.load_config(f"{config}:{options}" if options else config)
+    except Exception as error:  # noqa: BLE001
+      raise AssertionError(f"{where}: --config={config}:{options}: {error}") from error
+
+
+def test_an_old_command_or_config_path_says_where_it_moved():
+  for module, new in (("posjax.sweep", "posjax.experiments.sweep"), ("posjax.report", "posjax.experiments.report")):
+    result = subprocess.run([sys.executable, "-m", module], cwd=README.parent, capture_output=True, text=True)
+    assert result.returncode != 0 and result.stderr.strip().splitlines()[-1].endswith(new), result.stderr
+  result = subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/tupe/table1.py:row=TUPE-R",
+                           "--workdir=/tmp/unused"], cwd=README.parent, capture_output=True, text=True)
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      "error: config file configs/tupe/table1.py does not exist: configs/tupe/ moved to configs/papers/tupe/ "
+      "(--config=configs/papers/tupe/table1.py)"], result.stderr

@@ -4,7 +4,7 @@ import ml_collections
 import pytest
 
 from posjax import results
-from posjax.train import loop
+from posjax.train import validate
 from conftest import load_config, override
 
 NAN = float("nan")
@@ -43,10 +43,10 @@ def test_selection_fields_are_checked_against_the_evaluators():
 def test_evaluations_twice_an_epoch_and_at_the_end():
   config = ml_collections.ConfigDict(dict(total_steps=31, eval_every_steps=1000, evals_per_epoch=2,
                                           steps_per_epoch=10.0))
-  assert sorted(loop.eval_steps(config)) == [5, 10, 15, 20, 25, 31]  # 30 is a step before the end: the end's
+  assert sorted(validate.eval_steps(config)) == [5, 10, 15, 20, 25, 31]  # 30 is a step before the end: the end's
   config.update(evals_per_epoch=0, eval_every_steps=10)
-  assert sorted(loop.eval_steps(config)) == [10, 20, 30, 31]
+  assert sorted(validate.eval_steps(config)) == [10, 20, 30, 31]
   config.eval_every_steps = 0
-  assert loop.eval_steps(config) == frozenset()
-  glue = loop.resolve_durations(override(load_config("finetune/glue", "task=rte"), total_epochs=2.0), 320)
-  assert sorted(loop.eval_steps(glue)) == [5, 10, 15, 20]  # 320 examples / batch 32: 10 steps an epoch
+  assert validate.eval_steps(config) == frozenset()
+  glue = validate.resolve_durations(override(load_config("finetune/glue", "task=rte"), total_epochs=2.0), 320)
+  assert sorted(validate.eval_steps(glue)) == [5, 10, 15, 20]  # 320 examples / batch 32: 10 steps an epoch

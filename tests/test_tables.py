@@ -9,15 +9,16 @@ import sys
 
 import pytest
 
-from posjax import experiments, report, sweep
-from posjax.train import loop
+from posjax import config_args, results
+from posjax.experiments import protocol, report, sweep
+from posjax.main import train
 from conftest import ROOT
 
-TABLES = ("configs/tupe/table1.py", "configs/huang2020/table1.py", "configs/huang2020/inductive.py")
+TABLES = ("configs/papers/tupe/table1.py", "configs/papers/huang2020/table1.py", "configs/papers/huang2020/inductive.py")
 
 
 def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
-  runs = sweep.plan("configs/tupe/table1.py:runlocal", str(tmp_path))
+  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal", str(tmp_path))
   pretrain = [r for r in runs if r.kind == "pretrain"]
   finetune = [r for r in runs if r.kind == "finetune"]
   # 9 rows, of which the two "mid" rows share their runs' pre-training; 8 tasks x 2 lrs x 2 seeds per row.
@@ -32,20 +33,20 @@ def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
   order = [r.name for r in runs]
   assert all(order.index(r.depends_on[0]) < order.index(r.name) for r in finetune)
   manifest = json.loads((tmp_path / "manifest.json").read_text())
-  assert len(manifest["runs"]) == len(runs) and manifest["config"] == "configs/tupe/table1.py:runlocal"
-  full = sweep.plan("configs/tupe/table1.py", str(tmp_path / "full"))
+  assert len(manifest["runs"]) == len(runs) and manifest["config"] == "configs/papers/tupe/table1.py:runlocal"
+  full = sweep.plan("configs/papers/tupe/table1.py", str(tmp_path / "full"))
   assert len(full) == 7 + 9 * 8 * 4 * 5  # the paper's grid: 4 learning rates x 5 seeds
   # The mid row's step is kept beside the recipe's (Figure 5's 100k and 600k), not instead of them.
   assert next(r for r in full if r.name == "TUPE-A/pretrain").overrides["keep_steps"] == (100_000, 300_000, 600_000)
 
 
 def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_path):
-  runs = sweep.plan("configs/tupe/table1.py:row=TUPE-R (mid)", str(tmp_path))
+  runs = sweep.plan("configs/papers/tupe/table1.py:row=TUPE-R (mid)", str(tmp_path))
   assert {r.row for r in runs} == {"TUPE-R", "TUPE-R (mid)"}  # the mid row brings its pre-training
   with pytest.raises(ValueError, match=r"unknown row 'TUPE-X'; TUPE Table 1 has \['BERT-A', 'BERT-R'"):
-    sweep.plan("configs/tupe/table1.py:row=TUPE-X", str(tmp_path))
+    sweep.plan("configs/papers/tupe/table1.py:row=TUPE-X", str(tmp_path))
   with pytest.raises(ValueError, match=r"unknown row\(s\) \['Method 9'\]"):
-    sweep.plan("configs/huang2020/table1.py", str(tmp_path), rows=["Method 9"])
+    sweep.plan("configs/papers/huang2020/table1.py", str(tmp_path), rows=["Method 9"])
   with pytest.raises(ValueError, match=r"unknown config field 'learning_rat'"):
     sweep.plan("configs/finetune/glue.py:task=rte,runlocal", str(tmp_path), grid={"learning_rat": [1, 2]})
 
@@ -64,7 +65,7 @@ def test_every_row_runs_in_runlocal_mode(tmp_path, table):
       run.overrides["init_step"] = 1
       pre = next(r for r in chosen if r.name == run.depends_on[0])
       pre.overrides["keep_steps"] = (1,)
-  sweep.run_local(chosen, str(tmp_path), say=lambda message: None)
+  sweep.run_local(chosen, str(tmp_path), train, say=lambda message: None)
   assert all(r.finished() for r in chosen if r.kind == "finetune")
 
 
@@ -95,7 +96,7 @@ def test_local_sweeps_skip_finished_runs_and_resume_unfinished_ones(tmp_path):
   root = tmp_path / "root"
   runs = sweep.plan(config, str(root))
   said = []
-  sweep.run_local(runs, str(root), say=said.append)
+  sweep.run_local(runs, str(root), train, say=said.append)
   assert said == ["[1/3] Shaw/pretrain", "[2/3] Shaw/sst2/lr0.001_seed1", "[3/3] Shaw/sst2/lr0.001_seed2"]
   seed2 = root / "Shaw" / "sst2" / "lr0.001_seed2"
   finished = json.loads((seed2 / "results.json").read_text())
@@ -114,7 +115,7 @@ def test_local_sweeps_skip_finished_runs_and_resume_unfinished_ones(tmp_path):
 
 
 def test_printed_commands_run(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "posjax.sweep", "--config=configs/finetune/glue.py:task=sst2,runlocal",
+  out = subprocess.run([sys.executable, "-m", "posjax.experiments.sweep", "--config=configs/finetune/glue.py:task=sst2,runlocal",
                         f"--root={tmp_path}", "--launcher=print", "--grid=total_steps=1,2"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
   assert out.returncode == 0, out.stderr[-2000:]
@@ -125,6 +126,22 @@ def test_printed_commands_run(tmp_path):
   assert json.loads((tmp_path / "run" / "total_steps=1" / "results.json").read_text())["step"] == 1
 
 
+def test_the_local_launcher_runs_each_printed_command_as_a_child_and_skips_finished_runs(tmp_path):
+  command = [sys.executable, "-m", "posjax.experiments.sweep", "--config=configs/finetune/glue.py:task=sst2,runlocal",
+             f"--root={tmp_path}", "--grid=total_steps=1"]
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+  first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert json.loads((tmp_path / "run" / "total_steps=1" / "results.json").read_text())["step"] == 1
+  assert any((tmp_path / "compilation_cache").iterdir())  # the children shared the sweep's cache
+  again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+  assert again.returncode == 0 and "[1/1] run/total_steps=1: finished" in again.stdout
+  broken = subprocess.run(command[:-1] + ["--grid=learning_rate=-1.0"], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
+  assert broken.returncode == 2 and broken.stderr.strip().splitlines()[-1].startswith(
+      "error: run/learning_rate=-1.0 failed (exit status 2"), broken.stderr[-2000:]
+
+
 def write_results(run, metrics, **info):
   os.makedirs(run.workdir, exist_ok=True)
   with open(os.path.join(run.workdir, "results.json"), "w") as f:
@@ -132,7 +149,7 @@ def write_results(run, metrics, **info):
 
 
 def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
-  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
+  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
   finetune = {(r.task, r.lr, r.seed): r for r in runs if r.kind == "finetune"}
   # RTE: lr 1e-3 seeds 60, 70 (median 65); lr 3e-4 seeds 62, 90 (median 76): the best lr is 3e-4, 76.
   for (lr, seed), value in {(1e-3, 1): 60.0, (1e-3, 2): 70.0, (3e-4, 1): 62.0, (3e-4, 2): 90.0}.items():
@@ -159,7 +176,7 @@ def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
 
 def rte_grid(tmp_path, values, row="TUPE-A"):
   """A TUPE Table 1 sweep (runlocal: lrs 1e-3, 3e-4 x seeds 1, 2) with RTE results ``{(lr, seed): accuracy}``."""
-  runs = sweep.plan(f"configs/tupe/table1.py:runlocal,row={row}", str(tmp_path))
+  runs = sweep.plan(f"configs/papers/tupe/table1.py:runlocal,row={row}", str(tmp_path))
   finetune = {(r.task, r.lr, r.seed): r for r in runs if r.kind == "finetune"}
   for (lr, seed), value in values.items():
     write_results(finetune[("rte", lr, seed)], {"rte": {"accuracy": value}}, init_step=200)
@@ -192,7 +209,7 @@ def test_failed_runs_never_become_a_median_and_are_listed(tmp_path):
 
 
 def test_mnli_matched_and_mismatched_come_from_one_learning_rate_chosen_on_matched(tmp_path):
-  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
+  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
   for run in runs:
     if run.task == "mnli":  # 1e-3 is best on matched, 3e-4 on mismatched
       m, mm = (80.0, 70.0) if run.lr == 1e-3 else (79.0, 90.0)
@@ -204,7 +221,7 @@ def test_mnli_matched_and_mismatched_come_from_one_learning_rate_chosen_on_match
 
 
 def test_a_grids_values_are_scored_as_rows_of_their_own_and_a_nan_in_any_column_fails_the_run(tmp_path):
-  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path), grid={"data.batching": ["fixed",
+  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path), grid={"data.batching": ["fixed",
                                                                                                          "dynamic"]})
   for run in runs:
     if run.task == "rte":
@@ -222,7 +239,7 @@ def test_a_grids_values_are_scored_as_rows_of_their_own_and_a_nan_in_any_column_
 
 
 def test_the_report_shows_the_step_each_row_starts_from_and_marks_a_partial_average(tmp_path):
-  runs = sweep.plan("configs/tupe/table1.py:runlocal,row=TUPE-A (mid)", str(tmp_path))
+  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A (mid)", str(tmp_path))
   metric = {"cola": "matthews", "stsb": "pearson"}
   for run in runs:
     if run.kind == "finetune" and not (run.task == "qqp" and run.seed == 2 and run.lr == 3e-4):
@@ -235,18 +252,18 @@ def test_the_report_shows_the_step_each_row_starts_from_and_marks_a_partial_aver
 
 
 def test_the_report_shows_lengths_a_method_cannot_reach(tmp_path):
-  runs = sweep.plan("configs/huang2020/inductive.py:runlocal,row=absolute", str(tmp_path))
+  runs = sweep.plan("configs/papers/huang2020/inductive.py:runlocal,row=absolute", str(tmp_path))
   (run,) = [r for r in runs if r.kind == "finetune"]
   write_results(run, {"squad@32": {"f1": 40.0}, "squad@64": {"f1": 30.0},
-                      "squad@128": {"f1": loop.UNSUPPORTED, "exact_match": loop.UNSUPPORTED}})
+                      "squad@128": {"f1": results.UNSUPPORTED, "exact_match": results.UNSUPPORTED}})
   markdown, _, missing = report.build(str(tmp_path))
   assert "| absolute | — | 40.00 n=1 | 30.00 n=1 | unsupported |" in markdown and not missing
 
 
 def test_a_table_config_runs_from_posjax_main_as_a_pipeline(tmp_path):
-  config = experiments.load_config(tiny_table(tmp_path))
-  sweep.run_table(config, str(tmp_path / "root"))
-  assert all(r.finished() for r in experiments.read_manifest(str(tmp_path / "root"))[1])
+  config = config_args.load_config(tiny_table(tmp_path))
+  sweep.run_table(config, str(tmp_path / "root"), train)
+  assert all(r.finished() for r in protocol.read_manifest(str(tmp_path / "root"))[1])
 
 
 class FakeExecutor:
@@ -283,7 +300,7 @@ def test_slurm_submits_pretraining_then_a_dependent_job_array_per_row(tmp_path, 
 
   monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
   FakeExecutor.submitted, FakeExecutor.arrays = [], []
-  runs = sweep.plan("configs/huang2020/table1.py:runlocal", str(tmp_path), rows=["Shaw", "Method 4"])
+  runs = sweep.plan("configs/papers/huang2020/table1.py:runlocal", str(tmp_path), rows=["Shaw", "Method 4"])
   sweep.run_slurm(runs, str(tmp_path), nodes=2, tasks_per_node=4, gpus_per_node=4, partition="gpu")
   pretrain = [s for s in FakeExecutor.submitted if s[0]["name"].endswith("/pretrain")]
   assert [p[0]["nodes"] for p in pretrain] == [2, 2] and all("--distributed" in p[1] for p in pretrain)

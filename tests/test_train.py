@@ -17,8 +17,10 @@ import pytest
 
 from posjax import config_args
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertForMaskedLM
-from posjax.train import checkpoint, loop, metrics, tasks
+from posjax.models import BertConfig, BertForMaskedLM
+from posjax.main import train
+from posjax.tasks import mlm as mlm_task
+from posjax.train import checkpoint, loop, metrics
 from posjax.train.step import TrainState, make_optimizer, step_rng, train_step
 from conftest import ROOT, load_config, override
 
@@ -49,7 +51,7 @@ def stream(workdir):
 
 def test_local_run_logs_evaluates_and_checkpoints(tmp_path):
   # 48 sequences at batch 8 = 6 steps; TensorBoard events and a profile of steps 2-3 on the side.
-  loop.run(pretrain_config(total_examples=48, tensorboard=True, profile_start_step=2, profile_steps=2),
+  train(pretrain_config(total_examples=48, tensorboard=True, profile_start_step=2, profile_steps=2),
            str(tmp_path))
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
   assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
@@ -64,9 +66,9 @@ def test_local_run_logs_evaluates_and_checkpoints(tmp_path):
 
 
 def test_restart_with_a_different_config_is_an_error(tmp_path):
-  loop.run(pretrain_config(total_steps=1), str(tmp_path))
+  train(pretrain_config(total_steps=1), str(tmp_path))
   with pytest.raises(ValueError, match=r"different config \(changed: \['learning_rate'\]\)"):
-    loop.run(pretrain_config(total_steps=1, learning_rate=0.5), str(tmp_path))
+    train(pretrain_config(total_steps=1, learning_rate=0.5), str(tmp_path))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -74,12 +76,12 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
                            eval_every_steps=0)
   with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan\) at step (\d+); stopping. The last good "
                                                r"checkpoint is step \d+"):
-    loop.run(config, str(tmp_path))
+    train(config, str(tmp_path))
   saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
   assert saved and all(np.isfinite(l["loss"]) for l in metrics.read(str(tmp_path)) if "loss" in l)
   config.checkpoint_every_steps = 100
   with pytest.raises(FloatingPointError, match=r"at step \d+; stopping. No checkpoint had been saved yet$"):
-    loop.run(config, str(tmp_path / "none_saved"))
+    train(config, str(tmp_path / "none_saved"))
 
 
 def test_pmap_devices_draw_their_own_dropout_masks():
@@ -94,12 +96,12 @@ def test_pmap_and_jit_give_the_same_parameters(tmp_path):
   assert jax.device_count() == 8
   common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0,
             "total_steps": 3}
-  jit_params = loop.run(pretrain_config(**common, parallelism="jit"), str(tmp_path / "jit"))
-  pmap_params = loop.run(pretrain_config(**common, parallelism="pmap"), str(tmp_path / "pmap"))
+  jit_params = train(pretrain_config(**common, parallelism="jit"), str(tmp_path / "jit"))
+  pmap_params = train(pretrain_config(**common, parallelism="pmap"), str(tmp_path / "pmap"))
   assert_same_params(jit_params, pmap_params, rtol=2e-5, atol=2e-6)
   # Both trained: every parameter moved away from its initial value (a zero learning rate keeps them there),
   # except the key projection's bias, whose gradient is zero (softmax ignores a shift shared by all keys).
-  initial = flat_params(loop.run(pretrain_config(**{**common, "total_steps": 1}, learning_rate=0.0),
+  initial = flat_params(train(pretrain_config(**{**common, "total_steps": 1}, learning_rate=0.0),
                                  str(tmp_path / "initial")))
   for key, value in flat_params(jit_params).items():
     moved = np.abs(value - initial[key]).max() > 1e-4
@@ -109,8 +111,8 @@ def test_pmap_and_jit_give_the_same_parameters(tmp_path):
 def test_gradient_accumulation_matches_the_full_batch(tmp_path):
   common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0,
             "total_steps": 2}
-  whole = loop.run(pretrain_config(**common), str(tmp_path / "whole"))
-  accumulated = loop.run(pretrain_config(**common, grad_accum_steps=4), str(tmp_path / "accumulated"))
+  whole = train(pretrain_config(**common), str(tmp_path / "whole"))
+  accumulated = train(pretrain_config(**common, grad_accum_steps=4), str(tmp_path / "accumulated"))
   assert_same_params(whole, accumulated, rtol=2e-5, atol=2e-6)
   # ... and the accumulated step really ran micro-batches: its hidden states are [2, 32, 64], never [8, 32, 64].
   assert activation_batch_sizes(pretrain_config(**common, grad_accum_steps=4)) == {2}
@@ -120,12 +122,12 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
 def activation_batch_sizes(config) -> set[int]:
   """The leading sizes of every [b, max_len, hidden] value in the train step's jaxpr, scan bodies included."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
-  model = BertForMaskedLM(tasks.bert_config(config.model, tokenizer.vocab_size, config.max_len))
+  model = BertForMaskedLM(BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len))
   optimizer, schedule = make_optimizer(config)
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, config.max_len), jnp.int32))["params"]
   state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, jax.eval_shape(optimizer.init, params))
-  batch = next(tasks.make_batches(config, tokenizer, "train", config.batch_size))
-  step = functools.partial(train_step, loss_fn=tasks.mlm_loss(model), optimizer=optimizer, schedule=schedule,
+  batch = next(mlm_task.make_batches(config, tokenizer, "train", config.batch_size))
+  step = functools.partial(train_step, loss_fn=mlm_task.mlm_loss(model), optimizer=optimizer, schedule=schedule,
                            accum_steps=config.grad_accum_steps)
   jaxpr = jax.make_jaxpr(step)(nn.unbox(state), batch, jax.random.PRNGKey(0))
   sizes = set()
@@ -149,9 +151,9 @@ def activation_batch_sizes(config) -> set[int]:
 
 def test_restore_onto_another_mesh_and_fsdp_sharding(tmp_path):
   common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0}
-  straight = loop.run(pretrain_config(**common), str(tmp_path / "straight"))
-  loop.run(pretrain_config(**common, total_steps=3), str(tmp_path / "moved"))
-  moved = loop.run(pretrain_config(**common, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+  straight = train(pretrain_config(**common), str(tmp_path / "straight"))
+  train(pretrain_config(**common, total_steps=3), str(tmp_path / "moved"))
+  moved = train(pretrain_config(**common, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
                                    allow_config_change=True), str(tmp_path / "moved"))
   embedding = moved["encoder"]["word_embeddings"]["embedding"]
   assert embedding.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
@@ -162,9 +164,9 @@ def test_restore_onto_another_mesh_and_fsdp_sharding(tmp_path):
 
 
 def test_warm_start_with_a_changed_position_method(tmp_path):
-  loop.run(pretrain_config("runlocal,position=absolute", total_steps=2, eval_every_steps=0), str(tmp_path / "a"))
+  train(pretrain_config("runlocal,position=absolute", total_steps=2, eval_every_steps=0), str(tmp_path / "a"))
   source = checkpoint.load_params(str(tmp_path / "a" / "checkpoints"))
-  params = loop.run(pretrain_config("runlocal,position=huang_m4", total_steps=1, eval_every_steps=0,
+  params = train(pretrain_config("runlocal,position=huang_m4", total_steps=1, eval_every_steps=0,
                                     learning_rate=0.0, warmup_steps=0,
                                     init_from=str(tmp_path / "a" / "checkpoints")), str(tmp_path / "b"))
   np.testing.assert_array_equal(params["encoder"]["word_embeddings"]["embedding"],
@@ -189,13 +191,13 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
 
 def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, capfd):
   common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
-  straight = loop.run(pretrain_config(**common), str(tmp_path / "straight"))
-  loop.run(pretrain_config(**common, total_steps=6), str(tmp_path / "run"))
+  straight = train(pretrain_config(**common), str(tmp_path / "straight"))
+  train(pretrain_config(**common, total_steps=6), str(tmp_path / "run"))
   latest = tmp_path / "run" / "checkpoints" / "6"
   biggest = max((p for p in latest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   biggest.write_bytes(biggest.read_bytes()[:1000])  # truncated, as by a full disk
   capfd.readouterr()
-  resumed = loop.run(pretrain_config(**common), str(tmp_path / "run"))
+  resumed = train(pretrain_config(**common), str(tmp_path / "run"))
   err = capfd.readouterr().err
   assert_same_params(straight, resumed, rtol=2e-5, atol=2e-6)  # retrained 4..6 from step 3, same result
   assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["3", "6"]
@@ -205,23 +207,23 @@ def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, cap
 
 
 def test_checkpoints_none_of_which_can_be_read_are_an_error(tmp_path):
-  loop.run(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
+  train(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
   for path in (tmp_path / "checkpoints" / "3" / "state").rglob("*"):
     if path.is_file():
       path.write_bytes(b"garbage")
   with pytest.raises(ValueError, match=r"no checkpoint in .*checkpoints can be restored \(step 3: .*\). They are "
                                        r"left in place"):
-    loop.run(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
+    train(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
   assert os.listdir(tmp_path / "checkpoints") == ["3"]
 
 
 def test_the_terminal_says_where_things_go_shows_evaluations_and_that_a_run_is_finished(tmp_path, capsys):
-  loop.run(pretrain_config(total_steps=2, eval_every_steps=2), str(tmp_path))
+  train(pretrain_config(total_steps=2, eval_every_steps=2), str(tmp_path))
   err = capsys.readouterr().err
   assert f"metrics in {tmp_path}/metrics.jsonl, checkpoints in {tmp_path}/checkpoints" in err
   evaluation = metrics.read(str(tmp_path))[-1]
   assert f"step 2: eval_loss {evaluation['eval_loss']:.4f}, eval_accuracy {evaluation['eval_accuracy']:.4f}" in err
-  loop.run(pretrain_config(total_steps=2, eval_every_steps=2), str(tmp_path))
+  train(pretrain_config(total_steps=2, eval_every_steps=2), str(tmp_path))
   assert f"{tmp_path} is already complete at step 2 (total_steps=2); nothing to do" in capsys.readouterr().err
 
 
@@ -244,26 +246,26 @@ def test_the_terminal_says_where_things_go_shows_evaluations_and_that_a_run_is_f
 ])
 def test_bad_configs_are_errors_before_the_workdir_is_written(tmp_path, override, message):
   with pytest.raises(FileNotFoundError if "vocab" in message or "init_from" in message else ValueError, match=message):
-    loop.run(pretrain_config("runlocal,position=tupe_a", **override), str(tmp_path / "w"))
+    train(pretrain_config("runlocal,position=tupe_a", **override), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
 def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path):
   with pytest.raises(ValueError, match="cls_reset"):
-    loop.run(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "bogus"},
+    train(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "bogus"},
                              total_steps=1, eval_every_steps=0), str(tmp_path))
-  loop.run(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "paper"},
+  train(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "paper"},
                            total_steps=1, eval_every_steps=0), str(tmp_path))
 
 
 def test_a_failed_config_change_leaves_the_run_resumable(tmp_path):
-  loop.run(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
+  train(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
   with pytest.raises(ValueError, match=r"no checkpoint in .* can be restored \(step 2: "):
-    loop.run(pretrain_config(total_steps=2, eval_every_steps=0, allow_config_change=True,
+    train(pretrain_config(total_steps=2, eval_every_steps=0, allow_config_change=True,
                              **{"model.intermediate_size": 32}), str(tmp_path))
   assert json.loads((tmp_path / "config.json").read_text())["model"]["intermediate_size"] == 128  # not overwritten
-  loop.run(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True), str(tmp_path))
-  loop.run(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))  # allow_config_change is no change
+  train(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True), str(tmp_path))
+  train(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))  # allow_config_change is no change
 
 
 def test_a_partial_last_metrics_line_is_dropped_on_resume(tmp_path):
@@ -285,9 +287,9 @@ def test_runlocal_does_not_mix_its_corpus_with_ones_own(tmp_path):
                                        r"but data.train_files, data.vocab_file are your own: set "
                                        r"--config.data.eval_files=... to your data as well, or "
                                        r"--config.eval_every_steps=0"):
-    loop.run(pretrain_config(**{"data.train_files": str(own), "data.vocab_file": str(vocab)}), str(tmp_path / "w"))
+    train(pretrain_config(**{"data.train_files": str(own), "data.vocab_file": str(vocab)}), str(tmp_path / "w"))
   with pytest.raises(ValueError, match=r"data.eval_files, data.vocab_file are runlocal's built-in"):
-    loop.run(pretrain_config(**{"data.train_files": str(own)}), str(tmp_path / "w"))
+    train(pretrain_config(**{"data.train_files": str(own)}), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
 
 
@@ -424,12 +426,12 @@ def test_every_bert_config_field_can_be_set_from_the_command_line(tmp_path):
   from posjax.models import BertConfig
   config = pretrain_config()
   assert {f.name for f in dataclasses.fields(BertConfig)} == set(config.model.keys())
-  params = loop.run(pretrain_config(**{"model.type_vocab_size": 0, "model.layer_norm_eps": 1e-5,
+  params = train(pretrain_config(**{"model.type_vocab_size": 0, "model.layer_norm_eps": 1e-5,
                                        "weight_decay_exclusion": "none"}, total_steps=1, eval_every_steps=0),
                     str(tmp_path))
   assert "token_type_embeddings" not in params["encoder"]
   with pytest.raises(ValueError, match=r"unknown weight_decay_exclusion 'fairseq'; allowed: \['bert', 'none'\]"):
-    loop.run(pretrain_config(weight_decay_exclusion="fairseq"), str(tmp_path / "w"))
+    train(pretrain_config(weight_decay_exclusion="fairseq"), str(tmp_path / "w"))
 
 
 def test_weight_decay_exclusion_decides_which_parameters_decay():

@@ -53,6 +53,8 @@ def hf_to_posjax(source: str, workdir: str) -> str:
 
 
 def tupe_to_posjax(source: str, workdir: str, classification_head: str | None = None) -> str:
+  """Writes an official TUPE (fairseq) checkpoint as a posjax run in ``workdir``, without its vocabulary
+  (``classification_head``: which one, if it has several); returns its checkpoint directory."""
   module, variables = tupe_fairseq.from_tupe_fairseq(source, classification_head)
   directory = write_run(module, variables, workdir, source)
   print(f"{source} ({module.config.position}, head {module.head}) -> {workdir}: checkpoints/0, model_config.json "
@@ -77,6 +79,8 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
 
 
 def main(argv=None) -> int:
+  """``python -m posjax.convert``: runs the command ``argv`` names; its mistakes (a bad path, an unconvertible
+  model) are one line on stderr and exit status 2."""
   parser = argparse.ArgumentParser(prog="python -m posjax.convert", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   commands = parser.add_subparsers(dest="command", required=True)

@@ -111,10 +111,6 @@ def detect_head(state: Mapping[str, np.ndarray]) -> tuple[str, int]:
   return "none", 2
 
 
-def _linear(state, name: str) -> tuple[np.ndarray, np.ndarray]:
-  return state[f"{name}.weight"].T, state[f"{name}.bias"]
-
-
 def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: str) -> tuple[dict, list[str]]:
   """posjax parameters (flat, ``/``-joined paths) from a Hugging Face state dict, and the keys dropped."""
   heads, head_dim = config.num_heads, config.hidden_size // config.num_heads

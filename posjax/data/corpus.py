@@ -21,6 +21,8 @@ SOURCES = ("text", "tfds")
 
 
 def text_documents(pattern: str) -> Iterator[Document]:
+  """The documents of the text files ``pattern`` matches, in file-name order: a blank line ends a document, any
+  other line is a sentence; no match, or a file that is not UTF-8, is an error."""
   files = sorted(glob.glob(pattern))
   if not files:
     raise FileNotFoundError(f"no text files match {pattern!r}")
@@ -46,6 +48,8 @@ def _lines(f, path: str) -> Iterator[str]:
 
 
 def tfds_documents(name: str, split: str, data_dir: str | None = None, text_key: str = "text") -> Iterator[Document]:
+  """Each example's ``text_key`` field of a prepared TFDS data set as a document, its non-empty lines the
+  sentences; a data set not prepared yet is an error that says how to prepare it (training never downloads)."""
   import tensorflow_datasets as tfds  # imported here: TensorFlow is slow to load and only this source needs it
 
   try:

@@ -25,6 +25,8 @@ TOKEN_FIELDS = ("input_ids", "token_type_ids")
 
 
 def file_digest(path: str) -> str:
+  """The SHA-256 (hex) of a file's contents, read in 1 MiB pieces: cache keys depend on what a file holds, not
+  its name or time."""
   digest = hashlib.sha256()
   with open(path, "rb") as f:
     for chunk in iter(lambda: f.read(1 << 20), b""):

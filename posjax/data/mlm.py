@@ -129,6 +129,8 @@ def _whole_words(ids, candidates, budget: int, rng: np.random.Generator, tokeniz
 
 
 def default_max_predictions(max_len: int, mask_rate: float) -> int:
+  """The masked positions per block when none is given: ``mask_rate`` of ``max_len``, rounded up (at least 1),
+  so no block's masking is cut short."""
   return max(1, math.ceil(max_len * mask_rate))
 
 

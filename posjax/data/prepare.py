@@ -31,6 +31,8 @@ from typing import Sequence
 import numpy as np
 import tqdm
 
+from posjax import cli
+from posjax import results as results_lib
 from posjax.data import corpus, feature_cache, mlm
 from posjax.data.tokenizer import Tokenizer
 
@@ -40,6 +42,7 @@ CORPUS_SPEC = "text:GLOB or tfds:NAME[@SPLIT]"
 
 
 def file_name(chunk: int, chunks: int, corpus: int = 0) -> str:
+  """The record file of one chunk of one corpus (zero-padded numbers: the files sort by corpus, then chunk)."""
   return f"blocks-c{corpus:02d}-{chunk:05d}-of-{chunks:05d}.array_record"
 
 
@@ -66,6 +69,8 @@ def _with(data, **fields):
 
 
 def describe(data) -> dict:
+  """What ``metadata.json`` records of one corpus (its files, or its TFDS name and split), so preparing into
+  the same directory from another corpus is caught."""
   if data.source == "text":
     return {"source": "text", "train_files": data.train_files}
   return {"source": data.source, "tfds_name": data.get("tfds_name", ""), "train_split": data.get("train_split", "")}
@@ -75,10 +80,13 @@ sha256 = feature_cache.file_digest
 
 
 def record_dtype(vocab_size: int, max_len: int):
+  """``uint16`` when every token id and position fits in it (half the disk of ``int32``), else ``int32``."""
   return np.uint16 if max(vocab_size, max_len) <= np.iinfo(np.uint16).max else np.int32
 
 
 def encode_block(block: dict, dtype) -> bytes:
+  """One block as a record: its ``FIELDS`` stacked (``[3, max_len]``) in ``dtype``, as raw bytes; read back by
+  :func:`decode_block`."""
   return np.stack([block[k] for k in FIELDS]).astype(dtype).tobytes()
 
 
@@ -117,9 +125,7 @@ def _prepare_chunk(job: tuple[int, int], *, corpora: list, chunks: int, max_len:
     writer.close()
   os.replace(path + ".tmp", path)
   counts = {"file": name, "corpus": corpus_index, "blocks": blocks, "tokens": tokens}
-  with open(counts_path + ".tmp", "w") as f:
-    json.dump(counts, f)
-  os.replace(counts_path + ".tmp", counts_path)
+  results_lib.write_json(counts_path, counts, indent=None, sort_keys=False)
   return counts
 
 
@@ -173,13 +179,12 @@ def prepare(config, out: str, *, workers: int = 1, chunks: int = 64, corpora: Se
     part.update(blocks=sum(f["blocks"] for f in files if f["corpus"] == index),
                 tokens=sum(f["tokens"] for f in files if f["corpus"] == index))
   metadata.update(files=files, blocks=sum(f["blocks"] for f in files), tokens=sum(f["tokens"] for f in files))
-  with open(path + ".tmp", "w") as f:
-    json.dump(metadata, f, indent=1)
-  os.replace(path + ".tmp", path)
+  results_lib.write_json(path, metadata, sort_keys=False)
   return metadata
 
 
 def main(argv):
+  """Prepares the corpus the flags describe (see :func:`entry`) and prints its blocks, tokens and files."""
   from absl import flags
   from ml_collections import config_flags  # noqa: F401  (the --config flag is defined in entry())
 
@@ -192,10 +197,9 @@ def main(argv):
 
 
 def entry():
+  """``python -m posjax.data.prepare``: its flags, and its mistakes as one line."""
   from absl import app, flags
   from ml_collections import config_flags
-
-  from posjax import cli
 
   config_flags.DEFINE_config_file("config", None, "The pre-training config (its data, tokenizer, packing, max_len).",
                                   lock_config=True)

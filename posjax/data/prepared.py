@@ -19,6 +19,8 @@ from posjax.data.tokenizer import Tokenizer
 
 
 def read_metadata(directory: str) -> dict:
+  """The prepared corpus's ``metadata.json``; a directory without one (not prepared, or not finished) is an
+  error."""
   path = os.path.join(directory, "metadata.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"data.prepared_dir={directory!r} has no metadata.json (python -m posjax.data.prepare "

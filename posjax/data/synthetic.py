@@ -32,6 +32,8 @@ ADV = ["quickly", "slowly", "again", "today", "twice"]
 
 
 def noun_phrase(rng: np.random.Generator, depth: int = 0) -> tuple[list[str], str]:
+  """``Det (Adj) N (PP)`` as words, with its number (``sg`` or ``pl``) for a verb to agree with; a PP's own
+  noun phrase has no PP."""
   number = "sg" if rng.random() < 0.5 else "pl"
   words = [rng.choice(DET[number])]
   if rng.random() < 0.5:
@@ -43,6 +45,7 @@ def noun_phrase(rng: np.random.Generator, depth: int = 0) -> tuple[list[str], st
 
 
 def sentence(rng: np.random.Generator) -> str:
+  """One sentence ``NP V NP (Adv) .``, the verb agreeing with the subject's number."""
   subject, number = noun_phrase(rng)
   words = subject + [str(rng.choice(VERB[number]))] + noun_phrase(rng)[0]
   if rng.random() < 0.3:
@@ -51,16 +54,21 @@ def sentence(rng: np.random.Generator) -> str:
 
 
 def documents(num_documents: int, seed: int) -> list[list[str]]:
+  """``num_documents`` documents of 2 to 7 sentences each; the same ``seed`` gives the same documents."""
   rng = np.random.default_rng(seed)
   return [[sentence(rng) for _ in range(int(rng.integers(2, 8)))] for _ in range(num_documents)]
 
 
 def write_corpus(path: str, num_documents: int, seed: int) -> None:
+  """:func:`documents` as a text corpus (:mod:`posjax.data.corpus`'s format): a sentence a line, a blank line
+  between documents."""
   with open(path, "w") as f:
     f.write("\n\n".join("\n".join(doc) for doc in documents(num_documents, seed)) + "\n")
 
 
 def main(argv):
+  """Writes the train and eval corpora and a 256-piece WordPiece vocabulary (trained on the train corpus)
+  into ``--out``."""
   del argv
   out = flags.FLAGS.out
   os.makedirs(out, exist_ok=True)

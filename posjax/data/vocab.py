@@ -18,6 +18,8 @@ from tokenizers import models, trainers
 from posjax.data import tokenizer as tokenizer_lib
 
 def train_wordpiece(files: list[str], size: int, lowercase: bool = True) -> tokenizers.Tokenizer:
+  """A BERT WordPiece vocabulary of ``size`` pieces (BERT's special tokens included) trained on ``files``;
+  ``lowercase``: lower-cased and accent-stripped (uncased)."""
   if not files:
     raise ValueError("no text files to train a vocabulary on")
   tok = tokenizer_lib.wordpiece({"[UNK]": 0}, lowercase)
@@ -39,6 +41,8 @@ def train_bpe(files: list[str], size: int) -> tokenizers.Tokenizer:
 
 
 def write(tok: tokenizers.Tokenizer, out: str) -> None:
+  """Saves a vocabulary: the whole ``tokenizers`` file when ``out`` ends in ``.json``, else a ``vocab.txt`` of
+  one piece a line, in id order."""
   if out.endswith(".json"):
     tok.save(out)
     return
@@ -60,6 +64,8 @@ def train(pattern: str, size: int, model: str = "wordpiece", lowercase: bool = T
 
 
 def main(argv):
+  """``python -m posjax.data.vocab``: trains the vocabulary the flags describe and writes it; no files, or no
+  text in them, is one line on stderr and exit status 2."""
   del argv
   FLAGS = flags.FLAGS
   if FLAGS.model == "bpe" and not FLAGS.out.endswith(".json"):

@@ -31,6 +31,8 @@ from posjax.data.tokenizer import Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class Task:
+  """One GLUE task: where its texts and label are in TFDS and in the TSV files, its class names, and its
+  validation splits."""
   name: str
   tfds_keys: tuple[str, ...]  # the text fields of glue/<name>, in pair order
   labels: tuple[str, ...] | None  # class names in id order; None: a regression (STS-B)
@@ -61,6 +63,7 @@ SOURCES = ("tfds", "tsv")
 
 
 def get(name: str) -> Task:
+  """The task named ``name`` (``cola``, ``sst2``, ..., ``wnli``); an unknown name is an error that lists them."""
   if name not in TASKS:
     raise ValueError(f"unknown GLUE task {name!r}; allowed: {list(TASKS)}")
   return TASKS[name]
@@ -72,6 +75,8 @@ def test_split(validation_split: str) -> str:
 
 
 def tsv_file(task: Task, split: str, root: str) -> str:
+  """The path of a split's TSV file under the GLUE root ``root``: ``train.tsv``, ``dev.tsv`` (MNLI's
+  ``dev_matched.tsv`` / ``dev_mismatched.tsv``) or a test split's ``test*.tsv``; another split is an error."""
   if split == "train":
     name = "train.tsv"
   elif split in task.validation_splits:
@@ -84,6 +89,8 @@ def tsv_file(task: Task, split: str, root: str) -> str:
 
 
 def tsv_examples(task: Task, split: str, root: str) -> Iterator[tuple[tuple[str, ...], float | int]]:
+  """``(texts, label)`` of a labelled split, from the GLUE download's TSV file (its quirks: the module
+  docstring); a missing file is an error naming it."""
   if split != "train" and split not in task.validation_splits:  # test splits have no labels: test_examples
     raise ValueError(f"{task.name} has no split {split!r}; allowed: {['train', *task.validation_splits]}")
   path = tsv_file(task, split, root)
@@ -129,6 +136,8 @@ def _label(task: Task, value, where: str) -> float | int:
 
 
 def tfds_examples(task: Task, split: str, data_dir: str | None = None):
+  """``(texts, label)`` of a labelled split of TFDS's ``glue/<task>`` (prepared beforehand: it never
+  downloads); a label outside the task's classes is an error."""
   import tensorflow_datasets as tfds  # imported here: TensorFlow is slow to load
 
   if split != "train" and split not in task.validation_splits:

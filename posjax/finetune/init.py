@@ -41,6 +41,7 @@ class Start:
 
 
 def kept_steps(directory: str) -> list[int]:
+  """The steps kept in a checkpoint directory (its numeric folders), ascending; none when it does not exist."""
   return sorted(int(p) for p in os.listdir(directory) if p.isdigit()) if os.path.isdir(directory) else []
 
 

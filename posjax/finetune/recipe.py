@@ -39,6 +39,8 @@ def model_fields(position: str) -> ml_collections.ConfigDict:
 
 def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: float, max_len: int, seed: int,
                 size: str = "base", position: str = "") -> ml_collections.ConfigDict:
+  """A fine-tuning config's shared fields (see the module docstring) for one task; the config file adds its
+  ``data`` and ``evals``."""
   if size not in SIZES:
     raise ValueError(f"unknown size {size!r}; allowed: {list(SIZES)}")
   config = ml_collections.ConfigDict()

@@ -62,6 +62,7 @@ def json_examples(path: str) -> Iterator[Example]:
 
 
 def tfds_examples(split: str, data_dir: str | None = None) -> Iterator[Example]:
+  """The examples of a split of TFDS's ``squad/v1.1`` (prepared beforehand: it never downloads)."""
   import tensorflow_datasets as tfds  # imported here: TensorFlow is slow to load
 
   dataset = tfds.load("squad/v1.1", split=split, data_dir=data_dir or None, shuffle_files=False, download=False)

@@ -27,6 +27,8 @@ POSITIVE = ("bright", "gentle", "new", "early", "quiet")
 
 
 def clause(rng: np.random.Generator, adjective: str | None = None) -> dict:
+  """The parts of one made-up sentence (subject, its number, verb index, object, adverb), for :func:`text`
+  to vary; ``adjective``: put on the subject, in place of any adjective it drew."""
   subject, number = grammar.noun_phrase(rng)
   if adjective is not None:
     subject = [subject[0], adjective] + [w for w in subject[1:] if w not in grammar.ADJ]
@@ -37,6 +39,8 @@ def clause(rng: np.random.Generator, adjective: str | None = None) -> dict:
 
 
 def text(c: dict, *, agree: bool = True, verb: int | None = None, adverb: bool = True, bare: bool = False) -> str:
+  """A clause as a sentence, varied: ``agree=False`` breaks subject-verb agreement, ``verb`` swaps the verb,
+  ``adverb=False`` drops the adverb, ``bare`` keeps only the determiner and noun of subject and object."""
   number = c["number"] if agree else ("pl" if c["number"] == "sg" else "sg")
   subject, obj = c["subject"], c["object"]
   if bare:  # determiner + noun only
@@ -94,6 +98,8 @@ def _row(task: glue.Task, n: int, texts: list[str], label: str) -> list[str]:
 
 
 def write_glue(root: str, num_train: int = 120, num_dev: int = 40, seed: int = 0) -> None:
+  """Every GLUE task's ``train.tsv`` and ``dev.tsv`` (MNLI: ``dev_matched`` and ``dev_mismatched``) under
+  ``root``, in the directories and columns of the GLUE download."""
   for index, task in enumerate(glue.TASKS.values()):
     rng = np.random.default_rng([seed, index])
     directory = os.path.join(root, task.tsv_dir)
@@ -109,6 +115,8 @@ def write_glue(root: str, num_train: int = 120, num_dev: int = 40, seed: int = 0
 
 
 def squad_data(num_paragraphs: int, seed: int) -> dict:
+  """A SQuAD v1.1 JSON value of ``num_paragraphs`` made-up paragraphs, one question per sentence asking for
+  its object (the answer, with its character offset)."""
   rng = np.random.default_rng(seed)
   paragraphs = []
   for p in range(num_paragraphs):
@@ -127,6 +135,7 @@ def squad_data(num_paragraphs: int, seed: int) -> dict:
 
 
 def write_squad(root: str, num_train: int = 40, num_dev: int = 10, seed: int = 0) -> None:
+  """``train-v1.1.json`` and ``dev-v1.1.json`` (drawn with the next seed) under ``root``."""
   os.makedirs(root, exist_ok=True)
   for name, count, offset in (("train-v1.1.json", num_train, 0), ("dev-v1.1.json", num_dev, 1)):
     with open(os.path.join(root, name), "w", encoding="utf-8") as f:
@@ -134,6 +143,7 @@ def write_squad(root: str, num_train: int = 40, num_dev: int = 10, seed: int = 0
 
 
 def main(argv):
+  """Writes the made-up GLUE and SQuAD files into ``--out``'s ``glue/`` and ``squad/``."""
   del argv
   out = flags.FLAGS.out
   write_glue(os.path.join(out, "glue"))

@@ -5,17 +5,26 @@ term with its [CLS] reset, Shaw / Method 4 relative vectors; RoPE and the absolu
 before the call. The terms (:mod:`posjax.kernels.terms`) are built in each tile from the batch's positions and
 segment ids, so packed rows are exact and no ``[B, H, L, L]`` array is stored for the backward pass.
 
-Implementations: ``pallas`` — Triton kernels on GPU (:mod:`posjax.kernels.pallas`), Mosaic kernels on TPU
-(:mod:`posjax.kernels.mosaic`); on a CPU either runs in its Pallas interpreter: slow, for tests and for checking
-a model — and ``xla`` (:mod:`posjax.kernels.xla`, dense; the reference).
+Implementations: ``pallas`` — Triton kernels on GPU (:mod:`posjax.kernels.triton`, their bodies in
+:mod:`posjax.kernels.triton_kernels`), Mosaic kernels on TPU (:mod:`posjax.kernels.mosaic`), both built on
+:mod:`posjax.kernels.tile`; on a CPU either runs in its Pallas interpreter: slow, for tests and for checking a
+model — and ``xla`` (:mod:`posjax.kernels.xla`, dense; the reference).
+
+Shapes: B batch, L length, H heads, K head dim, V value head dim, P padded length (a power of two), X any last
+axis, S any shape.
+
+The package depends on no position method: the formulas the terms stand for are :mod:`posjax.kernels.terms`',
+which the position methods import from it.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
+from posjax.kernels import mosaic, tile, triton, xla
 from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -50,8 +59,6 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
 
   First-order gradients only (a ``custom_vjp``; differentiating the backward pass again is not supported).
   """
-  from posjax.kernels import mosaic, pallas, xla  # imported here: position methods import this package for its terms
-
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; allowed: {list(IMPLEMENTATIONS)}")
   if lengths is not None and padding is not None:
@@ -66,43 +73,41 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   if dropout_rate and dropout_seed is None:
     raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_seed (an int, e.g. "
                      "posjax.kernels.dropout.seed_from_key(key))")
-  salts = dropout_lib.salts(dropout_seed if dropout_rate else 0, b, h)
+  salts_BxH = dropout_lib.salts(dropout_seed if dropout_rate else 0, b, h)
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
-  positions = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
-               else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
-  segment_ids = (jnp.zeros((b, length), jnp.int32) if segment_ids is None
-                 else jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, length)))
+  positions_BxL = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
+                   else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
+  segment_ids_BxL = (jnp.zeros((b, length), jnp.int32) if segment_ids is None
+                     else jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, length)))
   if lengths is not None:
     if jnp.shape(lengths) != (b,):
       raise ValueError(f"lengths has shape {jnp.shape(lengths)}; expected ({b},): one per row")
-    valid = jnp.arange(length)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
+    valid_BxL = jnp.arange(length)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]
   elif padding is not None:
-    valid = jnp.broadcast_to(jnp.asarray(padding, bool), (b, length))
+    valid_BxL = jnp.broadcast_to(jnp.asarray(padding, bool), (b, length))
   else:
-    valid = jnp.ones((b, length), bool)
+    valid_BxL = jnp.ones((b, length), bool)
   if implementation == "xla":
-    return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions,
-                         segment_ids_BxL=segment_ids, valid_BxL=valid, scale=scale, causal=causal,
-                         dropout_rate=dropout_rate, salts_BxH=salts)
+    return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions_BxL,
+                         segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
+                         dropout_rate=dropout_rate, salts_BxH=salts_BxH)
   tpu = interpret == "tpu" or (not interpret and jax.default_backend() == "tpu")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   elif interpret == "tpu":
-    from jax.experimental.pallas import tpu as pltpu
-
     interpret = pltpu.InterpretParams()
   elif not isinstance(interpret, bool):
     raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
   block_sizes = block_sizes or ((128, 128) if tpu else (64, 64))
-  bq, bk, padded = pallas.block_sizes(length, *block_sizes)
+  bq, bk, padded = tile.block_sizes(length, *block_sizes)
   if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):
     raise ValueError(f"the TPU kernels need a query block that is a multiple of 8 and a key block that is a "
                      f"multiple of 128 (or blocks as long as the padded sequence, {padded}); the tiles are "
                      f"{bq}x{bk} (block_sizes={tuple(block_sizes)})")
   # Power-of-two sizes everywhere (Triton's arrays must be): the sequence, head dimensions and the tables' rows,
   # padded with zeros that change no logit (padded keys are masked) and get no gradient.
-  pad = lambda x, axis, size: jnp.pad(x, [(0, size - x.shape[a] if a == axis else 0) for a in range(x.ndim)])
-  pow2 = pallas.next_power_of_two
+  pad = lambda x_S, axis, size: jnp.pad(x_S, [(0, size - x_S.shape[a] if a == axis else 0) for a in range(x_S.ndim)])
+  pow2 = tile.next_power_of_two
   head_dim, value_dim = pow2(d), pow2(v_BxLxHxK.shape[-1])
   if terms.untied is not None:
     u = terms.untied
@@ -124,11 +129,11 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
                                                                   pow2(terms.buckets.table.shape[0]))))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
-  plan = pallas.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
-                     interpret=interpret, treedef=treedef, dropout=dropout_rate)
-  heads_first = lambda x, dim: pad(pad(x, 1, padded), 3, dim).transpose(0, 2, 1, 3)
-  out = (mosaic if tpu else pallas).attention(
+  plan = tile.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
+                   interpret=interpret, treedef=treedef, dropout=dropout_rate)
+  heads_first = lambda x_BxLxHxX, dim: pad(pad(x_BxLxHxX, 1, padded), 3, dim).transpose(0, 2, 1, 3)
+  out_BxHxPxV = (mosaic if tpu else triton).attention(
       plan, leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
-      heads_first(v_BxLxHxK, value_dim), pad(positions, 1, padded), pad(segment_ids, 1, padded),
-      pad(valid.astype(jnp.int32), 1, padded), salts)
-  return out.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxHxK.shape[-1]]
+      heads_first(v_BxLxHxK, value_dim), pad(positions_BxL, 1, padded), pad(segment_ids_BxL, 1, padded),
+      pad(valid_BxL.astype(jnp.int32), 1, padded), salts_BxH)
+  return out_BxHxPxV.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxHxK.shape[-1]]

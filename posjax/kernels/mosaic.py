@@ -1,8 +1,12 @@
 """Flash attention for TPU (Pallas Mosaic) with the position terms built inside each tile.
 
-The TPU counterpart of :mod:`posjax.kernels.pallas` (same op, same terms, same numerics), shaped the way Mosaic
-kernels are: a ``(batch, head, tile, tile)`` grid whose last axis runs sequentially, q/k/v tiles brought in by
-BlockSpecs, running statistics in VMEM scratch; no gathers (Mosaic has none):
+Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T query/key tile rows, W window
+rows (``2·block``), C the ``dq`` kernel's gradient columns, P tile diagonals, X any last axis.
+
+The TPU counterpart of :mod:`posjax.kernels.triton` (same op, same terms, same numerics; what they share:
+:mod:`posjax.kernels.tile`), shaped the way Mosaic kernels are: a ``(batch, head, tile, tile)`` grid whose last
+axis runs sequentially, q/k/v tiles brought in by BlockSpecs, running statistics in VMEM scratch; no gathers
+(Mosaic has none):
 
 - the bucket table and the per-head scalars (ALiBi slopes, θ) sit in SMEM; a pair's bucket value is a select
   per table entry;
@@ -28,26 +32,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from posjax.kernels import pallas as gpu
-from posjax.kernels.pallas import Plan, _dot, _dot_t, _t_dot
 from posjax.kernels.terms import Terms
+from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, overlap_add, row_delta, t_dot,
+                                 untied_grads, window_table)
 
 
-class _Tile(gpu.TileBase):
+class _Tile(TileBase):
   """The logits of tile (i, j) of one (batch, head) from this program's blocks, and the masks the backward
-  needs (as :class:`posjax.kernels.pallas._Tile`, reading blocks instead of rows)."""
+  needs (as :class:`posjax.kernels.triton_kernels.Tile`, reading blocks instead of rows)."""
 
   def __init__(self, plan: Plan, terms: Terms, r: dict, b, h, i, j):
     bq, bk = plan.block_q, plan.block_k
     self.plan, self.terms, self.r, self.b, self.h, self.i, self.j = plan, terms, r, b, h, i, j
-    self.q, self.k = r["q"][0, 0], r["k"][0, 0]
-    pos_i, pos_j = r["q_positions"][0], r["k_positions"][0]  # [bq, bk], [1, bk]
-    self.cls_i, self.cls_j = pos_i == 0, pos_j == 0
-    self.row = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    self.col = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    s = self._position_terms(plan.scale * _dot_t(self.q, self.k), pos_j - pos_i)
-    allowed = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
-    self._mask(s, allowed, i * bq + self.row, j * bk + self.col)
+    self.q_QxK, self.k_TxK = r["q"][0, 0], r["k"][0, 0]
+    pos_i_QxT, pos_j_1xT = r["q_positions"][0], r["k_positions"][0]
+    self.cls_i_QxT, self.cls_j_QxT = pos_i_QxT == 0, pos_j_1xT == 0
+    self.row_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    self.col_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), pos_j_1xT - pos_i_QxT)
+    allowed_QxT = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
+    self.mask_logits(s_QxT, allowed_QxT, i * bq + self.row_QxT, j * bk + self.col_QxT)
 
   def _slope(self):
     return self.r["slopes"][self.h]
@@ -55,12 +59,12 @@ class _Tile(gpu.TileBase):
   def _untied_factors(self):
     return self.r["u_q"][0, 0], self.r["u_k"][0, 0]
 
-  def _bucket_values(self, index):
+  def _bucket_values(self, index_QxT):
     """One select per table entry (Mosaic has no gather), the entry's value read from SMEM."""
-    value = jnp.zeros(index.shape, jnp.float32)
+    value_QxT = jnp.zeros(index_QxT.shape, jnp.float32)
     for n in range(self.terms.buckets.table.shape[0]):
-      value = jnp.where(index == n, self.r["bucket_table"][self.h, n], value)
-    return value
+      value_QxT = jnp.where(index_QxT == n, self.r["bucket_table"][self.h, n], value_QxT)
+    return value_QxT
 
   def _theta(self):
     return self.r["theta"][0, self.h], self.r["theta"][1, self.h]
@@ -68,41 +72,42 @@ class _Tile(gpu.TileBase):
   def _salt(self):
     return self.r["salts"][self.b, self.h]
 
-  def _relative_term(self, rel):
+  def _relative_term(self, rel_QxT):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
     ``bq + a``; the key side multiplies the reversed window, ``out[a, c] = g[a - c + bq - 1, c]``, a roll of
     column c by ``bq + 1 + c``."""
     bq, rel_terms = self.plan.block_q, self.terms.relative
-    index_distance = (self.j - self.i) * bq + self.col - self.row
-    self.misplaced = (rel != index_distance) & (self.i * bq + self.row < self.plan.length)
-    term = 0.0
+    index_distance_QxT = (self.j - self.i) * bq + self.col_QxT - self.row_QxT
+    self.misplaced_QxT = (rel_QxT != index_distance_QxT) & (self.i * bq + self.row_QxT < self.plan.length)
+    term_QxT = 0.0
     if rel_terms.query:
-      self.window = jnp.concatenate([self.r["window_lo"][...], self.r["window_hi"][...]], axis=0)
-      qe = self.plan.scale * _dot_t(self.q, self.window.astype(self.q.dtype))  # [bq, 2 bq]
-      term = term + pltpu.roll(qe, bq, 1, stride=1, stride_axis=0)[:, :bq]
+      self.window_WxK = jnp.concatenate([self.r["window_lo"][...], self.r["window_hi"][...]], axis=0)
+      qe_QxW = self.plan.scale * dot_t(self.q_QxK, self.window_WxK.astype(self.q_QxK.dtype))
+      term_QxT = term_QxT + pltpu.roll(qe_QxW, bq, 1, stride=1, stride_axis=0)[:, :bq]
     if rel_terms.key:
-      self.reversed = jnp.concatenate([self.r["reversed_lo"][...], self.r["reversed_hi"][...]], axis=0)
-      g = self.plan.scale * _dot_t(self.reversed.astype(self.k.dtype), self.k)  # [2 bq, bk]
-      term = term + pltpu.roll(g, bq + 1, 0, stride=1, stride_axis=1)[:bq, :]
-    return term
+      self.reversed_WxK = jnp.concatenate([self.r["reversed_lo"][...], self.r["reversed_hi"][...]], axis=0)
+      g_WxT = self.plan.scale * dot_t(self.reversed_WxK.astype(self.k_TxK.dtype), self.k_TxK)
+      term_QxT = term_QxT + pltpu.roll(g_WxT, bq + 1, 0, stride=1, stride_axis=1)[:bq, :]
+    return term_QxT
 
-  def unskew_query(self, ds):
+  def unskew_query(self, ds_QxT):
     """``[bq, 2 bq]``: the gradient of ``qe`` (the transpose of its roll, on ds padded with zeros)."""
     bq = self.plan.block_q
-    padded = jnp.concatenate([ds, jnp.zeros_like(ds)], axis=1)
-    return pltpu.roll(padded, bq, 1, stride=2 * bq - 1, stride_axis=0)
+    padded_QxW = jnp.concatenate([ds_QxT, jnp.zeros_like(ds_QxT)], axis=1)
+    return pltpu.roll(padded_QxW, bq, 1, stride=2 * bq - 1, stride_axis=0)
 
-  def unskew_key(self, ds):
+  def unskew_key(self, ds_QxT):
     """``[2 bq, bk]``: the gradient of the key side's ``g``."""
     bq = self.plan.block_q
-    padded = jnp.concatenate([ds, jnp.zeros_like(ds)], axis=0)
-    return pltpu.roll(padded, bq - 1, 0, stride=2 * bq - 1, stride_axis=1)
+    padded_WxT = jnp.concatenate([ds_QxT, jnp.zeros_like(ds_QxT)], axis=0)
+    return pltpu.roll(padded_WxT, bq - 1, 0, stride=2 * bq - 1, stride_axis=1)
 
 
 def _ds(plan: Plan, r: dict, tile: _Tile):
-  p = jnp.exp(tile.logits - r["row_max"][0, 0]) / r["row_sum"][0, 0]
-  dp = tile.dropped(_dot_t(r["d_out"][0, 0], r["v"][0, 0]))
-  return tile.dropped(p), jnp.where(tile.allowed, p * (dp - r["delta"][0, 0]), 0.0)
+  """The tile's softmax weights after dropout and the gradient of its logits (zero where masked)."""
+  p_QxT = jnp.exp(tile.s_QxT - r["row_max"][0, 0]) / r["row_sum"][0, 0]
+  dp_QxT = tile.dropped(dot_t(r["d_out"][0, 0], r["v"][0, 0]))
+  return tile.dropped(p_QxT), jnp.where(tile.allowed_QxT, p_QxT * (dp_QxT - r["delta"][0, 0]), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -121,23 +126,23 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
     r["misplaced"][...] = jnp.zeros(r["misplaced"].shape, jnp.float32)
 
   tile = _Tile(plan, terms, r, b, h, i, j)
-  m = r["m"][...]
-  m_new = jnp.maximum(m, jnp.max(tile.logits, axis=1, keepdims=True))
-  alpha = jnp.exp(m - m_new)
-  p = jnp.exp(tile.logits - m_new)
-  v = r["v"][0, 0]
-  r["m"][...] = m_new
-  r["l"][...] = alpha * r["l"][...] + jnp.sum(p, axis=1, keepdims=True)
-  r["acc"][...] = alpha[:, :1] * r["acc"][...] + _dot(tile.dropped(p).astype(v.dtype), v)
+  m_QxT = r["m"][...]  # the row maximum, replicated across the lanes
+  new_max_QxT = jnp.maximum(m_QxT, jnp.max(tile.s_QxT, axis=1, keepdims=True))
+  alpha_QxT = jnp.exp(m_QxT - new_max_QxT)
+  p_QxT = jnp.exp(tile.s_QxT - new_max_QxT)
+  v_TxV = r["v"][0, 0]
+  r["m"][...] = new_max_QxT
+  r["l"][...] = alpha_QxT * r["l"][...] + jnp.sum(p_QxT, axis=1, keepdims=True)
+  r["acc"][...] = alpha_QxT[:, :1] * r["acc"][...] + dot(tile.dropped(p_QxT).astype(v_TxV.dtype), v_TxV)
   if terms.relative is not None:
-    bad = jnp.max(jnp.where(tile.allowed & tile.misplaced, 1.0, 0.0), axis=1, keepdims=True)
-    r["misplaced"][...] = jnp.maximum(r["misplaced"][...], bad)
+    bad_Qx1 = jnp.max(jnp.where(tile.allowed_QxT & tile.misplaced_QxT, 1.0, 0.0), axis=1, keepdims=True)
+    r["misplaced"][...] = jnp.maximum(r["misplaced"][...], bad_Qx1)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
-    out = r["acc"][...] / r["l"][...][:, :1]
-    out = jnp.where(r["misplaced"][...][:, :1] > 0, jnp.nan, out)
-    r["out"][0, 0] = out.astype(r["out"].dtype)
+    out_QxV = r["acc"][...] / r["l"][...][:, :1]
+    out_QxV = jnp.where(r["misplaced"][...][:, :1] > 0, jnp.nan, out_QxV)
+    r["out"][0, 0] = out_QxV.astype(r["out"].dtype)
     r["row_max"][0, 0] = r["m"][...]
     r["row_sum"][0, 0] = r["l"][...]
 
@@ -148,17 +153,17 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   accumulators = [n for n in ("dq", "du_q", "dpos") if n in r]
   _zero_on_first_step(r, accumulators, j)
   tile = _Tile(plan, terms, r, b, h, i, j)
-  _, ds = _ds(plan, r, tile)
-  dq = plan.scale * _dot(ds.astype(tile.k.dtype), tile.k)
+  _, ds_QxT = _ds(plan, r, tile)
+  dq_QxK = plan.scale * dot(ds_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
   rel = terms.relative
   if rel is not None and rel.query:
-    dq = dq + plan.scale * _dot(tile.unskew_query(ds), tile.window.astype(jnp.float32))
-  r["acc_dq"][...] += dq
-  d_untied, d_bucket = tile.position_grads(ds)
+    dq_QxK = dq_QxK + plan.scale * dot(tile.unskew_query(ds_QxT), tile.window_WxK.astype(jnp.float32))
+  r["acc_dq"][...] += dq_QxK
+  d_untied_QxT, d_bucket_QxT = tile.position_grads(ds_QxT)
   if "du_q" in r:
-    r["acc_du_q"][...] += _dot(d_untied, tile.u_k.astype(jnp.float32))
+    r["acc_du_q"][...] += dot(d_untied_QxT, tile.u_k_TxK.astype(jnp.float32))
   if "dpos" in r:
-    r["acc_dpos"][...] += _position_columns(terms, tile, ds, d_bucket, r["acc_dpos"].shape)
+    r["acc_dpos"][...] += _position_columns(terms, tile, ds_QxT, d_bucket_QxT, r["acc_dpos"].shape)
   _write_on_last_step(r, accumulators, j)
 
 
@@ -178,28 +183,29 @@ def _write_on_last_step(r: dict, names, step):
       r[name][0, 0] = r["acc_" + name][...].astype(r[name].dtype)
 
 
-def _position_columns(terms: Terms, tile: _Tile, ds, d_bucket, shape):
+def _position_columns(terms: Terms, tile: _Tile, ds_QxT, d_bucket_QxT, shape):
   """``[bq, C]`` row sums of the tile's gradient per scalar input: one column per bucket entry, then the ALiBi
   slope and θ1, θ2 (:func:`_columns`)."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  out = jnp.zeros(shape, jnp.float32)
-  for column, part in _columns(terms, tile, ds, d_bucket):
-    out = jnp.where(lane == column, jnp.sum(part, axis=1, keepdims=True), out)
-  return out
+  lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  out_QxC = jnp.zeros(shape, jnp.float32)
+  for column, part_QxT in _columns(terms, tile, ds_QxT, d_bucket_QxT):
+    out_QxC = jnp.where(lane_QxC == column, jnp.sum(part_QxT, axis=1, keepdims=True), out_QxC)
+  return out_QxC
 
 
-def _columns(terms: Terms, tile, ds, d_bucket):
+def _columns(terms: Terms, tile, ds_QxT, d_bucket_QxT):
+  """``(column, gradient part [bq, bk])`` of each scalar input, in :func:`_position_columns`' order."""
   column = 0
   if terms.buckets is not None:
     for n in range(terms.buckets.table.shape[0]):
-      yield column + n, jnp.where(tile.bucket_index == n, d_bucket, 0.0)
+      yield column + n, jnp.where(tile.bucket_QxT == n, d_bucket_QxT, 0.0)
     column += terms.buckets.table.shape[0]
   if terms.alibi is not None:
-    yield column, -ds * tile.distance
+    yield column, -ds_QxT * tile.distance_QxT
     column += 1
   if terms.untied is not None and terms.untied.reset != "none":
-    yield column, jnp.where(tile.cls_i, ds, 0.0)
-    yield column + 1, jnp.where(~tile.cls_i & tile.cls_j, ds, 0.0)
+    yield column, jnp.where(tile.cls_i_QxT, ds_QxT, 0.0)
+    yield column + 1, jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0)
 
 
 def _column_count(terms: Terms) -> int:
@@ -214,16 +220,16 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   accumulators = [n for n in ("dk", "dv", "du_k") if n in r]
   _zero_on_first_step(r, accumulators, i)
   tile = _Tile(plan, terms, r, b, h, i, j)
-  p, ds = _ds(plan, r, tile)
-  do = r["d_out"][0, 0]
-  r["acc_dv"][...] += _t_dot(p.astype(do.dtype), do)
-  dk = plan.scale * _t_dot(ds.astype(tile.q.dtype), tile.q)
+  p_QxT, ds_QxT = _ds(plan, r, tile)
+  do_QxV = r["d_out"][0, 0]
+  r["acc_dv"][...] += t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
+  dk_TxK = plan.scale * t_dot(ds_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
   if terms.relative is not None and terms.relative.key:
-    dk = dk + plan.scale * _t_dot(tile.unskew_key(ds), tile.reversed.astype(jnp.float32))
-  r["acc_dk"][...] += dk
+    dk_TxK = dk_TxK + plan.scale * t_dot(tile.unskew_key(ds_QxT), tile.reversed_WxK.astype(jnp.float32))
+  r["acc_dk"][...] += dk_TxK
   if "du_k" in r:
-    d_untied, _ = tile.position_grads(ds)
-    r["acc_du_k"][...] += _t_dot(d_untied, tile.u_q.astype(jnp.float32))
+    d_untied_QxT, _ = tile.position_grads(ds_QxT)
+    r["acc_du_k"][...] += t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
   _write_on_last_step(r, accumulators, i)
 
 
@@ -244,11 +250,11 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
   @pl.when((t >= 0) & (t < n))
   def _():
     tile = _Tile(plan, terms, r, b, h, s, t)
-    _, ds = _ds(plan, r, tile)
+    _, ds_QxT = _ds(plan, r, tile)
     if "d_window" in r:
-      r["d_window"][0, 0, 0] += plan.scale * _t_dot(tile.unskew_query(ds), tile.q.astype(jnp.float32))
+      r["d_window"][0, 0, 0] += plan.scale * t_dot(tile.unskew_query(ds_QxT), tile.q_QxK.astype(jnp.float32))
     if "d_reversed" in r:
-      r["d_reversed"][0, 0, 0] += plan.scale * _dot(tile.unskew_key(ds), tile.k.astype(jnp.float32))
+      r["d_reversed"][0, 0, 0] += plan.scale * dot(tile.unskew_key(ds_QxT), tile.k_TxK.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -261,7 +267,7 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
   n = arrays["q"].shape[2] // bq
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
   at = lambda shape, where: pl.BlockSpec(shape, lambda *g: where(*g[:2], *tiles(*g)))
-  row_block = lambda a, size: (1, 1, size, a.shape[-1])
+  row_block = lambda a_BxHxLxX, size: (1, 1, size, a_BxHxLxX.shape[-1])
   specs = {}
   for name, a in arrays.items():
     if name in ("q", "d_out", "u_q"):
@@ -287,15 +293,17 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
   return specs
 
 
-def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, salts, extra: dict):
+def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+            salts_BxH, extra: dict):
   """The kernels' arrays (see the module docstring for their layouts)."""
   bk = plan.block_k
-  replicate = lambda x: jnp.broadcast_to(x[:, :, None], (*x.shape, bk))
-  arrays = {"q": q, "k": k, "v": v, **extra,
-            "q_positions": replicate(positions), "q_segments": replicate(segment_ids),
-            "k_positions": positions[:, None], "k_segments": segment_ids[:, None], "k_valid": valid[:, None]}
+  replicate = lambda x_BxL: jnp.broadcast_to(x_BxL[:, :, None], (*x_BxL.shape, bk))
+  arrays = {"q": q_BxHxLxK, "k": k_BxHxLxK, "v": v_BxHxLxV, **extra,
+            "q_positions": replicate(positions_BxL), "q_segments": replicate(segment_ids_BxL),
+            "k_positions": positions_BxL[:, None], "k_segments": segment_ids_BxL[:, None],
+            "k_valid": valid_BxL[:, None]}
   if plan.dropout:
-    arrays["salts"] = salts
+    arrays["salts"] = salts_BxH
   if terms.alibi is not None:
     arrays["slopes"] = terms.alibi.slopes.astype(jnp.float32)
   if terms.buckets is not None:
@@ -306,11 +314,11 @@ def _inputs(plan: Plan, terms: Terms, q, k, v, positions, segment_ids, valid, sa
       arrays["theta"] = terms.untied.theta.astype(jnp.float32)
   rel = terms.relative
   if rel is not None:
-    table = gpu._window_table(rel, q.shape[2])
+    table_RxK = window_table(rel, q_BxHxLxK.shape[2])
     if rel.query:
-      arrays["window_lo"] = arrays["window_hi"] = table
+      arrays["window_lo"] = arrays["window_hi"] = table_RxK
     if rel.key:
-      arrays["reversed_lo"] = arrays["reversed_hi"] = table[::-1]
+      arrays["reversed_lo"] = arrays["reversed_hi"] = table_RxK[::-1]
   return arrays
 
 
@@ -343,42 +351,50 @@ _QUERY_MAJOR = lambda b, h, i, j: (i, j)
 _KEY_MAJOR = lambda b, h, j, i: (i, j)
 
 
-def _forward(plan: Plan, leaves, q, k, v, positions, segment_ids, valid, salts):
+def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+             salts_BxH):
   terms = plan.terms(leaves)
-  b, h, l, _ = q.shape
+  b, h, l, _ = q_BxHxLxK.shape
   bq, bk = plan.block_q, plan.block_k
-  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, salts, {})
+  arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                   salts_BxH, {})
   out = _call(_forward_kernel, plan, terms, arrays,
-              {"out": _rows(v.shape, bq, v.dtype), "row_max": _rows((b, h, l, bk), bq),
+              {"out": _rows(v_BxHxLxV.shape, bq, v_BxHxLxV.dtype), "row_max": _rows((b, h, l, bk), bq),
                "row_sum": _rows((b, h, l, bk), bq)},
               (b, h, l // bq, l // bk), _QUERY_MAJOR,
-              {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v.shape[-1]), "misplaced": (bq, bk)})
+              {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)})
   return out["out"], (out["row_max"], out["row_sum"])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(plan: Plan, leaves, q, k, v, positions, segment_ids, valid, salts):
-  """As :func:`posjax.kernels.pallas.attention`, on TPU."""
-  return _forward(plan, leaves, q, k, v, positions, segment_ids, valid, salts)[0]
+def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+              salts_BxH):
+  """As :func:`posjax.kernels.triton.attention`, on TPU: ``[B, H, L, V]`` from ``[B, H, L, K]`` inputs."""
+  return _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                  salts_BxH)[0]
 
 
-def _attention_fwd(plan, leaves, q, k, v, positions, segment_ids, valid, salts):
-  out, stats = _forward(plan, leaves, q, k, v, positions, segment_ids, valid, salts)
-  return out, (leaves, q, k, v, positions, segment_ids, valid, salts, out, stats)
+def _attention_fwd(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                   salts_BxH):
+  out_BxHxLxV, stats = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
+                                valid_BxL, salts_BxH)
+  return out_BxHxLxV, (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                       salts_BxH, out_BxHxLxV, stats)
 
 
-def _attention_bwd(plan, residuals, d_out):
-  leaves, q, k, v, positions, segment_ids, valid, salts, out, (row_max, row_sum) = residuals
+def _attention_bwd(plan, residuals, d_out_BxHxLxV):
+  (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, out_BxHxLxV,
+   (row_max_BxHxLxT, row_sum_BxHxLxT)) = residuals
   terms = plan.terms(leaves)
-  b, h, l, d = q.shape
+  b, h, l, d = q_BxHxLxK.shape
   bq, bk = plan.block_q, plan.block_k
   n_q, n_k = l // bq, l // bk
-  delta = gpu.row_delta(d_out, out, keepdims=True)
-  arrays = _inputs(plan, terms, q, k, v, positions, segment_ids, valid, salts,
-                   {"d_out": d_out, "row_max": row_max, "row_sum": row_sum,
-                    "delta": jnp.broadcast_to(delta, row_max.shape)})
+  delta_BxHxLx1 = row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims=True)
+  arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                   salts_BxH, {"d_out": d_out_BxHxLxV, "row_max": row_max_BxHxLxT, "row_sum": row_sum_BxHxLxT,
+                               "delta": jnp.broadcast_to(delta_BxHxLx1, row_max_BxHxLxT.shape)})
 
-  dq_out, dq_scratch = {"dq": _rows(q.shape, bq)}, {"acc_dq": (bq, d)}
+  dq_out, dq_scratch = {"dq": _rows(q_BxHxLxK.shape, bq)}, {"acc_dq": (bq, d)}
   if terms.untied is not None:
     dq_out["du_q"], dq_scratch["acc_du_q"] = _rows((b, h, l, d), bq), (bq, d)
   columns = _column_count(terms)
@@ -386,8 +402,8 @@ def _attention_bwd(plan, residuals, d_out):
     dq_out["dpos"], dq_scratch["acc_dpos"] = _rows((b, h, l, columns), bq), (bq, columns)
   dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _QUERY_MAJOR, dq_scratch)
 
-  dkv_out = {"dk": _rows(k.shape, bk), "dv": _rows(v.shape, bk)}
-  dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v.shape[-1])}
+  dkv_out = {"dk": _rows(k_BxHxLxK.shape, bk), "dv": _rows(v_BxHxLxV.shape, bk)}
+  dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
   if terms.untied is not None:
     dkv_out["du_k"], dkv_scratch["acc_du_k"] = _rows((b, h, l, d), bk), (bk, d)
   dkv_res = _call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), _KEY_MAJOR, dkv_scratch)
@@ -403,33 +419,33 @@ def _attention_bwd(plan, residuals, d_out):
     # grid point (p, s) works on tile (s, s + p - (n - 1)), clamped into the sequence where it does not exist
     diagonal = lambda b, h, p, s: (s, jnp.clip(s + p - (n_q - 1), 0, n_q - 1))
     res = _call(_window_grad_kernel, plan, terms, arrays, window_out, (b, h, 2 * n_q - 1, n_q), diagonal)
-    d_pad = jnp.zeros((2 * l, d), jnp.float32)
+    d_RxK = jnp.zeros((2 * l, d), jnp.float32)
     if "d_window" in res:
-      d_pad = d_pad + gpu._overlap_add(jnp.sum(res["d_window"], axis=(0, 1)), bq)
+      d_RxK = d_RxK + overlap_add(jnp.sum(res["d_window"], axis=(0, 1)), bq)
     if "d_reversed" in res:
-      d_pad = d_pad + gpu._overlap_add(jnp.sum(res["d_reversed"], axis=(0, 1))[::-1], bq)[::-1]
-    d_table = gpu._fold_window_table(d_pad, rel, l)
-    d_terms = d_terms.replace(relative=d_terms.relative.replace(table=d_table.astype(rel.table.dtype)))
+      d_RxK = d_RxK + overlap_add(jnp.sum(res["d_reversed"], axis=(0, 1))[::-1], bq)[::-1]
+    d_table_DxK = fold_window_table(d_RxK, rel, l)
+    d_terms = d_terms.replace(relative=d_terms.relative.replace(table=d_table_DxK.astype(rel.table.dtype)))
   if terms.untied is not None:
-    d_terms = d_terms.replace(untied=gpu._untied_grads(terms.untied, dq_res["du_q"], dkv_res["du_k"]))
+    d_terms = d_terms.replace(untied=untied_grads(terms.untied, dq_res["du_q"], dkv_res["du_k"]))
   if columns:
-    d_columns = jnp.sum(dq_res["dpos"], axis=(0, 2))  # [H, C]
+    d_columns_HxC = jnp.sum(dq_res["dpos"], axis=(0, 2))
     column = 0
     if terms.buckets is not None:
       n = terms.buckets.table.shape[0]
       d_terms = d_terms.replace(buckets=d_terms.buckets.replace(
-          table=d_columns[:, :n].T.astype(terms.buckets.table.dtype)))
+          table=d_columns_HxC[:, :n].T.astype(terms.buckets.table.dtype)))
       column = n
     if terms.alibi is not None:
       d_terms = d_terms.replace(alibi=d_terms.alibi.replace(
-          slopes=d_columns[:, column].astype(terms.alibi.slopes.dtype)))
+          slopes=d_columns_HxC[:, column].astype(terms.alibi.slopes.dtype)))
       column += 1
     if terms.untied is not None and terms.untied.reset != "none":
       d_terms = d_terms.replace(untied=d_terms.untied.replace(
-          theta=d_columns[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
-  dq, dk, dv = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
-  return (jax.tree_util.tree_leaves(d_terms), dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None, None, None, None)
+          theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
+  dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
+  return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
+          dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,4 +1,7 @@
-"""The position terms a fused attention kernel computes inside its tiles, as small structured inputs.
+"""The position terms a fused attention kernel computes inside its tiles, and the formulas that define them.
+
+Shapes: B batch, Bp batch of the positions (1 or B), L length, H heads, K head dim, Q/T query/key rows, D
+relative distances (``2k+1`` table rows), N table entries, S any (broadcast) shape.
 
 A term never carries an ``[H, L, L]`` tensor: only what each tile needs to build its part of the logits from
 the batch's positions (so packed rows are exact):
@@ -11,8 +14,13 @@ the batch's positions (so packed rows are exact):
 | ``Untied``     | ``u_q, u_k [Bp, L, H, K]``, θ ``[2, H]``  | ``u_q,i·u_k,j`` with the [CLS] reset (TUPE)        |
 
 ``scale`` is the op's content scale (the factor on ``q·k``); the other terms come scaled as the model adds
-them. [CLS] tokens are those at position 0 (the first token of each packed segment), as in
-:mod:`posjax.positions.tupe`.
+them. [CLS] tokens are those at position 0 (the first token of each packed segment), as in TUPE's position
+method.
+
+The formulas the terms stand for live here too (:func:`bucket`, :func:`relative_positions`,
+:func:`query_term`, :func:`key_term`, :func:`untie_cls`, ...): the kernels, their dense ``xla`` reference and
+the position methods (which import them from here) all compute the same functions, so this package depends on
+nothing of the position methods.
 """
 
 from __future__ import annotations
@@ -22,6 +30,119 @@ import jax
 import jax.numpy as jnp
 
 RESETS = ("official", "paper", "none")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The formulas (pure functions).
+
+
+def relative_positions(positions_BxL):
+  """``rel[b, i, j] = positions[b, j] - positions[b, i]`` (key minus query), ``[B, L, L]`` int32: every
+  relative term is a function of it, so packed rows (positions restarting per segment) are exact."""
+  positions_BxL = positions_BxL.astype(jnp.int32)
+  return positions_BxL[:, None, :] - positions_BxL[:, :, None]
+
+
+def dot_heads(a_BxQxHxK, b_BxTxHxK):
+  """``[B|1, Q, H, K] x [B|1, T, H, K] -> [B|1, H, Q, T]``: per-head dot products (the content term's
+  layout; TUPE's untied term)."""
+  return jnp.einsum("bqhd,bkhd->bhqk", a_BxQxHxK, b_BxTxHxK)
+
+
+def clipped_index(rel_S, k: int):
+  """Row of ``r = clip(rel, -k, k)`` in a ``[2k+1, ..]`` table (Shaw's, Method 4's, TUPE-R's ``clip``):
+  distances past ±k share the end rows."""
+  return jnp.clip(rel_S, -k, k) + k
+
+
+def bucket(rel_S, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
+  """T5's log-spaced bucket of the relative distance ``rel = j - i`` (key minus query), int32 of its shape.
+
+  Bidirectional with 32 buckets: half the buckets per direction, distances below 8 get a bucket of their
+  own, 8..127 share log-spaced buckets, everything at or past ``max_distance`` the last one; keys after
+  the query (``j > i``) add ``num_buckets // 2``. Unidirectional: keys after the query all get bucket 0.
+  """
+  rel_S = jnp.asarray(rel_S, jnp.int32)
+  n_S = -rel_S
+  ret_S = jnp.zeros_like(rel_S)
+  if bidirectional:
+    num_buckets //= 2
+    ret_S = ret_S + (n_S < 0).astype(jnp.int32) * num_buckets
+    n_S = jnp.abs(n_S)
+  else:
+    n_S = jnp.maximum(n_S, 0)
+  max_exact = num_buckets // 2
+  large_S = max_exact + (
+      jnp.log(jnp.maximum(n_S, 1).astype(jnp.float32) / max_exact) / jnp.log(max_distance / max_exact)
+      * (num_buckets - max_exact)).astype(jnp.int32)
+  large_S = jnp.minimum(large_S, num_buckets - 1)
+  return ret_S + jnp.where(n_S < max_exact, n_S, large_S)
+
+
+def check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
+  """Raises unless :func:`bucket`'s options make sense (T5's options and :class:`Buckets` alike): at least 4
+  buckets (even when bidirectional) and a ``max_distance`` past the exact buckets."""
+  if num_buckets < 4 or (bidirectional and num_buckets % 2):
+    raise ValueError(f"num_buckets={num_buckets} must be >= 4 (and even when bidirectional)")
+  exact = num_buckets // (4 if bidirectional else 2)
+  if max_distance <= exact:
+    raise ValueError(f"max_distance={max_distance} must exceed the {exact} exact buckets")
+
+
+def choose_impl(impl: str, batch_heads: int, head_dim: int, index_BpxLxL) -> str:
+  """How a relative-vector term is computed (:func:`query_term`): ``table`` unless the ``[B, H, L, 2k+1]``
+  skew intermediate is smaller than the ``[Bp, L, L, K]`` gathered table."""
+  if impl != "auto":
+    return impl
+  bp, l, _ = index_BpxLxL.shape
+  return "table" if bp * l * head_dim <= batch_heads * (2 * l - 1) else "skew"
+
+
+def contract_table(x_BxLxHxK, a_BpxLxLxK, spec_in: str):
+  """``einsum(spec_in)`` with a gathered table whose batch may be 1 (then it is shared by the whole batch,
+  and contracted without broadcasting it)."""
+  if a_BpxLxLxK.shape[0] == 1:
+    return jnp.einsum(spec_in.replace(",bqk", ",qk"), x_BxLxHxK, a_BpxLxLxK[0])
+  return jnp.einsum(spec_in, x_BxLxHxK, a_BpxLxLxK)
+
+
+def rel_to_abs(x_BxHxLxD, index_BpxLxL):
+  """``out[b, h, i, j] = x[b, h, i, index[b, i, j]]``: relative-distance columns to key positions (a gather
+  along the distance axis; exact for any positions)."""
+  b, h, l, _ = x_BxHxLxD.shape
+  index_BxHxLxL = jnp.broadcast_to(index_BpxLxL[:, None], (b, h, l, index_BpxLxL.shape[-1]))
+  return jnp.take_along_axis(x_BxHxLxD, index_BxHxLxL, axis=-1)
+
+
+def query_term(q_BxLxHxK, w_DxK, index_BpxLxL, impl: str):
+  """``[B, H, L, L]``: ``q_i · w_{r(i,j)}`` (Shaw's key term, Method 4's query side), by the gathered
+  ``table`` or the ``skew`` (:func:`choose_impl`); never a ``[B, H, L, L, K]`` tensor."""
+  b, _, h, d = q_BxLxHxK.shape
+  if choose_impl(impl, b * h, d, index_BpxLxL) == "table":
+    return contract_table(q_BxLxHxK, jnp.take(w_DxK, index_BpxLxL, axis=0), "bqhd,bqkd->bhqk")
+  return rel_to_abs(jnp.einsum("bqhd,rd->bhqr", q_BxLxHxK, w_DxK), index_BpxLxL)
+
+
+def key_term(k_BxLxHxK, w_DxK, index_BpxLxL, impl: str):
+  """``[B, H, L, L]``: ``w_{r(i,j)} · k_j`` (Method 4's key side), as :func:`query_term`."""
+  b, _, h, d = k_BxLxHxK.shape
+  if choose_impl(impl, b * h, d, index_BpxLxL) == "table":
+    return contract_table(k_BxLxHxK, jnp.take(w_DxK, index_BpxLxL, axis=0), "bkhd,bqkd->bhqk")
+  index_BpxLxL_T = index_BpxLxL.swapaxes(-1, -2)
+  return rel_to_abs(jnp.einsum("bkhd,rd->bhkr", k_BxLxHxK, w_DxK), index_BpxLxL_T).swapaxes(-1, -2)
+
+
+def untie_cls(corr_BxHxLxL, is_cls_BxL, theta_row_H, theta_col_H):
+  """TUPE's [CLS] untying: [CLS] column := θ2, then [CLS] row := θ1 (so [CLS]->[CLS] is θ1), so the [CLS]
+  token's positional correlation is learned apart from the others'. θ may be ``[B, H]`` or ``[H]``."""
+  theta_row_BxHx1x1 = jnp.broadcast_to(theta_row_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
+  theta_col_BxHx1x1 = jnp.broadcast_to(theta_col_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
+  corr_BxHxLxL = jnp.where(is_cls_BxL[:, None, None, :], theta_col_BxHx1x1, corr_BxHxLxL)
+  return jnp.where(is_cls_BxL[:, None, :, None], theta_row_BxHx1x1, corr_BxHxLxL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The terms (what a kernel call is given).
 
 
 @flax.struct.dataclass
@@ -48,20 +169,18 @@ class Buckets:
   cls_row: int | None = flax.struct.field(pytree_node=False, default=None)
   cls_col: int | None = flax.struct.field(pytree_node=False, default=None)
 
-  def entries(self, rel, is_cls_i, is_cls_j):
-    """Table entry of each pair; ``rel`` ``[..., Q, K]``, the [CLS] flags of the query and the key, each
-    broadcastable to it (``[..., Q, 1]``, ``[..., 1, K]``)."""
+  def entries(self, rel_S, is_cls_i_S, is_cls_j_S):
+    """Table entry of each pair; ``rel`` ``[..., Q, T]``, the [CLS] flags of the query and the key, each
+    broadcastable to it (``[..., Q, 1]``, ``[..., 1, T]``)."""
     if self.kind == "buckets":
-      from posjax.positions import t5 as t5_lib  # imported here: position methods import this module
-
-      index = t5_lib.bucket(rel, self.num_buckets, self.max_distance, self.bidirectional)
+      index_S = bucket(rel_S, self.num_buckets, self.max_distance, self.bidirectional)
     else:
-      index = jnp.clip(rel, -self.max_distance, self.max_distance) + self.max_distance
+      index_S = clipped_index(rel_S, self.max_distance)
     if self.cls_col is not None:
-      index = jnp.where(is_cls_j, self.cls_col, index)
+      index_S = jnp.where(is_cls_j_S, self.cls_col, index_S)
     if self.cls_row is not None:
-      index = jnp.where(is_cls_i, self.cls_row, index)
-    return index
+      index_S = jnp.where(is_cls_i_S, self.cls_row, index_S)
+    return index_S
 
 
 @flax.struct.dataclass
@@ -88,8 +207,9 @@ class Relative:
   key: bool = flax.struct.field(pytree_node=False, default=False)
   window: bool | None = flax.struct.field(pytree_node=False, default=None)
 
-  def entries(self, rel):
-    return jnp.clip(rel, -self.max_distance, self.max_distance) + self.max_distance
+  def entries(self, rel_S):
+    """Table row of each pair's distance (:func:`clipped_index`)."""
+    return clipped_index(rel_S, self.max_distance)
 
 
 @flax.struct.dataclass
@@ -124,9 +244,7 @@ class Terms:
       if b.table.ndim != 2 or b.table.shape[1] != num_heads:
         raise ValueError(f"bucket table has shape {b.table.shape}; expected (entries, {num_heads})")
       if b.kind == "buckets":
-        from posjax.positions import t5 as t5_lib
-
-        t5_lib.T5Options(b.num_buckets, b.max_distance, b.bidirectional)  # its errors name the bad option
+        check_buckets(b.num_buckets, b.max_distance, b.bidirectional)  # its errors name the bad option
       elif b.max_distance < 1:
         raise ValueError(f"Buckets.max_distance={b.max_distance} must be >= 1 with kind='clip'")
       for name in ("cls_row", "cls_col"):
@@ -158,7 +276,6 @@ class Terms:
                            f"{head_dim})")
       if u.reset != "none" and (u.theta is None or u.theta.shape != (2, num_heads)):
         raise ValueError(f"Untied.theta must have shape (2, {num_heads}) with reset={u.reset!r}")
-
 
 
 def merge(*parts: Terms | None) -> Terms:

@@ -107,6 +107,21 @@ class BertConfig:
     """BERT-Large: 24 layers, 1024 wide, 16 heads, FFN 4096."""
     return cls(**{**dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096), **overrides})
 
+  @classmethod
+  def from_config(cls, model: Mapping[str, Any], vocab_size: int, max_len: int) -> "BertConfig":
+    """A run's ``config.model`` (a ConfigDict or dict) as a BertConfig; ``vocab_size=0`` / ``max_len=0`` take the
+    tokenizer's / the data's. An unknown field, or a vocabulary size other than the tokenizer's, is an error."""
+    values = dict(model.to_dict() if hasattr(model, "to_dict") else model)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+      raise ValueError(f"config.model has unknown field(s) {unknown}; BertConfig fields: {sorted(fields)}")
+    values["vocab_size"] = values.get("vocab_size") or vocab_size
+    values["max_len"] = values.get("max_len") or max_len
+    if values["vocab_size"] != vocab_size:
+      raise ValueError(f"model.vocab_size={values['vocab_size']} but the tokenizer has {vocab_size} pieces")
+    return cls(**values)
+
 
 @flax.struct.dataclass
 class EncoderOutput:
@@ -125,6 +140,8 @@ def _layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
 
 
 class EncoderLayer(nn.Module):
+  """One Transformer layer: self-attention with the position method's terms, then the MLP, each a residual
+  branch with dropout and a LayerNorm after it (``norm="post"``) or before it (``"pre"``)."""
   config: BertConfig
 
   @nn.compact

@@ -28,6 +28,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+# The relative formulas several methods share live with the kernels' terms (which compute them too); re-exported.
+from posjax.kernels.terms import dot_heads, relative_positions  # noqa: F401
+
 Array = jax.Array
 Initializer = Callable[..., Array]
 
@@ -111,6 +114,7 @@ _ALIASES: dict[str, str] = {}
 
 
 def register(method: Method, *aliases: str) -> Method:
+  """Adds ``method`` (and its aliases) to the registry; a name registered twice is an error."""
   for name in (method.name, *aliases):
     if name in _REGISTRY or name in _ALIASES:
       raise ValueError(f"position method {name!r} is registered twice")
@@ -158,14 +162,17 @@ class PositionSpec:
 
   @property
   def name(self) -> str:
+    """The method's registry name."""
     return self.method.name
 
   @property
   def hidden_size(self) -> int:
+    """The model width ``H·K``."""
     return self.num_heads * self.head_dim
 
   @property
   def fusable(self) -> bool:
+    """Whether a fused kernel can compute the method with these options."""
     return self.method.fusable(self.options)
 
   @property
@@ -195,6 +202,7 @@ def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int,
 
 
 def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
+  """Raises, naming the allowed values, unless ``value`` is one of them (an option's validation)."""
   if value not in allowed:
     raise ValueError(f"option {field}={value!r} is not allowed; choose one of {list(allowed)}")
 
@@ -204,14 +212,17 @@ def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
 
 
 def normal_init(axes: tuple[str, ...], stddev: float = 0.02) -> Initializer:
+  """N(0, stddev) with logical axis names (BERT's initialisation; the names let sharding rules place it)."""
   return nn.with_logical_partitioning(nn.initializers.normal(stddev), axes)
 
 
 def ones_init(axes: tuple[str, ...]) -> Initializer:
+  """Ones with logical axis names."""
   return nn.with_logical_partitioning(nn.initializers.ones_init(), axes)
 
 
 def zeros_init(axes: tuple[str, ...]) -> Initializer:
+  """Zeros with logical axis names."""
   return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
 
 
@@ -223,22 +234,12 @@ def head_projection(spec: PositionSpec, name: str, use_bias: bool) -> nn.DenseGe
 
 
 def layer_norm(spec: PositionSpec, name: str, eps: float = 1e-5) -> nn.LayerNorm:
+  """A LayerNorm over the model width with logical axes (TUPE's and BERT-A^d's on the position embeddings)."""
   return nn.LayerNorm(epsilon=eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
                       scale_init=ones_init((EMBED,)), bias_init=zeros_init((EMBED,)), name=name)
-
-
-def relative_positions(positions_BxL: Array) -> Array:
-  """``rel[b, i, j] = positions[b, j] - positions[b, i]`` (key minus query), ``[B, L, L]`` int32."""
-  positions_BxL = positions_BxL.astype(jnp.int32)
-  return positions_BxL[:, None, :] - positions_BxL[:, :, None]
 
 
 def lookup(table_NxD: Array, index: Array) -> Array:
   """Rows of a learned table; an index outside it (negative included) yields NaN, never a clamped row."""
   index = jnp.where(index < 0, table_NxD.shape[0], index)
   return jnp.take(table_NxD, index, axis=0, mode="fill", fill_value=jnp.nan)
-
-
-def dot_heads(a_BxQxHxK: Array, b_BxKxHxK: Array) -> Array:
-  """``[B|1, Q, H, K] x [B|1, L, H, K] -> [B|1, H, Q, L]``."""
-  return jnp.einsum("bqhd,bkhd->bhqk", a_BxQxHxK, b_BxKxHxK)

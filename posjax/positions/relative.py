@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from posjax import kernels
+# The vector terms the kernels' dense reference computes too live with the kernels' terms; re-exported here.
+from posjax.kernels.terms import choose_impl, clipped_index, contract_table, key_term, query_term  # noqa: F401
 from posjax.positions import base
 
 
@@ -75,13 +77,9 @@ class ShawOptions(VectorOptions):
 
 
 def max_distance(spec: base.PositionSpec) -> int:
+  """k, the clipping distance: the option, or ``max_len - 1`` (no clipping within the model's length)."""
   k = spec.options.max_distance
   return spec.max_len - 1 if k is None else k
-
-
-def clipped_index(rel_BxLxL, k: int):
-  """Row of ``r = clip(j - i, -k, k)`` in a ``[2k+1, ..]`` table."""
-  return jnp.clip(rel_BxLxL, -k, k) + k
 
 
 def _vector(k, spec):
@@ -101,52 +99,15 @@ TABLES: dict[str, Callable[[base.PositionSpec, int], dict]] = {
 
 
 def make_tables(module: nn.Module, spec: base.PositionSpec) -> dict[str, jax.Array]:
+  """The method's learned tables (:data:`TABLES`) as parameters of ``module``, cast to the compute dtype."""
   k = max_distance(spec)
   return {name: module.param(name, init, shape, spec.param_dtype).astype(spec.dtype)
           for name, (shape, init) in TABLES[spec.name](spec, k).items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The vector terms: Σ_d x_{b,i,h,d} · w_{r(b,i,j), d} for x = q (query side) or x = k (key side).
-
-
-def choose_impl(impl: str, batch_heads: int, head_dim: int, index_BpxLxL) -> str:
-  """``table`` unless the ``[B, H, L, 2k+1]`` skew intermediate is smaller than the ``[Bp, L, L, d_h]`` table."""
-  if impl != "auto":
-    return impl
-  bp, l, _ = index_BpxLxL.shape
-  return "table" if bp * l * head_dim <= batch_heads * (2 * l - 1) else "skew"
-
-
-def _contract_table(x_BxLxHxK, a_BpxLxLxK, spec_in: str):
-  """``einsum(spec_in)`` with a table whose batch may be 1 (then it is shared by the whole batch)."""
-  if a_BpxLxLxK.shape[0] == 1:
-    return jnp.einsum(spec_in.replace(",bqk", ",qk"), x_BxLxHxK, a_BpxLxLxK[0])
-  return jnp.einsum(spec_in, x_BxLxHxK, a_BpxLxLxK)
-
-
-def _rel_to_abs(x_BxHxLxR, index_BpxLxL):
-  """``out[b, h, i, j] = x[b, h, i, index[b, i, j]]``: relative-distance columns to key positions."""
-  b, h, l, _ = x_BxHxLxR.shape
-  index = jnp.broadcast_to(index_BpxLxL[:, None], (b, h, l, index_BpxLxL.shape[-1]))
-  return jnp.take_along_axis(x_BxHxLxR, index, axis=-1)
-
-
-def query_term(q_BxLxHxK, w_RxK, index_BpxLxL, impl: str):
-  """``[B, H, L, L]``: ``q_i · w_{r(i,j)}``."""
-  b, _, h, d = q_BxLxHxK.shape
-  if choose_impl(impl, b * h, d, index_BpxLxL) == "table":
-    return _contract_table(q_BxLxHxK, jnp.take(w_RxK, index_BpxLxL, axis=0), "bqhd,bqkd->bhqk")
-  return _rel_to_abs(jnp.einsum("bqhd,rd->bhqr", q_BxLxHxK, w_RxK), index_BpxLxL)
-
-
-def key_term(k_BxLxHxK, w_RxK, index_BpxLxL, impl: str):
-  """``[B, H, L, L]``: ``w_{r(i,j)} · k_j``."""
-  b, _, h, d = k_BxLxHxK.shape
-  if choose_impl(impl, b * h, d, index_BpxLxL) == "table":
-    return _contract_table(k_BxLxHxK, jnp.take(w_RxK, index_BpxLxL, axis=0), "bkhd,bqkd->bhqk")
-  index_T = index_BpxLxL.swapaxes(-1, -2)
-  return _rel_to_abs(jnp.einsum("bkhd,rd->bhkr", k_BxLxHxK, w_RxK), index_T).swapaxes(-1, -2)
+# The vector terms: Σ_d x_{b,i,h,d} · w_{r(b,i,j), d} for x = q (query side) or x = k (key side):
+# query_term and key_term (with choose_impl) are posjax.kernels.terms'; the value term is Shaw's alone.
 
 
 def value_term(weights_BxHxLxL, w_RxK, index_BpxLxL, impl: str):
@@ -154,7 +115,7 @@ def value_term(weights_BxHxLxL, w_RxK, index_BpxLxL, impl: str):
   b, h, l, _ = weights_BxHxLxL.shape
   w_RxK = w_RxK.astype(weights_BxHxLxL.dtype)
   if choose_impl(impl, b * h, w_RxK.shape[-1], index_BpxLxL) == "table":
-    return _contract_table(weights_BxHxLxL, jnp.take(w_RxK, index_BpxLxL, axis=0), "bhqk,bqkd->bqhd")
+    return contract_table(weights_BxHxLxL, jnp.take(w_RxK, index_BpxLxL, axis=0), "bhqk,bqkd->bqhd")
   index = jnp.broadcast_to(index_BpxLxL[:, None], weights_BxHxLxL.shape)
   bi, hi, qi, _ = jnp.indices(weights_BxHxLxL.shape, sparse=True)
   per_distance = jnp.zeros((b, h, l, w_RxK.shape[0]), weights_BxHxLxL.dtype)
@@ -188,6 +149,7 @@ def _per_head(table_RxH, index_BpxLxL):
 
 
 def shaw(spec, q, k, rel, tables, scale):
+  """Shaw et al.: the ``q_i·w_r`` bias (and optionally the value term); fusable without the value term."""
   kk, impl = max_distance(spec), spec.options.impl
   index = clipped_index(rel, kk)
   value_fn = None
@@ -198,21 +160,25 @@ def shaw(spec, q, k, rel, tables, scale):
 
 
 def huang_m1(spec, q, k, rel, tables, scale):
+  """Method 1: ``(q·k) · w_{|r|, h}`` replaces the logits (multiplicative: not fusable)."""
   index = jnp.minimum(jnp.abs(rel), max_distance(spec))
   return base.LayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
 
 
 def huang_m2(spec, q, k, rel, tables, scale):
+  """Method 2: ``(q·k) · w_{r, h}`` replaces the logits (multiplicative: not fusable)."""
   index = clipped_index(rel, max_distance(spec))
   return base.LayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
 
 
 def huang_m3(spec, q, k, rel, tables, scale):
+  """Method 3: ``Σ_l q_l k_l (w_r)_l`` replaces the logits (not fusable)."""
   a = jnp.take(tables["vector"], clipped_index(rel, max_distance(spec)), axis=0)
   return base.LayerTerms(q, k, logits=scale * triple_product(q, k, a))
 
 
 def huang_m4(spec, q, k, rel, tables, scale):
+  """Method 4: ``q·w_r + w_r·k`` added to the content logits (and as the kernels' :class:`Relative`)."""
   index, impl = clipped_index(rel, max_distance(spec)), spec.options.impl
   term = query_term(q, tables["key"], index, impl) + key_term(k, tables["key"], index, impl)
   relative = kernels.Relative(tables["key"], max_distance(spec), query=True, key=True)
@@ -236,6 +202,8 @@ class RelativeDistances(nn.Module):
 
 
 class RelativeLayer(nn.Module):
+  """Per-layer part: the method's terms from this layer's q, k and its (or the shared) tables."""
+
   spec: base.PositionSpec
 
   @nn.compact

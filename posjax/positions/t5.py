@@ -8,31 +8,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from posjax import kernels
+from posjax.kernels.terms import bucket, check_buckets  # the formula (T5's log buckets) lives with the kernels
 from posjax.positions import absolute, base
-
-
-def bucket(rel, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
-  """T5's log-spaced bucket of the relative distance ``rel = j - i`` (key minus query).
-
-  Bidirectional with 32 buckets: half the buckets per direction, distances below 8 get a bucket of their
-  own, 8..127 share log-spaced buckets, everything at or past ``max_distance`` the last one; keys after
-  the query (``j > i``) add ``num_buckets // 2``. Unidirectional: keys after the query all get bucket 0.
-  """
-  rel = jnp.asarray(rel, jnp.int32)
-  n = -rel
-  ret = jnp.zeros_like(rel)
-  if bidirectional:
-    num_buckets //= 2
-    ret = ret + (n < 0).astype(jnp.int32) * num_buckets
-    n = jnp.abs(n)
-  else:
-    n = jnp.maximum(n, 0)
-  max_exact = num_buckets // 2
-  large = max_exact + (
-      jnp.log(jnp.maximum(n, 1).astype(jnp.float32) / max_exact) / jnp.log(max_distance / max_exact)
-      * (num_buckets - max_exact)).astype(jnp.int32)
-  large = jnp.minimum(large, num_buckets - 1)
-  return ret + jnp.where(n < max_exact, n, large)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +24,7 @@ class T5Options:
   bidirectional: bool = True
 
   def __post_init__(self):
-    if self.num_buckets < 4 or (self.bidirectional and self.num_buckets % 2):
-      raise ValueError(f"num_buckets={self.num_buckets} must be >= 4 (and even when bidirectional)")
-    exact = self.num_buckets // (4 if self.bidirectional else 2)
-    if self.max_distance <= exact:
-      raise ValueError(f"max_distance={self.max_distance} must exceed the {exact} exact buckets")
+    check_buckets(self.num_buckets, self.max_distance, self.bidirectional)
 
 
 class BucketBias(nn.Module):
@@ -63,6 +36,7 @@ class BucketBias(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   def setup(self):
+    """The ``[rows, H]`` table parameter (``rel_bias``)."""
     self.table = self.param("rel_bias", base.normal_init((base.BUCKETS, base.HEADS)),
                             (self.num_rows, self.num_heads), self.param_dtype)
 
@@ -83,6 +57,8 @@ def t5_bias(spec: base.PositionSpec, positions_BxL, name: str = "relative_bias")
 
 
 class T5Bias(nn.Module):
+  """T5: one bucketed relative bias table shared by all layers (encoder-level)."""
+
   spec: base.PositionSpec
 
   @nn.compact

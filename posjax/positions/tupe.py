@@ -32,6 +32,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from posjax import kernels
+from posjax.kernels.terms import untie_cls  # the [CLS] reset lives with the kernels, which compute it too
 from posjax.positions import absolute, base, t5
 
 
@@ -84,14 +85,6 @@ def relative_index(options: TupeROptions, rel_BxLxL):
   if options.relative_distance == "buckets":
     return t5.bucket(rel_BxLxL, options.num_buckets, options.max_distance, bidirectional=True)
   return jnp.clip(rel_BxLxL, -options.max_distance, options.max_distance) + options.max_distance
-
-
-def untie_cls(corr_BxHxLxL, is_cls_BxL, theta_row_H, theta_col_H):
-  """[CLS] column := θ2, then [CLS] row := θ1 (so [CLS]->[CLS] is θ1). θ may be ``[B, H]`` or ``[H]``."""
-  theta_row = jnp.broadcast_to(theta_row_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
-  theta_col = jnp.broadcast_to(theta_col_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
-  corr = jnp.where(is_cls_BxL[:, None, None, :], theta_col, corr_BxHxLxL)
-  return jnp.where(is_cls_BxL[:, None, :, None], theta_row, corr)
 
 
 class UntiedCorrelation(nn.Module):
@@ -186,6 +179,8 @@ class BertAdOptions:
 
 
 class BertAdTable(nn.Module):
+  """BERT-A^d's encoder-level part: the learned position table (optionally LayerNorm-ed), read by every layer."""
+
   spec: base.PositionSpec
 
   @nn.compact

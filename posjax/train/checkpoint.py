@@ -34,6 +34,8 @@ def _handlers() -> dict:
 
 
 class Checkpointer:
+  """A run's checkpoint directory (see the module docstring): saves a step's train state with its input
+  position, keeps the latest ``keep`` and every step of ``keep_steps``, and restores the newest readable one."""
 
   def __init__(self, directory: str, *, keep: int = 3, keep_steps: Sequence[int] = (), async_save: bool = True):
     policies = [checkpoint_managers.LatestN(keep)]
@@ -218,3 +220,12 @@ def merge_params(fresh: Any, loaded: dict) -> tuple[Any, list[str], list[str]]:
       kept_fresh.append(path)
   unused = sorted(set(loaded_flat) - {p for p in fresh_flat if p not in kept_fresh})
   return flax.traverse_util.unflatten_dict(merged, sep="/"), kept_fresh, unused
+
+
+def warm_start(params, init_from: str):
+  """``params`` with every parameter ``init_from``'s latest checkpoint has at the same path and shape; the rest
+  stay fresh, and the log names what was created and what was dropped."""
+  merged, fresh, unused = merge_params(params, load_params(init_from))
+  logging.warning("warm start from %s: %d parameters loaded; created (fresh): %s; dropped: %s", init_from,
+                  len(jax.tree.leaves(merged)) - len(fresh), fresh, unused)
+  return merged

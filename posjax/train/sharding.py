@@ -32,6 +32,8 @@ RULES = (
 
 
 def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
+  """The ``MESH_AXES`` sizes for ``num_devices``: a missing axis is 1 and a -1 takes what the others leave;
+  sizes that do not use every device are an error."""
   shape = [int(sizes.get(axis, 1)) for axis in MESH_AXES]
   if shape.count(-1) > 1:
     raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, shape))}")
@@ -46,6 +48,7 @@ def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+  """The device mesh of ``sizes`` (see :func:`mesh_shape`) over ``devices`` (default: all of them)."""
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(sizes, len(devices))
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
@@ -57,10 +60,12 @@ def logical_shardings(abstract_tree, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Arrays split on their first (batch) axis over the ``data`` and ``fsdp`` mesh axes."""
   return NamedSharding(mesh, P(BATCH))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+  """A whole copy on every device of the mesh: for a step's rng and metrics, and predictions every process reads."""
   return NamedSharding(mesh, P())
 
 

@@ -3,7 +3,7 @@
 :func:`expand` turns into runs with dependencies, and the report protocol that turns their results into the
 table (median over seeds per learning rate, best learning rate per task).
 
-A table config (``configs/tupe/table1.py``, ``configs/huang2020/table1.py``, ...) is a ConfigDict with
+A table config (``configs/papers/tupe/table1.py``, ``configs/papers/huang2020/table1.py``, ...) is a ConfigDict with
 ``job = "table"`` and:
 
 - ``pretrain``: ``{config, options, overrides}``, the pre-training config file every row starts from
@@ -21,7 +21,6 @@ A table config (``configs/tupe/table1.py``, ``configs/huang2020/table1.py``, ...
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -33,9 +32,10 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from posjax import config_args
 from posjax import results as results_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = config_args.ROOT
 UNSUPPORTED = results_lib.UNSUPPORTED
 
 
@@ -66,6 +66,7 @@ class Run:
 
 
 def format_value(value: Any) -> str:
+  """A value as ``--config.<field>=`` reads it back (tuples in parentheses)."""
   if isinstance(value, bool):
     return str(value)
   if isinstance(value, (tuple, list)):
@@ -76,31 +77,6 @@ def format_value(value: Any) -> str:
 def slug(text: str) -> str:
   """A directory name from a paper's row name: ``TUPE-A (mid)`` -> ``TUPE-A_mid``, ``BERT-A^d`` -> ``BERT-A^d``."""
   return re.sub(r"[^A-Za-z0-9^.+=-]+", "_", text).strip("_")
-
-
-def load_config(spec: str) -> ml_collections.ConfigDict:
-  """``path/to/config.py[:options]`` -> ``get_config(options)``, as ``--config`` loads it."""
-  path, _, options = spec.partition(":")
-  full = path if os.path.isabs(path) else os.path.join(ROOT, path)
-  if not os.path.isfile(full):
-    raise FileNotFoundError(f"config file {path} does not exist")
-  module_spec = importlib.util.spec_from_file_location(f"posjax_config_{slug(path)}", full)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(options or None)
-
-
-def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
-  """``config`` with dotted fields set (as ``--config.a.b=value``); an unknown field is an error."""
-  for key, value in overrides.items():
-    target = config
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      target = target[parent]
-    if leaf not in target:
-      raise ValueError(f"unknown config field {key!r} (in an override or --grid)")
-    target[leaf] = value
-  return config
 
 
 def _options(*parts: str) -> str:
@@ -169,19 +145,19 @@ def add_grid(runs: list[Run], grid: dict[str, list]) -> list[Run]:
 
 
 def write_manifest(runs: list[Run], root: str, source: str) -> str:
+  """``root/manifest.json``: the table config and every run with its command; returns its path."""
   os.makedirs(root, exist_ok=True)
   path = os.path.join(root, "manifest.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump({"config": source, "runs": [dataclasses.asdict(r) | {"command": r.command()} for r in runs]}, f,
-              indent=1)
-  os.replace(path + ".tmp", path)
+  results_lib.write_json(path, {"config": source, "runs": [dataclasses.asdict(r) | {"command": r.command()}
+                                                           for r in runs]}, sort_keys=False)
   return path
 
 
 def read_manifest(root: str) -> tuple[str, list[Run]]:
+  """The table config and the runs that ``root/manifest.json`` lists."""
   path = os.path.join(root, "manifest.json")
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"{root} has no manifest.json (python -m posjax.sweep writes it)")
+    raise FileNotFoundError(f"{root} has no manifest.json (python -m posjax.experiments.sweep writes it)")
   with open(path) as f:
     manifest = json.load(f)
   fields = {f.name for f in dataclasses.fields(Run)}
@@ -189,7 +165,9 @@ def read_manifest(root: str) -> tuple[str, list[Run]]:
 
 
 def build(run: Run) -> ml_collections.ConfigDict:
-  return apply_overrides(load_config(f"{run.config}:{run.options}" if run.options else run.config), run.overrides)
+  """The run's full config: its config file with its options, then its overrides."""
+  return config_args.apply_overrides(config_args.load_config(f"{run.config}:{run.options}" if run.options else run.config),
+                                     run.overrides)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -197,6 +175,7 @@ def build(run: Run) -> ml_collections.ConfigDict:
 
 
 def results(run: Run) -> dict | None:
+  """The run's ``results.json``; None while it has not finished."""
   return results_lib.read_json(os.path.join(run.workdir, "results.json"))
 
 
@@ -306,6 +285,7 @@ def grid_arms(runs: list[Run], row: str) -> list[str]:
 
 
 def row_order(table) -> list[str]:
+  """The rows in the paper's order (``row_order``, else as the config holds them)."""
   return [row for row in table.get("row_order", ()) if row in table.rows] or list(table.rows)
 
 

@@ -2,7 +2,7 @@
 parameters it adds to BERT-Base, whether a fused kernel can run it, whether its outputs are invariant to
 shifting a sequence behind padding, and whether it runs at twice the trained max_len.
 
-  python experiments/methods.py [--out=FILE.md]
+  python benchmarks/methods.py [--out=FILE.md]
 """
 
 from __future__ import annotations

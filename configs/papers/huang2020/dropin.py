@@ -3,7 +3,7 @@
 
 Start from a Hugging Face checkpoint converted to a posjax run (whole-word-masking BERT-Large, uncased):
   python -m posjax.convert hf-to-posjax --from bert-large-uncased-whole-word-masking --workdir $CONVERTED
-  python -m posjax.main --config=configs/huang2020/dropin.py:init=$CONVERTED --workdir $DROPIN \\
+  python -m posjax.main --config=configs/papers/huang2020/dropin.py:init=$CONVERTED --workdir $DROPIN \\
       --config.data.tfds_name=wikipedia/20190301.en
   python -m posjax.main --config=configs/finetune/squad.py --workdir $SQUAD --config.init=$DROPIN
 The warm start loads every parameter but the absolute position table (dropped) and creates the relative
@@ -16,21 +16,15 @@ corpus; ``init`` must then be a converted model of that tiny architecture, as th
 
 import os
 
-from posjax.config_args import parse_arg
+from posjax.config_args import load_config, parse_arg
 
 
 def get_config(arg=None):
-  import importlib.util
-
   arg = parse_arg(arg, init="", size="large", runlocal=False)
   if not arg.init:
-    raise ValueError("configs/huang2020/dropin.py needs init=DIR: a converted absolute-position BERT "
+    raise ValueError("configs/papers/huang2020/dropin.py needs init=DIR: a converted absolute-position BERT "
                      "(python -m posjax.convert hf-to-posjax --from HF_DIR --workdir DIR)")
-  spec = importlib.util.spec_from_file_location(
-      "pretrain", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain.py"))
-  pretrain = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(pretrain)
-  config = pretrain.get_config(f"position=huang_m4,size={arg.size}" + (",runlocal" if arg.runlocal else ""))
+  config = load_config(f"configs/pretrain.py:position=huang_m4,size={arg.size}" + (",runlocal" if arg.runlocal else ""))
   config.init_from = arg.init
   if not arg.runlocal:  # runlocal keeps the built-in vocabulary, which its converted tiny model must use
     config.data.vocab_file = os.path.join(arg.init, "vocab.txt")

@@ -1,5 +1,5 @@
-"""Building blocks of the paper-table configs (``configs/tupe/``, ``configs/huang2020/``): see
-:mod:`posjax.experiments` for what a table config holds."""
+"""Building blocks of the paper-table configs (``configs/papers/tupe/``, ``configs/papers/huang2020/``): see
+:mod:`posjax.experiments.protocol` for what a table config holds."""
 
 from __future__ import annotations
 

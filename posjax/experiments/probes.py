@@ -1,12 +1,8 @@
-"""Position probes: tiny encoders, one per position method, on synthetic tasks where position is the whole
-difficulty; trained at one length and evaluated at 1×, 2× and 4× that length (Huang et al.'s inductive
-question: which methods work on sequences longer than seen in training).
-
-Every sequence is ``[CLS]`` followed by random symbols; the model labels every token:
-
-- ``copy_left``: the symbol ``shift`` places to the left (a purely relative task);
-- ``reverse``: the symbol at the mirrored place of the sequence (needs to know where the sequence ends);
-- ``index``: the symbol at absolute index ``index`` (a purely absolute task).
+"""The position probes of ``make demo``: one tiny encoder per position method and probe task
+(:mod:`posjax.tasks.probe`: copy the symbol to the left, reverse, copy an absolute index), each trained by the
+training loop at one length and evaluated at 1×, 2× and 4× that length (Huang et al.'s inductive question: which
+methods work on sequences longer than seen in training). ``run(config, workdir, train)`` takes the loop as
+``train(config, workdir)`` (:mod:`posjax.main` composes it).
 
 A method with a learned table of positions cannot encode the longer sequences: its cells say
 ``unsupported`` instead of clamping. Results go to ``results.md`` / ``results.json`` in the workdir, with
@@ -21,145 +17,21 @@ import json
 import os
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import ml_collections
-import optax
 
 from posjax import config_args
 from posjax import results as results_lib
 from posjax.config_args import NON_NEGATIVE, POSITIVE, at_least
-from posjax.data import features
-from posjax.models import BertConfig, BertEncoder
-from posjax.train import tasks
-
-TASKS = ("copy_left", "reverse", "index")
-UNSUPPORTED = results_lib.UNSUPPORTED
+from posjax.experiments import plots
+from posjax.tasks import probe as probe_task
+from posjax.train import validate as run_checks
 
 
-def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, shift: int, index: int):
-  """``(input_ids, labels, weights)``, each ``[batch, length]``; id ``symbols`` is [CLS]."""
-  x = rng.integers(0, symbols, size=(batch, length))
-  x[:, 0] = symbols
-  positions = np.arange(length)
-  labels = np.zeros_like(x)
-  weights = np.zeros(x.shape, np.float32)
-  if task == "copy_left":
-    labels[:, shift + 1:] = x[:, 1:length - shift]
-    weights[:, shift + 1:] = 1
-  elif task == "reverse":
-    labels[:, 1:] = x[:, length - positions[1:]]
-    weights[:, 1:] = 1
-  elif task == "index":
-    labels[:, 1:] = x[:, [index]]
-    weights[:, 1:] = 1
-    weights[:, index] = 0
-  else:
-    raise ValueError(f"unknown probe task {task!r}; allowed: {list(TASKS)}")
-  return x.astype(np.int32), labels.astype(np.int32), weights
 
-
-class Probe(nn.Module):
-  config: BertConfig
-  symbols: int
-
-  @nn.compact
-  def __call__(self, input_ids):
-    h = BertEncoder(self.config, name="encoder")(input_ids).last_hidden_state
-    return nn.Dense(self.symbols, name="classifier")(h).astype(jnp.float32)
-
-
-def model_config(config, method: str) -> BertConfig:
-  return BertConfig(vocab_size=config.symbols + 1, max_len=config.train_len, type_vocab_size=0, position=method,
-                    dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
-
-
-class ProbeBatches:
-  """Endless training batches of one probe task; batch ``n`` is drawn from ``[seed, task, n]`` whole and each
-  process takes its rows, so the batches depend on the seed alone and restoring costs nothing."""
-
-  def __init__(self, probe, *, seed: int, global_batch: int, length: int):
-    self.probe, self.seed, self.global_batch, self.length = probe, seed, global_batch, length
-    self.drawn = 0
-    self._rows = features.process_rows(global_batch)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    rng = np.random.default_rng([self.seed, TASKS.index(self.probe.task), self.drawn])
-    self.drawn += 1
-    return _rows(draw(self.probe, rng, self.global_batch, self.length), self._rows)
-
-  def state(self) -> dict:
-    return {"batches_drawn": self.drawn}
-
-  def restore(self, state: dict) -> None:
-    self.drawn = int(state["batches_drawn"])
-
-
-def draw(probe, rng: np.random.Generator, batch: int, length: int) -> dict:
-  x, y, w = make_batch(probe.task, rng, batch, length, symbols=probe.symbols, shift=probe.shift, index=probe.index)
-  return {"input_ids": x, "labels": y, "weights": w}
-
-
-def _rows(batch: dict, rows: slice) -> dict:
-  return {k: v[rows] for k, v in batch.items()}
-
-
-def task(config, local_batch: int) -> tasks.Task:
-  """One (method, task) probe for the training loop (``config.task = "probe"``, ``config.probe``: method, task,
-  symbols, shift, index, eval_multiples); evaluators of kind ``probe`` report token accuracy at each multiple
-  of the training length as ``<name>@<length>`` (``unsupported`` beyond a learned table)."""
-  del local_batch
-  probe = config.probe
-  if probe.task not in TASKS:
-    raise ValueError(f"unknown probe task {probe.task!r}; allowed: {list(TASKS)}")
-  settings = ml_collections.ConfigDict(dict(symbols=probe.symbols, train_len=config.max_len, model=config.model))
-  bert = model_config(settings, probe.method)
-  model = Probe(bert, probe.symbols)
-
-  def token_sums(params, batch):
-    logits = model.apply({"params": params}, batch["input_ids"])
-    weights = batch["weights"]
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-    correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
-    return {"loss": jnp.sum(losses * weights, -1), "correct": jnp.sum(correct * weights, -1),
-            "weight": jnp.sum(weights, -1)}
-
-  def loss_fn(params, batch, rng):
-    del rng  # no dropout
-    rows = token_sums(params, batch)
-    return jnp.sum(rows["loss"]), {"correct": jnp.sum(rows["correct"]), "weight": jnp.sum(rows["weight"])}
-
-  eval_batch = config.get("eval_batch_size") or config.batch_size
-  evaluators = {}
-  for name in config.evals:
-    for multiple in probe.eval_multiples:
-      length = config.max_len * multiple
-      try:
-        bert.position_spec.check_length(length)
-      except ValueError as error:
-        evaluators[f"{name}@{length}"] = tasks.Evaluator([], token_sums, None, unsupported=str(error),
-                                                         metric_names=("accuracy",))
-        continue
-      batch = draw(probe, np.random.default_rng([config.seed, 99, multiple]), eval_batch, length)
-      evaluators[f"{name}@{length}"] = tasks.Evaluator([_rows(batch, features.process_rows(eval_batch))],
-                                                       token_sums, tasks.summed_metrics)
-  batches = ProbeBatches(probe, seed=config.seed, global_batch=config.batch_size, length=config.max_len)
-  return tasks.Task(f"probe/{probe.task}", model, bert, {"input_ids": jnp.zeros((1, config.max_len), jnp.int32)},
-                    loss_fn, batches, evaluators, info={"position": bert.position})
-
-
-def _loop():
-  """The training loop (imported on use: its task registry imports this module)."""
-  from posjax.train import loop
-  return loop
-
-
-def run_config(config, method: str, probe_task: str) -> ml_collections.ConfigDict:
+def run_config(config, method: str, task: str) -> ml_collections.ConfigDict:
   """The training-loop config of one (method, task) probe."""
   return ml_collections.ConfigDict(dict(
       task="probe", seed=config.seed, total_steps=config.steps, warmup_steps=config.warmup_steps,
@@ -169,15 +41,15 @@ def run_config(config, method: str, probe_task: str) -> ml_collections.ConfigDic
       mesh=dict(data=-1, fsdp=1, tensor=1), log_every_steps=config.steps, eval_every_steps=config.steps,
       checkpoint_every_steps=config.steps, keep_checkpoints=1, keep_steps=(), tensorboard=False,
       profile_start_step=-1, profile_steps=1, progress=False, model=config.model.to_dict(),
-      probe=dict(method=method, task=probe_task, symbols=config.symbols, shift=config.shift, index=config.index,
+      probe=dict(method=method, task=task, symbols=config.symbols, shift=config.shift, index=config.index,
                  eval_multiples=tuple(config.eval_multiples)),
       evals=dict(probe=dict(kind="probe"))))
 
 
-def train_and_evaluate(config, method: str, probe_task: str, workdir: str):
+def train_and_evaluate(config, method: str, task: str, workdir: str, train):
   """``({length: accuracy or "unsupported"}, params)``: one probe trained by the training loop in ``workdir``
   (a killed run resumes there)."""
-  params = _loop().run(run_config(config, method, probe_task), workdir)
+  params = train(run_config(config, method, task), workdir)
   with open(os.path.join(workdir, "results.json")) as f:
     metrics = json.load(f)["metrics"]
   return {config.train_len * m: metrics[f"probe@{config.train_len * m}"]["accuracy"]
@@ -185,6 +57,7 @@ def train_and_evaluate(config, method: str, probe_task: str, workdir: str):
 
 
 def results_table(results: dict, config) -> str:
+  """The probes' markdown table: a row per method, accuracy (%) per task and evaluation length."""
   lengths = [config.train_len * m for m in config.eval_multiples]
   header = "| method | " + " | ".join(f"{t} @{l}" for t in config.tasks for l in lengths) + " |"
   rows = [header, "|" + "---|" * (1 + len(config.tasks) * len(lengths))]
@@ -193,17 +66,9 @@ def results_table(results: dict, config) -> str:
     for task in config.tasks:
       for length in lengths:
         value = results.get(method, {}).get(task, {}).get(str(length))
-        cells.append("—" if value is None else UNSUPPORTED if value == UNSUPPORTED else f"{100 * value:.1f}")
+        cells.append("—" if value is None else results_lib.UNSUPPORTED if value == results_lib.UNSUPPORTED else f"{100 * value:.1f}")
     rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
   return "\n".join(rows)
-
-
-def _pyplot():
-  """matplotlib's pyplot on the file-only Agg backend (imported on first use: it is slow to load)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  return plt
 
 
 # 15 colours that stay apart (tab10 and five more), cycled with 5 markers and 3 line styles.
@@ -214,11 +79,10 @@ COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 def plot_accuracy(results: dict, config, path: str) -> None:
   """Accuracy against evaluation length, one panel per task. Methods that only run at the training length
   (a learned table) are single points, set side by side to its left so that none hides another."""
-  plt = _pyplot()
-
+  plt = plots.pyplot()
   lengths = [config.train_len * m for m in config.eval_multiples]
   fig, axes = plt.subplots(1, len(config.tasks), figsize=(5 * len(config.tasks), 4), squeeze=False)
-  short = [m for m in config.methods if any(UNSUPPORTED in results.get(m, {}).get(t, {}).values()
+  short = [m for m in config.methods if any(results_lib.UNSUPPORTED in results.get(m, {}).get(t, {}).values()
                                             for t in config.tasks)]
   for ax, task in zip(axes[0], config.tasks):
     for i, method in enumerate(config.methods):
@@ -248,22 +112,11 @@ def plot_accuracy(results: dict, config, path: str) -> None:
 
 def plot_tupe_correlation(config, params, path: str) -> None:
   """The learned positional correlation of a TUPE-A probe: one ``[L, L]`` map per head (TUPE's Figure 6)."""
-  plt = _pyplot()
-
-  model = Probe(model_config(config, "tupe_a"), config.symbols)
+  plt = plots.pyplot()
+  model = probe_task.Probe(probe_task.model_config(config, "tupe_a"), config.symbols)
   _, state = model.apply({"params": params}, jnp.zeros((1, config.train_len), jnp.int32), mutable=["intermediates"])
-  bias = np.asarray(state["intermediates"]["encoder"]["position_bias"][0][0])  # [H, L, L]
-  fig, axes = plt.subplots(1, bias.shape[0], figsize=(3 * bias.shape[0], 3), squeeze=False)
-  limit = float(np.abs(bias).max()) or 1.0
-  for h, ax in enumerate(axes[0]):
-    image = ax.imshow(bias[h], cmap="RdBu_r", vmin=-limit, vmax=limit)
-    ticks = range(0, bias.shape[-1], 4)
-    ax.set(title=f"head {h}", xlabel="key position", ylabel="query position" if h == 0 else "", xticks=ticks,
-           yticks=ticks)
-  fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="logit added to attention")
-  fig.suptitle("TUPE-A learned positional correlation")
-  fig.savefig(path, dpi=110, bbox_inches="tight")
-  plt.close(fig)
+  bias_HxLxL = np.asarray(state["intermediates"]["encoder"]["position_bias"][0][0])
+  plots.head_maps(bias_HxLxL, path, "TUPE-A learned positional correlation", panel=(3.0, 3.0), tick_every=4)
 
 
 RANGES = {"steps": POSITIVE, "warmup_steps": NON_NEGATIVE, "learning_rate": NON_NEGATIVE, "batch_size": POSITIVE,
@@ -274,9 +127,9 @@ RANGES = {"steps": POSITIVE, "warmup_steps": NON_NEGATIVE, "learning_rate": NON_
 def validate(config) -> None:
   """Every check that can fail before the workdir is written: ranges, tasks, methods and their models."""
   config_args.check_ranges(config, RANGES)
-  unknown = sorted(set(config.tasks) - set(TASKS))
+  unknown = sorted(set(config.tasks) - set(probe_task.TASKS))
   if unknown:
-    raise ValueError(f"unknown probe task(s) {unknown}; allowed: {list(TASKS)}")
+    raise ValueError(f"unknown probe task(s) {unknown}; allowed: {list(probe_task.TASKS)}")
   if config.warmup_steps > config.steps:
     raise ValueError(f"config.steps={config.steps} is shorter than the learning-rate warm-up "
                      f"(config.warmup_steps={config.warmup_steps}); give at least as many steps")
@@ -286,11 +139,11 @@ def validate(config) -> None:
   if not config.eval_multiples or any(m < 1 for m in config.eval_multiples):
     raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
   for method in config.methods:
-    model = Probe(model_config(config, method), config.symbols)
+    model = probe_task.Probe(probe_task.model_config(config, method), config.symbols)
     jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, config.train_len), jnp.int32))
 
 
-def run(config, workdir: str) -> dict:
+def run(config, workdir: str, train) -> dict:
   """Trains and evaluates every (method, task) not yet in ``workdir``'s results, each a run of the training
   loop in ``workdir/runs/<method>/<task>``. The workdir's config must match (``methods`` excepted: a run may
   add methods to a table). Compiled programs are cached in ``workdir/compilation_cache`` (JAX's persistent
@@ -301,7 +154,7 @@ def run(config, workdir: str) -> dict:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   path = os.path.join(workdir, "results.json")
   known = os.path.exists(os.path.join(workdir, "config.json"))
-  _loop().check_workdir_config(config, workdir, ignore=("methods",))
+  run_checks.check_workdir_config(config, workdir, ignore=("methods",))
   results = {}
   if os.path.exists(path) and known:
     with open(path) as f:
@@ -315,14 +168,12 @@ def run(config, workdir: str) -> dict:
       plot = method == "tupe_a" and task == config.tasks[0] and not os.path.exists(correlation_plot)
       if task in results.get(method, {}) and not plot:
         continue
-      accuracy, params = train_and_evaluate(config, method, task, os.path.join(workdir, "runs", method, task))
+      accuracy, params = train_and_evaluate(config, method, task, os.path.join(workdir, "runs", method, task), train)
       results.setdefault(method, {})[task] = {str(length): value for length, value in accuracy.items()}
       if plot and jax.process_index() == 0:
         plot_tupe_correlation(config, params, correlation_plot)
-      with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-      os.replace(path + ".tmp", path)
-      cells = ", ".join(f"@{l}: {v if v == UNSUPPORTED else f'{100 * v:.0f}%'}" for l, v in accuracy.items())
+      results_lib.write_json(path, results, sort_keys=False)
+      cells = ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{100 * v:.0f}%'}" for l, v in accuracy.items())
       print(f"[{time.perf_counter() - start:5.0f}s] {method:>10} {task:<9} {cells}", flush=True)
   table = results_table(results, config)
   with open(os.path.join(workdir, "results.md"), "w") as f:

@@ -1,0 +1,257 @@
+"""Flash attention in Pallas with the position terms built inside each tile: the GPU (Triton) kernels of the op's
+``pallas`` implementation and their ``custom_vjp`` (TPU: :mod:`posjax.kernels.mosaic`; shared by both:
+:mod:`posjax.kernels.tile`).
+
+Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T query/key tile rows, W window
+rows (``2·block``), D relative-table rows (``2k+1``), N bucket entries, E a scatter piece's entries, P tile
+diagonals, X any last axis.
+
+Three Triton-style kernels over a ``(batch, head, tile)`` grid, each reading its (batch, head) rows and looping
+over the other side's tiles: the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel
+(one query tile against every key tile) and the ``dk/dv`` kernel (one key tile against every query tile). Every tile
+recomputes its logits from the tile's positions, segment ids and the terms' small inputs
+(:mod:`posjax.kernels.terms`), so no ``[B, H, L, L]`` array exists, forward or backward. This module holds the
+``pallas_call`` plumbing and the ``custom_vjp``; the kernels' bodies are :mod:`posjax.kernels.triton_kernels`.
+
+Gradients of the position inputs, all without atomics (deterministic):
+
+- bucket table, θ and ALiBi slopes (a scalar per head: cheap, and exact should one learn them): the ``dq`` kernel
+  writes per-(batch, head, query tile) partial sums, summed after it;
+- TUPE's ``u_q`` / ``u_k``: rows of the ``dq`` / ``dk`` kernel, like ``dq`` / ``dk`` themselves;
+- relative vectors, gathered (``Relative.window=False``): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
+  (``[B, H, L, 2k+1]``) are computed outside the kernel and gathered per tile; their gradients are rows of the
+  ``dq`` / ``dk`` kernels, and ``dq += scale dqe·a``, ``da = scale (dqeᵀq + dkeᵀk)`` outside. ``O(L·k)`` memory:
+  small for a clipped ``k``, ``O(L²)`` at ``k = max_len - 1``;
+- relative vectors, windowed (``window=True``; ``O(L)`` for any ``k``): the table is laid out by distance
+  (``[2L, K]``, clipped rows repeated), a tile (i0, j0) reads the ``2·block`` rows from ``j0 - i0 - block``
+  and skews ``q_tile·windowᵀ`` (and ``k_tile·windowᵀ``) into its logits; ``dq`` / ``dk`` take the unskewed
+  ``ds`` times the window inside their kernels, and a fourth kernel, one program per tile diagonal (whose
+  tiles share a window), sums the window's gradient along the diagonal: per-(batch, head, diagonal) partials
+  added by halves into the ``[2L, K]`` layout and folded back into the table (clipped ends summed).
+
+Per-pair lookups (``qe``, ``ke``, the bucket table, the window's skew through a per-program scratch block) are
+gather loads from refs (Triton lowers integer-array indexers to pointer gathers); the backward's scatter of a
+pair's gradient to its distance or bucket is a one-hot product summed (deterministic, exact for any positions;
+no batched matmul, which Triton does not lower).
+
+Attention dropout: each tile rebuilds its mask from a hash of the (batch row, head) salt and the pair's indices
+(:mod:`posjax.kernels.dropout`), in the forward and again in the backward; nothing is stored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from posjax.kernels.terms import Terms
+from posjax.kernels.tile import Plan, fold_window_table, overlap_add, row_delta, untied_grads, window_table
+from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pallas_call plumbing.
+
+
+def _row_spec(array_BxHxLxX, block: int | None = None):
+  """A ``[B, H, L, X]`` array: the program's (batch, head) rows, all of them or its tile of ``block``."""
+  if block is None:
+    return pl.BlockSpec((1, 1, *array_BxHxLxX.shape[2:]), lambda b, h, i: (b, h, 0, 0))
+  return pl.BlockSpec((1, 1, block, *array_BxHxLxX.shape[3:]),
+                      lambda b, h, i: (b, h, i, *[0] * (array_BxHxLxX.ndim - 3)))
+
+
+def _batch_spec(array_BxL):
+  return pl.BlockSpec((1, array_BxL.shape[1]), lambda b, h, i: (b, 0))
+
+
+def _head_spec(array_HxX):
+  return pl.BlockSpec((1, array_HxX.shape[1]), lambda b, h, i: (h, 0))
+
+
+def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+            salts_BxH, extra: dict):
+  """Names, arrays and block specs of a kernel's inputs (whole rows; per-head parameter rows)."""
+  inputs = {"q": q_BxHxLxK, "k": k_BxHxLxK, "v": v_BxHxLxV, **extra}
+  specs = {name: _row_spec(x_BxHxLxX) for name, x_BxHxLxX in inputs.items()}
+  if plan.dropout:
+    inputs["salts"], specs["salts"] = salts_BxH, pl.BlockSpec((1, 1), lambda b, h, i: (b, h))
+  for name, x_BxL in (("positions", positions_BxL), ("segment_ids", segment_ids_BxL), ("valid", valid_BxL)):
+    inputs[name], specs[name] = x_BxL, _batch_spec(x_BxL)
+  if terms.alibi is not None:
+    inputs["slopes"] = terms.alibi.slopes.astype(jnp.float32)[:, None]
+  if terms.buckets is not None:
+    inputs["bucket_table"] = terms.buckets.table.T
+  if terms.untied is not None and terms.untied.reset != "none":
+    inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
+  if terms.relative is not None and terms.relative.window:
+    inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2])
+    specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
+  for name in ("slopes", "bucket_table", "theta_row", "theta_col"):
+    if name in inputs:
+      specs[name] = _head_spec(inputs[name])
+  return inputs, specs
+
+
+def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: dict, out_specs: dict, tiles: int):
+  b, h = inputs["q"].shape[:2]
+  if terms.relative is not None and terms.relative.window:
+    block = plan.block_q
+    outputs = {**outputs, "scratch": jax.ShapeDtypeStruct((b, h, tiles, block, 2 * block), jnp.float32)}
+    out_specs = {**out_specs, "scratch": pl.BlockSpec((1, 1, 1, block, 2 * block),
+                                                      lambda b, h, i: (b, h, i, 0, 0))}
+  names = list(inputs) + list(outputs)
+  results = pl.pallas_call(
+      functools.partial(kernel, plan, terms, names),
+      # Pallas's Triton backend (the default GPU backend of this jax is Mosaic GPU, which these kernels are not
+      # written for)
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      grid=(b, h, tiles),
+      in_specs=[specs[n] for n in inputs],
+      out_specs=[out_specs[n] for n in outputs],
+      out_shape=[outputs[n] for n in outputs],
+      interpret=plan.interpret,
+      name=kernel.__name__.strip("_"),
+  )(*inputs.values())
+  return dict(zip(outputs, results))
+
+
+def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int) -> dict:
+  """The ``[B, H, L, X]`` inputs computed outside the kernel: ``qe``/``ke`` and the broadcast ``u_q``/``u_k``."""
+  extra = {}
+  if terms.relative is not None and not terms.relative.window:
+    table_DxK = terms.relative.table
+    if terms.relative.query:
+      extra["qe"] = scale * jnp.einsum("bhlk,rk->bhlr", q_BxHxLxK, table_DxK.astype(q_BxHxLxK.dtype),
+                                       preferred_element_type=jnp.float32)
+    if terms.relative.key:
+      extra["ke"] = scale * jnp.einsum("bhlk,rk->bhlr", k_BxHxLxK, table_DxK.astype(k_BxHxLxK.dtype),
+                                       preferred_element_type=jnp.float32)
+  if terms.untied is not None:
+    for name in ("u_q", "u_k"):
+      u_BpxHxLxK = getattr(terms.untied, name).transpose(0, 2, 1, 3)
+      extra[name] = jnp.broadcast_to(u_BpxHxLxK, (batch, *u_BpxHxLxK.shape[1:]))
+  return extra
+
+
+def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+             salts_BxH):
+  terms = plan.terms(leaves)
+  b, h, l, _ = q_BxHxLxK.shape
+  extra = _per_head_rows(terms, q_BxHxLxK, k_BxHxLxK, plan.scale, b)
+  inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
+                          valid_BxL, salts_BxH, extra)
+  out = _call(forward_kernel, plan, terms, inputs, specs,
+              {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
+               "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
+               "row_sum": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
+              {"out": _row_spec(v_BxHxLxV, plan.block_q),
+               "row_max": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i)),
+               "row_sum": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))},
+              l // plan.block_q)
+  return out["out"], ((out["row_max"], out["row_sum"]), extra)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+              salts_BxH):
+  """``[B, H, L, V]`` attention of ``[B, H, L, K]`` inputs (L a multiple of both blocks) on GPU; ``leaves``: the
+  Terms' arrays (``plan.treedef``); ``salts``: ``[B, H]`` int32, the dropout masks' (unread without dropout)."""
+  return _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                  salts_BxH)[0]
+
+
+def _attention_fwd(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                   salts_BxH):
+  out_BxHxLxV, (stats, extra) = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
+                                         segment_ids_BxL, valid_BxL, salts_BxH)
+  return out_BxHxLxV, (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+                       salts_BxH, out_BxHxLxV, stats, extra)
+
+
+def _attention_bwd(plan, residuals, d_out_BxHxLxV):
+  (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, out_BxHxLxV,
+   (row_max_BxHxL, row_sum_BxHxL), extra) = residuals
+  terms = plan.terms(leaves)
+  b, h, l, d = q_BxHxLxK.shape
+  n_q, n_k = l // plan.block_q, l // plan.block_k
+  delta_BxHxL = row_delta(d_out_BxHxLxV, out_BxHxLxV)
+  inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
+                          valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
+  inputs.update(row_max=row_max_BxHxL, row_sum=row_sum_BxHxL, delta=delta_BxHxL)
+  for name in ("row_max", "row_sum", "delta"):
+    specs[name] = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  partial_spec = lambda n: pl.BlockSpec((1, 1, 1, n), lambda b, h, i: (b, h, i, 0))
+
+  dq_out, dq_specs = {"dq": f32(b, h, l, d)}, {"dq": _row_spec(q_BxHxLxK, plan.block_q)}
+  if "qe" in extra:
+    dq_out["dqe"], dq_specs["dqe"] = f32(*extra["qe"].shape), _row_spec(extra["qe"], plan.block_q)
+  if terms.untied is not None:
+    dq_out["du_q"], dq_specs["du_q"] = f32(b, h, l, d), _row_spec(q_BxHxLxK, plan.block_q)
+    if terms.untied.reset != "none":
+      for name in ("dtheta_row", "dtheta_col"):
+        dq_out[name], dq_specs[name] = f32(b, h, n_q, 1), partial_spec(1)
+  if terms.buckets is not None:
+    n = terms.buckets.table.shape[0]
+    dq_out["dbucket"], dq_specs["dbucket"] = f32(b, h, n_q, n), partial_spec(n)
+  if terms.alibi is not None:
+    dq_out["dslope"], dq_specs["dslope"] = f32(b, h, n_q, 1), partial_spec(1)
+  dq_res = _call(dq_kernel, plan, terms, inputs, specs, dq_out, dq_specs, n_q)
+
+  dkv_out = {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxHxLxV.shape[-1])}
+  dkv_specs = {"dk": _row_spec(k_BxHxLxK, plan.block_k), "dv": _row_spec(v_BxHxLxV, plan.block_k)}
+  if "ke" in extra:
+    dkv_out["dke"], dkv_specs["dke"] = f32(*extra["ke"].shape), _row_spec(extra["ke"], plan.block_k)
+  if terms.untied is not None:
+    dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k_BxHxLxK, plan.block_k)
+  dkv_res = _call(dkv_kernel, plan, terms, inputs, specs, dkv_out, dkv_specs, n_k)
+
+  dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
+  d_terms = jax.tree.map(jnp.zeros_like, terms)
+  if terms.relative is not None and terms.relative.window:
+    d_window_BxHxPxWxK = _call(
+        window_grad_kernel, plan, terms, inputs, specs,
+        {"d_window": f32(b, h, n_q + n_k - 1, 2 * plan.block_q, d)},
+        {"d_window": pl.BlockSpec((1, 1, 1, 2 * plan.block_q, d), lambda b, h, i: (b, h, i, 0, 0))},
+        n_q + n_k - 1)["d_window"]
+    d_table_DxK = fold_window_table(overlap_add(jnp.sum(d_window_BxHxPxWxK, axis=(0, 1)), plan.block_q),
+                                    terms.relative, l)
+    d_terms = d_terms.replace(relative=d_terms.relative.replace(
+        table=d_table_DxK.astype(terms.relative.table.dtype)))
+  elif terms.relative is not None:
+    table_DxK = terms.relative.table.astype(jnp.float32)
+    d_table_DxK = jnp.zeros_like(table_DxK)
+    if "dqe" in dq_res:
+      dqe_BxHxLxD = dq_res["dqe"]
+      dq_BxHxLxK = dq_BxHxLxK + plan.scale * jnp.einsum("bhlr,rk->bhlk", dqe_BxHxLxD, table_DxK)
+      d_table_DxK = d_table_DxK + plan.scale * jnp.einsum("bhlr,bhlk->rk", dqe_BxHxLxD,
+                                                          q_BxHxLxK.astype(jnp.float32))
+    if "dke" in dkv_res:
+      dke_BxHxLxD = dkv_res["dke"]
+      dk_BxHxLxK = dk_BxHxLxK + plan.scale * jnp.einsum("bhlr,rk->bhlk", dke_BxHxLxD, table_DxK)
+      d_table_DxK = d_table_DxK + plan.scale * jnp.einsum("bhlr,bhlk->rk", dke_BxHxLxD,
+                                                          k_BxHxLxK.astype(jnp.float32))
+    d_terms = d_terms.replace(relative=d_terms.relative.replace(
+        table=d_table_DxK.astype(terms.relative.table.dtype)))
+  if terms.untied is not None:
+    untied = untied_grads(terms.untied, dq_res["du_q"], dkv_res["du_k"])
+    if "dtheta_row" in dq_res:
+      d_theta_2xH = jnp.stack([jnp.sum(dq_res[name], axis=(0, 2, 3)) for name in ("dtheta_row", "dtheta_col")])
+      untied = untied.replace(theta=d_theta_2xH.astype(terms.untied.theta.dtype))
+    d_terms = d_terms.replace(untied=untied)
+  if terms.buckets is not None:
+    d_bucket_NxH = jnp.sum(dq_res["dbucket"], axis=(0, 2)).T.astype(terms.buckets.table.dtype)
+    d_terms = d_terms.replace(buckets=d_terms.buckets.replace(table=d_bucket_NxH))
+  if terms.alibi is not None:
+    d_slopes_H = jnp.sum(dq_res["dslope"], axis=(0, 2, 3)).astype(terms.alibi.slopes.dtype)
+    d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes_H))
+  d_leaves = jax.tree_util.tree_leaves(d_terms)
+  return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
+          dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

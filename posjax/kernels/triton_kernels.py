@@ -1,0 +1,320 @@
+"""The GPU (Triton) kernels' bodies: the tile (:class:`Tile`, reading whole (batch, head) rows) and the four kernels
+the op's ``custom_vjp`` in :mod:`posjax.kernels.triton` launches (its docstring describes the design).
+
+Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T query/key tile rows, W window
+rows (``2·block``), D relative-table rows (``2k+1``), N bucket entries, E a scatter piece's entries, X any last
+axis.
+
+A kernel is called as ``kernel(plan, terms, names, *refs)``: ``refs`` are its inputs' blocks (whole ``[1, 1, L,
+X]`` rows of its (batch, head); per-head ``[1, X]`` parameter rows) and its outputs' blocks (this program's tile),
+in the order of ``names``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from posjax.kernels.terms import Terms
+from posjax.kernels.tile import Plan, TileBase, dot, dot_t, t_dot
+
+
+def _one_hot(index_QxT, size: int):
+  """``[..., size]`` float32 one-hot of ``index`` (no batched matmul or scatter, which Triton does not lower)."""
+  return (index_QxT[..., None] == jax.lax.broadcasted_iota(jnp.int32, (*index_QxT.shape, size),
+                                                             index_QxT.ndim)).astype(jnp.float32)
+
+
+class Tile(TileBase):
+  """One (query tile, key tile) pair read from whole (batch, head) rows (refs ``[1, 1, L, X]``) at rows
+  ``i0`` and ``j0``: its logits, mask and what the backward needs to route gradients."""
+
+  def __init__(self, plan: Plan, terms: Terms, refs: dict, i0, j0):
+    bq, bk = plan.block_q, plan.block_k
+    self.plan, self.terms, self.refs, self.i0, self.j0 = plan, terms, refs, i0, j0
+    rows, cols = pl.ds(i0, bq), pl.ds(j0, bk)
+    self.rows, self.cols = rows, cols
+    self.q_QxK, self.k_TxK = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
+    pos_i_Q, pos_j_T = refs["positions"][0, rows], refs["positions"][0, cols]
+    rel_QxT = pos_j_T[None, :] - pos_i_Q[:, None]
+    self.cls_i_QxT, self.cls_j_QxT = (pos_i_Q == 0)[:, None], (pos_j_T == 0)[None, :]
+    s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), rel_QxT)
+    valid_j_T = refs["valid"][0, cols] > 0
+    allowed_QxT = valid_j_T[None, :] & (refs["segment_ids"][0, rows][:, None]
+                                        == refs["segment_ids"][0, cols][None, :])
+    index_i_QxT = i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    index_j_QxT = j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    self.mask_logits(s_QxT, allowed_QxT, index_i_QxT, index_j_QxT)
+
+  def _slope(self):
+    return self.refs["slopes"][0, 0]
+
+  def _untied_factors(self):
+    return self.refs["u_q"][0, 0, self.rows, :], self.refs["u_k"][0, 0, self.cols, :]
+
+  def _bucket_values(self, index_QxT):
+    return self._gather("bucket_table", None, index_QxT)
+
+  def _theta(self):
+    return (self.refs["theta_row"][0, 0].astype(jnp.float32), self.refs["theta_col"][0, 0].astype(jnp.float32))
+
+  def _salt(self):
+    return self.refs["salts"][0, 0]
+
+  def _relative_term(self, rel_QxT):
+    """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
+    ``2·block`` table rows its index distances reach, skewed: pair (a, c) has distance ``j0 - i0 + c - a``,
+    window row ``c - a + block``."""
+    r, i0, j0 = self.terms.relative, self.i0, self.j0
+    bq, bk = self.plan.block_q, self.plan.block_k
+    row_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    col_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    term_QxT = jnp.zeros((bq, bk), jnp.float32)
+    if not r.window:
+      self.rel_index_QxT = r.entries(rel_QxT)
+      if r.query:
+        term_QxT = term_QxT + self._gather("qe", i0 + row_QxT, self.rel_index_QxT)
+      if r.key:
+        term_QxT = term_QxT + self._gather("ke", j0 + col_QxT, self.rel_index_QxT)
+      return term_QxT
+    self.skew_QxT = col_QxT - row_QxT + bq
+    self.misplaced_QxT = (rel_QxT != j0 - i0 + col_QxT - row_QxT) & (i0 + row_QxT < self.plan.length)
+    start = j0 - i0 - bq + self.refs["q"].shape[2]
+    self.window_WxK = self.refs["window_table"][pl.ds(start, 2 * bq), :]
+    if r.query:
+      qe_QxW = self.plan.scale * dot_t(self.q_QxK, self.window_WxK.astype(self.q_QxK.dtype))
+      term_QxT = term_QxT + self._skew(qe_QxW, key=False)
+    if r.key:
+      ke_TxW = self.plan.scale * dot_t(self.k_TxK, self.window_WxK.astype(self.k_TxK.dtype))
+      term_QxT = term_QxT + self._skew(ke_TxW, key=True)
+    return term_QxT
+
+  def _skew(self, x_QxW, key: bool):
+    """``[bq, 2 bq]`` window products to ``[bq, bk]`` logits: ``out[a, c] = x[a or c, c - a + bq]`` (a on the
+    query side, c on the key side), through this program's scratch block in memory (a register array cannot be
+    gathered from)."""
+    scratch = self.refs["scratch"]
+    _barrier(self.plan)
+    scratch[0, 0, 0, :, :] = x_QxW
+    _barrier(self.plan)
+    source_QxT = jax.lax.broadcasted_iota(jnp.int32, self.skew_QxT.shape, 1 if key else 0)
+    return scratch[0, 0, 0, source_QxT, self.skew_QxT]
+
+  def unskew(self, ds_QxT, key: bool):
+    """The transpose of :meth:`_skew`: ``[bq, bk]`` logit gradients to ``[bq, 2 bq]`` window-product
+    gradients (row a: the query side; row c: the key side)."""
+    bq = self.plan.block_q
+    scratch = self.refs["scratch"]
+    _barrier(self.plan)
+    scratch[0, 0, 0, :, pl.ds(0, bq)] = ds_QxT
+    _barrier(self.plan)
+    row_QxW = jax.lax.broadcasted_iota(jnp.int32, (bq, 2 * bq), 0)
+    window_row_QxW = jax.lax.broadcasted_iota(jnp.int32, (bq, 2 * bq), 1)
+    # the pair's query (key side) or key
+    other_QxW = row_QxW - window_row_QxW + bq if key else window_row_QxW + row_QxW - bq
+    inside_QxW = (other_QxW >= 0) & (other_QxW < bq)
+    other_QxW = jnp.clip(other_QxW, 0, bq - 1)
+    values_QxW = scratch[0, 0, 0, other_QxW, row_QxW] if key else scratch[0, 0, 0, row_QxW, other_QxW]
+    return jnp.where(inside_QxW, values_QxW, 0.0)
+
+  def _gather(self, name: str, row_index_QxT, column_index_QxT):
+    """``ref[row, column]`` per pair (``[B, H, L, X]`` rows, or the ``[1, N]`` per-head table when ``row_index``
+    is None): a gather load (Triton lowers integer-array indexers to pointer gathers)."""
+    ref = self.refs[name]
+    if row_index_QxT is None:
+      return ref[0, column_index_QxT].astype(jnp.float32)
+    return ref[0, 0, row_index_QxT, column_index_QxT].astype(jnp.float32)
+
+  def scatter(self, values_QxT, index_QxT, entries: int, axis):
+    """The backward's scatter of each pair's gradient to its table entry (distance or bucket): ``values``
+    ``[bq, bk]`` times ``one_hot(index, entries)`` summed over ``axis``, in pieces of :func:`_chunk` entries
+    (a tuple): Triton caps an array at 2^20 elements, which ``[bq, bk, entries]`` exceeds for wide tables."""
+    chunk = _chunk(self.plan, entries)
+    return tuple(jnp.sum(values_QxT[:, :, None] * _one_hot(index_QxT - start, chunk), axis=axis)
+                 for start in range(0, entries, chunk))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels. Inputs are whole (batch, head) rows; outputs are this program's tile.
+
+
+def forward_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One query tile against every key tile (online softmax): the output rows, and each row's maximum and sum
+  for the backward pass (a row that a windowed relative term misread comes out NaN)."""
+  r = dict(zip(names, refs))
+  i0 = pl.program_id(2) * plan.block_q
+  bq, value_dim = plan.block_q, r["v"].shape[-1]
+
+  window = terms.relative is not None and terms.relative.window
+
+  def body(t, carry):
+    row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = carry
+    tile = Tile(plan, terms, r, i0, t * plan.block_k)
+    new_max_Q = jnp.maximum(row_max_Q, jnp.max(tile.s_QxT, axis=1))
+    alpha_Q = jnp.exp(row_max_Q - new_max_Q)
+    p_QxT = jnp.exp(tile.s_QxT - new_max_Q[:, None])
+    v_TxV = r["v"][0, 0, tile.cols, :]
+    p_dropped_QxT = tile.dropped(p_QxT)
+    if window:
+      bad_QxT = jnp.where(tile.allowed_QxT & tile.misplaced_QxT, 1.0, 0.0)
+      misplaced_Q = jnp.maximum(misplaced_Q, jnp.max(bad_QxT, axis=1))
+    return (new_max_Q, alpha_Q * row_sum_Q + jnp.sum(p_QxT, axis=1),
+            alpha_Q[:, None] * acc_QxV + dot(p_dropped_QxT.astype(v_TxV.dtype), v_TxV), misplaced_Q)
+
+  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, value_dim), jnp.float32), jnp.zeros((bq,), jnp.float32))
+  row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, init)
+  # A windowed relative term read index distances: rows whose positions disagree with them are NaN, not wrong.
+  out_QxV = jnp.where(misplaced_Q[:, None] > 0, jnp.nan, acc_QxV / row_sum_Q[:, None])
+  r["out"][0, 0, :, :] = out_QxV.astype(r["out"].dtype)
+  # The row maximum and sum, not their log-sum-exp: in a fully masked row m is the most negative float32 and
+  # m + log(l) would round back to m.
+  r["row_max"][0, 0, :] = row_max_Q
+  r["row_sum"][0, 0, :] = row_sum_Q
+
+
+def _ds(plan: Plan, r: dict, tile: Tile):
+  """The tile's softmax weights after dropout and the gradient of its logits (zero where masked)."""
+  rows = tile.rows
+  p_QxT = jnp.exp(tile.s_QxT - r["row_max"][0, 0, rows][:, None]) / r["row_sum"][0, 0, rows][:, None]
+  do_QxV = r["d_out"][0, 0, rows, :]
+  dp_QxT = tile.dropped(dot_t(do_QxV, r["v"][0, 0, tile.cols, :]))
+  ds_QxT = p_QxT * (dp_QxT - r["delta"][0, 0, rows][:, None])
+  return tile.dropped(p_QxT), jnp.where(tile.allowed_QxT, ds_QxT, 0.0)
+
+
+def _chunk(plan: Plan, entries: int) -> int:
+  """Table entries per scatter piece: a ``[bq, bk, piece]`` one-hot of at most 2^18 elements."""
+  return min(entries, max(1, (1 << 18) // (plan.block_q * plan.block_k)))
+
+
+def _zero_pieces(plan: Plan, rows: tuple, entries: int):
+  chunk = _chunk(plan, entries)
+  return tuple(jnp.zeros((*rows, chunk), jnp.float32) for _ in range(entries // chunk))
+
+
+def _add(acc, pieces):
+  return tuple(a_E + p_E for a_E, p_E in zip(acc, pieces))
+
+
+def _write(out, value, rows: bool):
+  """An accumulator into this program's output block: rows ``[b, L, X]`` or a partial sum ``[X]``; a tuple of
+  scatter pieces fills the last axis piece by piece."""
+  pieces = value if isinstance(value, tuple) else (value,)
+  width = pieces[0].shape[-1]
+  for c, piece_E in enumerate(pieces):
+    if rows:
+      out[0, 0, :, pl.ds(c * width, width)] = piece_E.astype(out.dtype)
+    else:
+      out[0, 0, 0, pl.ds(c * width, width)] = piece_E.astype(out.dtype)
+
+
+def dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One query tile against every key tile: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile partial sums
+  of the scalar inputs' gradients (bucket table, θ, ALiBi slopes)."""
+  r = dict(zip(names, refs))
+  i0 = pl.program_id(2) * plan.block_q
+  bq, head_dim = plan.block_q, r["q"].shape[-1]
+  acc = {"dq": jnp.zeros((bq, head_dim), jnp.float32)}
+  window = terms.relative is not None and terms.relative.window
+  if terms.relative is not None and terms.relative.query and not window:
+    acc["dqe"] = _zero_pieces(plan, (bq,), terms.relative.table.shape[0])
+  if terms.untied is not None:
+    acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
+    if terms.untied.reset != "none":
+      acc["dtheta_row"] = acc["dtheta_col"] = jnp.zeros((1,), jnp.float32)
+  if terms.buckets is not None:
+    acc["dbucket"] = _zero_pieces(plan, (), terms.buckets.table.shape[0])
+  if terms.alibi is not None:
+    acc["dslope"] = jnp.zeros((1,), jnp.float32)
+
+  def body(t, acc):
+    tile = Tile(plan, terms, r, i0, t * plan.block_k)
+    _, ds_QxT = _ds(plan, r, tile)
+    acc = dict(acc)
+    acc["dq"] = acc["dq"] + plan.scale * dot(ds_QxT.astype(tile.k_TxK.dtype), tile.k_TxK).astype(jnp.float32)
+    if "dqe" in acc:
+      acc["dqe"] = _add(acc["dqe"], tile.scatter(ds_QxT, tile.rel_index_QxT, terms.relative.table.shape[0], 1))
+    if window and terms.relative.query:
+      acc["dq"] = acc["dq"] + plan.scale * dot(tile.unskew(ds_QxT, key=False), tile.window_WxK.astype(jnp.float32))
+    d_untied_QxT, d_bucket_QxT = tile.position_grads(ds_QxT)
+    if "du_q" in acc:
+      acc["du_q"] = acc["du_q"] + dot(d_untied_QxT, tile.u_k_TxK.astype(jnp.float32))
+    if "dtheta_row" in acc:
+      acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i_QxT, ds_QxT, 0.0))
+      acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0))
+    if "dbucket" in acc:
+      acc["dbucket"] = _add(acc["dbucket"], tile.scatter(d_bucket_QxT, tile.bucket_QxT,
+                                                         terms.buckets.table.shape[0], (0, 1)))
+    if "dslope" in acc:
+      acc["dslope"] = acc["dslope"] - jnp.sum(ds_QxT * tile.distance_QxT)
+    return acc
+
+  acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
+  for name, value in acc.items():
+    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dbucket", "dslope"))
+
+
+def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One key tile against every query tile: its ``dk``, ``dv`` (and ``dke``, ``du_k``) rows."""
+  r = dict(zip(names, refs))
+  j0 = pl.program_id(2) * plan.block_k
+  bk, head_dim = plan.block_k, r["k"].shape[-1]
+  acc = {"dk": jnp.zeros((bk, head_dim), jnp.float32), "dv": jnp.zeros((bk, r["v"].shape[-1]), jnp.float32)}
+  window = terms.relative is not None and terms.relative.window
+  if terms.relative is not None and terms.relative.key and not window:
+    acc["dke"] = _zero_pieces(plan, (bk,), terms.relative.table.shape[0])
+  if terms.untied is not None:
+    acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
+
+  def body(t, acc):
+    tile = Tile(plan, terms, r, t * plan.block_q, j0)
+    p_QxT, ds_QxT = _ds(plan, r, tile)
+    acc = dict(acc)
+    do_QxV = r["d_out"][0, 0, tile.rows, :]
+    acc["dv"] = acc["dv"] + t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
+    acc["dk"] = acc["dk"] + plan.scale * t_dot(ds_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
+    if "dke" in acc:
+      acc["dke"] = _add(acc["dke"], tile.scatter(ds_QxT, tile.rel_index_QxT, terms.relative.table.shape[0], 0))
+    if window and terms.relative.key:
+      acc["dk"] = acc["dk"] + plan.scale * dot(tile.unskew(ds_QxT, key=True), tile.window_WxK.astype(jnp.float32))
+    if "du_k" in acc:
+      d_untied_QxT, _ = tile.position_grads(ds_QxT)
+      acc["du_k"] = acc["du_k"] + t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
+    return acc
+
+  acc = jax.lax.fori_loop(0, r["q"].shape[2] // plan.block_q, body, acc)
+  for name, value in acc.items():
+    _write(r[name], value, rows=True)
+
+
+def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
+  """The windowed table's gradient without atomics: program ``p`` takes the tile diagonal
+  ``t - s = p - (n - 1)``, whose tiles all read the same ``2·block`` window rows, and sums their
+  ``scale (dqeᵀ q + dkeᵀ k)`` over the diagonal (``[B, H, 2n - 1, 2 block, K]`` partials, ``O(L)``)."""
+  r = dict(zip(names, refs))
+  block, n = plan.block_q, r["q"].shape[2] // plan.block_q
+  diagonal = pl.program_id(2) - (n - 1)
+  first = jnp.maximum(0, -diagonal)
+
+  def body(step, acc_WxK):
+    s = first + step
+    tile = Tile(plan, terms, r, s * block, (s + diagonal) * block)
+    _, ds_QxT = _ds(plan, r, tile)
+    if terms.relative.query:
+      acc_WxK = acc_WxK + t_dot(tile.unskew(ds_QxT, key=False), tile.q_QxK.astype(jnp.float32))
+    if terms.relative.key:
+      acc_WxK = acc_WxK + t_dot(tile.unskew(ds_QxT, key=True), tile.k_TxK.astype(jnp.float32))
+    return acc_WxK
+
+  acc_WxK = jax.lax.fori_loop(0, n - jnp.abs(diagonal), body,
+                              jnp.zeros((2 * block, r["q"].shape[-1]), jnp.float32))
+  r["d_window"][0, 0, 0, :, :] = plan.scale * acc_WxK
+
+
+def _barrier(plan: Plan):
+  """Orders a program's scratch stores before its loads on GPU (the interpreters run a program sequentially)."""
+  if plan.interpret is False:
+    pltriton.debug_barrier()

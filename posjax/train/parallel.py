@@ -1,0 +1,108 @@
+"""How the train step spreads over the devices: one jit program over a mesh (``parallelism="jit"``, parameters
+sharded by their logical axis names) or replicated data parallelism (``"pmap"``). Both offer the same methods, so
+the loop does not know which it runs."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.train import sharding
+
+PARALLELISMS = ("jit", "pmap")
+
+
+def make(config, abstract_boxed_state):
+  """The strategy ``config.parallelism`` names, for a state shaped as ``abstract_boxed_state``."""
+  if config.parallelism not in PARALLELISMS:
+    raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
+  return (JitParallel if config.parallelism == "jit" else PmapParallel)(config, abstract_boxed_state)
+
+
+class JitParallel:
+  """One program over a device mesh: parameters sharded by their logical axes, the batch over data/fsdp."""
+
+  def __init__(self, config, abstract_boxed_state):
+    self.mesh = sharding.make_mesh(dict(config.mesh))
+    self.state_shardings = sharding.logical_shardings(abstract_boxed_state, self.mesh)
+    self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                       nn.unbox(abstract_boxed_state), self.state_shardings)
+
+  def init(self, init_fn, rng):
+    return jax.jit(init_fn, out_shardings=self.state_shardings)(rng)
+
+  def check_batch(self, local_batch: int, accum_steps: int, field: str = "batch_size") -> None:
+    del accum_steps  # micro-batches are split inside the program, whatever their sharding
+    shards = math.prod(self.mesh.shape[axis] for axis in sharding.BATCH)
+    if (local_batch * jax.process_count()) % shards:
+      raise ValueError(f"{field}={local_batch * jax.process_count()} must divide over the mesh's {shards} data x "
+                       "fsdp devices")
+
+  def compile_step(self, step_fn):
+    batch = sharding.batch_sharding(self.mesh)
+    return jax.jit(step_fn, in_shardings=(self.state_shardings, batch, sharding.replicated(self.mesh)),
+                   out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=0)
+
+  def compile_predict(self, predict_fn):
+    """``predict_fn(params, batch)`` with every output row of the global batch on every process."""
+    return jax.jit(predict_fn, out_shardings=sharding.replicated(self.mesh))
+
+  def put_batch(self, local_batch):
+    return sharding.global_batch(local_batch, self.mesh)
+
+  def to_checkpoint(self, state):
+    return state
+
+  def from_checkpoint(self, state):
+    return state
+
+  def params(self, state):
+    return state.params
+
+
+class PmapParallel:
+  """Replicated data parallelism: one copy of the state per local device, gradients summed with psum."""
+
+  def __init__(self, config, abstract_boxed_state):
+    self.devices = jax.local_devices()
+    self.abstract_state = nn.unbox(abstract_boxed_state)
+    self.stacked = jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(self.devices), ("batch",)),
+                                              jax.sharding.PartitionSpec("batch"))
+
+  def replicate(self, tree):
+    n = len(self.devices)
+    return jax.device_put(jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), tree), self.stacked)
+
+  def init(self, init_fn, rng):
+    return self.replicate(jax.jit(init_fn)(rng))
+
+  def check_batch(self, local_batch: int, accum_steps: int, field: str = "batch_size") -> None:
+    if local_batch % (len(self.devices) * accum_steps):
+      raise ValueError(f"pmap: the per-process {field} {local_batch} must divide over its {len(self.devices)} devices"
+                       + (f" times grad_accum_steps={accum_steps}" if accum_steps > 1 else ""))
+
+  def compile_step(self, step_fn):
+    return jax.pmap(functools.partial(step_fn, axis_name="batch"), axis_name="batch", in_axes=(0, 0, None),
+                    donate_argnums=0)
+
+  def compile_predict(self, predict_fn):
+    gathered = jax.pmap(lambda p, b: jax.lax.all_gather(predict_fn(p, b), "batch", tiled=True), axis_name="batch")
+    return lambda params, batch: jax.tree.map(lambda x: x[0], gathered(params, batch))
+
+  def put_batch(self, local_batch):
+    n = len(self.devices)
+    return {k: v.reshape((n, v.shape[0] // n) + v.shape[1:]) for k, v in local_batch.items()}
+
+  def to_checkpoint(self, state):
+    return jax.tree.map(lambda x: x[0], state)
+
+  def from_checkpoint(self, state):
+    return self.replicate(state)
+
+  def params(self, state):
+    return jax.tree.map(lambda x: x[0], state.params)

@@ -1,0 +1,176 @@
+"""Everything about a run that can be wrong, checked before the workdir is written, on every process at once: the
+config's ranges, its durations, the batch against processes and devices, the task (its data and model), the
+workdir's earlier config and ``init_from``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Callable, NamedTuple
+
+import flax.traverse_util
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from posjax import config_args
+from posjax import results as results_lib
+from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, at_least
+from posjax.train import checkpoint as checkpoint_lib
+from posjax.train import parallel as parallel_lib
+from posjax.train import sharding
+from posjax.train.step import TrainState, make_optimizer
+from posjax.train.task import Task
+
+
+# Fields that change how a run reads its input or reports, not what it computes: a resumed run may change them.
+RESUMABLE_CHANGES = ("allow_config_change", "progress", "device_prefetch", "data.workers")
+
+
+def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = (),
+                         write: bool = True) -> None:
+  """Compares the config with ``workdir/config.json`` and (``write``) writes it there; a restart with a different
+  one (fields in ``ignore`` and ``RESUMABLE_CHANGES`` aside) is an error unless ``config.allow_config_change``."""
+  ignore = tuple(ignore) + RESUMABLE_CHANGES
+  path = os.path.join(workdir, "config.json")
+  current = json.loads(config.to_json_best_effort(sort_keys=True))
+  if os.path.exists(path) and not config.get("allow_config_change", False):
+    with open(path) as f:
+      previous = json.load(f)
+    before = flax.traverse_util.flatten_dict(previous, sep=".")
+    now = flax.traverse_util.flatten_dict(current, sep=".")
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ignore)
+    if changed:
+      raise ValueError(f"{workdir} holds a run with a different config (changed: {changed}); use another workdir" + (
+          " or set --config.allow_config_change=True" if "allow_config_change" in config else ""))
+  if write and jax.process_index() == 0:
+    results_lib.write_json(path, current, indent=2)
+
+
+def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int | None = None
+                      ) -> ml_collections.ConfigDict:
+  """``total_steps`` from whichever of ``total_steps`` / ``total_epochs`` / ``total_examples`` is set (an epoch
+  is ``examples_per_epoch``: the task's training examples, or for MLM ``data.examples_per_epoch`` packed
+  sequences), and ``warmup_steps`` from ``warmup_fraction`` of the run when that is set (it replaces
+  ``warmup_steps``, as epochs replace ``total_steps``)."""
+  values = config.to_dict()
+  if any(values.get(f"total_{unit}") is not None for unit in ("epochs", "examples")):
+    values["total_steps"] = None
+    values["total_steps"] = config_args.steps("total", values, examples_per_step=config.batch_size,
+                                              examples_per_epoch=examples_per_epoch)
+  fraction = values.get("warmup_fraction")
+  if fraction is not None:
+    values["warmup_steps"] = int(round(fraction * values["total_steps"]))
+  elif values.get("warmup_steps") is None:
+    raise ValueError("give config.warmup_steps or config.warmup_fraction (of the run's steps)")
+  if values.get("evals_per_epoch"):
+    if not examples_per_epoch:
+      raise ValueError("config.evals_per_epoch needs a task with a known epoch (fine-tuning, or "
+                       "data.examples_per_epoch)")
+    values["steps_per_epoch"] = examples_per_epoch / config.batch_size
+  return ml_collections.ConfigDict(values)
+
+
+def eval_steps(config: ml_collections.ConfigDict) -> frozenset[int]:
+  """The steps after which the evaluators run: every ``eval_every_steps``, or ``evals_per_epoch`` times per
+  epoch (TUPE's fine-tuning: fairseq's ``--validate-interval-updates 2``, in the middle and at the end of each
+  epoch), and always the last step; none when both are 0."""
+  total = config.total_steps
+  if config.get("evals_per_epoch"):
+    every = config.steps_per_epoch / config.evals_per_epoch
+    steps = {max(1, math.floor(k * every + 0.5)) for k in range(1, math.ceil(total / every) + 1)}
+  elif config.eval_every_steps > 0:
+    every = 0
+    steps = set(range(config.eval_every_steps, total + 1, config.eval_every_steps))
+  else:
+    return frozenset()
+  # An evaluation less than half an interval before the last step (a rounded-up final epoch) is the last one's.
+  return frozenset(s for s in steps if s < total - every / 2) | {total}
+
+
+RANGES = {
+    "seed": NON_NEGATIVE, "batch_size": POSITIVE, "eval_batch_size": POSITIVE, "total_steps": POSITIVE,
+    "total_epochs": POSITIVE, "total_examples": POSITIVE, "warmup_steps": NON_NEGATIVE, "warmup_fraction": FRACTION,
+    "learning_rate": NON_NEGATIVE, "max_len": at_least(8), "grad_accum_steps": POSITIVE, "adam_b1": FRACTION,
+    "adam_b2": FRACTION, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE,
+    "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE,
+    "checkpoint_every_steps": POSITIVE, "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
+    "data.mask_rate": OPEN_FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
+    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": NON_NEGATIVE,
+    "model.dropout_rate": FRACTION, "model.attention_dropout_rate": FRACTION,
+}
+
+
+def check_batch(config) -> tuple[int, int]:
+  """The per-process training and evaluation batches (``eval_batch_size``, where a task has one)."""
+  processes = jax.process_count()
+  eval_batch = config.get("eval_batch_size") or config.batch_size
+  for field, value in (("batch_size", config.batch_size), ("eval_batch_size", eval_batch)):
+    if value % processes:
+      raise ValueError(f"{field}={value} must divide evenly over {processes} processes")
+  local = config.batch_size // processes
+  if local % config.grad_accum_steps:
+    raise ValueError(f"the per-process batch {local} must divide into grad_accum_steps={config.grad_accum_steps}")
+  return local, eval_batch // processes
+
+
+def agree(error: Exception | None) -> None:
+  """Raises on every process when any process's validation failed (a process alone would leave the others
+  waiting in a collective)."""
+  failed = np.flatnonzero(sharding.per_process(np.int32(error is not None)))
+  if error is None and len(failed):
+    raise ValueError(f"process(es) {failed.tolist()} refused the config; their output says why")
+  if error is not None:
+    raise error
+
+
+class Prepared(NamedTuple):
+  """What validation built, for the run to use."""
+  config: ml_collections.ConfigDict  # with total_steps and warmup_steps resolved
+  local_batch: int
+  task: Task
+  optimizer: Any
+  schedule: Any
+  init_boxed: Callable
+  init_rng: jax.Array
+  dropout_rng: jax.Array
+  parallel: Any
+
+
+def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callable[..., Task]) -> Prepared:
+  """Checks ``config`` and builds what the run needs, writing nothing (see :func:`validate_everywhere`)."""
+  config_args.check_ranges(config, RANGES)
+  if config.parallelism not in parallel_lib.PARALLELISMS:
+    raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(parallel_lib.PARALLELISMS)}")
+  check_workdir_config(config, workdir, write=False)
+  local_batch, local_eval_batch = check_batch(config)
+  task = build_task(config, local_batch)
+  results_lib.check_selection(config.get("select", "last"), config.get("select_metric", ""), task.evaluators)
+  resolved = resolve_durations(config, task.examples_per_epoch)
+  optimizer, schedule = make_optimizer(resolved)
+  init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(resolved.seed))
+
+  def init_boxed(rng):
+    params = task.model.init(rng, **task.init_inputs)["params"]
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+  abstract_state = jax.eval_shape(init_boxed, init_rng)  # traces the model: its options are checked here
+  parallel = parallel_lib.make(resolved, abstract_state)
+  parallel.check_batch(local_batch, resolved.grad_accum_steps)
+  parallel.check_batch(local_eval_batch, 1, "eval_batch_size")
+  if resolved.get("init_from"):
+    checkpoint_lib.check_directory(resolved.init_from, "config.init_from")
+  return Prepared(resolved, local_batch, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel)
+
+
+def validate_everywhere(config: ml_collections.ConfigDict, workdir: str, build_task) -> Prepared:
+  """:func:`validate` on every process; when any process refuses the config, every process raises."""
+  validated, error = None, None
+  try:
+    validated = validate(config, workdir, build_task)
+  except (ValueError, OSError) as caught:
+    error = caught
+  agree(error)
+  return validated
