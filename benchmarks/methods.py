@@ -22,11 +22,13 @@ FLAGS = flags.DEFINE_string("out", None, "Also write the table to this markdown 
 
 
 def parameter_count(config: BertConfig) -> int:
+  """The encoder's parameter count, from shapes alone."""
   shapes = jax.eval_shape(BertEncoder(config).init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 def contributions(name: str) -> str:
+  """Where the method contributes: input embedding, shared bias, per-layer q/k terms."""
   config = BertConfig.tiny(position=name)
   spec = config.position_spec
   parts = []
@@ -40,6 +42,7 @@ def contributions(name: str) -> str:
 
 
 def shift_invariant(name: str, rng) -> bool:
+  """Whether the same tokens give the same outputs at another offset (random, larger-scale parameters)."""
   model = BertEncoder(BertConfig.tiny(position=name))
   content = rng.integers(1, 128, size=6)
   ids, mask = np.zeros((2, 10), np.int32), np.zeros((2, 10), np.int32)
@@ -52,6 +55,7 @@ def shift_invariant(name: str, rng) -> bool:
 
 
 def runs_at_twice_max_len(name: str) -> str:
+  """What the method does on a sequence twice its ``max_len``: runs, NaN, or a clear error."""
   config = BertConfig.tiny(position=name, max_len=16)
   model = BertEncoder(config)
   try:
@@ -63,6 +67,7 @@ def runs_at_twice_max_len(name: str) -> str:
 
 
 def main(argv):
+  """Prints (and with ``--out`` writes) the table of every registered method."""
   del argv
   rng = np.random.default_rng(0)
   base = parameter_count(BertConfig.base(position="none"))

@@ -6,6 +6,7 @@ Options (``configs/pretrain.py:position=tupe_r,size=base,runlocal``):
     the method here rather than with ``--config.model.position`` (the options would not match it).
   size: ``tiny`` | ``base`` | ``large``; default ``base``.
   runlocal: a tiny model for about 12 s on 2 CPU cores, on the synthetic corpus in ``configs/data``.
+  keep: more steps to keep, ``+``-joined (``keep=100000+250000``), beside ``keep_steps`` (a table's "mid" rows).
 
 Paper run (BERT-Base, 1M steps, batch 256 × 512, keeps 100k/300k/600k for Figure 5 and the "mid" rows):
   python -m posjax.main --config=configs/pretrain.py:position=tupe_r,size=base --workdir=$WORKDIR \\
@@ -33,7 +34,7 @@ def position_defaults(name: str) -> dict:
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, position="tupe_r", size="base", runlocal=False)
+  arg = parse_arg(arg, position="tupe_r", size="base", runlocal=False, keep="")
   if arg.size not in SIZES:
     raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
   config = ml_collections.ConfigDict()
@@ -97,4 +98,10 @@ def get_config(arg=None):
                   log_every_steps=10, eval_every_steps=100, checkpoint_every_steps=100,
                   keep_steps=(), tensorboard=False)
     config.evals.eval.batches = 4
+  if arg.keep:
+    try:
+      extra = {int(step) for step in arg.keep.split("+")}
+    except ValueError:
+      raise ValueError(f"config option keep={arg.keep!r}: expected steps joined by '+', e.g. keep=100000+250000")
+    config.keep_steps = tuple(sorted({*config.keep_steps, *extra}))
   return config

@@ -91,6 +91,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checko
 MOVED = {"configs/tupe/": "configs/papers/tupe/", "configs/huang2020/": "configs/papers/huang2020/"}
 
 
+def current_path(path: str) -> str:
+  """``path`` with a moved folder's old prefix replaced by the new one (for files written before the move)."""
+  for old, new in MOVED.items():
+    if path.startswith(old):
+      return new + path[len(old):]
+  return path
+
+
 def config_path(path: str) -> str:
   """The file of a ``--config`` path (relative to the working directory, else to the checkout); a missing one,
   or one whose folder moved, is an error naming what exists."""

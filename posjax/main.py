@@ -36,36 +36,44 @@ train = functools.partial(loop.run, build_task=tasks.build)
 JOBS = {"train": train, "probes": functools.partial(probes.run, train=train),
         "table": functools.partial(sweep.run_table, train=train)}
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, with ':options'.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the resolved config go here.")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", os.environ.get("JAX_COORDINATOR_ADDRESS"),
-                                   "host:port of process 0 (multi-host).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", int(os.environ.get("JAX_NUM_PROCESSES", "1")),
-                                      "Processes in the run (multi-host).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS_ID", "0")),
-                                   "This process's index (multi-host).")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Start jax.distributed and let JAX detect the cluster "
-                                 "(Cloud TPU pods, SLURM, Open MPI) instead of the three flags above.")
+_FLAGS = {}
+
+
+def _define_flags() -> None:
+  """The command's flags, defined when it runs (so that importing ``train`` from here defines none)."""
+  _FLAGS.update(
+      config=config_flags.DEFINE_config_file("config", None, "Config file, with ':options'.", lock_config=True),
+      workdir=flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the resolved config go here."),
+      coordinator=flags.DEFINE_string("coordinator_address", os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                                      "host:port of process 0 (multi-host)."),
+      num_processes=flags.DEFINE_integer("num_processes", int(os.environ.get("JAX_NUM_PROCESSES", "1")),
+                                         "Processes in the run (multi-host)."),
+      process_id=flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS_ID", "0")),
+                                      "This process's index (multi-host)."),
+      distributed=flags.DEFINE_bool("distributed", False, "Start jax.distributed and let JAX detect the cluster "
+                                    "(Cloud TPU pods, SLURM, Open MPI) instead of the three flags above."))
 
 
 def main(argv):
   """Starts ``jax.distributed`` where asked, then runs ``config.job`` in ``--workdir``."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _CONFIG.value is None or not _WORKDIR.value:
+  value = {name: holder.value for name, holder in _FLAGS.items()}
+  config = value["config"]
+  if config is None or not value["workdir"]:
     raise app.UsageError("--config and --workdir are required")
-  if _NUM_PROCESSES.value > 1 or _DISTRIBUTED.value:
-    if _CONFIG.value.get("cpu_collectives"):
-      jax.config.update("jax_cpu_collectives_implementation", _CONFIG.value.cpu_collectives)
-    if _DISTRIBUTED.value:
+  if value["num_processes"] > 1 or value["distributed"]:
+    if config.get("cpu_collectives"):
+      jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+    if value["distributed"]:
       jax.distributed.initialize()
     else:
-      jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+      jax.distributed.initialize(value["coordinator"], value["num_processes"], value["process_id"])
   logging.info("process %d of %d, %d devices", jax.process_index(), jax.process_count(), jax.device_count())
-  job = _CONFIG.value.get("job", "train")
+  job = config.get("job", "train")
   if job not in JOBS:
     raise app.UsageError(f"unknown config.job {job!r}; allowed: {sorted(JOBS)}")
-  JOBS[job](_CONFIG.value, _WORKDIR.value)
+  JOBS[job](config, value["workdir"])
 
 
 def parse_flags(argv):
@@ -88,6 +96,7 @@ def run_main(argv):
 
 def entry():
   """``python -m posjax.main``."""
+  _define_flags()
   app.run(run_main, flags_parser=parse_flags)
 
 

@@ -26,11 +26,16 @@ SELECTIONS = ("best", "last")
 EVALUATIONS = "evaluations.jsonl"
 
 
-def write_json(path: str, value: Any, *, indent: int = 1, sort_keys: bool = True) -> None:
-  """``value`` to ``path`` atomically: a reader sees the old file or the new one, never a part."""
+def write_text(path: str, text: str) -> None:
+  """``text`` to ``path`` atomically: a reader (or a run killed mid-write) sees the old file or the new one."""
   with open(path + ".tmp", "w") as f:
-    json.dump(value, f, indent=indent, sort_keys=sort_keys)
+    f.write(text)
   os.replace(path + ".tmp", path)
+
+
+def write_json(path: str, value: Any, *, indent: int | None = 1, sort_keys: bool = True) -> None:
+  """``value`` to ``path`` as JSON, atomically (:func:`write_text`)."""
+  write_text(path, json.dumps(value, indent=indent, sort_keys=sort_keys))
 
 
 def read_json(path: str) -> Any | None:
@@ -100,9 +105,7 @@ class EvaluationLog:
   def _write(self) -> None:
     if not self.enabled:
       return
-    with open(self.path + ".tmp", "w") as f:
-      f.writelines(json.dumps(e, sort_keys=True) + "\n" for e in self.evaluations)
-    os.replace(self.path + ".tmp", self.path)
+    write_text(self.path, "".join(json.dumps(e, sort_keys=True) + "\n" for e in self.evaluations))
 
 
 def read_evaluations(workdir: str) -> list[dict]:

@@ -20,11 +20,11 @@ from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertForMaskedLM
 from posjax.main import train
 from posjax.tasks import mlm as mlm_task
-from posjax.train import checkpoint, loop, metrics
+from posjax.train import checkpoint, metrics
 from posjax.train.step import TrainState, make_optimizer, step_rng, train_step
 from conftest import ROOT, load_config, override
 
-DETERMINISTIC = loop.DETERMINISTIC_METRICS + ("eval_loss", "eval_accuracy")
+DETERMINISTIC = ("loss", "accuracy", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
 
 
 def pretrain_config(arg="runlocal,position=tupe_r", **overrides):

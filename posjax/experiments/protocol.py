@@ -6,7 +6,8 @@ table (median over seeds per learning rate, best learning rate per task).
 A table config (``configs/papers/tupe/table1.py``, ``configs/papers/huang2020/table1.py``, ...) is a ConfigDict with
 ``job = "table"`` and:
 
-- ``pretrain``: ``{config, options, overrides}``, the pre-training config file every row starts from
+- ``pretrain``: ``{config, options, overrides}``, the pre-training config file every row starts from (its
+  ``get_config`` takes ``keep=`` for the steps "mid" rows start from, kept beside its own ``keep_steps``)
   (``overrides``: ``[dotted field, value]`` pairs, as ``--config.<field>=<value>``);
 - ``finetune``: ``{task: {config, options, overrides}}``, one fine-tuning config per task;
 - ``lrs``, ``seeds``: the fine-tuning grid;
@@ -100,12 +101,12 @@ def expand(table: ml_collections.ConfigDict, root: str, rows: Iterable[str] | No
       overrides = {**dict(table.pretrain.get("overrides", ())), **dict(own.get("overrides", ()))}
       steps = sorted({table.rows[r].step for r in names if (table.rows[r].get("pretrain_of") or r) == owner
                       and table.rows[r].get("step")})
+      # The mid rows' steps are kept beside the recipe's own (TUPE's Figure 5 needs 100k, 300k, 600k): the
+      # pre-training config's ``keep`` option, so that listing the runs needs no config built.
+      keep = f"keep={'+'.join(str(int(s)) for s in steps)}" if steps else ""
       run = Run(f"{slug(owner)}/pretrain", owner, "pretrain", table.pretrain.config,
-                _options(table.pretrain.options, own.options), overrides,
+                _options(table.pretrain.options, own.options, keep), overrides,
                 os.path.join(root, slug(owner), "pretrain"))
-      if steps:  # the mid rows' steps beside the recipe's own (TUPE's Figure 5 needs 100k, 300k, 600k)
-        recipe = tuple(build(run).get("keep_steps", ()))
-        run.overrides["keep_steps"] = tuple(sorted({*recipe, *steps}))
       pretrain_runs[owner] = runs[run.name] = run
     pre = pretrain_runs[owner]
     for task, job in table.finetune.items():
@@ -161,7 +162,10 @@ def read_manifest(root: str) -> tuple[str, list[Run]]:
   with open(path) as f:
     manifest = json.load(f)
   fields = {f.name for f in dataclasses.fields(Run)}
-  return manifest["config"], [Run(**{k: v for k, v in r.items() if k in fields}) for r in manifest["runs"]]
+  runs = [Run(**{k: v for k, v in r.items() if k in fields}) for r in manifest["runs"]]
+  for run in runs:  # a sweep written before its configs' folder moved
+    run.config = config_args.current_path(run.config)
+  return config_args.current_path(manifest["config"]), runs
 
 
 def build(run: Run) -> ml_collections.ConfigDict:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -75,13 +76,17 @@ def _literal(text: str):
 
 def plan(config_spec: str, root: str, rows=(), grid=None) -> list[protocol.Run]:
   """The runs of a table config (or one run of any other config), with ``grid`` applied; the manifest is
-  written to ``root``."""
+  written to ``root``. Paths are made absolute (runs start in the checkout, wherever the sweep was started)."""
+  root = os.path.abspath(root)
   config = config_args.load_config(config_spec)
   if config.get("job") == "table":
     runs = protocol.expand(config, root, rows or config.get("selected") or None)
   else:
     if rows:
       raise ValueError(f"--rows given, but {config_spec} is not a table config")
+    path, sep, options = config_spec.partition(":")
+    if os.path.isfile(path) and not os.path.isfile(os.path.join(protocol.ROOT, path)):
+      config_spec = os.path.abspath(path) + sep + options  # a config of the user's, outside the checkout
     runs = protocol.single(config_spec, root)
   runs = protocol.add_grid(runs, grid or {})
   try:
@@ -102,17 +107,21 @@ def run_table(config, workdir: str, train) -> None:
   run_local(runs, workdir, train)
 
 
-def run_local(runs: list[protocol.Run], root: str, train=None, say=print) -> None:
+def _say(message: str) -> None:
+  print(message, flush=True)  # before the children's output, which shares the terminal (or pipe)
+
+
+def run_local(runs: list[protocol.Run], root: str, train=None, say=_say) -> bool:
   """Runs every unfinished run in order (each resumes from its own checkpoints): through ``train(config,
   workdir)`` in this process, or without ``train`` each as its printed command in a child process (the sweep
-  command itself needs no JAX). Either way compiled programs are shared through ``ROOT/compilation_cache``."""
+  command itself needs no JAX). Either way compiled programs are shared through ``ROOT/compilation_cache``.
+  Returns whether every run finished (a preempted child stops the sweep)."""
   cache = os.path.join(root, "compilation_cache")
   if train is not None:
     import jax  # imported here: the print and slurm launchers and the report run without JAX
 
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   for n, run in enumerate(runs, 1):
     if run.finished():
       say(f"[{n}/{len(runs)}] {run.name}: finished")
@@ -122,13 +131,34 @@ def run_local(runs: list[protocol.Run], root: str, train=None, say=print) -> Non
       config = protocol.build(run)
       config.progress = False
       train(config, run.workdir)
-      continue
-    status = subprocess.run(shlex.split(run.command()), cwd=protocol.ROOT, env=env, check=False).returncode
-    if status == 130:
-      raise KeyboardInterrupt(f"interrupted in {run.name}; rerun the same command to resume")
-    if status:
-      raise ValueError(f"{run.name} failed (exit status {status}; its output above says why); rerun the same "
-                       "command to resume after fixing it")
+    else:
+      status = _child(run, cache)
+      if status == 130:
+        raise KeyboardInterrupt(f"interrupted in {run.name}; rerun the same command to resume")
+      if status:
+        raise ValueError(f"{run.name} failed (exit status {status}; its output above says why); rerun the same "
+                         "command to resume after fixing it")
+    if not run.finished():  # preempted (SIGTERM): it saved a checkpoint; what depends on it must wait
+      say(f"{run.name} stopped before its end (preempted); rerun the same command to resume")
+      return False
+  return True
+
+
+def _child(run: protocol.Run, cache: str) -> int:
+  """Runs ``run.command()`` in the checkout and waits for it. Ctrl-C reaches the child too (one process group):
+  the sweep waits for the child's own stop (it finishes the step and names its checkpoint); SIGTERM is passed
+  on, so a preempted sweep saves the run it was in."""
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  child = subprocess.Popen(shlex.split(run.command()), cwd=protocol.ROOT, env=env)
+  forward = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signal.SIGTERM))
+  try:
+    while True:
+      try:
+        return child.wait()
+      except KeyboardInterrupt:
+        continue
+  finally:
+    signal.signal(signal.SIGTERM, forward)
 
 
 def run_slurm(runs: list[protocol.Run], root: str, *, partition: str = "", nodes: int = 1,
@@ -183,8 +213,8 @@ def main(argv):
     print(f"submitted {len(jobs)} jobs (logs in {os.path.join(f.root, 'slurm')}); when they are done: "
           f"python -m posjax.experiments.report --root={f.root}")
     return
-  run_local(runs, f.root)
-  print(f"{len(runs)} runs done; python -m posjax.experiments.report --root={f.root}")
+  if run_local(runs, os.path.abspath(f.root)):
+    print(f"{len(runs)} runs done; python -m posjax.experiments.report --root={f.root}")
 
 
 def entry():

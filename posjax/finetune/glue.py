@@ -26,6 +26,7 @@ from typing import Iterator, Sequence
 import numpy as np
 from absl import logging
 
+from posjax import results as results_lib
 from posjax.data.tokenizer import Tokenizer
 
 
@@ -213,12 +214,9 @@ def write_submission(path: str, name: str, ids: Sequence[str], predictions: Sequ
   """The GLUE server's file for one task: ``index<TAB>prediction`` lines, labels by name (MNLI, QNLI, RTE) or
   id, STS-B's score as predicted."""
   task = get(name)
-  with open(path + ".tmp", "w") as f:
-    f.write("index\tprediction\n")
-    for example_id, value in zip(ids, predictions, strict=True):
-      label = f"{float(value):.3f}" if task.labels is None else task.labels[int(value)]
-      f.write(f"{example_id}\t{label}\n")
-  os.replace(path + ".tmp", path)
+  labels = (f"{float(value):.3f}" if task.labels is None else task.labels[int(value)] for value in predictions)
+  rows = [f"{example_id}\t{label}\n" for example_id, label in zip(ids, labels, strict=True)]
+  results_lib.write_text(path, "index\tprediction\n" + "".join(rows))
 
 
 def truncate_longest_first(pieces: Sequence[list[int]], budget: int) -> list[list[int]]:

@@ -12,7 +12,7 @@ from posjax.positions import base
 
 @dataclasses.dataclass(frozen=True)
 class NoOptions:
-  pass
+  """A method without options."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,8 @@ class LearnedTable(nn.Module):
 
 
 class Absolute(nn.Module):
+  """BERT's learned absolute positions: a table row added to every token's input embedding."""
+
   spec: base.PositionSpec
 
   @nn.compact
@@ -59,6 +61,8 @@ def sinusoid(positions_BxL, dim: int, max_timescale: float = 10_000.0):
 
 
 class Sinusoidal(nn.Module):
+  """Vaswani et al.'s fixed sinusoidal positions, scaled, added to the input embedding."""
+
   spec: base.PositionSpec
 
   @nn.compact

@@ -17,6 +17,8 @@ from posjax.positions import absolute, base
 
 
 def slopes(num_heads: int) -> np.ndarray:
+  """ALiBi's per-head slopes 2^(-8h/n), h = 1..n (Press et al. 2022); for a head count that is not a power of two,
+  those of the power below followed by every other slope of twice that many, as their code computes them."""
   def power_of_two(n):
     return [2 ** (-8 * (h + 1) / n) for h in range(n)]
 
@@ -26,6 +28,8 @@ def slopes(num_heads: int) -> np.ndarray:
 
 
 class AlibiBias(nn.Module):
+  """ALiBi's encoder-level part: the shared ``-slope_h |j - i|`` bias (and its kernel terms)."""
+
   spec: base.PositionSpec
 
   @nn.compact

@@ -178,7 +178,7 @@ def huang_m3(spec, q, k, rel, tables, scale):
 
 
 def huang_m4(spec, q, k, rel, tables, scale):
-  """Method 4: ``q·w_r + w_r·k`` added to the content logits (and as the kernels' :class:`Relative`)."""
+  """Method 4: ``q·w_r + w_r·k`` added to the content logits (and as the kernels' :class:`posjax.kernels.Relative`)."""
   index, impl = clipped_index(rel, max_distance(spec)), spec.options.impl
   term = query_term(q, tables["key"], index, impl) + key_term(k, tables["key"], index, impl)
   relative = kernels.Relative(tables["key"], max_distance(spec), query=True, key=True)

@@ -31,12 +31,15 @@ def rotation(positions_BxL, head_dim: int, max_timescale: float = 10_000.0):
 
 
 def rotate(x_BxLxHxK, sin, cos):
+  """RoPE's rotation of each pair of halves of the head dimension by the position's angles (float32 inside)."""
   x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxK.dtype)
 
 
 class Rotation(nn.Module):
+  """RoPE's encoder-level part: the sines and cosines of every position, computed once per forward pass."""
+
   spec: base.PositionSpec
 
   @nn.compact
@@ -46,6 +49,8 @@ class Rotation(nn.Module):
 
 
 class RotateQK(nn.Module):
+  """RoPE inside each attention layer: q and k rotated by their positions' angles."""
+
   spec: base.PositionSpec
 
   @nn.compact

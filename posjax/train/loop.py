@@ -28,8 +28,6 @@ from posjax.train.preemption import Interrupted
 from posjax.train.step import train_step
 from posjax.train.task import Task
 
-DETERMINISTIC_METRICS = ("loss", "accuracy", "grad_norm", "learning_rate")
-
 BuildTask = Callable[[ml_collections.ConfigDict, int], Task]
 
 

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 import tqdm
 
+from posjax import results as results_lib
+
 
 class MetricWriter:
   """``metrics.jsonl`` and TensorBoard scalars, written by process 0 (``enabled``)."""
@@ -37,9 +39,7 @@ class MetricWriter:
       return
     with open(self.path) as f:
       lines = [line for line in f if _step_of(line) is not None and _step_of(line) <= step]
-    with open(self.path + ".tmp", "w") as f:
-      f.writelines(lines)
-    os.replace(self.path + ".tmp", self.path)
+    results_lib.write_text(self.path, "".join(lines))
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     if not self.enabled:

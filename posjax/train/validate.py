@@ -129,7 +129,6 @@ def agree(error: Exception | None) -> None:
 class Prepared(NamedTuple):
   """What validation built, for the run to use."""
   config: ml_collections.ConfigDict  # with total_steps and warmup_steps resolved
-  local_batch: int
   task: Task
   optimizer: Any
   schedule: Any
@@ -142,8 +141,6 @@ class Prepared(NamedTuple):
 def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callable[..., Task]) -> Prepared:
   """Checks ``config`` and builds what the run needs, writing nothing (see :func:`validate_everywhere`)."""
   config_args.check_ranges(config, RANGES)
-  if config.parallelism not in parallel_lib.PARALLELISMS:
-    raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(parallel_lib.PARALLELISMS)}")
   check_workdir_config(config, workdir, write=False)
   local_batch, local_eval_batch = check_batch(config)
   task = build_task(config, local_batch)
@@ -162,7 +159,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callab
   parallel.check_batch(local_eval_batch, 1, "eval_batch_size")
   if resolved.get("init_from"):
     checkpoint_lib.check_directory(resolved.init_from, "config.init_from")
-  return Prepared(resolved, local_batch, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel)
+  return Prepared(resolved, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel)
 
 
 def validate_everywhere(config: ml_collections.ConfigDict, workdir: str, build_task) -> Prepared:
