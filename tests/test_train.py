@@ -56,13 +56,13 @@ def test_local_run_logs_evaluates_and_checkpoints(tmp_path):
   assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
   assert [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
   lines = metrics.read(str(tmp_path))
-  train = [l for l in lines if "loss" in l]
-  assert [l["step"] for l in train] == [1, 2, 3, 4, 5, 6]
-  assert {"loss", "accuracy", "grad_norm", "learning_rate", "tokens_per_second"} <= train[0].keys()
+  logged = [l for l in lines if "loss" in l]
+  assert [l["step"] for l in logged] == [1, 2, 3, 4, 5, 6]
+  assert {"loss", "accuracy", "grad_norm", "learning_rate", "tokens_per_second"} <= logged[0].keys()
   assert [l["step"] for l in lines if "eval_loss" in l] == [3, 6]
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
   assert json.loads((tmp_path / "config.json").read_text())["model"]["position"] == "tupe_r"
-  assert train[-1]["learning_rate"] < train[1]["learning_rate"]  # linear decay after warm-up
+  assert logged[-1]["learning_rate"] < logged[1]["learning_rate"]  # linear decay after warm-up
 
 
 def test_restart_with_a_different_config_is_an_error(tmp_path):
