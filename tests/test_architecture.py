@@ -83,6 +83,29 @@ def test_the_checker_sees_an_import_inside_a_function(tmp_path):
   assert edges == {"posjax.a": {"posjax.b"}, "posjax.b": {"posjax.a"}}
 
 
+def _posjax_imports_inside_functions(path: pathlib.Path) -> list[int]:
+  """Lines that import a posjax module anywhere but at the module's top level."""
+  tree = ast.parse(path.read_text())
+  top_level = set(map(id, tree.body))
+  lines = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      ours = any(alias.name.startswith("posjax") for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      ours = bool(node.level) or (node.module or "").startswith("posjax")
+    else:
+      continue
+    if ours and id(node) not in top_level:
+      lines.append(node.lineno)
+  return lines
+
+
+def test_no_module_imports_a_posjax_module_inside_a_function():
+  """A function-level import is how a cycle hides, and it makes a module's dependencies hard to see."""
+  hidden = {name: lines for name, path in MODULES.items() if (lines := _posjax_imports_inside_functions(path))}
+  assert not hidden
+
+
 def _reaches(start: str, prefixes: tuple[str, ...]) -> list[str]:
   return sorted(t for t in IMPORTS[start] if t.startswith(prefixes))
 

@@ -387,24 +387,3 @@ def test_unknown_implementation_or_interpreter_is_an_error():
     kernels.relative_attention(x, x, x, implementation="triton")
   with pytest.raises(ValueError, match=r"interpret='gpu'; allowed: None, True, False, 'tpu'"):
     kernels.relative_attention(x, x, x, interpret="gpu")
-
-
-def test_the_kernels_and_position_methods_hide_no_import_inside_a_function():
-  """Both packages import posjax modules at module level only (a function-level import is how a cycle hides; the
-  layering itself, kernels below position methods, is tests/test_architecture.py's)."""
-  import ast
-  import pathlib
-
-  root = pathlib.Path(kernels.__file__).parent.parent
-  for package in ("kernels", "positions"):
-    for path in sorted((root / package).glob("*.py")):
-      tree = ast.parse(path.read_text())
-      top_level = set(map(id, tree.body))
-      for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-          ours = [alias.name for alias in node.names if alias.name.startswith("posjax")]
-        elif isinstance(node, ast.ImportFrom):
-          ours = [node.module] if (node.module or "").startswith("posjax") else []
-        else:
-          continue
-        assert not ours or id(node) in top_level, f"{package}/{path.name}:{node.lineno} imports {ours} in a function"
