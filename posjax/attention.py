@@ -74,8 +74,9 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
         f"term); use kernel 'xla' (or 'auto', which falls back to it)")
 
 
-def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool) -> str:
-  """The kernel one call runs on: ``xla``, ``cudnn`` or ``pallas``."""
+def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool, platform: str | None = None) -> str:
+  """The kernel one call runs on: ``xla``, ``cudnn`` or ``pallas`` (``platform``: the device compiled for,
+  default the default backend's)."""
   check_kernel(kernel, spec)
   if kernel == "xla":
     return "xla"
@@ -92,8 +93,9 @@ def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool
     if reasons:
       raise ValueError(f"attention kernel 'cudnn' cannot run this layer: {'; '.join(reasons)}")
     return "cudnn"
-  if jax.default_backend() != "gpu":
-    reasons.append(f"backend is {jax.default_backend()}")
+  platform = platform or jax.default_backend()
+  if platform != "gpu":
+    reasons.append(f"backend is {platform}")
   if reasons:
     message = f"attention kernel 'auto' uses 'xla' for {spec.name!r}: {'; '.join(reasons)}"
     if message not in _LOGGED:
@@ -156,13 +158,15 @@ class SelfAttention(nn.Module):
 
   Call with the ``PositionState`` the method's encoder-level module returned for this batch (built once
   and shared by all layers; an empty ``PositionState()`` for methods without one). The ``pallas`` kernel reads
-  the batch's positions from ``state.positions`` (default ``0..L-1``).
+  the batch's positions from ``state.positions`` (default ``0..L-1``). ``platform`` names the device the program
+  is compiled for (``gpu`` / ``tpu``; None: the default backend's), for ahead-of-time compilation on a CPU.
   """
 
   spec: base.PositionSpec
   kernel: str = "xla"
   dropout_rate: float = 0.0
   use_bias: bool = True
+  platform: str | None = None
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -176,7 +180,7 @@ class SelfAttention(nn.Module):
     else:
       terms = base.LayerTerms(q, k)
     dropout = not deterministic and self.dropout_rate > 0
-    kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout)
+    kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout, platform=self.platform)
     if kernel == "xla" or self.is_mutable_collection("intermediates"):
       logits = attention_logits(terms, state.bias, spec.scale)
       self.sow("intermediates", "attention_logits", logits)
@@ -188,7 +192,7 @@ class SelfAttention(nn.Module):
       out = kernels.relative_attention(
           terms.q, terms.k, v, terms=kernels.merge(state.kernel_terms, terms.kernel_terms), positions=state.positions,
           segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale,
-          dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
+          platform=self.platform, dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
     else:
       out = fused_attention(terms.q, terms.k, v, add_biases(terms.bias, state.bias), mask, spec.scale)
     return nn.DenseGeneral(

@@ -28,13 +28,15 @@ from posjax.kernels import mosaic, tile, triton, xla
 from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
-__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "merge", "IMPLEMENTATIONS"]
+PLATFORMS = ("cpu", "gpu", "tpu")
+__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "merge", "IMPLEMENTATIONS", "PLATFORMS"]
 
 
 def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
                        segment_ids=None, lengths=None, padding=None, scale: float | None = None,
                        causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] | None = None,
-                       interpret: bool | None = None, dropout_rate: float = 0.0, dropout_seed=None):
+                       interpret: bool | str | None = None, platform: str | None = None,
+                       dropout_rate: float = 0.0, dropout_seed=None):
   """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
 
   Args:
@@ -45,11 +47,15 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
     causal: key j only for queries i >= j (token order).
     implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile, powers of two (default
-      64×64 for the GPU kernels, 128×128 for the TPU ones, whose lane width is 128); the sequence is padded to a
-      power of two (as are head dimensions and table rows: Triton's arrays must be).
+      per backend and terms: ``triton.default_block_sizes`` / ``mosaic.default_block_sizes``, chosen from what
+      compiles and fits on H100 and TPU v5e/v6e); the sequence is padded to a power of two (as are head dimensions
+      and table rows: Triton's arrays must be).
     interpret: run the kernels in a Pallas interpreter: True (the GPU kernels in the generic one) or ``"tpu"``
       (the TPU kernels in the Mosaic TPU interpreter, ``pltpu.InterpretParams()``); False compiles them for the
       device (Triton on GPU, Mosaic on TPU). Default: interpret on a CPU (the GPU kernels), compile elsewhere.
+    platform: the device the program is compiled for, ``gpu`` or ``tpu`` (or ``cpu``); default the default
+      backend's. Ahead-of-time compilation on a CPU for a GPU or TPU (:mod:`posjax.aot`) names it, and the
+      kernels then compile for it unless ``interpret`` says otherwise.
       The TPU kernels need blocks that are multiples of (8, 128) or the whole padded sequence, and always read
       relative vectors windowed.
 
@@ -91,14 +97,17 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH)
-  tpu = interpret == "tpu" or (not interpret and jax.default_backend() == "tpu")
+  platform = jax.default_backend() if platform is None else platform
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform={platform!r}; allowed: None (the default backend's) or one of {list(PLATFORMS)}")
+  tpu = interpret == "tpu" or (not interpret and platform == "tpu")
   if interpret is None:
-    interpret = jax.default_backend() == "cpu"
+    interpret = platform == "cpu"
   elif interpret == "tpu":
     interpret = pltpu.InterpretParams()
   elif not isinstance(interpret, bool):
     raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
-  block_sizes = block_sizes or ((128, 128) if tpu else (64, 64))
+  block_sizes = block_sizes or (mosaic if tpu else triton).default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)
   if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):
     raise ValueError(f"the TPU kernels need a query block that is a multiple of 8 and a key block that is a "

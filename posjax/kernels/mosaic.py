@@ -366,6 +366,12 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   return out["out"], (out["row_max"], out["row_sum"])
 
 
+def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
+  """The (query, key) tile when the caller gives none: 128x128 (the lane width)."""
+  del terms, length, head_dim
+  return (128, 128)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
               salts_BxH):

@@ -155,6 +155,12 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   return out["out"], ((out["row_max"], out["row_sum"]), extra)
 
 
+def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
+  """The (query, key) tile when the caller gives none: 64x64 for every method."""
+  del terms, length, head_dim
+  return (64, 64)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
               salts_BxH):

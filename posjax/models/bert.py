@@ -40,6 +40,8 @@ class BertConfig:
     position: a position-method registry name (``posjax.positions.names()``).
     position_options: that method's options (an unknown key is an error).
     attention_kernel: ``xla`` | ``cudnn`` | ``pallas`` | ``auto`` (see ``posjax.attention``).
+    kernel_platform: the device the fused kernels are compiled for, ``gpu`` | ``tpu``; empty: the backend the
+      model runs on. Set by ahead-of-time compilation on a CPU (:mod:`posjax.aot`); not a training choice.
     norm: ``post`` (BERT, TUPE) or ``pre`` LayerNorm placement.
     activation: of the MLP and the MLM head: ``gelu`` (exact, BERT's), ``gelu_tanh`` (the tanh
       approximation: Hugging Face's ``gelu_new``), ``relu``.
@@ -57,6 +59,7 @@ class BertConfig:
   position: str = "absolute"
   position_options: Mapping[str, Any] = FrozenDict()
   attention_kernel: str = "xla"
+  kernel_platform: str = ""
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
@@ -71,6 +74,7 @@ class BertConfig:
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
     base.check_choice("norm", self.norm, ("post", "pre"))
+    base.check_choice("kernel_platform", self.kernel_platform, ("", "gpu", "tpu"))
     base.check_choice("activation", self.activation, tuple(ACTIVATIONS))
     base.check_choice("dtype", self.dtype, tuple(DTYPES))
     base.check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
@@ -149,7 +153,7 @@ class EncoderLayer(nn.Module):
     c = self.config
     drop = lambda y: nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     attend = attention.SelfAttention(c.position_spec, c.attention_kernel, c.attention_dropout_rate,
-                                     name="attention")
+                                     platform=c.kernel_platform or None, name="attention")
 
     def mlp(y):
       y = ACTIVATIONS[c.activation](_dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in")(y))
