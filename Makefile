@@ -19,16 +19,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,convert]'
 	touch $(STAMP)
 
+# The aot extra's compilers (without jaxlib, which .venv has), outside .venv: the suite's compile tests put them on
+# PYTHONPATH, every other process runs without them.
+AOT := .aot
+AOT_STAMP := $(AOT)/.posjax-installed
+$(AOT_STAMP): pyproject.toml $(STAMP)
+	rm -rf $(AOT)
+	$(PY) -m pip install -q --no-deps --target $(AOT) $$($(PY) -c 'import tomllib; \
+	  print(*[p for p in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["aot"] \
+	          if not p.startswith("jaxlib")])')
+	touch $(AOT_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m posjax.main --config=configs/probes.py --workdir=workdir/probes
 
-test: $(STAMP)
+test: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -n 2
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(AOT) build *.egg-info

@@ -3,6 +3,8 @@
 ``configs/papers/tupe/table1.py:row=TUPE-R``). It is the one composition root: it hands the tasks to the loop.
 
 ``--config.a.b=value`` overrides any field. Restarting the same command with the same workdir resumes.
+``--target=v5e:4x4`` (or ``h100``, ``h200:8``, ...; comma-separated) compiles the run's train step for those devices
+on this machine instead of training (:mod:`posjax.aot.compile`): does it compile, and does it fit?
 Multi-host: ``--coordinator_address``, ``--num_processes``, ``--process_id`` (defaults from the
 ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` environment variables), or
 ``--distributed`` to let JAX detect a TPU pod, SLURM or Open MPI job, start ``jax.distributed`` before
@@ -24,6 +26,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from posjax import config_args, tasks
+from posjax.aot import compile as aot
 from posjax.cli import error_message, run_user_errors
 from posjax.experiments import probes, sweep
 from posjax.train import loop
@@ -50,6 +53,11 @@ def _define_flags() -> None:
                                          "Processes in the run (multi-host)."),
       process_id=flags.DEFINE_integer("process_id", int(os.environ.get("JAX_PROCESS_ID", "0")),
                                       "This process's index (multi-host)."),
+      target=flags.DEFINE_string("target", None, "Compile the run's train step ahead of time for these devices "
+                                 "(comma-separated: h100, h200, h100:8, v5e:4x4, v6e:2x2, ...) on this machine, "
+                                 "print memory and kernel resources, and train nothing (no --workdir needed)."),
+      aot_data=flags.DEFINE_enum("aot_data", "synthetic", list(aot.DATA), "With --target: the batches' source, "
+                                 "the built-in synthetic corpus (mlm) or the config's own data."),
       distributed=flags.DEFINE_bool("distributed", False, "Start jax.distributed and let JAX detect the cluster "
                                     "(Cloud TPU pods, SLURM, Open MPI) instead of the three flags above."))
 
@@ -60,6 +68,14 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   value = {name: holder.value for name, holder in _FLAGS.items()}
   config = value["config"]
+  if value["target"] is not None:
+    if config is None:
+      raise app.UsageError("--target needs --config (the run to compile)")
+    if config.get("job", "train") != "train":
+      raise app.UsageError(f"--target compiles one training run; config.job is {config.job!r}")
+    aot.setup()
+    aot.run(config, value["target"], tasks.build, value["aot_data"])
+    return
   if config is None or not value["workdir"]:
     raise app.UsageError("--config and --workdir are required")
   if value["num_processes"] > 1 or value["distributed"]:

@@ -98,7 +98,7 @@ def devices(name: str) -> Target:
   platform, kind, topology = parse(name)
   missing = missing_plugin(platform)
   if missing:
-    raise RuntimeError(missing)
+    raise ValueError(missing)
   if platform == "gpu":
     found = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(kind), topology=topology)
     memory = GPUS[kind]["memory"]

@@ -19,8 +19,12 @@ which the position methods import from it.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
@@ -36,7 +40,8 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
                        segment_ids=None, lengths=None, padding=None, scale: float | None = None,
                        causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] | None = None,
                        interpret: bool | str | None = None, platform: str | None = None,
-                       dropout_rate: float = 0.0, dropout_seed=None):
+                       dropout_rate: float = 0.0, dropout_seed=None, batch_axes=("data", "fsdp"),
+                       head_axes=("tensor",)):
   """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
 
   Args:
@@ -62,6 +67,10 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     dropout_rate, dropout_seed: dropout on the attention weights (kept weights scaled by ``1/(1 - rate)``), its
       mask a hash of the int ``dropout_seed``, the (batch row, head) and the pair (:mod:`posjax.kernels.dropout`):
       the kernels recompute it per tile and the ``xla`` path builds the same one.
+
+    batch_axes, head_axes: under a mesh (``jax.sharding.use_abstract_mesh``, as posjax's training loop traces its
+      step), the kernels run once per shard: rows split over ``batch_axes``, heads over ``head_axes`` (the mesh
+      axes of :mod:`posjax.train.sharding` by default; names the mesh lacks are ignored; :func:`per_shard`).
 
   First-order gradients only (a ``custom_vjp``; differentiating the backward pass again is not supported).
   """
@@ -141,8 +150,51 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   plan = tile.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
                    interpret=interpret, treedef=treedef, dropout=dropout_rate)
   heads_first = lambda x_BxLxHxX, dim: pad(pad(x_BxLxHxX, 1, padded), 3, dim).transpose(0, 2, 1, 3)
-  out_BxHxPxV = (mosaic if tpu else triton).attention(
-      plan, leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
+  backend = functools.partial((mosaic if tpu else triton).attention, plan)
+  out_BxHxPxV = per_shard(backend, terms, b, h, batch_axes, head_axes)(
+      leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
       heads_first(v_BxLxHxK, value_dim), pad(positions_BxL, 1, padded), pad(segment_ids_BxL, 1, padded),
       pad(valid_BxL.astype(jnp.int32), 1, padded), salts_BxH)
   return out_BxHxPxV.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxHxK.shape[-1]]
+
+
+def term_specs(terms: Terms, batch, heads) -> Terms:
+  """Each term array's ``PartitionSpec`` when rows split over mesh axes ``batch`` and heads over ``heads`` (a
+  table shared by the whole batch, such as the relative vectors or a ``[1, ...]`` untied term, is replicated)."""
+  specs = {}
+  if terms.alibi is not None:
+    specs["alibi"] = terms.alibi.replace(slopes=P(heads))
+  if terms.buckets is not None:
+    specs["buckets"] = terms.buckets.replace(table=P(None, heads))
+  if terms.relative is not None:
+    specs["relative"] = terms.relative.replace(table=P())
+  if terms.untied is not None:
+    u = terms.untied
+    rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)
+    specs["untied"] = u.replace(u_q=rows(u.u_q), u_k=rows(u.u_k),
+                                theta=None if u.theta is None else P(None, heads))
+  return terms.replace(**specs)
+
+
+def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes, head_axes):
+  """``backend`` (a kernel call on heads-first arrays) as it runs under the mesh that tracing sees
+  (``jax.sharding.use_abstract_mesh``, which posjax's training loop sets): once per shard, rows split over the
+  mesh axes ``batch_axes`` and heads over ``head_axes`` (names the mesh lacks are ignored), through ``shard_map``,
+  so the partitioner neither gathers the batch onto every device (a Triton call) nor refuses the call (Mosaic).
+  Unchanged without a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return backend
+  batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+  head_axes = tuple(a for a in head_axes if a in mesh.axis_names)
+  for what, size, axes in (("batch", batch, batch_axes), ("heads", heads, head_axes)):
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if size % shards:
+      raise ValueError(f"the attention kernel splits its {what} ({size}) over mesh axes {list(axes)} ({shards} "
+                       f"shards), which does not divide it; choose a mesh whose {'/'.join(axes)} size divides {size}")
+  b, h = batch_axes or None, head_axes or None
+  rows_BxHxPxX, line_BxP = P(b, h, None, None), P(b, None)
+  leaves = jax.tree.leaves(term_specs(terms, b, h), is_leaf=lambda x: isinstance(x, P))
+  return jax.shard_map(backend, mesh=mesh, in_specs=(leaves, rows_BxHxPxX, rows_BxHxPxX, rows_BxHxPxX, line_BxP,
+                                                      line_BxP, line_BxP, P(b, h)),
+                       out_specs=rows_BxHxPxX, check_vma=False)

@@ -12,7 +12,8 @@ axis runs sequentially, q/k/v tiles brought in by BlockSpecs, running statistics
   per table entry;
 - relative vectors are always windowed (``Relative.window``): a tile's ``2·block`` table rows arrive as two
   blocks of a distance-ordered ``[2L, K]`` table (and of its reverse, for the key side) and the products are
-  skewed with strided ``pltpu.roll``; the table's gradient is summed along tile diagonals in an output block
+  skewed by :func:`_skew` (static rolls and selects: Mosaic's strided rotate exists only along lanes, with a
+  small positive stride, and only from v5 on); the table's gradient is summed along tile diagonals in an output block
   that stays resident across the sequential axis (no atomics);
 - the gradients of the bucket table, slopes and θ are per-row partial sums (columns of one ``[B, H, L, C]``
   output of the ``dq`` kernel), summed after it.
@@ -83,24 +84,39 @@ class _Tile(TileBase):
     if rel_terms.query:
       self.window_WxK = jnp.concatenate([self.r["window_lo"][...], self.r["window_hi"][...]], axis=0)
       qe_QxW = self.plan.scale * dot_t(self.q_QxK, self.window_WxK.astype(self.q_QxK.dtype))
-      term_QxT = term_QxT + pltpu.roll(qe_QxW, bq, 1, stride=1, stride_axis=0)[:, :bq]
+      term_QxT = term_QxT + _skew(qe_QxW, bq, 1, 1)[:, :bq]
     if rel_terms.key:
       self.reversed_WxK = jnp.concatenate([self.r["reversed_lo"][...], self.r["reversed_hi"][...]], axis=0)
       g_WxT = self.plan.scale * dot_t(self.reversed_WxK.astype(self.k_TxK.dtype), self.k_TxK)
-      term_QxT = term_QxT + pltpu.roll(g_WxT, bq + 1, 0, stride=1, stride_axis=1)[:bq, :]
+      term_QxT = term_QxT + _skew(g_WxT, bq + 1, 0, 1)[:bq, :]
     return term_QxT
 
   def unskew_query(self, ds_QxT):
     """``[bq, 2 bq]``: the gradient of ``qe`` (the transpose of its roll, on ds padded with zeros)."""
     bq = self.plan.block_q
     padded_QxW = jnp.concatenate([ds_QxT, jnp.zeros_like(ds_QxT)], axis=1)
-    return pltpu.roll(padded_QxW, bq, 1, stride=2 * bq - 1, stride_axis=0)
+    return _skew(padded_QxW, bq, 1, -1)
 
   def unskew_key(self, ds_QxT):
     """``[2 bq, bk]``: the gradient of the key side's ``g``."""
     bq = self.plan.block_q
     padded_WxT = jnp.concatenate([ds_QxT, jnp.zeros_like(ds_QxT)], axis=0)
-    return pltpu.roll(padded_WxT, bq - 1, 0, stride=2 * bq - 1, stride_axis=1)
+    return _skew(padded_WxT, bq - 1, 0, -1)
+
+
+def _skew(x_MxN, shift: int, axis: int, sign: int):
+  """``x`` with each line along ``axis`` (row t for axis 1, column t for axis 0) rolled by ``shift + sign·t``
+  (as ``jnp.roll``): one static roll, then a static roll and a select per bit of t. Exact, and made of rotates
+  every TPU generation has in either direction."""
+  size, lines = x_MxN.shape[axis], x_MxN.shape[1 - axis]
+  line_MxN = jax.lax.broadcasted_iota(jnp.int32, x_MxN.shape, 1 - axis)
+  if shift % size:
+    x_MxN = pltpu.roll(x_MxN, shift % size, axis)
+  bit = 1
+  while bit < lines:
+    x_MxN = jnp.where((line_MxN & bit) != 0, pltpu.roll(x_MxN, sign * bit % size, axis), x_MxN)
+    bit *= 2
+  return x_MxN
 
 
 def _ds(plan: Plan, r: dict, tile: _Tile):

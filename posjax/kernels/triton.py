@@ -88,7 +88,7 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   if terms.untied is not None and terms.untied.reset != "none":
     inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
   if terms.relative is not None and terms.relative.window:
-    inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2])
+    inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
     specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
   for name in ("slopes", "bucket_table", "theta_row", "theta_col"):
     if name in inputs:
@@ -108,7 +108,7 @@ def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: 
       functools.partial(kernel, plan, terms, names),
       # Pallas's Triton backend (the default GPU backend of this jax is Mosaic GPU, which these kernels are not
       # written for)
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=pltriton.CompilerParams(**compiler_params(plan, terms)),
       grid=(b, h, tiles),
       in_specs=[specs[n] for n in inputs],
       out_specs=[out_specs[n] for n in outputs],
@@ -117,6 +117,18 @@ def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: 
       name=kernel.__name__.strip("_"),
   )(*inputs.values())
   return dict(zip(outputs, results))
+
+
+def compiler_params(plan: Plan, terms: Terms) -> dict:
+  """Triton's ``num_warps`` and ``num_stages`` (measured with ptxas for H100, bf16, K=64): 8 warps when the
+  tile builds position terms or is larger than 64x64 (at 4 their ``[bq, bk]`` index and value tensors spill),
+  4 otherwise. Windowed relative vectors take one stage: their tiles gather this program's scratch block right
+  after storing it, which a software-pipelined (prefetched) load would read stale, and two stages of the
+  window's operands fill 85-100% of the shared memory."""
+  plain = (all(getattr(terms, name) is None for name in ("alibi", "buckets", "relative", "untied"))
+           and plan.block_q * plan.block_k <= 64 * 64)
+  window = terms.relative is not None and bool(terms.relative.window)
+  return {"num_warps": 4 if plain else 8, "num_stages": 1 if window else 2}
 
 
 def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int) -> dict:

@@ -127,14 +127,6 @@ class Tile(TileBase):
       return ref[0, column_index_QxT].astype(jnp.float32)
     return ref[0, 0, row_index_QxT, column_index_QxT].astype(jnp.float32)
 
-  def scatter(self, values_QxT, index_QxT, entries: int, axis):
-    """The backward's scatter of each pair's gradient to its table entry (distance or bucket): ``values``
-    ``[bq, bk]`` times ``one_hot(index, entries)`` summed over ``axis``, in pieces of :func:`_chunk` entries
-    (a tuple): Triton caps an array at 2^20 elements, which ``[bq, bk, entries]`` exceeds for wide tables."""
-    chunk = _chunk(self.plan, entries)
-    return tuple(jnp.sum(values_QxT[:, :, None] * _one_hot(index_QxT - start, chunk), axis=axis)
-                 for start in range(0, entries, chunk))
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Kernels. Inputs are whole (batch, head) rows; outputs are this program's tile.
@@ -185,30 +177,59 @@ def _ds(plan: Plan, r: dict, tile: Tile):
   return tile.dropped(p_QxT), jnp.where(tile.allowed_QxT, ds_QxT, 0.0)
 
 
+CHUNK_ELEMENTS = 1 << 12  # a scatter step's [bq, bk, chunk] one-hot: 64 float32 per thread at 4 warps
+
+
 def _chunk(plan: Plan, entries: int) -> int:
-  """Table entries per scatter piece: a ``[bq, bk, piece]`` one-hot of at most 2^18 elements."""
-  return min(entries, max(1, (1 << 18) // (plan.block_q * plan.block_k)))
+  """Table entries per scatter step: a ``[bq, bk, chunk]`` one-hot of at most ``CHUNK_ELEMENTS``."""
+  return min(entries, max(1, CHUNK_ELEMENTS // (plan.block_q * plan.block_k)))
 
 
-def _zero_pieces(plan: Plan, rows: tuple, entries: int):
+def _block(start, size: int, rows: bool):
+  """Entries ``start : start + size`` of an output block: rows ``[1, 1, R, E]`` or a partial sum ``[1, 1, 1, E]``."""
+  return (0, 0, slice(None) if rows else 0, pl.ds(start, size))
+
+
+def _zero(plan: Plan, out, rows: bool):
+  """Zeroes a scatter's output block (:func:`_scatter_add` adds into it), a chunk at a time."""
+  chunk = _chunk(plan, out.shape[-1])
+  shape = (out.shape[2], chunk) if rows else (chunk,)
+
+  def body(c, carry):
+    out[_block(pl.multiple_of(c * chunk, chunk), chunk, rows)] = jnp.zeros(shape, out.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, out.shape[-1] // chunk, body, 0)
+
+
+def _scatter_add(plan: Plan, out, values_QxT, index_QxT, allowed_QxT, axis):
+  """Adds each pair's gradient ``values`` (zero where not ``allowed``) to its table entry ``index`` in this
+  program's output block (a partial sum, ``axis=(0, 1)``, or the tile's rows, ``axis`` the other side's),
+  ``chunk`` entries a step over the entries the allowed pairs reach: a ``[bq, bk, chunk]`` one-hot summed per
+  step, so neither registers nor the PTX grow with the table. The block is this program's only
+  (deterministic); the barrier orders the previous step's stores before this step's loads."""
+  entries = out.shape[-1]
   chunk = _chunk(plan, entries)
-  return tuple(jnp.zeros((*rows, chunk), jnp.float32) for _ in range(entries // chunk))
+  first = jnp.min(jnp.where(allowed_QxT, index_QxT, entries - 1)) // chunk
+  last = jnp.max(jnp.where(allowed_QxT, index_QxT, 0)) // chunk
 
+  def body(c, carry):
+    start = pl.multiple_of(c * chunk, chunk)
+    part_X = jnp.sum(values_QxT[:, :, None] * _one_hot(index_QxT - start, chunk), axis=axis)
+    _barrier(plan)
+    at = _block(start, chunk, rows=axis != (0, 1))
+    out[at] = out[at] + part_X
+    return carry
 
-def _add(acc, pieces):
-  return tuple(a_E + p_E for a_E, p_E in zip(acc, pieces))
+  jax.lax.fori_loop(first, last + 1, body, 0)
 
 
 def _write(out, value, rows: bool):
-  """An accumulator into this program's output block: rows ``[b, L, X]`` or a partial sum ``[X]``; a tuple of
-  scatter pieces fills the last axis piece by piece."""
-  pieces = value if isinstance(value, tuple) else (value,)
-  width = pieces[0].shape[-1]
-  for c, piece_E in enumerate(pieces):
-    if rows:
-      out[0, 0, :, pl.ds(c * width, width)] = piece_E.astype(out.dtype)
-    else:
-      out[0, 0, 0, pl.ds(c * width, width)] = piece_E.astype(out.dtype)
+  """An accumulator into this program's output block: rows ``[b, L, X]`` or a partial sum ``[X]``."""
+  if rows:
+    out[0, 0, :, :] = value.astype(out.dtype)
+  else:
+    out[0, 0, 0, :] = value.astype(out.dtype)
 
 
 def dq_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -219,42 +240,40 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
   bq, head_dim = plan.block_q, r["q"].shape[-1]
   acc = {"dq": jnp.zeros((bq, head_dim), jnp.float32)}
   window = terms.relative is not None and terms.relative.window
-  if terms.relative is not None and terms.relative.query and not window:
-    acc["dqe"] = _zero_pieces(plan, (bq,), terms.relative.table.shape[0])
   if terms.untied is not None:
     acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
     if terms.untied.reset != "none":
       acc["dtheta_row"] = acc["dtheta_col"] = jnp.zeros((1,), jnp.float32)
-  if terms.buckets is not None:
-    acc["dbucket"] = _zero_pieces(plan, (), terms.buckets.table.shape[0])
   if terms.alibi is not None:
     acc["dslope"] = jnp.zeros((1,), jnp.float32)
+  scattered = [name for name in ("dqe", "dbucket") if name in r]
+  for name in scattered:
+    _zero(plan, r[name], rows=name == "dqe")
 
   def body(t, acc):
     tile = Tile(plan, terms, r, i0, t * plan.block_k)
     _, ds_QxT = _ds(plan, r, tile)
     acc = dict(acc)
-    acc["dq"] = acc["dq"] + plan.scale * dot(ds_QxT.astype(tile.k_TxK.dtype), tile.k_TxK).astype(jnp.float32)
-    if "dqe" in acc:
-      acc["dqe"] = _add(acc["dqe"], tile.scatter(ds_QxT, tile.rel_index_QxT, terms.relative.table.shape[0], 1))
+    acc["dq"] = acc["dq"] + plan.scale * _dot_in(dot, ds_QxT, tile.k_TxK)
+    if "dqe" in r:
+      _scatter_add(plan, r["dqe"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 1)
     if window and terms.relative.query:
-      acc["dq"] = acc["dq"] + plan.scale * dot(tile.unskew(ds_QxT, key=False), tile.window_WxK.astype(jnp.float32))
+      acc["dq"] = acc["dq"] + plan.scale * _dot_in(dot, tile.unskew(ds_QxT, key=False), tile.window_WxK)
     d_untied_QxT, d_bucket_QxT = tile.position_grads(ds_QxT)
     if "du_q" in acc:
-      acc["du_q"] = acc["du_q"] + dot(d_untied_QxT, tile.u_k_TxK.astype(jnp.float32))
+      acc["du_q"] = acc["du_q"] + _dot_in(dot, d_untied_QxT, tile.u_k_TxK)
     if "dtheta_row" in acc:
       acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i_QxT, ds_QxT, 0.0))
       acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0))
-    if "dbucket" in acc:
-      acc["dbucket"] = _add(acc["dbucket"], tile.scatter(d_bucket_QxT, tile.bucket_QxT,
-                                                         terms.buckets.table.shape[0], (0, 1)))
+    if "dbucket" in r:
+      _scatter_add(plan, r["dbucket"], d_bucket_QxT, tile.bucket_QxT, tile.allowed_QxT, (0, 1))
     if "dslope" in acc:
       acc["dslope"] = acc["dslope"] - jnp.sum(ds_QxT * tile.distance_QxT)
     return acc
 
   acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
   for name, value in acc.items():
-    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dbucket", "dslope"))
+    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dslope"))
 
 
 def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -264,25 +283,25 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   bk, head_dim = plan.block_k, r["k"].shape[-1]
   acc = {"dk": jnp.zeros((bk, head_dim), jnp.float32), "dv": jnp.zeros((bk, r["v"].shape[-1]), jnp.float32)}
   window = terms.relative is not None and terms.relative.window
-  if terms.relative is not None and terms.relative.key and not window:
-    acc["dke"] = _zero_pieces(plan, (bk,), terms.relative.table.shape[0])
   if terms.untied is not None:
     acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
+  if "dke" in r:
+    _zero(plan, r["dke"], rows=True)
 
   def body(t, acc):
     tile = Tile(plan, terms, r, t * plan.block_q, j0)
     p_QxT, ds_QxT = _ds(plan, r, tile)
     acc = dict(acc)
     do_QxV = r["d_out"][0, 0, tile.rows, :]
-    acc["dv"] = acc["dv"] + t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
-    acc["dk"] = acc["dk"] + plan.scale * t_dot(ds_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
-    if "dke" in acc:
-      acc["dke"] = _add(acc["dke"], tile.scatter(ds_QxT, tile.rel_index_QxT, terms.relative.table.shape[0], 0))
+    acc["dv"] = acc["dv"] + _dot_in(t_dot, p_QxT, do_QxV)
+    acc["dk"] = acc["dk"] + plan.scale * _dot_in(t_dot, ds_QxT, tile.q_QxK)
+    if "dke" in r:
+      _scatter_add(plan, r["dke"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 0)
     if window and terms.relative.key:
-      acc["dk"] = acc["dk"] + plan.scale * dot(tile.unskew(ds_QxT, key=True), tile.window_WxK.astype(jnp.float32))
+      acc["dk"] = acc["dk"] + plan.scale * _dot_in(dot, tile.unskew(ds_QxT, key=True), tile.window_WxK)
     if "du_k" in acc:
       d_untied_QxT, _ = tile.position_grads(ds_QxT)
-      acc["du_k"] = acc["du_k"] + t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
+      acc["du_k"] = acc["du_k"] + _dot_in(t_dot, d_untied_QxT, tile.u_q_QxK)
     return acc
 
   acc = jax.lax.fori_loop(0, r["q"].shape[2] // plan.block_q, body, acc)
@@ -304,14 +323,20 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
     tile = Tile(plan, terms, r, s * block, (s + diagonal) * block)
     _, ds_QxT = _ds(plan, r, tile)
     if terms.relative.query:
-      acc_WxK = acc_WxK + t_dot(tile.unskew(ds_QxT, key=False), tile.q_QxK.astype(jnp.float32))
+      acc_WxK = acc_WxK + _dot_in(t_dot, tile.unskew(ds_QxT, key=False), tile.q_QxK)
     if terms.relative.key:
-      acc_WxK = acc_WxK + t_dot(tile.unskew(ds_QxT, key=True), tile.k_TxK.astype(jnp.float32))
+      acc_WxK = acc_WxK + _dot_in(t_dot, tile.unskew(ds_QxT, key=True), tile.k_TxK)
     return acc_WxK
 
   acc_WxK = jax.lax.fori_loop(0, n - jnp.abs(diagonal), body,
                               jnp.zeros((2 * block, r["q"].shape[-1]), jnp.float32))
   r["d_window"][0, 0, 0, :, :] = plan.scale * acc_WxK
+
+
+def _dot_in(product, gradient_MxX, operand_XxN):
+  """A backward product of a float32 gradient tile and an input tile, the gradient cast to the input's dtype (as
+  flash attention's ``ds·k``): bf16 operands on the tensor cores, half the shared memory of float32 ones."""
+  return product(gradient_MxX.astype(operand_XxN.dtype), operand_XxN)
 
 
 def _barrier(plan: Plan):

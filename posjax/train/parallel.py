@@ -17,18 +17,24 @@ from posjax.train import sharding
 PARALLELISMS = ("jit", "pmap")
 
 
-def make(config, abstract_boxed_state):
-  """The strategy ``config.parallelism`` names, for a state shaped as ``abstract_boxed_state``."""
+def make(config, abstract_boxed_state, devices=None):
+  """The strategy ``config.parallelism`` names, for a state shaped as ``abstract_boxed_state``, over ``devices``
+  (default: all of them; other devices, such as a compile-only target's, only for ``jit``)."""
   if config.parallelism not in PARALLELISMS:
     raise ValueError(f"unknown parallelism {config.parallelism!r}; allowed: {list(PARALLELISMS)}")
-  return (JitParallel if config.parallelism == "jit" else PmapParallel)(config, abstract_boxed_state)
+  if config.parallelism == "pmap":
+    if devices is not None:
+      raise ValueError("parallelism='pmap' runs on this machine's devices only; compile for other devices with "
+                       "parallelism='jit'")
+    return PmapParallel(config, abstract_boxed_state)
+  return JitParallel(config, abstract_boxed_state, devices)
 
 
 class JitParallel:
   """One program over a device mesh: parameters sharded by their logical axes, the batch over data/fsdp."""
 
-  def __init__(self, config, abstract_boxed_state):
-    self.mesh = sharding.make_mesh(dict(config.mesh))
+  def __init__(self, config, abstract_boxed_state, devices=None):
+    self.mesh = sharding.make_mesh(dict(config.mesh), devices)
     self.state_shardings = sharding.logical_shardings(abstract_boxed_state, self.mesh)
     self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                        nn.unbox(abstract_boxed_state), self.state_shardings)
@@ -43,14 +49,22 @@ class JitParallel:
       raise ValueError(f"{field}={local_batch * jax.process_count()} must divide over the mesh's {shards} data x "
                        "fsdp devices")
 
+  def in_mesh(self, fn):
+    """``fn`` traced under the mesh (``use_abstract_mesh``), so that the fused attention kernels run per shard."""
+    @functools.wraps(fn)
+    def traced(*args):
+      with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        return fn(*args)
+    return traced
+
   def compile_step(self, step_fn):
     batch = sharding.batch_sharding(self.mesh)
-    return jax.jit(step_fn, in_shardings=(self.state_shardings, batch, sharding.replicated(self.mesh)),
+    return jax.jit(self.in_mesh(step_fn), in_shardings=(self.state_shardings, batch, sharding.replicated(self.mesh)),
                    out_shardings=(self.state_shardings, sharding.replicated(self.mesh)), donate_argnums=0)
 
   def compile_predict(self, predict_fn):
     """``predict_fn(params, batch)`` with every output row of the global batch on every process."""
-    return jax.jit(predict_fn, out_shardings=sharding.replicated(self.mesh))
+    return jax.jit(self.in_mesh(predict_fn), out_shardings=sharding.replicated(self.mesh))
 
   def put_batch(self, local_batch):
     return sharding.global_batch(local_batch, self.mesh)

@@ -138,8 +138,10 @@ class Prepared(NamedTuple):
   parallel: Any
 
 
-def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callable[..., Task]) -> Prepared:
-  """Checks ``config`` and builds what the run needs, writing nothing (see :func:`validate_everywhere`)."""
+def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callable[..., Task],
+             devices=None) -> Prepared:
+  """Checks ``config`` and builds what the run needs, writing nothing (see :func:`validate_everywhere`);
+  ``devices``: the mesh's (default all; ahead-of-time compilation passes a target's)."""
   config_args.check_ranges(config, RANGES)
   check_workdir_config(config, workdir, write=False)
   local_batch, local_eval_batch = check_batch(config)
@@ -154,7 +156,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callab
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
   abstract_state = jax.eval_shape(init_boxed, init_rng)  # traces the model: its options are checked here
-  parallel = parallel_lib.make(resolved, abstract_state)
+  parallel = parallel_lib.make(resolved, abstract_state, devices)
   parallel.check_batch(local_batch, resolved.grad_accum_steps)
   parallel.check_batch(local_eval_batch, 1, "eval_batch_size")
   if resolved.get("init_from"):

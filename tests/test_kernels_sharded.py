@@ -1,0 +1,70 @@
+"""The fused kernel under a device mesh (8 CPU devices): it runs once per shard (rows over data x fsdp, heads over
+tensor) and gives the outputs and gradients of the unsharded call, tables' gradients summed over the shards."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from posjax import kernels
+from posjax.train import sharding
+
+
+def every_term(rng, batch, length, heads, head_dim):
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  return kernels.Terms(
+      alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 1.0, heads), jnp.float32)),
+      buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33),
+      relative=kernels.Relative(0.5 * f32(11, head_dim), max_distance=5, query=True, key=True),
+      untied=kernels.Untied(f32(batch, length, heads, head_dim), f32(batch, length, heads, head_dim), f32(2, heads)))
+
+
+@pytest.mark.parametrize("interpreter", [True, "tpu"])
+def test_the_kernel_on_a_mesh_matches_it_unsharded(interpreter):
+  rng = np.random.default_rng(0)
+  batch, length, heads, head_dim = 4, 16, 4, 8
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  q, k, v, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(4))
+  terms = every_term(rng, batch, length, heads, head_dim)
+  positions = np.tile(np.arange(length, dtype=np.int32), (batch, 1))
+  lengths = np.array([16, 11, 16, 3])
+  seen = []
+
+  def loss(q, k, v, terms):
+    seen.append(jax.sharding.get_abstract_mesh().empty)
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, lengths=lengths,
+                                     block_sizes=(8, 8), interpret=interpreter, dropout_rate=0.2,
+                                     dropout_seed=jnp.int32(3))
+    return jnp.sum(out * weights)
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+  want = jax.jit(grad)(q, k, v, terms)
+
+  def in_mesh(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return grad(*args)
+
+  rows = NamedSharding(mesh, P(sharding.BATCH, None, "tensor", None))
+  sharded = jax.jit(in_mesh, in_shardings=(rows, rows, rows, None))
+  assert "sdy.manual_computation" in sharded.lower(q, k, v, terms).as_text()  # per shard, not partitioned by XLA
+  got = sharded(q, k, v, terms)
+  assert seen == [True, False, False]
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
+    np.testing.assert_allclose(y, x, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(x).max())),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_batch_the_mesh_does_not_divide_is_an_error():
+  mesh = sharding.make_mesh({"data": 4, "tensor": 2})
+  x = jnp.ones((2, 8, 2, 8))
+
+  @functools.partial(jax.jit)
+  def call(x):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return kernels.relative_attention(x, x, x, interpret=True)
+
+  with pytest.raises(ValueError, match=r"splits its batch \(2\) over mesh axes \['data', 'fsdp'\] \(4 shards\)"):
+    call(x)
