@@ -10,8 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from posjax import kernels
+from posjax.kernels import mosaic
 from posjax.models import BertConfig, BertModel
 
 
@@ -150,6 +153,44 @@ def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter, pac
   want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k_, v, terms)
                for impl in ("xla", "pallas"))
   assert_close_tree(got, want)
+
+
+@pytest.mark.parametrize("length,k,side,packed", [(200, 199, "key", False), (200, 60, "both", True)])
+def test_tpu_windows_at_full_tiles_match_xla(length, k, side, packed):
+  """The TPU kernels at their default 128x128 tiles (the skew's every bit) in the Mosaic TPU interpreter: each
+  side alone and both, clipped (k < L-1) or not, packed or one segment."""
+  rng = np.random.default_rng(k)
+  batch, heads, head_dim = 1, 1, 8
+  positions, segments, lengths = packed_rows(rng, batch, length) if packed else (None, None, None)
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  terms = kernels.Terms(relative=kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k,
+                                                  query=side != "key", key=side != "query"))
+  q, k_, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=lengths, implementation=implementation, interpret="tpu")
+    return jnp.sum(out * weights)
+
+  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k_, v, terms)
+               for impl in ("xla", "pallas"))
+  assert_close_tree(got, want)
+
+
+@pytest.mark.parametrize("shape,axis,shift,sign", [((128, 256), 1, 128, 1), ((128, 256), 1, 128, -1),
+                                                   ((256, 128), 0, 129, 1), ((256, 128), 0, 127, -1)])
+def test_the_tpu_skew_rolls_each_line_by_its_own_amount(shape, axis, shift, sign):
+  """:func:`posjax.kernels.mosaic._skew` (static rolls and selects) in the Mosaic TPU interpreter: line t
+  rolled by ``shift + sign·t``, exactly."""
+  x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+
+  def kernel(x_ref, out_ref):
+    out_ref[...] = mosaic._skew(x_ref[...], shift, axis, sign)
+
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+                       interpret=pltpu.InterpretParams())(x)
+  lines = [np.roll(np.take(x, t, axis=1 - axis), shift + sign * t) for t in range(shape[1 - axis])]
+  np.testing.assert_array_equal(got, np.stack(lines, axis=1 - axis))
 
 
 @pytest.mark.parametrize("interpreter", [True, "tpu"])

@@ -1,7 +1,8 @@
 """Flash attention for TPU (Pallas Mosaic) with the position terms built inside each tile.
 
 Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T query/key tile rows, W window
-rows (``2·block``), C the ``dq`` kernel's gradient columns, P tile diagonals, X any last axis.
+rows (``2·block``), C the ``dq`` kernel's gradient columns, P tile diagonals, M/N any matrix's rows/columns,
+X any last axis.
 
 The TPU counterpart of :mod:`posjax.kernels.triton` (same op, same terms, same numerics; what they share:
 :mod:`posjax.kernels.tile`), shaped the way Mosaic kernels are: a ``(batch, head, tile, tile)`` grid whose last
