@@ -2,8 +2,7 @@
 the op's ``custom_vjp`` in :mod:`posjax.kernels.triton` launches (its docstring describes the design).
 
 Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T query/key tile rows, W window
-rows (``2·block``), D relative-table rows (``2k+1``), N bucket entries, E a scatter piece's entries, X any last
-axis.
+rows (``2·block``), D relative-table rows (``2k+1``), N bucket entries, X any last axis.
 
 A kernel is called as ``kernel(plan, terms, names, *refs)``: ``refs`` are its inputs' blocks (whole ``[1, 1, L,
 X]`` rows of its (batch, head); per-head ``[1, X]`` parameter rows) and its outputs' blocks (this program's tile),
@@ -177,7 +176,7 @@ def _ds(plan: Plan, r: dict, tile: Tile):
   return tile.dropped(p_QxT), jnp.where(tile.allowed_QxT, ds_QxT, 0.0)
 
 
-CHUNK_ELEMENTS = 1 << 12  # a scatter step's [bq, bk, chunk] one-hot: 64 float32 per thread at 4 warps
+CHUNK_ELEMENTS = 1 << 12  # a step's [bq, bk, chunk] one-hot: one entry at 64x64 (two spilled in the T5 dq)
 
 
 def _chunk(plan: Plan, entries: int) -> int:
