@@ -1,0 +1,148 @@
+"""Every fused-kernel case compiled ahead of time for its devices, on this CPU: per position method, target and
+length, whether forward + backward compile, how long the compile takes, and on a GPU each kernel's registers,
+spill stores and shared memory (against the 232,448 B an sm_90 block may opt into).
+
+  PYTHONPATH=.aot python benchmarks/aot_kernels.py --targets=h100,v5e:2x2,v6e:2x2 --lengths=512,2048
+
+Each case compiles in its own process (ptxas runs single-threaded in child processes; a case past ``--timeout``
+is killed with its children and shown as such). Shapes: batch 2, 12 heads, head dim 64, bf16, the op's default
+tiles; the ``wide`` case is the tests' wide tables (259 bucket entries, 257 gathered distances) at L=40.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from posjax import kernels
+from posjax.aot import compile as aot
+from posjax.aot import resources, targets
+
+CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide")
+KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
+
+
+def terms_for(case: str, length: int, heads: int, head_dim: int):
+  """``(Terms, length, heads, head_dim)`` of a case: each method's terms as its position module builds them."""
+  f32 = lambda *shape: jnp.full(shape, 0.01, jnp.float32)
+  untied = kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads))
+  k = length - 1
+  return {
+      "none": lambda: kernels.Terms(),
+      "alibi": lambda: kernels.Terms(alibi=kernels.Alibi(f32(heads))),
+      "t5": lambda: kernels.Terms(buckets=kernels.Buckets(f32(32, heads))),
+      "alibi+t5": lambda: kernels.Terms(alibi=kernels.Alibi(f32(heads)), buckets=kernels.Buckets(f32(32, heads))),
+      "tupe_a": lambda: kernels.Terms(untied=untied),
+      "tupe_r": lambda: kernels.Terms(untied=untied, buckets=kernels.Buckets(f32(33, heads), cls_row=16, cls_col=32)),
+      "shaw": lambda: kernels.Terms(relative=kernels.Relative(f32(2 * k + 1, head_dim), k, query=True)),
+      "m4": lambda: kernels.Terms(relative=kernels.Relative(f32(2 * k + 1, head_dim), k, query=True, key=True)),
+      "m4_gathered": lambda: kernels.Terms(relative=kernels.Relative(f32(2 * k + 1, head_dim), k, query=True,
+                                                                     key=True, window=False)),
+      "wide": lambda: kernels.Terms(buckets=kernels.Buckets(f32(259, heads), kind="clip", max_distance=128,
+                                                            cls_row=257, cls_col=258),
+                                    relative=kernels.Relative(f32(257, head_dim), 128, query=True, key=True,
+                                                              window=False)),
+  }[case]()
+
+
+def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | None = None) -> dict:
+  """Compiles one case (in this process) and returns what the compiler reported."""
+  aot.setup()
+  target = targets.devices(target_name)
+  batch, heads, head_dim = (2, 2, 24) if case == "wide" else (2, 12, 64)
+  length = 40 if case == "wide" else length
+  terms = terms_for(case, length, heads, head_dim)
+  if target.platform == "tpu" and terms.relative is not None and terms.relative.window is False:
+    return {"result": "n/a (the TPU kernels read relative vectors windowed)"}
+  device = jax.sharding.SingleDeviceSharding(target.devices[0])
+  x = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16, sharding=device)
+  abstract_terms = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), terms)
+
+  def loss(q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, platform=target.platform, interpret=False,
+                                     block_sizes=blocks)
+    return jnp.sum(out.astype(jnp.float32))
+
+  dump = tempfile.mkdtemp(prefix="aot-kernels-")
+  start = time.perf_counter()
+  with resources.captured_stderr() as log:
+    try:
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, x, abstract_terms).lower().compile(
+          compiler_options={"xla_dump_to": dump} if target.platform == "gpu" else {})
+      error = None
+    except Exception as caught:  # noqa: BLE001  (the compiler's error is the result)
+      error = f"{type(caught).__name__}: {str(caught).strip().splitlines()[0][:160]}"
+  seconds = time.perf_counter() - start
+  found = resources.merge(resources.parse_ptxas(log[0]), resources.read_dump(dump)) if not error else {}
+  tiles = blocks or (kernels.mosaic if target.platform == "tpu" else kernels.triton).default_block_sizes(
+      terms, length, head_dim)
+  return {"result": error or "compiles", "seconds": seconds, "tiles": "x".join(map(str, tiles)),
+          "kernels": {name: vars(found[name]) for name in KERNELS if name in found}}
+
+
+def run_case(case: str, target: str, length: int, blocks: str, timeout: float) -> dict:
+  """:func:`worker` in a child process group, killed whole past ``timeout`` seconds."""
+  command = [sys.executable, __file__, f"--worker={case},{target},{length},{blocks}"]
+  start = time.perf_counter()
+  child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           start_new_session=True)
+  try:
+    out, _ = child.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(child.pid, signal.SIGKILL)
+    child.communicate()
+    return {"result": f"not done after {timeout:.0f} s (killed)", "seconds": time.perf_counter() - start}
+  lines = [line for line in out.splitlines() if line.startswith("{")]
+  return json.loads(lines[-1]) if lines else {"result": f"worker failed (status {child.returncode})"}
+
+
+def cell(kernel: dict | None) -> str:
+  if not kernel:
+    return ""
+  shared = kernel.get("shared_memory")
+  share = "?" if shared is None else f"{shared / 232_448:.0%}"
+  return f"{kernel.get('registers', '?')} / {kernel.get('spill_stores', '?')} B / {share}"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--targets", default="h100,v5e:2x2,v6e:2x2")
+  parser.add_argument("--lengths", default="512,2048")
+  parser.add_argument("--cases", default=",".join(CASES))
+  parser.add_argument("--blocks", default="default", help="tiles, e.g. default,128x128,256x256")
+  parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
+  parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.worker:
+    case, target, length, blocks = args.worker.split(",")
+    tiles = None if blocks == "default" else tuple(int(n) for n in blocks.split("x"))
+    print(json.dumps(worker(case, target, int(length), tiles)))
+    return
+  cases = args.cases.split(",")
+  unknown = sorted(set(cases) - set(CASES))
+  if unknown:
+    parser.error(f"unknown case(s) {unknown}; allowed: {list(CASES)}")
+  print("| case | L | target | tiles | result | compile s | forward | dq | dkv | window grad |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for case in cases:
+    for length in ([40] if case == "wide" else [int(n) for n in args.lengths.split(",")]):
+      for target, blocks in ((t, b) for t in args.targets.split(",") for b in args.blocks.split(",")):
+        r = run_case(case, target, length, blocks, args.timeout)
+        k = r.get("kernels", {})
+        seconds = f"{r['seconds']:.0f}" if "seconds" in r else ""
+        print(f"| {case} | {length} | {target} | {r.get('tiles', blocks)} | {r['result']} | {seconds} | "
+              + " | ".join(cell(k.get(name)) for name in KERNELS) + " |", flush=True)
+  print("\nKernel cells: registers / spill stores per thread / shared memory of the 232,448 B opt-in limit.")
+
+
+if __name__ == "__main__":
+  main()
