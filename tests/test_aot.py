@@ -146,3 +146,18 @@ def test_method_4_compiles_for_an_h100_and_a_tpu_within_the_limits(tmp_path):
     assert kernel["shared_memory"] < 0.75 * targets.SHARED_MEMORY_OPTIN, (name, kernel)
     assert kernel["spill_stores"] < 1024, (name, kernel)
   assert found["v5e:2x2"] == {}  # compiled (Mosaic's kernels report nothing here)
+
+
+@needs_plugins
+def test_target_devices_and_their_memory():
+  code = ("from posjax.aot import compile as aot, targets\naot.setup()\n"
+          "for name in ('h200:2x4', 'v4:2x2x1', 'v5e:4x4', 'v5p:2x2x1'):\n"
+          "  t = targets.devices(name)\n  print(name, len(t.devices), t.processes, t.memory_per_device, t.kind)")
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(PLUGINS)}, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines() == [
+      "h200:2x4 8 2 150754820096 NVIDIA H200",
+      f"v4:2x2x1 8 1 {16 << 30} TPU v4",  # a device per TensorCore, two per chip, each with half its 32 GiB
+      f"v5e:4x4 16 4 {16 << 30} TPU v5 lite",
+      f"v5p:2x2x1 4 1 {95 << 30} TPU v5"]

@@ -30,7 +30,7 @@ GPUS = {
 }
 SHARED_MEMORY_OPTIN = 232_448  # bytes per thread block on sm_90
 REGISTERS_PER_THREAD = 255
-# High-bandwidth memory per TPU device (chip), bytes.
+# High-bandwidth memory per TPU chip, bytes.
 TPUS = {"v4": 32 << 30, "v5e": 16 << 30, "v5p": 95 << 30, "v6e": 32 << 30}
 _GPU = re.compile(r"^(h100|h200)(?::(?:(\d+)x)?(\d+))?$")
 _TPU = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
@@ -107,6 +107,7 @@ def devices(name: str) -> Target:
       found = topologies.get_topology_desc(topology_name=topology, platform="tpu")
     except Exception as error:  # libtpu's message says what is wrong with the shape
       raise ValueError(f"libtpu refuses target {name!r}: {str(error).splitlines()[0]}") from None
-    memory = TPUS[kind]
+    # libtpu's v4 topologies have a device per TensorCore (two per chip), each with half the chip's memory.
+    memory = TPUS[kind] // len({d.core_on_chip for d in found.devices})
   devices_ = tuple(found.devices)
   return Target(name, platform, devices_, memory, len({d.process_index for d in devices_}))
