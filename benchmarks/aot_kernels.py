@@ -34,7 +34,8 @@ KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
 def terms_for(case: str, length: int, heads: int, head_dim: int):
   """``(Terms, length, heads, head_dim)`` of a case: each method's terms as its position module builds them."""
   f32 = lambda *shape: jnp.full(shape, 0.01, jnp.float32)
-  untied = kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads))
+  bf16 = lambda *shape: f32(*shape).astype(jnp.bfloat16)  # TUPE's projections, in the model's compute dtype
+  untied = kernels.Untied(bf16(1, length, heads, head_dim), bf16(1, length, heads, head_dim), f32(2, heads))
   k = length - 1
   return {
       "none": lambda: kernels.Terms(),
