@@ -8,7 +8,11 @@ float32; dropout on the weights. Kernels (``kernel=``):
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU in bf16/fp16. It takes
   q/k transforms and an additive bias (segments are folded into it) and padding as sequence lengths, so
   it needs right-padded rows. It cannot compute the multiplicative Methods 1-3 or Shaw's value term, nor
-  dropout on the attention weights: asking for it there is an error.
+  dropout on the attention weights: asking for it there is an error. TUPE's untied term and its [CLS] reset
+  are folded into q and k (exact, :mod:`posjax.kernels.fold`; :func:`cudnn_inputs`): TUPE-A runs with no bias,
+  TUPE-R with only its bucket bias, instead of a dense ``[B, H, L, L]`` bias and its gradient; where the folded
+  head dim would pass cuDNN's limit (:func:`cudnn_max_head_dim`) or the batch's positions are unknown, the dense
+  bias.
 - ``pallas``: :func:`posjax.kernels.relative_attention`, flash attention with the method's terms built inside
   each tile from the batch's positions (ALiBi, T5 / TUPE-R buckets, TUPE's untied term and [CLS] reset, Shaw /
   Method 4 vectors; q/k transforms such as RoPE before it). No ``[B, H, L, L]`` array is kept for the backward
@@ -136,6 +140,36 @@ def softmax_attention(logits_BxHxLxL, v_BxLxHxK, mask: Mask, value_fn=None, drop
   return out
 
 
+def cudnn_max_head_dim() -> int:
+  """The widest q/k/v head cuDNN's flash attention takes (a multiple of 8): 256 from Hopper (sm_90) on, 128
+  before (jax's own check); off a GPU (compiling ahead of time for posjax's targets, H100/H200) 256."""
+  if jax.default_backend() == "gpu":
+    capability = tuple(int(x) for x in str(getattr(jax.devices()[0], "compute_capability", "9.0")).split("."))
+    return 256 if capability >= (9, 0) else 128
+  return 256
+
+
+def cudnn_inputs(terms: base.LayerTerms, state: base.PositionState, v_BxLxHxV, scale: float):
+  """``(q, k, v, bias)`` for cuDNN at content scale ``scale``: TUPE's untied term folded into q and k
+  (:func:`posjax.kernels.fold.fold_untied`, widths padded to a multiple of 8, v to the same width since cuDNN
+  takes one head dim), so the bias holds only what is left (TUPE-R's buckets; None for TUPE-A); without an
+  untied term, without ``state.positions``, past :func:`cudnn_max_head_dim` or beside relative vectors (no
+  dense form without q and k), the layer's dense bias."""
+  dense = terms.q, terms.k, v_BxLxHxV, add_biases(terms.bias, state.bias)
+  sources = [(state.bias, state.kernel_terms), (terms.bias, terms.kernel_terms)]
+  untied = [kt for _, kt in sources if kt is not None and kt.untied is not None]
+  if not untied or state.positions is None:
+    return dense
+  width = max(kernels.fold.folded_width(terms.q.shape[-1], untied[0].untied.reset, 8),
+              -(-v_BxLxHxV.shape[-1] // 8) * 8)
+  if width > cudnn_max_head_dim() or untied[0].relative is not None:
+    return dense
+  q, k, rest = kernels.fold_untied(terms.q, terms.k, untied[0], state.positions, scale, multiple=8)
+  widen = lambda x_BxLxHxX: jnp.pad(x_BxLxHxX, [(0, 0)] * 3 + [(0, width - x_BxLxHxX.shape[-1])])
+  biases = [kernels.fold.position_bias(rest, state.positions) if kt is untied[0] else bias for bias, kt in sources]
+  return widen(q), widen(k), widen(v_BxLxHxV), add_biases(*biases)
+
+
 def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str | None = "cudnn"):
   """``jax.nn.dot_product_attention`` with padding as sequence lengths and segments folded into the bias.
 
@@ -194,7 +228,8 @@ class SelfAttention(nn.Module):
           segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale,
           platform=self.platform, dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
     else:
-      out = fused_attention(terms.q, terms.k, v, add_biases(terms.bias, state.bias), mask, spec.scale)
+      q, k, v_wide, bias = cudnn_inputs(terms, state, v, spec.scale)
+      out = fused_attention(q, k, v_wide, bias, mask, spec.scale)[..., :v.shape[-1]]
     return nn.DenseGeneral(
         spec.hidden_size, axis=(-2, -1), use_bias=self.use_bias, dtype=spec.dtype,
         param_dtype=spec.param_dtype, kernel_init=base.normal_init((base.HEADS, base.KV, base.EMBED)),

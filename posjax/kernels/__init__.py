@@ -28,20 +28,22 @@ from jax.sharding import PartitionSpec as P
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
-from posjax.kernels import mosaic, tile, triton, xla
+from posjax.kernels import fold, mosaic, tile, triton, xla
+from posjax.kernels.fold import UNTIED, fold_untied
 from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = ("cpu", "gpu", "tpu")
-__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "merge", "IMPLEMENTATIONS", "PLATFORMS"]
+__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "merge", "fold_untied",
+           "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
 def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
                        segment_ids=None, lengths=None, padding=None, scale: float | None = None,
                        causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] | None = None,
                        interpret: bool | str | None = None, platform: str | None = None,
-                       dropout_rate: float = 0.0, dropout_seed=None, batch_axes=("data", "fsdp"),
-                       head_axes=("tensor",)):
+                       dropout_rate: float = 0.0, dropout_seed=None, untied: str = "tile",
+                       batch_axes=("data", "fsdp"), head_axes=("tensor",)):
   """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
 
   Args:
@@ -68,6 +70,10 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
       mask a hash of the int ``dropout_seed``, the (batch row, head) and the pair (:mod:`posjax.kernels.dropout`):
       the kernels recompute it per tile and the ``xla`` path builds the same one.
 
+    untied: how TUPE's untied term is computed: ``tile`` (default: from its rank-K factors in each tile, beside
+      the K-wide content product) or ``fold`` (folded into q and k first, :func:`posjax.kernels.fold.fold_untied`:
+      one ``2K+2``-wide product, which the GPU kernels pad to a power of two; the same logits).
+
     batch_axes, head_axes: under a mesh (``jax.sharding.use_abstract_mesh``, as posjax's training loop traces its
       step), the kernels run once per shard: rows split over ``batch_axes``, heads over ``head_axes`` (the mesh
       axes of :mod:`posjax.train.sharding` by default; names the mesh lacks are ignored; :func:`per_shard`).
@@ -89,9 +95,13 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_seed (an int, e.g. "
                      "posjax.kernels.dropout.seed_from_key(key))")
   salts_BxH = dropout_lib.salts(dropout_seed if dropout_rate else 0, b, h)
+  fold.check_untied(untied)
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions_BxL = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
                    else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
+  if untied == "fold":
+    q_BxLxHxK, k_BxLxHxK, terms = fold.fold_untied(q_BxLxHxK, k_BxLxHxK, terms, positions_BxL, scale)
+    d = q_BxLxHxK.shape[-1]
   segment_ids_BxL = (jnp.zeros((b, length), jnp.int32) if segment_ids is None
                      else jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, length)))
   if lengths is not None:
