@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,7 @@ from posjax import positions  # noqa: E402
 from posjax.convert import __main__ as cli  # noqa: E402
 from posjax.convert import hf_bert  # noqa: E402
 from posjax.data.tokenizer import Tokenizer  # noqa: E402
-from posjax.models import BertConfig, BertForMaskedLM, BertModel  # noqa: E402
+from posjax.models import BertConfig, BertEncoder, BertForMaskedLM, BertModel  # noqa: E402
 from posjax.main import train  # noqa: E402
 from posjax.train import checkpoint  # noqa: E402
 from conftest import ROOT, load_config, override, randomize  # noqa: E402
@@ -114,6 +115,31 @@ def test_posjax_to_hugging_face_and_back_is_exact(position):
   again, variables = hf_bert.from_hf_bert(model)
   assert again.config == config
   assert_same_params(variables["params"], params)
+
+
+@pytest.mark.parametrize("position", ["absolute", "huang_m4"])
+def test_an_encoder_as_init_returns_it_converts(position):
+  # BertEncoder's variables, boxed with their logical axes (what init returns), become a Hugging Face BertModel.
+  config = BertConfig.tiny(position=position, max_len=24)
+  boxed = BertEncoder(config).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  plain = randomize(boxed["params"], scale=0.3)
+  is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  leaves, treedef = jax.tree_util.tree_flatten(boxed["params"], is_leaf=is_box)
+  variables = {"params": jax.tree_util.tree_unflatten(treedef, [
+      box.replace_boxed(value) for box, value in zip(leaves, jax.tree_util.tree_leaves(plain))])}
+  assert is_box(jax.tree_util.tree_leaves(variables, is_leaf=is_box)[0])
+  model = hf_bert.to_hf_bert(config, variables)
+  assert type(model).__name__ == "BertModel"
+  ids, types, mask = inputs(vocab=config.vocab_size)
+  mine = BertEncoder(config).apply({"params": plain}, jnp.asarray(ids), token_type_ids=jnp.asarray(types),
+                                   attention_mask=jnp.asarray(mask))
+  hf_hidden = run_hf(model, ids, types, mask).last_hidden_state.numpy()
+  np.testing.assert_allclose(np.asarray(mine.last_hidden_state), hf_hidden, atol=1e-4)
+
+
+def test_variables_of_something_else_are_an_error():
+  with pytest.raises(ValueError, match=r"expected the variables of a posjax BertModel.*got keys \['dense'\]"):
+    hf_bert.to_hf_bert(BertConfig.tiny(), {"params": {"dense": {"kernel": np.zeros((2, 2))}}})
 
 
 def test_relative_key_is_an_alias_of_shaw():

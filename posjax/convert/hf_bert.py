@@ -21,6 +21,8 @@ import json
 import os
 from typing import Any, Mapping
 
+import flax.core
+import flax.linen as nn
 import flax.traverse_util
 import jax
 import jax.numpy as jnp
@@ -302,13 +304,28 @@ def head_of(params: Mapping) -> tuple[str, int]:
   return "none", 2
 
 
+def model_params(variables: Mapping) -> dict:
+  """The parameters of a posjax model's variables (or of the parameters themselves) as plain arrays under the
+  task models' names: boxed ones (as ``init`` returns them, with logical axes) unboxed, a ``BertEncoder``'s put
+  under ``encoder``; anything else is an error that says what is expected."""
+  params = flax.core.unfreeze(nn.unbox(variables.get("params", variables)))
+  if "encoder" in params:
+    return params
+  if "word_embeddings" in params and "embedding_norm" in params:
+    return {"encoder": params}
+  raise ValueError(f"expected the variables of a posjax BertModel, BertForMaskedLM, BertForSequenceClassification, "
+                   f"BertForQuestionAnswering or BertEncoder ({{'params': ...}} or the params), with 'encoder' or "
+                   f"'word_embeddings' at the top; got keys {sorted(params)}")
+
+
 def to_hf_bert(config: BertConfig, variables: Mapping):
   """The Hugging Face model (``BertModel``, ``BertForMaskedLM``, ``BertForSequenceClassification`` or
-  ``BertForQuestionAnswering``, by the parameters' head) equal to a posjax model, in float32."""
+  ``BertForQuestionAnswering``, by the parameters' head) equal to a posjax model, in float32. ``variables`` as
+  :func:`model_params` takes them (a task model's or a ``BertEncoder``'s, boxed or not)."""
   import torch  # imported here: the convert extra
   import transformers
 
-  params = variables.get("params", variables)
+  params = model_params(variables)
   head, num_labels = head_of(params)
   hf_config = transformers.BertConfig(**config_to_hf(config), num_labels=num_labels)
   model_class = getattr(transformers, HF_CLASSES[head])
