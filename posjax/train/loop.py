@@ -6,7 +6,8 @@ resumable.
 checkpoint in ``workdir`` when there is one: the train state and the input position are restored, so the resumed
 run sees exactly the batches, dropout and metrics an uninterrupted one would. The evaluators run every
 ``eval_every_steps`` (or ``evals_per_epoch`` times an epoch) and at the end; every evaluation, and the one
-``config.select`` chooses, goes to ``results.json`` (see :mod:`posjax.results`).
+``config.select`` chooses, goes to ``results.json`` (see :mod:`posjax.results`). One run per workdir: process 0 holds
+``WORKDIR/run.lock`` for all (:mod:`posjax.train.lock`); a second run on it is refused at once, naming the first.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tqdm
 from posjax import results as results_lib
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import evaluate, feed, preemption, validate
+from posjax.train import lock as lock_lib
 from posjax.train import metrics as metrics_lib
 from posjax.train.preemption import Interrupted
 from posjax.train.step import train_step
@@ -72,7 +74,21 @@ def _start_state(run: validate.Prepared, workdir: str, checkpointer, writer, say
 
 def _run(config: ml_collections.ConfigDict, workdir: str, build_task: BuildTask, interruptions):
   prepared = validate.validate_everywhere(config, workdir, build_task)
-  original, config, task, parallel = config, prepared.config, prepared.task, prepared.parallel
+  lock = lock_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0)
+  error = None
+  try:
+    lock.acquire()
+  except OSError as refused:
+    error = refused
+  validate.agree(error)  # process 0 holds the workdir for every process, or every process stops
+  try:
+    return _train(config, prepared, workdir, interruptions)
+  finally:
+    lock.release()
+
+
+def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, workdir: str, interruptions):
+  config, task, parallel = prepared.config, prepared.task, prepared.parallel
   is_main = jax.process_index() == 0
   quiet = not config.get("progress", True)  # no progress bar, no status lines (e.g. the probes' many short runs)
   say = (lambda message: None) if quiet else metrics_lib.say

@@ -19,6 +19,7 @@ from posjax import config_args
 from posjax import results as results_lib
 from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, at_least
 from posjax.train import checkpoint as checkpoint_lib
+from posjax.train import lock as lock_lib
 from posjax.train import parallel as parallel_lib
 from posjax.train import sharding
 from posjax.train.step import TrainState, make_optimizer
@@ -143,6 +144,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callab
   """Checks ``config`` and builds what the run needs, writing nothing (see :func:`validate_everywhere`);
   ``devices``: the mesh's (default all; ahead-of-time compilation passes a target's)."""
   config_args.check_ranges(config, RANGES)
+  lock_lib.check(workdir)
   check_workdir_config(config, workdir, write=False)
   local_batch, local_eval_batch = check_batch(config)
   task = build_task(config, local_batch)
