@@ -242,6 +242,8 @@ def test_the_commands_of_the_readme_run_and_report(tmp_path):
                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
   assert out.returncode == 0, out.stderr[-2000:]
   assert f"results in {tmp_path}/results.json" in out.stderr
+  finished = [line for line in out.stderr.replace("\r", "\n").splitlines() if "100%|" in line]
+  assert len(finished) == 1 and " 2/2 " in finished[0], finished  # the bar's last line once, when it closes
   bad = subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=rtee,runlocal",
                         f"--workdir={tmp_path}/x"], cwd=ROOT, capture_output=True, text=True)
   assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: unknown GLUE task 'rtee'")

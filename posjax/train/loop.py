@@ -147,7 +147,12 @@ def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, wor
       state, metrics = step_fn(state, next(batches), prepared.dropout_rng)
       done = step + 1
       logger.push(done, metrics)
-      progress.update(1)
+      if done < config.total_steps:
+        progress.update(1)
+      else:  # the bar's last line once, with the final loss and the average rate, before the closing lines
+        logger.flush()
+        progress.n = done
+        progress.close()
       if profiling and done >= config.profile_start_step + config.profile_steps:
         jax.block_until_ready(state)
         jax.profiler.stop_trace()
