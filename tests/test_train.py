@@ -189,6 +189,34 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
   assert data == {"blocks_consumed": 1}
 
 
+@pytest.mark.parametrize("failures,restored", [(2, True), (9, False)])
+def test_an_io_error_while_reading_is_retried_and_never_moves_a_checkpoint_aside(tmp_path, monkeypatch, failures,
+                                                                                 restored):
+  manager = checkpoint.Checkpointer(str(tmp_path), keep=3, async_save=False, attempts=3, backoff=0.01)
+  manager.save(1, {"w": jnp.full((4,), 1.0)}, {"blocks_consumed": 1})
+  reads, original = [], manager.manager.restore
+
+  def flaky(step, args):
+    reads.append(step)
+    if len(reads) <= failures:
+      raise OSError(5, "Input/output error")  # EIO, as from a network file system that is briefly away
+    return original(step, args=args)
+
+  monkeypatch.setattr(manager.manager, "restore", flaky)
+  abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+  if restored:
+    state, data = manager.restore(abstract)
+    np.testing.assert_array_equal(state["w"], 1.0)
+    assert reads == [1, 1, 1] and data == {"blocks_consumed": 1}
+  else:
+    with pytest.raises(OSError, match=r"checkpoint 1 in .* could not be read after 3 attempts on process\(es\) \[0\] "
+                                      r"\(OSError: \[Errno 5\] Input/output error\), an I/O error rather than a "
+                                      r"damaged checkpoint: it is left in place"):
+      manager.restore(abstract)
+    assert reads == [1, 1, 1]
+  assert os.listdir(tmp_path) == ["1"]  # nothing moved aside
+
+
 def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, capfd):
   common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
   straight = train(pretrain_config(**common), str(tmp_path / "straight"))

@@ -5,7 +5,9 @@ so a killed run never leaves a half-written latest checkpoint. Kept: the latest 
 ``keep_steps`` (e.g. the 100k / 300k / 600k checkpoints of a 1M-step run). Restoring takes the target's
 shardings, so a checkpoint restores onto any number of devices or mesh shape.
 
-An unreadable checkpoint (a disk error, a truncated file) is moved aside to ``<directory>.unreadable/<step>``
+A read that fails with an I/O error (the storage's, not the checkpoint's: ``is_transient``) is retried with
+backoff, and still failing it stops the run with the checkpoint left in place. A checkpoint that fails to parse
+(a truncated or corrupted file) is moved aside to ``<directory>.unreadable/<step>``
 (kept for inspection, never deleted) with a one-line warning, and the run restores the newest readable one;
 when checkpoints exist but none can be read, restoring is an error that names them.
 """
@@ -16,6 +18,7 @@ import json
 import logging as std_logging
 import os
 import sys
+import time
 from typing import Any, Sequence
 
 import flax.traverse_util
@@ -37,7 +40,9 @@ class Checkpointer:
   """A run's checkpoint directory (see the module docstring): saves a step's train state with its input
   position, keeps the latest ``keep`` and every step of ``keep_steps``, and restores the newest readable one."""
 
-  def __init__(self, directory: str, *, keep: int = 3, keep_steps: Sequence[int] = (), async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int = 3, keep_steps: Sequence[int] = (), async_save: bool = True,
+               attempts: int = 4, backoff: float = 2.0):
+    self.attempts, self.backoff = max(int(attempts), 1), float(backoff)
     policies = [checkpoint_managers.LatestN(keep)]
     if keep_steps:
       policies.append(checkpoint_managers.CustomSteps(list(keep_steps)))
@@ -59,14 +64,16 @@ class Checkpointer:
     when there is no checkpoint. Newer unreadable ones are moved aside; none readable is an error."""
     failed = {}
     for step in sorted(self.manager.all_steps(), reverse=True):
-      try:
-        restored, reason = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())), None
-      except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: try the one before)
-        _silence_abandoned_reads()
-        restored, reason = None, _summary(error)
-      elsewhere = _failed_elsewhere(reason is not None)  # every process must settle on the same step
-      if reason is not None or elsewhere:
+      restored, reason, transient = self._restore_step(step, abstract_state)
+      outcome = READ if reason is None else TRANSIENT if transient else UNREADABLE
+      outcomes = sharding.per_process(np.int32(outcome))  # every process must settle on the same step
+      if (outcomes == TRANSIENT).any():
+        where = np.flatnonzero(outcomes == TRANSIENT).tolist()
+        raise OSError(f"checkpoint {step} in {self.manager.directory} could not be read after {self.attempts} "
+                      f"attempts on process(es) {where} ({reason or 'see their output'}), an I/O error rather than "
+                      "a damaged checkpoint: it is left in place; rerun when the storage answers")
+      if (outcomes == UNREADABLE).any():
+        elsewhere = [int(p) for p in np.flatnonzero(outcomes) if p != jax.process_index()]
         failed[step] = reason or f"unreadable on process(es) {elsewhere}"
         continue
       if failed:
@@ -77,6 +84,24 @@ class Checkpointer:
       raise ValueError(f"no checkpoint in {self.manager.directory} can be restored ({reasons}). They are left in "
                        "place; move them away to start this run afresh, or use another workdir")
     return None
+
+  def _restore_step(self, step: int, abstract_state: Any):
+    """``(restored, reason, transient)`` of one step: I/O errors are retried with backoff (``attempts`` in all),
+    a checkpoint that fails to parse is not."""
+    for attempt in range(self.attempts):
+      try:
+        return self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())), None, False
+      except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: try the one before)
+        _silence_abandoned_reads()
+        reason = _summary(error)
+        if not is_transient(error):
+          return None, reason, False
+        if attempt + 1 < self.attempts:
+          logging.warning("reading checkpoint %d failed (%s); attempt %d of %d in %.0f s", step, reason,
+                          attempt + 2, self.attempts, self.backoff * 2 ** attempt)
+          time.sleep(self.backoff * 2 ** attempt)
+    return None, reason, True
 
   def _move_aside(self, failed: dict[int, str]) -> None:
     """Renames unreadable steps to ``<directory>.unreadable/<step>`` (process 0; every process waits)."""
@@ -101,17 +126,34 @@ class Checkpointer:
     self.manager.close()
 
 
+READ, UNREADABLE, TRANSIENT = 0, 1, 2
+# Errors of the storage rather than of the checkpoint (gRPC / TensorStore status names, errno texts): worth a retry.
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "Input/output error",
+              "Connection reset", "Connection refused", "timed out", "Temporary failure", "Stale file handle")
+
+
+def is_transient(error: Exception) -> bool:
+  """Whether a failed read looks like the storage's passing trouble (an ``OSError`` other than a missing or
+  malformed file, or a status that says so), not a damaged checkpoint."""
+  chain = [error]
+  while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    if len(chain) > 20:
+      break
+  for e in chain:
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+      return False
+    if isinstance(e, (TimeoutError, ConnectionError)) or (isinstance(e, OSError) and e.errno is not None):
+      return True
+  text = " ".join(str(e) for e in chain)
+  return any(marker in text for marker in _TRANSIENT)
+
+
 def _summary(error: Exception, limit: int = 200) -> str:
   """The first line of an error, without TensorStore's spec dump."""
   text = str(error).split("\n")[0].split(" See full TensorStore details")[0]
   text = f"{type(error).__name__}: {text}"
   return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _failed_elsewhere(failed_here: bool) -> list[int]:
-  """The other processes for which the same restore failed (a collective in a multi-process run)."""
-  failed = sharding.per_process(np.int32(failed_here))
-  return [int(p) for p in np.flatnonzero(failed) if p != jax.process_index()]
 
 
 def resolve_directory(directory: str) -> str:
