@@ -306,6 +306,30 @@ def test_a_partial_last_metrics_line_is_dropped_on_resume(tmp_path):
   assert [line["step"] for line in metrics.read(str(tmp_path))] == [1, 2]
 
 
+def tensorboard_scalars(workdir):
+  import tensorflow as tf  # the writer's own reader
+  seen = []
+  for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(str(path)):
+      seen += [(event.step, v.tag, float(tf.make_ndarray(v.tensor))) for v in event.summary.value]
+  return seen
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+  # Steps 4 and 5 were logged by a run killed before its next checkpoint; the resumed run logs them again.
+  writer = metrics.MetricWriter(str(tmp_path))
+  for step in (1, 2, 3, 4, 5):
+    writer.write(step, {"loss": float(step)})
+  writer.close()
+  resumed = metrics.MetricWriter(str(tmp_path))
+  resumed.truncate_after(3)
+  for step in (4, 5):
+    resumed.write(step, {"loss": 10.0 + step})
+  resumed.close()
+  assert sorted(tensorboard_scalars(tmp_path)) == [(1, "loss", 1.0), (2, "loss", 2.0), (3, "loss", 3.0),
+                                                  (4, "loss", 14.0), (5, "loss", 15.0)]
+
+
 def test_runlocal_does_not_mix_its_corpus_with_ones_own(tmp_path):
   own = tmp_path / "own.txt"
   own.write_text("a sentence of my own .\nanother one .\n")

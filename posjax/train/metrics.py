@@ -27,19 +27,30 @@ class MetricWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = enabled
     self._summary = None
+    self._events = os.path.join(workdir, "tensorboard")
     if enabled and tensorboard:
       import tensorflow as tf  # imported here: slow to load, and only the writer needs it
 
       self._tf = tf
-      self._summary = tf.summary.create_file_writer(os.path.join(workdir, "tensorboard"))
+      self._summary = tf.summary.create_file_writer(self._events)
 
   def truncate_after(self, step: int) -> None:
-    """Drops lines logged after ``step`` (by a run that was killed before its next checkpoint)."""
+    """Drops lines logged after ``step`` (by a run that was killed before its next checkpoint); TensorBoard's
+    events are rewritten from the lines kept (event files cannot be cut), so it shows no step twice either."""
     if not self.enabled or not os.path.exists(self.path):
       return
     with open(self.path) as f:
       lines = [line for line in f if _step_of(line) is not None and _step_of(line) <= step]
     results_lib.write_text(self.path, "".join(lines))
+    if self._summary is not None:
+      self._summary.close()
+      for name in os.listdir(self._events) if os.path.isdir(self._events) else ():
+        if name.startswith("events.out.tfevents."):
+          os.remove(os.path.join(self._events, name))
+      self._summary = self._tf.summary.create_file_writer(self._events)
+      for line in lines:
+        record = json.loads(line)
+        self._scalars(int(record.pop("step")), record)
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
     if not self.enabled:
@@ -47,6 +58,9 @@ class MetricWriter:
     values = {k: float(v) for k, v in metrics.items()}
     with open(self.path, "a") as f:
       f.write(json.dumps({"step": int(step), **values}) + "\n")
+    self._scalars(step, values)
+
+  def _scalars(self, step: int, values: Mapping[str, float]) -> None:
     if self._summary is not None:
       with self._summary.as_default(step=int(step)):
         for name, value in values.items():
