@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from posjax import config_args
+from posjax.data import mlm as mlm_data
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertForMaskedLM
 from posjax.main import train
 from posjax.tasks import mlm as mlm_task
-from posjax.train import checkpoint, metrics
+from posjax.train import checkpoint, metrics, sharding, validate
 from posjax.train.step import TrainState, make_optimizer, step_rng, train_step
 from conftest import ROOT, load_config, override
 
@@ -328,6 +329,42 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
   resumed.close()
   assert sorted(tensorboard_scalars(tmp_path)) == [(1, "loss", 1.0), (2, "loss", 2.0), (3, "loss", 3.0),
                                                   (4, "loss", 14.0), (5, "loss", 15.0)]
+
+
+def test_an_error_on_another_process_stops_this_one_with_its_message(monkeypatch):
+  # What every process raises when one fails before the first step (validation, the workdir's lock, restoring
+  # the state or the input position): its own error there, the failed process's words everywhere else.
+  text = b"ValueError: the saved input position has no entry for shard(s) [1]"
+
+  def two_processes(value):  # process 0 (this one) and a process 1 that failed
+    other = np.zeros_like(value)
+    other[0], other[1:1 + len(text)] = 1, np.frombuffer(text, np.uint8)
+    return np.stack([value, other])
+
+  monkeypatch.setattr(sharding, "per_process", two_processes)
+  with pytest.raises(ValueError, match=r"^process 1 stopped: ValueError: the saved input position has no entry "
+                                       r"for shard\(s\) \[1\]$"):
+    validate.agree(None)
+  with pytest.raises(OSError, match="^mine$"):
+    validate.agree(OSError("mine"))
+
+
+def test_a_resume_with_another_number_of_data_shards_is_refused():
+  class Stream:  # one shard's stream: only its id and its restore matter here
+    def __init__(self, shard):
+      self.shard, self.restored = shard, None
+
+    def restore(self, state):
+      self.restored = state
+
+  saved = {"shards": {"0": 3, "1": 5}}  # two shards: a run of two processes with data.num_shards=0
+  one = mlm_data.ShardedBatches([Stream(0)], num_shards=1)
+  with pytest.raises(ValueError, match=r"input position is for 2 data shards and this run reads 1 \(data.num_shards; "
+                                       r"0 is one per process\): its batches would differ"):
+    one.restore(saved)
+  both = mlm_data.ShardedBatches([Stream(0), Stream(1)], num_shards=2)  # one process reading both shards
+  both.restore(saved)
+  assert [s.restored for s in both.streams] == [{"blocks_consumed": 3}, {"blocks_consumed": 5}]
 
 
 def test_runlocal_does_not_mix_its_corpus_with_ones_own(tmp_path):

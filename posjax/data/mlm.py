@@ -222,14 +222,16 @@ class ShardedBatches:
   """Batches built from several shard streams, each contributing its rows in shard order.
 
   A run reads ``num_shards`` document shards however many processes it has: each process owns a
-  contiguous range of them, so the global batch (and so the training result) does not depend on the
-  number of hosts.
+  contiguous range of them, so for a given ``num_shards`` the global batch (and so the training result) does not
+  depend on the number of hosts. A restore from a position saved with another number of shards is an error:
+  the batches would change.
   """
 
-  def __init__(self, streams: list[MlmBatches]):
+  def __init__(self, streams: list[MlmBatches], num_shards: int | None = None):
     if not streams:
       raise ValueError("no shard streams")
     self.streams = streams
+    self.num_shards = num_shards
 
   def state(self) -> dict:
     return {"shards": {str(s.shard): s.blocks_consumed for s in self.streams}}
@@ -240,6 +242,11 @@ class ShardedBatches:
 
   def restore(self, state: dict) -> None:
     consumed = state["shards"]
+    if self.num_shards is not None and len(consumed) != self.num_shards:
+      raise ValueError(f"the checkpoint's input position is for {len(consumed)} data shards and this run reads "
+                       f"{self.num_shards} (data.num_shards; 0 is one per process): its batches would differ from "
+                       f"the checkpoint's run. Resume with data.num_shards={len(consumed)} (and a process count that "
+                       "divides it)")
     missing = [s.shard for s in self.streams if str(s.shard) not in consumed]
     if missing:
       raise ValueError(f"the saved input position has no entry for shard(s) {missing}; saved: {sorted(consumed)} "

@@ -37,7 +37,7 @@ def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int) -> 
                      seed=config.seed + (0 if split == "train" else 1), packing=data.packing,
                      mask_rate=data.mask_rate, whole_word=data.whole_word_masking, repeat=split == "train",
                      shard=shard)
-      for shard in shards])
+      for shard in shards], num_shards=num_shards)
 
 
 def encoder_inputs(batch: dict, use_segments: bool) -> dict:

@@ -57,6 +57,7 @@ def holder_is_gone(holder: dict, now: float | None = None) -> bool:
 
 
 def describe(holder: dict) -> str:
+  """The holder of a lock file in words: host, pid and start time."""
   started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("started", 0.0))))
   return f"host {holder.get('host')}, pid {holder.get('pid')}, started {started}"
 
@@ -75,6 +76,7 @@ def check(workdir: str) -> None:
 
 
 def in_use(path: str, holder: dict) -> str:
+  """The refusal of a second run on a workdir held by ``holder``."""
   return (f"{os.path.dirname(path)} is in use by another run ({describe(holder)}; lock file {path}); one run per "
           "workdir: wait for it, stop it, or use another --workdir")
 

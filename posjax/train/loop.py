@@ -51,6 +51,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, build_task: BuildTask):
 
 
 def _start_state(run: validate.Prepared, workdir: str, checkpointer, writer, say):
+  """:func:`_start_state_here` on every process; an error in any one (restoring the state or the input position,
+  initialising, warm-starting) stops every process with it, before the first step."""
+  state, error = None, None
+  try:
+    state = _start_state_here(run, workdir, checkpointer, writer, say)
+  except (ValueError, OSError) as caught:
+    error = caught
+  validate.agree(error)
+  return state
+
+
+def _start_state_here(run: validate.Prepared, workdir: str, checkpointer, writer, say):
   """The restored state (and input position) of a resumed run, else the initial one, warm-started from
   ``init_from`` or the task's ``load_init`` where given."""
   parallel, config, task = run.parallel, run.config, run.task

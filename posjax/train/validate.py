@@ -117,14 +117,26 @@ def check_batch(config) -> tuple[int, int]:
   return local, eval_batch // processes
 
 
+MESSAGE_BYTES = 512  # of a process's error, shared with the others
+
+
 def agree(error: Exception | None) -> None:
-  """Raises on every process when any process's validation failed (a process alone would leave the others
-  waiting in a collective)."""
-  failed = np.flatnonzero(sharding.per_process(np.int32(error is not None)))
-  if error is None and len(failed):
-    raise ValueError(f"process(es) {failed.tolist()} refused the config; their output says why")
+  """Raises on every process when any process failed (a process alone would leave the others waiting in a
+  collective): the failed process its own error, the others one that names the first failed process and quotes
+  its message."""
+  text = "" if error is None else f"{type(error).__name__}: {error}"
+  encoded = np.zeros(MESSAGE_BYTES + 1, np.uint8)
+  raw = text.encode()[:MESSAGE_BYTES]
+  encoded[0], encoded[1:1 + len(raw)] = error is not None, np.frombuffer(raw, np.uint8)
+  gathered = sharding.per_process(encoded)
+  failed = np.flatnonzero(gathered[:, 0])
   if error is not None:
     raise error
+  if len(failed):
+    first = int(failed[0])
+    message = bytes(gathered[first, 1:]).rstrip(b"\0").decode(errors="replace")
+    others = f" (and process(es) {failed[1:].tolist()})" if len(failed) > 1 else ""
+    raise ValueError(f"process {first} stopped{others}: {message}")
 
 
 class Prepared(NamedTuple):
