@@ -69,6 +69,10 @@ def get_config(arg=None):
   config.profile_start_step = -1
   config.profile_steps = 5
   config.cpu_collectives = ""  # "gloo" for multi-process CPU runs
+  # Multi-process runs: a process that sends no heartbeat for this long counts as lost, and every process stops;
+  # a finished process waits this long for the others at exit (JAX's coordination service; its defaults).
+  config.peer_timeout_seconds = 100
+  config.shutdown_timeout_seconds = 300
 
   config.model = ml_collections.ConfigDict(dict(
       vocab_size=0,  # 0: the tokenizer's

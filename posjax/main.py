@@ -81,10 +81,12 @@ def main(argv):
   if value["num_processes"] > 1 or value["distributed"]:
     if config.get("cpu_collectives"):
       jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+    timeouts = dict(heartbeat_timeout_seconds=int(config.get("peer_timeout_seconds", 100)),
+                    shutdown_timeout_seconds=int(config.get("shutdown_timeout_seconds", 300)))
     if value["distributed"]:
-      jax.distributed.initialize()
+      jax.distributed.initialize(**timeouts)
     else:
-      jax.distributed.initialize(value["coordinator"], value["num_processes"], value["process_id"])
+      jax.distributed.initialize(value["coordinator"], value["num_processes"], value["process_id"], **timeouts)
   logging.info("process %d of %d, %d devices", jax.process_index(), jax.process_count(), jax.device_count())
   job = config.get("job", "train")
   if job not in JOBS:

@@ -172,3 +172,30 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(run / "checkpoints")))
   assert stream(str(run)) == one
+
+
+@pytest.mark.slow
+def test_a_killed_peer_ends_the_other_process_within_the_peer_timeout(tmp_path):
+  # config.peer_timeout_seconds=5: process 1 SIGKILLed after its first checkpoint; process 0 stops with a non-zero
+  # status within that timeout and a margin, not after JAX's default of 100 s.
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  workers = [subprocess.Popen(command(tmp_path, f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                                      f"--process_id={i}", "--config.cpu_collectives=gloo",
+                                      "--config.total_steps=100000", "--config.peer_timeout_seconds=5"),
+                              cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+  try:
+    deadline = time.time() + 180
+    while not (tmp_path / "checkpoints" / "10").exists():
+      assert all(w.poll() is None for w in workers) and time.time() < deadline, "no checkpoint: a hang?"
+      time.sleep(0.05)
+    workers[1].kill()
+    killed = time.time()
+    workers[0].communicate(timeout=120)
+    assert workers[0].returncode != 0
+    assert time.time() - killed < 60
+  finally:
+    for w in workers:
+      w.kill()

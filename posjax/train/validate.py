@@ -27,7 +27,8 @@ from posjax.train.task import Task
 
 
 # Fields that change how a run reads its input or reports, not what it computes: a resumed run may change them.
-RESUMABLE_CHANGES = ("allow_config_change", "progress", "device_prefetch", "data.workers")
+RESUMABLE_CHANGES = ("allow_config_change", "progress", "device_prefetch", "data.workers", "peer_timeout_seconds",
+                     "shutdown_timeout_seconds")
 
 
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = (),
@@ -97,7 +98,8 @@ RANGES = {
     "learning_rate": NON_NEGATIVE, "max_len": at_least(8), "grad_accum_steps": POSITIVE, "adam_b1": FRACTION,
     "adam_b2": FRACTION, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE,
     "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE,
-    "checkpoint_every_steps": POSITIVE, "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
+    "checkpoint_every_steps": POSITIVE, "peer_timeout_seconds": POSITIVE, "shutdown_timeout_seconds": POSITIVE,
+    "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
     "data.mask_rate": OPEN_FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
     "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": NON_NEGATIVE,
     "model.dropout_rate": FRACTION, "model.attention_dropout_rate": FRACTION,
