@@ -78,6 +78,7 @@ def get_config(arg=None):
       vocab_size=0,  # 0: the tokenizer's
       max_len=0,  # 0: config.max_len
       position=arg.position, position_options=position_defaults(arg.position), attention_kernel="auto",
+      kernel_platform="",  # the fused kernels' device; --target (ahead-of-time compilation) sets it
       dtype="bfloat16", param_dtype="float32",
       type_vocab_size=2,  # 0: no token-type embeddings (TUPE's RoBERTa-style model)
       layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5

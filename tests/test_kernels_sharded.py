@@ -52,7 +52,7 @@ def test_the_kernel_on_a_mesh_matches_it_unsharded():
   sharded = jax.jit(in_mesh, in_shardings=(rows, rows, rows, None))
   assert "sdy.manual_computation" in sharded.lower(q, k, v, terms).as_text()  # per shard, not partitioned by XLA
   got = sharded(q, k, v, terms)
-  assert seen == [True, False, False]
+  assert seen[0] and len(seen) >= 2 and not any(seen[1:])  # traced without the mesh, then (once or twice) in it
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
     np.testing.assert_allclose(y, x, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(x).max())),
                                err_msg=jax.tree_util.keystr(path))

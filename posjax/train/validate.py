@@ -28,7 +28,7 @@ from posjax.train.task import Task
 
 # Fields that change how a run reads its input or reports, not what it computes: a resumed run may change them.
 RESUMABLE_CHANGES = ("allow_config_change", "progress", "device_prefetch", "data.workers", "peer_timeout_seconds",
-                     "shutdown_timeout_seconds")
+                     "shutdown_timeout_seconds", "model.kernel_platform")
 
 
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = (),
