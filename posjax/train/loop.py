@@ -53,13 +53,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, build_task: BuildTask):
 def _start_state(run: validate.Prepared, workdir: str, checkpointer, writer, say):
   """:func:`_start_state_here` on every process; an error in any one (restoring the state or the input position,
   initialising, warm-starting) stops every process with it, before the first step."""
-  state, error = None, None
-  try:
-    state = _start_state_here(run, workdir, checkpointer, writer, say)
-  except (ValueError, OSError) as caught:
-    error = caught
-  validate.agree(error)
-  return state
+  return validate.everywhere(_start_state_here, run, workdir, checkpointer, writer, say)
 
 
 def _start_state_here(run: validate.Prepared, workdir: str, checkpointer, writer, say):
@@ -87,12 +81,7 @@ def _start_state_here(run: validate.Prepared, workdir: str, checkpointer, writer
 def _run(config: ml_collections.ConfigDict, workdir: str, build_task: BuildTask, interruptions):
   prepared = validate.validate_everywhere(config, workdir, build_task)
   lock = lock_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0)
-  error = None
-  try:
-    lock.acquire()
-  except OSError as refused:
-    error = refused
-  validate.agree(error)  # process 0 holds the workdir for every process, or every process stops
+  validate.everywhere(lock.acquire)  # process 0 holds the workdir for every process, or every process stops
   try:
     return _train(config, prepared, workdir, interruptions)
   finally:

@@ -180,12 +180,18 @@ def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callab
   return Prepared(resolved, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel)
 
 
-def validate_everywhere(config: ml_collections.ConfigDict, workdir: str, build_task) -> Prepared:
-  """:func:`validate` on every process; when any process refuses the config, every process raises."""
-  validated, error = None, None
+def everywhere(fn, *args):
+  """``fn(*args)`` on every process; when it fails (a mistake: ``ValueError`` / ``OSError``) on any process, every
+  process raises (:func:`agree`), so none is left waiting in a collective."""
+  result, error = None, None
   try:
-    validated = validate(config, workdir, build_task)
+    result = fn(*args)
   except (ValueError, OSError) as caught:
     error = caught
   agree(error)
-  return validated
+  return result
+
+
+def validate_everywhere(config: ml_collections.ConfigDict, workdir: str, build_task) -> Prepared:
+  """:func:`validate` on every process; when any process refuses the config, every process raises."""
+  return everywhere(validate, config, workdir, build_task)
