@@ -29,7 +29,7 @@ from posjax import config_args, tasks
 from posjax.aot import compile as aot
 from posjax.cli import error_message, run_user_errors
 from posjax.experiments import probes, sweep
-from posjax.train import loop
+from posjax.train import loop, peers
 
 # The one place the loop meets its tasks: ``train(config, workdir)`` trains the task ``config.task`` names.
 train = functools.partial(loop.run, build_task=tasks.build)
@@ -81,7 +81,7 @@ def main(argv):
   if value["num_processes"] > 1 or value["distributed"]:
     if config.get("cpu_collectives"):
       jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
-    timeouts = dict(heartbeat_timeout_seconds=int(config.get("peer_timeout_seconds", 100)),
+    timeouts = dict(heartbeat_timeout_seconds=peers.jax_heartbeat_timeout(config.get("peer_timeout_seconds", 60)),
                     shutdown_timeout_seconds=int(config.get("shutdown_timeout_seconds", 300)))
     if value["distributed"]:
       jax.distributed.initialize(**timeouts)
@@ -91,7 +91,8 @@ def main(argv):
   job = config.get("job", "train")
   if job not in JOBS:
     raise app.UsageError(f"unknown config.job {job!r}; allowed: {sorted(JOBS)}")
-  JOBS[job](config, value["workdir"])
+  with peers.watching(int(config.get("peer_timeout_seconds", 60))):  # one process's error or loss stops all
+    JOBS[job](config, value["workdir"])
 
 
 def parse_flags(argv):

@@ -174,28 +174,67 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
   assert stream(str(run)) == one
 
 
-@pytest.mark.slow
-def test_a_killed_peer_ends_the_other_process_within_the_peer_timeout(tmp_path):
-  # config.peer_timeout_seconds=5: process 1 SIGKILLed after its first checkpoint; process 0 stops with a non-zero
-  # status within that timeout and a margin, not after JAX's default of 100 s.
+def pair_at_checkpoint_2(workdir, failing=None):
+  """Two processes of an endless run (peer timeout 5 s, no evaluation) once checkpoint 2 exists; ``failing`` runs
+  through tests/faults.py, which raises an OSError after step 5 there."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  workers = [subprocess.Popen(command(tmp_path, f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                                      f"--process_id={i}", "--config.cpu_collectives=gloo",
-                                      "--config.total_steps=100000", "--config.peer_timeout_seconds=5"),
-                              cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
+  commands = [command(workdir, f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}",
+                      "--config.cpu_collectives=gloo", "--config.total_steps=100000",
+                      "--config.peer_timeout_seconds=5", "--config.eval_every_steps=0",
+                      "--config.checkpoint_every_steps=2") for i in range(2)]
+  if failing is not None:
+    commands[failing][1:3] = [str(ROOT / "tests" / "faults.py"), "5"]
+  workers = [subprocess.Popen(c, cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for c in commands]
+  deadline = time.time() + 180
+  while not (workdir / "checkpoints" / "2").exists():
+    if not (all(w.poll() is None for w in workers) and time.time() < deadline):
+      for w in workers:
+        w.kill()
+      raise AssertionError("no checkpoint: " + "".join(w.communicate()[0][-2000:] for w in workers))
+    time.sleep(0.05)
+  return workers
+
+
+def assert_stopped_with(output, line):
+  """One line at the end, and none of the runtime's aborts or stack dumps."""
+  assert output.rstrip().splitlines()[-1] == f"error: {line}", output[-3000:]
+  for dump in ("Fatal Python error", "Check failure", "Traceback", "terminate called"):
+    assert dump not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_an_error_in_one_process_during_training_stops_both_at_once_with_its_line(tmp_path):
+  workers = pair_at_checkpoint_2(tmp_path, failing=1)
   try:
-    deadline = time.time() + 180
-    while not (tmp_path / "checkpoints" / "10").exists():
-      assert all(w.poll() is None for w in workers) and time.time() < deadline, "no checkpoint: a hang?"
-      time.sleep(0.05)
-    workers[1].kill()
-    killed = time.time()
-    workers[0].communicate(timeout=120)
-    assert workers[0].returncode != 0
-    assert time.time() - killed < 60
+    outputs = [w.communicate(timeout=60)[0] for w in workers]
   finally:
     for w in workers:
       w.kill()
+  for w, output in zip(workers, outputs):  # not JAX's 300 s shutdown barrier: the first process to read it leaves
+    assert w.returncode != 0  # 2; where a peer left first, the runtime's abort (after the line)
+    assert_stopped_with(output, "process 1 stopped: cannot read shard-00001 (injected after step 5)")
+  assert checkpoint.load_params(str(tmp_path / "checkpoints"))  # the last good checkpoint stays
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_killed_or_hung_peer_ends_the_other_process_within_the_peer_timeout_with_one_line(tmp_path, fault):
+  # config.peer_timeout_seconds=5: process 1 SIGKILLed or SIGSTOPped after its first checkpoint; process 0 stops with
+  # a line naming it and status 1 within that timeout and a margin (not after JAX's default of 100 s, not with
+  # JAX's abort and its dumps).
+  workers = pair_at_checkpoint_2(tmp_path)
+  try:
+    workers[1].send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    lost = time.time()
+    output = workers[0].communicate(timeout=60)[0]
+    assert time.time() - lost < 15
+  finally:
+    for w in workers:
+      w.kill()
+  assert workers[0].returncode == 1
+  assert_stopped_with(output, "process 1 sent no heartbeat for 5 s (killed, hung or unreachable; "
+                              "config.peer_timeout_seconds); every process stops: rerun the job to resume from its "
+                              "last checkpoint")

@@ -21,7 +21,7 @@ from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertForMaskedLM
 from posjax.main import train
 from posjax.tasks import mlm as mlm_task
-from posjax.train import checkpoint, metrics, sharding, validate
+from posjax.train import checkpoint, metrics, peers, sharding, validate
 from posjax.train.step import TrainState, make_optimizer, step_rng, train_step
 from conftest import ROOT, load_config, override
 
@@ -334,7 +334,7 @@ def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
 def test_an_error_on_another_process_stops_this_one_with_its_message(monkeypatch):
   # What every process raises when one fails before the first step (validation, the workdir's lock, restoring
   # the state or the input position): its own error there, the failed process's words everywhere else.
-  text = b"ValueError: the saved input position has no entry for shard(s) [1]"
+  text = b"the saved input position has no entry for shard(s) [1]"
 
   def two_processes(value):  # process 0 (this one) and a process 1 that failed
     other = np.zeros_like(value)
@@ -342,8 +342,8 @@ def test_an_error_on_another_process_stops_this_one_with_its_message(monkeypatch
     return np.stack([value, other])
 
   monkeypatch.setattr(sharding, "per_process", two_processes)
-  with pytest.raises(ValueError, match=r"^process 1 stopped: ValueError: the saved input position has no entry "
-                                       r"for shard\(s\) \[1\]$"):
+  with pytest.raises(peers.Stopped, match=r"^process 1 stopped: the saved input position has no entry "
+                                         r"for shard\(s\) \[1\]$"):
     validate.agree(None)
   with pytest.raises(OSError, match="^mine$"):
     validate.agree(OSError("mine"))

@@ -79,9 +79,10 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.profile_start_step = -1
   config.profile_steps = 5
   config.cpu_collectives = ""
-  # Multi-process runs: a process that sends no heartbeat for this long counts as lost, and every process stops;
-  # a finished process waits this long for the others at exit (JAX's coordination service; its defaults).
-  config.peer_timeout_seconds = 100
+  # Multi-process runs: a process that sends no heartbeat for this long counts as lost, and every process stops
+  # with one line (posjax.train.peers; JAX's own abort comes 30 s later); a finished process waits this long for
+  # the others at exit (JAX's shutdown barrier, its default).
+  config.peer_timeout_seconds = 60
   config.shutdown_timeout_seconds = 300
   config.model_size = size  # the architecture of a run without init
   config.model = model_fields(position)

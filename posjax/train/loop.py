@@ -140,6 +140,7 @@ def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, wor
   logger = metrics_lib.DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step, say)
   profiling = False
   done = start
+  stranded = False  # this process failed and others wait for it in a collective: no save of its can finish
   try:
     for step in range(start, config.total_steps):
       if step == config.profile_start_step and is_main:
@@ -184,12 +185,16 @@ def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, wor
     raise Interrupted(f"interrupted at step {done}, last checkpoint: "
                       f"{'none' if last is None else f'step {last}'} in {checkpointer.directory}; rerun the same "
                       "command to resume") from None
+  except Exception:
+    stranded = jax.process_count() > 1  # its error stops every process (posjax.train.peers), collectives none
+    raise
   finally:
     if profiling:
       jax.profiler.stop_trace()
     progress.close()
-    checkpointer.wait()
-    checkpointer.close()
+    if not stranded:
+      checkpointer.wait()
+      checkpointer.close()
     writer.close()
     if hasattr(task.train_batches, "close"):
       task.train_batches.close()  # reader processes

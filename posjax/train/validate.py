@@ -21,6 +21,7 @@ from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, 
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import lock as lock_lib
 from posjax.train import parallel as parallel_lib
+from posjax.train import peers
 from posjax.train import sharding
 from posjax.train.step import TrainState, make_optimizer
 from posjax.train.task import Task
@@ -126,7 +127,7 @@ def agree(error: Exception | None) -> None:
   """Raises on every process when any process failed (a process alone would leave the others waiting in a
   collective): the failed process its own error, the others one that names the first failed process and quotes
   its message."""
-  text = "" if error is None else f"{type(error).__name__}: {error}"
+  text = "" if error is None else peers.describe(error)
   encoded = np.zeros(MESSAGE_BYTES + 1, np.uint8)
   raw = text.encode()[:MESSAGE_BYTES]
   encoded[0], encoded[1:1 + len(raw)] = error is not None, np.frombuffer(raw, np.uint8)
@@ -138,7 +139,7 @@ def agree(error: Exception | None) -> None:
     first = int(failed[0])
     message = bytes(gathered[first, 1:]).rstrip(b"\0").decode(errors="replace")
     others = f" (and process(es) {failed[1:].tolist()})" if len(failed) > 1 else ""
-    raise ValueError(f"process {first} stopped{others}: {message}")
+    raise peers.Stopped(f"process {first} stopped{others}: {message}")
 
 
 class Prepared(NamedTuple):
