@@ -4,6 +4,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from posjax.tasks import mlm as mlm_task
 from posjax.train import checkpoint, metrics, peers, sharding, validate
 from posjax.train.step import TrainState, make_optimizer, step_rng, train_step
 from conftest import ROOT, load_config, override
+
+DATA = ROOT / "configs" / "data"
 
 DETERMINISTIC = ("loss", "accuracy", "grad_norm", "learning_rate", "eval_loss", "eval_accuracy")
 
@@ -421,46 +424,107 @@ def saved_steps(workdir) -> list[int]:
   return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
 
 
-def interrupt(workdir, sig) -> subprocess.CompletedProcess:
-  """Starts the run in ``workdir``, sends ``sig`` once it has saved a new checkpoint, waits for the end."""
+def saving_steps(workdir) -> list[str]:
+  """The checkpoints orbax is writing (their temporary directories)."""
+  return sorted(p.name for p in (workdir / "checkpoints").glob("*.orbax-checkpoint-tmp*"))
+
+
+def interrupt(workdir, sig, *overrides, saving=False, fault=None) -> subprocess.CompletedProcess:
+  """Starts the run in ``workdir`` and, once it has saved a new checkpoint (with ``saving``: started writing
+  one), sends ``sig`` or calls ``fault()``; waits for the end."""
   before = saved_steps(workdir) if (workdir / "checkpoints").exists() else []
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-  process = subprocess.Popen(main_command(workdir), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+  process = subprocess.Popen(main_command(workdir, *overrides), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
-  while not (workdir / "checkpoints").exists() or saved_steps(workdir)[-1:] == before[-1:]:
+  ready = lambda: (workdir / "checkpoints").exists() and saved_steps(workdir)[-1:] != before[-1:]
+  if saving:
+    ready = lambda: (workdir / "checkpoints").exists() and saved_steps(workdir)[-1:] != before[-1:] and any(
+        int(name.split(".")[0]) > saved_steps(workdir)[-1] for name in saving_steps(workdir))
+  while not ready():
     assert process.poll() is None and time.time() < deadline, "the run ended before a new checkpoint"
-    time.sleep(0.02)
-  process.send_signal(sig)
+    time.sleep(0.002 if saving else 0.02)
+  if fault is None:
+    process.send_signal(sig)
+  else:
+    fault()
   out, err = process.communicate(timeout=300)
   return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
-@pytest.mark.slow
-def test_ctrl_c_sigterm_and_sigkill_each_resume_to_the_uninterrupted_result(tmp_path):
-  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-  subprocess.run(main_command(tmp_path / "straight"), check=True, cwd=ROOT, env=env, capture_output=True)
-  run = tmp_path / "interrupted"
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 64 MB file system of its own (tmpfs; needs root), or None where it cannot be mounted."""
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True)
+  yield disk if mounted.returncode == 0 else None
+  if mounted.returncode == 0:
+    subprocess.run(["umount", "-l", str(disk)], check=True)
 
-  ctrl_c = interrupt(run, signal.SIGINT)
+
+@pytest.mark.slow
+def test_faults_each_stop_the_run_and_the_resumes_end_like_the_uninterrupted_run(tmp_path, small_disk):
+  """Ctrl-C, SIGTERM, SIGKILL, SIGKILL while a checkpoint is being written, a full disk while saving, a data file
+  that cannot be read mid-run: each stops the run (with one line where it says anything), keeps the last complete
+  checkpoint, and the same command resumes; the end equals an uninterrupted run."""
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "train.txt").write_text("".join((DATA / "tiny_train.txt").read_text().splitlines(True)[:100]))
+  for name in ("tiny_eval.txt", "tiny_vocab.txt"):
+    shutil.copy(DATA / name, data / name)
+  own_data = (f"--config.data.train_files={data / 'train.txt'}", f"--config.data.eval_files={data / 'tiny_eval.txt'}",
+              f"--config.data.vocab_file={data / 'tiny_vocab.txt'}",  # a short epoch: the file is read again soon
+              "--config.total_steps=100", "--config.checkpoint_every_steps=5",
+              "--config.keep_checkpoints=100")  # none deleted: a full disk stays full
+  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+  subprocess.run(main_command(tmp_path / "straight", *own_data), check=True, cwd=ROOT, env=env, capture_output=True)
+  run = (small_disk or tmp_path) / "interrupted"
+
+  ctrl_c = interrupt(run, signal.SIGINT, *own_data)
   assert ctrl_c.returncode == 130 and "Traceback" not in ctrl_c.stderr
   last = re.fullmatch(rf"interrupted at step \d+, last checkpoint: step (\d+) in {run}/checkpoints; rerun the "
                       r"same command to resume", ctrl_c.stderr.strip().splitlines()[-1])
-  assert last and int(last.group(1)) == saved_steps(run)[-1] < 200
+  assert last and int(last.group(1)) == saved_steps(run)[-1] < 100
 
-  preempted = interrupt(run, signal.SIGTERM)
+  preempted = interrupt(run, signal.SIGTERM, *own_data)
   assert preempted.returncode == 0, preempted.stderr[-2000:]
   saved = int(re.search(r"preempted \(SIGTERM\) at step (\d+): checkpoint saved in", preempted.stderr).group(1))
-  assert saved == saved_steps(run)[-1] < 200
+  assert saved == saved_steps(run)[-1] < 100
 
-  killed = interrupt(run, signal.SIGKILL)
-  assert killed.returncode == -signal.SIGKILL and saved < saved_steps(run)[-1] < 200
+  killed = interrupt(run, signal.SIGKILL, *own_data)
+  assert killed.returncode == -signal.SIGKILL and saved < saved_steps(run)[-1] < 100
 
-  subprocess.run(main_command(run), check=True, cwd=ROOT, env=env, capture_output=True)
+  complete = saved_steps(run)[-1]
+  killed_saving = interrupt(run, signal.SIGKILL, *own_data, saving=True)
+  assert killed_saving.returncode == -signal.SIGKILL and saving_steps(run)  # a checkpoint left half-written
+  assert saved_steps(run)[-1] > complete
+
+  text = (data / "train.txt").read_bytes()
+  unreadable = interrupt(run, None, *own_data, fault=lambda: (data / "train.txt").write_bytes(b"\xff\xfe\n" * 50))
+  assert unreadable.returncode == 2 and "Traceback" not in unreadable.stderr
+  assert unreadable.stderr.strip().splitlines()[-1] == (f"error: text file {data / 'train.txt'} is not UTF-8 text "
+                                                         "(invalid start byte)")
+  (data / "train.txt").write_bytes(text)
+
+  if small_disk is not None:
+    filler = small_disk / "filler"
+    fill = lambda: filler.write_bytes(b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+                                                - 200_000))
+    full = interrupt(run, None, *own_data, fault=fill)
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    assert re.fullmatch(rf"error: saving checkpoint \d+ in {run}/checkpoints failed \(\[Errno 28\] No space left on "
+                        rf"device\); the last complete checkpoint \(step {saved_steps(run)[-1]}\) is kept: fix the "
+                        r"storage \(free space, permissions\) and rerun the same command to resume from it",
+                        full.stderr.strip().splitlines()[-1]), full.stderr[-3000:]
+    assert "orbax" not in full.stderr, full.stderr[-3000:]  # nor its background threads' logs of the error
+    filler.unlink()
+
+  subprocess.run(main_command(run, *own_data), check=True, cwd=ROOT, env=env, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
                      checkpoint.load_params(str(run / "checkpoints")))
   assert stream(str(tmp_path / "straight")) == stream(str(run))
-  assert len(stream(str(run))) == 204  # 200 train lines, 4 eval lines, none repeated
+  assert len(stream(str(run))) == 102  # 100 train lines, 2 eval lines, none repeated
 
 
 def test_position_options_from_the_command_line(tmp_path):

@@ -14,6 +14,7 @@ when checkpoints exist but none can be read, restoring is an error that names th
 
 from __future__ import annotations
 
+import errno
 import json
 import logging as std_logging
 import os
@@ -50,14 +51,40 @@ class Checkpointer:
         preservation_policy=checkpoint_managers.AnyPreservationPolicy(policies),
         enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=_handlers())
+    self._saving = None  # the step of the save in flight
+    self._failed = False  # a failed save has been raised: later waits (on the way out) stay quiet
+    _silence_abandoned_io()
 
   @property
   def directory(self) -> str:
     return os.fspath(self.manager.directory)
 
   def save(self, step: int, state: Any, data_state: dict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    data=ocp.args.JsonSave(data_state)), force=True)
+    """Starts saving ``step`` (it completes in the background); a failed save, this one's or the previous
+    one's, is an ``OSError`` naming the last complete checkpoint, which stays."""
+    try:
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      data=ocp.args.JsonSave(data_state)), force=True)
+      self._saving = step
+    except Exception as error:  # noqa: BLE001
+      raise self._save_failed(self._saving or step, error) from None
+
+  def wait(self) -> None:
+    """Waits for the save in flight; its failure is the ``OSError`` of :meth:`save`."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as error:  # noqa: BLE001
+      if not self._failed:
+        raise self._save_failed(self._saving, error) from None
+    self._saving = None
+
+  def _save_failed(self, step: int | None, error: Exception) -> OSError:
+    self._saving, self._failed = None, True
+    complete = sorted(int(p) for p in os.listdir(self.directory) if p.isdigit())
+    last = f"step {complete[-1]}" if complete else "none"
+    return OSError(f"saving checkpoint {step} in {self.directory} failed ({_os_reason(error)}); the last complete "
+                   f"checkpoint ({last}) is kept: fix the storage (free space, permissions) and rerun the same command "
+                   "to resume from it")
 
   def restore(self, abstract_state: Any) -> tuple[Any, dict] | None:
     """The newest readable checkpoint as ``(state, data_state)``, laid out like ``abstract_state``; ``None``
@@ -93,7 +120,6 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())), None, False
       except Exception as error:  # noqa: BLE001  (any unreadable checkpoint: try the one before)
-        _silence_abandoned_reads()
         reason = _summary(error)
         if not is_transient(error):
           return None, reason, False
@@ -118,9 +144,6 @@ class Checkpointer:
                       reason, target)
     _sync("posjax_checkpoint_move_aside_done")
     self.manager.reload()
-
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.close()
@@ -149,6 +172,26 @@ def is_transient(error: Exception) -> bool:
   return any(marker in text for marker in _TRANSIENT)
 
 
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOENT)
+
+
+def _os_reason(error: Exception) -> str:
+  """The operating system's words where an ``OSError`` with an errno caused ``error`` (``[Errno 28] No space
+  left on device``), else its summary."""
+  chain, seen = [error], set()
+  while chain[-1] is not None and id(chain[-1]) not in seen and len(chain) < 20:
+    seen.add(id(chain[-1]))
+    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+  found = [e for e in chain if isinstance(e, OSError) and e.errno is not None]
+  if found:
+    return f"[Errno {found[0].errno}] {found[0].strerror}"
+  text = " ".join(str(e) for e in chain if e is not None)
+  for code in _STORAGE_ERRNOS:  # TensorStore words them in several ways; the system's text is in each
+    if os.strerror(code) in text:
+      return f"[Errno {code}] {os.strerror(code)}"
+  return _summary(error)
+
+
 def _summary(error: Exception, limit: int = 200) -> str:
   """The first line of an error, without TensorStore's spec dump."""
   text = str(error).split("\n")[0].split(" See full TensorStore details")[0]
@@ -175,10 +218,11 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def _silence_abandoned_reads() -> None:
-  """After a failed restore, the reads orbax abandoned still finish: each reports "Event loop is closed" or
-  its own read error (through ``sys.unraisablehook``), or a never-retrieved future (asyncio's logger) -
-  thousands of lines that say nothing the one-line warning does not. Drops exactly those."""
+def _silence_abandoned_io() -> None:
+  """After a failed restore or save, the reads and writes orbax abandoned still finish: each reports "Event loop
+  is closed" or its own error (through ``sys.unraisablehook``), or a never-retrieved future (asyncio's logger), and
+  orbax's threads log the error they hand to the caller with its traceback - thousands of lines that say nothing
+  the one-line error does not. Drops exactly those (``-v 0`` keeps orbax's log)."""
   previous = sys.unraisablehook
   if getattr(previous, "posjax_filter", False):
     return
@@ -196,7 +240,15 @@ def _silence_abandoned_reads() -> None:
   sys.unraisablehook = hook
   std_logging.getLogger("asyncio").addFilter(
       lambda record: "exception was never retrieved" not in record.getMessage())
+  logging.get_absl_logger().addFilter(_orbax_thread_failures)
 
+
+def _orbax_thread_failures(record) -> bool:
+  """False for orbax's own error records of a failed background operation (it raises them in the caller too),
+  unless the log is verbose."""
+  if logging.get_verbosity() >= logging.INFO or record.levelno < std_logging.ERROR:
+    return True
+  return os.sep + "orbax" + os.sep not in record.pathname
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")  # a run's vocabulary, when kept beside its checkpoints
 
