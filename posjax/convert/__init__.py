@@ -1,5 +1,6 @@
-"""Checkpoint converters: Hugging Face BERT in and out (:mod:`posjax.convert.hf_bert`), and the official TUPE
-code's fairseq checkpoints in (:mod:`posjax.convert.tupe_fairseq`).
+"""Checkpoint converters: Hugging Face BERT in and out (:mod:`posjax.convert.hf_bert`), Hugging Face ELECTRA in
+(:mod:`posjax.convert.hf_electra`), and the official TUPE code's fairseq checkpoints in
+(:mod:`posjax.convert.tupe_fairseq`).
 
   python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
   python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
@@ -9,6 +10,7 @@ code's fairseq checkpoints in (:mod:`posjax.convert.tupe_fairseq`).
 """
 
 from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, to_hf_bert
+from posjax.convert.hf_electra import from_hf_electra
 from posjax.convert.tupe_fairseq import from_tupe_fairseq
 
-__all__ = ["config_from_hf", "config_to_hf", "from_hf_bert", "from_tupe_fairseq", "to_hf_bert"]
+__all__ = ["config_from_hf", "config_to_hf", "from_hf_bert", "from_hf_electra", "from_tupe_fairseq", "to_hf_bert"]

@@ -113,24 +113,38 @@ def detect_head(state: Mapping[str, np.ndarray]) -> tuple[str, int]:
   return "none", 2
 
 
-def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: str) -> tuple[dict, list[str]]:
-  """posjax parameters (flat, ``/``-joined paths) from a Hugging Face state dict, and the keys dropped."""
+class StateReader:
+  """Weights taken out of a Hugging Face state dict by name into flat posjax paths (``out``), with the names
+  used remembered; a missing weight is an error naming it and what was expected."""
+
+  def __init__(self, state: Mapping[str, np.ndarray], what: str):
+    self.state, self.what, self.used, self.out = state, what, set(), {}
+
+  def take(self, key: str) -> np.ndarray:
+    if key not in self.state:
+      raise ValueError(f"the checkpoint has no weight {key!r} (expected for this {self.what})")
+    self.used.add(key)
+    return self.state[key]
+
+  def norm(self, target: str, name: str) -> None:
+    self.out[f"{target}/scale"], self.out[f"{target}/bias"] = self.take(f"{name}.weight"), self.take(f"{name}.bias")
+
+  def dense(self, target: str, name: str, shape=None) -> None:
+    kernel, bias = self.take(f"{name}.weight").T, self.take(f"{name}.bias")
+    self.out[f"{target}/kernel"] = kernel if shape is None else kernel.reshape(shape)
+    self.out[f"{target}/bias"] = bias if shape is None else bias.reshape(shape[1:])
+
+  def dropped(self) -> list[str]:
+    return sorted(set(self.state) - self.used)
+
+
+def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: str,
+                   reader: StateReader | None = None) -> tuple[dict, list[str]]:
+  """posjax parameters (flat, ``/``-joined paths) from a Hugging Face state dict, and the keys dropped
+  (``reader``: one to add to, e.g. ELECTRA's, which reads more)."""
   heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
-  used, out = set(), {}
-
-  def take(key):
-    if key not in state:
-      raise ValueError(f"the checkpoint has no weight {key!r} (expected for this {config.position} BERT)")
-    used.add(key)
-    return state[key]
-
-  def norm(target, name):
-    out[f"{target}/scale"], out[f"{target}/bias"] = take(f"{name}.weight"), take(f"{name}.bias")
-
-  def dense(target, name, shape=None):
-    kernel, bias = take(f"{name}.weight").T, take(f"{name}.bias")
-    out[f"{target}/kernel"] = kernel if shape is None else kernel.reshape(shape)
-    out[f"{target}/bias"] = bias if shape is None else bias.reshape(shape[1:])
+  reader = reader or StateReader(state, f"{config.position} BERT")
+  take, norm, dense, out = reader.take, reader.norm, reader.dense, reader.out
 
   out["encoder/word_embeddings/embedding"] = take("embeddings.word_embeddings.weight")
   if config.type_vocab_size:
@@ -164,8 +178,7 @@ def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: st
     dense("classifier", "classifier")
   if head == "span":
     dense("span", "qa_outputs")
-  dropped = sorted(set(state) - used)
-  return out, dropped
+  return out, reader.dropped()
 
 
 def _check_shapes(module: BertModel, flat: dict[str, np.ndarray], source: str) -> dict:
@@ -206,19 +219,22 @@ def read_directory(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
                           f"{sorted(os.listdir(directory))}")
 
 
+def read_source(source) -> tuple[dict, dict[str, np.ndarray], str]:
+  """``(config.json as a dict, state dict as numpy, what to call it in errors)`` of an in-memory
+  ``transformers`` model or a model directory."""
+  if isinstance(source, (str, os.PathLike)):
+    return (*read_directory(os.fspath(source)), os.fspath(source))
+  state = {k: v.detach().cpu().float().numpy() if v.is_floating_point() else v.detach().cpu().numpy()
+           for k, v in source.state_dict().items()}
+  return source.config.to_dict(), state, type(source).__name__
+
+
 def from_hf_bert(source) -> tuple[BertModel, dict]:
   """``(module, variables)`` equal to a Hugging Face BERT: an in-memory ``transformers`` model or a directory.
 
   ``module.apply(variables, input_ids, token_type_ids=..., attention_mask=...)`` returns a
   :class:`posjax.models.BertOutput` (``last_hidden_state``, and the head's logits)."""
-  if isinstance(source, (str, os.PathLike)):
-    hf_config, state = read_directory(os.fspath(source))
-    where = os.fspath(source)
-  else:
-    hf_config = source.config.to_dict()
-    state = {k: v.detach().cpu().float().numpy() if v.is_floating_point() else v.detach().cpu().numpy()
-             for k, v in source.state_dict().items()}
-    where = type(source).__name__
+  hf_config, state, where = read_source(source)
   state = _strip(state)
   config = config_from_hf(hf_config)
   types = state.get("embeddings.token_type_embeddings.weight")

@@ -47,6 +47,9 @@ class BertConfig:
       approximation: Hugging Face's ``gelu_new``), ``relu``.
     dtype: compute dtype name (``float32`` | ``bfloat16`` | ``float16``); parameters stay ``param_dtype``.
     type_vocab_size: token-type (segment A/B) embeddings; 0 for none.
+    embedding_size: the width of the input embeddings (word, token type, an input position method's) and of the
+      MLM head's output, when it is not ``hidden_size``: ELECTRA's generator reads the discriminator's 768-wide
+      embeddings through a dense ``embeddings_project`` to its 256 (Clark et al. 2020). 0: ``hidden_size``.
   """
 
   vocab_size: int = 30522
@@ -56,6 +59,7 @@ class BertConfig:
   intermediate_size: int = 3072
   max_len: int = 512
   type_vocab_size: int = 2
+  embedding_size: int = 0
   position: str = "absolute"
   position_options: Mapping[str, Any] = FrozenDict()
   attention_kernel: str = "xla"
@@ -78,6 +82,8 @@ class BertConfig:
     base.check_choice("activation", self.activation, tuple(ACTIVATIONS))
     base.check_choice("dtype", self.dtype, tuple(DTYPES))
     base.check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
+    if self.embedding_size < 0:
+      raise ValueError(f"embedding_size must be >= 0 (0: hidden_size), got {self.embedding_size}")
     for field in ("dropout_rate", "attention_dropout_rate"):
       if not 0.0 <= getattr(self, field) < 1.0:
         raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
@@ -92,8 +98,13 @@ class BertConfig:
   @functools.cached_property
   def position_spec(self) -> base.PositionSpec:
     return positions_lib.make(self.position, self.position_options, num_heads=self.num_heads,
-                              hidden_size=self.hidden_size, max_len=self.max_len,
+                              hidden_size=self.hidden_size, max_len=self.max_len, embedding_size=self.embed_width,
                               dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype])
+
+  @property
+  def embed_width(self) -> int:
+    """The input embeddings' width: ``embedding_size``, or ``hidden_size`` where that is 0."""
+    return self.embedding_size or self.hidden_size
 
   @classmethod
   def tiny(cls, **overrides) -> "BertConfig":
@@ -174,23 +185,30 @@ class BertEncoder(nn.Module):
   packed sequences work: position terms use the batch's positions, tokens of different segments never
   attend to each other, and [CLS] untying applies to every token at position 0. With
   ``mutable=["intermediates"]`` it sows ``position_bias`` and every layer's ``attention_logits``.
+
+  ``shared``: another encoder whose embeddings this one reads (ELECTRA's generator reads the discriminator's:
+  word, token type, an input position table, their LayerNorm) instead of its own; its layers, its
+  ``embeddings_project`` and any position terms inside the layers stay its own.
   """
 
   config: BertConfig
+  shared: Any = None
 
   def setup(self):
     c, spec = self.config, self.config.position_spec
     dtype, param_dtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
-    self.word_embeddings = nn.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
+    self.word_embeddings = nn.Embed(c.vocab_size, c.embed_width, dtype=dtype, param_dtype=param_dtype,
                                     embedding_init=base.normal_init((VOCAB, base.EMBED)))
     if c.type_vocab_size:
-      self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.hidden_size, dtype=dtype,
+      self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.embed_width, dtype=dtype,
                                             param_dtype=param_dtype,
                                             embedding_init=base.normal_init((None, base.EMBED)))
     if spec.method.encoder is not None:
       self.position = spec.method.encoder(spec=spec)
     self.embedding_norm = _layer_norm(c, "embedding_norm")
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
+    if c.embed_width != c.hidden_size:
+      self.embeddings_project = _dense(c, c.hidden_size, (base.EMBED, MLP), "embeddings_project")
     self.layers = [EncoderLayer(c, name=f"layer_{i}") for i in range(c.num_layers)]
     if c.norm == "pre":
       self.final_norm = _layer_norm(c, "final_norm")
@@ -206,20 +224,25 @@ class BertEncoder(nn.Module):
       positions = jnp.arange(length, dtype=jnp.int32)[None]
     if positions.ndim != 2 or positions.shape[1] != length or positions.shape[0] not in (1, batch):
       raise ValueError(f"positions must be [{batch} or 1, {length}], got shape {positions.shape}")
-    state = self.position(positions) if spec.method.encoder is not None else base.PositionState()
+    embeddings = self._embeddings_source()
+    position = embeddings.position if spec.method.input_embedding and embeddings is not self else getattr(
+        self, "position", None)
+    state = position(positions) if spec.method.encoder is not None else base.PositionState()
     state = state.replace(positions=positions)
     if state.bias is not None:
       self.sow("intermediates", "position_bias", state.bias)
 
-    x = self.word_embeddings(input_ids)
+    x = embeddings.word_embeddings(input_ids)
     if c.type_vocab_size:
-      x = x + self.token_type_embeddings(
+      x = x + embeddings.token_type_embeddings(
           jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids)
     elif token_type_ids is not None:
       raise ValueError("token_type_ids given but the config has type_vocab_size=0")
     if state.embedding is not None:
       x = x + state.embedding.astype(x.dtype)
-    x = self.embedding_dropout(self.embedding_norm(x), deterministic=deterministic)
+    x = self.embedding_dropout(embeddings.embedding_norm(x), deterministic=deterministic)
+    if c.embed_width != c.hidden_size:
+      x = self.embeddings_project(x)
 
     mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids)
     for layer in self.layers:
@@ -228,19 +251,36 @@ class BertEncoder(nn.Module):
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)
 
-  def attend_words(self, x_BxLxD):
-    """Logits over the vocabulary through the (tied) word embeddings."""
-    return self.word_embeddings.attend(x_BxLxD)
+  def attend_words(self, x_BxLxE):
+    """Logits over the vocabulary through the (tied, perhaps shared) word embeddings."""
+    return self._embeddings_source().word_embeddings.attend(x_BxLxE)
+
+  def _embeddings_source(self) -> "BertEncoder":
+    """This encoder, or the one whose embeddings it shares (which must have the same vocabulary, width, token
+    types, input position method and its options)."""
+    other = self.shared
+    if other is None:
+      return self
+    mine, theirs = self.config, other.config
+    fields = ["vocab_size", "embed_width", "type_vocab_size", "max_len", "param_dtype"]
+    if mine.position_spec.method.input_embedding or theirs.position_spec.method.input_embedding:
+      fields += ["position", "position_options"]
+    differ = [f for f in fields if getattr(mine, f) != getattr(theirs, f)]
+    if differ:
+      raise ValueError("an encoder that shares another's embeddings needs the same " + ", ".join(
+          f"{f} (here {getattr(mine, f)!r}, there {getattr(theirs, f)!r})" for f in differ))
+    return other
 
 
 def mlm_head(module: nn.Module, encoder: BertEncoder, h_BxMxD):
-  """BERT's MLM head, tied to the word embeddings: dense -> activation -> LayerNorm -> ``E^T`` + bias (called
-  inside ``module``'s compact ``__call__``: its parameters are ``transform``, ``transform_norm``, ``output_bias``)."""
+  """BERT's MLM head, tied to the word embeddings: dense (to the embeddings' width) -> activation -> LayerNorm ->
+  ``E^T`` + bias (called inside ``module``'s compact ``__call__``: its parameters are ``transform``,
+  ``transform_norm``, ``output_bias``)."""
   c = encoder.config
-  h_BxMxD = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](_dense(c, c.hidden_size, (base.EMBED, MLP),
+  h_BxMxE = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](_dense(c, c.embed_width, (base.EMBED, MLP),
                                                                                "transform")(h_BxMxD)))
   bias_V = module.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,), DTYPES[c.param_dtype])
-  return encoder.attend_words(h_BxMxD).astype(jnp.float32) + bias_V
+  return encoder.attend_words(h_BxMxE).astype(jnp.float32) + bias_V
 
 
 def pooler(config: BertConfig, h_BxLxD):
@@ -252,6 +292,13 @@ def classification_head(config: BertConfig, num_labels: int, h_BxLxD, determinis
   """TUPE's and BERT's [CLS] head: pooler -> dropout -> ``num_labels`` outputs (``classifier``)."""
   pooled = nn.Dropout(config.dropout_rate)(pooler(config, h_BxLxD), deterministic=deterministic)
   return _dense(config, num_labels, (base.EMBED, None), "classifier")(pooled).astype(jnp.float32)
+
+
+def rtd_head(config: BertConfig, h_BxLxD):
+  """ELECTRA's discriminator head: dense -> activation -> one logit per token, ``[B, L]``, that it was replaced
+  (parameters ``rtd``, ``rtd_output``; Clark et al. 2020)."""
+  h_BxLxD = ACTIVATIONS[config.activation](_dense(config, config.hidden_size, (base.EMBED, MLP), "rtd")(h_BxLxD))
+  return _dense(config, 1, (MLP, None), "rtd_output")(h_BxLxD)[..., 0].astype(jnp.float32)
 
 
 def span_head(config: BertConfig, h_BxLxD):
@@ -306,12 +353,12 @@ class BertOutput:
   """What :class:`BertModel` returns: the encoder's last states and, per its head, the head's outputs."""
   last_hidden_state: jax.Array
   pooler_output: jax.Array | None = None
-  logits: jax.Array | None = None  # MLM [B, L, V] or classification [B, num_labels]
+  logits: jax.Array | None = None  # MLM [B, L, V], classification [B, num_labels] or replaced-token [B, L]
   start_logits: jax.Array | None = None
   end_logits: jax.Array | None = None
 
 
-HEADS = ("none", "pooler", "mlm", "classification", "span")
+HEADS = ("none", "pooler", "mlm", "classification", "span", "rtd")
 
 
 class BertModel(nn.Module):
@@ -337,4 +384,6 @@ class BertModel(nn.Module):
     if self.head == "span":
       start, end = span_head(self.config, h)
       return BertOutput(h, start_logits=start, end_logits=end)
+    if self.head == "rtd":
+      return BertOutput(h, logits=rtd_head(self.config, h))
     return BertOutput(h)

@@ -28,16 +28,18 @@ class SinusoidalOptions:
 
 
 class LearnedTable(nn.Module):
-  """A learned ``[max_len, D]`` table read at the batch's positions (BERT's position embedding)."""
+  """A learned ``[max_len, width]`` table read at the batch's positions (BERT's position embedding; ``width``
+  default: the model's)."""
 
   spec: base.PositionSpec
   num_rows: int | None = None
+  width: int | None = None
 
   @nn.compact
   def __call__(self, positions_BxL):
     rows = self.num_rows or self.spec.max_len
     table = self.param("embedding", base.normal_init((base.POSITION, base.EMBED)),
-                       (rows, self.spec.hidden_size), self.spec.param_dtype)
+                       (rows, self.width or self.spec.hidden_size), self.spec.param_dtype)
     return base.lookup(table, positions_BxL).astype(self.spec.dtype)
 
 
@@ -49,7 +51,8 @@ class Absolute(nn.Module):
   @nn.compact
   def __call__(self, positions_BxL):
     self.spec.check_length(positions_BxL.shape[-1])
-    return base.PositionState(embedding=LearnedTable(self.spec, name="table")(positions_BxL))
+    return base.PositionState(embedding=LearnedTable(self.spec, width=self.spec.input_width,
+                                                     name="table")(positions_BxL))
 
 
 def sinusoid(positions_BxL, dim: int, max_timescale: float = 10_000.0):
@@ -68,12 +71,12 @@ class Sinusoidal(nn.Module):
   @nn.compact
   def __call__(self, positions_BxL):
     options = self.spec.options
-    pe = options.scale * sinusoid(positions_BxL, self.spec.hidden_size, options.max_timescale)
+    pe = options.scale * sinusoid(positions_BxL, self.spec.input_width, options.max_timescale)
     return base.PositionState(embedding=pe.astype(self.spec.dtype))
 
 
 base.register(base.Method("none", NoOptions, summary="no position information"))
-base.register(base.Method("absolute", NoOptions, encoder=Absolute, max_len_bound=True,
+base.register(base.Method("absolute", NoOptions, encoder=Absolute, max_len_bound=True, input_embedding=True,
                           summary="learned absolute embedding added at the input (BERT-A)"))
-base.register(base.Method("sinusoidal", SinusoidalOptions, encoder=Sinusoidal,
+base.register(base.Method("sinusoidal", SinusoidalOptions, encoder=Sinusoidal, input_embedding=True,
                           summary="fixed sinusoids added at the input (Vaswani et al. 2017)"))

@@ -96,6 +96,8 @@ class Method:
       or shift q/k and add a bias).
     max_len_bound: whether the method holds a learned table indexed by absolute position, so sequences
       longer than ``max_len`` are an error.
+    input_embedding: whether all the method does is add an embedding to the tokens' (absolute, sinusoidal):
+      an encoder that shares another's embeddings (ELECTRA's generator) shares it too.
     summary: one line for listings and error messages.
   """
 
@@ -106,6 +108,7 @@ class Method:
   content_scale: float = 1.0
   fusable: Callable[[Any], bool] = lambda options: True
   max_len_bound: bool = False
+  input_embedding: bool = False
   summary: str = ""
 
 
@@ -159,6 +162,7 @@ class PositionSpec:
   max_len: int
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  embedding_size: int = 0  # the input embeddings' width where it is not the model's (ELECTRA's); 0: hidden_size
 
   @property
   def name(self) -> str:
@@ -169,6 +173,11 @@ class PositionSpec:
   def hidden_size(self) -> int:
     """The model width ``H·K``."""
     return self.num_heads * self.head_dim
+
+  @property
+  def input_width(self) -> int:
+    """The width of what an input-embedding method adds: the token embeddings', ``embedding_size`` or ``H·K``."""
+    return self.embedding_size or self.hidden_size
 
   @property
   def fusable(self) -> bool:
@@ -190,7 +199,8 @@ class PositionSpec:
 
 
 def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int, hidden_size: int,
-         max_len: int, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32) -> PositionSpec:
+         max_len: int, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+         embedding_size: int = 0) -> PositionSpec:
   """Validates a method name and its options and returns the spec the modules are built from."""
   method = get(name)
   if num_heads <= 0 or hidden_size % num_heads:
@@ -198,7 +208,7 @@ def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int,
   if max_len <= 0:
     raise ValueError(f"max_len must be positive, got {max_len}")
   return PositionSpec(method, parse_options(method, options), num_heads, hidden_size // num_heads, max_len,
-                      dtype, param_dtype)
+                      dtype, param_dtype, 0 if embedding_size == hidden_size else embedding_size)
 
 
 def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:

@@ -1,0 +1,65 @@
+"""ELECTRA (Clark, Luong, Le, Manning, ICLR 2020): a small generator trained by masked LM, and a discriminator
+that tells, for every token, whether the generator replaced it.
+
+Parameter layout: the discriminator is ``encoder`` (so a fine-tuning run started from an ELECTRA checkpoint reads
+it as it reads a BERT one) with its head ``rtd`` / ``rtd_output``; the generator is ``generator`` with its MLM
+head ``generator_head``. As in the official code (``untied_generator_embeddings=False``), the generator reads the
+discriminator's embeddings - word, token type, an input position table and their LayerNorm are one set of
+arrays - through its own ``embeddings_project`` where the widths differ; every other weight, the position terms
+inside the layers included (T5's, TUPE's projections), is each model's own.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from posjax.models.bert import BertConfig, BertEncoder, mlm_head, rtd_head
+
+
+class MlmHead(nn.Module):
+  """BERT's MLM head on another module's encoder (its word embeddings), as a module of its own."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, encoder: BertEncoder, h_BxMxD):
+    return mlm_head(self, encoder, h_BxMxD)
+
+
+class Electra(nn.Module):
+  """The generator and the discriminator (see the module docstring).
+
+  ``generate`` gives the generator's logits at the masked positions, ``discriminate`` the discriminator's
+  replaced-token logits ``[B, L]``; calling the module runs both (what ``init`` needs)."""
+
+  generator_config: BertConfig
+  discriminator_config: BertConfig
+  tie_embeddings: bool = True
+
+  def setup(self):
+    self.encoder = BertEncoder(self.discriminator_config)
+    self.generator = BertEncoder(self.generator_config, shared=self.encoder if self.tie_embeddings else None)
+    self.generator_head = MlmHead(self.generator_config)
+
+  def generate(self, input_ids_BxL, masked_positions_BxM, *, deterministic: bool = True, **encoder_kwargs):
+    """``[B, M, V]`` logits of the generator at ``masked_positions`` (NaN rows for indices outside the
+    sequence, as :class:`posjax.models.BertForMaskedLM`)."""
+    h_BxLxD = self.generator(input_ids_BxL, deterministic=deterministic, **encoder_kwargs).last_hidden_state
+    h_BxMxD = jnp.take_along_axis(h_BxLxD, masked_positions_BxM[..., None], axis=1, mode="fill",
+                                  fill_value=jnp.nan)
+    return self.generator_head(self.generator, h_BxMxD)
+
+  def discriminate(self, input_ids_BxL, *, deterministic: bool = True, **encoder_kwargs):
+    """``[B, L]`` logits that each token was replaced."""
+    h_BxLxD = self.encoder(input_ids_BxL, deterministic=deterministic, **encoder_kwargs).last_hidden_state
+    return self._rtd(h_BxLxD)
+
+  @nn.compact
+  def _rtd(self, h_BxLxD):
+    return rtd_head(self.discriminator_config, h_BxLxD)
+
+  def __call__(self, input_ids_BxL, masked_positions_BxM=None, *, deterministic: bool = True, **encoder_kwargs):
+    if masked_positions_BxM is None:
+      masked_positions_BxM = jnp.zeros((input_ids_BxL.shape[0], 1), jnp.int32)
+    return (self.generate(input_ids_BxL, masked_positions_BxM, deterministic=deterministic, **encoder_kwargs),
+            self.discriminate(input_ids_BxL, deterministic=deterministic, **encoder_kwargs))
