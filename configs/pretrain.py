@@ -82,6 +82,7 @@ def get_config(arg=None):
       kernel_platform="",  # the fused kernels' device; --target (ahead-of-time compilation) sets it
       dtype="bfloat16", param_dtype="float32",
       type_vocab_size=2,  # 0: no token-type embeddings (TUPE's RoBERTa-style model)
+      embedding_size=0,  # 0: hidden_size; narrower embeddings are read through a projection (ELECTRA's)
       layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5
       norm="post",  # or "pre"
       activation="gelu",  # exact GELU (BERT); "gelu_tanh", "relu"
