@@ -78,10 +78,11 @@ def main(argv):
     return
   if config is None or not value["workdir"]:
     raise app.UsageError("--config and --workdir are required")
+  peer_timeout = int(config.get("peer_timeout_seconds", 60))
   if value["num_processes"] > 1 or value["distributed"]:
     if config.get("cpu_collectives"):
       jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
-    timeouts = dict(heartbeat_timeout_seconds=peers.jax_heartbeat_timeout(config.get("peer_timeout_seconds", 60)),
+    timeouts = dict(heartbeat_timeout_seconds=peers.jax_heartbeat_timeout(peer_timeout),
                     shutdown_timeout_seconds=int(config.get("shutdown_timeout_seconds", 300)))
     if value["distributed"]:
       jax.distributed.initialize(**timeouts)
@@ -91,7 +92,7 @@ def main(argv):
   job = config.get("job", "train")
   if job not in JOBS:
     raise app.UsageError(f"unknown config.job {job!r}; allowed: {sorted(JOBS)}")
-  with peers.watching(int(config.get("peer_timeout_seconds", 60))):  # one process's error or loss stops all
+  with peers.watching(peer_timeout):  # one process's error, or its loss, stops all of them with one line
     JOBS[job](config, value["workdir"])
 
 

@@ -155,14 +155,21 @@ _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED
               "Connection reset", "Connection refused", "timed out", "Temporary failure", "Stale file handle")
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+  """``error`` and what caused it (``__cause__``, else ``__context__``), innermost last; at most 21, no cycle."""
+  chain = [error]
+  while len(chain) <= 20:
+    cause = chain[-1].__cause__ or chain[-1].__context__
+    if cause is None or any(cause is e for e in chain):
+      break
+    chain.append(cause)
+  return chain
+
+
 def is_transient(error: Exception) -> bool:
   """Whether a failed read looks like the storage's passing trouble (an ``OSError`` other than a missing or
   malformed file, or a status that says so), not a damaged checkpoint."""
-  chain = [error]
-  while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
-    chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    if len(chain) > 20:
-      break
+  chain = _causes(error)
   for e in chain:
     if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
       return False
@@ -178,14 +185,11 @@ _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.
 def _os_reason(error: Exception) -> str:
   """The operating system's words where an ``OSError`` with an errno caused ``error`` (``[Errno 28] No space
   left on device``), else its summary."""
-  chain, seen = [error], set()
-  while chain[-1] is not None and id(chain[-1]) not in seen and len(chain) < 20:
-    seen.add(id(chain[-1]))
-    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+  chain = _causes(error)
   found = [e for e in chain if isinstance(e, OSError) and e.errno is not None]
   if found:
     return f"[Errno {found[0].errno}] {found[0].strerror}"
-  text = " ".join(str(e) for e in chain if e is not None)
+  text = " ".join(str(e) for e in chain)
   for code in _STORAGE_ERRNOS:  # TensorStore words them in several ways; the system's text is in each
     if os.strerror(code) in text:
       return f"[Errno {code}] {os.strerror(code)}"

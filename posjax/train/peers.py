@@ -5,11 +5,12 @@ collective (they wait until the shutdown barrier times out, 300 s by default, th
 dumps), and a peer that dies or hangs (every other process aborts with ``F... client.h`` and pages of native
 and Python stacks after the heartbeat timeout). :class:`Watch`, around a multi-process job, replaces both:
 
-- A process whose job raises posts its one-line error to the coordination service's key-value store, waits
-  (at most ``grace_seconds``) for every other process to read it, prints it and exits: status 2 for a mistake in
-  the command or the data (:data:`posjax.cli.USER_ERRORS`), else 1 with its traceback. Every other process
-  reads it within a second, prints the same line, ``error: process 1 stopped: <its words>``, and exits with
-  the same status, wherever its main thread is waiting.
+- A process whose job raises posts its one-line error to the coordination service's key-value store: status 2
+  for a mistake in the command or the data (:data:`posjax.cli.USER_ERRORS`), else 1 with its traceback. Every
+  other process reads it within a second, wherever its main thread is waiting. Each prints the same line,
+  ``error: process 1 stopped: <its words>``, says so in the store, and exits with that status once every live
+  process has (at most ``grace_seconds``): together, since one that left early would make the runtime abort
+  the others.
 - Every process beats once a second; process 0 watches the beats and, when a process has not beaten for
   ``peer_timeout`` seconds (killed, hung, unreachable), posts ``process 1 sent no heartbeat for 5 s ...`` the
   same way. A process that gets no answer from process 0 (which hosts the service) for ``peer_timeout`` seconds
