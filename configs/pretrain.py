@@ -91,6 +91,7 @@ def get_config(arg=None):
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",
       data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",
       packing="full_sentence", mask_rate=0.15, whole_word_masking=False,
+      mask_token_rate=0.8, random_token_rate=0.1,  # of the chosen tokens: [MASK], a random token (BERT's)
       num_shards=0,  # document shards the global batch is built from; 0: one per process
       prepared_dir="",  # source="prepared": a corpus from python -m posjax.data.prepare
       eval_source="",  # with source="prepared": where evaluation streams its split from (text or tfds)

@@ -91,11 +91,13 @@ def test_document_packing_isolates_documents(tokenizer):
       np.testing.assert_array_equal(where, np.arange(where[0], where[-1] + 1))
 
 
-def test_masking_rates(tokenizer):
+@pytest.mark.parametrize("mask_token, random_token", [(0.8, 0.1), (0.85, 0.0)])  # BERT's, ELECTRA's
+def test_masking_rates(tokenizer, mask_token, random_token):
   rng = np.random.default_rng(0)
   masked = replaced = kept = candidates = 0
   for block in blocks(tokenizer, "full_sentence", n=1000, num_documents=300):
-    out = mlm.mask_block(block, rng, tokenizer, max_predictions=20)
+    out = mlm.mask_block(block, rng, tokenizer, max_predictions=20,
+                         masking=mlm.Masking(mask_token=mask_token, random_token=random_token))
     n = int(out["masked_weights"].sum())
     pos, labels = out["masked_positions"][:n], out["masked_labels"][:n]
     np.testing.assert_array_equal(labels, block["input_ids"][pos])
@@ -108,7 +110,8 @@ def test_masking_rates(tokenizer):
     candidates += sum(int(t) not in tokenizer.special_ids for t in block["input_ids"][block["attention_mask"] == 1])
   total = masked + replaced + kept
   assert abs(total / candidates - 0.15) < 0.01
-  assert abs(masked / total - 0.8) < 0.03 and 0.08 < kept / total < 0.14  # a random draw can equal the label
+  assert abs(masked / total - mask_token) < 0.03  # a random draw can equal the label: kept, not replaced
+  assert abs(kept / total - (1 - mask_token - random_token)) < 0.03 and replaced <= (random_token + 0.03) * total
 
 
 def test_whole_word_masking_masks_whole_words(tmp_path):
@@ -119,7 +122,8 @@ def test_whole_word_masking_masks_whole_words(tmp_path):
   block = mlm._block(ids, [1] * len(ids), list(range(len(ids))), 16, tok.pad_id)
   words = {1: [1, 2, 3], 4: [4], 5: [5, 6, 7], 8: [8], 9: [9, 10, 11], 12: [12]}
   for seed in range(20):
-    out = mlm.mask_block(block, np.random.default_rng(seed), tok, max_predictions=6, mask_rate=0.4, whole_word=True)
+    out = mlm.mask_block(block, np.random.default_rng(seed), tok, max_predictions=6,
+                         masking=mlm.Masking(0.4, whole_word=True))
     chosen = set(out["masked_positions"][out["masked_weights"] > 0].tolist())
     assert chosen and all(set(w) <= chosen or not set(w) & chosen for w in words.values())
 
@@ -190,7 +194,8 @@ def test_a_text_file_that_turns_binary_is_named(tmp_path):
     list(corpus.text_documents(str(tmp_path / "*.txt")))
 
 
-def mask_block_loop(block, rng, tokenizer, max_predictions, mask_rate=0.15, whole_word=False):
+def mask_block_loop(block, rng, tokenizer, max_predictions, mask_rate=0.15, whole_word=False, mask_token=0.8,
+                    random_token=0.1):
   """BERT masking written as the explicit loop over positions (the reference for mlm.mask_block's numpy)."""
   ids = block["input_ids"].copy()
   candidates = [i for i in np.flatnonzero(block["attention_mask"]) if int(ids[i]) not in tokenizer.special_ids]
@@ -212,9 +217,9 @@ def mask_block_loop(block, rng, tokenizer, max_predictions, mask_rate=0.15, whol
   action = rng.random(len(chosen))
   random_tokens = rng.integers(0, tokenizer.vocab_size, len(chosen))
   for n, i in enumerate(chosen):
-    if action[n] < 0.8:
+    if action[n] < mask_token:
       ids[i] = tokenizer.mask_id
-    elif action[n] < 0.9:
+    elif action[n] < mask_token + random_token:
       ids[i] = random_tokens[n]
   pad = max_predictions - len(chosen)
   return {**block, "input_ids": ids, "masked_positions": np.asarray(chosen + [0] * pad, np.int32),
@@ -232,8 +237,10 @@ def test_masking_equals_the_loop_reference_draw_for_draw(whole_word):
   blocks = list(itertools.islice(mlm.pack_full_sentences(docs, 48, tokenizer.cls_id, tokenizer.sep_id,
                                                          tokenizer.pad_id), 40))
   for k, block in enumerate(blocks):
-    for rate in (0.15, 0.4):
-      got = mlm.mask_block(block, np.random.default_rng([k, 7]), tokenizer, 12, rate, whole_word)
-      want = mask_block_loop(block, np.random.default_rng([k, 7]), tokenizer, 12, rate, whole_word)
+    for rate, mask_token, random_token in ((0.15, 0.8, 0.1), (0.4, 0.8, 0.1), (0.15, 0.85, 0.0), (0.3, 0.5, 0.5)):
+      got = mlm.mask_block(block, np.random.default_rng([k, 7]), tokenizer, 12,
+                           mlm.Masking(rate, whole_word, mask_token, random_token))
+      want = mask_block_loop(block, np.random.default_rng([k, 7]), tokenizer, 12, rate, whole_word, mask_token,
+                             random_token)
       for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=f"block {k}, {key}")

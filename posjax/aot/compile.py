@@ -29,10 +29,11 @@ import numpy as np
 from posjax.aot import resources, targets
 from posjax.data import synthetic
 from posjax.train import sharding, validate
-from posjax.train.step import train_step
+from posjax.train.step import task_step
 
 DATA = ("synthetic", "config")
 BERT_VOCAB = 30522  # BERT's uncased WordPiece vocabulary: the size where a config leaves model.vocab_size to the data
+PRETRAINING = ("mlm", "electra")  # tasks whose batches come from a corpus: compiled on the synthetic one
 GiB = 1 << 30
 
 
@@ -128,16 +129,15 @@ def compile_train_step(config: ml_collections.ConfigDict, target: targets.Target
     raise ValueError(f"unknown aot data {data!r}; allowed: {list(DATA)}")
   with tempfile.TemporaryDirectory(prefix="posjax-aot-") as directory:
     config = _for_target(config, target)
-    if data == "synthetic" and config.get("task", "mlm") == "mlm":
+    if data == "synthetic" and config.get("task", "mlm") in PRETRAINING:
       config = synthetic_data(config, directory)
     prepared = validate.validate(config, os.path.join(directory, "workdir"), build_task, devices=target.devices)
     parallel, task = prepared.parallel, prepared.task
     batch = next(iter(task.train_batches))
     if hasattr(task.train_batches, "close"):
       task.train_batches.close()
-    step = parallel.compile_step(lambda state, batch_, rng: train_step(
-        state, batch_, rng, loss_fn=task.loss_fn, optimizer=prepared.optimizer, schedule=prepared.schedule,
-        accum_steps=prepared.config.grad_accum_steps))
+    step = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule,
+                                           prepared.config.grad_accum_steps))
     mesh = parallel.mesh
     abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh))
                       for k, v in batch.items()}

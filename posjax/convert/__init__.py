@@ -1,5 +1,6 @@
 """Checkpoint converters: Hugging Face BERT in and out (:mod:`posjax.convert.hf_bert`), Hugging Face ELECTRA in
-(:mod:`posjax.convert.hf_electra`), and the official TUPE code's fairseq checkpoints in
+and out (:mod:`posjax.convert.hf_electra`: ``from_hf_electra``, ``to_hf_electra``, and ``electra_to_hf`` for a
+posjax ``Electra``'s generator and discriminator), and the official TUPE code's fairseq checkpoints in
 (:mod:`posjax.convert.tupe_fairseq`).
 
   python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
@@ -10,7 +11,8 @@
 """
 
 from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, to_hf_bert
-from posjax.convert.hf_electra import from_hf_electra
+from posjax.convert.hf_electra import electra_to_hf, from_hf_electra, to_hf_electra
 from posjax.convert.tupe_fairseq import from_tupe_fairseq
 
-__all__ = ["config_from_hf", "config_to_hf", "from_hf_bert", "from_hf_electra", "from_tupe_fairseq", "to_hf_bert"]
+__all__ = ["config_from_hf", "config_to_hf", "electra_to_hf", "from_hf_bert", "from_hf_electra", "from_tupe_fairseq",
+           "to_hf_bert", "to_hf_electra"]

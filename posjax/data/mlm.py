@@ -17,6 +17,7 @@ on the seed, and a restored iterator (``state()`` / ``restore()``) continues exa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterable, Iterator
 
@@ -85,24 +86,51 @@ def pack_documents(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: 
     yield _block(tokens, segments, positions, max_len, pad_id)
 
 
+@dataclasses.dataclass(frozen=True)
+class Masking:
+  """What masking does: ``rate`` of the real non-special tokens (or ``whole_word`` s) are chosen, of which
+  ``mask_token`` become [MASK], ``random_token`` a random token and the rest stay. BERT: 0.8 / 0.1 (the default);
+  ELECTRA (Clark et al. 2020, the official ``pretrain_helpers.mask``): 0.85 / 0.0. Fields of ``config.data``:
+  ``mask_rate``, ``whole_word_masking``, ``mask_token_rate``, ``random_token_rate``."""
+  rate: float = 0.15
+  whole_word: bool = False
+  mask_token: float = 0.8
+  random_token: float = 0.1
+
+  def __post_init__(self):
+    if not 0.0 < self.rate < 1.0:
+      raise ValueError(f"data.mask_rate={self.rate} must be in (0, 1)")
+    for field, value in (("mask_token_rate", self.mask_token), ("random_token_rate", self.random_token)):
+      if not 0.0 <= value <= 1.0:
+        raise ValueError(f"data.{field}={value} must be in [0, 1]")
+    if self.mask_token + self.random_token > 1.0:
+      raise ValueError(f"data.mask_token_rate + data.random_token_rate = {self.mask_token + self.random_token} "
+                       "must be at most 1 (the rest of the chosen tokens stay as they are)")
+
+  @classmethod
+  def from_config(cls, data) -> "Masking":
+    return cls(data.mask_rate, data.whole_word_masking, data.get("mask_token_rate", 0.8),
+               data.get("random_token_rate", 0.1))
+
+
 def mask_block(block: dict, rng: np.random.Generator, tokenizer: Tokenizer, max_predictions: int,
-               mask_rate: float = 0.15, whole_word: bool = False) -> dict:
-  """BERT masking: ``mask_rate`` of the real non-special tokens (or whole words); 80% [MASK], 10% a random
-  token, 10% unchanged. The draws: a permutation of the words, then one uniform and one random token per
-  chosen position; the first words of the permutation that fit ``min(max_predictions, round(mask_rate * n))``
-  are masked."""
+               masking: Masking = Masking()) -> dict:
+  """Masking (:class:`Masking`) of one block. The draws: a permutation of the words, then one uniform and one
+  random token per chosen position; the first words of the permutation that fit
+  ``min(max_predictions, round(rate * n))`` are chosen; a uniform below ``mask_token`` makes [MASK], one in the
+  next ``random_token`` a random token."""
   ids = block["input_ids"].copy()
   candidates = np.flatnonzero(block["attention_mask"].astype(bool) & ~np.isin(ids, tokenizer.special_array))
-  budget = min(max_predictions, max(1, round(len(candidates) * mask_rate))) if len(candidates) else 0
-  if whole_word:
+  budget = min(max_predictions, max(1, round(len(candidates) * masking.rate))) if len(candidates) else 0
+  if masking.whole_word:
     chosen = _whole_words(ids, candidates, budget, rng, tokenizer)
   else:  # every candidate is a word: the first ``budget`` of the permutation
     chosen = np.sort(candidates[rng.permutation(len(candidates))[:budget]])
   labels = ids[chosen]
   action = rng.random(len(chosen))
   random_tokens = rng.integers(0, tokenizer.vocab_size, len(chosen))
-  ids[chosen[action < 0.8]] = tokenizer.mask_id
-  replace = (action >= 0.8) & (action < 0.9)
+  ids[chosen[action < masking.mask_token]] = tokenizer.mask_id
+  replace = (action >= masking.mask_token) & (action < masking.mask_token + masking.random_token)
   ids[chosen[replace]] = random_tokens[replace]
   pad = max_predictions - len(chosen)
   return {**block, "input_ids": ids,
@@ -150,17 +178,16 @@ class MlmBatches:
   """
 
   def __init__(self, documents: Callable[[], Iterable[list[str]]], tokenizer: Tokenizer, *, max_len: int,
-               batch_size: int, seed: int, packing: str = "full_sentence", mask_rate: float = 0.15,
-               whole_word: bool = False, max_predictions: int | None = None, repeat: bool = True,
-               shard: int = 0):
+               batch_size: int, seed: int, packing: str = "full_sentence", masking: Masking = Masking(),
+               max_predictions: int | None = None, repeat: bool = True, shard: int = 0):
     if packing not in PACKINGS:
       raise ValueError(f"unknown packing {packing!r}; allowed: {list(PACKINGS)}")
     if max_len < 8:
       raise ValueError(f"max_len={max_len} is too short for MLM blocks")
     self.documents, self.tokenizer = documents, tokenizer
     self.max_len, self.batch_size, self.seed, self.packing = max_len, batch_size, seed, packing
-    self.mask_rate, self.whole_word, self.repeat, self.shard = mask_rate, whole_word, repeat, shard
-    self.max_predictions = max_predictions or default_max_predictions(max_len, mask_rate)
+    self.masking, self.repeat, self.shard = masking, repeat, shard
+    self.max_predictions = max_predictions or default_max_predictions(max_len, masking.rate)
     self.blocks_consumed = 0
     self._blocks = self._block_stream()
 
@@ -208,8 +235,7 @@ class MlmBatches:
       except StopIteration:
         break
       rng = np.random.default_rng([self.seed, self.shard, self.blocks_consumed])
-      examples.append(mask_block(block, rng, self.tokenizer, self.max_predictions, self.mask_rate,
-                                 self.whole_word))
+      examples.append(mask_block(block, rng, self.tokenizer, self.max_predictions, self.masking))
       self.blocks_consumed += 1
     if not examples:
       raise StopIteration

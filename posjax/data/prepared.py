@@ -67,18 +67,17 @@ class _MaskRows:
   worker processes receive it by pickling."""
 
   def __init__(self, source, tokenizer: Tokenizer, rows: slice, *, seed: int, global_batch: int, max_len: int,
-               dtype, max_predictions: int, mask_rate: float, whole_word: bool):
+               dtype, max_predictions: int, masking: mlm.Masking):
     self.source, self.tokenizer, self.rows, self.seed, self.global_batch = source, tokenizer, rows, seed, global_batch
     self.max_len, self.dtype, self.max_predictions = max_len, dtype, max_predictions
-    self.mask_rate, self.whole_word = mask_rate, whole_word
+    self.masking = masking
 
   def __call__(self, step: int, indices_G: np.ndarray) -> dict:
     examples = []
     for row, index in zip(range(self.rows.start, self.rows.stop), indices_G[self.rows]):
       block = prepare.decode_block(self.source[int(index)], self.max_len, self.dtype)
       rng = np.random.default_rng([self.seed, step * self.global_batch + row])
-      examples.append(mlm.mask_block(block, rng, self.tokenizer, self.max_predictions, self.mask_rate,
-                                     self.whole_word))
+      examples.append(mlm.mask_block(block, rng, self.tokenizer, self.max_predictions, self.masking))
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
 
@@ -91,8 +90,7 @@ class PreparedBatches:
   """
 
   def __init__(self, directory: str, tokenizer: Tokenizer, *, vocab_file: str, max_len: int, packing: str,
-               global_batch: int, seed: int, mask_rate: float = 0.15, whole_word: bool = False,
-               max_predictions: int | None = None, workers: int = 0, prefetch: int = 4):
+               global_batch: int, seed: int, masking: mlm.Masking = mlm.Masking(), max_predictions: int | None = None, workers: int = 0, prefetch: int = 4):
     import grain.python as grain  # imported here: only prepared corpora need it
 
     if workers < 0:
@@ -106,11 +104,11 @@ class PreparedBatches:
     if not len(source):
       raise ValueError(f"{directory} holds no blocks")
     self.tokenizer, self.max_len, self.global_batch = tokenizer, max_len, global_batch
-    self.max_predictions = max_predictions or mlm.default_max_predictions(max_len, mask_rate)
+    self.max_predictions = max_predictions or mlm.default_max_predictions(max_len, masking.rate)
     self.blocks, self.workers, self.prefetch = len(source), workers, prefetch
     load = _MaskRows(source, tokenizer, features.process_rows(global_batch), seed=seed, global_batch=global_batch,
                      max_len=max_len, dtype=np.dtype(metadata["record"]["dtype"]),
-                     max_predictions=self.max_predictions, mask_rate=mask_rate, whole_word=whole_word)
+                     max_predictions=self.max_predictions, masking=masking)
     self._batches = (grain.MapDataset.range(len(source)).shuffle(seed=seed).repeat().batch(global_batch)
                      .map_with_index(load))
     self._iterator, self._next = None, 0

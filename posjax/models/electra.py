@@ -11,10 +11,35 @@ inside the layers included (T5's, TUPE's projections), is each model's own.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Mapping
+
 import flax.linen as nn
 import jax.numpy as jnp
 
 from posjax.models.bert import BertConfig, BertEncoder, mlm_head, rtd_head
+
+
+@dataclasses.dataclass(frozen=True)
+class ElectraConfig:
+  """The two models' configs. ``model_config.json`` of an ELECTRA run holds the discriminator's fields (what a
+  fine-tuning run reads as its encoder) and the generator's under ``generator``."""
+  generator: BertConfig
+  discriminator: BertConfig
+
+  @property
+  def position(self) -> str:
+    return self.discriminator.position
+
+  def to_dict(self) -> dict:
+    return {**self.discriminator.to_dict(), "generator": self.generator.to_dict()}
+
+  @classmethod
+  def from_dict(cls, fields: Mapping[str, Any]) -> "ElectraConfig":
+    fields = dict(fields)
+    if "generator" not in fields:
+      raise ValueError("not an ELECTRA model config: it has no 'generator' fields")
+    return cls(BertConfig(**fields.pop("generator")), BertConfig(**fields))
 
 
 class MlmHead(nn.Module):

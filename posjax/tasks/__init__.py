@@ -6,6 +6,7 @@ Evaluators are declared in ``config.evals`` (``{name: {kind, ...options}}``, aft
 ``config.evals``); their metrics are logged as ``<name>_<metric>``.
 
 - ``mlm``: masked-LM pre-training on a corpus (:mod:`posjax.tasks.mlm`);
+- ``electra``: ELECTRA pre-training, a generator and a discriminator on a corpus (:mod:`posjax.tasks.electra`);
 - ``glue``: GLUE classification and STS-B regression (:mod:`posjax.tasks.glue`);
 - ``squad``: SQuAD 1.1 span extraction (:mod:`posjax.tasks.squad`);
 - ``probe``: one position probe (:mod:`posjax.tasks.probe`).
@@ -17,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import ml_collections
 
-from posjax.tasks import glue, mlm, probe, squad
+from posjax.tasks import electra, glue, mlm, probe, squad
 from posjax.train.task import Task
 
 
@@ -27,8 +28,9 @@ class Entry(NamedTuple):
   eval_kinds: tuple[str, ...]
 
 
-TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "glue": Entry(glue.build, ("glue",)),
-         "squad": Entry(squad.build, ("squad",)), "probe": Entry(probe.build, ("probe",))}
+TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "electra": Entry(electra.build, ("electra",)),
+         "glue": Entry(glue.build, ("glue",)), "squad": Entry(squad.build, ("squad",)),
+         "probe": Entry(probe.build, ("probe",))}
 
 
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:

@@ -35,7 +35,7 @@ def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int) -> 
       mlm_data.MlmBatches(functools.partial(corpus.documents, data, split, shard, num_shards), tokenizer,
                      max_len=config.max_len, batch_size=local_batch // per_process,
                      seed=config.seed + (0 if split == "train" else 1), packing=data.packing,
-                     mask_rate=data.mask_rate, whole_word=data.whole_word_masking, repeat=split == "train",
+                     masking=mlm_data.Masking.from_config(data), repeat=split == "train",
                      shard=shard)
       for shard in shards], num_shards=num_shards)
 
@@ -69,23 +69,19 @@ def mlm_loss(model, *, use_segments: bool = False) -> Callable:
   return loss_fn
 
 
-def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
-  """Masked-LM pre-training on ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a
-  corpus prepared by ``python -m posjax.data.prepare``, read by index); evaluators of kind ``mlm`` (``split``:
-  ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared corpus from
-  ``data.eval_source``)."""
-  tokenizer = Tokenizer.load(config.data.vocab_file)
-  model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
-  model = BertForMaskedLM(model_config)
+def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int):
+  """The training batches of ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a corpus
+  prepared by ``python -m posjax.data.prepare``, read by index) and, per evaluator, ``(its batches, a padding
+  batch)`` (``split``: ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared
+  corpus from ``data.eval_source``). What the pre-training tasks (``mlm``, ``electra``) read."""
   data = config.data
-  use_segments = data.packing == "documents"
+  masking = mlm_data.Masking.from_config(data)
   evals = dict(config.evals) if config.eval_every_steps > 0 else {}
   eval_splits = tuple({spec.get("split", "eval") for spec in evals.values()})
   if data.source == "prepared":
     batches = prepared.PreparedBatches(
         data.prepared_dir, tokenizer, vocab_file=data.vocab_file, max_len=config.max_len, packing=data.packing,
-        global_batch=config.batch_size, seed=config.seed, mask_rate=data.mask_rate, whole_word=data.whole_word_masking,
-        workers=data.get("workers", 0))
+        global_batch=config.batch_size, seed=config.seed, masking=masking, workers=data.get("workers", 0))
     if evals:  # evaluation streams its split from data.eval_source
       if data.get("eval_source", "") not in corpus.SOURCES:
         raise ValueError(f"data.source='prepared' evaluates on a streaming source: set data.eval_source to one of "
@@ -97,12 +93,23 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
     batches = make_batches(config, tokenizer, "train", local_batch)
     corpus.check(data, ("train", *eval_splits), train_shards=[s.shard for s in batches.streams],
                  num_shards=data.num_shards or jax.process_count())
-  predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
-  evaluators = {}
+  evaluations = {}
   for name, spec in evals.items():
     stream = make_batches(config, tokenizer, spec.get("split", "eval"), local_batch)
-    evaluators[name] = Evaluator(list(itertools.islice(stream, spec.get("batches", 50))), predict, summed_metrics,
-                                 empty=stream.empty())
+    evaluations[name] = (list(itertools.islice(stream, spec.get("batches", 50))), stream.empty())
+  return batches, evaluations
+
+
+def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
+  """Masked-LM pre-training on ``config.data`` (see :func:`corpus_batches`); evaluators of kind ``mlm``."""
+  tokenizer = Tokenizer.load(config.data.vocab_file)
+  model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
+  model = BertForMaskedLM(model_config)
+  use_segments = config.data.packing == "documents"
+  batches, evaluations = corpus_batches(config, tokenizer, local_batch)
+  predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
+  evaluators = {name: Evaluator(rows, predict, summed_metrics, empty=empty)
+                for name, (rows, empty) in evaluations.items()}
   return Task("mlm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               mlm_loss(model, use_segments=use_segments), batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"),

@@ -12,7 +12,6 @@ run sees exactly the batches, dropout and metrics an uninterrupted one would. Th
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable
 
@@ -27,7 +26,7 @@ from posjax.train import evaluate, feed, preemption, validate
 from posjax.train import lock as lock_lib
 from posjax.train import metrics as metrics_lib
 from posjax.train.preemption import Interrupted
-from posjax.train.step import train_step
+from posjax.train.step import task_step
 from posjax.train.task import Task
 
 BuildTask = Callable[[ml_collections.ConfigDict, int], Task]
@@ -132,9 +131,7 @@ def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, wor
   say(f"training {task.name} to step {config.total_steps}: metrics in {writer.path}, checkpoints in "
       f"{checkpointer.directory}")
   batches = feed.DeviceFeed(task.train_batches, parallel.put_batch, config.get("device_prefetch", 2))
-  step_fn = parallel.compile_step(functools.partial(
-      train_step, loss_fn=task.loss_fn, optimizer=prepared.optimizer, schedule=prepared.schedule,
-      accum_steps=config.grad_accum_steps))
+  step_fn = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule, config.grad_accum_steps))
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=quiet or not is_main, unit="step",
                        dynamic_ncols=True)
   logger = metrics_lib.DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step, say)

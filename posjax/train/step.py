@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -58,16 +59,25 @@ def step_rng(rng: jax.Array, step, axis_name: str | None = None) -> jax.Array:
 
 
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optimizer, schedule,
-               accum_steps: int = 1, axis_name: str | None = None):
+               accum_steps: int = 1, axis_name: str | None = None, loss_totals=None, step_metrics=None):
   """One optimizer update from ``accum_steps`` micro-batches of any task.
 
   ``loss_fn(params, batch, rng) -> (summed loss, sums)`` sums over the examples (or tokens) of a batch;
   ``sums["weight"]`` counts them and every other sum (e.g. ``correct``) becomes a metric divided by it
-  (``correct`` is reported as ``accuracy``), except ``tokens``, the step's real tokens, reported whole. Gradients are the summed loss's over the summed weight of all
-  micro-batches (and devices), so accumulation and data parallelism give the same update as one big batch.
-  Dropout RNG: :func:`step_rng`, then the micro-batch index.
+  (``correct`` is reported as ``accuracy``), except ``tokens``, the step's real tokens, reported whole. Gradients
+  are the summed loss's over the summed weight of all micro-batches (and devices), so accumulation and data
+  parallelism give the same update as one big batch. Dropout RNG: :func:`step_rng`, then the micro-batch index.
+
+  A loss with more than one denominator (ELECTRA's: masked tokens and all tokens) takes ``loss_totals(batch)``,
+  sums over the whole step's batch (every micro-batch and device), as ``loss_fn(..., totals=)``; and
+  ``step_metrics(sums)`` then gives the metrics from the step's summed sums in place of the division by weight.
   """
   rng = step_rng(rng, state.step, axis_name)
+  if loss_totals is not None:
+    totals = loss_totals(batch)
+    if axis_name is not None:
+      totals = jax.lax.psum(totals, axis_name)
+    loss_fn = functools.partial(loss_fn, totals=totals)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def micro(carry, xs):
@@ -90,10 +100,19 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optim
   grads = jax.tree.map(lambda g: g / weight, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
-  metrics = {METRIC_NAMES.get(k, k): v if k in TOTALS else v / weight
-             for k, v in sums.items() if k != "weight"}
+  if step_metrics is not None:
+    metrics = dict(step_metrics(sums))
+  else:
+    metrics = {METRIC_NAMES.get(k, k): v if k in TOTALS else v / weight
+               for k, v in sums.items() if k != "weight"}
   metrics.update(loss=loss / weight, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
   return new_state, metrics
+
+
+def task_step(task, optimizer, schedule, accum_steps: int = 1):
+  """:func:`train_step` of a :class:`posjax.train.task.Task`: its loss, its totals and its metrics."""
+  return functools.partial(train_step, loss_fn=task.loss_fn, optimizer=optimizer, schedule=schedule,
+                           accum_steps=accum_steps, loss_totals=task.loss_totals, step_metrics=task.step_metrics)
 
 
 METRIC_NAMES = {"correct": "accuracy"}

@@ -43,6 +43,10 @@ class Task:
   info: dict = dataclasses.field(default_factory=dict)  # written to results.json
   # Run after an evaluation that config.select reports (e.g. test-set predictions, written to the workdir).
   predictors: dict[str, Evaluator] = dataclasses.field(default_factory=dict)
+  # A loss with several denominators: sums over the step's whole batch, given to loss_fn as ``totals=``, and the
+  # step's metrics from its summed sums (see posjax.train.step.train_step).
+  loss_totals: Callable | None = None  # batch -> {name: sum}
+  step_metrics: Callable | None = None  # summed sums -> {metric: value}
 
 
 def summed_metrics(outputs: dict, workdir: str | None = None) -> dict:
