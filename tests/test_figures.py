@@ -1,11 +1,23 @@
-"""Every figure command writes a PNG from real runs (and refuses runs of the wrong kind)."""
+"""Every figure command writes a PNG from real runs (and refuses runs of the wrong kind); ELECTRA runs: the
+generator's and the discriminator's losses, never the joint one, and their discriminator's correlation."""
 
 import json
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from posjax.experiments import figures, protocol
 from posjax.main import train
+from posjax.models import BertConfig
+from posjax.models.electra import Electra, ElectraConfig
+from posjax.train import checkpoint
+
+# The generator has half the discriminator's heads, so a figure of the wrong model shows.
+ELECTRA = ElectraConfig(BertConfig.tiny(position="tupe_a", hidden_size=16, num_heads=2, intermediate_size=32,
+                                        embedding_size=32), BertConfig.tiny(position="tupe_a"))
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +52,58 @@ def test_figures_refuse_runs_of_the_wrong_kind(sweep_root, tmp_path):
                        str(tmp_path / "x.png")]) == 2
   with pytest.raises(ValueError, match=r"uses position 'tupe_a'; the four terms are of an absolute-position model"):
     figures.terms(str(sweep_root / "tupe_a" / "pretrain"), str(tmp_path / "x.png"))
+
+
+def fake_run(root, row: str, model_config: dict, metrics: list[dict]) -> protocol.Run:
+  """A pre-training run of ``root`` with only its model_config.json and metrics.jsonl."""
+  workdir = root / row / "pretrain"
+  workdir.mkdir(parents=True)
+  (workdir / "model_config.json").write_text(json.dumps(model_config))
+  (workdir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in metrics))
+  return protocol.Run(f"{row}/pretrain", row, "pretrain", "configs/pretrain.py", "runlocal", {}, str(workdir))
+
+
+@pytest.fixture(scope="module")
+def electra_root(tmp_path_factory):
+  """A sweep of an mlm run and an ELECTRA (tupe_a) run with made-up metrics; the ELECTRA run also has a
+  checkpoint of its initial parameters."""
+  root = tmp_path_factory.mktemp("electra")
+  mlm = fake_run(root, "bert", BertConfig.tiny().to_dict(),
+                 [{"step": 2, "loss": 6.0}, {"step": 2, "eval_loss": 5.0}, {"step": 4, "eval_loss": 4.0}])
+  electra = fake_run(root, "electra", ELECTRA.to_dict(),
+                     [{"step": 2, "loss": 41.0, "mlm_loss": 5.5, "disc_loss": 0.71},
+                      {"step": 2, "eval_loss": 40.0, "eval_mlm_loss": 5.25, "eval_disc_loss": 0.69},
+                      {"step": 4, "eval_loss": 39.0, "eval_mlm_loss": 5.125, "eval_disc_loss": 0.625}])
+  params = Electra(ELECTRA.generator, ELECTRA.discriminator).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  checkpointer = checkpoint.Checkpointer(f"{electra.workdir}/checkpoints", keep=1, async_save=False)
+  checkpointer.save(0, {"step": jnp.zeros((), jnp.int32), "params": nn.unbox(params["params"])}, {})
+  checkpointer.close()
+  protocol.write_manifest([mlm, electra], str(root), "configs/pretrain.py")
+  return root
+
+
+def plotted(fig) -> list[dict]:
+  """Each panel's lines as ``{label: [[x, y], ...]}``."""
+  return [{line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()} for ax in fig.axes]
+
+
+def test_the_mlm_loss_figure_plots_an_electra_runs_generator_and_discriminator_not_its_joint_loss(electra_root,
+                                                                                                 tmp_path):
+  fig = figures.mlm_loss(str(electra_root), str(tmp_path / "figure.png"))
+  assert plotted(fig) == [{"bert": [[2, 5.0], [4, 4.0]], "electra (ELECTRA generator)": [[2, 5.25], [4, 5.125]]},
+                          {"electra": [[2, 0.69], [4, 0.625]]}]
+  _, runs = protocol.read_manifest(str(electra_root))
+  protocol.write_manifest(runs[:1], str(tmp_path / "mlm_only"), "configs/pretrain.py")
+  assert plotted(figures.mlm_loss(str(tmp_path / "mlm_only"), str(tmp_path / "figure.png"))) == [
+      {"bert": [[2, 5.0], [4, 4.0]]}]
+
+
+def test_the_correlation_of_an_electra_run_is_its_discriminators(electra_root, tmp_path, monkeypatch):
+  maps = []
+  monkeypatch.setattr(figures.plots, "head_maps", lambda maps_HxLxL, *args: maps.append(maps_HxLxL))
+  assert figures.main(["correlation", "--workdir", str(electra_root / "electra" / "pretrain"), "--out",
+                       str(tmp_path / "figure.png")]) == 0
+  (bias_HxLxL,) = maps
+  assert bias_HxLxL.shape == (ELECTRA.discriminator.num_heads, ELECTRA.discriminator.max_len,
+                              ELECTRA.discriminator.max_len)
+  assert np.isfinite(bias_HxLxL).all()

@@ -115,10 +115,9 @@ def saved_steps(workdir):
   return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
 
 
-@pytest.mark.slow
-def test_a_killed_finetuning_run_resumes_to_the_uninterrupted_result(tmp_path):
-  command = lambda workdir: [sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
-                             f"--workdir={workdir}", "--config.checkpoint_every_steps=10", "--config.log_every_steps=1"]
+def kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step: int):
+  """Runs ``command(workdir)`` straight through, and again killed (SIGKILL) right after its first checkpoint and
+  rerun; asserts both end with the same parameters and metrics lines. Returns the two workdirs."""
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
   subprocess.run(command(tmp_path / "straight"), check=True, cwd=ROOT, env=env, capture_output=True)
   run = tmp_path / "killed"
@@ -129,13 +128,21 @@ def test_a_killed_finetuning_run_resumes_to_the_uninterrupted_result(tmp_path):
     time.sleep(0.01)
   process.send_signal(signal.SIGKILL)
   process.wait()
-  assert saved_steps(run)[-1] < 60
+  assert saved_steps(run)[-1] < last_step
   subprocess.run(command(run), check=True, cwd=ROOT, env=env, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
                      checkpoint.load_params(str(run / "checkpoints")))
   deterministic = lambda w: [{k: v for k, v in line.items() if k != "tokens_per_second"} for line in metrics.read(str(w))]
   assert deterministic(tmp_path / "straight") == deterministic(run)
-  assert json.loads((tmp_path / "straight" / "results.json").read_text()) == json.loads((run / "results.json").read_text())
+  return tmp_path / "straight", run
+
+
+@pytest.mark.slow
+def test_a_killed_finetuning_run_resumes_to_the_uninterrupted_result(tmp_path):
+  command = lambda workdir: [sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
+                             f"--workdir={workdir}", "--config.checkpoint_every_steps=10", "--config.log_every_steps=1"]
+  straight, run = kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step=60)
+  assert json.loads((straight / "results.json").read_text()) == json.loads((run / "results.json").read_text())
 
 
 def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path):

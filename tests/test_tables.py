@@ -14,7 +14,8 @@ from posjax.experiments import protocol, report, sweep
 from posjax.main import train
 from conftest import ROOT
 
-TABLES = ("configs/papers/tupe/table1.py", "configs/papers/huang2020/table1.py", "configs/papers/huang2020/inductive.py")
+TABLES = ("configs/papers/tupe/table1.py", "configs/papers/tupe/table4.py", "configs/papers/huang2020/table1.py",
+          "configs/papers/huang2020/inductive.py")
 
 
 def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):

@@ -2,9 +2,14 @@
 
 Options (``configs/finetune/glue.py:task=rte,lr=3e-5,seed=1``):
   task: cola | sst2 | mrpc | stsb | qqp | mnli | qnli | rte | wnli; default rte.
-  lr: peak learning rate; default 2e-5 (TUPE's grid: 2, 3, 4, 5e-5, five seeds each, median over seeds, best lr).
+  recipe: ``tupe`` (default) or ``electra`` (:mod:`posjax.finetune.recipe`: ELECTRA's learning rate, layer-wise
+    learning-rate decay, warm-up, weight decay and epochs; its Large values with ``size=large``, which a run from
+    ``init`` then names too).
+  lr: peak learning rate; default the recipe's: tupe 2e-5 (TUPE's grid: 2, 3, 4, 5e-5, five seeds each, median over
+    seeds, best lr), electra 1e-4 (Large 5e-5).
   seed: default 0.
-  epochs: default TUPE's: 5 for MNLI, QNLI, QQP; 10 for the rest.
+  epochs: default the recipe's: tupe 5 for MNLI, QNLI, QQP and 10 for the rest; electra 10 for RTE, STS-B and 3 for
+    the rest.
   max_len: default 512 (TUPE's).
   source: ``tfds`` (``glue/<task>``, prepared with ``tfds build``) or ``tsv`` (``data.data_dir`` = the GLUE
     download's directory, holding ``RTE/train.tsv`` ...); default tfds.
@@ -35,12 +40,14 @@ LONG_TASKS = ("mnli", "qnli", "qqp")  # 5 epochs in TUPE's recipe; the others 10
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, task="rte", lr=2e-5, seed=0, epochs=0.0, max_len=512, source="tfds", size="base", position="",
-                  runlocal=False)
+  arg = parse_arg(arg, task="rte", recipe="tupe", lr=0.0, seed=0, epochs=0.0, max_len=512, source="tfds", size="base",
+                  position="", runlocal=False)
   task = glue.get(arg.task)
-  epochs = arg.epochs or (5.0 if task.name in LONG_TASKS else 10.0)
-  config = recipe.base_config(task="glue", learning_rate=arg.lr, batch_size=32, epochs=epochs, max_len=arg.max_len,
-                              seed=arg.seed, size=arg.size, position=arg.position)
+  own = dict(learning_rate=2e-5, batch_size=32, epochs=5.0 if task.name in LONG_TASKS else 10.0)
+  values = recipe.recipe_values(arg.recipe, task=task.name, size=arg.size, own=own,
+                                given=dict(learning_rate=arg.lr, epochs=arg.epochs))
+  config = recipe.base_config(task="glue", max_len=arg.max_len, seed=arg.seed, size=arg.size, position=arg.position,
+                              **values)
   config.data = ml_collections.ConfigDict(dict(
       glue_task=task.name, source=arg.source, data_dir="",
       vocab_file="",  # "": the init run's (its vocab.txt or data.vocab_file)

@@ -1,9 +1,12 @@
 """SQuAD 1.1 fine-tuning (Huang et al. 2020, Tables 1-3): dev exact match and F1, at one or several lengths.
 
 Options (``configs/finetune/squad.py:lr=3e-5,seed=0,max_len=384,eval_max_lens=128+256+384+512+1024``):
-  lr: peak learning rate; default 3e-5 (Huang et al.'s).
+  recipe: ``tupe`` (default: TUPE's optimizer with Huang et al.'s learning rate, batch and epochs) or ``electra``
+    (:mod:`posjax.finetune.recipe`: ELECTRA's learning rate, layer-wise learning-rate decay, warm-up, weight decay,
+    batch 32 and 2 epochs; its Large values with ``size=large``, which a run from ``init`` then names too).
+  lr: peak learning rate; default the recipe's: tupe 3e-5 (Huang et al.'s), electra 1e-4 (Large 5e-5).
   seed: default 0.
-  epochs: default 2.
+  epochs: default 2 (both recipes).
   max_len: the training length; default 512 (Huang et al.; 384 is also reported).
   eval_max_lens: ``+``-separated evaluation lengths (the inductive experiment: train short, evaluate long);
     default: max_len. A length beyond a learned position table is reported ``unsupported``.
@@ -27,10 +30,13 @@ from posjax.finetune import recipe
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, lr=3e-5, seed=0, epochs=2.0, max_len=512, eval_max_lens="", source="json", size="base",
-                  position="", runlocal=False)
-  config = recipe.base_config(task="squad", learning_rate=arg.lr, batch_size=48, epochs=arg.epochs,
-                              max_len=arg.max_len, seed=arg.seed, size=arg.size, position=arg.position)
+  arg = parse_arg(arg, recipe="tupe", lr=0.0, seed=0, epochs=0.0, max_len=512, eval_max_lens="", source="json",
+                  size="base", position="", runlocal=False)
+  values = recipe.recipe_values(arg.recipe, task="squad", size=arg.size,
+                                own=dict(learning_rate=3e-5, batch_size=48, epochs=2.0),
+                                given=dict(learning_rate=arg.lr, epochs=arg.epochs))
+  config = recipe.base_config(task="squad", max_len=arg.max_len, seed=arg.seed, size=arg.size, position=arg.position,
+                              **values)
   config.data = ml_collections.ConfigDict(dict(
       source=arg.source, train_file="train-v1.1.json", dev_file="dev-v1.1.json", data_dir="",
       vocab_file="",  # "": the init run's (its vocab.txt or data.vocab_file)

@@ -1,11 +1,18 @@
 """Checkpoint conversion from the command line.
 
   python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
-      A Hugging Face BERT directory -> OUT/checkpoints/0 (orbax), OUT/model_config.json and the tokenizer's
-      vocab.txt (or tokenizer.json): what fine-tuning (``--config.init=OUT``) and pre-training warm starts
-      (``--config.init_from=OUT``) start from.
+      A Hugging Face BERT or ELECTRA directory (by its config.json's ``model_type``; ELECTRA: ``ElectraModel``,
+      ``ElectraForPreTraining``, ``ElectraForMaskedLM``) -> OUT/checkpoints/0 (orbax), OUT/model_config.json and
+      the tokenizer's vocab.txt (or tokenizer.json): what fine-tuning (``--config.init=OUT``) and pre-training
+      warm starts (``--config.init_from=OUT``) start from. An ELECTRA source is also recorded in
+      OUT/converted_from.json (``{"model_type": "electra", "source": ...}``), so that posjax-to-hf writes it back
+      as ELECTRA: BertConfig cannot say so, and an ELECTRA generator's parameters are a BERT MLM model's.
   python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
-      A posjax run (absolute, shaw or huang_m4) -> config.json, model.safetensors and the tokenizer files.
+      A posjax run (absolute, shaw or huang_m4) -> config.json, model.safetensors and the tokenizer files:
+      Hugging Face BERT; ELECTRA (``to_hf_electra``) for a run converted from ELECTRA (converted_from.json) or
+      one with the ``rtd`` head, which BERT has not. An ELECTRA pre-training run (``"generator"`` fields in its
+      model_config.json) -> HF_DIR/generator (ElectraForMaskedLM) and HF_DIR/discriminator
+      (ElectraForPreTraining), each with the tokenizer files.
   python -m posjax.convert tupe-to-posjax --from checkpoint_best.pt --workdir OUT [--classification_head NAME]
       An official TUPE (fairseq) checkpoint -> a posjax run. Its vocabulary (a fairseq dictionary over GPT-2
       BPE) is not converted: give the run a ``tokenizers`` JSON with the same ids (``data.vocab_file``).
@@ -21,9 +28,13 @@ import sys
 
 import jax
 
-from posjax.convert import hf_bert, tupe_fairseq
+from posjax.convert import hf_bert, hf_electra, tupe_fairseq
 from posjax.models import BertConfig
+from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
+
+CONVERTED_FROM = "converted_from.json"  # the Hugging Face model type of a run hf-to-posjax wrote, when not BERT
+
 
 def write_run(module, variables, workdir: str, source: str) -> str:
   """A converted model as a posjax run in ``workdir``: ``checkpoints/0`` and ``model_config.json``."""
@@ -39,11 +50,30 @@ def write_run(module, variables, workdir: str, source: str) -> str:
   return checkpointer.directory
 
 
+def hf_model_type(source: str) -> str:
+  """The ``model_type`` of a Hugging Face directory's config.json (``bert`` where it has none); a type other
+  than BERT or ELECTRA is an error (no config.json is :func:`posjax.convert.hf_bert.read_directory`'s)."""
+  path = os.path.join(source, "config.json")
+  if not os.path.isfile(path):
+    return "bert"
+  with open(path) as f:
+    model_type = json.load(f).get("model_type", "bert")
+  if model_type not in ("bert", "electra"):
+    raise ValueError(f"{path} has model_type={model_type!r}; hf-to-posjax converts BERT ('bert') and ELECTRA "
+                     "('electra')")
+  return model_type
+
+
 def hf_to_posjax(source: str, workdir: str) -> str:
-  """Writes the converted model as a posjax run in ``workdir``, with the tokenizer's files; returns its
-  checkpoint directory."""
-  module, variables = hf_bert.from_hf_bert(source)
+  """Writes the converted model (BERT or ELECTRA) as a posjax run in ``workdir``, with the tokenizer's files;
+  returns its checkpoint directory."""
+  model_type = hf_model_type(source)
+  convert = hf_electra.from_hf_electra if model_type == "electra" else hf_bert.from_hf_bert
+  module, variables = convert(source)
   directory = write_run(module, variables, workdir, source)
+  if model_type != "bert":
+    with open(os.path.join(workdir, CONVERTED_FROM), "w") as f:
+      json.dump({"model_type": model_type, "source": os.path.abspath(source)}, f, indent=1)
   copied = [name for name in checkpoint_lib.TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
   for name in copied:
     shutil.copy(os.path.join(source, name), os.path.join(workdir, name))
@@ -62,10 +92,18 @@ def tupe_to_posjax(source: str, workdir: str, classification_head: str | None = 
   return directory
 
 
-def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
-  """Writes the run's model (``step``: default its latest) as a Hugging Face model directory."""
-  config = BertConfig(**checkpoint_lib.read_model_config(run, "--workdir"))
-  model = hf_bert.to_hf_bert(config, {"params": checkpoint_lib.load_params(run, step)})
+def converted_from(run: str) -> str:
+  """The Hugging Face model type ``run`` was converted from (:data:`CONVERTED_FROM`; ``bert`` without one)."""
+  path = os.path.join(run, CONVERTED_FROM)
+  if not os.path.isfile(path):
+    return "bert"
+  with open(path) as f:
+    return json.load(f)["model_type"]
+
+
+def save_hf(model, run: str, out: str) -> str:
+  """Saves a Hugging Face model in ``out`` with ``run``'s vocabulary as its tokenizer; returns that vocabulary
+  ("" when the run has none)."""
   model.save_pretrained(out, safe_serialization=True)
   vocab = checkpoint_lib.vocab_file_of(run)
   if vocab.endswith(".txt") and os.path.isfile(vocab):
@@ -74,8 +112,27 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
     transformers.BertTokenizerFast(vocab_file=vocab).save_pretrained(out)
   elif vocab and os.path.isfile(vocab):
     shutil.copy(vocab, os.path.join(out, "tokenizer.json"))
-  print(f"{run} ({config.position}) -> {out}: {type(model).__name__}" + (f", tokenizer from {vocab}" if vocab else
-                                                                        ", no tokenizer found"))
+  return vocab
+
+
+def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
+  """Writes the run's model (``step``: default its latest) as a Hugging Face model directory: BERT, ELECTRA,
+  or an ELECTRA run's generator and discriminator in ``out/generator`` and ``out/discriminator`` (see the
+  module docstring)."""
+  fields = checkpoint_lib.read_model_config(run, "--workdir")
+  params = checkpoint_lib.load_params(run, step)
+  if "generator" in fields:
+    config = ElectraConfig.from_dict(fields)
+    models = dict(zip((os.path.join(out, "generator"), os.path.join(out, "discriminator")),
+                      hf_electra.electra_to_hf(config.generator, config.discriminator, {"params": params})))
+  else:
+    config = BertConfig(**fields)
+    electra = converted_from(run) == "electra" or "rtd" in params
+    models = {out: (hf_electra.to_hf_electra if electra else hf_bert.to_hf_bert)(config, {"params": params})}
+  for directory, model in models.items():
+    vocab = save_hf(model, run, directory)
+    print(f"{run} ({config.position}) -> {directory}: {type(model).__name__}"
+          + (f", tokenizer from {vocab}" if vocab else ", no tokenizer found"))
 
 
 def main(argv=None) -> int:
@@ -84,10 +141,10 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m posjax.convert", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   commands = parser.add_subparsers(dest="command", required=True)
-  to_posjax = commands.add_parser("hf-to-posjax", help="a Hugging Face BERT directory -> a posjax run")
+  to_posjax = commands.add_parser("hf-to-posjax", help="a Hugging Face BERT or ELECTRA directory -> a posjax run")
   to_posjax.add_argument("--from", dest="source", required=True, help="Hugging Face model directory")
   to_posjax.add_argument("--workdir", required=True, help="the new posjax run's directory")
-  to_hf = commands.add_parser("posjax-to-hf", help="a posjax run -> a Hugging Face BERT directory")
+  to_hf = commands.add_parser("posjax-to-hf", help="a posjax run -> a Hugging Face BERT or ELECTRA directory")
   to_hf.add_argument("--workdir", required=True, help="the posjax run")
   to_hf.add_argument("--step", type=int, default=None, help="a kept step (default: the latest)")
   to_hf.add_argument("--out", required=True, help="the Hugging Face model directory to write")

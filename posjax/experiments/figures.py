@@ -1,7 +1,9 @@
 """The papers' figures from posjax runs (PNG, matplotlib).
 
   python -m posjax.experiments.figures mlm-loss --root=SWEEP --out=fig5.png        TUPE Figure 5: validation MLM loss
-      against steps, one line per pre-training run of a sweep (its metrics.jsonl).
+      against steps, one line per pre-training run of a sweep (its metrics.jsonl). An ELECTRA run's line is its
+      generator's MLM loss (``eval_mlm_loss``; its ``eval_loss`` is the joint loss, no MLM loss), and a second
+      panel, drawn when the sweep has ELECTRA runs, holds their discriminators' loss (``eval_disc_loss``).
   python -m posjax.experiments.figures correlation --workdir=RUN --out=fig6.png   TUPE Figure 6: the learned positional
       correlation of a TUPE run (tupe_a / tupe_r), one [L, L] map per head.
   python -m posjax.experiments.figures terms --workdir=RUN --out=fig2.png         TUPE Figure 2: the four terms of the
@@ -9,6 +11,8 @@
       position-position), for one head on a batch of token ids.
   python -m posjax.experiments.figures length --root=SWEEP --out=f1.png           Huang et al.: SQuAD F1 against evaluation
       length, one line per method (a sweep of configs/papers/huang2020/inductive.py).
+
+correlation and terms read an ELECTRA run's discriminator (its ``encoder``, as fine-tuning does).
 """
 
 from __future__ import annotations
@@ -23,31 +27,60 @@ import numpy as np
 
 from posjax.experiments import plots, protocol
 from posjax.models import BertConfig, BertEncoder
+from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import metrics as metrics_lib
 
 
+def is_electra(workdir: str) -> bool:
+  """Whether a run is ELECTRA pre-training (its model_config.json has the generator's fields)."""
+  return "generator" in checkpoint_lib.read_model_config(workdir)
+
+
 def _run(workdir: str, step: int | None = None) -> tuple[BertConfig, dict]:
-  return BertConfig(**checkpoint_lib.read_model_config(workdir)), checkpoint_lib.load_params(workdir, step)
+  """A run's encoder config (an ELECTRA run's discriminator: its ``encoder``) and its parameters."""
+  fields = checkpoint_lib.read_model_config(workdir)
+  config = ElectraConfig.from_dict(fields).discriminator if "generator" in fields else BertConfig(**fields)
+  return config, checkpoint_lib.load_params(workdir, step)
 
 
-def mlm_loss(root: str, out: str) -> None:
-  """TUPE Figure 5: the validation MLM loss of every pre-training run of the sweep in ``root``."""
+def mlm_loss_curves(root: str) -> dict[str, dict[str, list[tuple[int, float]]]]:
+  """``{"mlm": {label: [(step, loss)]}, "discriminator": {...}}`` of the pre-training runs in ``root``: an mlm
+  run's ``eval_loss``, an ELECTRA run's generator (``eval_mlm_loss``) and discriminator (``eval_disc_loss``)."""
   _, runs = protocol.read_manifest(root)
-  plt = plots.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
+  curves = {"mlm": {}, "discriminator": {}}
   for run in runs:
-    path = os.path.join(run.workdir, "metrics.jsonl")
-    if run.kind != "pretrain" or not os.path.isfile(path):
+    if run.kind != "pretrain" or not os.path.isfile(os.path.join(run.workdir, "metrics.jsonl")):
       continue
-    points = [(line["step"], line["eval_loss"]) for line in metrics_lib.read(run.workdir) if "eval_loss" in line]
-    if points:
-      ax.plot(*zip(*points), marker="o", label=run.row)
-  ax.set(xlabel="pre-training step", ylabel="validation MLM loss", title="MLM loss (TUPE Figure 5)")
-  ax.legend(fontsize=8)
+    lines = metrics_lib.read(run.workdir)
+    series = {"mlm": ("eval_loss", run.row)}
+    if is_electra(run.workdir):
+      series = {"mlm": ("eval_mlm_loss", f"{run.row} (ELECTRA generator)"),
+                "discriminator": ("eval_disc_loss", run.row)}
+    for panel, (key, label) in series.items():
+      points = [(line["step"], line[key]) for line in lines if key in line]
+      if points:
+        curves[panel][label] = points
+  return curves
+
+
+def mlm_loss(root: str, out: str):
+  """TUPE Figure 5: the validation MLM loss of every pre-training run of the sweep in ``root`` (ELECTRA runs: see
+  the module docstring); returns the figure (closed), whose lines are the curves."""
+  curves = {panel: lines for panel, lines in mlm_loss_curves(root).items() if lines or panel == "mlm"}
+  titles = {"mlm": ("validation MLM loss", "MLM loss (TUPE Figure 5)"),
+            "discriminator": ("validation discriminator loss", "ELECTRA discriminator loss")}
+  plt = plots.pyplot()
+  fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
+  for ax, (panel, lines) in zip(axes[0], curves.items()):
+    for label, points in lines.items():
+      ax.plot(*zip(*points), marker="o", label=label)
+    ax.set(xlabel="pre-training step", ylabel=titles[panel][0], title=titles[panel][1])
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   plt.close(fig)
+  return fig
 
 
 def correlation(workdir: str, out: str, length: int = 0) -> None:

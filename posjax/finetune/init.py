@@ -3,10 +3,11 @@
 Without ``init_step`` the init run must have finished (its ``results.json``, or its last kept step at its
 ``total_steps``); an unfinished one is an error naming its last step.
 
-From ``init`` the run takes the encoder's parameters, its architecture (``model_config.json``, which every
-posjax run and ``python -m posjax.convert hf-to-posjax`` write) and its vocabulary (``vocab.txt`` or
-``tokenizer.json`` beside the checkpoints, else the init run's ``data.vocab_file``). The fine-tuning config's own model fields are dropout, dtypes and the attention kernel;
-an architecture field set to something else than the init run's is an error, and so is another position
+From ``init`` the run takes the encoder's parameters (of an ELECTRA run, the discriminator's; its generator is
+dropped), its architecture (``model_config.json``, which every posjax run and ``python -m posjax.convert
+hf-to-posjax`` write) and its vocabulary (``vocab.txt`` or ``tokenizer.json`` beside the checkpoints, else the
+init run's ``data.vocab_file``). The fine-tuning config's own model fields are dropout, dtypes and the attention
+kernel; an architecture field set to something else than the init run's is an error, and so is another position
 method or other position options, unless ``allow_position_change`` (then the new position parameters start
 fresh, and the log names them).
 """
@@ -25,7 +26,7 @@ from posjax.models import SIZES
 from posjax.positions import base as positions_base
 from posjax.train import checkpoint as checkpoint_lib
 
-ARCHITECTURE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len",
+ARCHITECTURE = ("vocab_size", "hidden_size", "embedding_size", "num_layers", "num_heads", "intermediate_size", "max_len",
                 "type_vocab_size", "layer_norm_eps", "norm")
 OWN = ("attention_kernel", "dropout_rate", "attention_dropout_rate", "dtype", "param_dtype")
 DEFAULT_POSITION = "absolute"  # of a run from scratch that names none
@@ -64,6 +65,7 @@ def find(config: ml_collections.ConfigDict) -> Start | None:
   if step not in steps:
     raise ValueError(f"config.init_step={step} was not kept in {checkpoints}; kept steps: {steps}")
   model = checkpoint_lib.read_model_config(workdir, "config.init")
+  model.pop("generator", None)  # an ELECTRA run: its discriminator's fields are the encoder's
   vocab_file = checkpoint_lib.vocab_file_of(workdir)
   return Start(workdir, checkpoints, step, model, vocab_file)
 
@@ -138,6 +140,10 @@ def load(start: Start, fresh: dict, position_changed: bool) -> dict:
     flat = flax.traverse_util.flatten_dict(loaded, sep="/")
     loaded = flax.traverse_util.unflatten_dict({k: v for k, v in flat.items() if not is_position_parameter(k)},
                                                sep="/")
+  if "generator" in loaded:
+    logging.info("init from the ELECTRA run %s: its discriminator is the encoder; the generator (%s) is dropped",
+                 start.workdir, ", ".join(k for k in sorted(loaded) if k.startswith("generator")))
+    loaded = {k: v for k, v in loaded.items() if not k.startswith("generator")}
   merged, kept_fresh, unused = checkpoint_lib.merge_params(fresh, loaded)
   fresh_encoder = [p for p in kept_fresh if p.startswith("encoder/")]
   wrong = [p for p in fresh_encoder if not (position_changed and is_position_parameter(p))]

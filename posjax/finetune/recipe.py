@@ -4,6 +4,16 @@ The recipe is TUPE's (Ke et al. 2021, §4 and its appendix; it follows BERT's): 
 ε = 1e-6, weight decay 0.01, gradient clipping 1.0, dropout 0.1, linear warm-up over the first 6% of the
 steps, then linear decay to 0. Durations are in epochs of the task's training examples (features, for SQuAD).
 
+A config file's ``recipe=electra`` (:data:`RECIPES`) takes ELECTRA's instead (Clark et al. 2020, appendix Table 7;
+google-research/electra ``configure_finetuning.py``, ``model/optimization.py``): learning rate 1e-4 (Large 5e-5),
+layer-wise learning-rate decay 0.8 (Large 0.9; :func:`posjax.train.step.layer_scales`), warm-up over 10% of the
+steps, weight decay 0 (the paper's; the official code's default is 0.01), batch 32, 3 epochs (10 for RTE and STS-B,
+2 for SQuAD); ε, β, clipping and dropout as TUPE's. Layer ``i`` of ``n`` learns at ``lr * decay ** (n - i)``, as
+Clark intended (google-research/electra issue #51); the released code gives every encoder parameter one more
+factor of ``decay`` (``n + 1 - i``, a pooler's left-over depth), kept there for reproducibility. Not taken: its
+GLUE length 128 (``max_len=128`` gives it), its schedule (warm-up multiplied onto a decay from the peak over the
+whole run, where posjax decays over the steps after warm-up) and its training on both orders of paraphrase pairs.
+
 ``config.model`` holds only what a fine-tuning run chooses for itself (dropout, dtypes, the attention kernel);
 every other model field is ``None``, meaning "the init run's" (:mod:`posjax.finetune.init`), or, without
 ``init``, ``model_size``'s architecture with ``position`` (default ``absolute``) and the tokenizer's
@@ -37,10 +47,32 @@ def model_fields(position: str) -> ml_collections.ConfigDict:
   return model
 
 
+# Each recipe's values over the config file's own (TUPE's optimizer as base_config has it; the file's learning rate,
+# batch and epochs), then where they differ by model size and by task.
+RECIPES = {
+    "tupe": {},
+    "electra": dict(learning_rate=1e-4, layerwise_lr_decay=0.8, warmup_fraction=0.1, weight_decay=0.0,
+                    adam_eps=1e-6, batch_size=32, epochs=3.0),
+}
+RECIPE_SIZES = {("electra", "large"): dict(learning_rate=5e-5, layerwise_lr_decay=0.9)}
+RECIPE_TASKS = {("electra", "rte"): dict(epochs=10.0), ("electra", "stsb"): dict(epochs=10.0),
+                ("electra", "squad"): dict(epochs=2.0)}
+
+
+def recipe_values(name: str, *, task: str, size: str, own: dict, given: dict) -> dict:
+  """:func:`base_config`'s values under recipe ``name`` for ``task`` (a GLUE task's name, or ``squad``): the options
+  ``given`` that are set (non-zero) over the recipe's (:data:`RECIPES`, by size, by task) over ``own``, the config
+  file's defaults."""
+  if name not in RECIPES:
+    raise ValueError(f"unknown recipe {name!r}; allowed: {list(RECIPES)}")
+  values = {**own, **RECIPES[name], **RECIPE_SIZES.get((name, size), {}), **RECIPE_TASKS.get((name, task), {})}
+  return {**values, **{field: value for field, value in given.items() if value}}
+
+
 def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: float, max_len: int, seed: int,
-                size: str = "base", position: str = "") -> ml_collections.ConfigDict:
-  """A fine-tuning config's shared fields (see the module docstring) for one task; the config file adds its
-  ``data`` and ``evals``."""
+                size: str = "base", position: str = "", **fields) -> ml_collections.ConfigDict:
+  """A fine-tuning config's shared fields (see the module docstring) for one task, ``fields`` (a recipe's) set over
+  them; the config file adds its ``data`` and ``evals``."""
   if size not in SIZES:
     raise ValueError(f"unknown size {size!r}; allowed: {list(SIZES)}")
   config = ml_collections.ConfigDict()
@@ -62,6 +94,7 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.weight_decay = 0.01
   config.weight_decay_exclusion = "bert"  # "none": fairseq's AdamW, which decays every parameter
   config.grad_clip_norm = 1.0
+  config.layerwise_lr_decay = 1.0  # below 1: lower learning rates for layers nearer the input (ELECTRA's: 0.8)
   config.parallelism = "jit"
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   config.log_every_steps = 50
@@ -86,6 +119,10 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.shutdown_timeout_seconds = 300
   config.model_size = size  # the architecture of a run without init
   config.model = model_fields(position)
+  unknown = sorted(set(fields) - set(config))
+  if unknown:
+    raise ValueError(f"base_config has no fields {unknown}")
+  config.update(fields)
   return config
 
 

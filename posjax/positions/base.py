@@ -98,6 +98,8 @@ class Method:
       longer than ``max_len`` are an error.
     input_embedding: whether all the method does is add an embedding to the tokens' (absolute, sinusoidal):
       an encoder that shares another's embeddings (ELECTRA's generator) shares it too.
+    table_shareable: whether the encoder module can read another encoder's position table (``table_from=``,
+      TUPE's): ELECTRA's two models on one table, each with its own projections.
     summary: one line for listings and error messages.
   """
 
@@ -109,6 +111,7 @@ class Method:
   fusable: Callable[[Any], bool] = lambda options: True
   max_len_bound: bool = False
   input_embedding: bool = False
+  table_shareable: bool = False
   summary: str = ""
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -122,25 +123,41 @@ class UntiedCorrelation(nn.Module):
 
 
 class Tupe(nn.Module):
-  """Encoder-level part: the position table, its LayerNorm, and (when shared) the positional term."""
+  """Encoder-level part: the position table, its LayerNorm, and (when shared) the positional term.
+
+  ``table_from``: another encoder's :class:`Tupe` whose table and LayerNorm (and paper-reset vectors) this one
+  reads instead of its own (ELECTRA's generator and discriminator on one table; the projections stay each
+  model's own and take the table's width)."""
 
   spec: base.PositionSpec
+  table_from: Any = None
+
+  def setup(self):
+    if self.spec.options.share_across_layers:
+      self.correlation = UntiedCorrelation(self.spec)
 
   @nn.compact
-  def __call__(self, positions_BxL):
+  def embed(self, positions_BxL) -> dict:
+    """The LayerNorm-ed table rows of the positions (``p``) and the [CLS] reset's vectors (``p_theta``)."""
     spec, opts = self.spec, self.spec.options
-    spec.check_length(positions_BxL.shape[-1])
     offset = 1 if opts.cls_reset == "official" else 0
     table = absolute.LearnedTable(spec, num_rows=spec.max_len + offset, name="table")
     norm = base.layer_norm(spec, "pos_ln") if opts.layernorm else (lambda x: x)
-    is_cls_BxL = positions_BxL == 0
-    context = {"p": norm(table(positions_BxL + offset)), "is_cls": is_cls_BxL}
+    context = {"p": norm(table(positions_BxL + offset))}
     if opts.cls_reset == "official":
       context["p_theta"] = norm(table(jnp.arange(2)))
     elif opts.cls_reset == "paper":
       p_theta = self.param("cls_theta", base.normal_init((None, base.EMBED)), (2, spec.hidden_size),
                            spec.param_dtype)
       context["p_theta"] = norm(p_theta.astype(spec.dtype))
+    return context
+
+  def __call__(self, positions_BxL):
+    spec, opts = self.spec, self.spec.options
+    spec.check_length(positions_BxL.shape[-1])
+    is_cls_BxL = positions_BxL == 0
+    source = self if self.table_from is None else self.table_from
+    context = {**source.embed(positions_BxL), "is_cls": is_cls_BxL}
     if isinstance(opts, TupeROptions):
       index = relative_index(opts, base.relative_positions(positions_BxL))
       _, row, col = relative_layout(opts)
@@ -149,7 +166,7 @@ class Tupe(nn.Module):
         index = jnp.where(is_cls_BxL[:, :, None], row, index)
       context["rel_index"] = index
     if opts.share_across_layers:
-      bias, terms = UntiedCorrelation(spec, name="correlation")(context)
+      bias, terms = self.correlation(context)
       return base.PositionState(bias=bias, kernel_terms=terms)
     return base.PositionState(context=context)
 
@@ -210,6 +227,6 @@ base.register(base.Method("bert_ad", BertAdOptions, encoder=BertAdTable, layer=B
                           max_len_bound=True,
                           summary="BERT-A^d: separate word/position projections, four terms, 1/sqrt(4 d_h)"))
 base.register(base.Method("tupe_a", TupeAOptions, encoder=Tupe, layer=TupeLayer, content_scale=2.0,
-                          max_len_bound=True, summary="TUPE-A: untied absolute positional correlation"))
+                          max_len_bound=True, table_shareable=True, summary="TUPE-A: untied absolute positional correlation"))
 base.register(base.Method("tupe_r", TupeROptions, encoder=Tupe, layer=TupeLayer, content_scale=2.0,
-                          max_len_bound=True, summary="TUPE-R: TUPE-A plus a T5 relative bias"))
+                          max_len_bound=True, table_shareable=True, summary="TUPE-R: TUPE-A plus a T5 relative bias"))

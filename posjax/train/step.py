@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import flax.struct
@@ -37,17 +38,55 @@ def decays(params):
 WEIGHT_DECAY_EXCLUSIONS = {"bert": decays, "none": None}
 
 
+LAYER = re.compile(r"layer_(\d+)")
+
+
+def layer_scales(params, decay: float):
+  """Each parameter's factor on its updates under layer-wise learning-rate decay (ELECTRA's): under
+  ``encoder/layer_{i}`` of ``n`` layers ``decay ** (n - i)``, the encoder's other parameters (embeddings, their norm
+  and projection, its position module, the final norm) ``decay ** (n + 1)``, the rest (heads) 1."""
+  encoder = params.get("encoder") if hasattr(params, "get") else None
+  if not encoder:
+    raise ValueError("layerwise_lr_decay needs a model whose parameters hold an 'encoder'")
+  n = sum(1 for name in encoder if LAYER.fullmatch(name))
+
+  def scale(path, _):
+    if path[0].key != "encoder":
+      return 1.0
+    layer = LAYER.fullmatch(str(path[1].key))
+    return decay ** (n - int(layer[1])) if layer else decay ** (n + 1)
+  return jax.tree_util.tree_map_with_path(scale, params)
+
+
+def scale_by_layer(decay: float) -> optax.GradientTransformation:
+  """Multiplies every update by its :func:`layer_scales` factor: after AdamW, so its weight decay is scaled too,
+  as in ELECTRA's optimizer (each layer's learning rate times the Adam step plus decay)."""
+  def init(params):
+    layer_scales(params, decay)  # a model without an encoder is refused here, at validation
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    return jax.tree.map(lambda u, s: u * s, updates, layer_scales(updates, decay)), state
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with clipping and the warm-up / linear-decay schedule; ``config.weight_decay_exclusion`` is ``bert``
-  (the default) or ``none``."""
+  (the default) or ``none``; ``config.layerwise_lr_decay`` below 1 (default 1: off) scales the updates by layer
+  (:func:`scale_by_layer`; the schedule is then the heads' learning rate)."""
   exclusion = config.get("weight_decay_exclusion", "bert")
   if exclusion not in WEIGHT_DECAY_EXCLUSIONS:
     raise ValueError(f"unknown weight_decay_exclusion {exclusion!r}; allowed: {list(WEIGHT_DECAY_EXCLUSIONS)}")
+  decay = config.get("layerwise_lr_decay", 1.0)
+  if not 0 < decay <= 1:
+    raise ValueError(f"config.layerwise_lr_decay={decay!r} must be in (0, 1] (1: off)")
   schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps, config.total_steps)
   optimizer = optax.chain(
       optax.clip_by_global_norm(config.grad_clip_norm),
       optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
                   weight_decay=config.weight_decay, mask=WEIGHT_DECAY_EXCLUSIONS[exclusion]))
+  if decay != 1:
+    optimizer = optax.chain(optimizer, scale_by_layer(decay))
   return optimizer, schedule
 
 
