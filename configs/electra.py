@@ -48,7 +48,8 @@ def get_config(arg=None):
   config.electra = ml_collections.ConfigDict(dict(
       discriminator_weight=50.0,  # λ
       temperature=1.0,  # of the generator's samples
-      tie_embeddings=True))  # one set of embeddings (word, token type, input positions, their LayerNorm)
+      tie_embeddings=True,  # one set of embeddings (word, token type, input positions, their LayerNorm)
+      share_position_table=True))  # TUPE's table read by both models (TUPE does not say; each its projections)
   if arg.runlocal:
     config.update(total_steps=200, learning_rate=1e-3)
   return config

@@ -76,3 +76,39 @@ def test_embeddings_that_do_not_match_cannot_be_shared(change, message):
   generator = GENERATOR.__class__(**{**GENERATOR.to_dict(), **change})
   with pytest.raises(ValueError, match="an encoder that shares another's embeddings needs the same " + message):
     Electra(generator, DISCRIMINATOR).init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))
+
+
+def with_position(config, position, **options):
+  return config.__class__(**{**config.to_dict(), "position": position, "position_options": options})
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_shared_tupe_table_is_one_array_read_by_both_models_through_their_own_projections(share):
+  model = Electra(with_position(GENERATOR, "tupe_r"), with_position(DISCRIMINATOR, "tupe_r"), share_position_table=share)
+  params = init(model)
+  own = set(params["generator"]["position"])
+  assert own == ({"correlation"} if share else {"correlation", "table", "pos_ln"})
+  ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 8)))
+  masked = jnp.asarray([[1, 3, 5], [0, 2, 7]])
+  projection = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 128))
+  grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, ids, masked, method=Electra.generate) * projection))(
+      params)
+  largest = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads))
+  reached = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(
+      {k: grads["encoder"]["position"][k] for k in ("table", "pos_ln")}))
+  assert (reached > 1e-3 * largest) if share else reached == 0
+  # the generator's projections read the discriminator's 32-wide table (its own would be 16 wide)
+  kernel = params["generator"]["position"]["correlation"]["query"]["kernel"]
+  assert kernel.shape[0] == (32 if share else 16)
+
+
+@pytest.mark.parametrize("generator, discriminator, message", [
+    (("absolute",), ("absolute",), r"a method whose table feeds the layers \(tupe_a, tupe_r\); here 'absolute'"),
+    (("tupe_a", {"cls_reset": "paper"}), ("tupe_a",), r"needs the same position options \(here TupeAOptions\(cls_reset='paper'"),
+    (("tupe_r",), ("tupe_a",), r"needs the same position \(here 'tupe_r', there 'tupe_a'\)"),
+])
+def test_a_position_table_that_cannot_be_shared_is_an_error(generator, discriminator, message):
+  model = Electra(with_position(GENERATOR, generator[0], **(generator[1] if len(generator) > 1 else {})),
+                  with_position(DISCRIMINATOR, discriminator[0]), share_position_table=True)
+  with pytest.raises(ValueError, match=message):
+    model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))

@@ -188,11 +188,14 @@ class BertEncoder(nn.Module):
 
   ``shared``: another encoder whose embeddings this one reads (ELECTRA's generator reads the discriminator's:
   word, token type, an input position table, their LayerNorm) instead of its own; its layers, its
-  ``embeddings_project`` and any position terms inside the layers stay its own.
+  ``embeddings_project`` and any position terms inside the layers stay its own. ``shared_position_table``: it
+  reads ``shared``'s position table too, for a method whose table feeds the layers (TUPE's; its projections
+  stay this encoder's own).
   """
 
   config: BertConfig
   shared: Any = None
+  shared_position_table: bool = False
 
   def setup(self):
     c, spec = self.config, self.config.position_spec
@@ -203,7 +206,9 @@ class BertEncoder(nn.Module):
       self.token_type_embeddings = nn.Embed(c.type_vocab_size, c.embed_width, dtype=dtype,
                                             param_dtype=param_dtype,
                                             embedding_init=base.normal_init((None, base.EMBED)))
-    if spec.method.encoder is not None:
+    if self.shared_position_table:
+      self.position = spec.method.encoder(spec=spec, table_from=self._table_source().position)
+    elif spec.method.encoder is not None:
       self.position = spec.method.encoder(spec=spec)
     self.embedding_norm = _layer_norm(c, "embedding_norm")
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
@@ -254,6 +259,24 @@ class BertEncoder(nn.Module):
   def attend_words(self, x_BxLxE):
     """Logits over the vocabulary through the (tied, perhaps shared) word embeddings."""
     return self._embeddings_source().word_embeddings.attend(x_BxLxE)
+
+  def _table_source(self) -> "BertEncoder":
+    """The encoder whose position table this one reads: ``shared``, with the same table-shareable method, options
+    and ``max_len``."""
+    spec = self.config.position_spec
+    if self.shared is None or not spec.method.table_shareable:
+      shareable = [n for n in positions_lib.names() if positions_lib.get(n).table_shareable]
+      raise ValueError(f"sharing a position table needs an encoder to share with and a method whose table feeds "
+                       f"the layers ({', '.join(shareable)}); here {self.config.position!r}"
+                       + ("" if self.shared is not None else " and no shared encoder"))
+    mine, theirs = spec, self.shared.config.position_spec
+    fields = {"position": lambda s: s.method.name, "position options": lambda s: s.options,
+              "max_len": lambda s: s.max_len}
+    differ = [f"{name} (here {get(mine)!r}, there {get(theirs)!r})" for name, get in fields.items()
+              if get(mine) != get(theirs)]
+    if differ:
+      raise ValueError("an encoder that shares another's position table needs the same " + ", ".join(differ))
+    return self.shared
 
   def _embeddings_source(self) -> "BertEncoder":
     """This encoder, or the one whose embeddings it shares (which must have the same vocabulary, width, token

@@ -6,7 +6,8 @@ it as it reads a BERT one) with its head ``rtd`` / ``rtd_output``; the generator
 head ``generator_head``. As in the official code (``untied_generator_embeddings=False``), the generator reads the
 discriminator's embeddings - word, token type, an input position table and their LayerNorm are one set of
 arrays - through its own ``embeddings_project`` where the widths differ; every other weight, the position terms
-inside the layers included (T5's, TUPE's projections), is each model's own.
+inside the layers included (T5's, TUPE's projections), is each model's own. ``share_position_table``: the
+generator reads the discriminator's TUPE table and its LayerNorm too (its projections take the table's width).
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ class Electra(nn.Module):
   generator_config: BertConfig
   discriminator_config: BertConfig
   tie_embeddings: bool = True
+  share_position_table: bool = False  # a table inside the layers (TUPE's) read by both models
 
   def setup(self):
     self.encoder = BertEncoder(self.discriminator_config)
-    self.generator = BertEncoder(self.generator_config, shared=self.encoder if self.tie_embeddings else None)
+    self.generator = BertEncoder(self.generator_config, shared=self.encoder if self.tie_embeddings else None,
+                                 shared_position_table=self.share_position_table)
     self.generator_head = MlmHead(self.generator_config)
 
   def generate(self, input_ids_BxL, masked_positions_BxM, *, deterministic: bool = True, **encoder_kwargs):

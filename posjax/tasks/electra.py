@@ -15,7 +15,10 @@ does not depend on the device count or on gradient accumulation.
 Config (``configs/electra.py``): ``model`` is the discriminator; ``generator`` holds the generator's sizes
 (the rest of its fields are the discriminator's); ``electra``: ``discriminator_weight`` (λ, 50),
 ``temperature`` (1.0), ``tie_embeddings`` (True: one set of embeddings, read by the generator through its own
-projection); masking from ``data`` (ELECTRA: 85% [MASK], 15% kept, no random tokens).
+projection), ``share_position_table`` (True: for TUPE, whose table feeds the layers, the generator reads the
+discriminator's table and its LayerNorm, as ELECTRA shares its position embeddings; TUPE does not say; no
+effect for other methods, whose input tables go with the embeddings); masking from ``data`` (ELECTRA: 85%
+[MASK], 15% kept, no random tokens).
 
 Metrics: ``mlm_loss`` / ``mlm_accuracy`` (the generator's, over masked tokens), ``sampled_accuracy`` (samples
 equal to the original), ``disc_loss`` / ``disc_accuracy`` (over real tokens), ``disc_precision`` /
@@ -39,7 +42,7 @@ from posjax.models.electra import Electra, ElectraConfig
 from posjax.tasks import mlm as mlm_task
 from posjax.train.task import Evaluator, Task
 
-DEFAULTS = dict(discriminator_weight=50.0, temperature=1.0, tie_embeddings=True)
+DEFAULTS = dict(discriminator_weight=50.0, temperature=1.0, tie_embeddings=True, share_position_table=True)
 EVAL_SEED = 1  # the evaluation's sampling key: fixed, so one checkpoint always scores the same
 
 
@@ -183,7 +186,9 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   tokenizer = Tokenizer.load(config.data.vocab_file)
   configs = model_config(config, tokenizer.vocab_size)
   opts = options(config)
-  model = Electra(configs.generator, configs.discriminator, tie_embeddings=opts["tie_embeddings"])
+  share_table = opts["share_position_table"] and configs.discriminator.position_spec.method.table_shareable
+  model = Electra(configs.generator, configs.discriminator, tie_embeddings=opts["tie_embeddings"],
+                  share_position_table=bool(share_table))
   use_segments = config.data.packing == "documents"
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch)
   weight, temperature = opts["discriminator_weight"], opts["temperature"]
