@@ -4,6 +4,9 @@ term hides behind a zero or one initialisation. Any change to a method's paramet
 initialisation or the train step shows up here; an intended change regenerates the file:
 
   POSJAX_REGENERATE_GOLDEN=1 python -m pytest tests/test_golden.py
+
+ELECTRA has its own file (two methods: absolute, whose table goes with the shared embeddings, and TUPE-A with
+its table shared), with the joint loss and its parts.
 """
 
 import functools
@@ -76,3 +79,52 @@ def test_golden_file_covers_every_method():
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps({m: measure(m) for m in positions.names()}, indent=1, sort_keys=True) + "\n")
   assert sorted(golden()) == sorted(positions.names())
+
+
+ELECTRA_GOLDEN = ROOT / "tests" / "golden" / "electra_two_steps.json"
+ELECTRA_METHODS = ("absolute", "tupe_a")  # embeddings shared with the input table; TUPE's table shared in the layers
+
+
+def measure_electra(method: str) -> dict:
+  """A tiny ELECTRA (generator half the discriminator's width) over two steps: the joint loss and its parts."""
+  from posjax.models.electra import Electra
+  from posjax.tasks import electra
+
+  tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
+  discriminator = BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32)
+  generator = BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32, hidden_size=16,
+                              num_heads=2, intermediate_size=32, embedding_size=32)
+  model = Electra(generator, discriminator, share_position_table=method == "tupe_a")
+  params = randomize(model.init(jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
+  optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(
+      learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,
+      adam_eps=1e-6, weight_decay=0.01)))
+  state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+  step = jax.jit(functools.partial(
+      train_step, loss_fn=electra.electra_loss(model, discriminator_weight=50.0, temperature=1.0, use_segments=False),
+      optimizer=optimizer, schedule=schedule, loss_totals=electra.loss_totals,
+      step_metrics=functools.partial(electra.metrics, discriminator_weight=50.0)))
+  batch = one_batch(tokenizer)
+  measured = {"loss": [], "mlm_loss": [], "disc_loss": [], "replaced_fraction": []}
+  for _ in range(2):
+    state, metrics = step(state, batch, jax.random.PRNGKey(1))
+    for name in measured:
+      measured[name].append(float(metrics[name]))
+  shapes = {jax.tree_util.keystr(path): list(np.shape(leaf))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+  return {**measured, "param_shapes": shapes}
+
+
+@pytest.mark.parametrize("method", ELECTRA_METHODS)
+def test_an_electra_models_shapes_and_two_steps_match_the_golden_file(method):
+  got = measure_electra(method)
+  if REGENERATE:
+    entries = json.loads(ELECTRA_GOLDEN.read_text()) if ELECTRA_GOLDEN.exists() else {}
+    ELECTRA_GOLDEN.write_text(json.dumps({**entries, method: got}, indent=1, sort_keys=True) + "\n")
+    pytest.skip(f"regenerating: ELECTRA {method} measured")
+  want = json.loads(ELECTRA_GOLDEN.read_text()).get(method)
+  assert want is not None, f"{ELECTRA_GOLDEN} has no entry for {method}: regenerate it (see this file's docstring)"
+  assert got["param_shapes"] == want["param_shapes"]
+  for name in ("loss", "mlm_loss", "disc_loss", "replaced_fraction"):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+  assert got["loss"][1] != got["loss"][0]
