@@ -18,15 +18,13 @@ from test_train import assert_same_params, tensorboard_scalars
 
 STEP_METRICS = ("loss", "mlm_loss", "mlm_accuracy", "sampled_accuracy", "disc_loss", "disc_accuracy",
                 "disc_precision", "disc_recall", "replaced_fraction")
-ARGS = ["--config.total_steps=4", "--config.warmup_steps=1", "--config.log_every_steps=1",
-        "--config.eval_every_steps=2", "--config.checkpoint_every_steps=2", "--config.batch_size=8",
-        "--config.max_len=32", "--config.evals.eval.batches=2"]
+FIELDS = dict(total_steps=4, warmup_steps=1, log_every_steps=1, eval_every_steps=2, checkpoint_every_steps=2,
+              batch_size=8, max_len=32, tensorboard=True)
 
 
 def electra_config(**overrides):
   config = load_config("electra", "runlocal,position=tupe_a")
-  config.update(total_steps=4, warmup_steps=1, log_every_steps=1, eval_every_steps=2, checkpoint_every_steps=2,
-                batch_size=8, max_len=32, tensorboard=True)
+  config.update(FIELDS)
   config.evals.eval.batches = 2
   return override(config, **overrides)
 
@@ -75,7 +73,10 @@ def test_finetuning_from_an_electra_run_starts_from_its_discriminator(electra_ru
 
 @pytest.mark.slow
 def test_a_killed_electra_run_resumes_to_the_uninterrupted_result(tmp_path):
-  """SIGKILL after the first checkpoint; the rerun's samples, dropout and batches are the uninterrupted run's."""
-  command = lambda workdir: [sys.executable, "-m", "posjax.main", "--config=configs/electra.py:runlocal",
-                             f"--workdir={workdir}", "--config.progress=False", *ARGS]
+  """The fixture's run from the command line, straight and SIGKILL-ed after its first checkpoint and rerun: the
+  samples, dropout and batches after the resume are the uninterrupted run's (both runs in processes of their own,
+  not the fixture's: its device count here is the suite's)."""
+  command = lambda workdir: [sys.executable, "-m", "posjax.main", "--config=configs/electra.py:runlocal,position=tupe_a",
+                             f"--workdir={workdir}", "--config.progress=False", "--config.evals.eval.batches=2",
+                             *(f"--config.{k}={v}" for k, v in FIELDS.items())]
   kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step=4)

@@ -119,7 +119,8 @@ def kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step: int
   """Runs ``command(workdir)`` straight through, and again killed (SIGKILL) right after its first checkpoint and
   rerun; asserts both end with the same parameters and metrics lines. Returns the two workdirs."""
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-  subprocess.run(command(tmp_path / "straight"), check=True, cwd=ROOT, env=env, capture_output=True)
+  straight = tmp_path / "straight"
+  subprocess.run(command(straight), check=True, cwd=ROOT, env=env, capture_output=True)
   run = tmp_path / "killed"
   process = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 300
@@ -130,11 +131,11 @@ def kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step: int
   process.wait()
   assert saved_steps(run)[-1] < last_step
   subprocess.run(command(run), check=True, cwd=ROOT, env=env, capture_output=True)
-  assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
+  assert_same_params(checkpoint.load_params(str(straight / "checkpoints")),
                      checkpoint.load_params(str(run / "checkpoints")))
   deterministic = lambda w: [{k: v for k, v in line.items() if k != "tokens_per_second"} for line in metrics.read(str(w))]
-  assert deterministic(tmp_path / "straight") == deterministic(run)
-  return tmp_path / "straight", run
+  assert deterministic(straight) == deterministic(run)
+  return straight, run
 
 
 @pytest.mark.slow
