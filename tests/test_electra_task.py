@@ -202,3 +202,20 @@ def test_samples_are_reproducible_from_the_seed_and_new_at_every_step():
 
   np.testing.assert_array_equal(samples(0, 5), samples(0, 5))
   assert (samples(0, 5) != samples(0, 6)).any() and (samples(0, 5) != samples(1, 5)).any()
+
+
+def test_the_generators_fields_and_the_options_are_checked_with_their_names():
+  from conftest import load_config
+
+  config = load_config("electra", "runlocal")
+  generator = electra.model_config(config, 128).generator
+  assert (generator.hidden_size, generator.embedding_size, generator.num_layers) == (32, 64, 2)
+  config.generator.hiden_size = 8
+  with pytest.raises(ValueError, match=r"config.generator has unknown field\(s\) \['hiden_size'\]"):
+    electra.model_config(config, 128)
+  for field, value, message in (("temperature", 0.0, "config.electra.temperature=0.0 must be > 0"),
+                                ("tempreature", 1.0, r"config.electra has unknown field\(s\) \['tempreature'\]")):
+    config = load_config("electra", "runlocal")
+    config.electra[field] = value
+    with pytest.raises(ValueError, match=message):
+      electra.options(config)

@@ -17,7 +17,8 @@ Config (``configs/electra.py``): ``model`` is the discriminator; ``generator`` h
 ``temperature`` (1.0), ``tie_embeddings`` (True: one set of embeddings, read by the generator through its own
 projection), ``share_position_table`` (True: for TUPE, whose table feeds the layers, the generator reads the
 discriminator's table and its LayerNorm, as ELECTRA shares its position embeddings; TUPE does not say; no
-effect for other methods, whose input tables go with the embeddings); masking from ``data`` (ELECTRA: 85%
+effect for other methods, whose input tables go with the embeddings, nor with ``tie_embeddings=False``, where
+nothing is shared); masking from ``data`` (ELECTRA: 85%
 [MASK], 15% kept, no random tokens).
 
 Metrics: ``mlm_loss`` / ``mlm_accuracy`` (the generator's, over masked tokens), ``sampled_accuracy`` (samples
@@ -28,6 +29,7 @@ of kind ``electra`` report the same, with samples drawn from a key fixed per row
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -50,6 +52,10 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ElectraC
   """The discriminator is ``config.model``; the generator is ``config.model`` with ``config.generator``'s fields
   (its sizes) and the discriminator's embedding width, so that the embeddings can be one set."""
   discriminator = BertConfig.from_config(config.model, vocab_size, config.max_len)
+  known = {f.name for f in dataclasses.fields(BertConfig)}
+  unknown = sorted(set(config.generator) - known)
+  if unknown:
+    raise ValueError(f"config.generator has unknown field(s) {unknown}; BertConfig fields: {sorted(known)}")
   fields = {**config.model.to_dict(), "embedding_size": discriminator.embed_width, **config.generator.to_dict()}
   return ElectraConfig(BertConfig.from_config(fields, vocab_size, config.max_len), discriminator)
 
@@ -186,7 +192,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   tokenizer = Tokenizer.load(config.data.vocab_file)
   configs = model_config(config, tokenizer.vocab_size)
   opts = options(config)
-  share_table = opts["share_position_table"] and configs.discriminator.position_spec.method.table_shareable
+  share_table = (opts["share_position_table"] and opts["tie_embeddings"]
+                 and configs.discriminator.position_spec.method.table_shareable)
   model = Electra(configs.generator, configs.discriminator, tie_embeddings=opts["tie_embeddings"],
                   share_position_table=bool(share_table))
   use_segments = config.data.packing == "documents"

@@ -42,7 +42,8 @@ LAYER = re.compile(r"layer_(\d+)")
 
 
 def layer_scales(params, decay: float):
-  """Each parameter's factor on its updates under layer-wise learning-rate decay (ELECTRA's): under
+  """Each parameter's factor on its updates under layer-wise learning-rate decay (ELECTRA's as Clark intended,
+  one factor of ``decay`` less than the released code; see :mod:`posjax.finetune.recipe`): under
   ``encoder/layer_{i}`` of ``n`` layers ``decay ** (n - i)``, the encoder's other parameters (embeddings, their norm
   and projection, its position module, the final norm) ``decay ** (n + 1)``, the rest (heads) 1."""
   encoder = params.get("encoder") if hasattr(params, "get") else None

@@ -9,7 +9,8 @@ batch 256 x 512, 766k steps, keeping the 600k checkpoint); fine-tuning, as the p
 GLUE protocol of Table 1 (``configs/finetune/glue.py``: lr {2, 3, 4, 5}e-5 x 5 seeds, the median over seeds,
 the best learning rate). Options:
   recipe: ``tupe`` (default) or ``electra``: ELECTRA's own fine-tuning (layer-wise learning-rate decay 0.8, lr
-    1e-4, 3 epochs, 10 for RTE and STS-B, warm-up 10%; its grid is then the one learning rate, 5 seeds).
+    1e-4 (Large 5e-5), 3 epochs, 10 for RTE and STS-B, warm-up 10%; its grid is then the one learning rate, 5
+    seeds).
   tupe: the TUPE variant of the ELECTRA-TUPE rows, ``tupe_a`` (default) or ``tupe_r``: the paper does not say
     which; TUPE-A is the change of ELECTRA's absolute positions alone.
 
@@ -39,15 +40,23 @@ def rows(tupe: str) -> dict:
 
 
 ROWS = rows("tupe_a")
-RECIPES = {"tupe": dict(finetune_options=""), "electra": dict(finetune_options="recipe=electra", lrs=(1e-4,))}
+# ELECTRA's fine-tuning: its one learning rate per size (its Table 7), five seeds as TUPE's protocol.
+ELECTRA_LRS = {"tiny": 1e-4, "base": 1e-4, "large": 5e-5}
+
+
+def recipe(name: str, size: str) -> dict:
+  if name == "tupe":
+    return dict(finetune_options="")
+  if name == "electra":
+    return dict(finetune_options=f"recipe=electra,size={size}", lrs=(ELECTRA_LRS[size],))
+  raise ValueError(f"unknown option recipe={name!r}; allowed: ['tupe', 'electra']")
 
 
 def get_config(arg=None):
   arg = parse_arg(arg, row="", size="base", runlocal=False, recipe="tupe", tupe="tupe_a")
-  if arg.recipe not in RECIPES:
-    raise ValueError(f"unknown option recipe={arg.recipe!r}; allowed: {list(RECIPES)}")
+  fine_tuning = recipe(arg.recipe, arg.size)
   selected = tables.select(rows(arg.tupe), arg.row, "TUPE Table 4")
   config = tables.glue_table("TUPE Table 4 (ELECTRA-Base, GLUE dev)", selected, size=arg.size, runlocal=arg.runlocal,
-                             pretrain="configs/electra.py", **RECIPES[arg.recipe])
+                             pretrain="configs/electra.py", **fine_tuning)
   config.selected = (arg.row,) if arg.row else tuple(selected)
   return config
