@@ -181,7 +181,9 @@ def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: st
   return out, reader.dropped()
 
 
-def _check_shapes(module: BertModel, flat: dict[str, np.ndarray], source: str) -> dict:
+def check_shapes(module: BertModel, flat: dict[str, np.ndarray], source: str) -> dict:
+  """``flat`` (``/``-joined parameter paths) as ``module``'s parameter tree; a missing, extra or misshaped
+  parameter is an error naming it and ``source`` (every converter's last check)."""
   expected = flax.traverse_util.flatten_dict(jax.eval_shape(
       module.init, jax.random.PRNGKey(0), jnp.ones((1, 2), jnp.int32))["params"], sep="/")
   expected = {k: getattr(v, "value", v) for k, v in expected.items()}
@@ -248,7 +250,7 @@ def from_hf_bert(source) -> tuple[BertModel, dict]:
   if unexpected:
     raise ValueError(f"{where}: weights posjax has no place for: {unexpected}")
   module = BertModel(config, head=head, num_labels=num_labels)
-  return module, {"params": _check_shapes(module, flat, where)}
+  return module, {"params": check_shapes(module, flat, where)}
 
 
 def state_to_hf(config: BertConfig, params: Mapping, head: str) -> dict[str, np.ndarray]:

@@ -106,7 +106,7 @@ def from_hf_electra(source) -> tuple[BertModel, dict]:
   if unexpected:
     raise ValueError(f"{where}: weights posjax has no place for: {unexpected}")
   module = BertModel(config, head=head)
-  return module, {"params": hf_bert._check_shapes(module, flat, where)}  # pylint: disable=protected-access
+  return module, {"params": hf_bert.check_shapes(module, flat, where)}
 
 
 def head_of(params: Mapping) -> str:
@@ -161,7 +161,7 @@ def to_hf_electra(config: BertConfig, variables: Mapping):
   name = TO_HF_CLASSES[head]
   hf_config = transformers.ElectraConfig(**config_to_hf(config, head))
   flat = flax.traverse_util.flatten_dict(params, sep="/")
-  hf_bert._check_shapes(BertModel(config, head=head), flat, f"posjax -> {name}")  # pylint: disable=protected-access
+  hf_bert.check_shapes(BertModel(config, head=head), flat, f"posjax -> {name}")
   model = getattr(transformers, name)(hf_config)
   model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state_to_hf(config, params, head).items()})
   return model.eval()

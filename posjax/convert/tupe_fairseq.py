@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from posjax.convert.hf_bert import _check_shapes
+from posjax.convert.hf_bert import check_shapes
 from posjax.models import BertConfig, BertModel
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_accurate": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
@@ -209,4 +209,4 @@ def from_tupe_fairseq(checkpoint, classification_head: str | None = None) -> tup
   num_labels = int(heads[f"classification_heads.{head_name}.out_proj.weight"].shape[0]) if head_name else 2
   module = BertModel(config, head=head, num_labels=num_labels)
   flat = params_from_fairseq(config, encoder, heads, head, head_name)
-  return module, {"params": _check_shapes(module, flat, str(where))}
+  return module, {"params": check_shapes(module, flat, str(where))}
