@@ -1,9 +1,18 @@
 import os
 import pathlib
+import shutil
+import tempfile
 
+# What every process of the session reads, the test processes and every child they start (set before JAX starts):
+# one persistent compilation cache (a program compiled once is read back by every later run of it, in any process;
+# the size limit turns on JAX's file lock, so two processes never read a half-written entry) and no optimisation
+# passes (the tests compile many tiny programs: the passes cost more than they save).
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:  # the first process of the session (pytest-xdist's controller); its workers inherit the directory
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="posjax-tests-jax-cache-")
+os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30),
+                  JAX_DISABLE_MOST_OPTIMIZATIONS="1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# Eight fake CPU devices, for the mesh / pmap tests (set before JAX starts).
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -12,8 +21,22 @@ import pytest  # noqa: E402
 
 from posjax import attention, config_args, positions  # noqa: E402
 
-# Tests compile many tiny programs: optimisation passes cost more than they save.
-jax.config.update("jax_disable_most_optimizations", True)
+# Eight CPU devices in the test processes, for the mesh / pmap tests. Through JAX's config rather than XLA_FLAGS, so
+# that a child process runs on one device unless its test gives it a layout (XLA_FLAGS) of its own.
+jax.config.update("jax_num_cpu_devices", 8)
+jax.jit(lambda x: x + 1)(0)  # starts the backend and the cache here, before a test could point JAX elsewhere
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE and not hasattr(config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def devices_env(devices: int, **extra) -> dict:
+  """The environment of a child process with ``devices`` CPU devices (a layout its test needs)."""
+  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                   if not f.startswith("--xla_force_host_platform_device_count"))
+  return {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(), **extra}
 
 # Row 0: one sequence at 0..L-1. Row 1: two packed segments, each starting at position 0 ([CLS]).
 PACKED_POSITIONS = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 0, 1, 2, 3]], np.int32)

@@ -1,10 +1,8 @@
 """ELECTRA runs on the one training loop: their metrics (metrics.jsonl and TensorBoard), checkpoints holding both
-models, fine-tuning that starts from the discriminator, and a killed run that resumes to the uninterrupted
-result."""
+models, fine-tuning that starts from the discriminator, and a run that died resuming to the uninterrupted result."""
 
 import json
 import logging
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from posjax.main import train
 from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint, metrics
 from conftest import load_config, override
-from test_finetune_train import finetune_config, kill_after_the_first_checkpoint_and_resume
+from test_finetune_train import assert_same_run, finetune_config, stopped_and_resumed
 from test_train import assert_same_params, tensorboard_scalars
 
 STEP_METRICS = ("loss", "mlm_loss", "mlm_accuracy", "sampled_accuracy", "disc_loss", "disc_accuracy",
@@ -71,12 +69,8 @@ def test_finetuning_from_an_electra_run_starts_from_its_discriminator(electra_ru
   assert model == {**discriminator, "attention_kernel": "xla", "dtype": "float32"}
 
 
-@pytest.mark.slow
-def test_a_killed_electra_run_resumes_to_the_uninterrupted_result(tmp_path):
-  """The fixture's run from the command line, straight and SIGKILL-ed after its first checkpoint and rerun: the
-  samples, dropout and batches after the resume are the uninterrupted run's (both runs in processes of their own,
-  not the fixture's: its device count here is the suite's)."""
-  command = lambda workdir: [sys.executable, "-m", "posjax.main", "--config=configs/electra.py:runlocal,position=tupe_a",
-                             f"--workdir={workdir}", "--config.progress=False", "--config.evals.eval.batches=2",
-                             *(f"--config.{k}={v}" for k, v in FIELDS.items())]
-  kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step=4)
+def test_an_electra_run_that_died_resumes_to_the_uninterrupted_result(electra_run, tmp_path, monkeypatch):
+  """The fixture's run, died after step 3 (its checkpoint 2 kept) and rerun: the samples, dropout and batches after
+  the resume are the uninterrupted run's."""
+  stopped_and_resumed(monkeypatch, electra_config, tmp_path, stop_at=4)
+  assert_same_run(electra_run, tmp_path)

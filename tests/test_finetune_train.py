@@ -4,10 +4,8 @@ pre-training run as they should, and bad input fails before the workdir is writt
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -32,6 +30,13 @@ def pretrain(workdir, position="shaw", steps=2):
   return workdir
 
 
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A two-step Shaw pre-training run (checkpoints 1 and 2) that the tests below start from; a test that changes it
+  copies it first."""
+  return pretrain(tmp_path_factory.mktemp("pretrain") / "run")
+
+
 def train_losses(workdir):
   return [line["loss"] for line in metrics.read(str(workdir)) if "loss" in line]
 
@@ -47,9 +52,27 @@ def test_each_task_type_lowers_its_loss(tmp_path, name, arg, task):
   assert (results["task"], results["step"]) == (task, 60)
 
 
-def test_classification_learns_the_made_up_signal_and_results_say_what_ran(tmp_path):
-  train(finetune_config("glue", "task=sst2,runlocal,seed=3"), str(tmp_path))
-  results = json.loads((tmp_path / "results.json").read_text())
+SST2_RUN = dict(checkpoint_every_steps=10, log_every_steps=1)
+
+
+@pytest.fixture(scope="module")
+def sst2_run(tmp_path_factory):
+  """An SST-2 run (60 steps, seed 3) with a test split holding the dev sentences, which three tests read."""
+  root = tmp_path_factory.mktemp("sst2")
+  glue_dir = root / "glue"
+  shutil.copytree(ROOT / "configs" / "data" / "glue" / "SST-2", glue_dir / "SST-2")
+  dev = [line.split("\t")[1:] for line in (glue_dir / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
+  (glue_dir / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
+      f"{i}\t{sentence}\n" for i, (sentence, _) in enumerate(dev)))
+  config = lambda: finetune_config("glue", "task=sst2,runlocal,seed=3", **SST2_RUN,  # noqa: E731
+                                   **{"data.data_dir": str(glue_dir)})
+  train(config(), str(root / "run"))
+  return root / "run", config, dev
+
+
+def test_classification_learns_the_made_up_signal_and_results_say_what_ran(sst2_run):
+  workdir, _, _ = sst2_run
+  results = json.loads((workdir / "results.json").read_text())
   assert results["metrics"]["sst2"]["accuracy"] >= 90.0
   assert {k: results[k] for k in ("task", "step", "seed", "learning_rate", "init", "init_step", "position")} == {
       "task": "glue/sst2", "step": 60, "seed": 3, "learning_rate": 1e-3, "init": None, "init_step": None,
@@ -57,26 +80,20 @@ def test_classification_learns_the_made_up_signal_and_results_say_what_ran(tmp_p
   # TUPE's protocol: two evaluations an epoch (120 examples / batch 16), all kept, the best by accuracy reported.
   steps = [e["step"] for e in results["evaluations"]]
   assert steps == [4, 8, 11, 15, 19, 23, 26, 30, 34, 38, 41, 45, 49, 53, 56, 60]
-  assert [line["step"] for line in metrics.read(str(tmp_path)) if "sst2_accuracy" in line] == steps
+  assert [line["step"] for line in metrics.read(str(workdir)) if "sst2_accuracy" in line] == steps
   best = max(results["evaluations"], key=lambda e: (e["metrics"]["sst2"]["accuracy"], -e["step"]))
   assert (results["select"], results["select_metric"]) == ("best", "sst2/accuracy")
   assert results["selected_step"] == best["step"] and results["metrics"] == best["metrics"]
-  logged = [json.loads(line) for line in (tmp_path / "evaluations.jsonl").read_text().splitlines()]
+  logged = [json.loads(line) for line in (workdir / "evaluations.jsonl").read_text().splitlines()]
   assert logged == results["evaluations"]
 
 
-def test_test_set_predictions_are_the_reported_evaluations_in_the_glue_servers_format(tmp_path):
-  # A test.tsv holding the dev sentences: the written predictions must score exactly what results.json reports
+def test_test_set_predictions_are_the_reported_evaluations_in_the_glue_servers_format(sst2_run):
+  # The test split holds the dev sentences: the written predictions must score exactly what results.json reports
   # (the best evaluation, not the last model).
-  glue_dir = tmp_path / "glue"
-  shutil.copytree(ROOT / "configs" / "data" / "glue" / "SST-2", glue_dir / "SST-2")
-  dev = [line.split("\t")[1:] for line in (glue_dir / "SST-2" / "dev.tsv").read_text().splitlines()[1:]]
-  (glue_dir / "SST-2" / "test.tsv").write_text("index\tsentence\n" + "".join(
-      f"{i}\t{sentence}\n" for i, (sentence, _) in enumerate(dev)))
-  train(finetune_config("glue", "task=sst2,runlocal,seed=3", **{"data.data_dir": str(glue_dir)}),
-           str(tmp_path / "run"))
-  results = json.loads((tmp_path / "run" / "results.json").read_text())
-  lines = (tmp_path / "run" / "glue_test" / "SST-2.tsv").read_text().splitlines()
+  workdir, _, dev = sst2_run
+  results = json.loads((workdir / "results.json").read_text())
+  lines = (workdir / "glue_test" / "SST-2.tsv").read_text().splitlines()
   assert lines[0] == "index\tprediction" and [line.split("\t")[0] for line in lines[1:]] == [str(i) for i in range(len(dev))]
   predicted = [line.split("\t")[1] for line in lines[1:]]
   accuracy = 100 * np.mean([p == label for p, (_, label) in zip(predicted, dev)])
@@ -115,39 +132,48 @@ def saved_steps(workdir):
   return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
 
 
-def kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step: int):
-  """Runs ``command(workdir)`` straight through, and again killed (SIGKILL) right after its first checkpoint and
-  rerun; asserts both end with the same parameters and metrics lines. Returns the two workdirs."""
-  env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-  straight = tmp_path / "straight"
-  subprocess.run(command(straight), check=True, cwd=ROOT, env=env, capture_output=True)
-  run = tmp_path / "killed"
-  process = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 300
-  while not (run / "checkpoints").exists() or not saved_steps(run):
-    assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-    time.sleep(0.01)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  assert saved_steps(run)[-1] < last_step
-  subprocess.run(command(run), check=True, cwd=ROOT, env=env, capture_output=True)
+class Died(Exception):
+  """Stands in for the death of a run's process (its tests compare what it left and what a rerun makes of it)."""
+
+
+def stopped_and_resumed(monkeypatch, config, workdir, stop_at: int):
+  """Trains ``config`` in ``workdir``, dying as step ``stop_at`` ends (checkpoints and the metrics lines logged
+  before it kept, the state after the last checkpoint lost), then trains the same config there again."""
+  push = metrics.DelayedMetrics.push
+
+  def dying(self, step, values):
+    if step == stop_at:
+      raise Died(f"died at step {step}")
+    return push(self, step, values)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(metrics.DelayedMetrics, "push", dying)
+    with pytest.raises(Died):
+      train(config(), str(workdir))
+  assert 0 < saved_steps(workdir)[-1] < stop_at and not (workdir / "results.json").exists()
+  train(config(), str(workdir))
+
+
+def assert_same_run(straight, resumed):
+  """The same final parameters and the same metrics lines (throughput aside), none repeated."""
   assert_same_params(checkpoint.load_params(str(straight / "checkpoints")),
-                     checkpoint.load_params(str(run / "checkpoints")))
+                     checkpoint.load_params(str(resumed / "checkpoints")))
   deterministic = lambda w: [{k: v for k, v in line.items() if k != "tokens_per_second"} for line in metrics.read(str(w))]
-  assert deterministic(straight) == deterministic(run)
-  return straight, run
+  assert deterministic(straight) == deterministic(resumed)
 
 
-@pytest.mark.slow
-def test_a_killed_finetuning_run_resumes_to_the_uninterrupted_result(tmp_path):
-  command = lambda workdir: [sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
-                             f"--workdir={workdir}", "--config.checkpoint_every_steps=10", "--config.log_every_steps=1"]
-  straight, run = kill_after_the_first_checkpoint_and_resume(command, tmp_path, last_step=60)
-  assert json.loads((straight / "results.json").read_text()) == json.loads((run / "results.json").read_text())
+def test_a_finetuning_run_that_died_resumes_to_the_uninterrupted_result(sst2_run, tmp_path, monkeypatch):
+  """Died after step 13 (lines past checkpoint 10 written): the rerun restores the state, the example stream and the
+  evaluation log at step 10 and ends with the uninterrupted run's parameters, metrics, results and predictions.
+  (A process killed by a real signal: tests/test_train.py's faults test.)"""
+  straight, config, _ = sst2_run
+  stopped_and_resumed(monkeypatch, config, tmp_path, stop_at=13)
+  assert_same_run(straight, tmp_path)
+  assert json.loads((straight / "results.json").read_text()) == json.loads((tmp_path / "results.json").read_text())
+  assert (straight / "glue_test" / "SST-2.tsv").read_text() == (tmp_path / "glue_test" / "SST-2.tsv").read_text()
 
 
-def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path):
-  pretrained = pretrain(tmp_path / "pretrain", steps=2)
+def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path, pretrained):
   # Learning rate 0: the fine-tuned encoder is the pre-trained one, step 1 of the two kept.
   params = train(finetune_config("glue", "task=sst2,runlocal", total_steps=1, learning_rate=0.0,
                                     init=str(pretrained), init_step=1), str(tmp_path / "ft"))
@@ -163,8 +189,8 @@ def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_
   assert (results["init"], results["init_step"], results["position"]) == (str(pretrained), 1, "shaw")
 
 
-def test_an_unfinished_pretraining_run_is_an_error_unless_init_step_names_a_step(tmp_path):
-  pretrained = pretrain(tmp_path / "pretrain", steps=2)
+def test_an_unfinished_pretraining_run_is_an_error_unless_init_step_names_a_step(tmp_path, pretrained):
+  pretrained = shutil.copytree(pretrained, tmp_path / "pretrain")
   (pretrained / "results.json").unlink()  # as if killed by its wall-clock limit after step 1's checkpoint
   shutil.rmtree(pretrained / "checkpoints" / "2")
   with pytest.raises(ValueError, match=r"did not finish \(no results.json; last kept step 1 of total_steps=2\); "
@@ -185,8 +211,8 @@ def test_a_run_sized_in_epochs_without_results_counts_as_unfinished(tmp_path):
     init_lib.find(ml_collections.ConfigDict({"init": str(tmp_path), "init_step": None}))
 
 
-def test_a_position_change_needs_allow_position_change_and_starts_those_parameters_fresh(tmp_path):
-  pretrained = pretrain(tmp_path / "pretrain", steps=2)  # step 1 has learning rate 0: the table moves at step 2
+def test_a_position_change_needs_allow_position_change_and_starts_those_parameters_fresh(tmp_path, pretrained):
+  # step 1 has learning rate 0: the table moves at step 2
   with pytest.raises(ValueError, match=r"init run .* uses position 'shaw'.* asks for 'huang_m4'.*allow_position_change"):
     train(finetune_config("glue", "task=sst2,runlocal,position=huang_m4", init=str(pretrained)), str(tmp_path / "a"))
   with pytest.raises(ValueError, match=r"asks for 'shaw' with \{'max_distance': 4"):
@@ -206,7 +232,7 @@ def test_a_position_change_needs_allow_position_change_and_starts_those_paramete
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(init="/nonexistent/run"), FileNotFoundError, r"config.init='/nonexistent/run' holds no checkpoint"),
-    (dict(init="PRETRAIN", init_step=7), ValueError, r"config.init_step=7 was not kept in .*; kept steps: \[1\]"),
+    (dict(init="PRETRAIN", init_step=7), ValueError, r"config.init_step=7 was not kept in .*; kept steps: \[1, 2\]"),
     (dict(init="PRETRAIN", **{"model.hidden_size": 32}), ValueError,
      r"config.model.hidden_size=32, but the init run .* has hidden_size=64"),
     (dict(init_step=1), ValueError, r"config.init_step=1 needs config.init"),
@@ -216,9 +242,9 @@ def test_a_position_change_needs_allow_position_change_and_starts_those_paramete
     ({"evals.sst2.split": "test"}, ValueError, r"sst2 has no split 'test'; allowed: \['train', 'validation'\]"),
     (dict(warmup_fraction=1.5), ValueError, r"config.warmup_fraction=1.5 is out of range: it must be a number in"),
 ])
-def test_bad_finetuning_input_is_an_error_before_the_workdir_is_written(tmp_path, change, error, message):
+def test_bad_finetuning_input_is_an_error_before_the_workdir_is_written(tmp_path, pretrained, change, error, message):
   if change.get("init") == "PRETRAIN":
-    change["init"] = str(pretrain(tmp_path / "pretrain", steps=1))
+    change["init"] = str(pretrained)
   with pytest.raises(error, match=message):
     train(finetune_config("glue", "task=sst2,runlocal", **change), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()

@@ -3,7 +3,6 @@ one process with the same global batch."""
 
 import functools
 import json
-import os
 import shutil
 import signal
 import socket
@@ -16,7 +15,7 @@ import pytest
 from posjax.data import corpus, mlm
 from posjax.data.tokenizer import Tokenizer
 from posjax.train import checkpoint, metrics
-from conftest import ROOT, load_config
+from conftest import ROOT, devices_env, load_config
 from test_train import assert_same_params, stream
 
 STEPS = 60
@@ -30,10 +29,6 @@ def command(workdir, *extra):
           "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra]
 
 
-def env_with_devices(n):
-  return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-
-
 def two_processes(workdir, sigterm_once_saved=None, command=command):
   """Both processes' (return code, output); with ``sigterm_once_saved``, process 1 alone gets SIGTERM once that
   checkpoint exists."""
@@ -42,7 +37,7 @@ def two_processes(workdir, sigterm_once_saved=None, command=command):
     port = s.getsockname()[1]
   workers = [subprocess.Popen(command(workdir, f"--coordinator_address=localhost:{port}", "--num_processes=2",
                                       f"--process_id={i}", "--config.cpu_collectives=gloo"),
-                              cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              cwd=ROOT, env=devices_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in range(2)]
   try:
     if sigterm_once_saved is not None:
@@ -83,7 +78,7 @@ def test_two_processes_evaluate_stop_on_sigterm_and_resume_like_one(tmp_path):
   assert all(code == 0 for code, _ in second), second[0][1][-3000:] + second[1][1][-3000:]
   assert f"resumed from step {saved[-1]}" in second[0][1]
 
-  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
+  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = stream(str(tmp_path / "one")), stream(str(tmp_path / "two"))
@@ -112,7 +107,7 @@ def test_two_processes_finetune_and_evaluate_like_one(tmp_path):
   command = functools.partial(finetune_command_in, glue_dir)
   runs = two_processes(tmp_path / "two", command=command)
   assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
-  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
+  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
@@ -146,7 +141,7 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
 
   prepare.prepare(config(), str(tmp_path / "data"), chunks=2, progress=False)
   command = lambda workdir, *extra: prepared_command(workdir, tmp_path / "data", *extra)
-  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=env_with_devices(8), check=True, capture_output=True)
+  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
   one = stream(str(tmp_path / "one"))
   assert len(one) == 42
 
@@ -158,7 +153,7 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
     assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
 
   run = tmp_path / "killed"
-  process = subprocess.Popen(command(run), cwd=ROOT, env=env_with_devices(8), stdout=subprocess.DEVNULL,
+  process = subprocess.Popen(command(run), cwd=ROOT, env=devices_env(8), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
   deadline = time.time() + 300
   while not (run / "checkpoints").exists() or not saved_steps(run):
@@ -167,7 +162,7 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
   process.kill()
   process.wait()
   assert saved_steps(run)[-1] < 40
-  subprocess.run(command(run, "--config.data.workers=2"), cwd=ROOT, env=env_with_devices(8), check=True,
+  subprocess.run(command(run, "--config.data.workers=2"), cwd=ROOT, env=devices_env(8), check=True,
                  capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(run / "checkpoints")))
@@ -186,7 +181,7 @@ def pair_at_checkpoint_2(workdir, failing=None):
                       "--config.checkpoint_every_steps=2") for i in range(2)]
   if failing is not None:
     commands[failing][1:3] = [str(ROOT / "tests" / "faults.py"), "5"]
-  workers = [subprocess.Popen(c, cwd=ROOT, env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+  workers = [subprocess.Popen(c, cwd=ROOT, env=devices_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for c in commands]
   deadline = time.time() + 180
   while not (workdir / "checkpoints" / "2").exists():

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from posjax import config_args, results
+from posjax import config_args, results, tasks
 from posjax.experiments import protocol, report, sweep
 from posjax.main import train
+from posjax.train import validate
 from conftest import ROOT
 
 TABLES = ("configs/papers/tupe/table1.py", "configs/papers/tupe/table4.py", "configs/papers/huang2020/table1.py",
@@ -53,22 +54,47 @@ def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_
     sweep.plan("configs/finetune/glue.py:task=rte,runlocal", str(tmp_path), grid={"learning_rat": [1, 2]})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("table", TABLES)
-def test_every_row_runs_in_runlocal_mode(tmp_path, table):
-  """One step of every row's pre-training and of one fine-tuning run each (runlocal itself is the pipeline)."""
-  runs = sweep.plan(f"{table}:runlocal", str(tmp_path))
-  first_task = next(r.task for r in runs if r.kind == "finetune")
-  chosen = [r for r in runs if r.kind == "pretrain" or (r.task == first_task and r.seed == 1 and r.lr == max(
-      x.lr for x in runs if x.kind == "finetune"))]
-  for run in chosen:
+# A sweep has four code paths: a plain row, a row with position options, a "mid" row fine-tuning from a kept step
+# of another row's pre-training, and ELECTRA pre-training. Each runs end to end once (one step of each run); every
+# other row differs only by its position options, which the model tests cover: its configs are built and validated
+# (the model traced), without a compile.
+END_TO_END = {"configs/papers/tupe/table1.py": ["BERT-A", "TUPE-A tie-cls"],
+              "configs/papers/tupe/table4.py": ["ELECTRA-TUPE (mid)"],
+              "configs/papers/huang2020/inductive.py": ["Method 4"]}  # SQuAD at three lengths
+
+
+def one_step(runs):
+  """Each run cut to one step; a mid row's fine-tuning starts from step 1, which its pre-training keeps."""
+  for run in runs:
     run.overrides.update(total_steps=1, eval_every_steps=0, **({"warmup_steps": 0} if run.kind == "pretrain" else {}))
     if run.overrides.get("init_step"):
       run.overrides["init_step"] = 1
-      pre = next(r for r in chosen if r.name == run.depends_on[0])
-      pre.overrides["keep_steps"] = (1,)
+      next(r for r in runs if r.name == run.depends_on[0]).overrides["keep_steps"] = (1,)
+  return runs
+
+
+@pytest.mark.parametrize("table", END_TO_END)
+def test_each_sweep_code_path_runs_in_runlocal_mode(tmp_path, table):
+  """Pre-training and the first task's fine-tuning (seed 1, the largest learning rate) of the chosen rows."""
+  runs = sweep.plan(f"{table}:runlocal", str(tmp_path), rows=END_TO_END[table])
+  first_task = next(r.task for r in runs if r.kind == "finetune")
+  chosen = one_step([r for r in runs if r.kind == "pretrain" or (r.task == first_task and r.seed == 1 and r.lr == max(
+      x.lr for x in runs if x.kind == "finetune"))])
+  assert {r.row for r in chosen if r.kind == "finetune"} == set(END_TO_END[table])
   sweep.run_local(chosen, str(tmp_path), train, say=lambda message: None)
-  assert all(r.finished() for r in chosen if r.kind == "finetune")
+  assert all(r.finished() for r in chosen)
+  mid = [r for r in chosen if r.overrides.get("init_step")]
+  assert all(json.loads(open(os.path.join(r.workdir, "results.json")).read())["init_step"] == 1 for r in mid)
+
+
+@pytest.mark.parametrize("table", TABLES + ("configs/papers/tupe/table3.py",))
+def test_every_rows_pretraining_config_is_valid(tmp_path, table):
+  """Every row's pre-training config as the sweep builds it: ranges, data, the model and its position options
+  (traced, not compiled)."""
+  runs = [r for r in one_step(sweep.plan(f"{table}:runlocal", str(tmp_path))) if r.kind == "pretrain"]
+  for run in runs:
+    assert validate.validate(protocol.build(run), run.workdir, tasks.build).config.total_steps == 1, run.name
+  assert not any(os.path.exists(r.workdir) for r in runs)  # validation writes nothing
 
 
 def tiny_table(tmp_path):

@@ -24,7 +24,7 @@ from posjax.main import train
 from posjax.tasks import mlm as mlm_task
 from posjax.train import checkpoint, metrics, peers, sharding, validate
 from posjax.train.step import TrainState, make_optimizer, step_rng, train_step
-from conftest import ROOT, load_config, override
+from conftest import ROOT, devices_env, load_config, override
 
 DATA = ROOT / "configs" / "data"
 
@@ -561,11 +561,9 @@ def test_a_mistake_in_the_command_is_one_line(tmp_path, change, message):
 def test_resume_on_a_different_number_of_devices(tmp_path):
   """3 steps on 8 devices, then 3 more on 4 devices, equal 6 straight steps on 8."""
   def run(workdir, devices, steps, *extra):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     subprocess.run(main_command(workdir, f"--config.total_steps={steps}", "--config.model.dropout_rate=0",
                                 "--config.model.attention_dropout_rate=0", *extra),
-                   check=True, cwd=ROOT, env=env, capture_output=True)
+                   check=True, cwd=ROOT, env=devices_env(devices), capture_output=True)
 
   run(tmp_path / "straight", 8, 6)
   run(tmp_path / "moved", 8, 3)
