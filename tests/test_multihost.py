@@ -18,13 +18,13 @@ from posjax.train import checkpoint, metrics
 from conftest import ROOT, devices_env, load_config
 from test_train import assert_same_params, stream
 
-STEPS = 60
+STEPS, EVAL_EVERY = 20, 10
 
 
 def command(workdir, *extra):
   return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal,position=tupe_r",
           f"--workdir={workdir}", f"--config.total_steps={STEPS}", "--config.batch_size=8", "--config.max_len=32",
-          "--config.eval_every_steps=10", "--config.evals.eval.batches=50", "--config.checkpoint_every_steps=10",
+          f"--config.eval_every_steps={EVAL_EVERY}", "--config.evals.eval.batches=50", "--config.checkpoint_every_steps=5",
           "--config.data.num_shards=2", "--config.log_every_steps=1",
           "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra]
 
@@ -67,7 +67,7 @@ def test_two_processes_evaluate_stop_on_sigterm_and_resume_like_one(tmp_path):
   counts = eval_batches_per_shard()
   assert counts[0] != counts[1] and max(counts) < 50
 
-  first = two_processes(tmp_path / "two", sigterm_once_saved=10)
+  first = two_processes(tmp_path / "two", sigterm_once_saved=5)
   assert all(code == 0 for code, _ in first), first[0][1][-3000:] + first[1][1][-3000:]
   saved = sorted(int(p.name) for p in (tmp_path / "two" / "checkpoints").iterdir() if p.name.isdigit())
   # Process 1 got the signal; both stopped and saved at one step (a save is collective: had process 0 gone on,
@@ -82,10 +82,10 @@ def test_two_processes_evaluate_stop_on_sigterm_and_resume_like_one(tmp_path):
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = stream(str(tmp_path / "one")), stream(str(tmp_path / "two"))
-  assert [l["step"] for l in one] == [l["step"] for l in two] and len(one) == STEPS + STEPS // 10
+  assert [l["step"] for l in one] == [l["step"] for l in two] and len(one) == STEPS + STEPS // EVAL_EVERY
   for want, got in zip(one, two):  # process 0 alone writes; evaluation included, equal to the one-process run
     assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
-  assert len(metrics.read(str(tmp_path / "two"))) == STEPS + STEPS // 10
+  assert len(metrics.read(str(tmp_path / "two"))) == STEPS + STEPS // EVAL_EVERY
 
 
 def finetune_command(workdir, *extra):
@@ -124,8 +124,8 @@ def finetune_command_in(glue_dir, workdir, *extra):
 def prepared_command(workdir, data_dir, *extra):
   return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal", f"--workdir={workdir}",
           "--config.max_len=32", "--config.batch_size=8", "--config.data.source=prepared",
-          f"--config.data.prepared_dir={data_dir}", "--config.data.eval_source=text", "--config.total_steps=40",
-          "--config.warmup_steps=4", "--config.checkpoint_every_steps=10", "--config.eval_every_steps=20",
+          f"--config.data.prepared_dir={data_dir}", "--config.data.eval_source=text", "--config.total_steps=20",
+          "--config.warmup_steps=4", "--config.checkpoint_every_steps=5", "--config.eval_every_steps=10",
           "--config.log_every_steps=1", "--config.data.num_shards=2", "--config.model.dropout_rate=0",
           "--config.model.attention_dropout_rate=0", *extra]
 
@@ -143,7 +143,7 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
   command = lambda workdir, *extra: prepared_command(workdir, tmp_path / "data", *extra)
   subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
   one = stream(str(tmp_path / "one"))
-  assert len(one) == 42
+  assert len(one) == 22
 
   runs = two_processes(tmp_path / "two", command=command)
   assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
@@ -161,7 +161,7 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
     time.sleep(0.02)
   process.kill()
   process.wait()
-  assert saved_steps(run)[-1] < 40
+  assert saved_steps(run)[-1] < 20
   subprocess.run(command(run, "--config.data.workers=2"), cwd=ROOT, env=devices_env(8), check=True,
                  capture_output=True)
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
