@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(PY) -m posjax.main --config=configs/probes.py --workdir=workdir/probes
 
 test: $(STAMP) $(AOT_STAMP)
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py

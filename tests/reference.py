@@ -9,8 +9,8 @@ import numpy as np
 T5_RANGES = [(8, 11, 8), (12, 15, 9), (16, 22, 10), (23, 31, 11), (32, 45, 12), (46, 63, 13), (64, 90, 14)]
 
 
-def t5_bucket(rel: int) -> int:
-  """Bidirectional, 32 buckets, max distance 128; ``rel = j - i``; keys after the query add 16."""
+def t5_bucket_tabulated(rel: int) -> int:
+  """Bidirectional, 32 buckets, max distance 128, read off the table; ``rel = j - i``; keys after the query add 16."""
   n = abs(rel)
   if n < 8:
     b = n
@@ -19,6 +19,26 @@ def t5_bucket(rel: int) -> int:
   else:
     b = next(bucket for lo, hi, bucket in T5_RANGES if lo <= n <= hi)
   return b + (16 if rel > 0 else 0)
+
+
+def t5_bucket(rel: int, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True) -> int:
+  """T5's bucket of ``rel = j - i`` (Raffel et al. 2020; mesh_tensorflow's ``_relative_position_bucket``) for any
+  options, in float64: half the buckets per direction (keys after the query add ``num_buckets // 2``) or, one-way,
+  keys after the query in bucket 0; the first half of a direction's buckets exact, then log-spaced up to
+  ``max_distance``. (Where float32 rounding of the log crosses a bucket boundary an implementation in float32 can
+  differ by one bucket: 8 buckets at max distance 200, 64 one-way at 50; the tests' options have no such distance.)"""
+  n, offset = -rel, 0
+  if bidirectional:
+    num_buckets //= 2
+    offset = num_buckets if n < 0 else 0
+    n = abs(n)
+  else:
+    n = max(n, 0)
+  exact = num_buckets // 2
+  if n < exact:
+    return offset + n
+  return offset + min(exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact)),
+                      num_buckets - 1)
 
 
 def layer_norm(x, scale, bias, eps=1e-5):
@@ -168,3 +188,81 @@ def shaw_value_output(P, x, pos, weights, max_len, opts):
           r = min(max(pos[b, j] - pos[b, i], -kmax), kmax) + kmax
           z[b, i, h] += weights[b, h, i, j] * (v[b, j, h] + tables["value"][r])
   return z
+
+
+
+class FusedAttention:
+  """The fused op (``posjax.kernels.relative_attention``) in float64, from the terms' formulas (the table in
+  ``posjax.kernels.terms``): with r = p_j - p_i and c = clip(r, -k, k),
+
+    logit(i, j) = scale q_i·k_j - m_h |r| + scale (q_i·a_c + a_c·k_j) + positional(i, j),
+
+  positional = u_q,i·u_k,j (TUPE's untied term) under its [CLS] reset (a query at position 0 reads θ1, else a key
+  at position 0 reads θ2: ``official`` before the bucket term is added, ``paper`` over it), plus the bucket
+  table's entry (T5's bucket of r, or c with ``kind="clip"``; a [CLS] key's column, then a [CLS] query's row,
+  reads its own entry where given). Key j is attended by query i when it is real, in i's segment and (causal)
+  j <= i; a query with no such key averages every key.
+
+  Built from the batch's layout: each pair's distance, table entries, [CLS] flags and mask, found in a loop over
+  (b, i, j); called with the arrays (numpy products), so that finite differences reuse the loop's work."""
+
+  def __init__(self, positions, segments, valid, causal=False, buckets=None, relative_max_distance=None):
+    B, L = positions.shape
+    self.distance, self.bucket, self.row = (np.zeros((B, L, L), int) for _ in range(3))
+    self.cls_i, self.cls_j, self.allowed = (np.zeros((B, L, L), bool) for _ in range(3))
+    for b in range(B):
+      for i in range(L):
+        for j in range(L):
+          r = int(positions[b, j]) - int(positions[b, i])
+          self.distance[b, i, j] = r
+          self.cls_i[b, i, j], self.cls_j[b, i, j] = int(positions[b, i]) == 0, int(positions[b, j]) == 0
+          self.allowed[b, i, j] = bool(valid[b, j]) and segments[b, i] == segments[b, j] and (not causal or j <= i)
+          if relative_max_distance is not None:
+            self.row[b, i, j] = min(max(r, -relative_max_distance), relative_max_distance) + relative_max_distance
+          if buckets is not None:
+            if buckets["kind"] == "buckets":
+              entry = t5_bucket(r, buckets["num_buckets"], buckets["max_distance"], buckets["bidirectional"])
+            else:
+              entry = min(max(r, -buckets["max_distance"]), buckets["max_distance"]) + buckets["max_distance"]
+            if self.cls_j[b, i, j] and buckets["cls_col"] is not None:
+              entry = buckets["cls_col"]
+            if self.cls_i[b, i, j] and buckets["cls_row"] is not None:
+              entry = buckets["cls_row"]
+            self.bucket[b, i, j] = entry
+
+  def __call__(self, q, k, v, *, scale, alibi=None, bucket_table=None, relative_table=None, relative_query=False,
+               relative_key=False, u_q=None, u_k=None, theta=None, reset="none"):
+    """``[B, L, H, V]`` float64. ``alibi`` ``[H]``, ``bucket_table`` ``[N, H]``, ``relative_table`` ``[2k+1, K]``,
+    ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none."""
+    f64 = lambda x: np.asarray(x, np.float64)
+    q, k, v = f64(q), f64(k), f64(v)
+    B, L, H, _ = q.shape
+    logits = scale * np.einsum("bihd,bjhd->bhij", q, k)
+    if alibi is not None:
+      logits = logits - f64(alibi)[None, :, None, None] * np.abs(self.distance)[:, None]
+    if relative_table is not None:
+      a = f64(relative_table)[self.row]  # [B, L, L, K]
+      if relative_query:
+        logits = logits + scale * np.einsum("bihd,bijd->bhij", q, a)
+      if relative_key:
+        logits = logits + scale * np.einsum("bjhd,bijd->bhij", k, a)
+    positional = np.zeros_like(logits)
+    if u_q is not None:
+      positional = np.einsum("bihd,bjhd->bhij", *(np.broadcast_to(f64(u), (B,) + f64(u).shape[1:]) for u in (u_q, u_k)))
+
+    def untie(x):
+      theta_row, theta_col = f64(theta)[0][None, :, None, None], f64(theta)[1][None, :, None, None]
+      return np.where(self.cls_i[:, None], theta_row, np.where(self.cls_j[:, None], theta_col, x))
+
+    if reset == "official":
+      positional = untie(positional)
+    if bucket_table is not None:
+      positional = positional + f64(bucket_table)[self.bucket].transpose(0, 3, 1, 2)
+    if reset == "paper":
+      positional = untie(positional)
+    logits = logits + positional
+    allowed = self.allowed[:, None] | ~self.allowed.any(-1)[:, None, :, None]  # a row with no key: every key
+    logits = np.where(allowed, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights = weights / weights.sum(-1, keepdims=True)
+    return np.einsum("bhij,bjhd->bihd", weights, v)

@@ -31,6 +31,7 @@ def exported(tmp_path_factory):
   return run, out
 
 
+@pytest.mark.xdist_group("electra_export")
 def test_an_electra_run_becomes_a_hugging_face_generator_and_discriminator_equal_to_it(exported):
   run, out = exported
   config = ElectraConfig.from_dict(checkpoint.read_model_config(str(run)))
@@ -53,6 +54,7 @@ def test_an_electra_run_becomes_a_hugging_face_generator_and_discriminator_equal
     assert transformers.AutoTokenizer.from_pretrained(out / name).convert_tokens_to_ids("[CLS]") == cls_id
 
 
+@pytest.mark.xdist_group("electra_export")
 @pytest.mark.parametrize("name, cls", [("generator", "ElectraForMaskedLM"), ("discriminator", "ElectraForPreTraining")])
 def test_hugging_face_electra_directories_convert_to_posjax_runs_and_back_as_electra(exported, tmp_path, name, cls):
   hf = getattr(transformers, cls).from_pretrained(exported[1] / name).eval()
@@ -67,6 +69,7 @@ def test_hugging_face_electra_directories_convert_to_posjax_runs_and_back_as_ele
                              rtol=0, atol=1e-4)
 
 
+@pytest.mark.xdist_group("electra_export")
 def test_a_run_with_the_rtd_head_goes_out_as_electra_without_its_marker(exported, tmp_path):
   cli.hf_to_posjax(str(exported[1] / "discriminator"), str(tmp_path / "run"))
   (tmp_path / "run" / cli.CONVERTED_FROM).unlink()

@@ -14,6 +14,8 @@ from conftest import load_config, override
 from test_finetune_train import assert_same_run, finetune_config, stopped_and_resumed
 from test_train import assert_same_params, tensorboard_scalars
 
+pytestmark = pytest.mark.xdist_group("electra_run")  # every test reads the module fixture's run: one worker makes it
+
 STEP_METRICS = ("loss", "mlm_loss", "mlm_accuracy", "sampled_accuracy", "disc_loss", "disc_accuracy",
                 "disc_precision", "disc_recall", "replaced_fraction")
 FIELDS = dict(total_steps=4, warmup_steps=1, log_every_steps=1, eval_every_steps=2, checkpoint_every_steps=2,

@@ -39,6 +39,7 @@ def sweep_root(tmp_path_factory):
   return root
 
 
+@pytest.mark.xdist_group("figures_sweep")
 @pytest.mark.parametrize("figure, source", [("mlm-loss", "root"), ("length", "root"),
                                             ("correlation", "tupe_a"), ("terms", "absolute")])
 def test_every_figure_writes_a_png(sweep_root, tmp_path, figure, source):
@@ -47,6 +48,7 @@ def test_every_figure_writes_a_png(sweep_root, tmp_path, figure, source):
   assert (tmp_path / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.xdist_group("figures_sweep")
 def test_figures_refuse_runs_of_the_wrong_kind(sweep_root, tmp_path):
   assert figures.main(["correlation", "--workdir", str(sweep_root / "absolute" / "pretrain"), "--out",
                        str(tmp_path / "x.png")]) == 2
@@ -87,6 +89,7 @@ def plotted(fig) -> list[dict]:
   return [{line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()} for ax in fig.axes]
 
 
+@pytest.mark.xdist_group("figures_electra")
 def test_the_mlm_loss_figure_plots_an_electra_runs_generator_and_discriminator_not_its_joint_loss(electra_root,
                                                                                                  tmp_path):
   fig = figures.mlm_loss(str(electra_root), str(tmp_path / "figure.png"))
@@ -98,6 +101,7 @@ def test_the_mlm_loss_figure_plots_an_electra_runs_generator_and_discriminator_n
       {"bert": [[2, 5.0], [4, 4.0]]}]
 
 
+@pytest.mark.xdist_group("figures_electra")
 def test_the_correlation_of_an_electra_run_is_its_discriminators(electra_root, tmp_path, monkeypatch):
   maps = []
   monkeypatch.setattr(figures.plots, "head_maps", lambda maps_HxLxL, *args: maps.append(maps_HxLxL))

@@ -70,6 +70,7 @@ def sst2_run(tmp_path_factory):
   return root / "run", config, dev
 
 
+@pytest.mark.xdist_group("sst2_run")
 def test_classification_learns_the_made_up_signal_and_results_say_what_ran(sst2_run):
   workdir, _, _ = sst2_run
   results = json.loads((workdir / "results.json").read_text())
@@ -88,6 +89,7 @@ def test_classification_learns_the_made_up_signal_and_results_say_what_ran(sst2_
   assert logged == results["evaluations"]
 
 
+@pytest.mark.xdist_group("sst2_run")
 def test_test_set_predictions_are_the_reported_evaluations_in_the_glue_servers_format(sst2_run):
   # The test split holds the dev sentences: the written predictions must score exactly what results.json reports
   # (the best evaluation, not the last model).
@@ -162,6 +164,7 @@ def assert_same_run(straight, resumed):
   assert deterministic(straight) == deterministic(resumed)
 
 
+@pytest.mark.xdist_group("sst2_run")
 def test_a_finetuning_run_that_died_resumes_to_the_uninterrupted_result(sst2_run, tmp_path, monkeypatch):
   """Died after step 13 (lines past checkpoint 10 written): the rerun restores the state, the example stream and the
   evaluation log at step 10 and ends with the uninterrupted run's parameters, metrics, results and predictions.
@@ -173,6 +176,7 @@ def test_a_finetuning_run_that_died_resumes_to_the_uninterrupted_result(sst2_run
   assert (straight / "glue_test" / "SST-2.tsv").read_text() == (tmp_path / "glue_test" / "SST-2.tsv").read_text()
 
 
+@pytest.mark.xdist_group("pretrained")
 def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path, pretrained):
   # Learning rate 0: the fine-tuned encoder is the pre-trained one, step 1 of the two kept.
   params = train(finetune_config("glue", "task=sst2,runlocal", total_steps=1, learning_rate=0.0,
@@ -189,6 +193,7 @@ def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_
   assert (results["init"], results["init_step"], results["position"]) == (str(pretrained), 1, "shaw")
 
 
+@pytest.mark.xdist_group("pretrained")
 def test_an_unfinished_pretraining_run_is_an_error_unless_init_step_names_a_step(tmp_path, pretrained):
   pretrained = shutil.copytree(pretrained, tmp_path / "pretrain")
   (pretrained / "results.json").unlink()  # as if killed by its wall-clock limit after step 1's checkpoint
@@ -211,6 +216,7 @@ def test_a_run_sized_in_epochs_without_results_counts_as_unfinished(tmp_path):
     init_lib.find(ml_collections.ConfigDict({"init": str(tmp_path), "init_step": None}))
 
 
+@pytest.mark.xdist_group("pretrained")
 def test_a_position_change_needs_allow_position_change_and_starts_those_parameters_fresh(tmp_path, pretrained):
   # step 1 has learning rate 0: the table moves at step 2
   with pytest.raises(ValueError, match=r"init run .* uses position 'shaw'.* asks for 'huang_m4'.*allow_position_change"):
@@ -230,6 +236,7 @@ def test_a_position_change_needs_allow_position_change_and_starts_those_paramete
   np.testing.assert_array_equal(mine[query], loaded[query])
 
 
+@pytest.mark.xdist_group("pretrained")
 @pytest.mark.parametrize("change, error, message", [
     (dict(init="/nonexistent/run"), FileNotFoundError, r"config.init='/nonexistent/run' holds no checkpoint"),
     (dict(init="PRETRAIN", init_step=7), ValueError, r"config.init_step=7 was not kept in .*; kept steps: \[1, 2\]"),

@@ -1,6 +1,7 @@
-"""The fused kernel (Pallas, in the generic and the TPU interpreter on this CPU) against the dense ``xla`` path:
-outputs and the gradients of q, k, v and every position input, over random shapes, tiles, terms and
-packed/padded rows; and BERT models with ``attention_kernel="pallas"`` against the same models on ``xla``."""
+"""The fused kernel (Pallas, in the generic and the TPU interpreter on this CPU) against a float64 reference of the
+terms' formulas (``tests/reference.py``: outputs, gradients along random directions) and against the dense ``xla``
+path (outputs and the gradients of q, k, v and every position input, elementwise), over random shapes, tiles, terms
+and packed/padded rows; and BERT models with ``attention_kernel="pallas"`` against the same models on ``xla``."""
 
 import functools
 
@@ -16,6 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 from posjax import kernels
 from posjax.kernels import mosaic
 from posjax.models import BertConfig, BertModel
+import reference
 
 
 def packed_rows(rng, batch, length):
@@ -66,6 +68,47 @@ def assert_close_tree(got, want, rtol=2e-5, atol=2e-5):
     np.testing.assert_allclose(y, x, rtol=rtol, atol=atol * scale, err_msg=jax.tree_util.keystr(path))
 
 
+def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=None, segments=None, lengths=None,
+                             causal=False, directions=2):
+  """The op's output and the gradients of ``sum(out * weights)`` (q, k, v and every term input but ALiBi's constant
+  slopes) against :class:`reference.FusedAttention` in float64: the output elementwise, each gradient along random
+  directions against central differences of the reference, relative to the gradient's norm."""
+  b, length, _, head_dim = q.shape
+  positions = np.tile(np.arange(length), (b, 1)) if positions is None else np.asarray(positions)
+  segments = np.zeros((b, length), int) if segments is None else np.asarray(segments)
+  valid = np.ones((b, length), bool) if lengths is None else np.arange(length)[None] < np.asarray(lengths)[:, None]
+  terms = terms or kernels.Terms()
+  bucket, relative, untied = terms.buckets, terms.relative, terms.untied
+  fused = reference.FusedAttention(
+      positions, segments, valid, causal, relative_max_distance=None if relative is None else relative.max_distance,
+      buckets=None if bucket is None else dict(kind=bucket.kind, num_buckets=bucket.num_buckets,
+                                               max_distance=bucket.max_distance, bidirectional=bucket.bidirectional,
+                                               cls_row=bucket.cls_row, cls_col=bucket.cls_col))
+  inputs, grad_of = {"q": q, "k": k, "v": v}, {"q": grads[0], "k": grads[1], "v": grads[2]}
+  if bucket is not None:
+    inputs["bucket_table"], grad_of["bucket_table"] = bucket.table, grads[3].buckets.table
+  if relative is not None:
+    inputs["relative_table"], grad_of["relative_table"] = relative.table, grads[3].relative.table
+  if untied is not None:
+    for name in ("u_q", "u_k") + (("theta",) if untied.theta is not None else ()):
+      inputs[name], grad_of[name] = getattr(untied, name), getattr(grads[3].untied, name)
+  inputs = {name: np.asarray(x, np.float64) for name, x in inputs.items()}
+  fixed = dict(scale=1.0 / np.sqrt(head_dim), alibi=None if terms.alibi is None else np.asarray(terms.alibi.slopes),
+               relative_query=relative is not None and relative.query, relative_key=relative is not None and relative.key,
+               reset="none" if untied is None else untied.reset)
+  weights = np.asarray(weights, np.float64)
+  loss = lambda **x: float(np.sum(fused(**fixed, **{**inputs, **x}) * weights))
+  np.testing.assert_allclose(out, fused(**fixed, **inputs), rtol=2e-5, atol=2e-5)
+  rng, eps = np.random.default_rng(0), 1e-3
+  for name, x in inputs.items():
+    grad = np.asarray(grad_of[name], np.float64)
+    for _ in range(directions):
+      d = rng.normal(size=x.shape)
+      numeric = (loss(**{name: x + eps * d}) - loss(**{name: x - eps * d})) / (2 * eps)
+      assert abs(np.sum(grad * d) - numeric) <= 1e-4 * np.linalg.norm(grad) * np.linalg.norm(d) + 1e-6, (
+          f"d{name} along a random direction: {np.sum(grad * d)} (kernel), {numeric} (reference)")
+
+
 @hypothesis.settings(max_examples=6, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(st.data())
@@ -95,6 +138,9 @@ def test_pallas_matches_xla_outputs_and_gradients(data):
   grads = {impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
            for impl in ("xla", "pallas")}
   assert_close_tree(grads["pallas"], grads["xla"])
+  kernel_grads, out = grads["pallas"]
+  assert_matches_reference(out, kernel_grads, q, k, v, terms, weights, positions=positions, segments=segments,
+                           lengths=lengths, causal=causal)
 
 
 @pytest.mark.parametrize("interpreter,blocks,length", [(True, (8, 16), 21), ("tpu", (16, 16), 21),
@@ -123,11 +169,12 @@ def test_every_term_at_once_matches_xla(interpreter, blocks, length):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=lengths, implementation=implementation, block_sizes=blocks,
                                      interpret=interpreter)
-    return jnp.sum(out * weights)
+    return jnp.sum(out * weights), out
 
-  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms)
-               for impl in ("xla", "pallas"))
-  assert_close_tree(got, want)
+  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+                      for impl in ("xla", "pallas"))
+  assert_close_tree(got, want[0])
+  assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments, lengths=lengths)
 
 
 @pytest.mark.parametrize("length,k,causal,interpreter,packed", [
@@ -148,11 +195,13 @@ def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter, pac
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=lengths, causal=causal, implementation=implementation,
                                      block_sizes=(8, 8), interpret=interpreter)
-    return jnp.sum(out * weights)
+    return jnp.sum(out * weights), out
 
-  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k_, v, terms)
-               for impl in ("xla", "pallas"))
-  assert_close_tree(got, want)
+  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k_, v, terms)
+                      for impl in ("xla", "pallas"))
+  assert_close_tree(got, want[0])
+  assert_matches_reference(out, got, q, k_, v, terms, weights, positions=positions, segments=segments,
+                           lengths=lengths, causal=causal)
 
 
 @pytest.mark.parametrize("length,k,side,packed", [(200, 199, "key", False), (200, 60, "both", True)])
@@ -170,11 +219,13 @@ def test_tpu_windows_at_full_tiles_match_xla(length, k, side, packed):
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=lengths, implementation=implementation, interpret="tpu")
-    return jnp.sum(out * weights)
+    return jnp.sum(out * weights), out
 
-  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k_, v, terms)
-               for impl in ("xla", "pallas"))
-  assert_close_tree(got, want)
+  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k_, v, terms)
+                      for impl in ("xla", "pallas"))
+  assert_close_tree(got, want[0])
+  assert_matches_reference(out, got, q, k_, v, terms, weights, positions=positions, segments=segments,
+                           lengths=lengths)
 
 
 @pytest.mark.parametrize("shape,axis,shift,sign", [((128, 256), 1, 128, 1), ((128, 256), 1, 128, -1),
