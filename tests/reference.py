@@ -261,8 +261,8 @@ class FusedAttention:
     if reset == "paper":
       positional = untie(positional)
     logits = logits + positional
-    allowed = self.allowed[:, None] | ~self.allowed.any(-1)[:, None, :, None]  # a row with no key: every key
-    logits = np.where(allowed, logits, -np.inf)
+    logits = np.where(self.allowed[:, None], logits, -np.inf)
+    logits = np.where(self.allowed.any(-1)[:, None, :, None], logits, 0.0)  # a row with no key: every key alike
     weights = np.exp(logits - logits.max(-1, keepdims=True))
     weights = weights / weights.sum(-1, keepdims=True)
     return np.einsum("bhij,bjhd->bihd", weights, v)
