@@ -27,6 +27,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.jit(lambda x: x + 1)(0)  # starts the backend and the cache here, before a test could point JAX elsewhere
 
 
+def pytest_collection_modifyitems(items):
+  """The longest tests (marked slow) first, so that pytest-xdist's workers finish together."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_unconfigure(config):
   if _OWN_CACHE and not hasattr(config, "workerinput"):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

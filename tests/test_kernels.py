@@ -109,6 +109,7 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
           f"d{name} along a random direction: {np.sum(grad * d)} (kernel), {numeric} (reference)")
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=6, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(st.data())

@@ -100,7 +100,7 @@ def test_a_bfloat16_encoder_computes_in_bfloat16_on_float32_parameters(rng):
   _, model, params = build("tupe_r", dtype="bfloat16")
   out = jax.jit(lambda p, x: model.apply({"params": p}, x).last_hidden_state)(params, tokens(rng, 2, 10))
   assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
-  assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.float32}
+  assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
 
 
 @pytest.mark.parametrize("name", ["tupe_r", "huang_m3", "huang_m4", "rope"])

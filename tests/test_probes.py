@@ -32,6 +32,7 @@ def test_task_labels(task):
         assert y[b, i] == x[b, source]
 
 
+@pytest.mark.slow
 def test_probe_run_reports_unsupported_lengths_and_resumes(tmp_path, monkeypatch):
   config = probes_config("methods=absolute+huang_m4+tupe_a,steps=150")
   config.tasks = ("copy_left",)

@@ -73,6 +73,7 @@ def one_step(runs):
   return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table", END_TO_END)
 def test_each_sweep_code_path_runs_in_runlocal_mode(tmp_path, table):
   """Pre-training and the first task's fine-tuning (seed 1, the largest learning rate) of the chosen rows."""
@@ -119,6 +120,7 @@ def get_config(arg=None):
   return str(path)
 
 
+@pytest.mark.slow
 def test_local_sweeps_skip_finished_runs_and_resume_unfinished_ones(tmp_path):
   config = tiny_table(tmp_path)
   root = tmp_path / "root"
