@@ -124,34 +124,49 @@ def finetune_command_in(glue_dir, workdir, *extra):
 def prepared_command(workdir, data_dir, *extra):
   return [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal", f"--workdir={workdir}",
           "--config.max_len=32", "--config.batch_size=8", "--config.data.source=prepared",
-          f"--config.data.prepared_dir={data_dir}", "--config.data.eval_source=text", "--config.total_steps=20",
-          "--config.warmup_steps=4", "--config.checkpoint_every_steps=5", "--config.eval_every_steps=10",
+          f"--config.data.prepared_dir={data_dir}", "--config.data.eval_source=text", "--config.total_steps=12",
+          "--config.warmup_steps=2", "--config.checkpoint_every_steps=4", "--config.eval_every_steps=6",
           "--config.log_every_steps=1", "--config.data.num_shards=2", "--config.model.dropout_rate=0",
           "--config.model.attention_dropout_rate=0", *extra]
 
 
-@pytest.mark.slow
-def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninterrupted_process(tmp_path):
-  """Two processes (4 devices each) train like one with 8; a run killed by SIGKILL after its first checkpoint
-  and resumed with two grain reader processes ends exactly like the uninterrupted one. (data.num_shards: the
-  streamed evaluation split is cut into the same document shards in every run.)"""
+@pytest.fixture(scope="module")
+def prepared_one(tmp_path_factory):
+  """A prepared corpus, the command that trains on it, and its run in one process with 8 devices, which the two
+  tests below must reproduce. (data.num_shards: the streamed evaluation split is cut into the same document shards
+  in every run.)"""
   from posjax.data import prepare
   from test_prepare import config
-  from test_train import saved_steps
 
-  prepare.prepare(config(), str(tmp_path / "data"), chunks=2, progress=False)
-  command = lambda workdir, *extra: prepared_command(workdir, tmp_path / "data", *extra)
-  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
-  one = stream(str(tmp_path / "one"))
-  assert len(one) == 22
+  root = tmp_path_factory.mktemp("prepared")
+  prepare.prepare(config(), str(root / "data"), chunks=2, progress=False)
+  command = lambda workdir, *extra: prepared_command(workdir, root / "data", *extra)  # noqa: E731
+  subprocess.run(command(root / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
+  assert len(stream(str(root / "one"))) == 14
+  return command, root / "one"
 
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("prepared_one")
+def test_on_a_prepared_corpus_two_processes_train_like_one(prepared_one, tmp_path):
+  """Two processes (4 devices each) train like one with 8."""
+  command, one = prepared_one
   runs = two_processes(tmp_path / "two", command=command)
   assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
-  assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
+  assert_same_params(checkpoint.load_params(str(one / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
-  for want, got in zip(one, stream(str(tmp_path / "two")), strict=True):
+  for want, got in zip(stream(str(one)), stream(str(tmp_path / "two")), strict=True):
     assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
 
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("prepared_one")
+def test_on_a_prepared_corpus_a_killed_run_resumed_with_reader_processes_ends_like_the_uninterrupted_one(
+    prepared_one, tmp_path):
+  """Killed by SIGKILL after its first checkpoint and resumed with two grain reader processes."""
+  from test_train import saved_steps
+
+  command, one = prepared_one
   run = tmp_path / "killed"
   process = subprocess.Popen(command(run), cwd=ROOT, env=devices_env(8), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
@@ -161,12 +176,11 @@ def test_on_a_prepared_corpus_two_processes_and_a_killed_run_end_like_one_uninte
     time.sleep(0.02)
   process.kill()
   process.wait()
-  assert saved_steps(run)[-1] < 20
+  assert saved_steps(run)[-1] < 12
   subprocess.run(command(run, "--config.data.workers=2"), cwd=ROOT, env=devices_env(8), check=True,
                  capture_output=True)
-  assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
-                     checkpoint.load_params(str(run / "checkpoints")))
-  assert stream(str(run)) == one
+  assert_same_params(checkpoint.load_params(str(one / "checkpoints")), checkpoint.load_params(str(run / "checkpoints")))
+  assert stream(str(run)) == stream(str(one))
 
 
 def pair_at_checkpoint_2(workdir, failing=None):
