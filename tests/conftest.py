@@ -33,15 +33,17 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_unconfigure(config):
+  """The session's compilation cache goes with it (unless it was given: JAX_COMPILATION_CACHE_DIR)."""
   if _OWN_CACHE and not hasattr(config, "workerinput"):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-def devices_env(devices: int, **extra) -> dict:
+def devices_env(devices: int) -> dict:
   """The environment of a child process with ``devices`` CPU devices (a layout its test needs)."""
   flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                    if not f.startswith("--xla_force_host_platform_device_count"))
-  return {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(), **extra}
+  return {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip()}
+
 
 # Row 0: one sequence at 0..L-1. Row 1: two packed segments, each starting at position 0 ([CLS]).
 PACKED_POSITIONS = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 0, 1, 2, 3]], np.int32)

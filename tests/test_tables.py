@@ -84,8 +84,7 @@ def test_each_sweep_code_path_runs_in_runlocal_mode(tmp_path, table):
   assert {r.row for r in chosen if r.kind == "finetune"} == set(END_TO_END[table])
   sweep.run_local(chosen, str(tmp_path), train, say=lambda message: None)
   assert all(r.finished() for r in chosen)
-  mid = [r for r in chosen if r.overrides.get("init_step")]
-  assert all(json.loads(open(os.path.join(r.workdir, "results.json")).read())["init_step"] == 1 for r in mid)
+  assert all(protocol.results(r)["init_step"] == 1 for r in chosen if r.overrides.get("init_step"))
 
 
 @pytest.mark.parametrize("table", TABLES + ("configs/papers/tupe/table3.py",))
