@@ -1,5 +1,5 @@
-"""TUPE's untied term folded into q and k (``posjax.kernels.fold``) against the dense ``xla`` path: the logits, the
-outputs and the gradients of q, k, v and every position input (u_q, u_k, θ, the bucket table) for each [CLS]
+"""TUPE's untied term folded into q and k (``posjax.kernels.fold``) against the dense ``xla`` path and, for outputs and
+gradients, the float64 reference (``tests/reference.py``): the logits, the outputs and the gradients of q, k, v and every position input (u_q, u_k, θ, the bucket table) for each [CLS]
 reset, packed and padded rows, shared (Bp=1) and per-row (Bp=B) factors; the Pallas kernel on folded inputs in
 its CPU interpreters; and the cuDNN path's inputs (q', k', bias) of BERT models with TUPE-A and TUPE-R against
 their ``xla`` logits."""
@@ -15,6 +15,7 @@ import pytest
 from posjax import attention, kernels
 from posjax.kernels import fold, xla
 from posjax.models import BertConfig, BertModel
+from test_kernels import assert_matches_reference
 
 B, L, H, K = 3, 13, 2, 8
 # Row 0: one sequence; row 1: three packed segments, each with a [CLS] at its first token; row 2: two segments.
@@ -83,6 +84,8 @@ def test_fold_matches_xla_outputs_and_gradients(reset, buckets, shared):
   want, got = (jax.grad(functools.partial(loss, untied), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
                for untied in ("tile", "fold"))
   assert_close_tree(got, want)
+  assert_matches_reference(got[1], got[0], q, k, v, terms, weights, positions=POSITIONS, segments=SEGMENTS,
+                           lengths=LENGTHS)
 
 
 @pytest.mark.parametrize("interpreter,reset,shared", [(True, "official", False), (True, "paper", True),
@@ -103,6 +106,8 @@ def test_pallas_with_the_fold_matches_xla(interpreter, reset, shared):
   want, got = (jax.grad(functools.partial(loss, impl, untied), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
                for impl, untied in (("xla", "tile"), ("pallas", "fold")))
   assert_close_tree(got, want)
+  assert_matches_reference(got[1], got[0], q, k, v, terms, weights, positions=POSITIONS, segments=SEGMENTS,
+                           lengths=LENGTHS)
 
 
 def test_the_fold_lowers_for_gpu():
