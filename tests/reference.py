@@ -41,6 +41,12 @@ def t5_bucket(rel: int, num_buckets: int = 32, max_distance: int = 128, bidirect
                       num_buckets - 1)
 
 
+def softmax(x):
+  """Over the last axis; a row of -inf and finite values weighs only the finite ones."""
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
 def layer_norm(x, scale, bias, eps=1e-5):
   mu = x.mean(-1, keepdims=True)
   var = ((x - mu) ** 2).mean(-1, keepdims=True)
@@ -263,6 +269,4 @@ class FusedAttention:
     logits = logits + positional
     logits = np.where(self.allowed[:, None], logits, -np.inf)
     logits = np.where(self.allowed.any(-1)[:, None, :, None], logits, 0.0)  # a row with no key: every key alike
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights = weights / weights.sum(-1, keepdims=True)
-    return np.einsum("bhij,bjhd->bihd", weights, v)
+    return np.einsum("bhij,bjhd->bihd", softmax(logits), v)

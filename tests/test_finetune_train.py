@@ -15,7 +15,7 @@ from posjax.finetune import init as init_lib
 from posjax.main import train
 from posjax.train import checkpoint, metrics, validate
 from conftest import ROOT, load_config, override
-from test_train import assert_same_params, flat_params
+from test_train import assert_same_params, flat_params, saved_steps
 
 
 def finetune_config(name, arg, **overrides):
@@ -128,10 +128,6 @@ def test_squad_writes_predictions_and_marks_lengths_a_learned_table_cannot_reach
            str(tmp_path / "shaw"))
   results = json.loads((tmp_path / "shaw" / "results.json").read_text())["metrics"]
   assert all(isinstance(v, float) for r in results.values() for v in r.values())
-
-
-def saved_steps(workdir):
-  return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
 
 
 class Died(Exception):

@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from posjax.data import corpus, mlm
+from posjax.data import corpus, mlm, prepare
 from posjax.data.tokenizer import Tokenizer
 from posjax.train import checkpoint, metrics
 from conftest import ROOT, devices_env, load_config
-from test_train import assert_same_params, stream
+from test_prepare import config
+from test_train import assert_same_params, saved_steps, stream
 
 STEPS, EVAL_EVERY = 20, 10
 
@@ -135,9 +136,6 @@ def prepared_one(tmp_path_factory):
   """A prepared corpus, the command that trains on it, and its run in one process with 8 devices, which the two
   tests below must reproduce. (data.num_shards: the streamed evaluation split is cut into the same document shards
   in every run.)"""
-  from posjax.data import prepare
-  from test_prepare import config
-
   root = tmp_path_factory.mktemp("prepared")
   prepare.prepare(config(), str(root / "data"), chunks=2, progress=False)
   command = lambda workdir, *extra: prepared_command(workdir, root / "data", *extra)  # noqa: E731
@@ -164,8 +162,6 @@ def test_on_a_prepared_corpus_two_processes_train_like_one(prepared_one, tmp_pat
 def test_on_a_prepared_corpus_a_killed_run_resumed_with_reader_processes_ends_like_the_uninterrupted_one(
     prepared_one, tmp_path):
   """Killed by SIGKILL after its first checkpoint and resumed with two grain reader processes."""
-  from test_train import saved_steps
-
   command, one = prepared_one
   run = tmp_path / "killed"
   process = subprocess.Popen(command(run), cwd=ROOT, env=devices_env(8), stdout=subprocess.DEVNULL,

@@ -215,9 +215,8 @@ def reference_output(name, params, x, positions_BxL):
   """One layer's output in float64 from the loop reference's logits: softmax over every key, the value and output
   projections."""
   params = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
-  weights = reference.logits(name, {}, params, np.asarray(x, np.float64), positions_BxL, MAX_LEN, NUM_HEADS)
-  weights = np.exp(weights - weights.max(-1, keepdims=True))
-  weights /= weights.sum(-1, keepdims=True)
+  weights = reference.softmax(reference.logits(name, {}, params, np.asarray(x, np.float64), positions_BxL, MAX_LEN,
+                                               NUM_HEADS))
   z = np.einsum("bhij,bjhk->bihk", weights, reference.project(np.asarray(x, np.float64), params["attn"]["value"]))
   return np.einsum("bihk,hkd->bid", z, params["attn"]["out"]["kernel"]) + params["attn"]["out"]["bias"]
 
@@ -225,8 +224,8 @@ def reference_output(name, params, x, positions_BxL):
 @pytest.mark.parametrize("name", positions.names())
 def test_bfloat16_compute_errs_no_more_than_a_small_multiple_of_rounding_its_inputs(name):
   """One layer in bfloat16 (float32 parameters, under jit) against the float64 loop reference: its error stays within
-  a small multiple (3x; 1.3-2.3x measured) of the error that rounding the input and the parameters to bfloat16 alone causes in the
-  reference, for every method."""
+  a small multiple (3x; 1.3-2.3x measured) of the error that rounding the input and the parameters to bfloat16 alone
+  causes in the reference, for every method."""
   spec = positions.make(name, {}, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN, dtype=jnp.bfloat16)
   x = np.random.default_rng(1).normal(size=PACKED_POSITIONS.shape + (HIDDEN,)).astype(np.float32)
   model = OneLayer(spec)
