@@ -81,6 +81,8 @@ def get_config(arg=None):
       position=arg.position, position_options=position_defaults(arg.position), attention_kernel="auto",
       kernel_platform="",  # the fused kernels' device; --target (ahead-of-time compilation) sets it
       dtype="bfloat16", param_dtype="float32",
+      remat="none",  # what a layer keeps for its backward pass: "none" (all), "full" (its input), "dots"
+      scan_layers=False,  # the layers as one nn.scan over stacked parameters (one layer compiled)
       type_vocab_size=2,  # 0: no token-type embeddings (TUPE's RoBERTa-style model)
       embedding_size=0,  # 0: hidden_size; narrower embeddings are read through a projection (ELECTRA's)
       layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5

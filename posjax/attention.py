@@ -36,7 +36,7 @@ import flax.linen as nn
 import flax.struct
 from absl import logging
 
-from posjax import kernels
+from posjax import kernels, partitioning
 from posjax.positions import base
 
 KERNELS = ("xla", "cudnn", "pallas", "auto")
@@ -208,7 +208,8 @@ class SelfAttention(nn.Module):
     spec = self.spec
     state = state or base.PositionState()
     mask = mask or Mask()
-    q, k, v = (base.head_projection(spec, name, self.use_bias)(x_BxLxD) for name in ("query", "key", "value"))
+    q, k, v = (partitioning.constrain(base.head_projection(spec, name, self.use_bias)(x_BxLxD), partitioning.BLHK)
+               for name in ("query", "key", "value"))
     if spec.method.layer is not None:
       terms = spec.method.layer(spec=spec, name="position")(q, k, state.context, spec.scale)
     else:
@@ -230,6 +231,7 @@ class SelfAttention(nn.Module):
     else:
       q, k, v_wide, bias = cudnn_inputs(terms, state, v, spec.scale)
       out = fused_attention(q, k, v_wide, bias, mask, spec.scale)[..., :v.shape[-1]]
+    out = partitioning.constrain(out, partitioning.BLHK)
     return nn.DenseGeneral(
         spec.hidden_size, axis=(-2, -1), use_bias=self.use_bias, dtype=spec.dtype,
         param_dtype=spec.param_dtype, kernel_init=base.normal_init((base.HEADS, base.KV, base.EMBED)),

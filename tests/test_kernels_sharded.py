@@ -2,7 +2,9 @@
 tensor) and gives the outputs and gradients of the unsharded call, tables' gradients summed over the shards."""
 
 import functools
+import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,3 +71,35 @@ def test_a_batch_the_mesh_does_not_divide_is_an_error():
 
   with pytest.raises(ValueError, match=r"splits its batch \(2\) over mesh axes \['data', 'fsdp'\] \(4 shards\)"):
     call(x)
+
+
+def lowered_on(mesh, x_BxLxHxK, **kwargs) -> str:
+  """The kernel call's lowered text under ``mesh`` (``kwargs`` to ``relative_attention``)."""
+  def call(x):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return kernels.relative_attention(x, x, x, interpret=True, **kwargs)
+  return jax.jit(call).lower(x_BxLxHxK).as_text()
+
+
+USER_MESH_RULES = (("activation_batch", "dp"), ("activation_heads", "mp"))
+
+
+def test_a_users_mesh_axes_map_through_the_logical_rules():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("dp", "mp"))
+  x = jnp.ones((4, 8, 2, 8))
+  with nn.logical_axis_rules(USER_MESH_RULES):
+    text = lowered_on(mesh, x)
+  # Rows over dp and heads over mp, per shard: [4 / 4, 2 / 2, 8, 8] in each.
+  assert "sdy.manual_computation" in text and re.search(r'\[\{"dp"\}, \{"mp"\}, \{\}, \{\}\]', text), text[-3000:]
+  assert "tensor<1x1x8x8xf32>" in text
+
+
+def test_a_mesh_the_rules_cannot_map_is_a_one_line_error():
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("dp", "mp"))
+  x = jnp.ones((4, 8, 2, 8))
+  with pytest.raises(ValueError, match=r"^logical axis 'activation_batch' maps to mesh axes \['data', 'fsdp'\], but "
+                                       r"the mesh has axes \['dp', 'mp'\]: give rules for its axes"):
+    lowered_on(mesh, x)
+  with pytest.raises(ValueError, match=r"^the attention kernel splits its heads over mesh axes \['tensor'\], but the "
+                                       r"mesh has axes \['dp', 'mp'\]; name axes it has \(or none\)"):
+    lowered_on(mesh, x, batch_axes=("dp",), head_axes=("tensor",))

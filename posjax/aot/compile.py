@@ -24,7 +24,6 @@ import time
 
 import jax
 import ml_collections
-import numpy as np
 
 from posjax.aot import resources, targets
 from posjax.data import synthetic
@@ -121,6 +120,22 @@ def _first_line(error: BaseException) -> str:
   return f"{type(error).__name__}: {lines[0] if lines else ''}"[:500]
 
 
+def trace_train_step(prepared: validate.Prepared):
+  """``(traced, batch)``: the run's train step traced on abstract arrays laid out over its mesh, and its first
+  batch (only the shapes count)."""
+  parallel, task = prepared.parallel, prepared.task
+  batch = next(iter(task.train_batches))
+  if hasattr(task.train_batches, "close"):
+    task.train_batches.close()
+  step = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule,
+                                         prepared.config.grad_accum_steps))
+  mesh = parallel.mesh
+  abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh))
+                    for k, v in batch.items()}
+  rng = jax.ShapeDtypeStruct(prepared.dropout_rng.shape, prepared.dropout_rng.dtype, sharding=sharding.replicated(mesh))
+  return step.trace(parallel.abstract_state, abstract_batch, rng), batch
+
+
 def compile_train_step(config: ml_collections.ConfigDict, target: targets.Target, build_task,
                        data: str = "synthetic", dump: str | None = None) -> Report:
   """Builds ``config``'s run over ``target``'s devices and compiles its train step; a config error raises, a
@@ -132,17 +147,7 @@ def compile_train_step(config: ml_collections.ConfigDict, target: targets.Target
     if data == "synthetic" and config.get("task", "mlm") in PRETRAINING:
       config = synthetic_data(config, directory)
     prepared = validate.validate(config, os.path.join(directory, "workdir"), build_task, devices=target.devices)
-    parallel, task = prepared.parallel, prepared.task
-    batch = next(iter(task.train_batches))
-    if hasattr(task.train_batches, "close"):
-      task.train_batches.close()
-    step = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule,
-                                           prepared.config.grad_accum_steps))
-    mesh = parallel.mesh
-    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh))
-                      for k, v in batch.items()}
-    rng = jax.ShapeDtypeStruct(prepared.dropout_rng.shape, prepared.dropout_rng.dtype,
-                               sharding=sharding.replicated(mesh))
+    mesh = prepared.parallel.mesh
     report = Report(target.name, target.kind, len(target.devices), target.processes,
                     dict(zip(mesh.axis_names, mesh.devices.shape)), target.memory_per_device, 0.0)
     dump = dump or os.path.join(directory, "dump")
@@ -151,8 +156,8 @@ def compile_train_step(config: ml_collections.ConfigDict, target: targets.Target
     log: list[str] = []
     try:
       with resources.captured_stderr() as log:
-        lowered = step.trace(parallel.abstract_state, abstract_batch, rng).lower()
-        compiled = lowered.compile(compiler_options=options)
+        traced, batch = trace_train_step(prepared)
+        compiled = traced.lower().compile(compiler_options=options)
     except Exception as error:  # noqa: BLE001  (the compiler's error is the answer)
       report.error = _first_line(error)
     report.seconds = time.perf_counter() - start

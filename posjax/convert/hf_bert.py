@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.models import BertConfig, BertModel
+from posjax.models import BertConfig, BertModel, layout
 
 POSITIONS = {"absolute": "absolute", "relative_key": "shaw", "relative_key_query": "huang_m4"}
 TO_HF_POSITIONS = {"absolute": "absolute", "shaw": "relative_key", "huang_m4": "relative_key_query"}
@@ -324,9 +324,10 @@ def head_of(params: Mapping) -> tuple[str, int]:
 
 def model_params(variables: Mapping) -> dict:
   """The parameters of a posjax model's variables (or of the parameters themselves) as plain arrays under the
-  task models' names: boxed ones (as ``init`` returns them, with logical axes) unboxed, a ``BertEncoder``'s put
-  under ``encoder``; anything else is an error that says what is expected."""
-  params = flax.core.unfreeze(nn.unbox(variables.get("params", variables)))
+  task models' names: boxed ones (as ``init`` returns them, with logical axes) unboxed, scanned layers
+  (``model.scan_layers``) as ``layer_{i}``, a ``BertEncoder``'s put under ``encoder``; anything else is an error
+  that says what is expected."""
+  params = layout.unstack(flax.core.unfreeze(nn.unbox(variables.get("params", variables))))
   if "encoder" in params:
     return params
   if "word_embeddings" in params and "embedding_norm" in params:

@@ -28,7 +28,7 @@ from posjax.train import checkpoint as checkpoint_lib
 
 ARCHITECTURE = ("vocab_size", "hidden_size", "embedding_size", "num_layers", "num_heads", "intermediate_size", "max_len",
                 "type_vocab_size", "layer_norm_eps", "norm")
-OWN = ("attention_kernel", "dropout_rate", "attention_dropout_rate", "dtype", "param_dtype")
+OWN = ("attention_kernel", "dropout_rate", "attention_dropout_rate", "dtype", "param_dtype", "remat", "scan_layers")
 DEFAULT_POSITION = "absolute"  # of a run from scratch that names none
 
 

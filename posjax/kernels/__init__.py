@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.experimental.pallas import tpu as pltpu
 
+from posjax import partitioning
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import fold, mosaic, tile, triton, xla
 from posjax.kernels.fold import UNTIED, fold_untied
@@ -43,7 +44,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
                        causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] | None = None,
                        interpret: bool | str | None = None, platform: str | None = None,
                        dropout_rate: float = 0.0, dropout_seed=None, untied: str = "tile",
-                       batch_axes=("data", "fsdp"), head_axes=("tensor",)):
+                       batch_axes=None, head_axes=None):
   """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
 
   Args:
@@ -75,8 +76,10 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
       one ``2K+2``-wide product, which the GPU kernels pad to a power of two; the same logits).
 
     batch_axes, head_axes: under a mesh (``jax.sharding.use_abstract_mesh``, as posjax's training loop traces its
-      step), the kernels run once per shard: rows split over ``batch_axes``, heads over ``head_axes`` (the mesh
-      axes of :mod:`posjax.train.sharding` by default; names the mesh lacks are ignored; :func:`per_shard`).
+      step), the kernels run once per shard: rows split over the mesh axes ``batch_axes``, heads over
+      ``head_axes``; by default the axes the logical-axis rules in force give ``activation_batch`` and
+      ``activation_heads`` (:mod:`posjax.partitioning`: posjax's, or a user's ``nn.logical_axis_rules``). An axis
+      the mesh lacks is an error (:func:`per_shard`).
 
   First-order gradients only (a ``custom_vjp``; differentiating the backward pass again is not supported).
   """
@@ -186,18 +189,23 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
   return terms.replace(**specs)
 
 
-def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes, head_axes):
+def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, head_axes=None):
   """``backend`` (a kernel call on heads-first arrays) as it runs under the mesh that tracing sees
   (``jax.sharding.use_abstract_mesh``, which posjax's training loop sets): once per shard, rows split over the
-  mesh axes ``batch_axes`` and heads over ``head_axes`` (names the mesh lacks are ignored), through ``shard_map``,
-  so the partitioner neither gathers the batch onto every device (a Triton call) nor refuses the call (Mosaic).
-  Unchanged without a mesh."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+  mesh axes ``batch_axes`` and heads over ``head_axes`` (None: where the logical-axis rules put
+  ``activation_batch`` / ``activation_heads``), through ``shard_map``, so the partitioner neither gathers the batch
+  onto every device (a Triton call) nor refuses the call (Mosaic). An axis the mesh lacks is an error. Unchanged
+  without a mesh, or inside ``pmap`` / ``shard_map`` (:func:`posjax.partitioning.traced_mesh`)."""
+  mesh = partitioning.traced_mesh()
+  if mesh is None:
     return backend
-  batch_axes = tuple(a for a in batch_axes if a in mesh.axis_names)
-  head_axes = tuple(a for a in head_axes if a in mesh.axis_names)
+  batch_axes = partitioning.mesh_axes("activation_batch", mesh) if batch_axes is None else tuple(batch_axes)
+  head_axes = partitioning.mesh_axes("activation_heads", mesh) if head_axes is None else tuple(head_axes)
   for what, size, axes in (("batch", batch, batch_axes), ("heads", heads, head_axes)):
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+      raise ValueError(f"the attention kernel splits its {what} over mesh axes {list(axes)}, but the mesh has axes "
+                       f"{list(mesh.axis_names)}; name axes it has (or none)")
     shards = math.prod(mesh.shape[a] for a in axes)
     if size % shards:
       raise ValueError(f"the attention kernel splits its {what} ({size}) over mesh axes {list(axes)} ({shards} "

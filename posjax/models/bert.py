@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from posjax import attention, positions as positions_lib
+from posjax import attention, partitioning, positions as positions_lib
+from posjax.models import layout
 from posjax.positions import base
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -30,6 +31,14 @@ SIZES = {
     "large": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
 }
 VOCAB, MLP = "vocab", "mlp"
+# Rematerialisation: what a layer's backward pass keeps from its forward (``jax.checkpoint_policies``); the rest it
+# recomputes. ``none``: keep everything (no remat); ``full``: keep only the layer's input.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,12 @@ class BertConfig:
     embedding_size: the width of the input embeddings (word, token type, an input position method's) and of the
       MLM head's output, when it is not ``hidden_size``: ELECTRA's generator reads the discriminator's 768-wide
       embeddings through a dense ``embeddings_project`` to its 256 (Clark et al. 2020). 0: ``hidden_size``.
+    remat: what each layer keeps for its backward pass (:data:`REMAT_POLICIES`): ``none`` (default: everything),
+      ``full`` (its input only; the rest is recomputed), ``dots`` / ``dots_with_no_batch_dims`` (the matrix
+      products, as ``jax.checkpoint_policies`` names them). The same numbers; less memory, more compute.
+    scan_layers: the layers as one ``nn.scan`` over stacked parameters (``encoder/layers/...``, leading axis
+      ``layers``) instead of ``encoder/layer_{i}``: one layer's program, compiled once whatever the depth. The same
+      numbers; checkpoints convert between the two layouts (:mod:`posjax.models.layout`).
   """
 
   vocab_size: int = 30522
@@ -71,6 +86,8 @@ class BertConfig:
   activation: str = "gelu"
   dtype: str = "float32"
   param_dtype: str = "float32"
+  remat: str = "none"
+  scan_layers: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "position_options", FrozenDict(self.position_options or {}))
@@ -82,6 +99,9 @@ class BertConfig:
     base.check_choice("activation", self.activation, tuple(ACTIVATIONS))
     base.check_choice("dtype", self.dtype, tuple(DTYPES))
     base.check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
+    base.check_choice("remat", self.remat, tuple(REMAT_POLICIES))
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
     if self.embedding_size < 0:
       raise ValueError(f"embedding_size must be >= 0 (0: hidden_size), got {self.embedding_size}")
     for field in ("dropout_rate", "attention_dropout_rate"):
@@ -156,11 +176,18 @@ def _layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
 
 class EncoderLayer(nn.Module):
   """One Transformer layer: self-attention with the position method's terms, then the MLP, each a residual
-  branch with dropout and a LayerNorm after it (``norm="post"``) or before it (``"pre"``)."""
+  branch with dropout and a LayerNorm after it (``norm="post"``) or before it (``"pre"``). Its output is
+  constrained to the batch's sharding (:mod:`posjax.partitioning`); ``scanned``: it returns ``(x, None)``, the
+  body of ``nn.scan``."""
   config: BertConfig
+  scanned: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool):
+    y_BxLxD = partitioning.constrain(self._layer(x_BxLxD, state, mask, deterministic), partitioning.BLD)
+    return (y_BxLxD, None) if self.scanned else y_BxLxD
+
+  def _layer(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool):
     c = self.config
     drop = lambda y: nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     attend = attention.SelfAttention(c.position_spec, c.attention_kernel, c.attention_dropout_rate,
@@ -168,7 +195,7 @@ class EncoderLayer(nn.Module):
 
     def mlp(y):
       y = ACTIVATIONS[c.activation](_dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in")(y))
-      return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out")(y)
+      return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out")(partitioning.constrain(y, partitioning.BLF))
 
     attention_norm, mlp_norm = _layer_norm(c, "attention_norm"), _layer_norm(c, "mlp_norm")
     if c.norm == "post":
@@ -176,6 +203,23 @@ class EncoderLayer(nn.Module):
       return mlp_norm(x_BxLxD + drop(mlp(x_BxLxD)))
     x_BxLxD = x_BxLxD + drop(attend(attention_norm(x_BxLxD), state, mask, deterministic))
     return x_BxLxD + drop(mlp(mlp_norm(x_BxLxD)))
+
+
+def encoder_layers(config: BertConfig):
+  """The encoder's layers: ``layer_{i}`` modules, or with ``scan_layers`` one ``layers`` module scanning a layer
+  over stacked parameters (logical axis ``layers``; each layer its own dropout and sown intermediates), each
+  rematerialised per ``config.remat``."""
+  layer = EncoderLayer
+  if config.remat != "none":
+    # deterministic (argument 4, counting the module) is static; CSE stays possible inside a scan (MaxText's choice).
+    layer = nn.remat(EncoderLayer, policy=REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
+                     static_argnums=(4,))
+  if not config.scan_layers:
+    return [layer(config, name=f"layer_{i}") for i in range(config.num_layers)]
+  scan = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
+                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_layers,
+                 metadata_params={nn.PARTITION_NAME: layout.STACKED})
+  return scan(config, scanned=True, name=layout.STACKED)
 
 
 class BertEncoder(nn.Module):
@@ -214,7 +258,7 @@ class BertEncoder(nn.Module):
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
     if c.embed_width != c.hidden_size:
       self.embeddings_project = _dense(c, c.hidden_size, (base.EMBED, MLP), "embeddings_project")
-    self.layers = [EncoderLayer(c, name=f"layer_{i}") for i in range(c.num_layers)]
+    self.layers = encoder_layers(c)
     if c.norm == "pre":
       self.final_norm = _layer_norm(c, "final_norm")
 
@@ -250,8 +294,12 @@ class BertEncoder(nn.Module):
       x = self.embeddings_project(x)
 
     mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids)
-    for layer in self.layers:
-      x = layer(x, state, mask, deterministic)
+    x = partitioning.constrain(x, partitioning.BLD)
+    if c.scan_layers:
+      x, _ = self.layers(x, state, mask, deterministic)
+    else:
+      for layer in self.layers:
+        x = layer(x, state, mask, deterministic)
     if c.norm == "pre":
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)

@@ -30,6 +30,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
 
+from posjax.models import layout
 from posjax.train import sharding
 
 
@@ -90,7 +91,10 @@ class Checkpointer:
     """The newest readable checkpoint as ``(state, data_state)``, laid out like ``abstract_state``; ``None``
     when there is no checkpoint. Newer unreadable ones are moved aside; none readable is an error."""
     failed = {}
-    for step in sorted(self.manager.all_steps(), reverse=True):
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if steps:
+      self._check_layout(steps[0], abstract_state)
+    for step in steps:
       restored, reason, transient = self._restore_step(step, abstract_state)
       outcome = READ if reason is None else TRANSIENT if transient else UNREADABLE
       outcomes = sharding.per_process(np.int32(outcome))  # every process must settle on the same step
@@ -111,6 +115,20 @@ class Checkpointer:
       raise ValueError(f"no checkpoint in {self.manager.directory} can be restored ({reasons}). They are left in "
                        "place; move them away to start this run afresh, or use another workdir")
     return None
+
+  def _check_layout(self, step: int, abstract_state: Any) -> None:
+    """A checkpoint's layers in the other layout than the run's (``model.scan_layers`` changed) is an error that
+    says how to go on, not an unreadable checkpoint."""
+    try:
+      saved = layout.of(self.manager.item_metadata(step).state)
+    except Exception:  # noqa: BLE001  (unreadable metadata: the restore below says why)
+      return
+    wanted = layout.of(abstract_state)
+    if saved and wanted and saved != wanted:
+      raise ValueError(f"checkpoint {step} in {self.manager.directory} holds its layers {saved}, this run's model "
+                       f"{wanted} (model.scan_layers={wanted == layout.SCANNED}): resume with "
+                       f"model.scan_layers={saved == layout.SCANNED}, or start another workdir from it with "
+                       f"init_from={self.manager.directory} (parameters convert; the optimizer state starts afresh)")
 
   def _restore_step(self, step: int, abstract_state: Any):
     """``(restored, reason, transient)`` of one step: I/O errors are retried with backoff (``attempts`` in all),
@@ -302,12 +320,13 @@ def load_params(directory: str, step: int | None = None) -> dict:
 
 
 def merge_params(fresh: Any, loaded: dict) -> tuple[Any, list[str], list[str]]:
-  """``fresh`` with every parameter that ``loaded`` has at the same path and shape replaced by it.
+  """``fresh`` with every parameter that ``loaded`` has at the same path and shape replaced by it (``loaded``'s
+  layers converted to ``fresh``'s layout first: per layer or scanned, :mod:`posjax.models.layout`).
 
   Returns the merged tree, the paths kept fresh (new in this model) and the loaded paths left unused.
   """
   fresh_flat = flax.traverse_util.flatten_dict(fresh, sep="/")
-  loaded_flat = flax.traverse_util.flatten_dict(loaded, sep="/")
+  loaded_flat = flax.traverse_util.flatten_dict(layout.like(loaded, fresh), sep="/")
   merged, kept_fresh = {}, []
   for path, value in fresh_flat.items():
     other = loaded_flat.get(path)

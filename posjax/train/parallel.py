@@ -43,11 +43,14 @@ class JitParallel:
     return jax.jit(init_fn, out_shardings=self.state_shardings)(rng)
 
   def check_batch(self, local_batch: int, accum_steps: int, field: str = "batch_size") -> None:
-    del accum_steps  # micro-batches are split inside the program, whatever their sharding
+    """Every micro-batch spreads over all the data x fsdp devices: the global batch must divide into
+    ``accum_steps`` micro-batches of a multiple of their number."""
     shards = math.prod(self.mesh.shape[axis] for axis in sharding.BATCH)
-    if (local_batch * jax.process_count()) % shards:
-      raise ValueError(f"{field}={local_batch * jax.process_count()} must divide over the mesh's {shards} data x "
-                       "fsdp devices")
+    batch = local_batch * jax.process_count()
+    if batch % (shards * accum_steps):
+      raise ValueError(f"{field}={batch} must divide over the mesh's {shards} data x fsdp devices"
+                       + (f" times grad_accum_steps={accum_steps} (each micro-batch spans every data device)"
+                          if accum_steps > 1 else ""))
 
   def in_mesh(self, fn):
     """``fn`` traced under the mesh (``use_abstract_mesh``), so that the fused attention kernels run per shard."""

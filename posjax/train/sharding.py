@@ -1,4 +1,4 @@
-"""The device mesh and the rules that map logical axis names to it.
+"""The device mesh, and shardings by the logical-axis rules of :mod:`posjax.partitioning`.
 
 Mesh axes: ``data`` (batch), ``fsdp`` (batch and parameter shards) and ``tensor`` (heads / MLP / vocab).
 A size of -1 takes the devices the other axes leave.
@@ -14,21 +14,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH = ("data", "fsdp")
+from posjax import partitioning
 
-# Logical axis (as named on every parameter) -> mesh axes.
-RULES = (
-    ("batch", BATCH),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("kv", None),
-    ("position", None),
-    ("relpos", None),
-    ("relpos_buckets", None),
-)
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = partitioning.BATCH_AXES
 
 
 def mesh_shape(sizes: dict[str, int], num_devices: int) -> tuple[int, ...]:
@@ -55,8 +44,9 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
 
 
 def logical_shardings(abstract_tree, mesh: Mesh):
-  """NamedShardings for a tree whose leaves carry logical axis names (boxed parameters)."""
-  return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_tree), mesh, RULES)
+  """NamedShardings for a tree whose leaves carry logical axis names (boxed parameters), by the rules in force
+  (:func:`posjax.partitioning.rules`)."""
+  return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_tree), mesh, partitioning.rules())
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+
+from posjax import partitioning
+from posjax.models import layout
 
 @flax.struct.dataclass
 class TrainState:
@@ -38,23 +40,27 @@ def decays(params):
 WEIGHT_DECAY_EXCLUSIONS = {"bert": decays, "none": None}
 
 
-LAYER = re.compile(r"layer_(\d+)")
 
 
 def layer_scales(params, decay: float):
   """Each parameter's factor on its updates under layer-wise learning-rate decay (ELECTRA's as Clark intended,
   one factor of ``decay`` less than the released code; see :mod:`posjax.finetune.recipe`): under
-  ``encoder/layer_{i}`` of ``n`` layers ``decay ** (n - i)``, the encoder's other parameters (embeddings, their norm
-  and projection, its position module, the final norm) ``decay ** (n + 1)``, the rest (heads) 1."""
+  ``encoder/layer_{i}`` of ``n`` layers ``decay ** (n - i)`` (scanned layers, ``encoder/layers``: the same per
+  index of the leading axis), the encoder's other parameters (embeddings, their norm and projection, its position
+  module, the final norm) ``decay ** (n + 1)``, the rest (heads) 1."""
   encoder = params.get("encoder") if hasattr(params, "get") else None
   if not encoder:
     raise ValueError("layerwise_lr_decay needs a model whose parameters hold an 'encoder'")
-  n = sum(1 for name in encoder if LAYER.fullmatch(name))
+  stacked = encoder.get(layout.STACKED)
+  n = (jax.tree.leaves(stacked)[0].shape[0] if stacked is not None
+       else sum(1 for name in encoder if layout.LAYER.fullmatch(name)))
 
-  def scale(path, _):
+  def scale(path, leaf):
     if path[0].key != "encoder":
       return 1.0
-    layer = LAYER.fullmatch(str(path[1].key))
+    if path[1].key == layout.STACKED:
+      return (decay ** (n - jnp.arange(n, dtype=jnp.float32))).reshape((n,) + (1,) * (jnp.ndim(leaf) - 1))
+    layer = layout.LAYER.fullmatch(str(path[1].key))
     return decay ** (n - int(layer[1])) if layer else decay ** (n + 1)
   return jax.tree_util.tree_map_with_path(scale, params)
 
@@ -129,7 +135,7 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optim
   if accum_steps == 1:
     (loss, sums), grads = grad_fn(state.params, batch, jax.random.fold_in(rng, 0))
   else:
-    split = jax.tree.map(lambda x: x.reshape((accum_steps, x.shape[0] // accum_steps) + x.shape[1:]), batch)
+    split = jax.tree.map(functools.partial(micro_batches, accum_steps=accum_steps), batch)
     abstract_sums = jax.eval_shape(loss_fn, state.params, jax.tree.map(lambda x: x[0], split), rng)[1]
     zeros = (jax.tree.map(jnp.zeros_like, state.params), 0.0,
              jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract_sums))
@@ -147,6 +153,16 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optim
                for k, v in sums.items() if k != "weight"}
   metrics.update(loss=loss / weight, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
   return new_state, metrics
+
+
+def micro_batches(x_BxS, accum_steps: int):
+  """``[B, ...] -> [accum_steps, B / accum_steps, ...]``, micro-batch ``i`` the rows ``i, i + accum_steps, ...``:
+  under a mesh each device's rows split evenly over the micro-batches, so every micro-step runs on every data
+  device (a split into row-contiguous blocks would gather each micro-batch onto a fraction of them; MaxText's
+  ``gradient_accumulation.py`` splits the same way). The sum over all micro-batches is the batch's."""
+  rows = x_BxS.shape[0] // accum_steps
+  x_AxRxS = x_BxS.reshape((rows, accum_steps) + x_BxS.shape[1:]).swapaxes(0, 1)
+  return partitioning.constrain(x_AxRxS, (None, "activation_batch") + (None,) * (x_BxS.ndim - 1))
 
 
 def task_step(task, optimizer, schedule, accum_steps: int = 1):
