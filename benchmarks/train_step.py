@@ -1,8 +1,7 @@
 """Tokens/s and model FLOP utilisation of the BERT-Base MLM train step, for each position method.
 
-Model FLOPs per step (the usual MFU convention, forward + backward = 3 × forward, no rematerialisation):
-``6 · N · T + 12 · layers · L · d · T + 6 · d · V · M`` with N the parameters outside the embedding tables,
-T = batch · L tokens, and the MLM output layer on the M masked tokens. MFU divides by the device's peak
+Model FLOPs per step: :func:`posjax.models.flops.train_step_flops` (the usual MFU convention, forward + backward =
+3 × forward, no rematerialisation; what ``--target`` reports per device). MFU divides by the device's peak
 (bf16 dense): a known accelerator's from the table below, or ``--peak_tflops``; on a CPU it is left out.
 
   python benchmarks/train_step.py --lengths=128,512 --batch=32 --dtype=bfloat16 --kernels=auto
@@ -10,15 +9,14 @@ T = batch · L tokens, and the MLM output layer on the M masked tokens. MFU divi
 
 from __future__ import annotations
 
-import math
 
-import flax.linen as nn
 import jax
 from absl import app, flags
 
 import common
 from posjax import attention, positions
 from posjax.models.bert import DTYPES
+from posjax.models.flops import train_step_flops
 
 _METHODS = flags.DEFINE_list("methods", None, "Methods to run (default: all registered).")
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "512"], "Sequence lengths.")
@@ -39,15 +37,6 @@ def peak_tflops() -> float | None:
   return next((peak for name, peak in PEAK_BF16_TFLOPS.items() if name in kind), None)
 
 
-def model_flops(config, params, length: int, batch: int, masked: int) -> float:
-  leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(params))
-  embeddings = sum(math.prod(v.shape) for p, v in leaves if "embedding" in jax.tree_util.keystr(p))
-  n = sum(math.prod(v.shape) for _, v in leaves) - embeddings
-  tokens = batch * length
-  return (6 * n * tokens + 12 * config.num_layers * length * config.hidden_size * tokens
-          + 6 * config.hidden_size * config.vocab_size * batch * masked)
-
-
 def main(argv):
   del argv
   peak = peak_tflops()
@@ -63,7 +52,7 @@ def main(argv):
         seconds, _, _ = common.compile_and_time(step, args, True, _REPEATS.value)
         if name == "absolute" and kernel == _KERNELS.value[0]:
           reference = seconds
-        flops = model_flops(config, args[0][0], length, _BATCH.value, masked) / seconds
+        flops = train_step_flops(config, _BATCH.value * length, length, _BATCH.value * masked) / seconds
         mfu = f"{100 * flops / (peak * 1e12):.1f}%" if peak else "—"
         ratio = f"{seconds / reference:.2f}×" if reference else "—"
         print(f"| `{name}` | {length} | {shown} | {seconds * 1e3:.0f} | {_BATCH.value * length / seconds:,.0f} | "

@@ -109,7 +109,7 @@ def test_a_run_compiles_for_an_h100_and_a_tpu_slice():
   assert len(re.findall(r"of (79.14|16.00) GiB \(\d+%\): fits", out)) == 2
   for kernel in ("forward_kernel", "dq_kernel", "dkv_kernel"):  # registers and shared memory from the compiler
     assert re.search(rf"{kernel}\s+[\d,]+ B \(\d+%\)\s+\d+\s+[\d,]+ B\s+\d+x\d+x\d+", out), out
-  assert re.search(r"XLA's FLOP count per device and step: [\d.e+]+", out)
+  assert re.search(r"model FLOPs per device and step: [\d.e+]+", out) and re.search(r"XLA's FLOP count per device: [\d.e+]+", out)
 
 
 COMPILE_KERNELS = """

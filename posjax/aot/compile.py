@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -24,9 +25,11 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 
 from posjax.aot import resources, targets
 from posjax.data import synthetic
+from posjax.models import BertConfig, flops
 from posjax.train import sharding, validate
 from posjax.train.step import task_step
 
@@ -62,6 +65,8 @@ class Report:
   temporaries: int = 0
   code: int = 0
   flops: float | None = None
+  model_flops: float | None = None  # per device and step, trip counts included (posjax.models.flops)
+  loop_trips: tuple = ()  # the known trip counts of the program's loops (micro-steps, scanned layers)
   kernels: list = dataclasses.field(default_factory=list)
   log: str = ""  # what the compiler wrote to stderr
 
@@ -136,6 +141,15 @@ def trace_train_step(prepared: validate.Prepared):
   return step.trace(parallel.abstract_state, abstract_batch, rng), batch
 
 
+def step_flops(model_config, batch: dict) -> float | None:
+  """Model FLOPs of one step over ``batch`` (None for a model other than one BERT encoder, e.g. ELECTRA's pair)."""
+  if not isinstance(model_config, BertConfig):
+    return None
+  rows, length = batch["input_ids"].shape
+  head = np.size(batch["masked_positions"]) if "masked_positions" in batch else 0
+  return flops.train_step_flops(model_config, rows * length, length, head)
+
+
 def compile_train_step(config: ml_collections.ConfigDict, target: targets.Target, build_task,
                        data: str = "synthetic", dump: str | None = None) -> Report:
   """Builds ``config``'s run over ``target``'s devices and compiles its train step; a config error raises, a
@@ -158,6 +172,7 @@ def compile_train_step(config: ml_collections.ConfigDict, target: targets.Target
       with resources.captured_stderr() as log:
         traced, batch = trace_train_step(prepared)
         compiled = traced.lower().compile(compiler_options=options)
+      report.model_flops = step_flops(prepared.task.model_config, batch) / len(target.devices)
     except Exception as error:  # noqa: BLE001  (the compiler's error is the answer)
       report.error = _first_line(error)
     report.seconds = time.perf_counter() - start
@@ -169,6 +184,7 @@ def compile_train_step(config: ml_collections.ConfigDict, target: targets.Target
     report.aliased, report.temporaries = memory.alias_size_in_bytes, memory.temp_size_in_bytes
     report.code = memory.generated_code_size_in_bytes
     report.flops = (compiled.cost_analysis() or {}).get("flops")
+    report.loop_trips = tuple(int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', compiled.as_text()))
     if target.platform == "gpu":
       kernels = resources.merge(resources.parse_ptxas(report.log), resources.read_dump(dump))
       report.kernels = [k for k in kernels.values() if k.name.endswith("_kernel") or (k.spill_stores or 0) > 0]
@@ -191,8 +207,11 @@ def format_report(report: Report) -> str:
                  f"{_bytes(report.outputs)} (donated {_bytes(report.aliased)}), temporaries {_bytes(report.temporaries)}, "
                  f"code {_bytes(report.code)} -> {_bytes(report.total)} of {_bytes(report.memory_per_device)} "
                  f"({share:.0%}): {'fits' if report.fits else 'DOES NOT FIT'}"]
+  if report.model_flops:
+    lines.append(f"  model FLOPs per device and step: {report.model_flops:.3g} (posjax.models.flops: the MFU numerator)")
   if report.flops:
-    lines.append(f"  XLA's FLOP count per device and step: {report.flops:.3g} (Pallas kernels not counted)")
+    loops = f"; loop bodies counted once (trip counts {', '.join(map(str, report.loop_trips))})" if report.loop_trips else ""
+    lines.append(f"  XLA's FLOP count per device: {report.flops:.3g} (Pallas kernels not counted{loops})")
   if report.kernels:
     lines.append(f"  {'kernel':<28}{'shared memory':>22}{'registers':>11}{'spill stores':>14}{'grid':>16}")
     for k in report.kernels:

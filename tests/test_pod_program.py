@@ -1,0 +1,144 @@
+"""What each device computes in the train step on a simulated 8-device mesh (this process's 8 CPU devices): the
+compiled program's per-device shapes, collectives, loops and memory, not only its results. Tiny BERT (width 64,
+4 heads of 16, MLP 128), batch 96 x 16: the attention logits of ``r`` rows per device are a ``dot`` of shape
+``[r, 4, 16, 16]``."""
+
+import functools
+import re
+import tempfile
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import tasks
+from posjax.aot import compile as aot
+from posjax.models import BertConfig, BertForMaskedLM, layout
+from posjax.train import step as step_lib, validate
+from conftest import load_config, override
+
+pytestmark = pytest.mark.xdist_group("pod_program")
+BATCH, LENGTH, HEADS = 96, 16, 4
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute")
+
+
+@functools.cache
+def traced(**overrides):
+  """The run's train step traced over this process's 8 devices (data=8 unless ``mesh.*`` says otherwise), and its
+  model FLOPs per device."""
+  config = load_config("pretrain", "runlocal,position=absolute")
+  config.update(batch_size=BATCH, max_len=LENGTH, total_steps=2, warmup_steps=1, eval_every_steps=0)
+  config = override(config, **overrides)
+  with tempfile.TemporaryDirectory() as workdir:
+    prepared = validate.validate(config, workdir, tasks.build)
+    step, batch = aot.trace_train_step(prepared)
+    return step, aot.step_flops(prepared.task.model_config, batch) / jax.device_count()
+
+
+@functools.cache
+def compiled(**overrides):
+  return traced(**overrides)[0].lower().compile()
+
+
+def outputs(program, op: str) -> list[tuple[int, ...]]:
+  """The per-device shapes of every ``op`` instruction's (array) output in the compiled HLO."""
+  found = re.findall(rf"= [a-z0-9]+\[([\d,]*)\]\S* {op}\(", program.as_text())
+  return [tuple(int(d) for d in dims.split(",") if d) for dims in found]
+
+
+def logits_rows(program) -> set[int]:
+  """Rows per device of the attention logits ``[rows, heads, L, L]``."""
+  return {s[0] for s in outputs(program, "dot") if len(s) == 4 and s[1:] == (HEADS, LENGTH, LENGTH)}
+
+
+def temporaries(program) -> int:
+  return program.memory_analysis().temp_size_in_bytes
+
+
+def collectives(program) -> list:
+  return [(op, s) for op in COLLECTIVES for s in outputs(program, op)]
+
+
+def test_every_micro_step_runs_on_every_data_device():
+  whole, accumulated = compiled(), compiled(grad_accum_steps=4)
+  assert logits_rows(whole) == {BATCH // 8}
+  # 4 micro-batches of 24 rows, each over the 8 devices: 3 rows per device per micro-step, nothing gathered.
+  assert logits_rows(accumulated) == {BATCH // 4 // 8}
+  assert collectives(accumulated) == [] and collectives(whole) == []
+  assert temporaries(accumulated) <= 0.5 * temporaries(whole)
+
+
+def test_scanned_layers_are_one_layer_compiled_in_a_loop_of_their_number():
+  two, twelve = compiled(**{"model.scan_layers": True}), compiled(**{"model.scan_layers": True, "model.num_layers": 12})
+  assert len(outputs(twelve, "dot")) == len(outputs(two, "dot"))  # one layer's program, whatever the depth
+  assert re.search(r'while\(.*"known_trip_count":\{"n":"12"\}', twelve.as_text())
+  unrolled = compiled(**{"model.num_layers": 12})
+  assert len(outputs(unrolled, "dot")) > 3 * len(outputs(twelve, "dot"))
+
+
+def test_full_remat_at_least_halves_the_temporaries():
+  # Scanned layers (the recomputation sits in the backward loop's body, where any scheduler must run it); the
+  # unrolled layers' figures on TPU and GPU are compiled ahead of time in docs/benchmarks.md.
+  deep = {"model.scan_layers": True, "model.num_layers": 4, "max_len": 64}
+  assert temporaries(compiled(**deep, **{"model.remat": "full"})) <= 0.5 * temporaries(compiled(**deep))
+
+
+def test_activations_are_sharded_over_data_fsdp_and_tensor():
+  program = compiled(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})
+  # Rows over data x fsdp (4 shards), heads over tensor (2): the logits are [24, 2, 16, 16] on each device.
+  logits = [s for s in outputs(program, "dot") if len(s) == 4 and s[2:] == (LENGTH, LENGTH)]
+  assert set(logits) == {(BATCH // 4, HEADS // 2, LENGTH, LENGTH)}
+  # No instruction holds the whole batch's hidden states [96, 16, ...], or half of them.
+  text = program.as_text()
+  assert not re.search(rf"\[{BATCH},{LENGTH}[,\]]", text) and not re.search(rf"\[{BATCH // 2},{LENGTH}[,\]]", text)
+  # fsdp gathers parameters, or an activation along a parameter's embed axis (an embedding lookup), never rows:
+  # no all-gather has more rows than one data x fsdp shard's 24.
+  gathered = [s for op, s in collectives(program) if op == "all-gather"]
+  assert gathered and not [s for s in gathered if s[0] in (BATCH, BATCH // 2)], gathered
+
+
+@pytest.mark.parametrize("overrides", [dict(scan_layers=True), dict(remat="full"),
+                                       dict(scan_layers=True, remat="dots")], ids=str)
+def test_remat_and_scanned_layers_give_the_same_loss_and_gradients(overrides):
+  ids = jax.random.randint(jax.random.PRNGKey(1), (4, 24), 0, 128)
+  plain, other = (BertForMaskedLM(BertConfig.tiny(position="tupe_r", **o)) for o in ({}, overrides))
+  params = nn.unbox(plain.init(jax.random.PRNGKey(0), ids)["params"])
+  converted = layout.like(params, nn.unbox(jax.eval_shape(other.init, jax.random.PRNGKey(0), ids)["params"]))
+  target = jax.random.normal(jax.random.PRNGKey(2), (4, 24, 128))
+  loss = lambda model, p: jnp.sum((model.apply({"params": p}, ids) - target) ** 2)
+  want, want_grads = jax.value_and_grad(functools.partial(loss, plain))(params)
+  got, got_grads = jax.value_and_grad(functools.partial(loss, other))(converted)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  got_grads = layout.like(got_grads, want_grads)
+  largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
+  for path, g in jax.tree_util.tree_leaves_with_path(want_grads):
+    h = functools.reduce(lambda t, k: t[k.key], path, got_grads)
+    np.testing.assert_allclose(h, g, atol=1e-5 * largest, err_msg=jax.tree_util.keystr(path))
+
+
+def test_layerwise_decay_scales_scanned_layers_by_their_index():
+  ids = jnp.zeros((1, 8), jnp.int32)
+  config = BertConfig.tiny(num_layers=3)
+  per_layer = nn.unbox(jax.eval_shape(BertForMaskedLM(config).init, jax.random.PRNGKey(0), ids)["params"])
+  scanned = nn.unbox(jax.eval_shape(BertForMaskedLM(BertConfig.tiny(num_layers=3, scan_layers=True)).init,
+                                    jax.random.PRNGKey(0), ids)["params"])
+  kernel = step_lib.layer_scales(scanned, 0.5)["encoder"]["layers"]["mlp_in"]["kernel"]
+  np.testing.assert_allclose(np.broadcast_to(kernel, (3, 1, 1))[:, 0, 0], [0.125, 0.25, 0.5])
+  assert step_lib.layer_scales(per_layer, 0.5)["encoder"]["layer_0"]["mlp_in"]["kernel"] == 0.125
+
+
+WIDE = {"model.hidden_size": 256, "model.intermediate_size": 1024, "model.dropout_rate": 0.0,
+        "model.attention_dropout_rate": 0.0}
+
+
+def test_model_flops_are_xlas_count_without_loops_and_the_steps_with_them():
+  # Without a loop XLA counts every operation once: the model's matrix products are within 5% of it.
+  xla = compiled(**WIDE).cost_analysis()["flops"]
+  model = traced(**WIDE)[1]
+  assert 0.95 < model / xla < 1.0
+  # XLA counts a loop's body once: 4 micro-steps count as one, 4 scanned layers as one; the model's FLOPs do not.
+  accumulated = {**WIDE, "grad_accum_steps": 4}
+  assert traced(**accumulated)[1] == model
+  assert compiled(**accumulated).cost_analysis()["flops"] < 0.3 * model
