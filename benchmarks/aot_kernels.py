@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import common
 from posjax import kernels
 from posjax.aot import compile as aot
 from posjax.aot import resources, targets
@@ -94,16 +92,12 @@ def run_case(case: str, target: str, length: int, blocks: str, timeout: float) -
   """:func:`worker` in a child process group, killed whole past ``timeout`` seconds."""
   command = [sys.executable, __file__, f"--worker={case},{target},{length},{blocks}"]
   start = time.perf_counter()
-  child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                           start_new_session=True)
-  try:
-    out, _ = child.communicate(timeout=timeout)
-  except subprocess.TimeoutExpired:
-    os.killpg(child.pid, signal.SIGKILL)
-    child.communicate()
+  finished = common.run_in_group(command, timeout)
+  if finished is None:
     return {"result": f"not done after {timeout:.0f} s (killed)", "seconds": time.perf_counter() - start}
+  out, _, status = finished
   lines = [line for line in out.splitlines() if line.startswith("{")]
-  return json.loads(lines[-1]) if lines else {"result": f"worker failed (status {child.returncode})"}
+  return json.loads(lines[-1]) if lines else {"result": f"worker failed (status {status})"}
 
 
 def cell(kernel: dict | None) -> str:

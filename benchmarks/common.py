@@ -1,10 +1,13 @@
-"""Shared pieces of the benchmark scripts: timing compiled functions, the BERT-Base MLM train step."""
+"""Shared pieces of the benchmark scripts: timing compiled functions, the BERT-Base MLM train step, children that
+compile."""
 
 from __future__ import annotations
 
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import time
 
 import jax
@@ -83,3 +86,17 @@ def bert_train_step(name: str, length: int, batch: int, dtype: str, kernel: str,
     return optax.apply_updates(params, updates), opt_state
 
   return step, ((params, optimizer.init(params)), ids, masked, labels), config, masked_count
+
+
+def run_in_group(command: list[str], timeout: float, **popen) -> tuple[str, str, int] | None:
+  """``command``'s ``(stdout, stderr, status)``, run in its own process group and killed whole past ``timeout``
+  seconds (None): a compiler's children (ptxas) die with it."""
+  child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           **popen)
+  try:
+    out, err = child.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(child.pid, signal.SIGKILL)
+    child.communicate()
+    return None
+  return out, err, child.returncode

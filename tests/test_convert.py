@@ -117,10 +117,11 @@ def test_posjax_to_hugging_face_and_back_is_exact(position):
   assert_same_params(variables["params"], params)
 
 
-@pytest.mark.parametrize("position", ["absolute", "huang_m4"])
-def test_an_encoder_as_init_returns_it_converts(position):
-  # BertEncoder's variables, boxed with their logical axes (what init returns), become a Hugging Face BertModel.
-  config = BertConfig.tiny(position=position, max_len=24)
+@pytest.mark.parametrize("position,scan", [("absolute", False), ("huang_m4", False), ("huang_m4", True)])
+def test_an_encoder_as_init_returns_it_converts(position, scan):
+  # BertEncoder's variables, boxed with their logical axes (what init returns), become a Hugging Face BertModel;
+  # scanned layers (stacked parameters) as Hugging Face's per-layer modules.
+  config = BertConfig.tiny(position=position, max_len=24, scan_layers=scan)
   boxed = BertEncoder(config).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   plain = randomize(boxed["params"], scale=0.3)
   is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)

@@ -14,7 +14,7 @@ import pytest
 from posjax.models import BertConfig
 from posjax.models.electra import Electra
 from posjax.tasks import electra
-from posjax.train import step as step_lib
+from posjax.train import sharding, step as step_lib
 from conftest import randomize
 
 VOCAB, L, M = 128, 12, 4
@@ -185,6 +185,27 @@ def test_accumulation_gives_the_update_and_metrics_of_one_batch():
   one, metrics_one = run_step(params, batch, 1)
   two, metrics_two = run_step(params, batch, 2)
   for name in ("loss", "mlm_loss", "disc_loss", "disc_recall", "tokens"):
+    np.testing.assert_allclose(metrics_one[name], metrics_two[name], rtol=1e-5, err_msg=name)
+  largest = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(one.params))
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):
+    np.testing.assert_allclose(a, b, atol=1e-5 * largest)
+
+
+def test_accumulation_on_an_8_device_mesh_gives_the_update_of_one_batch():
+  # 16 rows over data=8 in 2 micro-batches (one row per device per micro-step), against the whole batch at once.
+  _, params = model_and_params()
+  batch = fixed_batch(rows=16)
+  mesh = sharding.make_mesh({"data": 8})
+  rows = sharding.batch_sharding(mesh)
+
+  def on_mesh(accum_steps):
+    def step(params, batch):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return run_step(params, batch, accum_steps)
+    return jax.jit(step, in_shardings=(sharding.replicated(mesh), rows))(params, batch)
+
+  (one, metrics_one), (two, metrics_two) = jax.jit(run_step, static_argnums=2)(params, batch, 1), on_mesh(2)
+  for name in ("loss", "mlm_loss", "disc_loss", "tokens"):
     np.testing.assert_allclose(metrics_one[name], metrics_two[name], rtol=1e-5, err_msg=name)
   largest = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(one.params))
   for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):

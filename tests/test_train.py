@@ -17,6 +17,7 @@ import pytest
 from posjax import config_args
 from posjax.data import mlm as mlm_data
 from posjax.main import train
+from posjax.models import layout
 from posjax.train import checkpoint, metrics, peers, sharding, validate
 from posjax.train.step import make_optimizer, step_rng
 from conftest import ROOT, devices_env, load_config, override
@@ -565,3 +566,18 @@ def test_weight_decay_exclusion_decides_which_parameters_decay():
     moved = {jax.tree_util.keystr(p).split("'")[-2] for p, u in jax.tree_util.tree_leaves_with_path(updates)
              if np.abs(u).max() > 0}
     assert moved == decayed, exclusion
+
+
+def test_a_checkpoint_starts_a_run_of_the_other_layer_layout_and_refuses_to_resume_in_it(tmp_path):
+  common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0,
+            "checkpoint_every_steps": 1}
+  unrolled = train(pretrain_config(**common, total_steps=1), str(tmp_path / "unrolled"))
+  with pytest.raises(ValueError, match=r"checkpoint 1 in \S+ holds its layers per-layer, this run's model scanned "
+                                       r"\(model.scan_layers=True\): resume with model.scan_layers=False, or start "
+                                       r"another workdir from it with init_from="):
+    train(pretrain_config(**common, total_steps=2, allow_config_change=True, **{"model.scan_layers": True}),
+          str(tmp_path / "unrolled"))
+  # A zero learning rate keeps the warm start's parameters: the checkpoint's, stacked.
+  scanned = train(pretrain_config(**common, total_steps=1, learning_rate=0.0, init_from=str(tmp_path / "unrolled"),
+                                  **{"model.scan_layers": True}), str(tmp_path / "scanned"))
+  assert_same_params(layout.stack(unrolled), scanned)
