@@ -30,6 +30,7 @@ PATTERNS = {
     "fits": r"\): (fits|DOES NOT FIT)",
     "model_flops": r"model FLOPs per device and step: ([\d.e+]+)",
     "xla_flops": r"XLA's FLOP count per device: ([\d.e+]+)",
+    "failed": r"does not compile \(([\d.]+) s\): (.*)",
 }
 
 
@@ -44,17 +45,22 @@ def cases(grid: str):
 
 
 def compile_case(target: str, size: str, method: str, batch: int, length: int, accum: int, remat: str, scan: bool,
-                 timeout: float, layers: int = 0) -> dict:
+                 timeout: float, layers: int = 0, kernel: str = "xla") -> dict:
   """One compile's figures (or its error), parsed from the command's report (``layers``: 0 for the size's)."""
   command = [sys.executable, "-m", "posjax.main", f"--config=configs/pretrain.py:size={size},position={method}",
              f"--target={target}", f"--config.batch_size={batch}", f"--config.max_len={length}",
-             f"--config.grad_accum_steps={accum}", f"--config.model.remat={remat}", f"--config.model.scan_layers={scan}"] + ([f"--config.model.num_layers={layers}"] if layers else [])
+             f"--config.grad_accum_steps={accum}", f"--config.model.remat={remat}",
+             f"--config.model.scan_layers={scan}", f"--config.model.attention_kernel={kernel}"]
+  command += [f"--config.model.num_layers={layers}"] if layers else []
   finished = common.run_in_group(command, timeout, cwd=ROOT)
   if finished is None:
     return {"error": f"not compiled within {timeout:.0f} s"}
   out, err, status = finished
   found = {name: m.group(1) for name, pattern in PATTERNS.items() if (m := re.search(pattern, out))}
-  if "seconds" not in found:
+  if "failed" in found:  # the compiler's words, e.g. XLA:TPU's "Ran out of memory in memory space hbm"
+    failed = re.search(PATTERNS["failed"], out)
+    found["error"] = f"does not compile ({float(failed.group(1)):.0f} s): {failed.group(2)[:300]}"
+  elif "seconds" not in found:
     lines = [line for line in (out + err).splitlines() if line.strip()]
     found["error"] = (lines[-1] if lines else f"exit {status}")[:160]
   return found
@@ -70,19 +76,23 @@ def main():
   parser.add_argument("--grid", choices=("scan", "full", "depth"), default="scan",
                       help="depth: accumulation 1, no remat, scan off/on, at each of --layers")
   parser.add_argument("--layers", default="", help="comma-separated layer counts (default: the size's)")
+  parser.add_argument("--kernel", default="xla", help="attention kernel (auto picks cuDNN on a GPU, which needs the "
+                      "cuDNN library to compile)")
   parser.add_argument("--timeout", type=float, default=3600)
   args = parser.parse_args()
-  print(f"{args.method}, batch {args.batch} x {args.length}, bf16, dropout 0.1, kernel auto; per device\n")
+  print(f"{args.method}, batch {args.batch} x {args.length}, bf16, dropout 0.1, kernel {args.kernel}; per device\n")
   print("| target | model | accum | remat | scan | compile s | temporaries GiB | total GiB | model TFLOP | XLA TFLOP |"
         "\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
   depths = [int(n) for n in args.layers.split(",") if n] or [0]
   for target, size, layers in itertools.product(args.targets.split(","), args.sizes.split(","), depths):
     for accum, remat, scan in cases(args.grid):
-      r = compile_case(target, size, args.method, args.batch, args.length, accum, remat, scan, args.timeout, layers)
+      r = compile_case(target, size, args.method, args.batch, args.length, accum, remat, scan, args.timeout, layers,
+                       args.kernel)
       tflop = lambda key: f"{float(r[key]) / 1e12:.2f}" if key in r else "—"
+      fits = "" if r.get("fits") == "fits" else " (does not fit)"
       figures = (f"{r['error']} | | | | |" if "error" in r else
-                 f"{float(r['seconds']):.0f} | {r['temporaries']} | {r['total']}{'' if r['fits'] == 'fits' else ' (does not fit)'}"
-                 f" | {tflop('model_flops')} | {tflop('xla_flops')} |")
+                 f"{float(r['seconds']):.0f} | {r['temporaries']} | {r['total']}{fits} | {tflop('model_flops')} | "
+                 f"{tflop('xla_flops')} |")
       model = f"{size} x{layers}" if layers else size
       print(f"| {target} | {model} | {accum} | {remat} | {'on' if scan else 'off'} | {figures}", flush=True)
 

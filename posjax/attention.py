@@ -193,7 +193,8 @@ class SelfAttention(nn.Module):
   Call with the ``PositionState`` the method's encoder-level module returned for this batch (built once
   and shared by all layers; an empty ``PositionState()`` for methods without one). The ``pallas`` kernel reads
   the batch's positions from ``state.positions`` (default ``0..L-1``). ``platform`` names the device the program
-  is compiled for (``gpu`` / ``tpu``; None: the default backend's), for ahead-of-time compilation on a CPU.
+  is compiled for (``gpu`` / ``tpu``; None: the default backend's), for ahead-of-time compilation on a CPU. Under a
+  mesh, q, k, v and the heads' outputs are constrained by their logical axes (:mod:`posjax.partitioning`).
   """
 
   spec: base.PositionSpec

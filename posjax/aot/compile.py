@@ -208,9 +208,11 @@ def format_report(report: Report) -> str:
                  f"code {_bytes(report.code)} -> {_bytes(report.total)} of {_bytes(report.memory_per_device)} "
                  f"({share:.0%}): {'fits' if report.fits else 'DOES NOT FIT'}"]
   if report.model_flops:
-    lines.append(f"  model FLOPs per device and step: {report.model_flops:.3g} (posjax.models.flops: the MFU numerator)")
+    lines.append(f"  model FLOPs per device and step: {report.model_flops:.3g} (posjax.models.flops: the MFU "
+                 "numerator)")
   if report.flops:
-    loops = f"; loop bodies counted once (trip counts {', '.join(map(str, report.loop_trips))})" if report.loop_trips else ""
+    trips = ", ".join(map(str, report.loop_trips))
+    loops = f"; loop bodies counted once (trip counts {trips})" if trips else ""
     lines.append(f"  XLA's FLOP count per device: {report.flops:.3g} (Pallas kernels not counted{loops})")
   if report.kernels:
     lines.append(f"  {'kernel':<28}{'shared memory':>22}{'registers':>11}{'spill stores':>14}{'grid':>16}")
