@@ -45,8 +45,7 @@ def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, re
   class Layer(nn.Module):
     @nn.compact
     def __call__(self, x, pos):
-      encoder = spec.method.encoder
-      state = encoder(spec=spec, name="pos")(pos) if encoder else positions.PositionState()
+      state = spec.method.encoder(spec=spec, name="pos")(pos)
       return attention.SelfAttention(spec, kernel, name="attn")(x, state)
 
   x = jnp.asarray(np.random.default_rng(0).normal(size=(batch, length, HIDDEN)), dtype)

@@ -32,10 +32,9 @@ def contributions(name: str) -> str:
   config = BertConfig.tiny(position=name)
   spec = config.position_spec
   parts = []
-  if spec.method.encoder is not None:
-    state = jax.eval_shape(lambda p: spec.method.encoder(spec=spec).init_with_output(jax.random.PRNGKey(0), p)[0],
-                           jnp.zeros((1, 8), jnp.int32))
-    parts += ["input embedding"] * (state.embedding is not None) + ["shared bias"] * (state.bias is not None)
+  state = jax.eval_shape(lambda p: spec.method.encoder(spec=spec).init_with_output(jax.random.PRNGKey(0), p)[0],
+                         jnp.zeros((1, 8), jnp.int32))
+  parts += ["input embedding"] * (state.embedding is not None) + ["shared bias"] * (state.bias is not None)
   if spec.method.layer is not None and "shared bias" not in parts:
     parts.append("per-layer q/k terms")
   return ", ".join(parts) or "nothing"

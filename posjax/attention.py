@@ -187,12 +187,32 @@ def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str
                                       key_value_seq_lengths=lengths, implementation=implementation)
 
 
+def check_state(spec: base.PositionSpec, state: base.PositionState | None, batch_length) -> base.PositionState:
+  """The state a layer computes with: the one given, which must come from the method's encoder where the layer
+  reads it (it then carries the batch's positions), or an empty one for a method whose layers read none."""
+  if state is None or state.positions is None:
+    if spec.method.reads_state:
+      raise ValueError(
+          f"SelfAttention with position method {spec.name!r} needs the PositionState its encoder returns for this "
+          f"batch: state = spec.method.encoder(spec=spec)(positions_BxL), then attention(x, state, mask)"
+          + ("" if state is None else " (this state has no positions: it was not built by the encoder)"))
+    return state or base.PositionState()
+  batch, length = batch_length
+  shape = tuple(state.positions.shape)
+  if len(shape) != 2 or shape[1] != length or shape[0] not in (1, batch):
+    raise ValueError(f"the state's positions have shape {shape}; this layer's input needs [{batch} or 1, {length}] "
+                     "(build the state from this batch's positions)")
+  return state
+
+
 class SelfAttention(nn.Module):
   """Self-attention with the position method of ``spec``; drop it into any linen model.
 
-  Call with the ``PositionState`` the method's encoder-level module returned for this batch (built once
-  and shared by all layers; an empty ``PositionState()`` for methods without one). The ``pallas`` kernel reads
-  the batch's positions from ``state.positions`` (default ``0..L-1``). ``platform`` names the device the program
+  Call with the ``PositionState`` the method's encoder-level module returned for this batch
+  (``spec.method.encoder(spec=spec)(positions_BxL)``, every method, ``none`` included; built once and shared by
+  all layers). It carries the batch's positions, from which the fused kernels build their terms. Without a state
+  (``state=None``), only a method whose layers read none (``none``, ``absolute``, ``sinusoidal``) runs, at
+  positions ``0..L-1``; any other is an error. ``platform`` names the device the program
   is compiled for (``gpu`` / ``tpu``; None: the default backend's), for ahead-of-time compilation on a CPU. Under a
   mesh, q, k, v and the heads' outputs are constrained by their logical axes (:mod:`posjax.partitioning`).
   """
@@ -207,7 +227,7 @@ class SelfAttention(nn.Module):
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
                deterministic: bool = True):
     spec = self.spec
-    state = state or base.PositionState()
+    state = check_state(spec, state, x_BxLxD.shape[:2])
     mask = mask or Mask()
     q, k, v = (partitioning.constrain(base.head_projection(spec, name, self.use_bias)(x_BxLxD), partitioning.BLHK)
                for name in ("query", "key", "value"))

@@ -58,8 +58,7 @@ class OneLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, mask=None):
-    encoder = self.spec.method.encoder
-    state = encoder(spec=self.spec, name="pos")(positions_BxL) if encoder else positions.PositionState()
+    state = self.spec.method.encoder(spec=self.spec, name="pos")(positions_BxL)
     return attention.SelfAttention(self.spec, self.kernel, name="attn")(x_BxLxD, state, mask)
 
 

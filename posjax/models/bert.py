@@ -252,7 +252,7 @@ class BertEncoder(nn.Module):
                                             embedding_init=base.normal_init((None, base.EMBED)))
     if self.shared_position_table:
       self.position = spec.method.encoder(spec=spec, table_from=self._table_source().position)
-    elif spec.method.encoder is not None:
+    else:
       self.position = spec.method.encoder(spec=spec)
     self.embedding_norm = _layer_norm(c, "embedding_norm")
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
@@ -274,10 +274,8 @@ class BertEncoder(nn.Module):
     if positions.ndim != 2 or positions.shape[1] != length or positions.shape[0] not in (1, batch):
       raise ValueError(f"positions must be [{batch} or 1, {length}], got shape {positions.shape}")
     embeddings = self._embeddings_source()
-    position = embeddings.position if spec.method.input_embedding and embeddings is not self else getattr(
-        self, "position", None)
-    state = position(positions) if spec.method.encoder is not None else base.PositionState()
-    state = state.replace(positions=positions)
+    position = embeddings.position if spec.method.input_embedding and embeddings is not self else self.position
+    state = position(positions)
     if state.bias is not None:
       self.sow("intermediates", "position_bias", state.bias)
 

@@ -52,7 +52,7 @@ class Absolute(nn.Module):
   def __call__(self, positions_BxL):
     self.spec.check_length(positions_BxL.shape[-1])
     return base.PositionState(embedding=LearnedTable(self.spec, width=self.spec.input_width,
-                                                     name="table")(positions_BxL))
+                                                     name="table")(positions_BxL), positions=positions_BxL)
 
 
 def sinusoid(positions_BxL, dim: int, max_timescale: float = 10_000.0):
@@ -72,7 +72,7 @@ class Sinusoidal(nn.Module):
   def __call__(self, positions_BxL):
     options = self.spec.options
     pe = options.scale * sinusoid(positions_BxL, self.spec.input_width, options.max_timescale)
-    return base.PositionState(embedding=pe.astype(self.spec.dtype))
+    return base.PositionState(embedding=pe.astype(self.spec.dtype), positions=positions_BxL)
 
 
 base.register(base.Method("none", NoOptions, summary="no position information"))

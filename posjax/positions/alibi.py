@@ -37,7 +37,8 @@ class AlibiBias(nn.Module):
     slopes_H = slopes(self.spec.num_heads)
     distance = jnp.abs(base.relative_positions(positions_BxL)).astype(jnp.float32)
     bias = -slopes_H[None, :, None, None] * distance[:, None]
-    return base.PositionState(bias=bias, kernel_terms=kernels.Terms(alibi=kernels.Alibi(jnp.asarray(slopes_H))))
+    return base.PositionState(bias=bias, kernel_terms=kernels.Terms(alibi=kernels.Alibi(jnp.asarray(slopes_H))),
+                              positions=positions_BxL)
 
 
 base.register(base.Method("alibi", absolute.NoOptions, encoder=AlibiBias,

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The relative formulas several methods share live with the kernels' terms (which compute them too); re-exported.
 from posjax.kernels.terms import dot_heads, relative_positions  # noqa: F401
@@ -48,7 +51,8 @@ class PositionState:
     context: a pytree the per-layer terms read (position tables, relative distances, rotations).
     kernel_terms: ``bias`` in the form a fused kernel builds per tile (:class:`posjax.kernels.Terms`), or None.
       Under ``jit`` whichever of the two the attention kernel does not read is never computed.
-    positions: ``[Bp, L]`` the batch's positions (set by the encoder; fused kernels read them).
+    positions: ``[Bp, L]`` the batch's positions. Every method's encoder sets them (the fused kernels build their
+      terms from them, so packed rows are exact on every kernel); None only in a state built by hand.
   """
 
   embedding: Array | None = None
@@ -81,6 +85,17 @@ class LayerTerms:
   kernel_terms: Any = None
 
 
+class Positions(nn.Module):
+  """The encoder of a method that computes nothing before the first layer (``none``): a state holding only the
+  batch's positions, so that one pattern, ``spec.method.encoder(spec=spec)(positions_BxL)``, serves every
+  method."""
+
+  spec: Any
+
+  def __call__(self, positions_BxL):
+    return PositionState(positions=positions_BxL)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
   """A registered position method.
@@ -88,7 +103,8 @@ class Method:
   Attributes:
     name: registry name.
     options: a frozen dataclass type; its fields are the method's options, with their defaults.
-    encoder: module type built as ``encoder(spec=...)``, called as ``(positions_BpxL) -> PositionState``.
+    encoder: module type built as ``encoder(spec=...)``, called as ``(positions_BpxL) -> PositionState`` (a state
+      that carries the positions it was given); :class:`Positions` for a method that computes nothing there.
     layer: module type built as ``layer(spec=...)`` in every attention layer, called as
       ``(q, k, context, scale) -> LayerTerms``.
     content_scale: the word (q·k) term is scaled by ``1/sqrt(content_scale * d_h)``.
@@ -105,7 +121,7 @@ class Method:
 
   name: str
   options: type
-  encoder: type[nn.Module] | None = None
+  encoder: type[nn.Module] = Positions
   layer: type[nn.Module] | None = None
   content_scale: float = 1.0
   fusable: Callable[[Any], bool] = lambda options: True
@@ -113,6 +129,12 @@ class Method:
   input_embedding: bool = False
   table_shareable: bool = False
   summary: str = ""
+
+  @property
+  def reads_state(self) -> bool:
+    """Whether its attention layers read the state its encoder returns (all but ``none`` and the methods that
+    only add an input embedding)."""
+    return self.layer is not None or not (self.input_embedding or self.encoder is Positions)
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -143,14 +165,35 @@ def get(name: str) -> Method:
   return _REGISTRY[name]
 
 
+def _accepts(value: Any, hint: Any) -> bool:
+  """Whether ``value`` has the type an options field is annotated with (an int where a float is asked is one)."""
+  if typing.get_origin(hint) in (typing.Union, types.UnionType):
+    return any(_accepts(value, arg) for arg in typing.get_args(hint))
+  if hint is type(None):
+    return value is None
+  if hint in (int, float):
+    numbers = (int, np.integer) if hint is int else (int, float, np.integer, np.floating)
+    return isinstance(value, numbers) and not isinstance(value, (bool, np.bool_))
+  if hint is bool:
+    return isinstance(value, (bool, np.bool_))
+  return not isinstance(hint, type) or isinstance(value, hint)
+
+
 def parse_options(method: Method, options: Mapping[str, Any] | None) -> Any:
-  """Builds ``method.options`` from a mapping; an unknown key is an error that lists the allowed ones."""
+  """Builds ``method.options`` from a mapping; an unknown key, or a value of another type than the field's, is an
+  error that says what is allowed."""
   options = dict(options or {})
+  hints = typing.get_type_hints(method.options)
   allowed = {f.name for f in dataclasses.fields(method.options)}
   unknown = sorted(set(options) - allowed)
   if unknown:
     raise ValueError(
         f"position method {method.name!r} has no option(s) {unknown}; allowed: {sorted(allowed) or 'none'}")
+  for name, value in options.items():
+    if not _accepts(value, hints[name]):
+      hint = getattr(hints[name], "__name__", str(hints[name]))
+      raise ValueError(f"position method {method.name!r}: option {name}={value!r} is a {type(value).__name__}; "
+                       f"it must be {hint}")
   return method.options(**options)
 
 

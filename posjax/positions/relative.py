@@ -198,7 +198,7 @@ class RelativeDistances(nn.Module):
     context = {"rel": base.relative_positions(positions_BxL)}
     if self.spec.options.share_across_layers:
       context["tables"] = make_tables(self, self.spec)
-    return base.PositionState(context=context)
+    return base.PositionState(context=context, positions=positions_BxL)
 
 
 class RelativeLayer(nn.Module):

@@ -45,7 +45,7 @@ class Rotation(nn.Module):
   @nn.compact
   def __call__(self, positions_BxL):
     sin, cos = rotation(positions_BxL, self.spec.head_dim, self.spec.options.max_timescale)
-    return base.PositionState(context={"sin": sin, "cos": cos})
+    return base.PositionState(context={"sin": sin, "cos": cos}, positions=positions_BxL)
 
 
 class RotateQK(nn.Module):

@@ -53,7 +53,7 @@ def t5_bias(spec: base.PositionSpec, positions_BxL, name: str = "relative_bias")
   bias = module(index)
   terms = kernels.Terms(buckets=kernels.Buckets(module.table, num_buckets=opts.num_buckets,
                                                 max_distance=opts.max_distance, bidirectional=opts.bidirectional))
-  return base.PositionState(bias=bias, kernel_terms=terms)
+  return base.PositionState(bias=bias, kernel_terms=terms, positions=positions_BxL)
 
 
 class T5Bias(nn.Module):

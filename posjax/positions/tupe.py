@@ -167,8 +167,8 @@ class Tupe(nn.Module):
       context["rel_index"] = index
     if opts.share_across_layers:
       bias, terms = self.correlation(context)
-      return base.PositionState(bias=bias, kernel_terms=terms)
-    return base.PositionState(context=context)
+      return base.PositionState(bias=bias, kernel_terms=terms, positions=positions_BxL)
+    return base.PositionState(context=context, positions=positions_BxL)
 
 
 class TupeLayer(nn.Module):
@@ -206,7 +206,7 @@ class BertAdTable(nn.Module):
     p = absolute.LearnedTable(self.spec, name="table")(positions_BxL)
     if self.spec.options.layernorm:
       p = base.layer_norm(self.spec, "pos_ln")(p)
-    return base.PositionState(context={"p": p})
+    return base.PositionState(context={"p": p}, positions=positions_BxL)
 
 
 class BertAdLayer(nn.Module):
