@@ -44,9 +44,9 @@ def relative_positions(positions_BxL):
 
 
 def dot_heads(a_BxQxHxK, b_BxTxHxK):
-  """``[B|1, Q, H, K] x [B|1, T, H, K] -> [B|1, H, Q, T]``: per-head dot products (the content term's
-  layout; TUPE's untied term)."""
-  return jnp.einsum("bqhd,bkhd->bhqk", a_BxQxHxK, b_BxTxHxK)
+  """``[B|1, Q, H, K] x [B|1, T, H, K] -> [B|1, H, Q, T]`` float32: per-head dot products (the content term's
+  layout; TUPE's untied term), accumulated in float32 whatever the inputs' dtype."""
+  return jnp.einsum("bqhd,bkhd->bhqk", a_BxQxHxK, b_BxTxHxK, preferred_element_type=jnp.float32)
 
 
 def clipped_index(rel_S, k: int):
@@ -100,10 +100,10 @@ def choose_impl(impl: str, batch_heads: int, head_dim: int, index_BpxLxL) -> str
 
 def contract_table(x_BxLxHxK, a_BpxLxLxK, spec_in: str):
   """``einsum(spec_in)`` with a gathered table whose batch may be 1 (then it is shared by the whole batch,
-  and contracted without broadcasting it)."""
+  and contracted without broadcasting it), accumulated in float32."""
   if a_BpxLxLxK.shape[0] == 1:
-    return jnp.einsum(spec_in.replace(",bqk", ",qk"), x_BxLxHxK, a_BpxLxLxK[0])
-  return jnp.einsum(spec_in, x_BxLxHxK, a_BpxLxLxK)
+    return jnp.einsum(spec_in.replace(",bqk", ",qk"), x_BxLxHxK, a_BpxLxLxK[0], preferred_element_type=jnp.float32)
+  return jnp.einsum(spec_in, x_BxLxHxK, a_BpxLxLxK, preferred_element_type=jnp.float32)
 
 
 def rel_to_abs(x_BxHxLxD, index_BpxLxL):
@@ -115,12 +115,13 @@ def rel_to_abs(x_BxHxLxD, index_BpxLxL):
 
 
 def query_term(q_BxLxHxK, w_DxK, index_BpxLxL, impl: str):
-  """``[B, H, L, L]``: ``q_i · w_{r(i,j)}`` (Shaw's key term, Method 4's query side), by the gathered
+  """``[B, H, L, L]`` float32: ``q_i · w_{r(i,j)}`` (Shaw's key term, Method 4's query side), by the gathered
   ``table`` or the ``skew`` (:func:`choose_impl`); never a ``[B, H, L, L, K]`` tensor."""
   b, _, h, d = q_BxLxHxK.shape
   if choose_impl(impl, b * h, d, index_BpxLxL) == "table":
     return contract_table(q_BxLxHxK, jnp.take(w_DxK, index_BpxLxL, axis=0), "bqhd,bqkd->bhqk")
-  return rel_to_abs(jnp.einsum("bqhd,rd->bhqr", q_BxLxHxK, w_DxK), index_BpxLxL)
+  return rel_to_abs(jnp.einsum("bqhd,rd->bhqr", q_BxLxHxK, w_DxK, preferred_element_type=jnp.float32),
+                    index_BpxLxL)
 
 
 def key_term(k_BxLxHxK, w_DxK, index_BpxLxL, impl: str):
@@ -129,7 +130,8 @@ def key_term(k_BxLxHxK, w_DxK, index_BpxLxL, impl: str):
   if choose_impl(impl, b * h, d, index_BpxLxL) == "table":
     return contract_table(k_BxLxHxK, jnp.take(w_DxK, index_BpxLxL, axis=0), "bkhd,bqkd->bhqk")
   index_BpxLxL_T = index_BpxLxL.swapaxes(-1, -2)
-  return rel_to_abs(jnp.einsum("bkhd,rd->bhkr", k_BxLxHxK, w_DxK), index_BpxLxL_T).swapaxes(-1, -2)
+  return rel_to_abs(jnp.einsum("bkhd,rd->bhkr", k_BxLxHxK, w_DxK, preferred_element_type=jnp.float32),
+                    index_BpxLxL_T).swapaxes(-1, -2)
 
 
 def untie_cls(corr_BxHxLxL, is_cls_BxL, theta_row_H, theta_col_H):

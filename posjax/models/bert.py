@@ -303,8 +303,12 @@ class BertEncoder(nn.Module):
     return EncoderOutput(last_hidden_state=x)
 
   def attend_words(self, x_BxLxE):
-    """Logits over the vocabulary through the (tied, perhaps shared) word embeddings."""
-    return self._embeddings_source().word_embeddings.attend(x_BxLxE)
+    """Float32 logits over the vocabulary through the (tied, perhaps shared) word embeddings: the products take
+    the compute dtype, the sum over the embedding width accumulates in float32 (MaxText's
+    ``logits_dot_in_fp32``)."""
+    embed = self._embeddings_source().word_embeddings
+    return jnp.einsum("...e,ve->...v", x_BxLxE.astype(embed.dtype), embed.embedding.astype(embed.dtype),
+                      preferred_element_type=jnp.float32)
 
   def _table_source(self) -> "BertEncoder":
     """The encoder whose position table this one reads: ``shared``, with the same table-shareable method, options
@@ -349,7 +353,7 @@ def mlm_head(module: nn.Module, encoder: BertEncoder, h_BxMxD):
   h_BxMxE = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](_dense(c, c.embed_width, (base.EMBED, MLP),
                                                                                "transform")(h_BxMxD)))
   bias_V = module.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,), DTYPES[c.param_dtype])
-  return encoder.attend_words(h_BxMxE).astype(jnp.float32) + bias_V
+  return encoder.attend_words(h_BxMxE) + bias_V
 
 
 def pooler(config: BertConfig, h_BxLxD):

@@ -124,16 +124,18 @@ def value_term(weights_BxHxLxL, w_RxK, index_BpxLxL, impl: str):
 
 
 def triple_product(q_BxLxHxK, k_BxLxHxK, a_BpxLxLxK):
-  """``Σ_d q_{i,d} k_{j,d} a_{i,j,d}``, accumulated one feature at a time (no 5-D intermediate; each step
-  is rematerialised in the backward pass so the per-feature products are not stored either)."""
+  """``Σ_d q_{i,d} k_{j,d} a_{i,j,d}`` float32, accumulated one feature at a time (no 5-D intermediate; each step
+  is rematerialised in the backward pass so the per-feature products are not stored either); the products and
+  the sum in float32 whatever the inputs' dtype."""
 
   @jax.checkpoint
   def step(acc, qka):
     q_BxLxH, k_BxLxH, a_BpxLxL = qka
-    return acc + jnp.einsum("bqh,bkh->bhqk", q_BxLxH, k_BxLxH) * a_BpxLxL[:, None], None
+    qk_BxHxLxL = jnp.einsum("bqh,bkh->bhqk", q_BxLxH, k_BxLxH, preferred_element_type=jnp.float32)
+    return acc + qk_BxHxLxL * a_BpxLxL[:, None].astype(jnp.float32), None
 
   b, l, h, _ = q_BxLxHxK.shape
-  acc = jnp.zeros((b, h, l, k_BxLxHxK.shape[1]), jnp.promote_types(q_BxLxHxK.dtype, a_BpxLxLxK.dtype))
+  acc = jnp.zeros((b, h, l, k_BxLxHxK.shape[1]), jnp.float32)
   feature_first = lambda x: jnp.moveaxis(x, -1, 0)
   acc, _ = jax.lax.scan(step, acc, (feature_first(q_BxLxHxK), feature_first(k_BxLxHxK),
                                     feature_first(a_BpxLxLxK)))

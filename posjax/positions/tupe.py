@@ -104,7 +104,8 @@ class UntiedCorrelation(nn.Module):
     corr = base.dot_heads(p_q, p_k) * scale
     theta_2xH = None
     if opts.cls_reset != "none":
-      theta_2xH = jnp.sum(uq(context["p_theta"]) * uk(context["p_theta"]), axis=-1) * scale
+      theta_2xH = jnp.einsum("thd,thd->th", uq(context["p_theta"]), uk(context["p_theta"]),
+                             preferred_element_type=jnp.float32) * scale
     terms = kernels.Terms(untied=kernels.Untied(p_q * scale, p_k, theta_2xH, reset=opts.cls_reset))
     b = 0.0
     if isinstance(opts, TupeROptions):
