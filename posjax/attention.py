@@ -16,8 +16,9 @@ float32; dropout on the weights. Kernels (``kernel=``):
 - ``pallas``: :func:`posjax.kernels.relative_attention`, flash attention with the method's terms built inside
   each tile from the batch's positions (ALiBi, T5 / TUPE-R buckets, TUPE's untied term and [CLS] reset, Shaw /
   Method 4 vectors; q/k transforms such as RoPE before it). No ``[B, H, L, L]`` array is kept for the backward
-  pass. Shaw / Method 4 with a table wider than two tiles read it windowed, which needs positions rising by one
-  inside each segment (rows where they do not are NaN; :class:`posjax.kernels.Relative`). Attention dropout uses
+  pass. Shaw / Method 4 with a table wider than two tiles read it windowed, which takes positions rising by one
+  inside each segment; a batch where they do not (Hugging Face's left-padded ids) runs on the dense path instead,
+  chosen at run time (:mod:`posjax.kernels.exact`). Attention dropout uses
   a hashed mask that the kernel recomputes per tile (:mod:`posjax.kernels.dropout`; other draws than the ``xla``
   path's). Not Methods 1-3 or Shaw's value term (an error). On a CPU it runs in Pallas interpret mode: slow,
   but the same outputs and gradients as ``xla``, for tests and for checking a model.

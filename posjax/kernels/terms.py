@@ -196,8 +196,10 @@ class Relative:
     are computed before the kernel and gathered per pair: exact for any positions, ``O(L·k)`` memory.
   - True ("window"): each tile multiplies its queries and keys by the ``2·block`` table rows its distances can
     reach and skews the product in the tile: ``O(L)`` memory for any ``k``. It takes ``r`` as the index
-    distance ``j - i``, so it needs positions that rise by one inside each segment (as posjax's packing makes
-    them); a query row with an attended key where ``p_j - p_i != j - i`` comes out NaN, never silently wrong.
+    distance ``j - i``, which is right where positions rise by one inside each segment (as posjax's packing
+    makes them); the kernel marks a query row with an attended key where ``p_j - p_i != j - i`` NaN, and
+    :func:`posjax.kernels.relative_attention` then computes the call on the dense path instead
+    (:mod:`posjax.kernels.exact`): exact for any positions either way.
     Needs equal query and key blocks.
   - None (default): the window when the table is wider than a window (``2k+1 > 2·block``) and the blocks are
     equal, else the gather.
