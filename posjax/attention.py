@@ -6,8 +6,8 @@ float32; dropout on the weights. Kernels (``kernel=``):
 
 - ``xla``: the reference einsum path; computes every method; the default and the CPU path.
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU in bf16/fp16. It takes
-  q/k transforms and an additive bias (segments are folded into it) and padding as sequence lengths, so
-  it needs right-padded rows. It cannot compute the multiplicative Methods 1-3 or Shaw's value term, nor
+  q/k transforms and an additive bias (segments are folded into it) and padding as sequence lengths where
+  every row is right-padded, else as a bias (chosen at run time: any layout is exact). It cannot compute the multiplicative Methods 1-3 or Shaw's value term, nor
   dropout on the attention weights: asking for it there is an error. TUPE's untied term and its [CLS] reset
   are folded into q and k (exact, :mod:`posjax.kernels.fold`; :func:`cudnn_inputs`): TUPE-A runs with no bias,
   TUPE-R with only its bucket bias, instead of a dense ``[B, H, L, L]`` bias and its gradient; where the folded
@@ -171,21 +171,37 @@ def cudnn_inputs(terms: base.LayerTerms, state: base.PositionState, v_BxLxHxV, s
   return widen(q), widen(k), widen(v_BxLxHxV), add_biases(*biases)
 
 
-def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str | None = "cudnn"):
-  """``jax.nn.dot_product_attention`` with padding as sequence lengths and segments folded into the bias.
+def right_padded(padding_BxL):
+  """Whether every row's real tokens come first (the layout cuDNN's sequence lengths describe), a traced bool."""
+  lengths_B = jnp.sum(padding_BxL, axis=-1, dtype=jnp.int32)
+  return jnp.all(padding_BxL.astype(bool) == (jnp.arange(padding_BxL.shape[-1])[None, :] < lengths_B[:, None]))
 
-  Rows must be right-padded: the kernel sees only the first ``sum(padding)`` tokens of each row.
-  """
+
+def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str | None = "cudnn"):
+  """``jax.nn.dot_product_attention`` with segments folded into the bias and padding as cuDNN takes it: sequence
+  lengths where every row of the batch is right-padded, else (left padding, holes) a bias, chosen at run time
+  (:func:`posjax.kernels.fall_back_where`), so every layout gives the real tokens the ``xla`` path's outputs.
+  Padded queries of right-padded rows come out zero."""
+  neg = 0.5 * jnp.finfo(q.dtype).min
   if mask.segment_ids is not None:
     same = mask.segment_ids[:, None, :, None] == mask.segment_ids[:, None, None, :]
-    bias = add_biases(bias, jnp.where(same, 0.0, 0.5 * jnp.finfo(q.dtype).min))
-  lengths = None
-  if mask.padding is not None:
-    lengths = jnp.sum(mask.padding, axis=-1, dtype=jnp.int32)
-  if bias is not None:
-    bias = bias.astype(q.dtype)
-  return jax.nn.dot_product_attention(q, k, v, bias, scale=scale, query_seq_lengths=lengths,
-                                      key_value_seq_lengths=lengths, implementation=implementation)
+    bias = add_biases(bias, jnp.where(same, 0.0, neg))
+  attend = lambda q, k, v, bias, lengths=None: jax.nn.dot_product_attention(
+      q, k, v, None if bias is None else bias.astype(q.dtype), scale=scale, query_seq_lengths=lengths,
+      key_value_seq_lengths=lengths, implementation=implementation)
+  if mask.padding is None:
+    return attend(q, k, v, bias)
+  padding_BxL = mask.padding.astype(bool)
+  with_lengths = lambda q, k, v, bias, padding_BxL: attend(q, k, v, bias, jnp.sum(padding_BxL, -1, dtype=jnp.int32))
+
+  def with_bias(q, k, v, bias, padding_BxL):
+    length = padding_BxL.shape[-1]
+    keys_Bx1xLxL = jnp.broadcast_to(jnp.where(padding_BxL, 0.0, neg)[:, None, None, :], (len(padding_BxL), 1, length,
+                                                                                         length))
+    return attend(q, k, v, add_biases(bias, keys_Bx1xLxL))
+
+  not_right = lambda out, q, k, v, bias, padding_BxL: ~right_padded(padding_BxL)
+  return kernels.fall_back_where(not_right, with_lengths, with_bias)((q, k, v, bias), (padding_BxL,))
 
 
 def check_state(spec: base.PositionSpec, state: base.PositionState | None, batch_length) -> base.PositionState:
@@ -238,6 +254,8 @@ class SelfAttention(nn.Module):
       terms = base.LayerTerms(q, k)
     dropout = not deterministic and self.dropout_rate > 0
     kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout, platform=self.platform)
+    if self.is_initializing():
+      kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
     if kernel == "xla" or self.is_mutable_collection("intermediates"):
       logits = attention_logits(terms, state.bias, spec.scale)
       self.sow("intermediates", "attention_logits", logits)

@@ -30,13 +30,14 @@ from jax.experimental.pallas import tpu as pltpu
 from posjax import partitioning
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import exact, fold, mosaic, tile, triton, xla
+from posjax.kernels.exact import fall_back_where
 from posjax.kernels.fold import UNTIED, fold_untied
 from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = ("cpu", "gpu", "tpu")
 __all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "merge", "fold_untied",
-           "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
+           "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
 def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
@@ -165,7 +166,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   heads_first = lambda x_BxLxHxX, dim: pad(pad(x_BxLxHxX, 1, padded), 3, dim).transpose(0, 2, 1, 3)
   backend = functools.partial((mosaic if tpu else triton).attention, plan)
   if terms.relative is not None and terms.relative.window:
-    backend = exact.exact_where_misread(plan, backend, functools.partial(exact.dense, plan))
+    backend = exact.windowed(plan, backend, functools.partial(exact.dense, plan))
   out_BxHxPxV = per_shard(backend, terms, b, h, batch_axes, head_axes)(
       leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
       heads_first(v_BxLxHxK, value_dim), pad(positions_BxL, 1, padded), pad(segment_ids_BxL, 1, padded),

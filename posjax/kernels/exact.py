@@ -1,25 +1,53 @@
-"""Windowed relative vectors, exact for any positions: the kernel where its window reads the right rows, the dense
-``xla`` path where it does not.
+"""Exact for every input: a fast path where it holds, a general one where it does not, chosen at run time.
 
 Shapes: B batch, H heads, P padded length, L real length, K head dim, V value head dim.
 
-A kernel that reads Shaw's / Method 4's table windowed (:class:`posjax.kernels.Relative`) takes a pair's distance as
-its index distance ``j - i``, which is its position distance only where positions rise by one inside each segment
-(posjax's packing). Other pipelines make other ids: Hugging Face's ``cumsum(mask) - 1`` with left padding repeats a
-position at the padded queries. The kernel flags every query row it misread (NaN); :func:`exact_where_misread`
-then computes the call on the dense path instead, at run time (``lax.cond``), forward and backward: the same
-numbers as ``xla`` for every input, at the kernel's cost and memory wherever the window holds.
+:func:`fall_back_where` runs a fast call and, where a run-time test of its inputs or output says it does not hold
+for this batch, the general one instead (``lax.cond``), forward and backward: the fast call's residuals are kept
+for the backward, the general call's backward recomputes its forward (it runs only for batches that need it). Two
+fast paths use it:
+
+- a kernel that reads Shaw's / Method 4's table windowed (:class:`posjax.kernels.Relative`) takes a pair's distance
+  as its index distance ``j - i``, which is its position distance only where positions rise by one inside each
+  segment (posjax's packing). Other pipelines make other ids: Hugging Face's ``cumsum(mask) - 1`` with left
+  padding repeats a position at the padded queries. The kernel marks every query row it misread NaN, and the call
+  then runs on the dense ``xla`` path (:func:`dense`);
+- cuDNN takes padding as sequence lengths, right padding only; a batch with another layout takes its padding as a
+  bias (:func:`posjax.attention.fused_attention`).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from posjax.kernels import xla
 from posjax.kernels.tile import Plan
+
+
+def fall_back_where(fails, fast, general):
+  """``(floats, others) -> out``: ``fast(*floats, *others)`` unless ``fails(out, *floats, *others)`` (a scalar
+  bool computed at run time), else ``general(*floats, *others)``. ``floats``: the differentiable inputs (a tuple
+  of pytrees), ``others``: the rest (ints, masks; no gradient)."""
+
+  @jax.custom_vjp
+  def call(floats, others):
+    out = fast(*floats, *others)
+    return jax.lax.cond(fails(out, *floats, *others), lambda: general(*floats, *others), lambda: out)
+
+  def call_fwd(floats, others):
+    out, fast_vjp = jax.vjp(lambda *xs: fast(*xs, *others), *floats)
+    failed = fails(out, *floats, *others)
+    out = jax.lax.cond(failed, lambda: general(*floats, *others), lambda: out)
+    return out, (failed, fast_vjp, floats, others)
+
+  def call_bwd(residuals, d_out):
+    failed, fast_vjp, floats, others = residuals
+    general_vjp = lambda: jax.vjp(lambda *xs: general(*xs, *others), *floats)[1](d_out)
+    return jax.lax.cond(failed, general_vjp, lambda: fast_vjp(d_out)), None
+
+  call.defvjp(call_fwd, call_bwd)
+  return call
 
 
 def dense(plan: Plan, leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, positions_BxP, segment_ids_BxP, valid_BxP, salts_BxH):
@@ -38,33 +66,9 @@ def dense(plan: Plan, leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, positions_BxP, se
   return jnp.pad(out_BxLxHxV.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, pad), (0, 0)))
 
 
-def exact_where_misread(plan: Plan, kernel, fallback):
-  """``kernel`` (a windowed call, ``(leaves, q, k, v, positions, segment_ids, valid, salts) -> [B, H, P, V]``)
-  where none of the call's real rows is misread (NaN), else ``fallback`` (same signature): chosen at run time, and
-  the backward follows the forward's choice (the fallback's is recomputed; the kernel's residuals are kept)."""
-
-  def misread(out_BxHxPxV):
-    return jnp.any(jnp.isnan(out_BxHxPxV[:, :, :plan.length]))
-
-  @jax.custom_vjp
-  def call(leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, ints):
-    out_BxHxPxV = kernel(leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, *ints)
-    return jax.lax.cond(misread(out_BxHxPxV), lambda: fallback(leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, *ints),
-                        lambda: out_BxHxPxV)
-
-  def call_fwd(leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, ints):
-    floats = (leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV)
-    out_BxHxPxV, kernel_vjp = jax.vjp(lambda *xs: kernel(*xs, *ints), *floats)
-    bad = misread(out_BxHxPxV)
-    out_BxHxPxV = jax.lax.cond(bad, lambda: fallback(*floats, *ints), lambda: out_BxHxPxV)
-    return out_BxHxPxV, (bad, kernel_vjp, floats, ints)
-
-  def call_bwd(residuals, d_out_BxHxPxV):
-    bad, kernel_vjp, floats, ints = residuals
-    fallback_vjp = lambda: jax.vjp(lambda *xs: fallback(*xs, *ints), *floats)[1](d_out_BxHxPxV)
-    grads = jax.lax.cond(bad, fallback_vjp, lambda: kernel_vjp(d_out_BxHxPxV))
-    return (*grads, None)
-
-  call.defvjp(call_fwd, call_bwd)
-  return lambda leaves, q, k, v, *ints: call(leaves, q, k, v, ints)
-
+def windowed(plan: Plan, kernel, fallback):
+  """A windowed kernel call (``(leaves, q, k, v, positions, segment_ids, valid, salts) -> [B, H, P, V]``), or
+  ``fallback`` (same signature) where one of the call's real rows comes out NaN (misread)."""
+  misread = lambda out_BxHxPxV, *inputs: jnp.any(jnp.isnan(out_BxHxPxV[:, :, :plan.length]))
+  call = fall_back_where(misread, kernel, fallback)
+  return lambda leaves, q, k, v, *others: call((leaves, q, k, v), others)

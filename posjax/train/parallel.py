@@ -36,6 +36,7 @@ class JitParallel:
   def __init__(self, config, abstract_boxed_state, devices=None):
     self.mesh = sharding.make_mesh(dict(config.mesh), devices)
     self.state_shardings = sharding.logical_shardings(abstract_boxed_state, self.mesh)
+    sharding.check_divisible(abstract_boxed_state, self.state_shardings)
     self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                        nn.unbox(abstract_boxed_state), self.state_shardings)
 

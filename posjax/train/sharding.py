@@ -49,6 +49,21 @@ def logical_shardings(abstract_tree, mesh: Mesh):
   return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_tree), mesh, partitioning.rules())
 
 
+def check_divisible(abstract_tree, shardings) -> None:
+  """Raises, naming the first array and dimension, where a sharded dimension does not divide over its mesh axes
+  (before any program is traced: jit would refuse it, and the fused kernels split heads the same way)."""
+  logical = jax.tree.leaves(nn.get_partition_spec(abstract_tree), is_leaf=lambda x: isinstance(x, P))
+  leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(abstract_tree))
+  for (path, x), names, s in zip(leaves, logical, jax.tree.leaves(shardings)):
+    for dim, (size, axes) in enumerate(zip(x.shape, s.spec)):
+      axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+      devices = math.prod(s.mesh.shape[a] for a in axes)
+      if size % devices:
+        name = names[dim] if dim < len(names) else None
+        raise ValueError(f"{jax.tree_util.keystr(path)} has {size} along its axis {name!r}, which does not divide "
+                         f"over mesh axes {list(axes)} ({devices} devices); choose mesh sizes that divide it")
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Arrays split on their first (batch) axis over the ``data`` and ``fsdp`` mesh axes."""
   return NamedSharding(mesh, P(BATCH))
