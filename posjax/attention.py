@@ -172,9 +172,11 @@ def cudnn_inputs(terms: base.LayerTerms, state: base.PositionState, v_BxLxHxV, s
 
 
 def right_padded(padding_BxL):
-  """Whether every row's real tokens come first (the layout cuDNN's sequence lengths describe), a traced bool."""
+  """Whether every row's real tokens come first and there is one at least (the layout cuDNN's sequence lengths
+  describe; a row of length 0 goes in as a bias, averaging every key as the ``xla`` path does), a traced bool."""
   lengths_B = jnp.sum(padding_BxL, axis=-1, dtype=jnp.int32)
-  return jnp.all(padding_BxL.astype(bool) == (jnp.arange(padding_BxL.shape[-1])[None, :] < lengths_B[:, None]))
+  first_BxL = jnp.arange(padding_BxL.shape[-1])[None, :] < lengths_B[:, None]
+  return jnp.all(padding_BxL.astype(bool) == first_BxL) & jnp.all(lengths_B > 0)
 
 
 def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str | None = "cudnn"):

@@ -14,7 +14,8 @@ import pytest
 
 import reference
 from conftest import OneLayer, load_config, override, randomize
-from posjax import attention, positions, tasks
+from posjax import attention, kernels, positions, tasks
+from posjax.kernels import xla
 from posjax.models import BertConfig, BertEncoder
 from posjax.train import validate
 
@@ -109,6 +110,10 @@ def test_cudnn_takes_left_padding_and_holes(cudnn_as_xla):
     want = masked_softmax_f64(q, k, v, padding, 0.25)
     np.testing.assert_allclose(np.where(padding[:, :, None, None], out, 0),
                                np.where(padding[:, :, None, None], want, 0), rtol=1e-5, atol=1e-5)
+  # a row with no real token averages every value, as the xla path does (cuDNN's length 0 is not asked for)
+  empty = np.arange(16)[None] < np.array([[16], [0], [4]])
+  out = attention.fused_attention(q, k, v, None, attention.Mask(padding=jnp.asarray(empty)), 0.25)
+  np.testing.assert_allclose(out[1], np.broadcast_to(np.mean(np.asarray(v[1]), axis=0), (16, 2, 8)), atol=1e-5)
   mask = attention.Mask(padding=jnp.asarray(HOLES))
   grads = jax.grad(lambda q, k, v: jnp.sum(attention.fused_attention(q, k, v, None, mask, 0.25) * weights),
                    argnums=(0, 1, 2))(q, k, v)
@@ -233,3 +238,40 @@ def test_a_mesh_that_does_not_divide_the_heads_is_refused_before_tracing():
       ValueError, match=r"\['attention'\]\['key'\]\['bias'\] has 2 along its axis 'heads', which does not divide "
                         r"over mesh axes \['tensor'\] \(4 devices\); choose mesh sizes that divide it$"):
     validate.validate(config, workdir, tasks.build)
+
+
+@pytest.mark.parametrize("reset", ["official", "paper"])
+def test_the_dense_path_by_query_blocks_is_the_reference(reset):
+  """The windowed kernels' fallback (``xla.attention(query_block=)``, its memory linear in L): every term at once on
+  packed rows, a fully padded row and causal masking, against the float64 reference; gradients against the dense
+  path at once."""
+
+  rng = np.random.default_rng(6)
+  batch, length, heads, head_dim = 3, 20, 2, 8
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  positions = np.array([list(range(12)) + list(range(8)), list(range(20)), list(range(20))])
+  segments = np.array([[0] * 12 + [1] * 8, [0] * 20, [0] * 20])
+  valid = np.ones((batch, length), bool)
+  valid[1, 15:], valid[2] = False, False
+  terms = kernels.Terms(
+      alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
+      buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32 if reset == "official"
+                              else None, cls_col=33 if reset == "official" else None),
+      relative=kernels.Relative(0.5 * f32(2 * 7 + 1, head_dim), max_distance=7, query=True, key=True),
+      untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads),
+                            reset=reset))
+  q, k, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
+  run = lambda block, q, k, v, terms: xla.attention(
+      q, k, v, terms, positions_BxL=jnp.asarray(positions), segment_ids_BxL=jnp.asarray(segments),
+      valid_BxL=jnp.asarray(valid), scale=0.3, causal=True, query_block=block)
+  fused = reference.FusedAttention(positions, segments, valid, causal=True, relative_max_distance=7, buckets=dict(
+      kind="buckets", num_buckets=32, max_distance=20, bidirectional=True, cls_row=terms.buckets.cls_row,
+      cls_col=terms.buckets.cls_col))
+  want = fused(q, k, v, scale=0.3, alibi=np.asarray([0.5, 0.25]), bucket_table=terms.buckets.table,
+               relative_table=terms.relative.table, relative_query=True, relative_key=True,
+               u_q=terms.untied.u_q, u_k=terms.untied.u_k, theta=terms.untied.theta, reset=reset)
+  np.testing.assert_allclose(run(8, q, k, v, terms), want, rtol=1e-5, atol=1e-5)
+  grad = lambda block: jax.grad(lambda *args: jnp.sum(run(block, *args) * weights), argnums=(0, 1, 2, 3))(
+      q, k, v, terms)
+  for got, expected in zip(jax.tree.leaves(grad(8)), jax.tree.leaves(grad(None))):
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(expected).max())))

@@ -11,7 +11,7 @@ fast paths use it:
   as its index distance ``j - i``, which is its position distance only where positions rise by one inside each
   segment (posjax's packing). Other pipelines make other ids: Hugging Face's ``cumsum(mask) - 1`` with left
   padding repeats a position at the padded queries. The kernel marks every query row it misread NaN, and the call
-  then runs on the dense ``xla`` path (:func:`dense`);
+  then runs on the dense ``xla`` path by blocks of query rows (:func:`dense`: memory linear in the length too);
 - cuDNN takes padding as sequence lengths, right padding only; a batch with another layout takes its padding as a
   bias (:func:`posjax.attention.fused_attention`).
 """
@@ -50,9 +50,13 @@ def fall_back_where(fails, fast, general):
   return call
 
 
+QUERY_BLOCK = 128  # the dense fallback's query rows at a time: [B, H, 128, L] alive, never [B, H, L, L]
+
+
 def dense(plan: Plan, leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, positions_BxP, segment_ids_BxP, valid_BxP, salts_BxH):
   """The kernel call's output ``[B, H, P, V]`` by the dense ``xla`` path on the call's padded, heads-first inputs
-  (the padded rows and keys cut off first, so a fully masked row averages the real keys, as the kernels do)."""
+  (the padded rows and keys cut off first, so a fully masked row averages the real keys, as the kernels do),
+  :data:`QUERY_BLOCK` query rows at a time, so that its memory grows with ``L``, not ``L²``, like the kernel's."""
   terms, n = plan.terms(leaves), plan.length
   rows = lambda x_BxHxPxX: x_BxHxPxX[:, :, :n].transpose(0, 2, 1, 3)
   if terms.untied is not None:
@@ -61,7 +65,7 @@ def dense(plan: Plan, leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, positions_BxP, se
   out_BxLxHxV = xla.attention(rows(q_BxHxPxK), rows(k_BxHxPxK), rows(v_BxHxPxV), terms,
                               positions_BxL=positions_BxP[:, :n], segment_ids_BxL=segment_ids_BxP[:, :n],
                               valid_BxL=valid_BxP[:, :n] > 0, scale=plan.scale, causal=plan.causal,
-                              dropout_rate=plan.dropout, salts_BxH=salts_BxH)
+                              dropout_rate=plan.dropout, salts_BxH=salts_BxH, query_block=QUERY_BLOCK)
   pad = q_BxHxPxK.shape[2] - n
   return jnp.pad(out_BxLxHxV.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, pad), (0, 0)))
 

@@ -134,13 +134,15 @@ def key_term(k_BxLxHxK, w_DxK, index_BpxLxL, impl: str):
                     index_BpxLxL_T).swapaxes(-1, -2)
 
 
-def untie_cls(corr_BxHxLxL, is_cls_BxL, theta_row_H, theta_col_H):
+def untie_cls(corr_BxHxQxL, is_cls_BxL, theta_row_H, theta_col_H, is_cls_i_BxQ=None):
   """TUPE's [CLS] untying: [CLS] column := θ2, then [CLS] row := θ1 (so [CLS]->[CLS] is θ1), so the [CLS]
-  token's positional correlation is learned apart from the others'. θ may be ``[B, H]`` or ``[H]``."""
-  theta_row_BxHx1x1 = jnp.broadcast_to(theta_row_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
-  theta_col_BxHx1x1 = jnp.broadcast_to(theta_col_H, corr_BxHxLxL.shape[:2])[:, :, None, None]
-  corr_BxHxLxL = jnp.where(is_cls_BxL[:, None, None, :], theta_col_BxHx1x1, corr_BxHxLxL)
-  return jnp.where(is_cls_BxL[:, None, :, None], theta_row_BxHx1x1, corr_BxHxLxL)
+  token's positional correlation is learned apart from the others'. θ may be ``[B, H]`` or ``[H]``;
+  ``is_cls_i_BxQ``: the query rows' flags where they are not all the keys' (default ``is_cls_BxL``)."""
+  is_cls_i_BxQ = is_cls_BxL if is_cls_i_BxQ is None else is_cls_i_BxQ
+  theta_row_BxHx1x1 = jnp.broadcast_to(theta_row_H, corr_BxHxQxL.shape[:2])[:, :, None, None]
+  theta_col_BxHx1x1 = jnp.broadcast_to(theta_col_H, corr_BxHxQxL.shape[:2])[:, :, None, None]
+  corr_BxHxQxL = jnp.where(is_cls_BxL[:, None, None, :], theta_col_BxHx1x1, corr_BxHxQxL)
+  return jnp.where(is_cls_i_BxQ[:, None, :, None], theta_row_BxHx1x1, corr_BxHxQxL)
 
 
 # ----------------------------------------------------------------------------------------------------------

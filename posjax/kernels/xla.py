@@ -1,6 +1,7 @@
-"""The op's ``xla`` implementation: every term materialised as ``[B, H, L, L]`` and a plain float32 softmax.
+"""The op's ``xla`` implementation: every term materialised as ``[B, H, L, L]`` (or, by query blocks, ``[B, H, Q,
+L]`` at a time) and a plain float32 softmax.
 
-Shapes: B batch, L length, H heads, K head dim, V value head dim.
+Shapes: B batch, L length, Q query rows, H heads, K head dim, V value head dim, N query blocks.
 
 It is the oracle the kernels are tested against. It builds each term with the formulas of
 :mod:`posjax.kernels.terms` (:func:`~posjax.kernels.terms.bucket`, :func:`~posjax.kernels.terms.query_term`,
@@ -14,60 +15,82 @@ import jax
 import jax.numpy as jnp
 
 from posjax.kernels import dropout
-from posjax.kernels.terms import Terms, dot_heads, key_term, query_term, relative_positions, untie_cls
+from posjax.kernels.terms import Terms, key_term, query_term, untie_cls
 
 
-def logits(q_BxLxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float):
-  """``[B, H, L, L]`` float32: ``scale q·k`` plus every position term."""
-  rel_BxLxL = relative_positions(positions_BxL)
-  is_cls_BxL = positions_BxL == 0
-  s_BxHxLxL = scale * jnp.einsum("bqhd,bkhd->bhqk", q_BxLxHxK, k_BxLxHxK, preferred_element_type=jnp.float32)
+def logits(q_BxQxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float, rows_Q=None):
+  """``[B, H, Q, L]`` float32: ``scale q·k`` plus every position term; ``rows_Q``: the queries' sequence rows
+  (default all: ``Q = L``)."""
+  take = lambda x_BxLxS: x_BxLxS if rows_Q is None else jnp.take(x_BxLxS, rows_Q, axis=1)
+  positions_BxL = positions_BxL.astype(jnp.int32)
+  positions_BxQ = take(positions_BxL)
+  rel_BxQxL = positions_BxL[:, None, :] - positions_BxQ[:, :, None]
+  is_cls_BxL, is_cls_BxQ = positions_BxL == 0, positions_BxQ == 0
+  s_BxHxQxL = scale * jnp.einsum("bqhd,bkhd->bhqk", q_BxQxHxK, k_BxLxHxK, preferred_element_type=jnp.float32)
   if terms.alibi is not None:
-    s_BxHxLxL = s_BxHxLxL - terms.alibi.slopes[None, :, None, None] * jnp.abs(rel_BxLxL)[:, None].astype(jnp.float32)
+    s_BxHxQxL = s_BxHxQxL - terms.alibi.slopes[None, :, None, None] * jnp.abs(rel_BxQxL)[:, None].astype(jnp.float32)
   if terms.relative is not None:
     r = terms.relative
-    index_BxLxL = r.entries(rel_BxLxL)
+    index_BxQxL, impl = r.entries(rel_BxQxL), "table" if rows_Q is None else "auto"
     if r.query:
-      s_BxHxLxL = s_BxHxLxL + scale * query_term(q_BxLxHxK, r.table, index_BxLxL, "table").astype(jnp.float32)
+      s_BxHxQxL = s_BxHxQxL + scale * query_term(q_BxQxHxK, r.table, index_BxQxL, impl).astype(jnp.float32)
     if r.key:
-      s_BxHxLxL = s_BxHxLxL + scale * key_term(k_BxLxHxK, r.table, index_BxLxL, "table").astype(jnp.float32)
-  positional_BxHxLxL = 0.0
+      s_BxHxQxL = s_BxHxQxL + scale * key_term(k_BxLxHxK, r.table, index_BxQxL, impl).astype(jnp.float32)
+  positional_BxHxQxL = 0.0
   if terms.untied is not None:
-    positional_BxHxLxL = dot_heads(terms.untied.u_q, terms.untied.u_k).astype(jnp.float32)
+    positional_BxHxQxL = jnp.einsum("bqhd,bkhd->bhqk", take(terms.untied.u_q), terms.untied.u_k,
+                                    preferred_element_type=jnp.float32)
   reset = terms.untied.reset if terms.untied is not None else "none"
+  untie = lambda x_BxHxQxL: untie_cls(jnp.broadcast_to(x_BxHxQxL, s_BxHxQxL.shape), is_cls_BxL, *terms.untied.theta,
+                                      is_cls_i_BxQ=is_cls_BxQ)
   if reset == "official":
-    positional_BxHxLxL = untie_cls(jnp.broadcast_to(positional_BxHxLxL, s_BxHxLxL.shape), is_cls_BxL,
-                                   *terms.untied.theta)
+    positional_BxHxQxL = untie(positional_BxHxQxL)
   if terms.buckets is not None:
-    index_BxLxL = terms.buckets.entries(rel_BxLxL, is_cls_BxL[:, :, None], is_cls_BxL[:, None, :])
-    positional_BxHxLxL = (positional_BxHxLxL
-                          + jnp.take(terms.buckets.table, index_BxLxL, axis=0).transpose(0, 3, 1, 2))
+    index_BxQxL = terms.buckets.entries(rel_BxQxL, is_cls_BxQ[:, :, None], is_cls_BxL[:, None, :])
+    positional_BxHxQxL = (positional_BxHxQxL
+                          + jnp.take(terms.buckets.table, index_BxQxL, axis=0).transpose(0, 3, 1, 2))
   if reset == "paper":
-    positional_BxHxLxL = untie_cls(jnp.broadcast_to(positional_BxHxLxL, s_BxHxLxL.shape), is_cls_BxL,
-                                   *terms.untied.theta)
-  return s_BxHxLxL + positional_BxHxLxL
+    positional_BxHxQxL = untie(positional_BxHxQxL)
+  return s_BxHxQxL + positional_BxHxQxL
 
 
-def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool):
-  """``[B, 1, L, L]`` bool: key j is real, in query i's segment and (causal) not after it."""
-  allowed_Bx1xLxL = (valid_BxL[:, None, None, :]
-                     & (segment_ids_BxL[:, None, :, None] == segment_ids_BxL[:, None, None, :]))
+def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None):
+  """``[B, 1, Q, L]`` bool: key j is real, in query i's segment and (causal) not after it (``rows_Q``: the
+  queries' sequence rows, default all)."""
+  length = valid_BxL.shape[-1]
+  rows_Q = jnp.arange(length) if rows_Q is None else rows_Q
+  segment_BxQ = jnp.take(segment_ids_BxL, rows_Q, axis=1)
+  allowed_Bx1xQxL = valid_BxL[:, None, None, :] & (segment_BxQ[:, None, :, None] == segment_ids_BxL[:, None, None, :])
   if causal:
-    length = valid_BxL.shape[-1]
-    allowed_Bx1xLxL = allowed_Bx1xLxL & jnp.tril(jnp.ones((length, length), bool))
-  return allowed_Bx1xLxL
+    allowed_Bx1xQxL = allowed_Bx1xQxL & (jnp.arange(length)[None, :] <= rows_Q[:, None])
+  return allowed_Bx1xQxL
 
 
 def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, segment_ids_BxL, valid_BxL,
-              scale: float, causal: bool, dropout_rate: float = 0.0, salts_BxH=None):
+              scale: float, causal: bool, dropout_rate: float = 0.0, salts_BxH=None, query_block: int | None = None):
   """``[B, L, H, V]``; a masked logit is the most negative float32, so a fully masked row averages all keys.
-  Dropout: the mask of :mod:`posjax.kernels.dropout`, the kernels' own."""
-  s_BxHxLxL = logits(q_BxLxHxK, k_BxLxHxK, terms, positions_BxL, scale)
-  s_BxHxLxL = jnp.where(allowed_pairs(valid_BxL, segment_ids_BxL, causal), s_BxHxLxL, jnp.finfo(jnp.float32).min)
-  weights_BxHxLxL = jax.nn.softmax(s_BxHxLxL, axis=-1)
-  if dropout_rate:
-    length = s_BxHxLxL.shape[-1]
-    i_L = jnp.arange(length, dtype=jnp.int32)
-    weights_BxHxLxL = dropout.apply(weights_BxHxLxL, salts_BxH[:, :, None, None], i_L[:, None], i_L[None, :],
-                                    dropout_rate)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights_BxHxLxL.astype(v_BxLxHxV.dtype), v_BxLxHxV)
+  Dropout: the mask of :mod:`posjax.kernels.dropout`, the kernels' own. ``query_block``: compute ``query_block``
+  query rows at a time (a loop whose blocks the backward recomputes), so no more than ``[B, H, query_block, L]``
+  is alive at once; default all rows at once."""
+  length = q_BxLxHxK.shape[1]
+
+  def rows(rows_Q, q_BxQxHxK):
+    s_BxHxQxL = logits(q_BxQxHxK, k_BxLxHxK, terms, positions_BxL, scale, rows_Q)
+    s_BxHxQxL = jnp.where(allowed_pairs(valid_BxL, segment_ids_BxL, causal, rows_Q), s_BxHxQxL,
+                          jnp.finfo(jnp.float32).min)
+    weights_BxHxQxL = jax.nn.softmax(s_BxHxQxL, axis=-1)
+    if dropout_rate:
+      i_Q = jnp.arange(length, dtype=jnp.int32) if rows_Q is None else rows_Q.astype(jnp.int32)
+      weights_BxHxQxL = dropout.apply(weights_BxHxQxL, salts_BxH[:, :, None, None], i_Q[:, None],
+                                      jnp.arange(length, dtype=jnp.int32)[None, :], dropout_rate)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights_BxHxQxL.astype(v_BxLxHxV.dtype), v_BxLxHxV)
+
+  if query_block is None or query_block >= length:
+    return rows(None, q_BxLxHxK)
+  blocks = -(-length // query_block)
+  rows_NxQ = jnp.minimum(jnp.arange(blocks * query_block).reshape(blocks, query_block), length - 1)
+  block = jax.checkpoint(lambda rows_Q: rows(rows_Q, jnp.take(q_BxLxHxK, rows_Q, axis=1)))
+  out_NxBxQxHxV = jax.lax.map(block, rows_NxQ)
+  out_BxNQxHxV = jnp.moveaxis(out_NxBxQxHxV, 0, 1).reshape(q_BxLxHxK.shape[0], blocks * query_block,
+                                                            *out_NxBxQxHxV.shape[-2:])
+  return out_BxNQxHxV[:, :length]
