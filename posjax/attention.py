@@ -216,12 +216,16 @@ def check_state(spec: base.PositionSpec, state: base.PositionState | None, batch
           f"batch: state = spec.method.encoder(spec=spec)(positions_BxL), then attention(x, state, mask)"
           + ("" if state is None else " (this state has no positions: it was not built by the encoder)"))
     return state or base.PositionState()
-  batch, length = batch_length
-  shape = tuple(state.positions.shape)
-  if len(shape) != 2 or shape[1] != length or shape[0] not in (1, batch):
-    raise ValueError(f"the state's positions have shape {shape}; this layer's input needs [{batch} or 1, {length}] "
-                     "(build the state from this batch's positions)")
+  kernels.check_rows("state.positions", state.positions, *batch_length)
   return state
+
+
+def check_mask(mask: Mask, batch: int, length: int) -> None:
+  """Raises unless the mask's arrays are ``[batch, length]``: padding bool (or 0/1), segment ids integers."""
+  if mask.padding is not None:
+    kernels.check_rows("Mask.padding", mask.padding, batch, length, "mask")
+  if mask.segment_ids is not None:
+    kernels.check_rows("Mask.segment_ids", mask.segment_ids, batch, length)
 
 
 class SelfAttention(nn.Module):
@@ -246,8 +250,11 @@ class SelfAttention(nn.Module):
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
                deterministic: bool = True):
     spec = self.spec
+    if x_BxLxD.ndim != 3:
+      raise ValueError(f"SelfAttention's input has shape {x_BxLxD.shape}; expected [B, L, D]")
     state = check_state(spec, state, x_BxLxD.shape[:2])
     mask = mask or Mask()
+    check_mask(mask, *x_BxLxD.shape[:2])
     q, k, v = (partitioning.constrain(base.head_projection(spec, name, self.use_bias)(x_BxLxD), partitioning.BLHK)
                for name in ("query", "key", "value"))
     if spec.method.layer is not None:

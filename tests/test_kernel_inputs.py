@@ -211,8 +211,7 @@ def test_a_layer_whose_method_reads_no_state_runs_without_one(name):
 def test_a_state_of_another_length_is_an_error():
   spec = positions.make("alibi", num_heads=4, hidden_size=32, max_len=64)
   state = spec.method.encoder(spec=spec).apply({}, np.arange(8)[None])
-  with pytest.raises(ValueError, match=r"^the state's positions have shape \(1, 8\); this layer's input needs "
-                                       r"\[2 or 1, 16\]"):
+  with pytest.raises(ValueError, match=r"^state.positions has shape \(1, 8\); expected \[2 or 1, 16\]"):
     attention.SelfAttention(spec).init(jax.random.PRNGKey(0), jnp.ones((2, 16, 32)), state)
 
 
@@ -275,3 +274,50 @@ def test_the_dense_path_by_query_blocks_is_the_reference(reset):
       q, k, v, terms)
   for got, expected in zip(jax.tree.leaves(grad(8)), jax.tree.leaves(grad(None))):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(expected).max())))
+
+
+def test_inputs_as_other_pipelines_make_them_are_refused_in_one_line():
+  """An additive mask (0 at real tokens, -1e4 at padding: cast to bool it would flip), fractional or 1-D positions,
+  masks of another shape or rank, a q without heads: each one line that names the argument, on every entry point."""
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.normal(size=(3, 16, 4, 8)), jnp.float32)
+  padding = np.ones((3, 16), bool)
+  padding[0, :4] = False
+  additive = np.where(padding, 0.0, -1e4).astype(np.float32)
+  attend = lambda **kw: kernels.relative_attention(q, q, q, implementation="xla", **kw)
+  with pytest.raises(ValueError, match=r"^padding has dtype float32; it must hold bool or 0/1 integers"):
+    attend(padding=additive)
+  with pytest.raises(ValueError, match=r"^positions has dtype float32; it must hold integers$"):
+    attend(positions=np.arange(16)[None] * 0.5)
+  with pytest.raises(ValueError, match=r"^positions has shape \(2, 16\); expected \[3 or 1, 16\]"):
+    attend(positions=np.zeros((2, 16), np.int32))
+  with pytest.raises(ValueError, match=r"^padding has shape \(3, 1, 1, 16\); expected \[3 or 1, 16\]"):
+    attend(padding=padding[:, None, None, :])
+  with pytest.raises(ValueError, match=r"^q has shape \(3, 16, 32\); expected \[B, L, H, K\]"):
+    kernels.relative_attention(q.reshape(3, 16, 32), q.reshape(3, 16, 32), q.reshape(3, 16, 32))
+  spec = positions.make("t5", num_heads=4, hidden_size=32, max_len=64)
+  with pytest.raises(ValueError, match=r"^positions has shape \(16,\); expected \[B, L\]"):
+    spec.method.encoder(spec=spec).init(jax.random.PRNGKey(0), jnp.arange(16))
+  state = spec.method.encoder(spec=spec).apply({"params": {"relative_bias": {"rel_bias": jnp.zeros((32, 4))}}},
+                                               np.arange(16)[None])
+  x = jnp.ones((3, 16, 32))
+  with pytest.raises(ValueError, match=r"^Mask.padding has dtype float32; it must hold bool or 0/1 integers"):
+    attention.SelfAttention(spec).init(jax.random.PRNGKey(0), x, state, attention.Mask(padding=additive))
+  with pytest.raises(ValueError, match=r"^Mask.segment_ids has shape \(4, 16\); expected \[3 or 1, 16\]"):
+    attention.SelfAttention(spec).init(jax.random.PRNGKey(0), x, state,
+                                       attention.Mask(segment_ids=np.zeros((4, 16), np.int32)))
+  config = BertConfig.tiny()
+  tokens = np.ones((3, 16), np.int32)
+  params = BertEncoder(config).init(jax.random.PRNGKey(0), tokens)["params"]
+  with pytest.raises(ValueError, match=r"^attention_mask has dtype float32; it must hold bool or 0/1 integers"):
+    BertEncoder(config).apply({"params": params}, tokens, attention_mask=additive)
+
+
+def test_a_negative_position_reads_no_table_row():
+  """TUPE's official table is read at ``p + 1`` (row 0 is the [CLS] reset's): -1 must still give NaN, as on every
+  other learned table, not row 0."""
+  spec = positions.make("tupe_a", num_heads=4, hidden_size=32, max_len=64)
+  pos = np.array([[0, 1, 2, -1]])
+  state, _ = spec.method.encoder(spec=spec).init_with_output(jax.random.PRNGKey(0), pos)
+  bias = np.asarray(state.bias)
+  assert np.isnan(bias[0, :, 3, 1:3]).all() and np.isfinite(bias[0, :, :3, :3]).all()

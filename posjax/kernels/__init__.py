@@ -32,7 +32,7 @@ from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import exact, fold, mosaic, tile, triton, xla
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, merge
+from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, check_rows, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -89,7 +89,13 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   if lengths is not None and padding is not None:
     raise ValueError("give the key padding as lengths (right padding) or as a padding mask, not both")
   terms = terms or Terms()
+  if q_BxLxHxK.ndim != 4:
+    raise ValueError(f"q has shape {q_BxLxHxK.shape}; expected [B, L, H, K] (batch, sequence, heads, head dim)")
   b, length, h, d = q_BxLxHxK.shape
+  for name, x_BxL, kind in (("positions", positions, "int"), ("segment_ids", segment_ids, "int"),
+                            ("padding", padding, "mask")):
+    if x_BxL is not None:
+      check_rows(name, x_BxL, b, length, kind)
   if k_BxLxHxK.shape != q_BxLxHxK.shape or v_BxLxHxK.shape[:3] != q_BxLxHxK.shape[:3]:
     raise ValueError(f"q {q_BxLxHxK.shape}, k {k_BxLxHxK.shape} and v {v_BxLxHxK.shape} must agree on "
                      "[B, L, H] (and q, k on K)")

@@ -36,9 +36,25 @@ RESETS = ("official", "paper", "none")
 # The formulas (pure functions).
 
 
+def check_rows(name: str, x_BxL, batch: int | None = None, length: int | None = None, kind: str = "int") -> None:
+  """Raises unless ``x`` is ``[batch or 1, length]`` (either unchecked where None) of integers (``kind="int"``:
+  positions, segment ids) or of bools / integers (``kind="mask"``: padding, True or 1 at real tokens), saying what
+  was given and what is allowed: a float (an additive mask, fractional positions) is never cast silently."""
+  shape, dtype = jnp.shape(x_BxL), jnp.result_type(x_BxL)
+  rows = "B" if batch is None else f"{batch} or 1"
+  expected = f"[{rows}, {'L' if length is None else length}]"
+  if len(shape) != 2 or (length is not None and shape[1] != length) or (batch is not None and shape[0] not in (1, batch)):
+    raise ValueError(f"{name} has shape {tuple(shape)}; expected {expected} (batch rows, sequence)")
+  allowed = (jnp.integer, jnp.bool_) if kind == "mask" else (jnp.integer,)
+  if not any(jnp.issubdtype(dtype, t) for t in allowed):
+    what = "bool or 0/1 integers, True at real tokens (not an additive 0/-inf mask)" if kind == "mask" else "integers"
+    raise ValueError(f"{name} has dtype {dtype}; it must hold {what}")
+
+
 def relative_positions(positions_BxL):
   """``rel[b, i, j] = positions[b, j] - positions[b, i]`` (key minus query), ``[B, L, L]`` int32: every
   relative term is a function of it, so packed rows (positions restarting per segment) are exact."""
+  check_rows("positions", positions_BxL)
   positions_BxL = positions_BxL.astype(jnp.int32)
   return positions_BxL[:, None, :] - positions_BxL[:, :, None]
 

@@ -271,8 +271,7 @@ class BertEncoder(nn.Module):
     spec.check_length(length)
     if positions is None:
       positions = jnp.arange(length, dtype=jnp.int32)[None]
-    if positions.ndim != 2 or positions.shape[1] != length or positions.shape[0] not in (1, batch):
-      raise ValueError(f"positions must be [{batch} or 1, {length}], got shape {positions.shape}")
+    base.check_rows("positions", positions, batch, length)
     embeddings = self._embeddings_source()
     position = embeddings.position if spec.method.input_embedding and embeddings is not self else self.position
     state = position(positions)
@@ -291,6 +290,8 @@ class BertEncoder(nn.Module):
     if c.embed_width != c.hidden_size:
       x = self.embeddings_project(x)
 
+    if attention_mask is not None:
+      base.check_rows("attention_mask", attention_mask, batch, length, "mask")
     mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids)
     x = partitioning.constrain(x, partitioning.BLD)
     if c.scan_layers:

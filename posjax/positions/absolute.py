@@ -50,6 +50,7 @@ class Absolute(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
+    base.check_rows("positions", positions_BxL)
     self.spec.check_length(positions_BxL.shape[-1])
     return base.PositionState(embedding=LearnedTable(self.spec, width=self.spec.input_width,
                                                      name="table")(positions_BxL), positions=positions_BxL)
@@ -57,6 +58,7 @@ class Absolute(nn.Module):
 
 def sinusoid(positions_BxL, dim: int, max_timescale: float = 10_000.0):
   """``PE[p, 2i] = sin(p / T^(2i/D))``, ``PE[p, 2i+1] = cos(p / T^(2i/D))`` (interleaved), ``[B, L, D]``."""
+  base.check_rows("positions", positions_BxL)
   inv_freq = max_timescale ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
   angle_BxLxF = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
   pe = jnp.stack([jnp.sin(angle_BxLxF), jnp.cos(angle_BxLxF)], axis=-1)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The relative formulas several methods share live with the kernels' terms (which compute them too); re-exported.
-from posjax.kernels.terms import dot_heads, relative_positions  # noqa: F401
+from posjax.kernels.terms import check_rows, dot_heads, relative_positions  # noqa: F401
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -93,6 +93,7 @@ class Positions(nn.Module):
   spec: Any
 
   def __call__(self, positions_BxL):
+    check_rows("positions", positions_BxL)
     return PositionState(positions=positions_BxL)
 
 

@@ -25,6 +25,7 @@ def rotation(positions_BxL, head_dim: int, max_timescale: float = 10_000.0):
   """``(sin, cos)``, each ``[B, L, 1, d_h/2]``: the angles ``p / T^(2f/d_h)``."""
   if head_dim % 2:
     raise ValueError(f"rope needs an even head dimension, got head_dim={head_dim}")
+  base.check_rows("positions", positions_BxL)
   inv_freq = max_timescale ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   angle = positions_BxL.astype(jnp.float32)[..., None, None] * inv_freq
   return jnp.sin(angle), jnp.cos(angle)

@@ -144,7 +144,7 @@ class Tupe(nn.Module):
     offset = 1 if opts.cls_reset == "official" else 0
     table = absolute.LearnedTable(spec, num_rows=spec.max_len + offset, name="table")
     norm = base.layer_norm(spec, "pos_ln") if opts.layernorm else (lambda x: x)
-    context = {"p": norm(table(positions_BxL + offset))}
+    context = {"p": norm(table(jnp.where(positions_BxL < 0, -1, positions_BxL + offset)))}  # < 0: NaN, as without
     if opts.cls_reset == "official":
       context["p_theta"] = norm(table(jnp.arange(2)))
     elif opts.cls_reset == "paper":
@@ -155,6 +155,7 @@ class Tupe(nn.Module):
 
   def __call__(self, positions_BxL):
     spec, opts = self.spec, self.spec.options
+    base.check_rows("positions", positions_BxL)
     spec.check_length(positions_BxL.shape[-1])
     is_cls_BxL = positions_BxL == 0
     source = self if self.table_from is None else self.table_from
@@ -203,6 +204,7 @@ class BertAdTable(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
+    base.check_rows("positions", positions_BxL)
     self.spec.check_length(positions_BxL.shape[-1])
     p = absolute.LearnedTable(self.spec, name="table")(positions_BxL)
     if self.spec.options.layernorm:
