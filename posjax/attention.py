@@ -5,23 +5,22 @@ terms; add the shared bias the encoder computed once; mask padding and cross-seg
 float32; dropout on the weights. Kernels (``kernel=``):
 
 - ``xla``: the reference einsum path; computes every method; the default and the CPU path.
-- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU in bf16/fp16. It takes
-  q/k transforms and an additive bias (segments are folded into it) and padding as sequence lengths where
-  every row is right-padded, else as a bias (chosen at run time: any layout is exact). It cannot compute the multiplicative Methods 1-3 or Shaw's value term, nor
-  dropout on the attention weights: asking for it there is an error. TUPE's untied term and its [CLS] reset
-  are folded into q and k (exact, :mod:`posjax.kernels.fold`; :func:`cudnn_inputs`): TUPE-A runs with no bias,
-  TUPE-R with only its bucket bias, instead of a dense ``[B, H, L, L]`` bias and its gradient; where the folded
-  head dim would pass cuDNN's limit (:func:`cudnn_max_head_dim`) or the batch's positions are unknown, the dense
-  bias.
-- ``pallas``: :func:`posjax.kernels.relative_attention`, flash attention with the method's terms built inside
-  each tile from the batch's positions (ALiBi, T5 / TUPE-R buckets, TUPE's untied term and [CLS] reset, Shaw /
-  Method 4 vectors; q/k transforms such as RoPE before it). No ``[B, H, L, L]`` array is kept for the backward
-  pass. Shaw / Method 4 with a table wider than two tiles read it windowed, which takes positions rising by one
-  inside each segment; a batch where they do not (Hugging Face's left-padded ids) runs on the dense path instead,
-  chosen at run time (:mod:`posjax.kernels.exact`). Attention dropout uses
-  a hashed mask that the kernel recomputes per tile (:mod:`posjax.kernels.dropout`; other draws than the ``xla``
-  path's). Not Methods 1-3 or Shaw's value term (an error). On a CPU it runs in Pallas interpret mode: slow,
-  but the same outputs and gradients as ``xla``, for tests and for checking a model.
+- ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU in bf16/fp16. It takes q/k transforms and
+  an additive bias (segments are folded into it) and padding as sequence lengths where every row is right-padded, else
+  as a bias (chosen at run time: any layout is exact). It cannot compute the multiplicative Methods 1-3 or Shaw's
+  value term, nor dropout on the attention weights: asking for it there is an error. TUPE's untied term and its [CLS]
+  reset are folded into q and k (exact, :mod:`posjax.kernels.fold`; :func:`cudnn_inputs`): TUPE-A runs with no bias,
+  TUPE-R with only its bucket bias, instead of a dense ``[B, H, L, L]`` bias and its gradient; where the folded head
+  dim would pass cuDNN's limit (:func:`cudnn_max_head_dim`) or the batch's positions are unknown, the dense bias.
+- ``pallas``: :func:`posjax.kernels.relative_attention`, flash attention with the method's terms built inside each
+  tile from the batch's positions (ALiBi, T5 / TUPE-R buckets, TUPE's untied term and [CLS] reset, Shaw / Method 4
+  vectors; q/k transforms such as RoPE before it). No ``[B, H, L, L]`` array is kept for the backward pass. Shaw /
+  Method 4 with a table wider than two tiles read it windowed, which takes positions rising by one inside each
+  segment; a batch where they do not (Hugging Face's left-padded ids) runs on the dense path instead, chosen at run
+  time (:mod:`posjax.kernels.exact`). Attention dropout uses a hashed mask that the kernel recomputes per tile
+  (:mod:`posjax.kernels.dropout`; other draws than the ``xla`` path's). Not Methods 1-3 or Shaw's value term (an
+  error). On a CPU it runs in Pallas interpret mode: slow, but the same outputs and gradients as ``xla``, for tests
+  and for checking a model.
 - ``auto``: ``cudnn`` where it can compute the layer, otherwise ``xla`` with a log line (it does not pick
   ``pallas``: its GPU speed has not been measured yet).
 

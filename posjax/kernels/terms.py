@@ -43,7 +43,8 @@ def check_rows(name: str, x_BxL, batch: int | None = None, length: int | None = 
   shape, dtype = jnp.shape(x_BxL), jnp.result_type(x_BxL)
   rows = "B" if batch is None else f"{batch} or 1"
   expected = f"[{rows}, {'L' if length is None else length}]"
-  if len(shape) != 2 or (length is not None and shape[1] != length) or (batch is not None and shape[0] not in (1, batch)):
+  if (len(shape) != 2 or (length is not None and shape[1] != length)
+      or (batch is not None and shape[0] not in (1, batch))):
     raise ValueError(f"{name} has shape {tuple(shape)}; expected {expected} (batch rows, sequence)")
   allowed = (jnp.integer, jnp.bool_) if kind == "mask" else (jnp.integer,)
   if not any(jnp.issubdtype(dtype, t) for t in allowed):
