@@ -50,6 +50,7 @@ def get_config(arg=None):
   config.max_len = 512
   config.grad_accum_steps = 1
   config.adam_b1, config.adam_b2, config.adam_eps = 0.9, 0.999, 1e-6
+  config.adam_bias_correction = True  # False: the released BERT / ELECTRA optimizer's Adam (no bias correction)
   config.weight_decay = 0.01
   config.weight_decay_exclusion = "bert"  # biases and LayerNorm skip decay; "none": every parameter decays (fairseq)
   config.grad_clip_norm = 1.0
@@ -93,6 +94,8 @@ def get_config(arg=None):
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",
       data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",
       packing="full_sentence", mask_rate=0.15, whole_word_masking=False,
+      mask_selection="permutation",  # distinct positions (BERT's); "electra": drawn with replacement (the official
+      # ELECTRA code's, posjax.data.mlm.mask_block)
       mask_token_rate=0.8, random_token_rate=0.1,  # of the chosen tokens: [MASK], a random token (BERT's)
       num_shards=0,  # document shards the global batch is built from; 0: one per process
       prepared_dir="",  # source="prepared": a corpus from python -m posjax.data.prepare

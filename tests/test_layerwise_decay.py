@@ -1,5 +1,6 @@
-"""Layer-wise learning-rate decay (``config.layerwise_lr_decay``) against a plain AdamW loop, and the ``recipe``
-option of the fine-tuning configs (ELECTRA's values)."""
+"""Layer-wise learning-rate decay (``config.layerwise_lr_decay``) against a plain AdamW loop, the official ELECTRA
+optimizer (``model/optimization.py``: Adam without bias correction, ``_get_layer_lrs``) against its formula, and
+the ``recipe`` option of the fine-tuning configs (ELECTRA's values)."""
 
 import re
 
@@ -29,8 +30,9 @@ def params_tree(seed=0):
 
 
 def optimizer_config(**fields):
-  return ml_collections.ConfigDict(dict(learning_rate=PEAK, warmup_steps=0, total_steps=TOTAL, grad_clip_norm=1e9,
-                                        adam_b1=0.9, adam_b2=0.999, adam_eps=EPS, weight_decay=WEIGHT_DECAY, **fields))
+  defaults = dict(learning_rate=PEAK, warmup_steps=0, total_steps=TOTAL, grad_clip_norm=1e9, adam_b1=0.9, adam_b2=0.999,
+                  adam_eps=EPS, weight_decay=WEIGHT_DECAY)
+  return ml_collections.ConfigDict({**defaults, **fields})
 
 
 def grads_at(step, params):
@@ -57,9 +59,10 @@ def reference_lr_factor(keys, decay):
   return decay ** (LAYERS - int(layer[1])) if layer else decay ** (LAYERS + 1)
 
 
-def reference_adamw(params, decay, steps=3):
-  """A plain float64 AdamW loop, parameter by parameter, each at its own learning rate lr_t * factor times the
-  Adam step plus weight decay (not on biases or norm scales), lr_t linear from the peak to 0."""
+def reference_adamw(params, factor, steps=3, bias_correction=True):
+  """A plain float64 AdamW loop, parameter by parameter, each at its own learning rate ``lr_t * factor(keys)``
+  times the Adam step plus weight decay (not on biases or norm scales), ``lr_t`` linear from the peak to 0;
+  ``bias_correction=False``: the official ELECTRA / BERT ``AdamWeightDecayOptimizer``'s ``m / (sqrt(v) + eps)``."""
   flat = {tuple(k.key for k in path): np.float64(p) for path, p in jax.tree_util.tree_leaves_with_path(params)}
   m = {k: np.zeros_like(p) for k, p in flat.items()}
   v = {k: np.zeros_like(p) for k, p in flat.items()}
@@ -69,12 +72,13 @@ def reference_adamw(params, decay, steps=3):
     grads = {tuple(k.key for k in path): np.float64(g)
              for path, g in jax.tree_util.tree_leaves_with_path(grads_at(step, current))}
     lr = PEAK * (1 - step / TOTAL)
+    first, second = (1 - 0.9 ** (step + 1), 1 - 0.999 ** (step + 1)) if bias_correction else (1.0, 1.0)
     for k, p in flat.items():
       m[k] = 0.9 * m[k] + 0.1 * grads[k]
       v[k] = 0.999 * v[k] + 0.001 * grads[k] ** 2
-      adam = (m[k] / (1 - 0.9 ** (step + 1))) / (np.sqrt(v[k] / (1 - 0.999 ** (step + 1))) + EPS)
+      adam = (m[k] / first) / (np.sqrt(v[k] / second) + EPS)
       decayed = 0.0 if k[-1] in ("bias", "scale") else WEIGHT_DECAY * p
-      flat[k] = p - lr * reference_lr_factor(k, decay) * (adam + decayed)
+      flat[k] = p - lr * factor(k) * (adam + decayed)
   return flat
 
 
@@ -83,7 +87,7 @@ def test_layerwise_decay_equals_a_plain_adamw_loop_with_per_layer_learning_rates
   params = params_tree()
   optimizer, _ = make_optimizer(optimizer_config(layerwise_lr_decay=decay))
   got, _ = run(optimizer, params)
-  want = reference_adamw(params, decay)
+  want = reference_adamw(params, lambda keys: reference_lr_factor(keys, decay))
   for path, value in jax.tree_util.tree_leaves_with_path(got):
     key = tuple(k.key for k in path)
     np.testing.assert_allclose(np.asarray(value), want[key], rtol=2e-5, atol=1e-6, err_msg=str(key))
@@ -154,3 +158,48 @@ def test_glue_electra_recipe_has_electras_values():
 def test_an_unknown_recipe_is_an_error(name):
   with pytest.raises(ValueError, match=r"^unknown recipe 'nope'; allowed: \['tupe', 'electra'\]$"):
     load_config(name, "recipe=nope")
+
+
+def official_layer_factor(keys, decay):
+  """``model/optimization.py``'s ``_get_layer_lrs`` over the peak, on posjax's names: embeddings at depth 0,
+  ``layer_i`` at ``i + 1``, the task head (``task_specific/``) at ``n + 2``; each ``decay ** (n + 2 - depth)``."""
+  layer = re.fullmatch(r"layer_(\d+)", keys[1]) if keys[0] == "encoder" else None
+  depth = int(layer[1]) + 1 if layer else 0 if keys[0] == "encoder" else LAYERS + 2
+  return decay ** (LAYERS + 2 - depth)
+
+
+def flat_params(tree):
+  return {tuple(k.key for k in path): np.float64(p) for path, p in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("decay", [None, 0.8])
+def test_adam_without_bias_correction_and_the_released_depths_equal_the_official_optimizer(decay):
+  fields = dict(adam_bias_correction=False)
+  if decay is not None:
+    fields.update(layerwise_lr_decay=decay, layerwise_lr_decay_depth="released")
+  got = flat_params(run(make_optimizer(optimizer_config(**fields))[0], params_tree())[0])
+  want = reference_adamw(params_tree(), lambda keys: 1.0 if decay is None else official_layer_factor(keys, decay),
+                         bias_correction=False)
+  start = flat_params(params_tree())
+  moved = max(np.abs(want[k] - start[k]).max() for k in want)
+  for key, value in want.items():
+    np.testing.assert_allclose(got[key], value, rtol=1e-5, atol=1e-5 * moved, err_msg=str(key))
+  # Bias correction changes the first steps: posjax's default is not the official optimizer.
+  corrected = flat_params(run(make_optimizer(optimizer_config(**{**fields, "adam_bias_correction": True}))[0],
+                              params_tree())[0])
+  assert max(np.abs(corrected[k] - want[k]).max() for k in want) > 0.1 * moved
+
+
+def test_the_intended_depths_give_every_encoder_parameter_one_factor_of_decay_more_than_the_released():
+  """posjax's default (Clark's stated intent): each encoder parameter at 1/decay of the released code's rate, the
+  head at the same. One step, whose Adam step is the same for every choice, shows the ratio of the rates."""
+  def first(depth):
+    optimizer = make_optimizer(optimizer_config(adam_bias_correction=False, weight_decay=0.0, layerwise_lr_decay=0.8,
+                                                layerwise_lr_decay_depth=depth))[0]
+    return flat_params(run(optimizer, params_tree(), steps=1)[0])
+  start, intended, released = flat_params(params_tree()), first("intended"), first("released")
+  for key in start:
+    ratio = (intended[key] - start[key]) / (released[key] - start[key])
+    np.testing.assert_allclose(ratio, 1.0 / 0.8 if key[0] == "encoder" else 1.0, rtol=1e-4, err_msg=str(key))
+  with pytest.raises(ValueError, match=r"layerwise_lr_decay_depth='paper' is not one of \['intended', 'released'\]"):
+    make_optimizer(optimizer_config(layerwise_lr_decay=0.8, layerwise_lr_decay_depth="paper"))

@@ -3,8 +3,9 @@
 Options (``configs/finetune/glue.py:task=rte,lr=3e-5,seed=1``):
   task: cola | sst2 | mrpc | stsb | qqp | mnli | qnli | rte | wnli; default rte.
   recipe: ``tupe`` (default) or ``electra`` (:mod:`posjax.finetune.recipe`: ELECTRA's learning rate, layer-wise
-    learning-rate decay, warm-up, weight decay and epochs; its Large values with ``size=large``, which a run from
-    ``init`` then names too).
+    learning-rate decay, warm-up, weight decay, epochs and Adam; its head, the [CLS] state into one dense layer
+    without BERT's pooler (``classifier_input="cls"``), and its final model reported; its Large values with
+    ``size=large``, which a run from ``init`` then names too).
   lr: peak learning rate; default the recipe's: tupe 2e-5 (TUPE's grid: 2, 3, 4, 5e-5, five seeds each, median over
     seeds, best lr), electra 1e-4 (Large 5e-5).
   seed: default 0.
@@ -20,9 +21,12 @@ From a pre-training run (its encoder, position method and vocabulary; ``init_ste
   python -m posjax.main --config=configs/finetune/glue.py:task=rte --workdir=$WORKDIR --config.init=$PRETRAIN
 Local:
   python -m posjax.main --config=configs/finetune/glue.py:task=rte,runlocal --workdir=/tmp/posjax_rte
-Evaluates twice an epoch and at the end (``evals_per_epoch``); ``results.json`` holds every evaluation and, as
-``metrics``, the best one by the paper's metric (``select``, ``select_metric``: TUPE's protocol; ``select=last``
-reports the last), the task's dev metrics in percent, MNLI matched and mismatched both. MNLI's evaluators are
+Evaluates twice an epoch and at the end (``evals_per_epoch``; ``recipe=electra``: once an epoch); ``results.json``
+holds every evaluation and, as ``metrics``, the best one by the paper's metric (``select``, ``select_metric``:
+TUPE's protocol; ``select=last``, ELECTRA's, reports the last), the task's dev metrics in percent, MNLI matched and
+mismatched both. ``classifier_input``: ``pooler`` (BERT's and TUPE's dense -> tanh on [CLS]) or ``cls`` (the
+[CLS] state itself, ELECTRA's); ``regression_scale``: STS-B's scores times this in the loss (ELECTRA: 0.2), its
+predictions divided by it. MNLI's evaluators are
 ``mnli_matched`` and ``mnli_mismatched``; the others' the task name. Batches are padded to the bucket of their
 longest example (``data.batching=dynamic``; ``fixed``: to max_len; ``grouped``: sorted by length), and where a
 test split is there its predictions go to ``glue_test/<Task>.tsv`` (``data.test_predictions``).
@@ -59,10 +63,9 @@ def get_config(arg=None):
   config.evals = ml_collections.ConfigDict({name: dict(kind="glue", split=split)
                                             for name, split in zip(names, task.validation_splits)})
   # TUPE's protocol: validate twice an epoch, report the best (fairseq's best checkpoint metric: accuracy, mcc for
-  # CoLA, pearson for STS-B; for MNLI its first validation set, matched).
-  config.evals_per_epoch = 2
-  config.select = "best"
-  config.select_metric = f"{names[0]}/{metrics.PAPER_METRIC[names[0]]}"
+  # CoLA, pearson for STS-B; for MNLI its first validation set, matched); ELECTRA's: the final model.
+  config.update(recipe.GLUE_RECIPES[arg.recipe])
+  config.select_metric = f"{names[0]}/{metrics.PAPER_METRIC[names[0]]}" if config.select == "best" else ""
   if arg.runlocal:
     config.data.update(source="tsv", data_dir=recipe.DATA + "/glue")
     recipe.runlocal(config, steps=60, max_len=64, batch_size=16)

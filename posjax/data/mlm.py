@@ -86,20 +86,33 @@ def pack_documents(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: 
     yield _block(tokens, segments, positions, max_len, pad_id)
 
 
+# How the masked positions of a block are chosen (``data.mask_selection``, :func:`mask_block`).
+SELECTIONS = ("permutation", "electra")
+
+
 @dataclasses.dataclass(frozen=True)
 class Masking:
   """What masking does: ``rate`` of the real non-special tokens (or ``whole_word`` s) are chosen, of which
   ``mask_token`` become [MASK], ``random_token`` a random token and the rest stay. BERT: 0.8 / 0.1 (the default);
-  ELECTRA (Clark et al. 2020, the official ``pretrain_helpers.mask``): 0.85 / 0.0. Fields of ``config.data``:
-  ``mask_rate``, ``whole_word_masking``, ``mask_token_rate``, ``random_token_rate``."""
+  ELECTRA (Clark et al. 2020, the official ``pretrain_helpers.mask``): 0.85 / 0.0. ``selection``: how the positions
+  are chosen (:func:`mask_block`): ``permutation`` (BERT's ``create_pretraining_data.py``: distinct positions,
+  ``round(rate x candidates)`` of them) or ``electra`` (the official ELECTRA code's: drawn with replacement,
+  ``round(rate x real tokens)`` draws, [CLS] and [SEP] counted). Fields of ``config.data``: ``mask_rate``,
+  ``whole_word_masking``, ``mask_token_rate``, ``random_token_rate``, ``mask_selection``."""
   rate: float = 0.15
   whole_word: bool = False
   mask_token: float = 0.8
   random_token: float = 0.1
+  selection: str = "permutation"
 
   def __post_init__(self):
     if not 0.0 < self.rate < 1.0:
       raise ValueError(f"data.mask_rate={self.rate} must be in (0, 1)")
+    if self.selection not in SELECTIONS:
+      raise ValueError(f"data.mask_selection={self.selection!r} is not one of {list(SELECTIONS)}")
+    if self.selection == "electra" and self.whole_word:
+      raise ValueError("data.whole_word_masking=True takes data.mask_selection='permutation' (ELECTRA's draws "
+                       "are of single positions)")
     for field, value in (("mask_token_rate", self.mask_token), ("random_token_rate", self.random_token)):
       if not 0.0 <= value <= 1.0:
         raise ValueError(f"data.{field}={value} must be in [0, 1]")
@@ -110,28 +123,42 @@ class Masking:
   @classmethod
   def from_config(cls, data) -> "Masking":
     return cls(data.mask_rate, data.whole_word_masking, data.get("mask_token_rate", 0.8),
-               data.get("random_token_rate", 0.1))
+               data.get("random_token_rate", 0.1), data.get("mask_selection", "permutation"))
 
 
 def mask_block(block: dict, rng: np.random.Generator, tokenizer: Tokenizer, max_predictions: int,
                masking: Masking = Masking()) -> dict:
-  """Masking (:class:`Masking`) of one block. The draws: a permutation of the words, then one uniform and one
-  random token per chosen position; the first words of the permutation that fit
-  ``min(max_predictions, round(rate * n))`` are chosen; a uniform below ``mask_token`` makes [MASK], one in the
-  next ``random_token`` a random token."""
+  """Masking (:class:`Masking`) of one block: the masked positions (``[P]``, padded with weight 0) and the block
+  with its chosen tokens replaced. The draws, in order:
+
+  - ``permutation``: a permutation of the words (the real non-special tokens, or whole words); the first that fit
+    ``min(max_predictions, max(1, round(rate * candidates)))`` are chosen.
+  - ``electra``: ``min(max_predictions, max(1, round(rate * real tokens)))`` positions drawn uniformly with
+    replacement from the real tokens but [CLS], [SEP] and [MASK], in draw order (ELECTRA's
+    ``tf.random.categorical``); a position drawn twice is predicted twice (the generator's loss counts it twice).
+
+  Then one uniform and one random token per draw: a uniform below ``mask_token`` makes [MASK] (a position drawn
+  twice: if either says so), one in the next ``random_token`` a random token."""
   ids = block["input_ids"].copy()
-  candidates = np.flatnonzero(block["attention_mask"].astype(bool) & ~np.isin(ids, tokenizer.special_array))
-  budget = min(max_predictions, max(1, round(len(candidates) * masking.rate))) if len(candidates) else 0
-  if masking.whole_word:
+  real = block["attention_mask"].astype(bool)
+  electra = masking.selection == "electra"
+  # ELECTRA's ``_get_candidates_mask`` leaves out [CLS], [SEP] and [MASK] only: [UNK] can be masked there.
+  never = [tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id] if electra else tokenizer.special_array
+  candidates = np.flatnonzero(real & ~np.isin(ids, never))
+  counted = int(real.sum()) if electra else len(candidates)
+  budget = min(max_predictions, max(1, round(counted * masking.rate))) if len(candidates) else 0
+  if electra:
+    chosen = candidates[rng.integers(0, len(candidates), budget)] if budget else np.zeros(0, np.int64)
+  elif masking.whole_word:
     chosen = _whole_words(ids, candidates, budget, rng, tokenizer)
   else:  # every candidate is a word: the first ``budget`` of the permutation
     chosen = np.sort(candidates[rng.permutation(len(candidates))[:budget]])
   labels = ids[chosen]
   action = rng.random(len(chosen))
   random_tokens = rng.integers(0, tokenizer.vocab_size, len(chosen))
-  ids[chosen[action < masking.mask_token]] = tokenizer.mask_id
   replace = (action >= masking.mask_token) & (action < masking.mask_token + masking.random_token)
   ids[chosen[replace]] = random_tokens[replace]
+  ids[chosen[action < masking.mask_token]] = tokenizer.mask_id
   pad = max_predictions - len(chosen)
   return {**block, "input_ids": ids,
           "masked_positions": np.concatenate([chosen, np.zeros(pad, np.int64)]).astype(np.int32),
@@ -156,10 +183,13 @@ def _whole_words(ids, candidates, budget: int, rng: np.random.Generator, tokeniz
   return np.asarray(sorted(chosen), np.int64)
 
 
-def default_max_predictions(max_len: int, mask_rate: float) -> int:
-  """The masked positions per block when none is given: ``mask_rate`` of ``max_len``, rounded up (at least 1),
-  so no block's masking is cut short."""
-  return max(1, math.ceil(max_len * mask_rate))
+def default_max_predictions(max_len: int, masking: Masking) -> int:
+  """The masked positions per block when none is given: ``rate`` of ``max_len``, rounded up (at least 1), so no
+  block's masking is cut short; under ``selection="electra"`` the official ``max_predictions_per_seq``,
+  ``int((rate + 0.005) * max_len)`` (79 of 512 at 15%), which caps a block's draws."""
+  if masking.selection == "electra":
+    return max(1, int((masking.rate + 0.005) * max_len))
+  return max(1, math.ceil(max_len * masking.rate))
 
 
 def empty_like(example: dict) -> dict:
@@ -187,7 +217,7 @@ class MlmBatches:
     self.documents, self.tokenizer = documents, tokenizer
     self.max_len, self.batch_size, self.seed, self.packing = max_len, batch_size, seed, packing
     self.masking, self.repeat, self.shard = masking, repeat, shard
-    self.max_predictions = max_predictions or default_max_predictions(max_len, masking.rate)
+    self.max_predictions = max_predictions or default_max_predictions(max_len, masking)
     self.blocks_consumed = 0
     self._blocks = self._block_stream()
 

@@ -104,7 +104,7 @@ class PreparedBatches:
     if not len(source):
       raise ValueError(f"{directory} holds no blocks")
     self.tokenizer, self.max_len, self.global_batch = tokenizer, max_len, global_batch
-    self.max_predictions = max_predictions or mlm.default_max_predictions(max_len, masking.rate)
+    self.max_predictions = max_predictions or mlm.default_max_predictions(max_len, masking)
     self.blocks, self.workers, self.prefetch = len(source), workers, prefetch
     load = _MaskRows(source, tokenizer, features.process_rows(global_batch), seed=seed, global_batch=global_batch,
                      max_len=max_len, dtype=np.dtype(metadata["record"]["dtype"]),

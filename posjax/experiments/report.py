@@ -45,7 +45,8 @@ def build(root: str) -> tuple[str, list[list], list[str]]:
   scored = protocol.score(table, runs)
   columns = [column for column, _, _ in table.columns] + (["Avg"] if table.get("average") else [])
   header = ["row", "start"] + columns
-  lines = [f"# {table.name}", "", "Each cell: posjax (paper, difference); n = seeds at the best learning rate, "
+  how = [table.protocol, ""] if table.get("protocol") else []
+  lines = [f"# {table.name}", "", *how, "Each cell: posjax (paper, difference); n = seeds at the best learning rate, "
            "± = their spread (max - min); *partial k/n*: only k of the task's n runs finished with a number, so "
            "the cell (and the average) may change. start: the pre-training step the row fine-tunes from.", "",
            "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -31,18 +31,21 @@ def paper_row(values: tuple[float, ...], average: float | None = None) -> dict:
 
 
 def glue_table(name: str, rows: dict, *, size: str, runlocal: bool, lrs=(2e-5, 3e-5, 4e-5, 5e-5),
-               seeds=(1, 2, 3, 4, 5), pretrain: str = "configs/pretrain.py",
+               seeds=(1, 2, 3, 4, 5), pretrain: str = "configs/pretrain.py", pretrain_overrides=(),
                finetune_options: str = "") -> ml_collections.ConfigDict:
-  """A GLUE table: every row pre-trained with ``pretrain`` (BERT's MLM, or ``configs/electra.py``) and fine-tuned
-  on the eight tasks with ``configs/finetune/glue.py`` (plus ``finetune_options``, e.g. ``recipe=electra``) over
-  ``lrs`` x ``seeds``. ``runlocal``: tiny models on the made-up data, and a grid shrunk to 2 learning rates x 2
-  seeds (the median/best-lr protocol still applies)."""
+  """A GLUE table: every row pre-trained with ``pretrain`` (BERT's MLM, or ``configs/electra.py``; its fields
+  ``pretrain_overrides``, ``(field, value)`` pairs) and fine-tuned on the eight tasks with
+  ``configs/finetune/glue.py`` (plus ``finetune_options``, e.g. ``recipe=electra``) over ``lrs`` x ``seeds``.
+  ``runlocal``: tiny models on the made-up data, and a grid shrunk to 2 learning rates x 2 seeds (the
+  median/best-lr protocol still applies)."""
   local = ",runlocal" if runlocal else ""
   extra = f",{finetune_options}" if finetune_options else ""
   config = ml_collections.ConfigDict()
   config.job = "table"
   config.name = name
-  config.pretrain = dict(config=pretrain, options=f"size={size}{local}", overrides=[])
+  config.pretrain = dict(config=pretrain, options=f"size={size}{local}",
+                         overrides=[list(o) for o in pretrain_overrides])
+  config.protocol = ""  # how the numbers are made where the paper leaves a choice (the report prints it)
   config.finetune = {task: dict(config="configs/finetune/glue.py", options=f"task={task}{extra}{local}",
                                 overrides=[]) for task in GLUE_TASKS}
   config.lrs = (1e-3, 3e-4) if runlocal else tuple(lrs)

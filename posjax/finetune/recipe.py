@@ -8,9 +8,12 @@ A config file's ``recipe=electra`` (:data:`RECIPES`) takes ELECTRA's instead (Cl
 google-research/electra ``configure_finetuning.py``, ``model/optimization.py``): learning rate 1e-4 (Large 5e-5),
 layer-wise learning-rate decay 0.8 (Large 0.9; :func:`posjax.train.step.layer_scales`), warm-up over 10% of the
 steps, weight decay 0 (the paper's; the official code's default is 0.01), batch 32, 3 epochs (10 for RTE and STS-B,
-2 for SQuAD); ε, β, clipping and dropout as TUPE's. Layer ``i`` of ``n`` learns at ``lr * decay ** (n - i)``, as
-Clark intended (google-research/electra issue #51); the released code gives every encoder parameter one more
-factor of ``decay`` (``n + 1 - i``, a pooler's left-over depth), kept there for reproducibility. Not taken: its
+2 for SQuAD), Adam without bias correction (the official ``AdamWeightDecayOptimizer``; ``adam_bias_correction``);
+ε, β, clipping and dropout as TUPE's. Layer ``i`` of ``n`` learns at ``lr * decay ** (n - i)``, as Clark intended
+(google-research/electra issue #51; ``layerwise_lr_decay_depth="intended"``, the default); the released code gives
+every encoder parameter one more factor of ``decay`` (``n + 1 - i``, embeddings ``n + 2``: at 0.8 every encoder
+parameter learns at 0.8x the default's rate; ``layerwise_lr_decay_depth="released"``). GLUE under
+``recipe=electra`` also reads ELECTRA's head and reports as ELECTRA does (:data:`GLUE_RECIPES`). Not taken: its
 GLUE length 128 (``max_len=128`` gives it), its schedule (warm-up multiplied onto a decay from the peak over the
 whole run, where posjax decays over the steps after warm-up) and its training on both orders of paraphrase pairs.
 
@@ -52,7 +55,16 @@ def model_fields(position: str) -> ml_collections.ConfigDict:
 RECIPES = {
     "tupe": {},
     "electra": dict(learning_rate=1e-4, layerwise_lr_decay=0.8, warmup_fraction=0.1, weight_decay=0.0,
-                    adam_eps=1e-6, batch_size=32, epochs=3.0),
+                    adam_eps=1e-6, batch_size=32, epochs=3.0, adam_bias_correction=False),
+}
+# What a GLUE run reads and reports under each recipe (``configs/finetune/glue.py``). TUPE's (fairseq's sentence
+# classification; BERT's): the pooler (dense -> tanh) before the classifier, two evaluations an epoch, the best
+# reported. ELECTRA's (``finetune/classification/classification_tasks.py``; the paper's "simple linear classifiers
+# on top of ELECTRA"): the [CLS] state through dropout and one dense layer, the final model reported (an evaluation
+# per epoch, for the curve), STS-B trained on its scores over 5 (``RegressionTask``'s ``(label - 0) / 5``).
+GLUE_RECIPES = {
+    "tupe": dict(classifier_input="pooler", evals_per_epoch=2, select="best", regression_scale=1.0),
+    "electra": dict(classifier_input="cls", evals_per_epoch=1, select="last", regression_scale=0.2),
 }
 RECIPE_SIZES = {("electra", "large"): dict(learning_rate=5e-5, layerwise_lr_decay=0.9)}
 RECIPE_TASKS = {("electra", "rte"): dict(epochs=10.0), ("electra", "stsb"): dict(epochs=10.0),
@@ -94,7 +106,9 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.weight_decay = 0.01
   config.weight_decay_exclusion = "bert"  # "none": fairseq's AdamW, which decays every parameter
   config.grad_clip_norm = 1.0
+  config.adam_bias_correction = True  # False: the released BERT / ELECTRA Adam (no bias correction)
   config.layerwise_lr_decay = 1.0  # below 1: lower learning rates for layers nearer the input (ELECTRA's: 0.8)
+  config.layerwise_lr_decay_depth = "intended"  # or "released": every encoder factor times the decay once more
   config.parallelism = "jit"
   config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   config.log_every_steps = 50

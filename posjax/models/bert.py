@@ -362,10 +362,20 @@ def pooler(config: BertConfig, h_BxLxD):
   return jnp.tanh(_dense(config, config.hidden_size, (base.EMBED, MLP), "pooler")(h_BxLxD[:, 0]))
 
 
-def classification_head(config: BertConfig, num_labels: int, h_BxLxD, deterministic: bool):
-  """TUPE's and BERT's [CLS] head: pooler -> dropout -> ``num_labels`` outputs (``classifier``)."""
-  pooled = nn.Dropout(config.dropout_rate)(pooler(config, h_BxLxD), deterministic=deterministic)
-  return _dense(config, num_labels, (base.EMBED, None), "classifier")(pooled).astype(jnp.float32)
+# What a sequence classifier reads: BERT's pooler (the [CLS] state through dense -> tanh; BERT's and TUPE's heads)
+# or the [CLS] state itself (ELECTRA's: its ``get_pooled_output`` is ``sequence_output[:, 0]``).
+CLASSIFIER_INPUTS = ("pooler", "cls")
+
+
+def classification_head(config: BertConfig, num_labels: int, h_BxLxD, deterministic: bool,
+                        classifier_input: str = "pooler"):
+  """The [CLS] head: ``classifier_input`` (:data:`CLASSIFIER_INPUTS`) -> dropout -> ``num_labels`` outputs
+  (``classifier``). ``pooler``: TUPE's and BERT's; ``cls``: ELECTRA's, one dense layer on the [CLS] state (its
+  kernel drawn N(0, 0.02) as every posjax dense layer; the official code's ``tf.layers.dense`` draws Glorot)."""
+  base.check_choice("classifier_input", classifier_input, CLASSIFIER_INPUTS)
+  x_BxD = pooler(config, h_BxLxD) if classifier_input == "pooler" else h_BxLxD[:, 0]
+  x_BxD = nn.Dropout(config.dropout_rate)(x_BxD, deterministic=deterministic)
+  return _dense(config, num_labels, (base.EMBED, None), "classifier")(x_BxD).astype(jnp.float32)
 
 
 def rtd_head(config: BertConfig, h_BxLxD):
@@ -400,15 +410,18 @@ class BertForMaskedLM(nn.Module):
 
 
 class BertForSequenceClassification(nn.Module):
-  """[CLS] head: dense -> tanh -> dropout -> ``num_labels`` outputs (1 for regression, e.g. STS-B)."""
+  """[CLS] head (:func:`classification_head`): pooler (or, ``classifier_input="cls"``, the [CLS] state) ->
+  dropout -> ``num_labels`` outputs (1 for regression, e.g. STS-B)."""
 
   config: BertConfig
   num_labels: int
+  classifier_input: str = "pooler"
 
   @nn.compact
   def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
     h = BertEncoder(self.config, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
-    return classification_head(self.config, self.num_labels, h.last_hidden_state, deterministic)
+    return classification_head(self.config, self.num_labels, h.last_hidden_state, deterministic,
+                               self.classifier_input)
 
 
 class BertForQuestionAnswering(nn.Module):

@@ -14,12 +14,13 @@ does not depend on the device count or on gradient accumulation.
 
 Config (``configs/electra.py``): ``model`` is the discriminator; ``generator`` holds the generator's sizes
 (the rest of its fields are the discriminator's); ``electra``: ``discriminator_weight`` (λ, 50),
-``temperature`` (1.0), ``tie_embeddings`` (True: one set of embeddings, read by the generator through its own
-projection), ``share_position_table`` (True: for TUPE, whose table feeds the layers, the generator reads the
-discriminator's table and its LayerNorm, as ELECTRA shares its position embeddings; TUPE does not say; no
+``temperature`` (1.0), ``disallow_correct`` (False, the official default; True never samples the original token,
+so every masked token is replaced), ``tie_embeddings`` (True: one set of embeddings, read by the generator through
+its own projection), ``share_position_table`` (True: for TUPE, whose table feeds the layers, the generator reads
+the discriminator's table and its LayerNorm, as ELECTRA shares its position embeddings; TUPE does not say; no
 effect for other methods, whose input tables go with the embeddings, nor with ``tie_embeddings=False``, where
-nothing is shared); masking from ``data`` (ELECTRA: 85%
-[MASK], 15% kept, no random tokens).
+nothing is shared); masking from ``data`` (ELECTRA: 85% [MASK], 15% kept, no random tokens; positions drawn with
+replacement, ``data.mask_selection="electra"``).
 
 Metrics: ``mlm_loss`` / ``mlm_accuracy`` (the generator's, over masked tokens), ``sampled_accuracy`` (samples
 equal to the original), ``disc_loss`` / ``disc_accuracy`` (over real tokens), ``disc_precision`` /
@@ -44,7 +45,8 @@ from posjax.models.electra import Electra, ElectraConfig
 from posjax.tasks import mlm as mlm_task
 from posjax.train.task import Evaluator, Task
 
-DEFAULTS = dict(discriminator_weight=50.0, temperature=1.0, tie_embeddings=True, share_position_table=True)
+DEFAULTS = dict(discriminator_weight=50.0, temperature=1.0, tie_embeddings=True, share_position_table=True,
+                disallow_correct=False)
 EVAL_SEED = 1  # the evaluation's sampling key: fixed, so one checkpoint always scores the same
 
 
@@ -74,23 +76,32 @@ def options(config: ml_collections.ConfigDict) -> dict:
   return values
 
 
-def sample(keys_B, logits_BxMxV, temperature: float):
+def sample(keys_B, logits_BxMxV, temperature: float, disallow_BxM=None):
   """One token per masked position, drawn from ``softmax(logits / temperature)`` by Gumbel-max with each row's
-  key; no gradient flows through the draw."""
+  key; no gradient flows through the draw. ``disallow_BxM``: a token per position never drawn (the official
+  ``disallow_correct``: its logit lowered by 1000)."""
   logits_BxMxV = jax.lax.stop_gradient(logits_BxMxV).astype(jnp.float32) / temperature
+  if disallow_BxM is not None:
+    logits_BxMxV = logits_BxMxV - 1000.0 * jax.nn.one_hot(disallow_BxM, logits_BxMxV.shape[-1])
   return jax.vmap(lambda key, logits_MxV: jax.random.categorical(key, logits_MxV))(keys_B, logits_BxMxV)
 
 
 def replace_tokens(input_ids_BxL, masked_positions_BxM, masked_weights_BxM, sampled_BxM, labels_BxM):
   """The discriminator's input (the samples written at the masked positions) and its targets (``[B, L]``, True
-  where the token differs from the original). Padding entries of the masked positions write nowhere."""
+  where the token differs from the original). Padding entries of the masked positions write nowhere. A position
+  drawn more than once (``data.mask_selection="electra"``) gets the integer mean of its samples, as the official
+  ``scatter_update`` writes it (their sum, floor-divided by their count)."""
   length = input_ids_BxL.shape[1]
   rows_Bx1 = jnp.arange(input_ids_BxL.shape[0])[:, None]
   where_BxM = jnp.where(masked_weights_BxM > 0, masked_positions_BxM, length)
-  fake_BxL = input_ids_BxL.at[rows_Bx1, where_BxM].set(sampled_BxM.astype(input_ids_BxL.dtype), mode="drop")
-  replaced_BxL = jnp.zeros(input_ids_BxL.shape, bool).at[rows_Bx1, where_BxM].set(sampled_BxM != labels_BxM,
-                                                                                  mode="drop")
-  return fake_BxL, replaced_BxL
+  scatter = lambda x_BxL, values: x_BxL.at[rows_Bx1, where_BxM].add(values, mode="drop")
+  zeros_BxL = jnp.zeros_like(input_ids_BxL)
+  sums_BxL = scatter(zeros_BxL, sampled_BxM.astype(input_ids_BxL.dtype))
+  counts_BxL = scatter(zeros_BxL, jnp.ones_like(sampled_BxM, input_ids_BxL.dtype))
+  drawn_BxL = counts_BxL > 0
+  original_BxL = input_ids_BxL.at[rows_Bx1, where_BxM].set(labels_BxM.astype(input_ids_BxL.dtype), mode="drop")
+  fake_BxL = jnp.where(drawn_BxL, sums_BxL // jnp.maximum(counts_BxL, 1), input_ids_BxL)
+  return fake_BxL, drawn_BxL & (fake_BxL != original_BxL)
 
 
 def row_keys(input_ids_BxL):
@@ -101,26 +112,29 @@ def row_keys(input_ids_BxL):
   return jax.vmap(lambda d: jax.random.fold_in(jax.random.key(EVAL_SEED), d))(digest_B)
 
 
-def corrupt(model: Electra, params, batch: dict, keys_B, *, temperature: float, use_segments: bool, rngs=None):
+def corrupt(model: Electra, params, batch: dict, keys_B, *, temperature: float, use_segments: bool, rngs=None,
+            disallow_correct: bool = False):
   """The generator's pass: ``(logits [B, M, V] at the masked positions, its samples [B, M], the discriminator's
-  input [B, L], its targets [B, L])``. ``rngs``: dropout (None: deterministic)."""
+  input [B, L], its targets [B, L])``. ``rngs``: dropout (None: deterministic); ``disallow_correct``: never draw
+  the original token."""
   logits_BxMxV = model.apply({"params": params}, batch["input_ids"], batch["masked_positions"],
                              method=Electra.generate, deterministic=rngs is None, rngs=rngs,
                              **mlm_task.encoder_inputs(batch, use_segments))
-  sampled_BxM = sample(keys_B, logits_BxMxV, temperature)
+  sampled_BxM = sample(keys_B, logits_BxMxV, temperature, batch["masked_labels"] if disallow_correct else None)
   fake_BxL, replaced_BxL = replace_tokens(batch["input_ids"], batch["masked_positions"], batch["masked_weights"],
                                           sampled_BxM, batch["masked_labels"])
   return logits_BxMxV, sampled_BxM, fake_BxL, replaced_BxL
 
 
 def row_sums(model: Electra, params, batch: dict, keys_B, *, temperature: float, use_segments: bool,
-             dropout_rng=None) -> dict:
+             dropout_rng=None, disallow_correct: bool = False) -> dict:
   """Per row: the sums every loss and metric is made of (see :func:`metrics`). ``keys_B``: the sampling key of
   each row; ``dropout_rng``: training mode (None: deterministic)."""
   deterministic = dropout_rng is None
   rngs = [None, None] if deterministic else [{"dropout": k} for k in jax.random.split(dropout_rng)]
   logits_BxMxV, sampled_BxM, fake_BxL, replaced_BxL = corrupt(model, params, batch, keys_B, temperature=temperature,
-                                                              use_segments=use_segments, rngs=rngs[0])
+                                                              use_segments=use_segments, rngs=rngs[0],
+                                                              disallow_correct=disallow_correct)
   disc_BxL = model.apply({"params": params}, fake_BxL, method=Electra.discriminate, deterministic=deterministic,
                          rngs=rngs[1], **mlm_task.encoder_inputs(batch, use_segments))
   labels_BxM, weights_BxM = batch["masked_labels"], batch["masked_weights"]
@@ -166,13 +180,14 @@ def loss_totals(batch: dict) -> dict:
           "tokens": jnp.sum(batch["attention_mask"]).astype(jnp.float32)}
 
 
-def electra_loss(model: Electra, *, discriminator_weight: float, temperature: float, use_segments: bool):
+def electra_loss(model: Electra, *, discriminator_weight: float, temperature: float, use_segments: bool,
+                 disallow_correct: bool = False):
   """``(params, batch, rng, totals) -> (summed loss, sums)``: the step divides by the summed ``weight`` (the
   masked tokens), so the discriminator's sum is scaled by masked / real tokens of the whole step."""
   def loss_fn(params, batch, rng, *, totals):
     keys_B, dropout_rng = training_keys(rng, batch["input_ids"].shape[0])
     rows = row_sums(model, params, batch, keys_B, temperature=temperature, use_segments=use_segments,
-                    dropout_rng=dropout_rng)
+                    dropout_rng=dropout_rng, disallow_correct=disallow_correct)
     sums = {k: jnp.sum(v) for k, v in rows.items()}
     scale = jnp.maximum(totals["weight"], 1.0) / jnp.maximum(totals["tokens"], 1.0)
     return sums["mlm_loss"] + discriminator_weight * scale * sums["disc_loss"], sums
@@ -198,16 +213,17 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                   share_position_table=bool(share_table))
   use_segments = config.data.packing == "documents"
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch)
-  weight, temperature = opts["discriminator_weight"], opts["temperature"]
+  weight, temperature, disallow = opts["discriminator_weight"], opts["temperature"], opts["disallow_correct"]
 
   def predict(params, batch):
     return row_sums(model, params, batch, row_keys(batch["input_ids"]), temperature=temperature,
-                    use_segments=use_segments)
+                    use_segments=use_segments, disallow_correct=disallow)
 
   score = functools.partial(evaluation_metrics, discriminator_weight=weight)
   evaluators = {name: Evaluator(rows, predict, score, empty=empty) for name, (rows, empty) in evaluations.items()}
   return Task("electra", model, configs, {"input_ids_BxL": jnp.ones((1, config.max_len), jnp.int32)},
-              electra_loss(model, discriminator_weight=weight, temperature=temperature, use_segments=use_segments),
+              electra_loss(model, discriminator_weight=weight, temperature=temperature, use_segments=use_segments,
+                           disallow_correct=disallow),
               batches, evaluators, examples_per_epoch=config.data.get("examples_per_epoch"),
               info={"position": configs.position, "generator_position": configs.generator.position},
               loss_totals=loss_totals, step_metrics=functools.partial(metrics, discriminator_weight=weight))

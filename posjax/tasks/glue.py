@@ -34,9 +34,10 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   data = config.data
   task = glue_data.get(data.glue_task)
   start, tokenizer, model_config, changed, vocab_file = common.start(config)
-  model = BertForSequenceClassification(model_config, task.num_labels)
+  model = BertForSequenceClassification(model_config, task.num_labels, config.get("classifier_input", "pooler"))
   use_types = model_config.type_vocab_size > 0
   regression = task.labels is None
+  scale = config.get("regression_scale", 1.0)  # ELECTRA trains STS-B on its scores / 5
   label_dtype = np.float32 if regression else np.int32
 
   def build(split: str) -> tuple[list[dict], dict]:
@@ -66,7 +67,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
     weight = batch["weight"]
     tokens = jnp.sum(batch["attention_mask"]).astype(jnp.float32)
     if regression:
-      squares = jnp.square(logits[:, 0] - batch["label"])
+      squares = jnp.square(logits[:, 0] - batch["label"] * scale)
       return jnp.sum(squares * weight), {"weight": jnp.sum(weight), "tokens": tokens}
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
@@ -74,7 +75,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                                       "tokens": tokens}
 
   def predict(params, batch):
-    return {"logits": common.apply(model, use_types, params, batch), "index": batch["index"]}
+    logits = common.apply(model, use_types, params, batch)
+    return {"logits": logits / scale if regression else logits, "index": batch["index"]}
 
   train = encode("train")[0]
   eval_batch = common.eval_batch(config)

@@ -42,58 +42,93 @@ WEIGHT_DECAY_EXCLUSIONS = {"bert": decays, "none": None}
 
 
 
-def layer_scales(params, decay: float):
-  """Each parameter's factor on its updates under layer-wise learning-rate decay (ELECTRA's as Clark intended,
-  one factor of ``decay`` less than the released code; see :mod:`posjax.finetune.recipe`): under
-  ``encoder/layer_{i}`` of ``n`` layers ``decay ** (n - i)`` (scanned layers, ``encoder/layers``: the same per
-  index of the leading axis), the encoder's other parameters (embeddings, their norm and projection, its position
-  module, the final norm) ``decay ** (n + 1)``, the rest (heads) 1."""
+# Where layer-wise decay counts a layer's depth from (``config.layerwise_lr_decay_depth``): as Clark intended
+# (google-research/electra issue #51), or as the released ``model/optimization.py`` computes it, which gives every
+# encoder parameter one more factor of the decay (its ``n_layers + 2 - depth`` with the head at ``n_layers + 2``).
+LAYER_DEPTHS = {"intended": 0, "released": 1}
+
+
+def layer_scales(params, decay: float, depth: str = "intended"):
+  """Each parameter's factor on its updates under layer-wise learning-rate decay (ELECTRA's; see
+  :mod:`posjax.finetune.recipe`): under ``encoder/layer_{i}`` of ``n`` layers ``decay ** (n - i)`` (scanned layers,
+  ``encoder/layers``: the same per index of the leading axis), the encoder's other parameters (embeddings, their
+  norm and projection, its position module, the final norm) ``decay ** (n + 1)``, the rest (heads) 1.
+  ``depth="released"``: every encoder factor times ``decay`` once more (``decay ** (n + 1 - i)``, embeddings
+  ``decay ** (n + 2)``), the released code's."""
   encoder = params.get("encoder") if hasattr(params, "get") else None
   if not encoder:
     raise ValueError("layerwise_lr_decay needs a model whose parameters hold an 'encoder'")
   stacked = encoder.get(layout.STACKED)
   n = (jax.tree.leaves(stacked)[0].shape[0] if stacked is not None
        else sum(1 for name in encoder if layout.LAYER.fullmatch(name)))
+  extra = LAYER_DEPTHS[depth]
 
   def scale(path, leaf):
     if path[0].key != "encoder":
       return 1.0
     if path[1].key == layout.STACKED:
-      return (decay ** (n - jnp.arange(n, dtype=jnp.float32))).reshape((n,) + (1,) * (jnp.ndim(leaf) - 1))
+      exponents = n + extra - jnp.arange(n, dtype=jnp.float32)
+      return (decay ** exponents).reshape((n,) + (1,) * (jnp.ndim(leaf) - 1))
     layer = layout.LAYER.fullmatch(str(path[1].key))
-    return decay ** (n - int(layer[1])) if layer else decay ** (n + 1)
+    return decay ** (n + extra - int(layer[1])) if layer else decay ** (n + 1 + extra)
   return jax.tree_util.tree_map_with_path(scale, params)
 
 
-def scale_by_layer(decay: float) -> optax.GradientTransformation:
+def scale_by_layer(decay: float, depth: str = "intended") -> optax.GradientTransformation:
   """Multiplies every update by its :func:`layer_scales` factor: after AdamW, so its weight decay is scaled too,
   as in ELECTRA's optimizer (each layer's learning rate times the Adam step plus decay)."""
   def init(params):
-    layer_scales(params, decay)  # a model without an encoder is refused here, at validation
+    layer_scales(params, decay, depth)  # a model without an encoder is refused here, at validation
     return optax.EmptyState()
 
   def update(updates, state, params=None):
-    return jax.tree.map(lambda u, s: u * s, updates, layer_scales(updates, decay)), state
+    return jax.tree.map(lambda u, s: u * s, updates, layer_scales(updates, decay, depth)), state
+  return optax.GradientTransformation(init, update)
+
+
+def scale_by_adam_uncorrected(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+  """Adam's step without bias correction, ``m / (sqrt(v) + eps)`` with ``m``, ``v`` the moments' running averages
+  from zero: the official ELECTRA (and BERT) ``AdamWeightDecayOptimizer``. Its state is optax's Adam state, so a
+  checkpoint's layout does not depend on the choice."""
+  def init(params):
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros())
+
+  def update(updates, state, params=None):
+    del params
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g), state.nu, updates)
+    steps = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+    return steps, optax.ScaleByAdamState(count=optax.safe_int32_increment(state.count), mu=mu, nu=nu)
   return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """AdamW with clipping and the warm-up / linear-decay schedule; ``config.weight_decay_exclusion`` is ``bert``
-  (the default) or ``none``; ``config.layerwise_lr_decay`` below 1 (default 1: off) scales the updates by layer
-  (:func:`scale_by_layer`; the schedule is then the heads' learning rate)."""
+  (the default) or ``none``; ``config.adam_bias_correction`` (default True; False: ELECTRA's and BERT's released
+  optimizer, :func:`scale_by_adam_uncorrected`); ``config.layerwise_lr_decay`` below 1 (default 1: off) scales the
+  updates by layer (:func:`scale_by_layer`, counted by ``config.layerwise_lr_decay_depth``; the schedule is then
+  the heads' learning rate)."""
   exclusion = config.get("weight_decay_exclusion", "bert")
   if exclusion not in WEIGHT_DECAY_EXCLUSIONS:
     raise ValueError(f"unknown weight_decay_exclusion {exclusion!r}; allowed: {list(WEIGHT_DECAY_EXCLUSIONS)}")
   decay = config.get("layerwise_lr_decay", 1.0)
   if not 0 < decay <= 1:
     raise ValueError(f"config.layerwise_lr_decay={decay!r} must be in (0, 1] (1: off)")
+  depth = config.get("layerwise_lr_decay_depth", "intended")
+  if depth not in LAYER_DEPTHS:
+    raise ValueError(f"config.layerwise_lr_decay_depth={depth!r} is not one of {list(LAYER_DEPTHS)}")
   schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps, config.total_steps)
-  optimizer = optax.chain(
-      optax.clip_by_global_norm(config.grad_clip_norm),
-      optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                  weight_decay=config.weight_decay, mask=WEIGHT_DECAY_EXCLUSIONS[exclusion]))
+  mask = WEIGHT_DECAY_EXCLUSIONS[exclusion]
+  if config.get("adam_bias_correction", True):
+    adamw = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+                        weight_decay=config.weight_decay, mask=mask)
+  else:
+    adamw = optax.chain(scale_by_adam_uncorrected(config.adam_b1, config.adam_b2, config.adam_eps),
+                        optax.add_decayed_weights(config.weight_decay, mask), optax.scale_by_learning_rate(schedule))
+  optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adamw)
   if decay != 1:
-    optimizer = optax.chain(optimizer, scale_by_layer(decay))
+    optimizer = optax.chain(optimizer, scale_by_layer(decay, depth))
   return optimizer, schedule
 
 

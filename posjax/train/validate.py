@@ -103,7 +103,7 @@ RANGES = {
     "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
     "data.mask_rate": OPEN_FRACTION, "data.mask_token_rate": FRACTION, "data.random_token_rate": FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
     "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": NON_NEGATIVE,
-    "model.dropout_rate": FRACTION, "model.attention_dropout_rate": FRACTION,
+    "model.dropout_rate": FRACTION, "model.attention_dropout_rate": FRACTION, "regression_scale": POSITIVE,
 }
 
 
