@@ -15,16 +15,20 @@ Recipe (ELECTRA's Table 6, §3.1 and the official code: ``configure_pretraining.
     default and TUPE's Table 4 run 1M: ``--config.total_steps=1000000``), masking 15%.
   Large: the discriminator BERT-Large, the generator 1/4 of its width (256, 4 heads, FFN 1024), lr 2e-4, batch
     2048 x 512, 400k steps, masking 25% (at most 130 of 512 positions).
-  Both: 10k warm-up then linear decay, Adam (0.9, 0.999, ε 1e-6) without bias correction (the official
-  ``AdamWeightDecayOptimizer``; ``adam_bias_correction``), weight decay 0.01 (not on biases and LayerNorm),
+  Both: 10k warm-up multiplied onto a linear decay over the whole run (``lr_schedule="electra"``: 0.80e-4 at
+  600k of 1M), Adam (0.9, 0.999, ε 1e-6) without bias correction (the official ``AdamWeightDecayOptimizer``;
+  ``adam_bias_correction``), weight decay 0.01 (not on biases and LayerNorm),
   clipping 1.0, dropout 0.1; λ = 50, sampling temperature 1; of the chosen positions 85% [MASK] and 15% kept (no
   random tokens), drawn with replacement over the real tokens but [CLS], [SEP], [MASK], their number a share of
   all real tokens, [CLS] and [SEP] counted, at most ``int((rate + 0.005) * max_len)`` (79 of 512 at 15%:
   ``data.mask_selection="electra"``); ``electra.disallow_correct=False``.
 Each official choice is a field with the other value beside it: ``data.mask_selection="permutation"`` (BERT's
-distinct positions, counted over the maskable tokens), ``adam_bias_correction=True``, ``electra.disallow_correct=True``.
-Not taken: the official schedule multiplies its warm-up onto a decay from the peak over the whole run (posjax decays
-over the steps after warm-up: 0.81e-4 at 600k of 1M, where the official gives 0.80e-4). Not confirmed for TUPE's
+distinct positions, counted over the maskable tokens), ``adam_bias_correction=True``, ``lr_schedule="linear"``
+(decay over the steps after warm-up: 0.81e-4 at 600k), ``electra.disallow_correct=True``.
+Not taken: the official examples (``build_pretraining_dataset.py``: ``[CLS] A [SEP] B [SEP]`` of one document with
+token types 0 / 1, 5% of them shorter); posjax packs full sentences across documents (RoBERTa's and TUPE's packing)
+with one token type, so type 1 is trained only in fine-tuning (``model.type_vocab_size=0``: none, TUPE's). The
+official code clips each TPU core's gradient before summing them; posjax clips the step's. Not confirmed for TUPE's
 runs: the corpus (TUPE's 16 GB, as Table 1).
 
   python -m posjax.main --config=configs/electra.py:position=tupe_r --workdir=$WORKDIR \\
@@ -52,6 +56,7 @@ def get_config(arg=None):
   config.learning_rate = 2e-4
   config.total_steps = 766_000  # keep_steps (configs/pretrain.py) holds 600k, Table 4's "mid" row
   config.adam_bias_correction = False
+  config.lr_schedule = "electra"
   config.data.update(mask_token_rate=0.85, random_token_rate=0.0, mask_selection="electra")
   if arg.size == "large" and not arg.runlocal:
     config.update(batch_size=LARGE["batch_size"], total_steps=LARGE["total_steps"])

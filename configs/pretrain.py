@@ -45,6 +45,7 @@ def get_config(arg=None):
   config.total_examples = ml_collections.config_dict.placeholder(int)  # sequences
   config.warmup_steps = 10_000
   config.warmup_fraction = ml_collections.config_dict.placeholder(float)  # of the run's steps; replaces warmup_steps
+  config.lr_schedule = "linear"  # warm-up, then decay to 0; "electra": warm-up multiplied onto a decay over the run
   config.learning_rate = 1e-4  # peak
   config.batch_size = 256  # global, sequences
   config.max_len = 512

@@ -65,7 +65,6 @@ Rule = tuple[str, Callable[[float], bool]]
 POSITIVE: Rule = ("> 0", lambda v: v > 0)
 NON_NEGATIVE: Rule = (">= 0", lambda v: v >= 0)
 FRACTION: Rule = ("in [0, 1)", lambda v: 0 <= v < 1)
-OPEN_FRACTION: Rule = ("in (0, 1)", lambda v: 0 < v < 1)
 
 
 def at_least(minimum: float) -> Rule:
@@ -87,28 +86,12 @@ def check_ranges(config, rules: dict[str, Rule]) -> None:
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: configs/ lives here
 
-# Config folders that moved, old prefix -> new: an old path is an error that names the new one.
-MOVED = {"configs/tupe/": "configs/papers/tupe/", "configs/huang2020/": "configs/papers/huang2020/"}
-
-
-def current_path(path: str) -> str:
-  """``path`` with a moved folder's old prefix replaced by the new one (for files written before the move)."""
-  for old, new in MOVED.items():
-    if path.startswith(old):
-      return new + path[len(old):]
-  return path
-
-
 def config_path(path: str) -> str:
-  """The file of a ``--config`` path (relative to the working directory, else to the checkout); a missing one,
-  or one whose folder moved, is an error naming what exists."""
+  """The file of a ``--config`` path (relative to the working directory, else to the checkout); a missing one is
+  an error."""
   for candidate in (path, os.path.join(ROOT, path)):
     if os.path.isfile(candidate):
       return candidate
-  for old, new in MOVED.items():
-    if path.startswith(old) or f"/{old}" in path:
-      raise FileNotFoundError(f"config file {path} does not exist: {old} moved to {new} "
-                              f"(--config={path.replace(old, new, 1)})")
   raise FileNotFoundError(f"config file {path} does not exist")
 
 

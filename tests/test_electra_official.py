@@ -42,7 +42,8 @@ def official_mask(block, rng, max_predictions, rate=0.15, mask_token=0.85):
   ids, input_mask = block["input_ids"], block["attention_mask"]
   never = {TOKENIZER.cls_id, TOKENIZER.sep_id, TOKENIZER.mask_id}
   candidates = [i for i in range(len(ids)) if input_mask[i] and int(ids[i]) not in never]
-  num_to_predict = max(1, min(max_predictions, int(np.round(input_mask.sum() * rate))))
+  num_tokens = np.float32(input_mask.sum())  # tf.cast(tf.reduce_sum(input_mask, -1), tf.float32)
+  num_to_predict = max(1, min(max_predictions, int(np.round(num_tokens * np.float32(rate)))))  # tf.round: to even
   positions = [candidates[k] for k in rng.integers(0, len(candidates), num_to_predict)]
   uniform = rng.random(num_to_predict)
   rng.integers(0, TOKENIZER.vocab_size, num_to_predict)  # the random tokens mask_block draws (none used at 0.0)
@@ -91,6 +92,9 @@ def test_electra_masking_counts_every_real_token_and_may_mask_unk():
     bert = mlm.mask_block(block, np.random.default_rng(seed), TOKENIZER, 7, mlm.Masking(0.15, False, 0.85, 0.0))
     assert bert["masked_weights"].sum() == 4
   assert drawn == {i for i in range(1, 40) if ids[i] != TOKENIZER.sep_id}  # [UNK] included, [CLS]/[SEP] never
+  # float32 as the official count: 190 x 0.15 is 28.500001 there (29 draws), 28.499999 in float64.
+  long = {"input_ids": np.full(256, 50, np.int32), "attention_mask": (np.arange(256) < 190).astype(np.int32)}
+  assert mlm.mask_block(long, np.random.default_rng(0), TOKENIZER, 39, ELECTRA_MASKING)["masked_weights"].sum() == 29
   with pytest.raises(ValueError, match=r"data.mask_selection='nope' is not one of \['permutation', 'electra'\]"):
     mlm.Masking(selection="nope")
 
@@ -175,7 +179,8 @@ def test_glue_under_recipe_electra_fine_tunes_electras_model_and_reports_its_fin
   back on GLUE's 0-5 scale; the final evaluation reported. TUPE's recipe keeps the pooler and the best."""
   config = load_config("finetune/glue", "task=stsb,recipe=electra,runlocal")
   assert (config.classifier_input, config.select, config.select_metric, config.evals_per_epoch,
-          config.regression_scale, config.adam_bias_correction) == ("cls", "last", "", 1, 0.2, False)
+          config.regression_scale, config.adam_bias_correction, config.loss_reduction, config.lr_schedule,
+          config.data.both_orders) == ("cls", "last", "", 1, 0.2, False, "sum", "electra", True)
   task = tasks.build(config, config.batch_size)
   params = nn.unbox(task.model.init(jax.random.PRNGKey(0), **task.init_inputs)["params"])
   assert set(params) == {"encoder", "classifier"}
@@ -191,9 +196,20 @@ def test_glue_under_recipe_electra_fine_tunes_electras_model_and_reports_its_fin
                              rtol=1e-5, atol=1e-6)
   tupe = load_config("finetune/glue", "task=stsb,runlocal")
   assert (tupe.classifier_input, tupe.select, tupe.select_metric, tupe.evals_per_epoch, tupe.regression_scale,
-          tupe.adam_bias_correction) == ("pooler", "best", "stsb/pearson", 2, 1.0, True)
-  assert "pooler" in nn.unbox(tasks.build(tupe, tupe.batch_size).model.init(
-      jax.random.PRNGKey(0), **task.init_inputs)["params"])
+          tupe.adam_bias_correction, tupe.loss_reduction, tupe.data.both_orders) == (
+              "pooler", "best", "stsb/pearson", 2, 1.0, True, "mean", False)
+  tupe_task = tasks.build(tupe, tupe.batch_size)
+  assert "pooler" in nn.unbox(tupe_task.model.init(jax.random.PRNGKey(0), **task.init_inputs)["params"])
+  # double_unordered: every STS-B training pair again in the other order
+  assert task.examples_per_epoch == 2 * tupe_task.examples_per_epoch
+  once, both = tupe_task.train_batches.features, task.train_batches.features
+  sep = int(TOKENIZER.sep_id)
+  for original, swapped in zip(once, both[len(once):]):
+    first, second = np.split(original["input_ids"][1:-1], np.flatnonzero(original["input_ids"][1:-1] == sep)[:1])
+    np.testing.assert_array_equal(swapped["input_ids"], np.concatenate([[TOKENIZER.cls_id], second[1:], [sep],
+                                                                         first, [sep]]))
+    assert swapped["label"] == original["label"]
+  assert load_config("finetune/glue", "task=rte,recipe=electra,runlocal").data.both_orders  # only MRPC, STS-B act
 
 
 def test_electra_large_is_electra_larges_recipe():

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import load_config
 from posjax.models import SIZES, BertConfig, BertForSequenceClassification
+from posjax.train import step as step_lib
 from posjax.train.step import decays, layer_scales, learning_rate_schedule, make_optimizer
 
 LAYERS, PEAK, TOTAL, WEIGHT_DECAY, EPS = 3, 0.1, 10, 0.3, 1e-6
@@ -203,3 +204,42 @@ def test_the_intended_depths_give_every_encoder_parameter_one_factor_of_decay_mo
     np.testing.assert_allclose(ratio, 1.0 / 0.8 if key[0] == "encoder" else 1.0, rtol=1e-4, err_msg=str(key))
   with pytest.raises(ValueError, match=r"layerwise_lr_decay_depth='paper' is not one of \['intended', 'released'\]"):
     make_optimizer(optimizer_config(layerwise_lr_decay=0.8, layerwise_lr_decay_depth="paper"))
+
+
+def test_the_electra_schedule_is_the_official_create_optimizers():
+  """``tf.train.polynomial_decay(lr, step, T, 0, power=1)`` times ``min(1, step / warmup)``: no step reaches the
+  peak at 10% warm-up, where posjax's linear schedule does."""
+  official = lambda step, warmup, total: PEAK * (1 - min(step, total) / total) * min(1.0, step / warmup)
+  for warmup, total in ((10, 100), (7, 33)):
+    schedule = learning_rate_schedule(PEAK, warmup, total, "electra")
+    for step in range(total + 3):
+      np.testing.assert_allclose(float(schedule(step)), official(step, warmup, total), rtol=1e-6, atol=1e-9)
+  assert max(float(learning_rate_schedule(PEAK, 10, 100, "electra")(s)) for s in range(100)) < 0.91 * PEAK
+  assert float(learning_rate_schedule(PEAK, 10, 100)(10)) == pytest.approx(PEAK)
+  with pytest.raises(ValueError, match=r"config.lr_schedule='cosine' is not one of \['linear', 'electra'\]"):
+    make_optimizer(optimizer_config(lr_schedule="cosine"))
+
+
+def test_a_summed_loss_gives_the_batchs_summed_gradient():
+  """ELECTRA's fine-tuning loss is ``tf.reduce_sum`` over the batch: its gradient is the weight (the examples)
+  times the mean's; the reported loss stays per example."""
+  params = {"w": jnp.asarray([0.5, -1.0, 2.0])}
+  batch = {"x": jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32)}
+
+  def loss_fn(p, b, rng):
+    losses = jnp.square(b["x"] @ p["w"] - 1.0)
+    return jnp.sum(losses), {"weight": jnp.float32(len(losses))}
+
+  def step(reduction):
+    sgd = optax.sgd(1.0)
+    state = step_lib.TrainState(jnp.int32(0), params, sgd.init(params))
+    new, metrics = step_lib.train_step(state, batch, jax.random.PRNGKey(0), loss_fn=loss_fn, optimizer=sgd,
+                                       schedule=lambda s: 1.0, loss_reduction=reduction)
+    return params["w"] - new.params["w"], metrics["loss"]
+
+  (mean_update, mean_loss), (sum_update, sum_loss) = step("mean"), step("sum")
+  x = np.float64(batch["x"])
+  want = 2 * x.T @ (x @ np.float64(params["w"]) - 1.0)
+  np.testing.assert_allclose(sum_update, want, rtol=1e-5)
+  np.testing.assert_allclose(mean_update, want / 6, rtol=1e-5)
+  assert float(sum_loss) == pytest.approx(float(mean_loss))

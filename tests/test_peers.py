@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from conftest import ROOT
 from posjax.train import peers
 
 
@@ -135,3 +136,16 @@ def test_a_hung_process_0_is_noticed_by_the_others(exits):
     wait_for(lambda: left)
     hang.set()
   assert list(said.values())[0].startswith("process 0, which coordinates the run, has not answered for 0.2 s")
+
+
+def test_jaxs_private_key_value_client_is_reached_in_one_place_and_a_moved_name_says_so(monkeypatch):
+  """The installed JAX has the private name (only ``initialize`` is missing here); a JAX without it is one line."""
+  with pytest.raises(RuntimeError, match=r"^peers.Watch needs jax.distributed.initialize first$"):
+    peers.key_value_client()
+  from jax._src import distributed
+  monkeypatch.delattr(distributed, "global_state")
+  with pytest.raises(RuntimeError, match=r"has no jax._src.distributed.global_state.client .* use the jax version "
+                                         r"pyproject.toml pins$"):
+    peers.key_value_client()
+  sources = [p.read_text() for p in (ROOT / "posjax").rglob("*.py")]
+  assert sum(text.count("jax._src import distributed") for text in sources) == 1

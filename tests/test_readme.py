@@ -1,5 +1,5 @@
 """The README as a new user meets it: each Python example runs on its own, ``make`` alone lists the targets, and
-every command and config the README, docs and configs name exists and loads (old names say where they moved)."""
+every command and config the README, docs and configs name exists and loads."""
 
 import pathlib
 import re
@@ -84,12 +84,3 @@ def test_every_documented_config_loads_with_its_options():
       raise AssertionError(f"{where}: --config={config}:{options}: {error}") from error
 
 
-def test_an_old_command_or_config_path_says_where_it_moved():
-  for module, new in (("posjax.sweep", "posjax.experiments.sweep"), ("posjax.report", "posjax.experiments.report")):
-    result = subprocess.run([sys.executable, "-m", module], cwd=README.parent, capture_output=True, text=True)
-    assert result.returncode != 0 and result.stderr.strip().splitlines()[-1].endswith(new), result.stderr
-  result = subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/tupe/table1.py:row=TUPE-R",
-                           "--workdir=/tmp/unused"], cwd=README.parent, capture_output=True, text=True)
-  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-      "error: config file configs/tupe/table1.py does not exist: configs/tupe/ moved to configs/papers/tupe/ "
-      "(--config=configs/papers/tupe/table1.py)"], result.stderr

@@ -1,6 +1,7 @@
 """The training system: loop, checkpoints and resumption, parallelism, configs."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 from posjax import config_args
 from posjax.data import mlm as mlm_data
@@ -192,7 +194,23 @@ def test_an_io_error_while_reading_is_retried_and_never_moves_a_checkpoint_aside
   assert os.listdir(tmp_path) == ["1"]  # nothing moved aside
 
 
+def process_hooks():
+  """What quieting orbax's abandoned I/O changes: the unraisable hook and two loggers' filters."""
+  return (sys.unraisablehook, list(logging.getLogger("asyncio").filters),
+          list(absl_logging.get_absl_logger().filters))
+
+
+def test_a_checkpointer_leaves_the_processs_hooks_as_they_were(tmp_path):
+  before = process_hooks()
+  checkpoint.Checkpointer(str(tmp_path), keep=1, async_save=False).close()
+  assert process_hooks() == before
+  with checkpoint.quiet_abandoned_io():
+    assert process_hooks() != before
+  assert process_hooks() == before
+
+
 def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, capfd):
+  hooks = process_hooks()
   common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
   straight = train(pretrain_config(**common), str(tmp_path / "straight"))
   train(pretrain_config(**common, total_steps=6), str(tmp_path / "run"))
@@ -207,6 +225,7 @@ def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, cap
   assert os.listdir(tmp_path / "run" / "checkpoints.unreadable") == ["6"]  # kept for inspection
   assert "resumed from step 3" in err and "Traceback" not in err and "Event loop is closed" not in err
   assert len(err.splitlines()) < 40
+  assert process_hooks() == hooks  # the runs quieted orbax's abandoned reads only while they ran
 
 
 def test_checkpoints_none_of_which_can_be_read_are_an_error(tmp_path):
@@ -234,7 +253,8 @@ def test_the_terminal_says_where_things_go_shows_evaluations_and_that_a_run_is_f
     ({"batch_size": 0}, r"config.batch_size=0 is out of range: it must be a number > 0"),
     ({"batch_size": -8}, r"config.batch_size=-8 is out of range"),
     ({"learning_rate": -1e-3}, r"config.learning_rate=-0.001 is out of range: it must be a number >= 0"),
-    ({"data.mask_rate": 1.5}, r"config.data.mask_rate=1.5 is out of range: it must be a number in \(0, 1\)"),
+    ({"data.mask_rate": 1.5}, r"data.mask_rate=1.5 must be in \(0, 1\)"),
+    ({"model.dropout_rate": 1.0}, r"dropout_rate must be in \[0, 1\), got 1.0"),
     ({"model.position_options.cls_reset": "bogus"}, r"cls_reset='bogus' is not allowed"),
     ({"mesh.data": 3}, r"needs 3 devices; there are 8"),
     ({"seed": -1}, r"config.seed=-1 is out of range: it must be a number >= 0"),

@@ -64,7 +64,9 @@ def get_config(arg=None):
                                             for name, split in zip(names, task.validation_splits)})
   # TUPE's protocol: validate twice an epoch, report the best (fairseq's best checkpoint metric: accuracy, mcc for
   # CoLA, pearson for STS-B; for MNLI its first validation set, matched); ELECTRA's: the final model.
-  config.update(recipe.GLUE_RECIPES[arg.recipe])
+  chosen = dict(recipe.GLUE_RECIPES[arg.recipe])
+  config.data.both_orders = chosen.pop("both_orders")
+  config.update(chosen)
   config.select_metric = f"{names[0]}/{metrics.PAPER_METRIC[names[0]]}" if config.select == "best" else ""
   if arg.runlocal:
     config.data.update(source="tsv", data_dir=recipe.DATA + "/glue")

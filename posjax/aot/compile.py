@@ -132,8 +132,9 @@ def trace_train_step(prepared: validate.Prepared):
   batch = next(iter(task.train_batches))
   if hasattr(task.train_batches, "close"):
     task.train_batches.close()
-  step = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule,
-                                         prepared.config.grad_accum_steps))
+  config = prepared.config
+  step = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule, config.grad_accum_steps,
+                                         config.get("loss_reduction", "mean")))
   mesh = parallel.mesh
   abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(mesh))
                     for k, v in batch.items()}

@@ -145,8 +145,11 @@ def mask_block(block: dict, rng: np.random.Generator, tokenizer: Tokenizer, max_
   # ELECTRA's ``_get_candidates_mask`` leaves out [CLS], [SEP] and [MASK] only: [UNK] can be masked there.
   never = [tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id] if electra else tokenizer.special_array
   candidates = np.flatnonzero(real & ~np.isin(ids, never))
-  counted = int(real.sum()) if electra else len(candidates)
-  budget = min(max_predictions, max(1, round(counted * masking.rate))) if len(candidates) else 0
+  if electra:  # the official count: tf.round of float32 real tokens times the rate (29 of 190 at 15%, not 28)
+    wanted = int(np.round(np.float32(real.sum()) * np.float32(masking.rate)))
+  else:
+    wanted = round(len(candidates) * masking.rate)
+  budget = min(max_predictions, max(1, wanted)) if len(candidates) else 0
   if electra:
     chosen = candidates[rng.integers(0, len(candidates), budget)] if budget else np.zeros(0, np.int64)
   elif masking.whole_word:
@@ -212,8 +215,6 @@ class MlmBatches:
                max_predictions: int | None = None, repeat: bool = True, shard: int = 0):
     if packing not in PACKINGS:
       raise ValueError(f"unknown packing {packing!r}; allowed: {list(PACKINGS)}")
-    if max_len < 8:
-      raise ValueError(f"max_len={max_len} is too short for MLM blocks")
     self.documents, self.tokenizer = documents, tokenizer
     self.max_len, self.batch_size, self.seed, self.packing = max_len, batch_size, seed, packing
     self.masking, self.repeat, self.shard = masking, repeat, shard

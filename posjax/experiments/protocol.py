@@ -162,10 +162,7 @@ def read_manifest(root: str) -> tuple[str, list[Run]]:
   with open(path) as f:
     manifest = json.load(f)
   fields = {f.name for f in dataclasses.fields(Run)}
-  runs = [Run(**{k: v for k, v in r.items() if k in fields}) for r in manifest["runs"]]
-  for run in runs:  # a sweep written before its configs' folder moved
-    run.config = config_args.current_path(run.config)
-  return config_args.current_path(manifest["config"]), runs
+  return manifest["config"], [Run(**{k: v for k, v in r.items() if k in fields}) for r in manifest["runs"]]
 
 
 def build(run: Run) -> ml_collections.ConfigDict:

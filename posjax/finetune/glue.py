@@ -41,6 +41,7 @@ class Task:
   tsv_columns: tuple[str, ...]  # the TSV's text columns, then its label column
   validation_splits: tuple[str, ...] = ("validation",)
   drop_short_rows: bool = False  # rows with fewer fields than the header: dropped (QQP's), else an error
+  unordered: bool = False  # the pair means the same in either order (ELECTRA's double_unordered trains on both)
 
   @property
   def num_labels(self) -> int:
@@ -50,8 +51,9 @@ class Task:
 TASKS = {t.name: t for t in [
     Task("cola", ("sentence",), ("0", "1"), "CoLA", ("3", "1")),  # no header: columns by index
     Task("sst2", ("sentence",), ("0", "1"), "SST-2", ("sentence", "label")),
-    Task("mrpc", ("sentence1", "sentence2"), ("0", "1"), "MRPC", ("#1 String", "#2 String", "Quality")),
-    Task("stsb", ("sentence1", "sentence2"), None, "STS-B", ("sentence1", "sentence2", "score")),
+    Task("mrpc", ("sentence1", "sentence2"), ("0", "1"), "MRPC", ("#1 String", "#2 String", "Quality"),
+         unordered=True),
+    Task("stsb", ("sentence1", "sentence2"), None, "STS-B", ("sentence1", "sentence2", "score"), unordered=True),
     Task("qqp", ("question1", "question2"), ("0", "1"), "QQP", ("question1", "question2", "is_duplicate"),
          drop_short_rows=True),
     Task("mnli", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"), "MNLI",

@@ -8,14 +8,17 @@ A config file's ``recipe=electra`` (:data:`RECIPES`) takes ELECTRA's instead (Cl
 google-research/electra ``configure_finetuning.py``, ``model/optimization.py``): learning rate 1e-4 (Large 5e-5),
 layer-wise learning-rate decay 0.8 (Large 0.9; :func:`posjax.train.step.layer_scales`), warm-up over 10% of the
 steps, weight decay 0 (the paper's; the official code's default is 0.01), batch 32, 3 epochs (10 for RTE and STS-B,
-2 for SQuAD), Adam without bias correction (the official ``AdamWeightDecayOptimizer``; ``adam_bias_correction``);
-ε, β, clipping and dropout as TUPE's. Layer ``i`` of ``n`` learns at ``lr * decay ** (n - i)``, as Clark intended
+2 for SQuAD), Adam without bias correction (the official ``AdamWeightDecayOptimizer``; ``adam_bias_correction``),
+its schedule (warm-up multiplied onto a decay over the whole run, ``lr_schedule="electra"``), the gradient of the
+batch's summed loss (``loss_reduction="sum"``: ``tf.reduce_sum`` over the batch, clipped at 1.0 as a sum); ε, β,
+clipping and dropout as TUPE's. Layer ``i`` of ``n`` learns at ``lr * decay ** (n - i)``, as Clark intended
 (google-research/electra issue #51; ``layerwise_lr_decay_depth="intended"``, the default); the released code gives
 every encoder parameter one more factor of ``decay`` (``n + 1 - i``, embeddings ``n + 2``: at 0.8 every encoder
 parameter learns at 0.8x the default's rate; ``layerwise_lr_decay_depth="released"``). GLUE under
-``recipe=electra`` also reads ELECTRA's head and reports as ELECTRA does (:data:`GLUE_RECIPES`). Not taken: its
-GLUE length 128 (``max_len=128`` gives it), its schedule (warm-up multiplied onto a decay from the peak over the
-whole run, where posjax decays over the steps after warm-up) and its training on both orders of paraphrase pairs.
+``recipe=electra`` also reads ELECTRA's head, trains MRPC and STS-B on both orders of each pair, and reports as
+ELECTRA does (:data:`GLUE_RECIPES`). Not taken: its GLUE length 128 (``max_len=128`` gives it) and its weight
+decay 0.01 (the paper's Table 7 says 0). Layer-wise decay gives posjax's parameters of a position method that
+acts in every layer (TUPE's correlation, T5's buckets) the embeddings' factor (the official code has none).
 
 ``config.model`` holds only what a fine-tuning run chooses for itself (dropout, dtypes, the attention kernel);
 every other model field is ``None``, meaning "the init run's" (:mod:`posjax.finetune.init`), or, without
@@ -55,16 +58,18 @@ def model_fields(position: str) -> ml_collections.ConfigDict:
 RECIPES = {
     "tupe": {},
     "electra": dict(learning_rate=1e-4, layerwise_lr_decay=0.8, warmup_fraction=0.1, weight_decay=0.0,
-                    adam_eps=1e-6, batch_size=32, epochs=3.0, adam_bias_correction=False),
+                    adam_eps=1e-6, batch_size=32, epochs=3.0, adam_bias_correction=False, loss_reduction="sum",
+                    lr_schedule="electra"),
 }
 # What a GLUE run reads and reports under each recipe (``configs/finetune/glue.py``). TUPE's (fairseq's sentence
 # classification; BERT's): the pooler (dense -> tanh) before the classifier, two evaluations an epoch, the best
 # reported. ELECTRA's (``finetune/classification/classification_tasks.py``; the paper's "simple linear classifiers
 # on top of ELECTRA"): the [CLS] state through dropout and one dense layer, the final model reported (an evaluation
-# per epoch, for the curve), STS-B trained on its scores over 5 (``RegressionTask``'s ``(label - 0) / 5``).
+# per epoch, for the curve), STS-B trained on its scores over 5 (``RegressionTask``'s ``(label - 0) / 5``), MRPC
+# and STS-B trained on each pair in both orders (``double_unordered``; ``data.both_orders``).
 GLUE_RECIPES = {
-    "tupe": dict(classifier_input="pooler", evals_per_epoch=2, select="best", regression_scale=1.0),
-    "electra": dict(classifier_input="cls", evals_per_epoch=1, select="last", regression_scale=0.2),
+    "tupe": dict(classifier_input="pooler", evals_per_epoch=2, select="best", regression_scale=1.0, both_orders=False),
+    "electra": dict(classifier_input="cls", evals_per_epoch=1, select="last", regression_scale=0.2, both_orders=True),
 }
 RECIPE_SIZES = {("electra", "large"): dict(learning_rate=5e-5, layerwise_lr_decay=0.9)}
 RECIPE_TASKS = {("electra", "rte"): dict(epochs=10.0), ("electra", "stsb"): dict(epochs=10.0),
@@ -107,6 +112,8 @@ def base_config(*, task: str, learning_rate: float, batch_size: int, epochs: flo
   config.weight_decay_exclusion = "bert"  # "none": fairseq's AdamW, which decays every parameter
   config.grad_clip_norm = 1.0
   config.adam_bias_correction = True  # False: the released BERT / ELECTRA Adam (no bias correction)
+  config.loss_reduction = "mean"  # "sum": the gradient of the batch's summed loss (ELECTRA's fine-tuning)
+  config.lr_schedule = "linear"  # "electra": warm-up multiplied onto a decay over the whole run
   config.layerwise_lr_decay = 1.0  # below 1: lower learning rates for layers nearer the input (ELECTRA's: 0.8)
   config.layerwise_lr_decay_depth = "intended"  # or "released": every encoder factor times the decay once more
   config.parallelism = "jit"

@@ -38,6 +38,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   use_types = model_config.type_vocab_size > 0
   regression = task.labels is None
   scale = config.get("regression_scale", 1.0)  # ELECTRA trains STS-B on its scores / 5
+  both_orders = bool(data.get("both_orders", False)) and task.unordered
   label_dtype = np.float32 if regression else np.int32
 
   def build(split: str) -> tuple[list[dict], dict]:
@@ -47,6 +48,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                  ((texts, label) for texts, label in glue_data.examples(task.name, split, data.source, data.data_dir)))
     if not found:
       raise ValueError(f"GLUE {task.name} {split} ({data.source}) holds no examples")
+    if split == "train" and both_orders:  # ELECTRA's double_unordered: every pair again, swapped
+      found += [(texts[::-1], label) for texts, label in found]
     texts = [t for _, t in found] if test else [t for t, _ in found]
     columns = [tokenizer.encode_batch([t[i] for t in texts]) for i in range(len(task.tfds_keys))]
     rows = []
@@ -58,7 +61,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
 
   def encode(split: str):
     path = glue_data.tsv_file(task, split, data.data_dir) if data.source == "tsv" else ""
-    key = {"glue": task.name, "split": split, "max_len": config.max_len}
+    key = {"glue": task.name, "split": split, "max_len": config.max_len, "both_orders": both_orders}
     return common.cached_features(data, key, lambda: build(split), vocab_file=vocab_file, source_file=path,
                                   source=f"{data.source} glue/{task.name}")
 

@@ -14,7 +14,9 @@ when checkpoints exist but none can be read, restoring is an error that names th
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
 import logging as std_logging
 import os
@@ -54,7 +56,6 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=_handlers())
     self._saving = None  # the step of the save in flight
     self._failed = False  # a failed save has been raised: later waits (on the way out) stay quiet
-    _silence_abandoned_io()
 
   @property
   def directory(self) -> str:
@@ -240,14 +241,14 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def _silence_abandoned_io() -> None:
-  """After a failed restore or save, the reads and writes orbax abandoned still finish: each reports "Event loop
-  is closed" or its own error (through ``sys.unraisablehook``), or a never-retrieved future (asyncio's logger), and
-  orbax's threads log the error they hand to the caller with its traceback - thousands of lines that say nothing
-  the one-line error does not. Drops exactly those (``-v 0`` keeps orbax's log)."""
+@contextlib.contextmanager
+def quiet_abandoned_io():
+  """Within a run: after a failed restore or save, the reads and writes orbax abandoned still finish, each
+  reporting "Event loop is closed" or its own error (through ``sys.unraisablehook``), or a never-retrieved future
+  (asyncio's logger), and orbax's threads log the error they hand to the caller with its traceback - thousands of
+  lines that say nothing the one-line error does not. Drops exactly those (``-v 0`` keeps orbax's log) while the
+  context is entered; the hook and the loggers' filters are as before on exit."""
   previous = sys.unraisablehook
-  if getattr(previous, "posjax_filter", False):
-    return
 
   def abandoned(unraisable) -> bool:
     code = getattr(unraisable.object, "cr_code", None)
@@ -258,11 +259,20 @@ def _silence_abandoned_io() -> None:
     if not abandoned(unraisable):
       previous(unraisable)
 
-  hook.posjax_filter = True
+  def retrieved(record) -> bool:
+    return "exception was never retrieved" not in record.getMessage()
+
+  loggers = ((std_logging.getLogger("asyncio"), retrieved), (logging.get_absl_logger(), _orbax_thread_failures))
   sys.unraisablehook = hook
-  std_logging.getLogger("asyncio").addFilter(
-      lambda record: "exception was never retrieved" not in record.getMessage())
-  logging.get_absl_logger().addFilter(_orbax_thread_failures)
+  for logger, keep in loggers:
+    logger.addFilter(keep)
+  try:
+    yield
+  finally:
+    gc.collect()  # what the run abandoned reports now, while its noise is still dropped
+    sys.unraisablehook = previous
+    for logger, keep in loggers:
+      logger.removeFilter(keep)
 
 
 def _orbax_thread_failures(record) -> bool:

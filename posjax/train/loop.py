@@ -39,7 +39,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, build_task: BuildTask):
   position options, the corpora, ``init_from``) fails before the workdir is written, on every process at
   once. SIGTERM saves a checkpoint and returns; Ctrl-C raises :class:`Interrupted`, which names the last
   checkpoint (see :class:`posjax.train.preemption.Interruptions`)."""
-  with preemption.Interruptions() as interruptions:
+  with preemption.Interruptions() as interruptions, checkpoint_lib.quiet_abandoned_io():
     try:
       return _run(config, workdir, build_task, interruptions)
     except Interrupted:
@@ -131,7 +131,8 @@ def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, wor
   say(f"training {task.name} to step {config.total_steps}: metrics in {writer.path}, checkpoints in "
       f"{checkpointer.directory}")
   batches = feed.DeviceFeed(task.train_batches, parallel.put_batch, config.get("device_prefetch", 2))
-  step_fn = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule, config.grad_accum_steps))
+  step_fn = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule, config.grad_accum_steps,
+                                            config.get("loss_reduction", "mean")))
   progress = tqdm.tqdm(total=config.total_steps, initial=start, disable=quiet or not is_main, unit="step",
                        dynamic_ncols=True)
   logger = metrics_lib.DelayedMetrics(writer, progress, config, start, checkpointer.manager.latest_step, say)

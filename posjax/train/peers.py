@@ -18,7 +18,7 @@ and Python stacks after the heartbeat timeout). :class:`Watch`, around a multi-p
   backstop.
 
 The store is reached through ``jax._src.distributed.global_state.client``, as orbax's multihost utilities do:
-JAX has no public key-value API.
+JAX has no public key-value API. :func:`key_value_client` is the one place that names it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from typing import NamedTuple
 import jax
 import tqdm
 from absl import logging
-from jax._src import distributed  # private: see the module docstring
 
 from posjax.cli import USER_ERRORS, error_message
 
@@ -61,10 +60,19 @@ def jax_heartbeat_timeout(peer_timeout: int) -> int:
   return int(peer_timeout) + BACKSTOP_SECONDS
 
 
-def _client():
-  if distributed.global_state.client is None:
+def key_value_client():
+  """JAX's distributed key-value client: private (``jax._src.distributed.global_state.client``); a JAX that moved
+  the name fails here with one line that says so."""
+  try:
+    from jax._src import distributed  # private: the only import of it
+    client = distributed.global_state.client
+  except (ImportError, AttributeError) as error:
+    raise RuntimeError(f"jax {jax.__version__} has no jax._src.distributed.global_state.client ({error}): the "
+                       "multi-process peer watch (posjax.train.peers) needs JAX's key-value client; use the jax "
+                       "version pyproject.toml pins") from None
+  if client is None:
     raise RuntimeError("peers.Watch needs jax.distributed.initialize first")
-  return distributed.global_state.client
+  return client
 
 
 def _not_found(error: Exception) -> bool:
@@ -107,7 +115,7 @@ class Watch:
     self._answered = time.monotonic()
 
   def __enter__(self):
-    self.client = self.client or _client()
+    self.client = self.client or key_value_client()
     self._threads = [threading.Thread(target=self._beat, name=f"posjax-peers-{self.index}", daemon=True),
                      threading.Thread(target=self._judge, name=f"posjax-peers-judge-{self.index}", daemon=True)]
     for thread in self._threads:

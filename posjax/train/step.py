@@ -20,8 +20,20 @@ class TrainState:
   opt_state: Any
 
 
-def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int) -> optax.Schedule:
-  """Linear warm-up to ``peak``, then linear decay to 0 at ``total_steps`` (BERT, TUPE)."""
+LR_SCHEDULES = ("linear", "electra")
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, kind: str = "linear") -> optax.Schedule:
+  """``linear``: linear warm-up to ``peak``, then linear decay to 0 at ``total_steps`` (BERT, TUPE). ``electra``:
+  the official ELECTRA ``create_optimizer``'s, a linear decay from ``peak`` over the whole run multiplied by the
+  warm-up ramp ``min(1, step / warmup_steps)`` (its peak is below ``peak``: 0.9 of it at 10% warm-up)."""
+  if kind == "electra":
+    def schedule(step):
+      step = jnp.asarray(step, jnp.float32)
+      ramp = jnp.minimum(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+      return peak * jnp.clip(1.0 - step / total_steps, 0.0, 1.0) * ramp
+    return schedule
   warmup = optax.linear_schedule(0.0, peak, max(warmup_steps, 1))
   decay = optax.linear_schedule(peak, 0.0, max(total_steps - warmup_steps, 1))
   return optax.join_schedules([warmup, decay], [warmup_steps])
@@ -116,9 +128,13 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
   if not 0 < decay <= 1:
     raise ValueError(f"config.layerwise_lr_decay={decay!r} must be in (0, 1] (1: off)")
   depth = config.get("layerwise_lr_decay_depth", "intended")
-  if depth not in LAYER_DEPTHS:
-    raise ValueError(f"config.layerwise_lr_decay_depth={depth!r} is not one of {list(LAYER_DEPTHS)}")
-  schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps, config.total_steps)
+  kind = config.get("lr_schedule", "linear")
+  reduction = config.get("loss_reduction", "mean")  # the step's (train_step), checked with the optimizer's fields
+  for field, value, allowed in (("layerwise_lr_decay_depth", depth, tuple(LAYER_DEPTHS)),
+                                ("lr_schedule", kind, LR_SCHEDULES), ("loss_reduction", reduction, LOSS_REDUCTIONS)):
+    if value not in allowed:
+      raise ValueError(f"config.{field}={value!r} is not one of {list(allowed)}")
+  schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps, config.total_steps, kind)
   mask = WEIGHT_DECAY_EXCLUSIONS[exclusion]
   if config.get("adam_bias_correction", True):
     adamw = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
@@ -140,14 +156,17 @@ def step_rng(rng: jax.Array, step, axis_name: str | None = None) -> jax.Array:
 
 
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optimizer, schedule,
-               accum_steps: int = 1, axis_name: str | None = None, loss_totals=None, step_metrics=None):
+               accum_steps: int = 1, axis_name: str | None = None, loss_totals=None, step_metrics=None,
+               loss_reduction: str = "mean"):
   """One optimizer update from ``accum_steps`` micro-batches of any task.
 
   ``loss_fn(params, batch, rng) -> (summed loss, sums)`` sums over the examples (or tokens) of a batch;
   ``sums["weight"]`` counts them and every other sum (e.g. ``correct``) becomes a metric divided by it
   (``correct`` is reported as ``accuracy``), except ``tokens``, the step's real tokens, reported whole. Gradients
   are the summed loss's over the summed weight of all micro-batches (and devices), so accumulation and data
-  parallelism give the same update as one big batch. Dropout RNG: :func:`step_rng`, then the micro-batch index.
+  parallelism give the same update as one big batch (``loss_reduction="sum"``: the summed loss's gradient, as
+  ELECTRA's fine-tuning takes it, ``tf.reduce_sum`` over the batch; metrics stay per example). Dropout RNG:
+  :func:`step_rng`, then the micro-batch index.
 
   A loss with more than one denominator (ELECTRA's: masked tokens and all tokens) takes ``loss_totals(batch)``,
   sums over the whole step's batch (every micro-batch and device), as ``loss_fn(..., totals=)``; and
@@ -178,7 +197,8 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, loss_fn, optim
   if axis_name is not None:
     grads, loss, sums = jax.lax.psum((grads, loss, sums), axis_name)
   weight = jnp.maximum(sums["weight"], 1.0)
-  grads = jax.tree.map(lambda g: g / weight, grads)
+  if loss_reduction == "mean":
+    grads = jax.tree.map(lambda g: g / weight, grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
   if step_metrics is not None:
@@ -200,10 +220,11 @@ def micro_batches(x_BxS, accum_steps: int):
   return partitioning.constrain(x_AxRxS, (None, "activation_batch") + (None,) * (x_BxS.ndim - 1))
 
 
-def task_step(task, optimizer, schedule, accum_steps: int = 1):
+def task_step(task, optimizer, schedule, accum_steps: int = 1, loss_reduction: str = "mean"):
   """:func:`train_step` of a :class:`posjax.train.task.Task`: its loss, its totals and its metrics."""
   return functools.partial(train_step, loss_fn=task.loss_fn, optimizer=optimizer, schedule=schedule,
-                           accum_steps=accum_steps, loss_totals=task.loss_totals, step_metrics=task.step_metrics)
+                           accum_steps=accum_steps, loss_totals=task.loss_totals, step_metrics=task.step_metrics,
+                           loss_reduction=loss_reduction)
 
 
 METRIC_NAMES = {"correct": "accuracy"}

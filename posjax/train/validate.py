@@ -17,7 +17,7 @@ import numpy as np
 
 from posjax import config_args
 from posjax import results as results_lib
-from posjax.config_args import FRACTION, NON_NEGATIVE, OPEN_FRACTION, POSITIVE, at_least
+from posjax.config_args import FRACTION, NON_NEGATIVE, POSITIVE, at_least
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import lock as lock_lib
 from posjax.train import parallel as parallel_lib
@@ -93,6 +93,8 @@ def eval_steps(config: ml_collections.ConfigDict) -> frozenset[int]:
   return frozenset(s for s in steps if s < total - every / 2) | {total}
 
 
+# The config's numeric fields and their ranges (a rule a library class already enforces, as ``BertConfig``'s dropout
+# or ``Masking``'s rates, lives there alone).
 RANGES = {
     "seed": NON_NEGATIVE, "batch_size": POSITIVE, "eval_batch_size": POSITIVE, "total_steps": POSITIVE,
     "total_epochs": POSITIVE, "total_examples": POSITIVE, "warmup_steps": NON_NEGATIVE, "warmup_fraction": FRACTION,
@@ -100,10 +102,10 @@ RANGES = {
     "adam_b2": FRACTION, "adam_eps": POSITIVE, "weight_decay": NON_NEGATIVE, "grad_clip_norm": POSITIVE,
     "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE,
     "checkpoint_every_steps": POSITIVE, "peer_timeout_seconds": POSITIVE, "shutdown_timeout_seconds": POSITIVE,
-    "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE, "profile_steps": POSITIVE, "init_step": NON_NEGATIVE,
-    "data.mask_rate": OPEN_FRACTION, "data.mask_token_rate": FRACTION, "data.random_token_rate": FRACTION, "data.num_shards": NON_NEGATIVE, "data.examples_per_epoch": POSITIVE,
-    "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE, "data.group_size": NON_NEGATIVE,
-    "model.dropout_rate": FRACTION, "model.attention_dropout_rate": FRACTION, "regression_scale": POSITIVE,
+    "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE,
+    "profile_steps": POSITIVE, "init_step": NON_NEGATIVE, "data.num_shards": NON_NEGATIVE,
+    "data.examples_per_epoch": POSITIVE, "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE,
+    "data.group_size": NON_NEGATIVE, "regression_scale": POSITIVE,
 }
 
 

@@ -16,8 +16,9 @@ What the paper says, and where:
 Options:
   recipe: ``tupe`` (default) or ``electra``: ELECTRA's own fine-tuning for every column (Clark et al. 2020, §3.1
     and Table 7; :mod:`posjax.finetune.recipe`): its head (the [CLS] state into one dense layer, no pooler),
-    layer-wise learning-rate decay 0.8, lr 1e-4, 3 epochs (10 for RTE and STS-B), warm-up 10%, Adam without bias
-    correction, the final model of each run, the median of 10 seeds.
+    layer-wise learning-rate decay 0.8, lr 1e-4, 3 epochs (10 for RTE and STS-B), warm-up 10% and the official
+    schedule, Adam without bias correction on the batch's summed loss, MRPC and STS-B pairs in both orders, the
+    final model of each run, the median of 10 seeds.
   tupe: ``tupe_r`` (default) or ``tupe_a``.
 
   python -m posjax.experiments.sweep --config=configs/papers/tupe/table4.py --root=$ROOT --launcher=print
