@@ -1,6 +1,6 @@
 """posjax's entry point: ``python -m posjax.main --config=configs/pretrain.py:position=tupe_r --workdir=DIR``
 (or ``configs/finetune/glue.py:task=rte``, ``configs/finetune/squad.py``, ``configs/probes.py``, a paper table's
-``configs/papers/tupe/table1.py:row=TUPE-R``). It is the one composition root: it hands the tasks to the loop.
+``experiments/tupe/table1.py:row=TUPE-R``). It is the one composition root: it hands the tasks to the loop.
 
 ``--config.a.b=value`` overrides any field. Restarting the same command with the same workdir resumes.
 ``--target=v5e:4x4`` (or ``h100``, ``h200:8``, ...; comma-separated) compiles the run's train step for those devices
@@ -35,7 +35,7 @@ from posjax.train import loop, peers
 train = functools.partial(loop.run, build_task=tasks.build)
 
 # ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), the probe table, or
-# a paper table's rows (``configs/papers/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
+# a paper table's rows (``experiments/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
 JOBS = {"train": train, "probes": functools.partial(probes.run, train=train),
         "table": functools.partial(sweep.run_table, train=train)}
 

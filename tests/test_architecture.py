@@ -173,7 +173,7 @@ def test_the_sweeps_print_launcher_and_the_report_run_without_jax(tmp_path, tabl
   code = f"""
 import sys
 from posjax.experiments import report, sweep
-sys.argv = ["sweep", "--config=configs/papers/{table}.py", "--root={root}", "--launcher=print"]
+sys.argv = ["sweep", "--config=experiments/{table}.py", "--root={root}", "--launcher=print"]
 try:
   sweep.entry()
 except SystemExit as exit:

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from posjax import positions  # noqa: E402
+from posjax import config_args, positions  # noqa: E402
 from posjax.convert import __main__ as cli  # noqa: E402
 from posjax.convert import hf_bert  # noqa: E402
 from posjax.data.tokenizer import Tokenizer  # noqa: E402
@@ -229,7 +229,7 @@ def test_command_line_round_trip_and_runs_that_start_from_a_converted_model(tmp_
 def test_drop_in_pretraining_switches_a_converted_absolute_bert_to_method_4(tmp_path, caplog):
   tiny_hf_directory(tmp_path / "hf")
   cli.hf_to_posjax(str(tmp_path / "hf"), str(tmp_path / "converted"))
-  config = load_config("papers/huang2020/dropin", f"init={tmp_path / 'converted'},runlocal")
+  config = config_args.load_config(f"experiments/huang2020/dropin.py:init={tmp_path / 'converted'},runlocal")
   params = train(override(config, total_steps=1, learning_rate=0.0, eval_every_steps=0), str(tmp_path / "m4"))
   converted = flat_params(checkpoint.load_params(str(tmp_path / "converted")))
   mine = flat_params(params)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from posjax import tasks
+from posjax import config_args, tasks
 from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
 from posjax.experiments import protocol, sweep
@@ -224,7 +224,7 @@ def test_electra_large_is_electra_larges_recipe():
 
 
 def test_table4_pretrains_a_million_steps_with_tupe_r_and_the_mid_row_starts_from_600k(tmp_path):
-  runs = {r.name: r for r in sweep.plan("configs/papers/tupe/table4.py", str(tmp_path))}
+  runs = {r.name: r for r in sweep.plan("experiments/tupe/table4.py", str(tmp_path))}
   pretrain = {name: protocol.build(run) for name, run in runs.items() if run.kind == "pretrain"}
   assert set(pretrain) == {"ELECTRA/pretrain", "ELECTRA-TUPE/pretrain"}
   for name, config in pretrain.items():
@@ -236,9 +236,9 @@ def test_table4_pretrains_a_million_steps_with_tupe_r_and_the_mid_row_starts_fro
   assert mid and all(r.overrides["init_step"] == 600_000 and r.depends_on == ["ELECTRA-TUPE/pretrain"] for r in mid)
   finetune = [r for r in runs.values() if r.kind == "finetune"]
   assert {(r.lr, r.seed) for r in finetune} == {(lr, s) for lr in (2e-5, 3e-5, 4e-5, 5e-5) for s in range(1, 6)}
-  electra_runs = [r for r in sweep.plan("configs/papers/tupe/table4.py:recipe=electra", str(tmp_path / "e"))
+  electra_runs = [r for r in sweep.plan("experiments/tupe/table4.py:recipe=electra", str(tmp_path / "e"))
                   if r.kind == "finetune"]
   assert {(r.lr, r.seed) for r in electra_runs} == {(1e-4, s) for s in range(1, 11)}
   built = protocol.build(next(r for r in electra_runs if r.task == "rte"))
   assert (built.classifier_input, built.select, built.layerwise_lr_decay) == ("cls", "last", 0.8)
-  assert load_config("papers/tupe/table4", "recipe=electra").protocol.startswith("Fine-tuning, every column: ELECTRA's")
+  assert config_args.load_config("experiments/tupe/table4.py:recipe=electra").protocol.startswith("Fine-tuning, every column: ELECTRA's")

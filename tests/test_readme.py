@@ -48,10 +48,11 @@ def test_make_alone_lists_the_targets():
   assert {"demo", "test"} <= set(targets)
 
 
-DOCUMENTED = [README, *sorted((README.parent / "docs").glob("*.md")), *sorted((README.parent / "configs").rglob("*.py")),
-              *sorted((README.parent / "configs").rglob("*.md"))]
+DOCUMENTED = [README, *sorted((README.parent / "docs").glob("*.md")),
+              *(path for folder in ("configs", "experiments") for pattern in ("*.py", "*.md")
+                for path in sorted((README.parent / folder).rglob(pattern)))]
 COMMAND = re.compile(r"python -m (posjax[\w.]*)")
-CONFIG = re.compile(r"--config=(configs/[\w/.]+\.py)(?::([^\s`'\"\\]*))?")
+CONFIG = re.compile(r"--config=((?:configs|experiments)/[\w/.]+\.py)(?::([^\s`'\"\\]*))?")
 
 
 def _documented(pattern):

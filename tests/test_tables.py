@@ -15,12 +15,12 @@ from posjax.main import train
 from posjax.train import validate
 from conftest import ROOT
 
-TABLES = ("configs/papers/tupe/table1.py", "configs/papers/tupe/table4.py", "configs/papers/huang2020/table1.py",
-          "configs/papers/huang2020/inductive.py")
+TABLES = ("experiments/tupe/table1.py", "experiments/tupe/table4.py", "experiments/huang2020/table1.py",
+          "experiments/huang2020/inductive.py")
 
 
 def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
-  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal", str(tmp_path))
+  runs = sweep.plan("experiments/tupe/table1.py:runlocal", str(tmp_path))
   pretrain = [r for r in runs if r.kind == "pretrain"]
   finetune = [r for r in runs if r.kind == "finetune"]
   # 9 rows, of which the two "mid" rows share their runs' pre-training; 8 tasks x 2 lrs x 2 seeds per row.
@@ -36,20 +36,20 @@ def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
   order = [r.name for r in runs]
   assert all(order.index(r.depends_on[0]) < order.index(r.name) for r in finetune)
   manifest = json.loads((tmp_path / "manifest.json").read_text())
-  assert len(manifest["runs"]) == len(runs) and manifest["config"] == "configs/papers/tupe/table1.py:runlocal"
-  full = sweep.plan("configs/papers/tupe/table1.py", str(tmp_path / "full"))
+  assert len(manifest["runs"]) == len(runs) and manifest["config"] == "experiments/tupe/table1.py:runlocal"
+  full = sweep.plan("experiments/tupe/table1.py", str(tmp_path / "full"))
   assert len(full) == 7 + 9 * 8 * 4 * 5  # the paper's grid: 4 learning rates x 5 seeds
   # The mid row's step is kept beside the recipe's (Figure 5's 100k and 600k), not instead of them.
   assert protocol.build(next(r for r in full if r.name == "TUPE-A/pretrain")).keep_steps == (100_000, 300_000, 600_000)
 
 
 def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_path):
-  runs = sweep.plan("configs/papers/tupe/table1.py:row=TUPE-R (mid)", str(tmp_path))
+  runs = sweep.plan("experiments/tupe/table1.py:row=TUPE-R (mid)", str(tmp_path))
   assert {r.row for r in runs} == {"TUPE-R", "TUPE-R (mid)"}  # the mid row brings its pre-training
   with pytest.raises(ValueError, match=r"unknown row 'TUPE-X'; TUPE Table 1 has \['BERT-A', 'BERT-R'"):
-    sweep.plan("configs/papers/tupe/table1.py:row=TUPE-X", str(tmp_path))
+    sweep.plan("experiments/tupe/table1.py:row=TUPE-X", str(tmp_path))
   with pytest.raises(ValueError, match=r"unknown row\(s\) \['Method 9'\]"):
-    sweep.plan("configs/papers/huang2020/table1.py", str(tmp_path), rows=["Method 9"])
+    sweep.plan("experiments/huang2020/table1.py", str(tmp_path), rows=["Method 9"])
   with pytest.raises(ValueError, match=r"unknown config field 'learning_rat'"):
     sweep.plan("configs/finetune/glue.py:task=rte,runlocal", str(tmp_path), grid={"learning_rat": [1, 2]})
 
@@ -58,9 +58,9 @@ def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_
 # of another row's pre-training, and ELECTRA pre-training. Each runs end to end once (one step of each run); every
 # other row differs only by its position options, which the model tests cover: its configs are built and validated
 # (the model traced), without a compile.
-END_TO_END = {"configs/papers/tupe/table1.py": ["BERT-A", "TUPE-A tie-cls"],
-              "configs/papers/tupe/table4.py": ["ELECTRA-TUPE (mid)"],
-              "configs/papers/huang2020/inductive.py": ["Method 4"]}  # SQuAD at three lengths
+END_TO_END = {"experiments/tupe/table1.py": ["BERT-A", "TUPE-A tie-cls"],
+              "experiments/tupe/table4.py": ["ELECTRA-TUPE (mid)"],
+              "experiments/huang2020/inductive.py": ["Method 4"]}  # SQuAD at three lengths
 
 
 def one_step(runs):
@@ -87,7 +87,7 @@ def test_each_sweep_code_path_runs_in_runlocal_mode(tmp_path, table):
   assert all(protocol.results(r)["init_step"] == 1 for r in chosen if r.overrides.get("init_step"))
 
 
-@pytest.mark.parametrize("table", TABLES + ("configs/papers/tupe/table3.py",))
+@pytest.mark.parametrize("table", TABLES + ("experiments/tupe/table3.py",))
 def test_every_rows_pretraining_config_is_valid(tmp_path, table):
   """Every row's pre-training config as the sweep builds it: ranges, data, the model and its position options
   (traced, not compiled)."""
@@ -178,7 +178,7 @@ def write_results(run, metrics, **info):
 
 
 def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
-  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
+  runs = sweep.plan("experiments/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
   finetune = {(r.task, r.lr, r.seed): r for r in runs if r.kind == "finetune"}
   # RTE: lr 1e-3 seeds 60, 70 (median 65); lr 3e-4 seeds 62, 90 (median 76): the best lr is 3e-4, 76.
   for (lr, seed), value in {(1e-3, 1): 60.0, (1e-3, 2): 70.0, (3e-4, 1): 62.0, (3e-4, 2): 90.0}.items():
@@ -205,7 +205,7 @@ def test_the_report_applies_median_over_seeds_and_best_learning_rate(tmp_path):
 
 def rte_grid(tmp_path, values, row="TUPE-A"):
   """A TUPE Table 1 sweep (runlocal: lrs 1e-3, 3e-4 x seeds 1, 2) with RTE results ``{(lr, seed): accuracy}``."""
-  runs = sweep.plan(f"configs/papers/tupe/table1.py:runlocal,row={row}", str(tmp_path))
+  runs = sweep.plan(f"experiments/tupe/table1.py:runlocal,row={row}", str(tmp_path))
   finetune = {(r.task, r.lr, r.seed): r for r in runs if r.kind == "finetune"}
   for (lr, seed), value in values.items():
     write_results(finetune[("rte", lr, seed)], {"rte": {"accuracy": value}}, init_step=200)
@@ -238,7 +238,7 @@ def test_failed_runs_never_become_a_median_and_are_listed(tmp_path):
 
 
 def test_mnli_matched_and_mismatched_come_from_one_learning_rate_chosen_on_matched(tmp_path):
-  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
+  runs = sweep.plan("experiments/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path))
   for run in runs:
     if run.task == "mnli":  # 1e-3 is best on matched, 3e-4 on mismatched
       m, mm = (80.0, 70.0) if run.lr == 1e-3 else (79.0, 90.0)
@@ -250,7 +250,7 @@ def test_mnli_matched_and_mismatched_come_from_one_learning_rate_chosen_on_match
 
 
 def test_a_grids_values_are_scored_as_rows_of_their_own_and_a_nan_in_any_column_fails_the_run(tmp_path):
-  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path), grid={"data.batching": ["fixed",
+  runs = sweep.plan("experiments/tupe/table1.py:runlocal,row=TUPE-A", str(tmp_path), grid={"data.batching": ["fixed",
                                                                                                          "dynamic"]})
   for run in runs:
     if run.task == "rte":
@@ -268,7 +268,7 @@ def test_a_grids_values_are_scored_as_rows_of_their_own_and_a_nan_in_any_column_
 
 
 def test_the_report_shows_the_step_each_row_starts_from_and_marks_a_partial_average(tmp_path):
-  runs = sweep.plan("configs/papers/tupe/table1.py:runlocal,row=TUPE-A (mid)", str(tmp_path))
+  runs = sweep.plan("experiments/tupe/table1.py:runlocal,row=TUPE-A (mid)", str(tmp_path))
   metric = {"cola": "matthews", "stsb": "pearson"}
   for run in runs:
     if run.kind == "finetune" and not (run.task == "qqp" and run.seed == 2 and run.lr == 3e-4):
@@ -281,7 +281,7 @@ def test_the_report_shows_the_step_each_row_starts_from_and_marks_a_partial_aver
 
 
 def test_the_report_shows_lengths_a_method_cannot_reach(tmp_path):
-  runs = sweep.plan("configs/papers/huang2020/inductive.py:runlocal,row=absolute", str(tmp_path))
+  runs = sweep.plan("experiments/huang2020/inductive.py:runlocal,row=absolute", str(tmp_path))
   (run,) = [r for r in runs if r.kind == "finetune"]
   write_results(run, {"squad@32": {"f1": 40.0}, "squad@64": {"f1": 30.0},
                       "squad@128": {"f1": results.UNSUPPORTED, "exact_match": results.UNSUPPORTED}})
@@ -329,7 +329,7 @@ def test_slurm_submits_pretraining_then_a_dependent_job_array_per_row(tmp_path, 
 
   monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
   FakeExecutor.submitted, FakeExecutor.arrays = [], []
-  runs = sweep.plan("configs/papers/huang2020/table1.py:runlocal", str(tmp_path), rows=["Shaw", "Method 4"])
+  runs = sweep.plan("experiments/huang2020/table1.py:runlocal", str(tmp_path), rows=["Shaw", "Method 4"])
   sweep.run_slurm(runs, str(tmp_path), nodes=2, tasks_per_node=4, gpus_per_node=4, partition="gpu")
   pretrain = [s for s in FakeExecutor.submitted if s[0]["name"].endswith("/pretrain")]
   assert [p[0]["nodes"] for p in pretrain] == [2, 2] and all("--distributed" in p[1] for p in pretrain)

@@ -10,7 +10,7 @@
       first layer's logits of an absolute-position run (word-word, word-position, position-word,
       position-position), for one head on a batch of token ids.
   python -m posjax.experiments.figures length --root=SWEEP --out=f1.png           Huang et al.: SQuAD F1 against evaluation
-      length, one line per method (a sweep of configs/papers/huang2020/inductive.py).
+      length, one line per method (a sweep of experiments/huang2020/inductive.py).
 
 correlation and terms read an ELECTRA run's discriminator (its ``encoder``, as fine-tuning does).
 """

@@ -3,7 +3,7 @@
 :func:`expand` turns into runs with dependencies, and the report protocol that turns their results into the
 table (median over seeds per learning rate, best learning rate per task).
 
-A table config (``configs/papers/tupe/table1.py``, ``configs/papers/huang2020/table1.py``, ...) is a ConfigDict with
+A table config (``experiments/tupe/table1.py``, ``experiments/huang2020/table1.py``, ...) is a ConfigDict with
 ``job = "table"`` and:
 
 - ``pretrain``: ``{config, options, overrides}``, the pre-training config file every row starts from (its

@@ -1,6 +1,6 @@
 """Sweeps from the command line: a table config's rows (or any config) expanded into runs with dependencies.
 
-  python -m posjax.experiments.sweep --config=configs/papers/tupe/table1.py[:options] --root=DIR [--rows=TUPE-A,TUPE-R]
+  python -m posjax.experiments.sweep --config=experiments/tupe/table1.py[:options] --root=DIR [--rows=TUPE-A,TUPE-R]
       [--launcher=local|print|slurm] [--grid=key=v1,v2 ...] [--dry_run]
 
 Each run gets its own workdir under ``--root`` with a readable name (``TUPE-R/pretrain``,

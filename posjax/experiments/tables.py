@@ -1,4 +1,4 @@
-"""Building blocks of the paper-table configs (``configs/papers/tupe/``, ``configs/papers/huang2020/``): see
+"""Building blocks of the paper-table configs (``experiments/tupe/``, ``experiments/huang2020/``): see
 :mod:`posjax.experiments.protocol` for what a table config holds."""
 
 from __future__ import annotations

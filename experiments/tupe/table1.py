@@ -1,6 +1,6 @@
 """TUPE (Ke, He, Liu; ICLR 2021) Table 1: BERT-Base pre-trained 1M steps with each position method, GLUE dev.
 
-Rows by the paper's names (``configs/papers/tupe/table1.py:row=TUPE-R``; no ``row``: the whole table):
+Rows by the paper's names (``experiments/tupe/table1.py:row=TUPE-R``; no ``row``: the whole table):
 BERT-A, BERT-R, BERT-A^d, TUPE-A, TUPE-R, TUPE-A (mid), TUPE-R (mid) (the 300k-step checkpoints of the same
 runs), TUPE-A tie-cls, and TUPE-A per-layer (one positional correlation per layer: an ablation the paper did
 not run, so it has no paper numbers).
@@ -12,8 +12,8 @@ the best learning rate. Where the official code differs (no token types, fairseq
 weight decay on every parameter), override the fields (``model.type_vocab_size=0``, ``model.layer_norm_eps``,
 ``weight_decay_exclusion=none``); the defaults are BERT's.
 
-  python -m posjax.experiments.sweep --config=configs/papers/tupe/table1.py --root=$ROOT --launcher=print
-  python -m posjax.experiments.sweep --config=configs/papers/tupe/table1.py:runlocal --root=/tmp/table1   # all of it, on a CPU
+  python -m posjax.experiments.sweep --config=experiments/tupe/table1.py --root=$ROOT --launcher=print
+  python -m posjax.experiments.sweep --config=experiments/tupe/table1.py:runlocal --root=/tmp/table1   # all of it, on a CPU
   python -m posjax.experiments.report --root=$ROOT
 """
 

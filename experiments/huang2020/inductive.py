@@ -3,8 +3,8 @@ every length up to 512 and beyond (1024; relative methods only: a learned table 
 ``unsupported``). The paper's lengths are not confirmed: posjax trains at 128 and reports F1 at 128, 256, 384,
 512 and 1024, one row per method (no paper numbers: the paper shows a curve).
 
-  python -m posjax.experiments.sweep --config=configs/papers/huang2020/inductive.py --root=$ROOT --launcher=print
-  python -m posjax.experiments.sweep --config=configs/papers/huang2020/inductive.py:runlocal --root=/tmp/inductive
+  python -m posjax.experiments.sweep --config=experiments/huang2020/inductive.py --root=$ROOT --launcher=print
+  python -m posjax.experiments.sweep --config=experiments/huang2020/inductive.py:runlocal --root=/tmp/inductive
   (runlocal: trained at 32 tokens, evaluated at 32, 64 and 128)
 """
 

@@ -1,6 +1,6 @@
 """TUPE (Ke, He, Liu; ICLR 2021) Table 4: ELECTRA-Base with TUPE in the generator and the discriminator, GLUE dev.
 
-Rows by the paper's names (``configs/papers/tupe/table4.py:row=ELECTRA-TUPE``; no ``row``: the whole table):
+Rows by the paper's names (``experiments/tupe/table4.py:row=ELECTRA-TUPE``; no ``row``: the whole table):
 ELECTRA (absolute positions, ELECTRA's own), ELECTRA-TUPE, ELECTRA-TUPE (mid) (the 600k-step checkpoint of the
 same run).
 
@@ -21,8 +21,8 @@ Options:
     final model of each run, the median of 10 seeds.
   tupe: ``tupe_r`` (default) or ``tupe_a``.
 
-  python -m posjax.experiments.sweep --config=configs/papers/tupe/table4.py --root=$ROOT --launcher=print
-  python -m posjax.experiments.sweep --config=configs/papers/tupe/table4.py:runlocal --root=/tmp/table4   # tiny, on a CPU
+  python -m posjax.experiments.sweep --config=experiments/tupe/table4.py --root=$ROOT --launcher=print
+  python -m posjax.experiments.sweep --config=experiments/tupe/table4.py:runlocal --root=/tmp/table4   # tiny, on a CPU
   python -m posjax.experiments.report --root=$ROOT
 """
 

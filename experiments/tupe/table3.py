@@ -1,10 +1,10 @@
 """TUPE (Ke, He, Liu; ICLR 2021) Table 3: BERT-Large (24 layers, 1024 wide, 16 heads), GLUE dev.
 
 Rows: BERT-Large (absolute), TUPE-Large (TUPE-R), TUPE-Large (mid) (its 300k-step checkpoint). The recipe is
-Table 1's (``configs/papers/tupe/table1.py``) at ``size=large``.
+Table 1's (``experiments/tupe/table1.py``) at ``size=large``.
 
-  python -m posjax.experiments.sweep --config=configs/papers/tupe/table3.py --root=$ROOT --launcher=print
-  python -m posjax.experiments.sweep --config=configs/papers/tupe/table3.py:runlocal --root=/tmp/table3   # tiny, on a CPU
+  python -m posjax.experiments.sweep --config=experiments/tupe/table3.py --root=$ROOT --launcher=print
+  python -m posjax.experiments.sweep --config=experiments/tupe/table3.py:runlocal --root=/tmp/table3   # tiny, on a CPU
 """
 
 from posjax.experiments import tables

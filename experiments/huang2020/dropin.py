@@ -3,7 +3,7 @@
 
 Start from a Hugging Face checkpoint converted to a posjax run (whole-word-masking BERT-Large, uncased):
   python -m posjax.convert hf-to-posjax --from bert-large-uncased-whole-word-masking --workdir $CONVERTED
-  python -m posjax.main --config=configs/papers/huang2020/dropin.py:init=$CONVERTED --workdir $DROPIN \\
+  python -m posjax.main --config=experiments/huang2020/dropin.py:init=$CONVERTED --workdir $DROPIN \\
       --config.data.tfds_name=wikipedia/20190301.en
   python -m posjax.main --config=configs/finetune/squad.py --workdir $SQUAD --config.init=$DROPIN
 The warm start loads every parameter but the absolute position table (dropped) and creates the relative
@@ -22,7 +22,7 @@ from posjax.config_args import load_config, parse_arg
 def get_config(arg=None):
   arg = parse_arg(arg, init="", size="large", runlocal=False)
   if not arg.init:
-    raise ValueError("configs/papers/huang2020/dropin.py needs init=DIR: a converted absolute-position BERT "
+    raise ValueError("experiments/huang2020/dropin.py needs init=DIR: a converted absolute-position BERT "
                      "(python -m posjax.convert hf-to-posjax --from HF_DIR --workdir DIR)")
   config = load_config(f"configs/pretrain.py:position=huang_m4,size={arg.size}" + (",runlocal" if arg.runlocal else ""))
   config.init_from = arg.init
