@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from posjax.models import BertConfig, BertForMaskedLM
+from posjax.models import BertConfig, BertModel
 
 
 def compile_and_time(fn, args, run: bool = True, repeats: int = 5):
@@ -65,7 +65,7 @@ def bert_train_step(name: str, length: int, batch: int, dtype: str, kernel: str,
   config = BertConfig.base(position=name, max_len=max(512, length), num_layers=layers, dtype=dtype,
                            attention_kernel=kernel_for(name, kernel),
                            dropout_rate=0.0, attention_dropout_rate=0.0)
-  model = BertForMaskedLM(config)
+  model = BertModel(config, head="mlm")
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, length)), jnp.int32)
   masked_count = length * 15 // 100
@@ -78,7 +78,7 @@ def bert_train_step(name: str, length: int, batch: int, dtype: str, kernel: str,
     params, opt_state = state
 
     def loss(p):
-      logits = model.apply({"params": p}, ids, masked_positions=masked)
+      logits = model.apply({"params": p}, ids, masked_positions=masked).logits
       return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     grads = jax.grad(loss)(params)

@@ -20,7 +20,7 @@ from posjax import config_args, positions  # noqa: E402
 from posjax.convert import __main__ as cli  # noqa: E402
 from posjax.convert import hf_bert  # noqa: E402
 from posjax.data.tokenizer import Tokenizer  # noqa: E402
-from posjax.models import BertConfig, BertEncoder, BertForMaskedLM, BertModel  # noqa: E402
+from posjax.models import BertConfig, BertEncoder, BertModel  # noqa: E402
 from posjax.main import train  # noqa: E402
 from posjax.train import checkpoint  # noqa: E402
 from conftest import ROOT, load_config, override, randomize  # noqa: E402

@@ -19,7 +19,7 @@ from posjax import config_args, tasks
 from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
 from posjax.experiments import protocol, sweep
-from posjax.models import BertConfig, BertEncoder, BertForSequenceClassification
+from posjax.models import BertConfig, BertEncoder, BertModel
 from posjax.tasks import electra
 
 TOKENIZER = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
@@ -159,7 +159,7 @@ def test_electras_classifier_is_one_dense_layer_on_the_cls_state():
   ``get_pooled_output`` is the first token's state); posjax's default keeps BERT's pooler."""
   config = BertConfig.tiny(vocab_size=60, max_len=16)
   ids = jnp.asarray(np.random.default_rng(0).integers(5, 60, (3, 10)), jnp.int32)
-  model = BertForSequenceClassification(config, 3, "cls")
+  model = BertModel(config, "classification", 3, "cls")
   params = nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"])
   assert set(params) == {"encoder", "classifier"}
   rng = np.random.default_rng(1)
@@ -167,11 +167,11 @@ def test_electras_classifier_is_one_dense_layer_on_the_cls_state():
                           "bias": rng.normal(size=3).astype(np.float32)}
   h = np.asarray(BertEncoder(config).apply({"params": params["encoder"]}, ids).last_hidden_state, np.float64)
   want = h[:, 0] @ np.float64(params["classifier"]["kernel"]) + params["classifier"]["bias"]
-  np.testing.assert_allclose(model.apply({"params": params}, ids), want, rtol=1e-5, atol=1e-5)
-  pooled = BertForSequenceClassification(config, 3)
+  np.testing.assert_allclose(model.apply({"params": params}, ids).logits, want, rtol=1e-5, atol=1e-5)
+  pooled = BertModel(config, "classification", 3)
   assert "pooler" in nn.unbox(pooled.init(jax.random.PRNGKey(0), ids)["params"])
   with pytest.raises(ValueError, match=r"classifier_input='mean' is not allowed; choose one of \['pooler', 'cls'\]"):
-    BertForSequenceClassification(config, 3, "mean").init(jax.random.PRNGKey(0), ids)
+    BertModel(config, "classification", 3, "mean").init(jax.random.PRNGKey(0), ids)
 
 
 def test_glue_under_recipe_electra_fine_tunes_electras_model_and_reports_its_final_evaluation():
@@ -186,7 +186,7 @@ def test_glue_under_recipe_electra_fine_tunes_electras_model_and_reports_its_fin
   assert set(params) == {"encoder", "classifier"}
   batch = next(iter(task.train_batches))
   apply = lambda b: np.asarray(task.model.apply({"params": params}, b["input_ids"], token_type_ids=b["token_type_ids"],
-                                                attention_mask=b["attention_mask"])[:, 0], np.float64)
+                                                attention_mask=b["attention_mask"]).logits[:, 0], np.float64)
   loss, _ = task.loss_fn(params, batch, None)
   want = np.sum((apply(batch) - 0.2 * batch["label"]) ** 2 * batch["weight"])
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)

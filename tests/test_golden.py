@@ -22,7 +22,7 @@ import pytest
 from posjax import positions
 from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertForMaskedLM
+from posjax.models import BertConfig, BertModel
 from posjax.tasks import mlm as mlm_task
 from posjax.train.step import TrainState, make_optimizer, train_step
 from conftest import ROOT, randomize
@@ -39,7 +39,7 @@ def one_batch(tokenizer):
 
 def measure(method: str) -> dict:
   tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
-  model = BertForMaskedLM(BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32))
+  model = BertModel(BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32), head="mlm")
   params = randomize(model.init(jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
   optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(
       learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from posjax import attention, positions
-from posjax.models import (BertConfig, BertEncoder, BertForMaskedLM, BertForQuestionAnswering,
-                           BertForSequenceClassification)
+from posjax.models import BertConfig, BertEncoder, BertModel
 from conftest import randomize
 
 ALL = positions.names()
@@ -77,7 +76,7 @@ GRADIENT_CASES = [(n, {}) for n in ALL] + [
 @pytest.mark.parametrize("name,options", GRADIENT_CASES, ids=[f"{n}-{o}" for n, o in GRADIENT_CASES])
 def test_gradients_reach_every_parameter(name, options, rng):
   config = BertConfig.tiny(position=name, position_options=options)
-  model = BertForMaskedLM(config)
+  model = BertModel(config, head="mlm")
   ids = tokens(rng, 2, 12)
   mask = np.ones((2, 12), np.int32)
   mask[1, 9:] = 0
@@ -85,7 +84,7 @@ def test_gradients_reach_every_parameter(name, options, rng):
 
   def loss(p):
     logits = model.apply({"params": p}, ids, attention_mask=mask, deterministic=False,
-                         rngs={"dropout": jax.random.PRNGKey(1)})
+                         rngs={"dropout": jax.random.PRNGKey(1)}).logits
     return -jnp.mean(jax.nn.log_softmax(logits)[..., 3])
 
   grads = jax.grad(loss)(params)
@@ -195,22 +194,22 @@ def test_pre_layer_norm(rng):
 def test_heads(rng):
   config = BertConfig.tiny(position="tupe_r")
   ids = tokens(rng, 2, 10)
-  mlm = BertForMaskedLM(config)
+  mlm = BertModel(config, head="mlm")
   variables = mlm.init(jax.random.PRNGKey(0), ids)
-  full = mlm.apply(variables, ids)
+  full = mlm.apply(variables, ids).logits
   assert full.shape == (2, 10, config.vocab_size)
   where = np.array([[1, 4], [0, 9]])
-  np.testing.assert_allclose(mlm.apply(variables, ids, masked_positions=where),
+  np.testing.assert_allclose(mlm.apply(variables, ids, masked_positions=where).logits,
                              np.take_along_axis(np.asarray(full), where[..., None], axis=1), atol=1e-5)
-  assert np.isnan(mlm.apply(variables, ids, masked_positions=np.array([[0, 10], [0, 1]]))[0, 1]).all()
+  assert np.isnan(mlm.apply(variables, ids, masked_positions=np.array([[0, 10], [0, 1]])).logits[0, 1]).all()
   # The output layer is tied to the word embeddings: no separate [D, V] matrix.
   assert all(leaf.size != config.hidden_size * config.vocab_size or "word_embeddings" in jax.tree_util.keystr(p)
              for p, leaf in jax.tree_util.tree_leaves_with_path(variables["params"]))
-  cls = BertForSequenceClassification(config, num_labels=3)
-  assert cls.apply(cls.init(jax.random.PRNGKey(0), ids), ids).shape == (2, 3)
-  qa = BertForQuestionAnswering(config)
-  start, end = qa.apply(qa.init(jax.random.PRNGKey(0), ids), ids)
-  assert start.shape == end.shape == (2, 10)
+  cls = BertModel(config, head="classification", num_labels=3)
+  assert cls.apply(cls.init(jax.random.PRNGKey(0), ids), ids).logits.shape == (2, 3)
+  qa = BertModel(config, head="span")
+  spans = qa.apply(qa.init(jax.random.PRNGKey(0), ids), ids)
+  assert spans.start_logits.shape == spans.end_logits.shape == (2, 10)
 
 
 def test_presets_and_logical_axes():
@@ -218,7 +217,7 @@ def test_presets_and_logical_axes():
   large = BertConfig.large(position="tupe_r")
   assert (large.hidden_size, large.num_layers, large.num_heads, large.intermediate_size) == (1024, 24, 16, 4096)
   config = BertConfig.tiny(position="tupe_r")
-  shapes = jax.eval_shape(BertForMaskedLM(config).init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  shapes = jax.eval_shape(BertModel(config, head="mlm").init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   boxed = jax.tree.leaves(shapes["params"], is_leaf=lambda x: hasattr(x, "names"))
   assert boxed and all(hasattr(x, "names") and len(x.names) == len(x.value.shape) for x in boxed)
   parameters = sum(x.value.size for x in jax.eval_shape(
@@ -276,8 +275,8 @@ def test_kernel_choice():
 
 def test_fully_padded_row_gives_finite_output_and_gradients(rng):
   config = BertConfig.tiny(position="huang_m4")
-  model = BertForMaskedLM(config)
+  model = BertModel(config, head="mlm")
   ids, mask = tokens(rng, 2, 6), np.array([[1] * 6, [0] * 6])
   params = model.init(jax.random.PRNGKey(0), ids)["params"]
-  grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, ids, attention_mask=mask)))(params)
+  grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, ids, attention_mask=mask).logits))(params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

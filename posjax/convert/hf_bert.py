@@ -332,9 +332,8 @@ def model_params(variables: Mapping) -> dict:
     return params
   if "word_embeddings" in params and "embedding_norm" in params:
     return {"encoder": params}
-  raise ValueError(f"expected the variables of a posjax BertModel, BertForMaskedLM, BertForSequenceClassification, "
-                   f"BertForQuestionAnswering or BertEncoder ({{'params': ...}} or the params), with 'encoder' or "
-                   f"'word_embeddings' at the top; got keys {sorted(params)}")
+  raise ValueError(f"expected the variables of a posjax BertModel or BertEncoder ({{'params': ...}} or the params), "
+                   f"with 'encoder' or 'word_embeddings' at the top; got keys {sorted(params)}")
 
 
 def to_hf_bert(config: BertConfig, variables: Mapping):

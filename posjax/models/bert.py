@@ -391,56 +391,12 @@ def span_head(config: BertConfig, h_BxLxD):
   return logits[..., 0], logits[..., 1]
 
 
-class BertForMaskedLM(nn.Module):
-  """MLM head tied to the word embeddings: dense -> GELU -> LayerNorm -> ``E^T`` + bias.
-
-  With ``masked_positions [B, M]`` the head runs only at those positions and returns ``[B, M, V]``
-  (an index outside the sequence gives NaN logits, never another token's).
-  """
-
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, input_ids, *, masked_positions=None, **encoder_kwargs):
-    encoder = BertEncoder(self.config, name="encoder")
-    h = encoder(input_ids, **encoder_kwargs).last_hidden_state
-    if masked_positions is not None:
-      h = jnp.take_along_axis(h, masked_positions[..., None], axis=1, mode="fill", fill_value=jnp.nan)
-    return mlm_head(self, encoder, h)
-
-
-class BertForSequenceClassification(nn.Module):
-  """[CLS] head (:func:`classification_head`): pooler (or, ``classifier_input="cls"``, the [CLS] state) ->
-  dropout -> ``num_labels`` outputs (1 for regression, e.g. STS-B)."""
-
-  config: BertConfig
-  num_labels: int
-  classifier_input: str = "pooler"
-
-  @nn.compact
-  def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
-    h = BertEncoder(self.config, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
-    return classification_head(self.config, self.num_labels, h.last_hidden_state, deterministic,
-                               self.classifier_input)
-
-
-class BertForQuestionAnswering(nn.Module):
-  """SQuAD span head: ``(start_logits [B, L], end_logits [B, L])``."""
-
-  config: BertConfig
-
-  @nn.compact
-  def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs):
-    h = BertEncoder(self.config, name="encoder")(input_ids, deterministic=deterministic, **encoder_kwargs)
-    return span_head(self.config, h.last_hidden_state)
-
-
 @flax.struct.dataclass
 class BertOutput:
   """What :class:`BertModel` returns: the encoder's last states and, per its head, the head's outputs."""
   last_hidden_state: jax.Array
   pooler_output: jax.Array | None = None
-  logits: jax.Array | None = None  # MLM [B, L, V], classification [B, num_labels] or replaced-token [B, L]
+  logits: jax.Array | None = None  # MLM [B, L, V] (or [B, M, V]), classification [B, num_labels], rtd [B, L]
   start_logits: jax.Array | None = None
   end_logits: jax.Array | None = None
 
@@ -449,25 +405,37 @@ HEADS = ("none", "pooler", "mlm", "classification", "span", "rtd")
 
 
 class BertModel(nn.Module):
-  """The encoder with any one head, returning a :class:`BertOutput` (the shape of Hugging Face's outputs; what
-  the checkpoint converters build). Parameter names are the task models' (``encoder``, ``transform``,
-  ``pooler``, ``classifier``, ``span``...), so its checkpoints start any posjax run."""
+  """The encoder with any one head (:data:`HEADS`), returning a :class:`BertOutput` (the shape of Hugging Face's
+  outputs): every task's model and what the checkpoint converters build. Parameters: ``encoder`` and the head's
+  (``transform`` / ``transform_norm`` / ``output_bias``, ``pooler``, ``classifier``, ``span``, ``rtd``), so a
+  checkpoint of one head starts a run of any other.
+
+  ``mlm``: BERT's head tied to the word embeddings, ``[B, L, V]``, or with ``masked_positions [B, M]`` only at
+  those, ``[B, M, V]`` (an index outside the sequence gives NaN logits, never another token's).
+  ``classification``: ``num_labels`` outputs (1: a regression, STS-B) on the [CLS] state, through BERT's pooler or,
+  ``classifier_input="cls"``, directly (ELECTRA's; :func:`classification_head`). ``span``: SQuAD's start and end
+  logits. ``rtd``: ELECTRA's replaced-token logits. ``pooler``: the pooled [CLS] state."""
 
   config: BertConfig
   head: str = "none"
   num_labels: int = 2
+  classifier_input: str = "pooler"
 
   @nn.compact
-  def __call__(self, input_ids, *, deterministic: bool = True, **encoder_kwargs) -> BertOutput:
+  def __call__(self, input_ids, *, masked_positions=None, deterministic: bool = True, **encoder_kwargs
+               ) -> BertOutput:
     base.check_choice("head", self.head, HEADS)
     encoder = BertEncoder(self.config, name="encoder")
     h = encoder(input_ids, deterministic=deterministic, **encoder_kwargs).last_hidden_state
     if self.head == "pooler":
       return BertOutput(h, pooler_output=pooler(self.config, h))
     if self.head == "mlm":
-      return BertOutput(h, logits=mlm_head(self, encoder, h))
+      at = h if masked_positions is None else jnp.take_along_axis(h, masked_positions[..., None], axis=1,
+                                                                  mode="fill", fill_value=jnp.nan)
+      return BertOutput(h, logits=mlm_head(self, encoder, at))
     if self.head == "classification":
-      return BertOutput(h, logits=classification_head(self.config, self.num_labels, h, deterministic))
+      return BertOutput(h, logits=classification_head(self.config, self.num_labels, h, deterministic,
+                                                      self.classifier_input))
     if self.head == "span":
       start, end = span_head(self.config, h)
       return BertOutput(h, start_logits=start, end_logits=end)

@@ -24,7 +24,7 @@ import optax
 from posjax.data import features as features_lib
 from posjax.finetune import glue as glue_data
 from posjax.finetune import metrics as metrics_lib
-from posjax.models import BertForSequenceClassification
+from posjax.models import BertModel
 from posjax.tasks import common
 from posjax.train.task import Evaluator, Task
 
@@ -34,7 +34,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   data = config.data
   task = glue_data.get(data.glue_task)
   start, tokenizer, model_config, changed, vocab_file = common.start(config)
-  model = BertForSequenceClassification(model_config, task.num_labels, config.get("classifier_input", "pooler"))
+  model = BertModel(model_config, "classification", task.num_labels, config.get("classifier_input", "pooler"))
   use_types = model_config.type_vocab_size > 0
   regression = task.labels is None
   scale = config.get("regression_scale", 1.0)  # ELECTRA trains STS-B on its scores / 5
@@ -66,7 +66,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                                   source=f"{data.source} glue/{task.name}")
 
   def loss_fn(params, batch, rng):
-    logits = common.apply(model, use_types, params, batch, rng)
+    logits = common.apply(model, use_types, params, batch, rng).logits
     weight = batch["weight"]
     tokens = jnp.sum(batch["attention_mask"]).astype(jnp.float32)
     if regression:
@@ -78,7 +78,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                                       "tokens": tokens}
 
   def predict(params, batch):
-    logits = common.apply(model, use_types, params, batch)
+    logits = common.apply(model, use_types, params, batch).logits
     return {"logits": logits / scale if regression else logits, "index": batch["index"]}
 
   train = encode("train")[0]

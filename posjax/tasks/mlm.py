@@ -15,7 +15,7 @@ import optax
 from posjax.data import corpus, prepared
 from posjax.data import mlm as mlm_data
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertForMaskedLM
+from posjax.models import BertConfig, BertModel
 from posjax.train.task import Evaluator, Task, summed_metrics
 
 
@@ -52,7 +52,7 @@ def mlm_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic
   """Per row: summed loss, correct predictions and weight over the masked positions."""
   logits = model.apply({"params": params}, batch["input_ids"], masked_positions=batch["masked_positions"],
                        deterministic=deterministic, rngs=None if deterministic else {"dropout": rng},
-                       **encoder_inputs(batch, use_segments))
+                       **encoder_inputs(batch, use_segments)).logits
   weights = batch["masked_weights"]
   # Padding rows of masked_positions point at token 0; their weight is 0 and their logits are finite.
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["masked_labels"])
@@ -104,7 +104,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Masked-LM pre-training on ``config.data`` (see :func:`corpus_batches`); evaluators of kind ``mlm``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
   model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
-  model = BertForMaskedLM(model_config)
+  model = BertModel(model_config, head="mlm")
   use_segments = config.data.packing == "documents"
   batches, evaluations = corpus_batches(config, tokenizer, local_batch)
   predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)

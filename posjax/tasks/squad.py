@@ -26,7 +26,7 @@ from absl import logging
 from posjax.data import features as features_lib
 from posjax.finetune import metrics as metrics_lib
 from posjax.finetune import squad as squad_data
-from posjax.models import BertForQuestionAnswering
+from posjax.models import BertModel
 from posjax.tasks import common
 from posjax.train.task import Evaluator, Task
 
@@ -52,7 +52,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """SQuAD 1.1 from the official JSON files (``data.train_file`` / ``data.dev_file``) or TFDS ``squad/v1.1``."""
   data = config.data
   start, tokenizer, model_config, changed, vocab_file = common.start(config)
-  model = BertForQuestionAnswering(model_config)
+  model = BertModel(model_config, head="span")
   use_types = model_config.type_vocab_size > 0
   window = functools.partial(squad_data.windows, tokenizer, doc_stride=data.doc_stride,
                              max_query_len=data.max_query_len)
@@ -82,7 +82,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                     meta["skipped"])
 
   def loss_fn(params, batch, rng):
-    start_logits, end_logits = common.apply(model, use_types, params, batch, rng)
+    outputs = common.apply(model, use_types, params, batch, rng)
+    start_logits, end_logits = outputs.start_logits, outputs.end_logits
     weight = batch["weight"]
     losses = 0.5 * (optax.softmax_cross_entropy_with_integer_labels(start_logits, batch["start_position"])
                     + optax.softmax_cross_entropy_with_integer_labels(end_logits, batch["end_position"]))
@@ -92,7 +93,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                                       "tokens": jnp.sum(batch["attention_mask"]).astype(jnp.float32)}
 
   def predict(params, batch):
-    start_logits, end_logits = common.apply(model, use_types, params, batch)
+    outputs = common.apply(model, use_types, params, batch)
+    start_logits, end_logits = outputs.start_logits, outputs.end_logits
     return {"start": start_logits, "end": end_logits, "index": batch["index"]}
 
   eval_batch = common.eval_batch(config)
