@@ -147,6 +147,16 @@ def test_batches_are_deterministic_and_resume_exactly(tokenizer, packing):
   assert not np.array_equal(next(other_seed)["input_ids"], stream[0]["input_ids"])
 
 
+def test_a_long_streaming_restore_says_what_it_costs_and_what_resumes_at_once(tokenizer, monkeypatch, caplog):
+  monkeypatch.setattr(mlm, "SLOW_RESTORE_BLOCKS", 20)
+  stream = mlm.MlmBatches(lambda: corpus.text_documents(os.path.join(DATA, "tiny_eval.txt")), tokenizer, max_len=32,
+                          batch_size=4, seed=7)
+  stream.restore({"blocks_consumed": 19})
+  assert "re-reads" not in caplog.text
+  stream.restore({"blocks_consumed": 20})
+  assert "re-reads the 20 blocks it consumed" in caplog.text and "python -m posjax.data.prepare" in caplog.text
+
+
 def test_an_unprepared_tfds_data_set_says_how_to_prepare_it(tmp_path):
   import importlib_resources  # noqa: F401  (TFDS imports it to build a data set; the install must bring it)
 

@@ -22,10 +22,12 @@ import math
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+from absl import logging
 
 from posjax.data.tokenizer import Tokenizer
 
 PACKINGS = ("full_sentence", "documents")
+SLOW_RESTORE_BLOCKS = 100_000  # a streaming restore this long says so
 
 
 def _block(tokens: list[int], segments: list[int], positions: list[int], max_len: int, pad_id: int) -> dict:
@@ -249,7 +251,12 @@ class MlmBatches:
     return {k: np.stack([v] * self.batch_size) for k, v in row.items()}
 
   def restore(self, state: dict) -> None:
-    """Continue after ``state["blocks_consumed"]`` blocks (re-reads and skips them)."""
+    """Continue after ``state["blocks_consumed"]`` blocks (re-reads and re-packs them: linear in their number, see
+    docs/benchmarks.md; a prepared corpus restores at once)."""
+    if int(state["blocks_consumed"]) >= SLOW_RESTORE_BLOCKS:
+      logging.warning("resuming shard %d of the streaming corpus re-reads the %d blocks it consumed (about 1 s per "
+                      "1,000); a prepared corpus (python -m posjax.data.prepare) resumes at once", self.shard,
+                      int(state["blocks_consumed"]))
     self._blocks = self._block_stream()
     for _ in range(int(state["blocks_consumed"])):
       next(self._blocks)
