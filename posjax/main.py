@@ -29,7 +29,7 @@ from posjax import config_args, tasks
 from posjax.aot import compile as aot
 from posjax.cli import error_message, run_user_errors
 from posjax.experiments import probes, sweep
-from posjax.train import loop, peers
+from posjax.train import checkpoint, loop, peers
 
 # The one place the loop meets its tasks: ``train(config, workdir)`` trains the task ``config.task`` names.
 train = functools.partial(loop.run, build_task=tasks.build)
@@ -78,6 +78,7 @@ def main(argv):
     return
   if config is None or not value["workdir"]:
     raise app.UsageError("--config and --workdir are required")
+  checkpoint.silence_abandoned_io()  # for the process: orbax's abandoned writes may report as it exits
   peer_timeout = int(config.get("peer_timeout_seconds", 60))
   if value["num_processes"] > 1 or value["distributed"]:
     if config.get("cpu_collectives"):

@@ -241,13 +241,14 @@ def _sync(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-@contextlib.contextmanager
-def quiet_abandoned_io():
-  """Within a run: after a failed restore or save, the reads and writes orbax abandoned still finish, each
-  reporting "Event loop is closed" or its own error (through ``sys.unraisablehook``), or a never-retrieved future
-  (asyncio's logger), and orbax's threads log the error they hand to the caller with its traceback - thousands of
-  lines that say nothing the one-line error does not. Drops exactly those (``-v 0`` keeps orbax's log) while the
-  context is entered; the hook and the loggers' filters are as before on exit."""
+def silence_abandoned_io():
+  """After a failed restore or save, the reads and writes orbax abandoned still finish, each reporting "Event loop
+  is closed" or its own error (through ``sys.unraisablehook``), or a never-retrieved future (asyncio's logger, when
+  the task is collected), and orbax's threads log the error they hand to the caller with its traceback - thousands
+  of lines that say nothing the one-line error does not. Drops exactly those (``-v 0`` keeps orbax's log); returns
+  the function that puts the hook and the loggers' filters back. The command line (``posjax.main``) keeps them for
+  its process (what a run abandoned may report at exit); a run in a library's process restores them
+  (:func:`quiet_abandoned_io`)."""
   previous = sys.unraisablehook
 
   def abandoned(unraisable) -> bool:
@@ -266,13 +267,23 @@ def quiet_abandoned_io():
   sys.unraisablehook = hook
   for logger, keep in loggers:
     logger.addFilter(keep)
-  try:
-    yield
-  finally:
-    gc.collect()  # what the run abandoned reports now, while its noise is still dropped
+
+  def undo():
+    gc.collect()  # what the run abandoned and nothing holds reports now, while its noise is still dropped
     sys.unraisablehook = previous
     for logger, keep in loggers:
       logger.removeFilter(keep)
+  return undo
+
+
+@contextlib.contextmanager
+def quiet_abandoned_io():
+  """:func:`silence_abandoned_io` while the context is entered (a run); the hook and the filters as before after."""
+  undo = silence_abandoned_io()
+  try:
+    yield
+  finally:
+    undo()
 
 
 def _orbax_thread_failures(record) -> bool:
