@@ -1,5 +1,6 @@
 """The training system: loop, checkpoints and resumption, parallelism, configs."""
 
+import errno
 import json
 import logging
 import os
@@ -500,8 +501,18 @@ def test_faults_each_stop_the_run_and_the_resumes_end_like_the_uninterrupted_run
 
   if small_disk is not None:
     filler = small_disk / "filler"
-    fill = lambda: filler.write_bytes(b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
-                                                - 200_000))
+
+    def fill():
+      """Fills the disk but 200 KB while the run writes to it too (a size read first can be gone by the write)."""
+      written = 0
+      with open(filler, "wb", buffering=0) as f:
+        try:
+          while True:
+            written += f.write(b"\0" * 1_000_000)
+        except OSError as error:
+          assert error.errno == errno.ENOSPC, error
+        f.truncate(max(0, written - 200_000))
+
     full = interrupt(run, None, *own_data, fault=fill)
     assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
     assert re.fullmatch(rf"error: saving checkpoint \d+ in {run}/checkpoints failed \(\[Errno 28\] No space left on "
