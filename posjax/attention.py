@@ -4,7 +4,10 @@ One layer: project ``x`` to q, k, v; let the position method's per-layer module 
 terms; add the shared bias the encoder computed once; mask padding and cross-segment pairs; softmax in
 float32; dropout on the weights. Kernels (``kernel=``):
 
-- ``xla``: the reference einsum path; computes every method; the default and the CPU path.
+- ``xla``: the dense path; computes every method; the default and the CPU path. Its position bias and softmax are
+  :mod:`posjax.kernels.xla`'s (``position_bias``, ``softmax_weights``), the reference every kernel is tested
+  against; only the multiplicative Methods 1-3 and Shaw's value term add their own dense forms
+  (:class:`posjax.positions.base.DenseLayerTerms`).
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU in bf16/fp16. It takes q/k transforms and
   an additive bias (segments are folded into it) and padding as sequence lengths where every row is right-padded, else
   as a bias (chosen at run time: any layout is exact). It cannot compute the multiplicative Methods 1-3 or Shaw's
@@ -109,35 +112,18 @@ def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool
   return "cudnn"
 
 
-def attention_logits(terms: base.LayerTerms, shared_bias, scale: float):
-  """``[B, H, L, L]`` float32: scaled content term (or the method's own logits) plus every bias."""
-  if terms.logits is not None:
-    logits = terms.logits.astype(jnp.float32)
-  else:
-    logits = scale * jnp.einsum("bqhd,bkhd->bhqk", terms.q, terms.k, preferred_element_type=jnp.float32)
-  bias = add_biases(terms.bias, shared_bias)
-  return logits if bias is None else logits + bias.astype(jnp.float32)
-
-
 def add_biases(*biases):
   """The sum of the biases that are not None (None when all are)."""
   present = [b for b in biases if b is not None]
   return sum(present[1:], present[0]) if present else None
 
 
-def softmax_attention(logits_BxHxLxL, v_BxLxHxK, mask: Mask, value_fn=None, dropout=lambda w: w):
-  """The reference path: masked float32 softmax, dropout, weighted sum of values (plus a value term).
-
-  A masked logit becomes the most negative float32, so a fully masked row gets uniform weights, not NaN.
-  """
-  allowed = mask.pairs()
-  if allowed is not None:
-    logits_BxHxLxL = jnp.where(allowed, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
-  weights = dropout(jax.nn.softmax(logits_BxHxLxL, axis=-1))
-  out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v_BxLxHxK.dtype), v_BxLxHxK)
-  if value_fn is not None:
-    out = out + value_fn(weights).astype(out.dtype)
-  return out
+def layer_bias(terms: base.LayerTerms, state: base.PositionState, scale: float):
+  """``[B or Bp, H, L, L]`` float32 or None: the shared bias plus the layer's own terms' dense form, both from
+  :func:`posjax.kernels.xla.position_bias` (the reference every kernel is tested against)."""
+  own = None if terms.terms is None else kernels.xla.position_bias(terms.terms, state.positions, scale, terms.q,
+                                                                   terms.k)
+  return add_biases(state.bias, own)
 
 
 def cudnn_max_head_dim() -> int:
@@ -153,21 +139,21 @@ def cudnn_inputs(terms: base.LayerTerms, state: base.PositionState, v_BxLxHxV, s
   """``(q, k, v, bias)`` for cuDNN at content scale ``scale``: TUPE's untied term folded into q and k
   (:func:`posjax.kernels.fold.fold_untied`, widths padded to a multiple of 8, v to the same width since cuDNN
   takes one head dim), so the bias holds only what is left (TUPE-R's buckets; None for TUPE-A); without an
-  untied term, without ``state.positions``, past :func:`cudnn_max_head_dim` or beside relative vectors (no
-  dense form without q and k), the layer's dense bias."""
-  dense = terms.q, terms.k, v_BxLxHxV, add_biases(terms.bias, state.bias)
-  sources = [(state.bias, state.kernel_terms), (terms.bias, terms.kernel_terms)]
-  untied = [kt for _, kt in sources if kt is not None and kt.untied is not None]
-  if not untied or state.positions is None:
-    return dense
+  untied term, past :func:`cudnn_max_head_dim` or beside relative vectors (their dense form needs q and k), the
+  layer's dense bias (:func:`layer_bias`)."""
+  sources = [terms_ for terms_ in (state.terms, terms.terms) if terms_ is not None]
+  untied = [terms_ for terms_ in sources if terms_.untied is not None]
+  dense = lambda: (terms.q, terms.k, v_BxLxHxV, layer_bias(terms, state, scale))
+  if not untied:
+    return dense()
   width = max(kernels.fold.folded_width(terms.q.shape[-1], untied[0].untied.reset, 8),
               -(-v_BxLxHxV.shape[-1] // 8) * 8)
   if width > cudnn_max_head_dim() or untied[0].relative is not None:
-    return dense
+    return dense()
   q, k, rest = kernels.fold_untied(terms.q, terms.k, untied[0], state.positions, scale, multiple=8)
+  bias = lambda terms_: kernels.xla.position_bias(terms_, state.positions, scale, terms.q, terms.k)
   widen = lambda x_BxLxHxX: jnp.pad(x_BxLxHxX, [(0, 0)] * 3 + [(0, width - x_BxLxHxX.shape[-1])])
-  biases = [kernels.fold.position_bias(rest, state.positions) if kt is untied[0] else bias for bias, kt in sources]
-  return widen(q), widen(k), widen(v_BxLxHxV), add_biases(*biases)
+  return widen(q), widen(k), widen(v_BxLxHxV), add_biases(*(bias(rest if t is untied[0] else t) for t in sources))
 
 
 def right_padded(padding_BxL):
@@ -208,13 +194,12 @@ def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str
 def check_state(spec: base.PositionSpec, state: base.PositionState | None, batch_length) -> base.PositionState:
   """The state a layer computes with: the one given, which must come from the method's encoder where the layer
   reads it (it then carries the batch's positions), or an empty one for a method whose layers read none."""
-  if state is None or state.positions is None:
+  if state is None:
     if spec.method.reads_state:
       raise ValueError(
           f"SelfAttention with position method {spec.name!r} needs the PositionState its encoder returns for this "
-          f"batch: state = spec.method.encoder(spec=spec)(positions_BxL), then attention(x, state, mask)"
-          + ("" if state is None else " (this state has no positions: it was not built by the encoder)"))
-    return state or base.PositionState()
+          f"batch: state = spec.method.encoder(spec=spec)(positions_BxL), then attention(x, state, mask)")
+    return base.PositionState(positions=jnp.arange(batch_length[1], dtype=jnp.int32)[None])
   kernels.check_rows("state.positions", state.positions, *batch_length)
   return state
 
@@ -257,23 +242,29 @@ class SelfAttention(nn.Module):
     q, k, v = (partitioning.constrain(base.head_projection(spec, name, self.use_bias)(x_BxLxD), partitioning.BLHK)
                for name in ("query", "key", "value"))
     if spec.method.layer is not None:
-      terms = spec.method.layer(spec=spec, name="position")(q, k, state.context, spec.scale)
+      terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale)
     else:
       terms = base.LayerTerms(q, k)
     dropout = not deterministic and self.dropout_rate > 0
     kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout, platform=self.platform)
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
+    if kernel not in terms.kernels:
+      raise ValueError(f"position method {spec.name!r} returned {type(terms).__name__}, which only the "
+                       f"{'/'.join(terms.kernels)} kernel computes, but declares itself fusable")
     if kernel == "xla" or self.is_mutable_collection("intermediates"):
-      logits = attention_logits(terms, state.bias, spec.scale)
+      logits = add_biases(terms.content_logits(spec.scale), layer_bias(terms, state, spec.scale))
       self.sow("intermediates", "attention_logits", logits)
     if kernel == "xla":
-      drop = lambda w: nn.Dropout(self.dropout_rate)(w, deterministic=not dropout)
-      out = softmax_attention(logits, v, mask, terms.value_fn, drop)
+      weights = nn.Dropout(self.dropout_rate)(kernels.xla.softmax_weights(logits, mask.pairs()),
+                                              deterministic=not dropout)
+      out = kernels.xla.weighted_values(weights, v)
+      value = terms.value_term(weights)
+      out = out if value is None else out + value.astype(out.dtype)
     elif kernel == "pallas":
       seed = kernels.dropout.seed_from_key(self.make_rng("dropout")) if dropout else None
       out = kernels.relative_attention(
-          terms.q, terms.k, v, terms=kernels.merge(state.kernel_terms, terms.kernel_terms), positions=state.positions,
+          terms.q, terms.k, v, terms=kernels.merge(state.terms, terms.terms), positions=state.positions,
           segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale,
           platform=self.platform, dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
     else:

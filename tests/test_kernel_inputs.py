@@ -198,8 +198,8 @@ def test_a_layer_without_its_state_is_an_error(name):
   with pytest.raises(ValueError, match=rf"^SelfAttention with position method '{name}' needs the PositionState its "
                                        r"encoder returns .*spec.method.encoder\(spec=spec\)\(positions_BxL\)"):
     attention.SelfAttention(spec).init(jax.random.PRNGKey(0), x)
-  with pytest.raises(ValueError, match="this state has no positions"):
-    attention.SelfAttention(spec).init(jax.random.PRNGKey(0), x, positions.PositionState())
+  with pytest.raises(TypeError, match="positions"):
+    positions.PositionState()  # every state carries the batch's positions
 
 
 @pytest.mark.parametrize("name", ["none", "absolute", "sinusoidal"])

@@ -61,7 +61,7 @@ def test_folded_logits_are_the_xla_logits(reset, buckets, shared):
   scale = 0.25
   q_f, k_f, rest = fold.fold_untied(q, k, terms, POSITIONS, scale, multiple=8)
   assert rest.untied is None and q_f.shape == k_f.shape == (B, L, H, 24 if reset != "none" else 16)
-  bias = fold.position_bias(rest, POSITIONS)
+  bias = xla.position_bias(rest, POSITIONS, scale)
   got = scale * jnp.einsum("bqhd,bkhd->bhqk", q_f, k_f) + (0.0 if bias is None else bias)
   np.testing.assert_allclose(got, xla.logits(q, k, terms, POSITIONS, scale), rtol=1e-5, atol=1e-5)
 
@@ -224,7 +224,8 @@ def test_what_cannot_fold_is_an_error():
   q = jnp.zeros((B, L, H, K))
   with pytest.raises(ValueError, match="scale must be finite and nonzero"):
     fold.fold_untied(q, q, terms, POSITIONS, 0.0)
-  with pytest.raises(ValueError, match="fold the untied term first"):
-    fold.position_bias(terms, POSITIONS)
+  relative = kernels.Terms(relative=kernels.Relative(jnp.zeros((5, K)), 2))
+  with pytest.raises(ValueError, match="relative vectors add q_i·a_r and a_r·k_j: give q and k"):
+    xla.position_bias(relative, POSITIONS, scale=1.0)
   with pytest.raises(ValueError, match=r"untied='dense'; allowed: \['tile', 'fold'\]"):
     kernels.relative_attention(q, q, q, terms=terms, implementation="xla", untied="dense")

@@ -78,26 +78,6 @@ def fold_untied(q_BxLxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float,
   return fold(q_parts), fold(k_parts), rest
 
 
-def position_bias(terms: Terms, positions_BxL):
-  """``[Bp, H, L, L]`` float32: the terms that need no q or k (ALiBi, buckets) as one dense bias, or None when
-  there are none; what a kernel that takes a bias (cuDNN) is given beside a folded q and k."""
-  if terms.relative is not None or terms.untied is not None:
-    raise ValueError("position_bias builds ALiBi and bucket terms only; fold the untied term first "
-                     "(fold_untied), and relative vectors need q and k (no dense bias without them)")
-  if terms.alibi is None and terms.buckets is None:
-    return None
-  positions_BxL = jnp.asarray(positions_BxL, jnp.int32)
-  rel_BxLxL = positions_BxL[:, None, :] - positions_BxL[:, :, None]
-  bias_BxHxLxL = 0.0
-  if terms.alibi is not None:
-    bias_BxHxLxL = -terms.alibi.slopes[None, :, None, None] * jnp.abs(rel_BxLxL)[:, None].astype(jnp.float32)
-  if terms.buckets is not None:
-    is_cls_BxL = positions_BxL == 0
-    index_BxLxL = terms.buckets.entries(rel_BxLxL, is_cls_BxL[:, :, None], is_cls_BxL[:, None, :])
-    bias_BxHxLxL = bias_BxHxLxL + jnp.take(terms.buckets.table, index_BxLxL, axis=0).transpose(0, 3, 1, 2)
-  return jnp.asarray(bias_BxHxLxL, jnp.float32)
-
-
 def check_untied(untied: str) -> None:
   """Raises unless ``untied`` is a known way to compute the untied term."""
   if untied not in UNTIED:

@@ -222,6 +222,9 @@ class Relative:
     Needs equal query and key blocks.
   - None (default): the window when the table is wider than a window (``2k+1 > 2·block``) and the blocks are
     equal, else the gather.
+
+  ``impl`` is how the ``xla`` path contracts the table (:func:`query_term`): ``table`` (default), ``skew`` or
+  ``auto`` (by shape); the kernels ignore it.
   """
 
   table: jax.Array  # [2k+1, K]
@@ -229,6 +232,7 @@ class Relative:
   query: bool = flax.struct.field(pytree_node=False, default=True)
   key: bool = flax.struct.field(pytree_node=False, default=False)
   window: bool | None = flax.struct.field(pytree_node=False, default=None)
+  impl: str = flax.struct.field(pytree_node=False, default="table")
 
   def entries(self, rel_S):
     """Table row of each pair's distance (:func:`clipped_index`)."""
@@ -289,6 +293,8 @@ class Terms:
         raise ValueError("Relative term with neither the query nor the key side")
       if r.window not in (None, True, False):
         raise ValueError(f"Relative.window={r.window!r}; allowed: None (choose), True, False")
+      if r.impl not in ("table", "skew", "auto"):
+        raise ValueError(f"Relative.impl={r.impl!r}; allowed: 'table', 'skew', 'auto'")
     if self.untied is not None:
       u = self.untied
       if u.reset not in RESETS:

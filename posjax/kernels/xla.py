@@ -18,40 +18,73 @@ from posjax.kernels import dropout
 from posjax.kernels.terms import Terms, key_term, query_term, untie_cls
 
 
-def logits(q_BxQxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float, rows_Q=None):
-  """``[B, H, Q, L]`` float32: ``scale q·k`` plus every position term; ``rows_Q``: the queries' sequence rows
-  (default all: ``Q = L``)."""
+def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_BxLxHxK=None, rows_Q=None):
+  """``[Bp, H, Q, L]`` float32: what every position term adds to the logits at query rows ``rows_Q`` (default all:
+  ``Q = L``), None without terms. ``Bp`` is the batch of the positions (or of the terms' rows, where larger).
+  Relative vectors read q and k (``q_BxQxHxK``: the rows' queries); the other terms need positions only, so an
+  encoder computes them once for every layer."""
+  if all(t is None for t in (terms.alibi, terms.buckets, terms.relative, terms.untied)):
+    return None
   take = lambda x_BxLxS: x_BxLxS if rows_Q is None else jnp.take(x_BxLxS, rows_Q, axis=1)
-  positions_BxL = positions_BxL.astype(jnp.int32)
+  positions_BxL = jnp.asarray(positions_BxL, jnp.int32)
   positions_BxQ = take(positions_BxL)
   rel_BxQxL = positions_BxL[:, None, :] - positions_BxQ[:, :, None]
   is_cls_BxL, is_cls_BxQ = positions_BxL == 0, positions_BxQ == 0
-  s_BxHxQxL = scale * jnp.einsum("bqhd,bkhd->bhqk", q_BxQxHxK, k_BxLxHxK, preferred_element_type=jnp.float32)
+  add = lambda a, b: b if a is None else a + b
+  bias_BxHxQxL = None
   if terms.alibi is not None:
-    s_BxHxQxL = s_BxHxQxL - terms.alibi.slopes[None, :, None, None] * jnp.abs(rel_BxQxL)[:, None].astype(jnp.float32)
+    bias_BxHxQxL = -terms.alibi.slopes[None, :, None, None] * jnp.abs(rel_BxQxL)[:, None].astype(jnp.float32)
   if terms.relative is not None:
     r = terms.relative
-    index_BxQxL, impl = r.entries(rel_BxQxL), "table" if rows_Q is None else "auto"
+    if q_BxQxHxK is None or k_BxLxHxK is None:
+      raise ValueError("relative vectors add q_i·a_r and a_r·k_j: give q and k to build their bias")
+    index_BxQxL, impl = r.entries(rel_BxQxL), r.impl if rows_Q is None else "auto"
     if r.query:
-      s_BxHxQxL = s_BxHxQxL + scale * query_term(q_BxQxHxK, r.table, index_BxQxL, impl).astype(jnp.float32)
+      bias_BxHxQxL = add(bias_BxHxQxL, scale * query_term(q_BxQxHxK, r.table, index_BxQxL, impl).astype(jnp.float32))
     if r.key:
-      s_BxHxQxL = s_BxHxQxL + scale * key_term(k_BxLxHxK, r.table, index_BxQxL, impl).astype(jnp.float32)
-  positional_BxHxQxL = 0.0
+      bias_BxHxQxL = add(bias_BxHxQxL, scale * key_term(k_BxLxHxK, r.table, index_BxQxL, impl).astype(jnp.float32))
+  positional_BxHxQxL = None
   if terms.untied is not None:
     positional_BxHxQxL = jnp.einsum("bqhd,bkhd->bhqk", take(terms.untied.u_q), terms.untied.u_k,
                                     preferred_element_type=jnp.float32)
   reset = terms.untied.reset if terms.untied is not None else "none"
-  untie = lambda x_BxHxQxL: untie_cls(jnp.broadcast_to(x_BxHxQxL, s_BxHxQxL.shape), is_cls_BxL, *terms.untied.theta,
-                                      is_cls_i_BxQ=is_cls_BxQ)
+
+  def untie(x_BxHxQxL):
+    shape = (max(x_BxHxQxL.shape[0], positions_BxL.shape[0]), *x_BxHxQxL.shape[1:])
+    return untie_cls(jnp.broadcast_to(x_BxHxQxL, shape), is_cls_BxL, *terms.untied.theta, is_cls_i_BxQ=is_cls_BxQ)
+
   if reset == "official":
     positional_BxHxQxL = untie(positional_BxHxQxL)
   if terms.buckets is not None:
     index_BxQxL = terms.buckets.entries(rel_BxQxL, is_cls_BxQ[:, :, None], is_cls_BxL[:, None, :])
-    positional_BxHxQxL = (positional_BxHxQxL
-                          + jnp.take(terms.buckets.table, index_BxQxL, axis=0).transpose(0, 3, 1, 2))
+    positional_BxHxQxL = add(positional_BxHxQxL,
+                             jnp.take(terms.buckets.table, index_BxQxL, axis=0).transpose(0, 3, 1, 2))
   if reset == "paper":
     positional_BxHxQxL = untie(positional_BxHxQxL)
-  return s_BxHxQxL + positional_BxHxQxL
+  if positional_BxHxQxL is not None:
+    bias_BxHxQxL = add(bias_BxHxQxL, positional_BxHxQxL.astype(jnp.float32))
+  return bias_BxHxQxL
+
+
+def logits(q_BxQxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float, rows_Q=None):
+  """``[B, H, Q, L]`` float32: ``scale q·k`` plus every position term (:func:`position_bias`); ``rows_Q``: the
+  queries' sequence rows (default all: ``Q = L``)."""
+  s_BxHxQxL = scale * jnp.einsum("bqhd,bkhd->bhqk", q_BxQxHxK, k_BxLxHxK, preferred_element_type=jnp.float32)
+  bias_BxHxQxL = position_bias(terms, positions_BxL, scale, q_BxQxHxK, k_BxLxHxK, rows_Q)
+  return s_BxHxQxL if bias_BxHxQxL is None else s_BxHxQxL + bias_BxHxQxL
+
+
+def softmax_weights(s_BxHxQxL, allowed_Bx1xQxL=None):
+  """The attention weights in float32: a masked logit becomes the most negative float32, so a row without an
+  allowed key averages every key (uniform weights, never NaN)."""
+  if allowed_Bx1xQxL is not None:
+    s_BxHxQxL = jnp.where(allowed_Bx1xQxL, s_BxHxQxL, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(s_BxHxQxL.astype(jnp.float32), axis=-1)
+
+
+def weighted_values(weights_BxHxQxL, v_BxLxHxV):
+  """``[B, Q, H, V]``: the weighted sum of the values, in the values' dtype."""
+  return jnp.einsum("bhqk,bkhd->bqhd", weights_BxHxQxL.astype(v_BxLxHxV.dtype), v_BxLxHxV)
 
 
 def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None):
@@ -76,14 +109,12 @@ def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, s
 
   def rows(rows_Q, q_BxQxHxK):
     s_BxHxQxL = logits(q_BxQxHxK, k_BxLxHxK, terms, positions_BxL, scale, rows_Q)
-    s_BxHxQxL = jnp.where(allowed_pairs(valid_BxL, segment_ids_BxL, causal, rows_Q), s_BxHxQxL,
-                          jnp.finfo(jnp.float32).min)
-    weights_BxHxQxL = jax.nn.softmax(s_BxHxQxL, axis=-1)
+    weights_BxHxQxL = softmax_weights(s_BxHxQxL, allowed_pairs(valid_BxL, segment_ids_BxL, causal, rows_Q))
     if dropout_rate:
       i_Q = jnp.arange(length, dtype=jnp.int32) if rows_Q is None else rows_Q.astype(jnp.int32)
       weights_BxHxQxL = dropout.apply(weights_BxHxQxL, salts_BxH[:, :, None, None], i_Q[:, None],
                                       jnp.arange(length, dtype=jnp.int32)[None, :], dropout_rate)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights_BxHxQxL.astype(v_BxLxHxV.dtype), v_BxLxHxV)
+    return weighted_values(weights_BxHxQxL, v_BxLxHxV)
 
   if query_block is None or query_block >= length:
     return rows(None, q_BxLxHxK)

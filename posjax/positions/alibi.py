@@ -34,11 +34,9 @@ class AlibiBias(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
-    slopes_H = slopes(self.spec.num_heads)
-    distance = jnp.abs(base.relative_positions(positions_BxL)).astype(jnp.float32)
-    bias = -slopes_H[None, :, None, None] * distance[:, None]
-    return base.PositionState(bias=bias, kernel_terms=kernels.Terms(alibi=kernels.Alibi(jnp.asarray(slopes_H))),
-                              positions=positions_BxL)
+    base.check_rows("positions", positions_BxL)
+    terms = kernels.Terms(alibi=kernels.Alibi(jnp.asarray(slopes(self.spec.num_heads))))
+    return base.PositionState.build(positions_BxL, terms=terms)
 
 
 base.register(base.Method("alibi", absolute.NoOptions, encoder=AlibiBias,

@@ -2,17 +2,22 @@
 
 A position method may contribute to three places, and each is a separate, explicit part of the interface:
 
-| contribution                         | computed                      | methods                          |
-|--------------------------------------|-------------------------------|----------------------------------|
-| input embedding ``[Bp, L, D]``       | once, before the first layer  | absolute, sinusoidal, bert_r     |
-| shared bias ``[Bp, H, L, L]``        | once per forward pass         | t5, bert_r, tupe_a/r, alibi      |
-| per-layer terms from q and k         | in every attention layer      | shaw, huang_m1..m4, bert_ad, rope|
+| contribution                              | computed                      | methods                          |
+|-------------------------------------------|-------------------------------|----------------------------------|
+| input embedding ``[Bp, L, D]``            | once, before the first layer  | absolute, sinusoidal, bert_r     |
+| shared terms (:class:`~posjax.kernels.Terms`) | once per forward pass     | t5, bert_r, tupe_a/r, alibi      |
+| per-layer q/k transforms and terms        | in every attention layer      | shaw, huang_m1..m4, bert_ad, rope|
+
+Every bias is a :class:`posjax.kernels.Terms` (ALiBi, buckets, relative vectors, TUPE's untied term): a fused kernel
+builds it per tile, the ``xla`` path adds its dense form from :mod:`posjax.kernels.xla`, the one reference. Only the
+multiplicative Methods 1-3 and Shaw's value term are not terms (:class:`DenseLayerTerms`: the ``xla`` path alone).
 
 ``Bp`` is the batch size of the ``positions`` array: 1 when every row shares the default ``0..L-1``
 positions (the shared terms are then computed once for the whole batch), ``B`` for packed batches.
 
 A method is a :class:`Method` record in the registry: an options dataclass, an optional encoder-level
-module (returns a :class:`PositionState`) and an optional per-layer module (returns :class:`LayerTerms`).
+module (returns a :class:`PositionState`, or a subclass naming what its layers read) and an optional per-layer
+module (returns :class:`LayerTerms`).
 :func:`make` validates a name and its options and returns a hashable :class:`PositionSpec` that the
 attention layer and the encoder are built from.
 """
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The relative formulas several methods share live with the kernels' terms (which compute them too); re-exported.
+from posjax import kernels
 from posjax.kernels.terms import check_rows, dot_heads, relative_positions  # noqa: F401
 
 Array = jax.Array
@@ -41,48 +47,79 @@ Initializer = Callable[..., Array]
 EMBED, HEADS, KV, POSITION, BUCKETS, RELATIVE = "embed", "heads", "kv", "position", "relpos_buckets", "relpos"
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class PositionState:
-  """What a method computes once per forward pass, before the first layer.
+  """What a method computes once per forward pass, before the first layer; a method whose layers read more
+  subclasses it (:class:`posjax.positions.rotary.RotaryState`, ...), so each state says what it carries.
 
   Attributes:
+    positions: ``[Bp, L]`` the batch's positions (every kernel builds its terms from them, so packed rows are exact).
     embedding: ``[Bp, L, D]`` added to the word embeddings, or None.
-    bias: ``[Bp, H, L, L]`` added to every layer's attention logits after scaling, or None.
-    context: a pytree the per-layer terms read (position tables, relative distances, rotations).
-    kernel_terms: ``bias`` in the form a fused kernel builds per tile (:class:`posjax.kernels.Terms`), or None.
-      Under ``jit`` whichever of the two the attention kernel does not read is never computed.
-    positions: ``[Bp, L]`` the batch's positions. Every method's encoder sets them (the fused kernels build their
-      terms from them, so packed rows are exact on every kernel); None only in a state built by hand.
+    terms: what every layer adds to its logits (:class:`posjax.kernels.Terms`: ALiBi, buckets, TUPE's untied term),
+      or None. A fused kernel builds them per tile.
+    bias: ``[Bp, H, L, L]`` the same terms as a dense bias, built once by :func:`posjax.kernels.xla.position_bias`
+      (:meth:`build`) for the paths that add a bias; under ``jit``, never computed where no layer reads it.
   """
 
+  positions: Array
   embedding: Array | None = None
+  terms: Any = None
   bias: Array | None = None
-  context: Any = None
-  kernel_terms: Any = None
-  positions: Array | None = None
+
+  @classmethod
+  def build(cls, positions_BxL, *, terms=None, **fields):
+    """A state whose ``bias`` is its ``terms``' dense form (the one reference, :mod:`posjax.kernels.xla`)."""
+    bias = None if terms is None else kernels.xla.position_bias(terms, positions_BxL, 1.0)
+    return cls(positions=positions_BxL, terms=terms, bias=bias, **fields)
 
 
 @dataclasses.dataclass
 class LayerTerms:
-  """What a method contributes inside one attention layer.
+  """What a method contributes inside one attention layer, in the form every kernel computes: q and k (possibly
+  transformed: RoPE rotates them, BERT-A^d adds projected positions) and position terms added to ``scale q·k``.
 
   Attributes:
-    q, k: ``[B, L, H, K]`` queries and keys, possibly transformed (RoPE rotates them, BERT-A^d adds
-      projected positions).
-    bias: ``[B or Bp, H, L, L]`` added to the logits after scaling (Shaw's key term, Method 4).
-    logits: ``[B, H, L, L]`` scaled logits that *replace* ``scale * q·k`` (the multiplicative Methods
-      1-3). A method that sets it cannot run in a fused kernel.
-    value_fn: ``weights_BxHxLxL -> [B, L, H, K]``, added to the attention output (Shaw's value term).
-      A method that sets it cannot run in a fused kernel.
-    kernel_terms: ``bias`` as :class:`posjax.kernels.Terms` (what a fused kernel builds per tile), or None.
+    q, k: ``[B, L, H, K]`` queries and keys.
+    terms: :class:`posjax.kernels.Terms` of this layer (Shaw's / Method 4's relative vectors, a TUPE layer's own
+      untied term), or None; the ``xla`` path adds their dense form, a fused kernel builds them per tile.
+    kernels: the attention kernels that can compute these terms (a class attribute: no field is probed).
   """
+
+  kernels: typing.ClassVar[tuple[str, ...]] = ("xla", "cudnn", "pallas")
 
   q: Array
   k: Array
-  bias: Array | None = None
+  terms: Any = None
+
+  def content_logits(self, scale: float):
+    """``[B, H, L, L]`` float32: ``scale q·k``, the logits before the position terms."""
+    return scale * dot_heads(self.q, self.k)
+
+  def value_term(self, weights_BxHxLxL):
+    """What the method adds to the attention output from the weights (None: nothing)."""
+    del weights_BxHxLxL
+
+
+@dataclasses.dataclass
+class DenseLayerTerms(LayerTerms):
+  """Terms only the dense ``xla`` path computes: logits that *replace* ``scale q·k`` (the multiplicative
+  Methods 1-3) or a value term that reads the attention weights (Shaw's).
+
+  Attributes:
+    logits: ``[B, H, L, L]`` scaled logits in place of ``scale q·k``, or None (then ``scale q·k``).
+    value_fn: ``weights_BxHxLxL -> [B, L, H, K]`` added to the attention output, or None.
+  """
+
+  kernels: typing.ClassVar[tuple[str, ...]] = ("xla",)
+
   logits: Array | None = None
   value_fn: Callable[[Array], Array] | None = None
-  kernel_terms: Any = None
+
+  def content_logits(self, scale: float):
+    return super().content_logits(scale) if self.logits is None else self.logits.astype(jnp.float32)
+
+  def value_term(self, weights_BxHxLxL):
+    return None if self.value_fn is None else self.value_fn(weights_BxHxLxL)
 
 
 class Positions(nn.Module):
@@ -107,10 +144,11 @@ class Method:
     encoder: module type built as ``encoder(spec=...)``, called as ``(positions_BpxL) -> PositionState`` (a state
       that carries the positions it was given); :class:`Positions` for a method that computes nothing there.
     layer: module type built as ``layer(spec=...)`` in every attention layer, called as
-      ``(q, k, context, scale) -> LayerTerms``.
+      ``(q, k, state, scale) -> LayerTerms`` (``state``: what ``encoder`` returned).
     content_scale: the word (q·k) term is scaled by ``1/sqrt(content_scale * d_h)``.
     fusable: whether a fused kernel can compute the method with the given options (it may only rotate
-      or shift q/k and add a bias).
+      or shift q/k and add :class:`posjax.kernels.Terms`); its layer then returns :class:`LayerTerms`, else
+      :class:`DenseLayerTerms`.
     max_len_bound: whether the method holds a learned table indexed by absolute position, so sequences
       longer than ``max_len`` are an error.
     input_embedding: whether all the method does is add an embedding to the tokens' (absolute, sinusoidal):

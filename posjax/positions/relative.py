@@ -35,12 +35,12 @@ import dataclasses
 from typing import Callable
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from posjax import kernels
-# The vector terms the kernels' dense reference computes too live with the kernels' terms; re-exported here.
-from posjax.kernels.terms import choose_impl, clipped_index, contract_table, key_term, query_term  # noqa: F401
+from posjax.kernels.terms import choose_impl, clipped_index, contract_table
 from posjax.positions import base
 
 
@@ -150,57 +150,62 @@ def _per_head(table_RxH, index_BpxLxL):
   return jnp.take(table_RxH, index_BpxLxL, axis=0).transpose(0, 3, 1, 2)
 
 
-def shaw(spec, q, k, rel, tables, scale):
-  """Shaw et al.: the ``q_i·w_r`` bias (and optionally the value term); fusable without the value term."""
+def shaw(spec, q, k, positions, tables, scale):
+  """Shaw et al.: the ``q_i·w_r`` term (fusable), and optionally the value term (the ``xla`` path alone)."""
   kk, impl = max_distance(spec), spec.options.impl
-  index = clipped_index(rel, kk)
-  value_fn = None
-  if spec.options.value_term:
-    value_fn = lambda weights: value_term(weights, tables["value"], index, impl)
-  return base.LayerTerms(q, k, bias=scale * query_term(q, tables["key"], index, impl), value_fn=value_fn,
-                         kernel_terms=kernels.Terms(relative=kernels.Relative(tables["key"], kk, query=True)))
+  terms = kernels.Terms(relative=kernels.Relative(tables["key"], kk, query=True, impl=impl))
+  if not spec.options.value_term:
+    return base.LayerTerms(q, k, terms=terms)
+  index = clipped_index(base.relative_positions(positions), kk)
+  return base.DenseLayerTerms(q, k, terms=terms, value_fn=lambda weights: value_term(weights, tables["value"], index,
+                                                                                       impl))
 
 
-def huang_m1(spec, q, k, rel, tables, scale):
+def huang_m1(spec, q, k, positions, tables, scale):
   """Method 1: ``(q·k) · w_{|r|, h}`` replaces the logits (multiplicative: not fusable)."""
-  index = jnp.minimum(jnp.abs(rel), max_distance(spec))
-  return base.LayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
+  index = jnp.minimum(jnp.abs(base.relative_positions(positions)), max_distance(spec))
+  return base.DenseLayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
 
 
-def huang_m2(spec, q, k, rel, tables, scale):
+def huang_m2(spec, q, k, positions, tables, scale):
   """Method 2: ``(q·k) · w_{r, h}`` replaces the logits (multiplicative: not fusable)."""
-  index = clipped_index(rel, max_distance(spec))
-  return base.LayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
+  index = clipped_index(base.relative_positions(positions), max_distance(spec))
+  return base.DenseLayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
 
 
-def huang_m3(spec, q, k, rel, tables, scale):
+def huang_m3(spec, q, k, positions, tables, scale):
   """Method 3: ``Σ_l q_l k_l (w_r)_l`` replaces the logits (not fusable)."""
-  a = jnp.take(tables["vector"], clipped_index(rel, max_distance(spec)), axis=0)
-  return base.LayerTerms(q, k, logits=scale * triple_product(q, k, a))
+  a = jnp.take(tables["vector"], clipped_index(base.relative_positions(positions), max_distance(spec)), axis=0)
+  return base.DenseLayerTerms(q, k, logits=scale * triple_product(q, k, a))
 
 
-def huang_m4(spec, q, k, rel, tables, scale):
-  """Method 4: ``q·w_r + w_r·k`` added to the content logits (and as the kernels' :class:`posjax.kernels.Relative`)."""
-  index, impl = clipped_index(rel, max_distance(spec)), spec.options.impl
-  term = query_term(q, tables["key"], index, impl) + key_term(k, tables["key"], index, impl)
-  relative = kernels.Relative(tables["key"], max_distance(spec), query=True, key=True)
-  return base.LayerTerms(q, k, bias=scale * term, kernel_terms=kernels.Terms(relative=relative))
+def huang_m4(spec, q, k, positions, tables, scale):
+  """Method 4: ``q·w_r + w_r·k`` added to the content logits (:class:`posjax.kernels.Relative`, both sides)."""
+  relative = kernels.Relative(tables["key"], max_distance(spec), query=True, key=True, impl=spec.options.impl)
+  return base.LayerTerms(q, k, terms=kernels.Terms(relative=relative))
 
 
 TERMS = {"shaw": shaw, "huang_m1": huang_m1, "huang_m2": huang_m2, "huang_m3": huang_m3, "huang_m4": huang_m4}
 
 
-class RelativeDistances(nn.Module):
-  """Encoder-level part: the ``[Bp, L, L]`` relative distances (and the tables, when shared)."""
+@flax.struct.dataclass(kw_only=True)
+class RelativeState(base.PositionState):
+  """The relative methods' state: the positions, and the tables when one set serves every layer
+  (``share_across_layers=True``; else None)."""
+
+  tables: dict | None = None
+
+
+class RelativeTables(nn.Module):
+  """Encoder-level part: the tables, when shared by every layer."""
 
   spec: base.PositionSpec
 
   @nn.compact
   def __call__(self, positions_BxL):
-    context = {"rel": base.relative_positions(positions_BxL)}
-    if self.spec.options.share_across_layers:
-      context["tables"] = make_tables(self, self.spec)
-    return base.PositionState(context=context, positions=positions_BxL)
+    base.check_rows("positions", positions_BxL)
+    shared = make_tables(self, self.spec) if self.spec.options.share_across_layers else None
+    return RelativeState(positions=positions_BxL, tables=shared)
 
 
 class RelativeLayer(nn.Module):
@@ -209,13 +214,13 @@ class RelativeLayer(nn.Module):
   spec: base.PositionSpec
 
   @nn.compact
-  def __call__(self, q, k, context, scale):
-    tables = context["tables"] if self.spec.options.share_across_layers else make_tables(self, self.spec)
-    return TERMS[self.spec.name](self.spec, q, k, context["rel"], tables, scale)
+  def __call__(self, q, k, state: RelativeState, scale):
+    tables = state.tables if self.spec.options.share_across_layers else make_tables(self, self.spec)
+    return TERMS[self.spec.name](self.spec, q, k, state.positions, tables, scale)
 
 
 def _register(name, options, summary, fusable=lambda options: True, *aliases):
-  base.register(base.Method(name, options, encoder=RelativeDistances, layer=RelativeLayer, fusable=fusable,
+  base.register(base.Method(name, options, encoder=RelativeTables, layer=RelativeLayer, fusable=fusable,
                             summary=summary), *aliases)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import flax.struct
+import jax
 import jax.numpy as jnp
 
 from posjax.positions import base
@@ -38,6 +40,14 @@ def rotate(x_BxLxHxK, sin, cos):
   return out.astype(x_BxLxHxK.dtype)
 
 
+@flax.struct.dataclass(kw_only=True)
+class RotaryState(base.PositionState):
+  """RoPE's state: the angles' sines and cosines, each ``[Bp, L, 1, d_h/2]``."""
+
+  sin: jax.Array
+  cos: jax.Array
+
+
 class Rotation(nn.Module):
   """RoPE's encoder-level part: the sines and cosines of every position, computed once per forward pass."""
 
@@ -46,7 +56,7 @@ class Rotation(nn.Module):
   @nn.compact
   def __call__(self, positions_BxL):
     sin, cos = rotation(positions_BxL, self.spec.head_dim, self.spec.options.max_timescale)
-    return base.PositionState(context={"sin": sin, "cos": cos}, positions=positions_BxL)
+    return RotaryState(positions=positions_BxL, sin=sin, cos=cos)
 
 
 class RotateQK(nn.Module):
@@ -55,8 +65,8 @@ class RotateQK(nn.Module):
   spec: base.PositionSpec
 
   @nn.compact
-  def __call__(self, q, k, context, scale):
-    return base.LayerTerms(rotate(q, context["sin"], context["cos"]), rotate(k, context["sin"], context["cos"]))
+  def __call__(self, q, k, state: RotaryState, scale):
+    return base.LayerTerms(rotate(q, state.sin, state.cos), rotate(k, state.sin, state.cos))
 
 
 base.register(base.Method("rope", RopeOptions, encoder=Rotation, layer=RotateQK,

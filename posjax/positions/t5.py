@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from posjax import kernels
-from posjax.kernels.terms import bucket, check_buckets  # the formula (T5's log buckets) lives with the kernels
+from posjax.kernels.terms import bucket, check_buckets  # noqa: F401  the formula (T5's log buckets) lives with the kernels
 from posjax.positions import absolute, base
 
 
@@ -27,33 +27,25 @@ class T5Options:
     check_buckets(self.num_buckets, self.max_distance, self.bidirectional)
 
 
-class BucketBias(nn.Module):
-  """One learned scalar per (bucket, head): ``index [Bp, L, L] -> bias [Bp, H, L, L]``; ``table`` is the
-  ``[rows, H]`` parameter (what a fused kernel reads instead of the bias)."""
+class BucketTable(nn.Module):
+  """One learned scalar per (table entry, head): the ``[rows, H]`` parameter ``rel_bias``."""
 
   num_heads: int
   num_rows: int
   param_dtype: jnp.dtype = jnp.float32
 
-  def setup(self):
-    """The ``[rows, H]`` table parameter (``rel_bias``)."""
-    self.table = self.param("rel_bias", base.normal_init((base.BUCKETS, base.HEADS)),
-                            (self.num_rows, self.num_heads), self.param_dtype)
-
-  def __call__(self, index_BxLxL):
-    return jnp.take(self.table, index_BxLxL, axis=0).transpose(0, 3, 1, 2)
+  @nn.compact
+  def __call__(self):
+    return self.param("rel_bias", base.normal_init((base.BUCKETS, base.HEADS)), (self.num_rows, self.num_heads),
+                      self.param_dtype)
 
 
-def t5_bias(spec: base.PositionSpec, positions_BxL, name: str = "relative_bias") -> base.PositionState:
-  """The bucket bias and, for fused kernels, the same as :class:`posjax.kernels.Buckets`."""
+def t5_terms(spec: base.PositionSpec, name: str = "relative_bias") -> kernels.Terms:
+  """The bucket table as :class:`posjax.kernels.Buckets` (T5's log buckets of ``p_j - p_i``)."""
   opts = spec.options
-  index = bucket(base.relative_positions(positions_BxL), opts.num_buckets, opts.max_distance,
-                 opts.bidirectional)
-  module = BucketBias(spec.num_heads, opts.num_buckets, spec.param_dtype, name=name)
-  bias = module(index)
-  terms = kernels.Terms(buckets=kernels.Buckets(module.table, num_buckets=opts.num_buckets,
-                                                max_distance=opts.max_distance, bidirectional=opts.bidirectional))
-  return base.PositionState(bias=bias, kernel_terms=terms, positions=positions_BxL)
+  table = BucketTable(spec.num_heads, opts.num_buckets, spec.param_dtype, name=name)()
+  return kernels.Terms(buckets=kernels.Buckets(table, num_buckets=opts.num_buckets, max_distance=opts.max_distance,
+                                               bidirectional=opts.bidirectional))
 
 
 class T5Bias(nn.Module):
@@ -63,7 +55,8 @@ class T5Bias(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
-    return t5_bias(self.spec, positions_BxL)
+    base.check_rows("positions", positions_BxL)
+    return base.PositionState.build(positions_BxL, terms=t5_terms(self.spec))
 
 
 class BertR(nn.Module):
@@ -74,7 +67,7 @@ class BertR(nn.Module):
   @nn.compact
   def __call__(self, positions_BxL):
     state = absolute.Absolute(self.spec, name="absolute")(positions_BxL)
-    return t5_bias(self.spec, positions_BxL).replace(embedding=state.embedding)
+    return base.PositionState.build(positions_BxL, terms=t5_terms(self.spec), embedding=state.embedding)
 
 
 base.register(base.Method("t5", T5Options, encoder=T5Bias,

@@ -30,10 +30,11 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
+import jax
 import jax.numpy as jnp
 
 from posjax import kernels
-from posjax.kernels.terms import untie_cls  # the [CLS] reset lives with the kernels, which compute it too
 from posjax.positions import absolute, base, t5
 
 
@@ -81,46 +82,40 @@ def relative_layout(options: TupeROptions) -> tuple[int, int, int]:
   return 2 * c + 3, 2 * c + 1, 2 * c + 2
 
 
-def relative_index(options: TupeROptions, rel_BxLxL):
-  """Table entry of each relative distance ``j - i``, ``[B, L, L]``."""
-  if options.relative_distance == "buckets":
-    return t5.bucket(rel_BxLxL, options.num_buckets, options.max_distance, bidirectional=True)
-  return jnp.clip(rel_BxLxL, -options.max_distance, options.max_distance) + options.max_distance
+@flax.struct.dataclass(kw_only=True)
+class TupeState(base.PositionState):
+  """What TUPE's layers read when each computes its own positional term (``share_across_layers=False``): the
+  LayerNorm-ed table rows ``p`` ``[Bp, L, D]`` and the [CLS] reset's vectors ``p_theta`` ``[2, D]`` (or None)."""
+
+  p: jax.Array
+  p_theta: jax.Array | None = None
 
 
 class UntiedCorrelation(nn.Module):
-  """The positional term from the LayerNorm-ed positions in ``context``: ``(bias [Bp, H, L, L], the same as
-  posjax.kernels.Terms)``; the kernel form is the rank-``d_h`` factors, never an ``[H, L, L]`` tensor."""
+  """The positional term from the LayerNorm-ed positions of ``state``, as :class:`posjax.kernels.Terms`: the untied
+  term's rank-``d_h`` factors with its [CLS] reset (and TUPE-R's relative table), never an ``[H, L, L]`` tensor."""
 
   spec: base.PositionSpec
 
   @nn.compact
-  def __call__(self, context):
+  def __call__(self, state: TupeState) -> kernels.Terms:
     spec, opts = self.spec, self.spec.options
     uq = base.head_projection(spec, "query", opts.projection_bias)
     uk = base.head_projection(spec, "key", opts.projection_bias)
     scale = 1.0 / math.sqrt(2 * spec.head_dim)
-    p_q, p_k = uq(context["p"]), uk(context["p"])
-    corr = base.dot_heads(p_q, p_k) * scale
     theta_2xH = None
     if opts.cls_reset != "none":
-      theta_2xH = jnp.einsum("thd,thd->th", uq(context["p_theta"]), uk(context["p_theta"]),
+      theta_2xH = jnp.einsum("thd,thd->th", uq(state.p_theta), uk(state.p_theta),
                              preferred_element_type=jnp.float32) * scale
-    terms = kernels.Terms(untied=kernels.Untied(p_q * scale, p_k, theta_2xH, reset=opts.cls_reset))
-    b = 0.0
+    terms = kernels.Terms(untied=kernels.Untied(uq(state.p) * scale, uk(state.p), theta_2xH, reset=opts.cls_reset))
     if isinstance(opts, TupeROptions):
       rows, row, col = relative_layout(opts)
-      module = t5.BucketBias(spec.num_heads, rows, spec.param_dtype, name="relative_bias")
-      b = module(context["rel_index"])
       official = opts.cls_reset == "official"
       terms = terms.replace(buckets=kernels.Buckets(
-          module.table, kind=opts.relative_distance, num_buckets=opts.num_buckets, max_distance=opts.max_distance,
+          t5.BucketTable(spec.num_heads, rows, spec.param_dtype, name="relative_bias")(),
+          kind=opts.relative_distance, num_buckets=opts.num_buckets, max_distance=opts.max_distance,
           bidirectional=True, cls_row=row if official else None, cls_col=col if official else None))
-    if opts.cls_reset == "paper":
-      return untie_cls(corr + b, context["is_cls"], theta_2xH[0], theta_2xH[1]), terms
-    if opts.cls_reset == "official":
-      corr = untie_cls(corr, context["is_cls"], theta_2xH[0], theta_2xH[1])
-    return corr + b, terms
+    return terms
 
 
 class Tupe(nn.Module):
@@ -138,39 +133,28 @@ class Tupe(nn.Module):
       self.correlation = UntiedCorrelation(self.spec)
 
   @nn.compact
-  def embed(self, positions_BxL) -> dict:
+  def embed(self, positions_BxL) -> TupeState:
     """The LayerNorm-ed table rows of the positions (``p``) and the [CLS] reset's vectors (``p_theta``)."""
     spec, opts = self.spec, self.spec.options
     offset = 1 if opts.cls_reset == "official" else 0
     table = absolute.LearnedTable(spec, num_rows=spec.max_len + offset, name="table")
     norm = base.layer_norm(spec, "pos_ln") if opts.layernorm else (lambda x: x)
-    context = {"p": norm(table(jnp.where(positions_BxL < 0, -1, positions_BxL + offset)))}  # < 0: NaN, as without
+    p = norm(table(jnp.where(positions_BxL < 0, -1, positions_BxL + offset)))  # < 0: NaN, as without the offset
+    p_theta = None
     if opts.cls_reset == "official":
-      context["p_theta"] = norm(table(jnp.arange(2)))
+      p_theta = norm(table(jnp.arange(2)))
     elif opts.cls_reset == "paper":
-      p_theta = self.param("cls_theta", base.normal_init((None, base.EMBED)), (2, spec.hidden_size),
-                           spec.param_dtype)
-      context["p_theta"] = norm(p_theta.astype(spec.dtype))
-    return context
+      p_theta = norm(self.param("cls_theta", base.normal_init((None, base.EMBED)), (2, spec.hidden_size),
+                                spec.param_dtype).astype(spec.dtype))
+    return TupeState(positions=positions_BxL, p=p, p_theta=p_theta)
 
   def __call__(self, positions_BxL):
-    spec, opts = self.spec, self.spec.options
     base.check_rows("positions", positions_BxL)
-    spec.check_length(positions_BxL.shape[-1])
-    is_cls_BxL = positions_BxL == 0
-    source = self if self.table_from is None else self.table_from
-    context = {**source.embed(positions_BxL), "is_cls": is_cls_BxL}
-    if isinstance(opts, TupeROptions):
-      index = relative_index(opts, base.relative_positions(positions_BxL))
-      _, row, col = relative_layout(opts)
-      if opts.cls_reset == "official":
-        index = jnp.where(is_cls_BxL[:, None, :], col, index)
-        index = jnp.where(is_cls_BxL[:, :, None], row, index)
-      context["rel_index"] = index
-    if opts.share_across_layers:
-      bias, terms = self.correlation(context)
-      return base.PositionState(bias=bias, kernel_terms=terms, positions=positions_BxL)
-    return base.PositionState(context=context, positions=positions_BxL)
+    self.spec.check_length(positions_BxL.shape[-1])
+    state = (self if self.table_from is None else self.table_from).embed(positions_BxL)
+    if self.spec.options.share_across_layers:
+      return base.PositionState.build(positions_BxL, terms=self.correlation(state))
+    return state
 
 
 class TupeLayer(nn.Module):
@@ -179,11 +163,10 @@ class TupeLayer(nn.Module):
   spec: base.PositionSpec
 
   @nn.compact
-  def __call__(self, q, k, context, scale):
+  def __call__(self, q, k, state, scale):
     if self.spec.options.share_across_layers:
       return base.LayerTerms(q, k)
-    bias, terms = UntiedCorrelation(self.spec, name="correlation")(context)
-    return base.LayerTerms(q, k, bias=bias, kernel_terms=terms)
+    return base.LayerTerms(q, k, terms=UntiedCorrelation(self.spec, name="correlation")(state))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +178,13 @@ class BertAdOptions:
 
   projection_bias: bool = True
   layernorm: bool = False
+
+
+@flax.struct.dataclass(kw_only=True)
+class BertAdState(base.PositionState):
+  """BERT-A^d's state: the position table's rows ``p`` ``[Bp, L, D]``, projected in every layer."""
+
+  p: jax.Array
 
 
 class BertAdTable(nn.Module):
@@ -209,7 +199,7 @@ class BertAdTable(nn.Module):
     p = absolute.LearnedTable(self.spec, name="table")(positions_BxL)
     if self.spec.options.layernorm:
       p = base.layer_norm(self.spec, "pos_ln")(p)
-    return base.PositionState(context={"p": p}, positions=positions_BxL)
+    return BertAdState(positions=positions_BxL, p=p)
 
 
 class BertAdLayer(nn.Module):
@@ -219,8 +209,8 @@ class BertAdLayer(nn.Module):
   spec: base.PositionSpec
 
   @nn.compact
-  def __call__(self, q, k, context, scale):
-    p = context["p"]
+  def __call__(self, q, k, state: BertAdState, scale):
+    p = state.p
     uq = base.head_projection(self.spec, "pos_query", self.spec.options.projection_bias)
     uk = base.head_projection(self.spec, "pos_key", self.spec.options.projection_bias)
     return base.LayerTerms(q + uq(p).astype(q.dtype), k + uk(p).astype(k.dtype))
