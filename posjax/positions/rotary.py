@@ -7,30 +7,126 @@ with feature ``d + d_h/2`` (the GPT-NeoX / Llama layout).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posjax.positions import base
 
 
+SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeOptions:
-  """max_timescale: the rotation base (10,000 in the paper)."""
+  """RoPE's base and the context-extension scalings, with Hugging Face's ``rope_scaling`` names and defaults
+  (``transformers.modeling_rope_utils``; its ``rope_type`` is ``scaling`` here):
+
+  max_timescale: the rotation base, ``rope_theta`` (10,000 in the paper).
+  scaling: ``none`` (default) | ``linear`` (position interpolation, Chen et al. 2023: frequencies / factor) |
+    ``dynamic`` (NTK-aware: the base grows with the batch's length L past ``original_max_len``) | ``yarn`` (Peng et al.
+    2023: per-frequency ramp between interpolation and extrapolation, cos/sin times an attention factor) | ``llama3``
+    (Llama 3.1: long wavelengths / factor, short ones kept, a smooth ramp between).
+  factor: the extension factor (1 with ``none``).
+  original_max_len: the length the model was trained at (``original_max_position_embeddings``); None: the model's
+    ``max_len`` (Hugging Face's ``max_position_embeddings``). ``llama3`` needs it.
+  beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate: YaRN's keys (defaults 32, 1, None, None,
+    None: from the factor, True).
+  low_freq_factor, high_freq_factor: Llama 3.1's keys (its defaults 1 and 4).
+
+  ``dynamic`` reads the batch's length L (static under jit); Hugging Face reads ``max(position_ids) + 1``, the same
+  for positions ``0..L-1``.
+  """
 
   max_timescale: float = 10_000.0
+  scaling: str = "none"
+  factor: float = 1.0
+  original_max_len: int | None = None
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  attention_factor: float | None = None
+  truncate: bool = True
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+
+  def __post_init__(self):
+    base.check_choice("scaling", self.scaling, SCALINGS)
+    if self.scaling == "none" and self.factor != 1.0:
+      raise ValueError(f"factor={self.factor} needs a scaling ({', '.join(SCALINGS[1:])}); with scaling='none' it "
+                       "must be 1")
+    if self.scaling != "none" and not self.factor >= 1.0:
+      raise ValueError(f"factor={self.factor} must be >= 1 with scaling={self.scaling!r}")
+    if self.original_max_len is not None and self.original_max_len < 1:
+      raise ValueError(f"original_max_len={self.original_max_len} must be >= 1 (or None for the model's max_len)")
+    if self.scaling == "llama3":
+      if self.original_max_len is None:
+        raise ValueError("scaling='llama3' needs original_max_len (Llama 3.1: 8192)")
+      if not 0 < self.low_freq_factor < self.high_freq_factor:
+        raise ValueError(f"llama3 needs 0 < low_freq_factor < high_freq_factor, got {self.low_freq_factor} and "
+                         f"{self.high_freq_factor}")
 
 
-def rotation(positions_BxL, head_dim: int, max_timescale: float = 10_000.0):
-  """``(sin, cos)``, each ``[B, L, 1, d_h/2]``: the angles ``p / T^(2f/d_h)``."""
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def frequencies(options: RopeOptions, head_dim: int, max_len: int, length: int) -> tuple[np.ndarray, float]:
+  """``(inverse frequencies [d_h/2] float32, attention factor)`` of the options at a batch of ``length`` tokens
+  (``max_len``: the model's, the default ``original_max_len``); the factor multiplies cos and sin."""
   if head_dim % 2:
     raise ValueError(f"rope needs an even head dimension, got head_dim={head_dim}")
+  o, theta = options, float(options.max_timescale)
+  original = o.original_max_len or max_len
+  exponent = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+  inv_freq = theta ** -exponent
+  factor = 1.0
+  if o.scaling == "linear":
+    inv_freq = inv_freq / o.factor
+  elif o.scaling == "dynamic":
+    grown = theta * (o.factor * max(length, original) / original - (o.factor - 1)) ** (head_dim / (head_dim - 2))
+    inv_freq = grown ** -exponent
+  elif o.scaling == "yarn":
+    factor = o.attention_factor
+    if factor is None:
+      factor = (_yarn_mscale(o.factor, o.mscale) / _yarn_mscale(o.factor, o.mscale_all_dim)
+                if o.mscale and o.mscale_all_dim else _yarn_mscale(o.factor))
+    dim_at = lambda rotations: head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_at(o.beta_fast), dim_at(o.beta_slow)
+    if o.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2) - low) / ((high + 0.001 if low == high else high) - low), 0, 1)
+    inv_freq = inv_freq / o.factor * ramp + inv_freq * (1 - ramp)
+  elif o.scaling == "llama3":
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - o.low_freq_factor) / (o.high_freq_factor - o.low_freq_factor)
+    scaled = np.where(wavelength > original / o.low_freq_factor, inv_freq / o.factor, inv_freq)
+    medium = (wavelength >= original / o.high_freq_factor) & (wavelength <= original / o.low_freq_factor)
+    inv_freq = np.where(medium, (1 - smooth) * scaled / o.factor + smooth * scaled, scaled)
+  return inv_freq.astype(np.float32), float(factor)
+
+
+def rotation(positions_BxL, head_dim: int, options: RopeOptions = RopeOptions(), max_len: int | None = None):
+  """``(sin, cos)``, each ``[B, L, 1, d_h/2]``: the angles ``p · inv_freq`` (:func:`frequencies`), times the
+  attention factor of YaRN."""
   base.check_rows("positions", positions_BxL)
-  inv_freq = max_timescale ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  length = positions_BxL.shape[-1]
+  if options.scaling == "none":  # the paper's frequencies, computed as they always were
+    if head_dim % 2:
+      raise ValueError(f"rope needs an even head dimension, got head_dim={head_dim}")
+    inv_freq, factor = options.max_timescale ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim), 1.0
+  else:
+    inv_freq, factor = frequencies(options, head_dim, max_len or length, length)
   angle = positions_BxL.astype(jnp.float32)[..., None, None] * inv_freq
-  return jnp.sin(angle), jnp.cos(angle)
+  if factor == 1.0:
+    return jnp.sin(angle), jnp.cos(angle)
+  return jnp.sin(angle) * factor, jnp.cos(angle) * factor
 
 
 def rotate(x_BxLxHxK, sin, cos):
@@ -55,7 +151,7 @@ class Rotation(nn.Module):
 
   @nn.compact
   def __call__(self, positions_BxL):
-    sin, cos = rotation(positions_BxL, self.spec.head_dim, self.spec.options.max_timescale)
+    sin, cos = rotation(positions_BxL, self.spec.head_dim, self.spec.options, self.spec.max_len)
     return RotaryState(positions=positions_BxL, sin=sin, cos=cos)
 
 
@@ -70,4 +166,4 @@ class RotateQK(nn.Module):
 
 
 base.register(base.Method("rope", RopeOptions, encoder=Rotation, layer=RotateQK,
-                          summary="rotary embedding of q and k (Su et al. 2021)"))
+                          summary="rotary embedding of q and k (Su et al. 2021); linear / dynamic / YaRN / Llama 3 scaling"))
