@@ -10,7 +10,7 @@ from posjax import positions
 from posjax.positions import rotary
 
 transformers = pytest.importorskip("transformers")
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 HEAD_DIM, HEADS, MAX_LEN = 64, 4, 2048
 
@@ -87,8 +87,8 @@ def test_a_scaled_model_runs_and_stays_shift_invariant():
 
 @pytest.mark.parametrize("options,message", [
     ({"factor": 2.0}, r"factor=2.0 needs a scaling \(linear, dynamic, yarn, llama3\)"),
-    ({"scaling": "ntk"}, r"option scaling='ntk' is not allowed; choose one of \['none', 'linear', 'dynamic', 'yarn', "
-                         r"'llama3'\]"),
+    ({"scaling": "ntk"}, (r"option scaling='ntk' is not allowed; choose one of \['none', 'linear', 'dynamic', "
+                          r"'yarn', 'llama3'\]")),
     ({"scaling": "linear", "factor": 0.5}, r"factor=0.5 must be >= 1 with scaling='linear'"),
     ({"scaling": "llama3", "factor": 8.0}, r"scaling='llama3' needs original_max_len"),
 ])

@@ -17,7 +17,6 @@ import numpy as np
 
 from posjax.positions import base
 
-
 SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")
 
 
