@@ -125,6 +125,15 @@ def tupe_positional(P_pos, P_corr, pos, opts, num_heads, head_dim, relative):
   return out
 
 
+def fire_bias(F, opts, r, query_position, h):
+  """FIRE's bias at distance ``r`` from a query at ``query_position`` for head ``h`` (Li et al. 2023)."""
+  c, L = abs(float(F["c"])), abs(float(F["threshold_multiplier"]) * opts.get("threshold", 512.0))
+  psi = lambda d: math.log(c * d + 1)
+  u = psi(abs(r)) / (psi(max(query_position, L)) + opts.get("eps", 1e-6))
+  hidden = np.maximum(u * F["w1"] + F["b1"], 0.0)
+  return hidden @ F["w2"][:, h] + F["b2"][h]
+
+
 def logits(name, opts, P, x, pos, max_len, num_heads):
   """Reference attention logits ``[B, H, L, L]`` of one layer (harness: ``pos`` + ``attn`` modules)."""
   A = P["attn"]
@@ -173,6 +182,15 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
           elif name in ("huang_m4", "relative_key_query"):
             a = tables["key"][clip(r)]
             e = (qi @ kj + qi @ a + a @ kj) * s
+          elif name in ("kerple_log", "kerple_power"):
+            eps = opts.get("eps", 1e-2)
+            r1, r2 = max(layer_tables["r1"][h], eps), max(layer_tables["r2"][h], eps)
+            if name == "kerple_log":
+              e = qi @ kj * s - r1 * math.log(1 + r2 * abs(r))
+            else:
+              e = qi @ kj * s - r1 * abs(r) ** min(r2, 2.0)
+          elif name == "fire":
+            e = qi @ kj * s + fire_bias(tables["fire"], opts, r, pos[b, i], h)
           else:
             raise KeyError(name)
           out[b, h, i, j] = e

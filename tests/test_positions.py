@@ -27,6 +27,8 @@ CASES = [
     ("huang_m1", {}), ("huang_m1", {"max_distance": 2}), ("huang_m2", {"max_distance": 3}),
     ("huang_m3", {}), ("huang_m3", {"max_distance": 2, "share_across_layers": True}),
     ("huang_m4", {}), ("huang_m4", {"max_distance": 3, "impl": "skew"}), ("relative_key_query", {"impl": "table"}),
+    ("kerple_log", {}), ("kerple_power", {}), ("kerple_log", {"eps": 0.3}), ("fire", {}), ("fire", {"threshold": 4.0}),
+    ("fire", {"share_across_layers": True, "c": 0.5, "threshold": 2.0}),
 ]
 
 

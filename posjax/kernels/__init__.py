@@ -32,12 +32,12 @@ from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import exact, fold, mosaic, tile, triton, xla
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import Alibi, Buckets, Relative, Terms, Untied, check_rows, merge
+from posjax.kernels.terms import Alibi, Buckets, Fire, Kerple, Relative, Terms, Untied, check_rows, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = ("cpu", "gpu", "tpu")
-__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "merge", "fold_untied",
-           "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
+__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "merge",
+           "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
 def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
@@ -126,6 +126,8 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH)
+  if not terms.tiled():
+    raise ValueError("the Pallas kernels do not compute KERPLE or FIRE terms yet; use implementation='xla'")
   platform = jax.default_backend() if platform is None else platform
   if platform not in PLATFORMS:
     raise ValueError(f"platform={platform!r}; allowed: None (the default backend's) or one of {list(PLATFORMS)}")

@@ -12,6 +12,11 @@ the batch's positions (so packed rows are exact):
 | ``Buckets``    | table ``[N, H]``                          | ``table[entry(r), h]`` (T5 log buckets or clipping)|
 | ``Relative``   | table ``[2k+1, K]``                       | ``scale (q_i·a_r + a_r·k_j)`` (Shaw, Method 4)     |
 | ``Untied``     | ``u_q, u_k [Bp, L, H, K]``, θ ``[2, H]``  | ``u_q,i·u_k,j`` with the [CLS] reset (TUPE)        |
+| ``Kerple``     | ``r1, r2 [H]`` (positive)                 | ``-r1 log(1 + r2 |r|)`` or ``-r1 |r|^r2`` (KERPLE) |
+| ``Fire``       | an MLP ``1 -> W -> H``, ``c``, ``L``      | ``f(ψ(|r|) / ψ(max(L, p_i)))``, ``ψ(x) = log(c x + 1)`` |
+
+The dense ``xla`` path computes every term; the Pallas kernels compute those of :data:`TILED` (the others are an
+error there).
 
 ``scale`` is the op's content scale (the factor on ``q·k``); the other terms come scaled as the model adds
 them. [CLS] tokens are those at position 0 (the first token of each packed segment), as in TUPE's position
@@ -30,6 +35,8 @@ import jax
 import jax.numpy as jnp
 
 RESETS = ("official", "paper", "none")
+TILED = ("alibi", "buckets", "relative", "untied")  # the terms the Pallas kernels build per tile
+KERPLES = ("log", "power")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -252,6 +259,48 @@ class Untied:
 
 
 @flax.struct.dataclass
+class Kerple:
+  """KERPLE's kernels (Chi et al. 2022), ``r1, r2 > 0`` per head: ``log``: ``-r1 log(1 + r2 |r|)``; ``power``:
+  ``-r1 |r|^r2`` (``0 < r2 <= 2``)."""
+
+  r1: jax.Array  # [H]
+  r2: jax.Array  # [H]
+  kind: str = flax.struct.field(pytree_node=False, default="log")
+
+  def bias(self, rel_S):
+    """``[S..., H]`` float32: the kernel at each distance."""
+    distance_Sx1 = jnp.abs(rel_S).astype(jnp.float32)[..., None]
+    r1_H, r2_H = self.r1.astype(jnp.float32), self.r2.astype(jnp.float32)
+    if self.kind == "log":
+      return -r1_H * jnp.log1p(r2_H * distance_Sx1)
+    positive_Sx1 = distance_Sx1 > 0  # |r|^r2 at r = 0 is 0, with a finite gradient for r2
+    return -r1_H * jnp.where(positive_Sx1, jnp.where(positive_Sx1, distance_Sx1, 1.0) ** r2_H, 0.0)
+
+
+@flax.struct.dataclass
+class Fire:
+  """FIRE (Li et al. 2023): ``f(ψ(|r|) / (ψ(max(L, p_i)) + eps))``, ``ψ(x) = log(c x + 1)``, ``f`` a ReLU MLP
+  ``1 -> W -> H``; ``p_i`` the query's position (so beyond ``L`` the distances are interpolated into ``[0, 1]``)."""
+
+  w1: jax.Array  # [W]
+  b1: jax.Array  # [W]
+  w2: jax.Array  # [W, H]
+  b2: jax.Array  # [H]
+  c: jax.Array  # []
+  threshold: jax.Array  # [] L
+  eps: float = flax.struct.field(pytree_node=False, default=1e-6)
+
+  def bias(self, rel_S, query_positions_S):
+    """``[S..., H]`` float32 at each distance ``rel`` from a query at ``query_positions`` (broadcast)."""
+    c = jnp.abs(self.c.astype(jnp.float32))
+    psi = lambda x_S: jnp.log(c * x_S + 1.0)
+    normaliser_S = psi(jnp.maximum(query_positions_S.astype(jnp.float32), jnp.abs(self.threshold))) + self.eps
+    u_Sx1 = (psi(jnp.abs(rel_S).astype(jnp.float32)) / normaliser_S)[..., None]
+    hidden_SxW = jax.nn.relu(u_Sx1 * self.w1.astype(jnp.float32) + self.b1.astype(jnp.float32))
+    return hidden_SxW @ self.w2.astype(jnp.float32) + self.b2.astype(jnp.float32)
+
+
+@flax.struct.dataclass
 class Terms:
   """All position terms of one attention call (each None when absent)."""
 
@@ -259,6 +308,12 @@ class Terms:
   buckets: Buckets | None = None
   relative: Relative | None = None
   untied: Untied | None = None
+  kerple: Kerple | None = None
+  fire: Fire | None = None
+
+  def tiled(self) -> bool:
+    """Whether the Pallas kernels compute every term given (:data:`TILED`)."""
+    return all(getattr(self, name) is None for name in ("kerple", "fire"))
 
   def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
     """Shapes and options, with errors that say what was given and what is allowed."""
@@ -295,6 +350,14 @@ class Terms:
         raise ValueError(f"Relative.window={r.window!r}; allowed: None (choose), True, False")
       if r.impl not in ("table", "skew", "auto"):
         raise ValueError(f"Relative.impl={r.impl!r}; allowed: 'table', 'skew', 'auto'")
+    if self.kerple is not None:
+      if self.kerple.kind not in KERPLES:
+        raise ValueError(f"Kerple.kind={self.kerple.kind!r}; allowed: {list(KERPLES)}")
+      for name in ("r1", "r2"):
+        if jnp.shape(getattr(self.kerple, name)) != (num_heads,):
+          raise ValueError(f"Kerple.{name} has shape {jnp.shape(getattr(self.kerple, name))}; expected ({num_heads},)")
+    if self.fire is not None and jnp.shape(self.fire.b2) != (num_heads,):
+      raise ValueError(f"Fire.b2 has shape {jnp.shape(self.fire.b2)}; expected ({num_heads},) (one output per head)")
     if self.untied is not None:
       u = self.untied
       if u.reset not in RESETS:
@@ -313,7 +376,7 @@ def merge(*parts: Terms | None) -> Terms:
   for part in parts:
     if part is None:
       continue
-    for name in ("alibi", "buckets", "relative", "untied"):
+    for name in (*TILED, "kerple", "fire"):
       value = getattr(part, name)
       if value is not None:
         if name in fields:

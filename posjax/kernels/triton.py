@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from posjax.kernels.terms import Terms
+from posjax.kernels.terms import TILED, Terms
 from posjax.kernels.tile import Plan, fold_window_table, overlap_add, row_delta, untied_grads, window_table
 from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
@@ -126,7 +126,7 @@ def compiler_params(plan: Plan, terms: Terms) -> dict:
   4 otherwise. Windowed relative vectors take one stage: their tiles gather this program's scratch block right
   after storing it, which a software-pipelined (prefetched) load would read stale, and two stages of the
   window's operands fill 85-100% of the shared memory."""
-  plain = (all(getattr(terms, name) is None for name in ("alibi", "buckets", "relative", "untied"))
+  plain = (all(getattr(terms, name) is None for name in TILED)
            and plan.block_q * plan.block_k <= 64 * 64)
   window = terms.relative is not None and bool(terms.relative.window)
   return {"num_warps": 4 if plain else 8, "num_stages": 1 if window else 2}
@@ -173,7 +173,7 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
   without position terms (no spills, at most 43% of the shared memory), 64x64 with any (at 128x64 ALiBi + T5's
   dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory)."""
   del length, head_dim
-  plain = all(getattr(terms, name) is None for name in ("alibi", "buckets", "relative", "untied"))
+  plain = all(getattr(terms, name) is None for name in TILED)
   return (128, 64) if plain else (64, 64)
 
 

@@ -23,7 +23,7 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
   ``Q = L``), None without terms. ``Bp`` is the batch of the positions (or of the terms' rows, where larger).
   Relative vectors read q and k (``q_BxQxHxK``: the rows' queries); the other terms need positions only, so an
   encoder computes them once for every layer."""
-  if all(t is None for t in (terms.alibi, terms.buckets, terms.relative, terms.untied)):
+  if all(t is None for t in (terms.alibi, terms.buckets, terms.relative, terms.untied, terms.kerple, terms.fire)):
     return None
   take = lambda x_BxLxS: x_BxLxS if rows_Q is None else jnp.take(x_BxLxS, rows_Q, axis=1)
   positions_BxL = jnp.asarray(positions_BxL, jnp.int32)
@@ -34,6 +34,10 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
   bias_BxHxQxL = None
   if terms.alibi is not None:
     bias_BxHxQxL = -terms.alibi.slopes[None, :, None, None] * jnp.abs(rel_BxQxL)[:, None].astype(jnp.float32)
+  if terms.kerple is not None:
+    bias_BxHxQxL = add(bias_BxHxQxL, jnp.moveaxis(terms.kerple.bias(rel_BxQxL), -1, 1))
+  if terms.fire is not None:
+    bias_BxHxQxL = add(bias_BxHxQxL, jnp.moveaxis(terms.fire.bias(rel_BxQxL, positions_BxQ[:, :, None]), -1, 1))
   if terms.relative is not None:
     r = terms.relative
     if q_BxQxHxK is None or k_BxLxHxK is None:

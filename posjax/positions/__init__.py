@@ -7,6 +7,8 @@ from posjax.positions import tupe  # noqa: F401  bert_ad, tupe_a, tupe_r
 from posjax.positions import relative  # noqa: F401  shaw, huang_m1..m4
 from posjax.positions import rotary  # noqa: F401  rope
 from posjax.positions import alibi  # noqa: F401  alibi
+from posjax.positions import kerple  # noqa: F401  kerple_log, kerple_power
+from posjax.positions import fire  # noqa: F401  fire
 from posjax.positions.base import (LayerTerms, Method, PositionSpec, PositionState, get, make, names,
                                    register)
 

@@ -1,0 +1,66 @@
+"""KERPLE (Chi, Fan, Ramadge, Rudnicky; NeurIPS 2022): a conditionally positive definite kernel of the distance as
+each layer's bias, two learned positive scalars per head.
+
+| method         | bias at (i, j), r = p_j - p_i        |
+|----------------|--------------------------------------|
+| kerple_log     | ``-r1 log(1 + r2 |r|)``              |
+| kerple_power   | ``-r1 |r|^r2``, ``0 < r2 <= 2``       |
+
+As the official code (chijames/KERPLE, ``ParallelKerpleLog`` / ``ParallelKerplePower``): one ``(r1, r2)`` per head in
+every layer, ``r1 ~ U(0, 2)``, ``r2 ~ U(0, 1)``, kept at or above ``eps = 0.01``. The official code clamps the
+parameters in place after each step; posjax clamps them where they are read, which is the same forward pass (a
+parameter below ``eps`` then gets no gradient until an update moves it back, where the official one is reset to
+``eps``). The power kernel's ``r2`` is also kept at or below 2, the paper's condition for the kernel. The encoder's
+form is symmetric in ``|r|``, the decoders' the same under the causal mask. The dense ``xla`` path computes it
+(:class:`posjax.kernels.Kerple`); the fused kernels do not yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from posjax import kernels
+from posjax.positions import base
+
+
+@dataclasses.dataclass(frozen=True)
+class KerpleOptions:
+  """eps: the smallest value of r1 and r2 (the official 0.01)."""
+
+  eps: float = 1e-2
+
+  def __post_init__(self):
+    if not self.eps > 0:
+      raise ValueError(f"eps={self.eps} must be positive")
+
+
+def uniform_init(high: float):
+  """U(0, high) with the heads' logical axis."""
+  return nn.with_logical_partitioning(lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, 0.0, high),
+                                      (base.HEADS,))
+
+
+class KerpleLayer(nn.Module):
+  """Each layer's ``r1``, ``r2`` and its :class:`posjax.kernels.Kerple` term."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, q, k, state, scale):
+    spec, eps = self.spec, self.spec.options.eps
+    r1 = jnp.maximum(self.param("r1", uniform_init(2.0), (spec.num_heads,), spec.param_dtype), eps)
+    r2 = jnp.maximum(self.param("r2", uniform_init(1.0), (spec.num_heads,), spec.param_dtype), eps)
+    kind = spec.name.removeprefix("kerple_")
+    if kind == "power":
+      r2 = jnp.minimum(r2, 2.0)
+    return base.DenseLayerTerms(q, k, terms=kernels.Terms(kerple=kernels.Kerple(r1, r2, kind)))
+
+
+base.register(base.Method("kerple_log", KerpleOptions, layer=KerpleLayer, fusable=lambda options: False,
+                          summary="KERPLE log kernel: -r1 log(1 + r2 |j-i|) per head and layer (Chi et al. 2022)"))
+base.register(base.Method("kerple_power", KerpleOptions, layer=KerpleLayer, fusable=lambda options: False,
+                          summary="KERPLE power kernel: -r1 |j-i|^r2 per head and layer (Chi et al. 2022)"))
