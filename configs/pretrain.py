@@ -85,6 +85,7 @@ def get_config(arg=None):
       dtype="bfloat16", param_dtype="float32",
       remat="none",  # what a layer keeps for its backward pass: "none" (all), "full" (its input), "dots"
       scan_layers=False,  # the layers as one nn.scan over stacked parameters (one layer compiled)
+      causal=False,  # True: attention to earlier tokens only (a decoder)
       type_vocab_size=2,  # 0: no token-type embeddings (TUPE's RoBERTa-style model)
       embedding_size=0,  # 0: hidden_size; narrower embeddings are read through a projection (ELECTRA's)
       layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5

@@ -54,19 +54,24 @@ class Mask:
   Attributes:
     padding: ``[B, L]`` bool, True at real tokens; None when nothing is padded.
     segment_ids: ``[B, L]`` int; tokens attend only within their own segment (packed sequences).
+    causal: query i attends to keys j <= i only (token order; a decoder). Every kernel takes it.
   """
 
   padding: jax.Array | None = None
   segment_ids: jax.Array | None = None
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
 
-  def pairs(self):
-    """``[B, 1, L or 1, L]`` bool, True where query i may attend to key j; None when all may."""
+  def pairs(self, length: int):
+    """``[B or 1, 1, L or 1, L]`` bool, True where query i may attend to key j; None when all may."""
     allowed = None
     if self.padding is not None:
       allowed = self.padding[:, None, None, :].astype(bool)
     if self.segment_ids is not None:
       same = self.segment_ids[:, None, :, None] == self.segment_ids[:, None, None, :]
       allowed = same if allowed is None else allowed & same
+    if self.causal:
+      earlier = (jnp.arange(length)[:, None] >= jnp.arange(length)[None, :])[None, None]
+      allowed = earlier if allowed is None else allowed & earlier
     return allowed
 
 
@@ -174,8 +179,8 @@ def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str
     same = mask.segment_ids[:, None, :, None] == mask.segment_ids[:, None, None, :]
     bias = add_biases(bias, jnp.where(same, 0.0, neg))
   attend = lambda q, k, v, bias, lengths=None: jax.nn.dot_product_attention(
-      q, k, v, None if bias is None else bias.astype(q.dtype), scale=scale, query_seq_lengths=lengths,
-      key_value_seq_lengths=lengths, implementation=implementation)
+      q, k, v, None if bias is None else bias.astype(q.dtype), scale=scale, is_causal=mask.causal,
+      query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation)
   if mask.padding is None:
     return attend(q, k, v, bias)
   padding_BxL = mask.padding.astype(bool)
@@ -256,7 +261,7 @@ class SelfAttention(nn.Module):
       logits = add_biases(terms.content_logits(spec.scale), layer_bias(terms, state, spec.scale))
       self.sow("intermediates", "attention_logits", logits)
     if kernel == "xla":
-      weights = nn.Dropout(self.dropout_rate)(kernels.xla.softmax_weights(logits, mask.pairs()),
+      weights = nn.Dropout(self.dropout_rate)(kernels.xla.softmax_weights(logits, mask.pairs(x_BxLxD.shape[1])),
                                               deterministic=not dropout)
       out = kernels.xla.weighted_values(weights, v)
       value = terms.value_term(weights)
@@ -265,7 +270,7 @@ class SelfAttention(nn.Module):
       seed = kernels.dropout.seed_from_key(self.make_rng("dropout")) if dropout else None
       out = kernels.relative_attention(
           terms.q, terms.k, v, terms=kernels.merge(state.terms, terms.terms), positions=state.positions,
-          segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale,
+          segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale, causal=mask.causal,
           platform=self.platform, dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
     else:
       q, k, v_wide, bias = cudnn_inputs(terms, state, v, spec.scale)

@@ -182,7 +182,7 @@ def test_cudnn_inputs_give_the_xla_logits(position, options, packed, monkeypatch
     got = call["scale"] * jnp.einsum("bqhd,bkhd->bhqk", call["q"], call["k"])
     if call["bias"] is not None:
       got = got + call["bias"]
-    same = np.asarray(call["mask"].pairs() if call["mask"].segment_ids is not None else True)
+    same = np.asarray(call["mask"].pairs(call["q"].shape[1]) if call["mask"].segment_ids is not None else True)
     np.testing.assert_allclose(np.where(same, got, 0.0), np.where(same, logits, 0.0), rtol=2e-5, atol=2e-5)
 
 

@@ -62,6 +62,8 @@ class BertConfig:
     remat: what each layer keeps for its backward pass (:data:`REMAT_POLICIES`): ``none`` (default: everything),
       ``full`` (its input only; the rest is recomputed), ``dots`` / ``dots_with_no_batch_dims`` (the matrix
       products, as ``jax.checkpoint_policies`` names them). The same numbers; less memory, more compute.
+    causal: attention to earlier tokens only (a decoder); the position methods take their decoder form (T5's
+      unidirectional buckets). Default False (an encoder).
     scan_layers: the layers as one ``nn.scan`` over stacked parameters (``encoder/layers/...``, leading axis
       ``layers``) instead of ``encoder/layer_{i}``: one layer's program, compiled once whatever the depth. The same
       numbers; checkpoints convert between the two layouts (:mod:`posjax.models.layout`).
@@ -88,6 +90,7 @@ class BertConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   scan_layers: bool = False
+  causal: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "position_options", FrozenDict(self.position_options or {}))
@@ -100,8 +103,9 @@ class BertConfig:
     base.check_choice("dtype", self.dtype, tuple(DTYPES))
     base.check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
     base.check_choice("remat", self.remat, tuple(REMAT_POLICIES))
-    if not isinstance(self.scan_layers, bool):
-      raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
+    for field in ("scan_layers", "causal"):
+      if not isinstance(getattr(self, field), bool):
+        raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
     if self.embedding_size < 0:
       raise ValueError(f"embedding_size must be >= 0 (0: hidden_size), got {self.embedding_size}")
     for field in ("dropout_rate", "attention_dropout_rate"):
@@ -119,7 +123,7 @@ class BertConfig:
   def position_spec(self) -> base.PositionSpec:
     return positions_lib.make(self.position, self.position_options, num_heads=self.num_heads,
                               hidden_size=self.hidden_size, max_len=self.max_len, embedding_size=self.embed_width,
-                              dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype])
+                              dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype], causal=self.causal)
 
   @property
   def embed_width(self) -> int:
@@ -292,7 +296,7 @@ class BertEncoder(nn.Module):
 
     if attention_mask is not None:
       base.check_rows("attention_mask", attention_mask, batch, length, "mask")
-    mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids)
+    mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal)
     x = partitioning.constrain(x, partitioning.BLD)
     if c.scan_layers:
       x, _ = self.layers(x, state, mask, deterministic)

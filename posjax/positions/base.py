@@ -248,6 +248,7 @@ class PositionSpec:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   embedding_size: int = 0  # the input embeddings' width where it is not the model's (ELECTRA's); 0: hidden_size
+  causal: bool = False  # in a decoder (attention to earlier tokens only): a method takes its decoder form
 
   @property
   def name(self) -> str:
@@ -285,15 +286,16 @@ class PositionSpec:
 
 def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int, hidden_size: int,
          max_len: int, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-         embedding_size: int = 0) -> PositionSpec:
-  """Validates a method name and its options and returns the spec the modules are built from."""
+         embedding_size: int = 0, causal: bool = False) -> PositionSpec:
+  """Validates a method name and its options and returns the spec the modules are built from (``causal``: for a
+  decoder, whose methods take their decoder form, e.g. T5's unidirectional buckets)."""
   method = get(name)
   if num_heads <= 0 or hidden_size % num_heads:
     raise ValueError(f"num_heads={num_heads} must be positive and divide hidden_size={hidden_size}")
   if max_len <= 0:
     raise ValueError(f"max_len must be positive, got {max_len}")
   return PositionSpec(method, parse_options(method, options), num_heads, hidden_size // num_heads, max_len,
-                      dtype, param_dtype, 0 if embedding_size == hidden_size else embedding_size)
+                      dtype, param_dtype, 0 if embedding_size == hidden_size else embedding_size, bool(causal))
 
 
 def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:

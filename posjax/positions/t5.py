@@ -16,15 +16,17 @@ from posjax.positions import absolute, base
 class T5Options:
   """num_buckets: table rows per head (split between directions when bidirectional).
   max_distance: distances at or beyond it share the last bucket.
-  bidirectional: distinguish keys before and after the query (True for an encoder).
+  bidirectional: distinguish keys before and after the query; None (default): True in an encoder, False in a
+    decoder (T5's decoder: every later key in bucket 0, which the causal mask hides, and all the buckets for the
+    earlier ones).
   """
 
   num_buckets: int = 32
   max_distance: int = 128
-  bidirectional: bool = True
+  bidirectional: bool | None = None
 
   def __post_init__(self):
-    check_buckets(self.num_buckets, self.max_distance, self.bidirectional)
+    check_buckets(self.num_buckets, self.max_distance, self.bidirectional is not False)
 
 
 class BucketTable(nn.Module):
@@ -44,8 +46,9 @@ def t5_terms(spec: base.PositionSpec, name: str = "relative_bias") -> kernels.Te
   """The bucket table as :class:`posjax.kernels.Buckets` (T5's log buckets of ``p_j - p_i``)."""
   opts = spec.options
   table = BucketTable(spec.num_heads, opts.num_buckets, spec.param_dtype, name=name)()
+  bidirectional = not spec.causal if opts.bidirectional is None else opts.bidirectional
   return kernels.Terms(buckets=kernels.Buckets(table, num_buckets=opts.num_buckets, max_distance=opts.max_distance,
-                                               bidirectional=opts.bidirectional))
+                                               bidirectional=bidirectional))
 
 
 class T5Bias(nn.Module):
