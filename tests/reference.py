@@ -125,6 +125,19 @@ def tupe_positional(P_pos, P_corr, pos, opts, num_heads, head_dim, relative):
   return out
 
 
+def xpos_logit(q, k, n, m, opts):
+  """xPos's ``Re Σ_f q̃_f conj(k̃_f) e^{i (n - m) θ_f} ζ_f^((n - m)/γ)`` (Sun et al. 2023, §3), feature pairs
+  ``(f, f + d/2)`` as complex numbers."""
+  d = len(q)
+  f = np.arange(d // 2)
+  theta = opts.get("max_timescale", 10_000.0) ** (-2 * f / d)
+  gamma = opts.get("gamma", 0.4)
+  zeta = (2 * f / d + gamma) / (1 + gamma)
+  qc, kc = q[:d // 2] + 1j * q[d // 2:], k[:d // 2] + 1j * k[d // 2:]
+  return float(np.real(np.sum(qc * np.conj(kc) * np.exp(1j * (n - m) * theta)
+                              * zeta ** ((n - m) / opts.get("scale_base", 512.0)))))
+
+
 def fire_bias(F, opts, r, query_position, h):
   """FIRE's bias at distance ``r`` from a query at ``query_position`` for head ``h`` (Li et al. 2023)."""
   c, L = abs(float(F["c"])), abs(float(F["threshold_multiplier"]) * opts.get("threshold", 512.0))
@@ -189,6 +202,8 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
               e = qi @ kj * s - r1 * math.log(1 + r2 * abs(r))
             else:
               e = qi @ kj * s - r1 * abs(r) ** min(r2, 2.0)
+          elif name == "xpos":
+            e = xpos_logit(qi, kj, pos[b, i], pos[b, j], opts) * s
           elif name == "fire":
             e = qi @ kj * s + fire_bias(tables["fire"], opts, r, pos[b, i], h)
           else:

@@ -29,6 +29,7 @@ CASES = [
     ("huang_m4", {}), ("huang_m4", {"max_distance": 3, "impl": "skew"}), ("relative_key_query", {"impl": "table"}),
     ("kerple_log", {}), ("kerple_power", {}), ("kerple_log", {"eps": 0.3}), ("fire", {}), ("fire", {"threshold": 4.0}),
     ("fire", {"share_across_layers": True, "c": 0.5, "threshold": 2.0}),
+    ("xpos", {}), ("xpos", {"scale_base": 4.0, "gamma": 0.2}),
 ]
 
 

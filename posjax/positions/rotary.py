@@ -166,3 +166,65 @@ class RotateQK(nn.Module):
 
 base.register(base.Method("rope", RopeOptions, encoder=Rotation, layer=RotateQK,
                           summary="rotary embedding of q and k (Su et al. 2021); linear / dynamic / YaRN / Llama 3 scaling"))
+
+
+@dataclasses.dataclass(frozen=True)
+class XposOptions:
+  """xPos (Sun et al. 2023, "A Length-Extrapolatable Transformer"): RoPE whose pair ``f`` is also scaled by
+  ``ζ_f^(n/γ)`` on the query at position n and ``ζ_f^(-m/γ)`` on the key at m, so their product decays as
+  ``ζ_f^((n - m)/γ)``, ``ζ_f = (2f/d_h + gamma) / (1 + gamma)``.
+
+  max_timescale: the rotation base (10,000). scale_base: γ (512). gamma: 0.4. The official code (torchscale's
+  ``XPOS``) centres the positions at the length's middle before the powers (the product is the same, the factors
+  stay near 1); posjax does too, at ``L // 2``. Meant for decoders: in an encoder the keys after a query grow
+  instead of decaying. The rotation pairs feature ``f`` with ``f + d_h/2``, as posjax's RoPE (torchscale interleaves
+  neighbouring features: a permutation of the head's features, the same model up to it).
+  """
+
+  max_timescale: float = 10_000.0
+  scale_base: float = 512.0
+  gamma: float = 0.4
+
+  def __post_init__(self):
+    if not self.scale_base > 0 or not self.gamma > 0:
+      raise ValueError(f"scale_base={self.scale_base} and gamma={self.gamma} must be positive")
+
+
+@flax.struct.dataclass(kw_only=True)
+class XposState(RotaryState):
+  """xPos's state: RoPE's angles and the queries' decay ``ζ^((p - L//2)/γ)``, ``[Bp, L, 1, d_h/2]`` (the keys'
+  is its inverse)."""
+
+  decay: jax.Array
+
+
+class XposRotation(nn.Module):
+  """xPos's encoder-level part: the angles and the decay of every position."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    spec, o = self.spec, self.spec.options
+    sin, cos = rotation(positions_BxL, spec.head_dim, RopeOptions(max_timescale=o.max_timescale))
+    zeta_F = (jnp.arange(0, spec.head_dim, 2, dtype=jnp.float32) / spec.head_dim + o.gamma) / (1.0 + o.gamma)
+    centred_BxL = (positions_BxL - positions_BxL.shape[-1] // 2).astype(jnp.float32)
+    decay = zeta_F ** (centred_BxL[..., None, None] / o.scale_base)
+    return XposState(positions=positions_BxL, sin=sin, cos=cos, decay=decay)
+
+
+class XposQK(nn.Module):
+  """xPos inside each attention layer: q and k rotated, q scaled by the decay, k by its inverse."""
+
+  spec: base.PositionSpec
+
+  @nn.compact
+  def __call__(self, q, k, state: XposState, scale):
+    scaled = lambda x_BxLxHxK, factor: (x_BxLxHxK.astype(jnp.float32) * jnp.concatenate([factor, factor], -1)
+                                        ).astype(x_BxLxHxK.dtype)
+    return base.LayerTerms(scaled(rotate(q, state.sin, state.cos), state.decay),
+                           scaled(rotate(k, state.sin, state.cos), 1.0 / state.decay))
+
+
+base.register(base.Method("xpos", XposOptions, encoder=XposRotation, layer=XposQK,
+                          summary="xPos: RoPE with a per-frequency decay of the distance (Sun et al. 2023; decoders)"))
