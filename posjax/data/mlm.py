@@ -197,6 +197,22 @@ def default_max_predictions(max_len: int, masking: Masking) -> int:
   return max(1, math.ceil(max_len * masking.rate))
 
 
+def example(block: dict, rng: np.random.Generator, tokenizer: Tokenizer, max_predictions: int,
+            masking: Masking | None) -> dict:
+  """A packed block masked as ``masking`` says (:func:`mask_block`), or as it is where ``masking`` is None (a causal
+  language model's input: every token is a label)."""
+  return block if masking is None else mask_block(block, rng, tokenizer, max_predictions, masking)
+
+
+def empty_row(max_len: int, pad_id: int, max_predictions: int, masking: Masking | None) -> dict:
+  """A padding row (no token, no masked position) of the examples :func:`example` makes."""
+  row = _block([], [], [], max_len, pad_id)
+  if masking is not None:
+    row.update(masked_positions=np.zeros(max_predictions, np.int32), masked_labels=np.zeros(max_predictions, np.int32),
+               masked_weights=np.zeros(max_predictions, np.float32))
+  return row
+
+
 def empty_like(example: dict) -> dict:
   """An all-zero example or batch (padding only, weight 0) shaped like ``example``."""
   return {k: np.zeros_like(v) for k, v in example.items()}
@@ -210,17 +226,18 @@ class MlmBatches:
     tokenizer: text -> ids.
     batch_size: sequences per batch from this shard.
     shard: the shard index (part of the masking seed).
+    masking: how the blocks are masked; None: not at all (a causal language model's batches).
   """
 
   def __init__(self, documents: Callable[[], Iterable[list[str]]], tokenizer: Tokenizer, *, max_len: int,
-               batch_size: int, seed: int, packing: str = "full_sentence", masking: Masking = Masking(),
+               batch_size: int, seed: int, packing: str = "full_sentence", masking: Masking | None = Masking(),
                max_predictions: int | None = None, repeat: bool = True, shard: int = 0):
     if packing not in PACKINGS:
       raise ValueError(f"unknown packing {packing!r}; allowed: {list(PACKINGS)}")
     self.documents, self.tokenizer = documents, tokenizer
     self.max_len, self.batch_size, self.seed, self.packing = max_len, batch_size, seed, packing
     self.masking, self.repeat, self.shard = masking, repeat, shard
-    self.max_predictions = max_predictions or default_max_predictions(max_len, masking)
+    self.max_predictions = 0 if masking is None else max_predictions or default_max_predictions(max_len, masking)
     self.blocks_consumed = 0
     self._blocks = self._block_stream()
 
@@ -244,10 +261,7 @@ class MlmBatches:
 
   def empty(self) -> dict:
     """A batch of padding rows (no token, no masked position), shaped like this iterator's batches."""
-    row = {**_block([], [], [], self.max_len, self.tokenizer.pad_id),
-           "masked_positions": np.zeros(self.max_predictions, np.int32),
-           "masked_labels": np.zeros(self.max_predictions, np.int32),
-           "masked_weights": np.zeros(self.max_predictions, np.float32)}
+    row = empty_row(self.max_len, self.tokenizer.pad_id, self.max_predictions, self.masking)
     return {k: np.stack([v] * self.batch_size) for k, v in row.items()}
 
   def restore(self, state: dict) -> None:
@@ -273,7 +287,7 @@ class MlmBatches:
       except StopIteration:
         break
       rng = np.random.default_rng([self.seed, self.shard, self.blocks_consumed])
-      examples.append(mask_block(block, rng, self.tokenizer, self.max_predictions, self.masking))
+      examples.append(example(block, rng, self.tokenizer, self.max_predictions, self.masking))
       self.blocks_consumed += 1
     if not examples:
       raise StopIteration

@@ -77,7 +77,7 @@ class _MaskRows:
     for row, index in zip(range(self.rows.start, self.rows.stop), indices_G[self.rows]):
       block = prepare.decode_block(self.source[int(index)], self.max_len, self.dtype)
       rng = np.random.default_rng([self.seed, step * self.global_batch + row])
-      examples.append(mlm.mask_block(block, rng, self.tokenizer, self.max_predictions, self.masking))
+      examples.append(mlm.example(block, rng, self.tokenizer, self.max_predictions, self.masking))
     return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
 
@@ -90,7 +90,8 @@ class PreparedBatches:
   """
 
   def __init__(self, directory: str, tokenizer: Tokenizer, *, vocab_file: str, max_len: int, packing: str,
-               global_batch: int, seed: int, masking: mlm.Masking = mlm.Masking(), max_predictions: int | None = None, workers: int = 0, prefetch: int = 4):
+               global_batch: int, seed: int, masking: mlm.Masking | None = mlm.Masking(),
+               max_predictions: int | None = None, workers: int = 0, prefetch: int = 4):
     import grain.python as grain  # imported here: only prepared corpora need it
 
     if workers < 0:
@@ -104,7 +105,8 @@ class PreparedBatches:
     if not len(source):
       raise ValueError(f"{directory} holds no blocks")
     self.tokenizer, self.max_len, self.global_batch = tokenizer, max_len, global_batch
-    self.max_predictions = max_predictions or mlm.default_max_predictions(max_len, masking)
+    self.max_predictions = 0 if masking is None else max_predictions or mlm.default_max_predictions(max_len, masking)
+    self.masking = masking
     self.blocks, self.workers, self.prefetch = len(source), workers, prefetch
     load = _MaskRows(source, tokenizer, features.process_rows(global_batch), seed=seed, global_batch=global_batch,
                      max_len=max_len, dtype=np.dtype(metadata["record"]["dtype"]),
@@ -157,10 +159,6 @@ class PreparedBatches:
     self._iterator = None
 
   def empty(self) -> dict:
-    row = {"input_ids": np.full(self.max_len, self.tokenizer.pad_id, np.int32),
-           **{k: np.zeros(self.max_len, np.int32) for k in ("attention_mask", "segment_ids", "positions")},
-           "masked_positions": np.zeros(self.max_predictions, np.int32),
-           "masked_labels": np.zeros(self.max_predictions, np.int32),
-           "masked_weights": np.zeros(self.max_predictions, np.float32)}
+    row = mlm.empty_row(self.max_len, self.tokenizer.pad_id, self.max_predictions, self.masking)
     local = features.process_rows(self.global_batch)
     return {k: np.stack([v] * (local.stop - local.start)) for k, v in row.items()}

@@ -6,6 +6,7 @@ Evaluators are declared in ``config.evals`` (``{name: {kind, ...options}}``, aft
 ``config.evals``); their metrics are logged as ``<name>_<metric>``.
 
 - ``mlm``: masked-LM pre-training on a corpus (:mod:`posjax.tasks.mlm`);
+- ``clm``: causal language modelling with a decoder on the same corpus (:mod:`posjax.tasks.clm`);
 - ``electra``: ELECTRA pre-training, a generator and a discriminator on a corpus (:mod:`posjax.tasks.electra`);
 - ``glue``: GLUE classification and STS-B regression (:mod:`posjax.tasks.glue`);
 - ``squad``: SQuAD 1.1 span extraction (:mod:`posjax.tasks.squad`);
@@ -18,7 +19,7 @@ from typing import Callable, NamedTuple
 
 import ml_collections
 
-from posjax.tasks import electra, glue, mlm, probe, squad
+from posjax.tasks import clm, electra, glue, mlm, probe, squad
 from posjax.train.task import Task
 
 
@@ -28,7 +29,7 @@ class Entry(NamedTuple):
   eval_kinds: tuple[str, ...]
 
 
-TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "electra": Entry(electra.build, ("electra",)),
+TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "clm": Entry(clm.build, ("clm",)), "electra": Entry(electra.build, ("electra",)),
          "glue": Entry(glue.build, ("glue",)), "squad": Entry(squad.build, ("squad",)),
          "probe": Entry(probe.build, ("probe",))}
 

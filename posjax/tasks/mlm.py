@@ -19,9 +19,10 @@ from posjax.models import BertConfig, BertModel
 from posjax.train.task import Evaluator, Task, summed_metrics
 
 
-def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int) -> mlm_data.ShardedBatches:
+def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int,
+                 masked: bool = True) -> mlm_data.ShardedBatches:
   """This process's rows of every global MLM batch: ``data.num_shards`` document shards (0: one per process),
-  of which each process owns a contiguous range."""
+  of which each process owns a contiguous range (``masked=False``: the packed blocks unmasked, a causal LM's)."""
   index, count = jax.process_index(), jax.process_count()
   data = config.data
   num_shards = data.num_shards or count
@@ -35,7 +36,7 @@ def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int) -> 
       mlm_data.MlmBatches(functools.partial(corpus.documents, data, split, shard, num_shards), tokenizer,
                      max_len=config.max_len, batch_size=local_batch // per_process,
                      seed=config.seed + (0 if split == "train" else 1), packing=data.packing,
-                     masking=mlm_data.Masking.from_config(data), repeat=split == "train",
+                     masking=mlm_data.Masking.from_config(data) if masked else None, repeat=split == "train",
                      shard=shard)
       for shard in shards], num_shards=num_shards)
 
@@ -61,21 +62,27 @@ def mlm_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic
           "weight": jnp.sum(weights, -1)}
 
 
-def mlm_loss(model, *, use_segments: bool = False) -> Callable:
-  """The MLM train loss: ``(params, batch, rng) -> (summed loss, {correct, weight})`` over masked tokens."""
+def summed_loss(row_sums: Callable) -> Callable:
+  """A train loss ``(params, batch, rng) -> (summed loss, {correct, weight})`` from a function of per-row sums
+  (``(params, batch, rng) -> {loss, correct, weight}``, each ``[B]``)."""
   def loss_fn(params, batch, rng):
-    rows = mlm_row_sums(model, params, batch, rng, use_segments=use_segments, deterministic=False)
+    rows = row_sums(params, batch, rng)
     return jnp.sum(rows["loss"]), {"correct": jnp.sum(rows["correct"]), "weight": jnp.sum(rows["weight"])}
   return loss_fn
 
 
-def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int):
+def mlm_loss(model, *, use_segments: bool = False) -> Callable:
+  """The MLM train loss: ``(params, batch, rng) -> (summed loss, {correct, weight})`` over masked tokens."""
+  return summed_loss(functools.partial(mlm_row_sums, model, use_segments=use_segments, deterministic=False))
+
+
+def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int, masked: bool = True):
   """The training batches of ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a corpus
   prepared by ``python -m posjax.data.prepare``, read by index) and, per evaluator, ``(its batches, a padding
   batch)`` (``split``: ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared
-  corpus from ``data.eval_source``). What the pre-training tasks (``mlm``, ``electra``) read."""
+  corpus from ``data.eval_source``). What the pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read."""
   data = config.data
-  masking = mlm_data.Masking.from_config(data)
+  masking = mlm_data.Masking.from_config(data) if masked else None
   evals = dict(config.evals) if config.eval_every_steps > 0 else {}
   eval_splits = tuple({spec.get("split", "eval") for spec in evals.values()})
   if data.source == "prepared":
@@ -90,12 +97,12 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
       config.data.source = data.eval_source
       corpus.check(config.data, eval_splits)
   else:
-    batches = make_batches(config, tokenizer, "train", local_batch)
+    batches = make_batches(config, tokenizer, "train", local_batch, masked)
     corpus.check(data, ("train", *eval_splits), train_shards=[s.shard for s in batches.streams],
                  num_shards=data.num_shards or jax.process_count())
   evaluations = {}
   for name, spec in evals.items():
-    stream = make_batches(config, tokenizer, spec.get("split", "eval"), local_batch)
+    stream = make_batches(config, tokenizer, spec.get("split", "eval"), local_batch, masked)
     evaluations[name] = (list(itertools.islice(stream, spec.get("batches", 50))), stream.empty())
   return batches, evaluations
 

@@ -1,0 +1,64 @@
+"""Causal language modelling as a task of the training loop: a decoder-only model (``model.causal=True``) predicts
+each next token of the packed corpus the MLM task reads (TFDS, text files or a prepared corpus; unmasked), with the
+same loop, checkpoints, resume and sweeps, and evaluators of kind ``clm`` (loss, accuracy, perplexity)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from posjax.data.tokenizer import Tokenizer
+from posjax.models import BertConfig, BertModel
+from posjax.tasks import mlm as mlm_task
+from posjax.train.task import Evaluator, Task, summed_metrics
+
+
+def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic: bool):
+  """Per row: summed next-token loss, correct predictions and weight: token i predicts token i + 1 where both are
+  real and (``documents`` packing) of one segment."""
+  logits_BxLxV = model.apply({"params": params}, batch["input_ids"], deterministic=deterministic,
+                             rngs=None if deterministic else {"dropout": rng},
+                             **mlm_task.encoder_inputs(batch, use_segments)).logits[:, :-1]
+  labels_BxL = batch["input_ids"][:, 1:]
+  real_BxL = batch["attention_mask"].astype(jnp.float32)
+  weights_BxL = real_BxL[:, 1:] * real_BxL[:, :-1]
+  if use_segments:
+    weights_BxL = weights_BxL * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
+  losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV.astype(jnp.float32), labels_BxL)
+  correct_BxL = (jnp.argmax(logits_BxLxV, -1) == labels_BxL).astype(jnp.float32)
+  return {"loss": jnp.sum(losses_BxL * weights_BxL, -1), "correct": jnp.sum(correct_BxL * weights_BxL, -1),
+          "weight": jnp.sum(weights_BxL, -1)}
+
+
+def clm_loss(model, *, use_segments: bool = False) -> Callable:
+  """The train loss: ``(params, batch, rng) -> (summed loss, {correct, weight})`` over every predicted token."""
+  return mlm_task.summed_loss(functools.partial(next_token_row_sums, model, use_segments=use_segments,
+                                                deterministic=False))
+
+
+def clm_metrics(outputs: dict, workdir: str | None = None) -> dict:
+  """``loss``, ``accuracy`` and ``perplexity`` (``exp`` of the mean next-token loss)."""
+  metrics = summed_metrics(outputs, workdir)
+  return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}
+
+
+def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
+  """Next-token prediction on ``config.data`` (:func:`posjax.tasks.mlm.corpus_batches`, unmasked) with a causal
+  model; evaluators of kind ``clm``."""
+  tokenizer = Tokenizer.load(config.data.vocab_file)
+  model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
+  if not model_config.causal:
+    raise ValueError("task='clm' trains a decoder: set model.causal=True (configs/clm.py does)")
+  model = BertModel(model_config, head="mlm")
+  use_segments = config.data.packing == "documents"
+  batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False)
+  predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
+  evaluators = {name: Evaluator(rows, predict, clm_metrics, empty=empty) for name, (rows, empty) in evaluations.items()}
+  return Task("clm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
+              clm_loss(model, use_segments=use_segments), batches, evaluators,
+              examples_per_epoch=config.data.get("examples_per_epoch"), info={"position": model_config.position})

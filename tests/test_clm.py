@@ -1,0 +1,94 @@
+"""The causal language-model task: unmasked packed batches, the next-token loss against numpy, and a run of
+``configs/clm.py`` through the training loop."""
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from posjax.data import corpus, mlm, synthetic
+from posjax.data.tokenizer import Tokenizer
+from posjax.main import train
+from posjax.models import BertConfig, BertModel
+from posjax.tasks import clm
+from conftest import load_config, override
+
+
+def tokenizer():
+  return Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
+
+
+def text_corpus():
+  return ml_collections.ConfigDict(dict(source="text",
+                                        train_files=os.path.join(synthetic.BUILTIN_DIR, "tiny_train.txt")))
+
+
+def unmasked_batch(packing="full_sentence"):
+  return next(mlm.MlmBatches(functools.partial(corpus.documents, text_corpus(), "train"), tokenizer(), max_len=24,
+                             batch_size=3, seed=0, packing=packing, masking=None))
+
+
+def test_unmasked_batches_hold_the_packed_tokens_and_no_masked_fields():
+  batch = unmasked_batch()
+  assert set(batch) == {"input_ids", "attention_mask", "segment_ids", "positions"}
+  assert tokenizer().mask_id not in batch["input_ids"]
+  masked = next(mlm.MlmBatches(functools.partial(corpus.documents, text_corpus(), "train"), tokenizer(), max_len=24,
+                               batch_size=3, seed=0))
+  restored = masked["input_ids"].copy()
+  for row, (at, labels, weights) in enumerate(zip(masked["masked_positions"], masked["masked_labels"],
+                                                  masked["masked_weights"])):
+    restored[row, at[weights > 0]] = labels[weights > 0]
+  np.testing.assert_array_equal(restored, batch["input_ids"])  # the same blocks, before masking
+
+
+@pytest.mark.parametrize("packing", ["full_sentence", "documents"])
+def test_the_next_token_loss_is_numpys(packing):
+  """Token i predicts token i + 1 where both are real (and, packing documents, of one segment)."""
+  batch = unmasked_batch(packing)
+  batch["attention_mask"][1, 20:] = 0  # a padded tail
+  if packing == "documents":  # a second document from token 12 of row 0
+    batch["segment_ids"][0, 12:], batch["positions"][0, 12:] = batch["segment_ids"][0, 0] + 1, np.arange(12)
+  model = BertModel(BertConfig.tiny(position="alibi", causal=True, vocab_size=tokenizer().vocab_size, max_len=24),
+                    head="mlm")
+  params = model.init(jax.random.PRNGKey(0), jnp.asarray(batch["input_ids"]))["params"]
+  use_segments = packing == "documents"
+  got = clm.next_token_row_sums(model, params, batch, None, use_segments=use_segments, deterministic=True)
+  inputs = {k: batch[k] for k in ("attention_mask", "positions")} | (
+      {"segment_ids": batch["segment_ids"]} if use_segments else {})
+  logits = np.asarray(model.apply({"params": params}, jnp.asarray(batch["input_ids"]), **inputs).logits, np.float64)
+  ids, real, segments = batch["input_ids"], batch["attention_mask"], batch["segment_ids"]
+  for b in range(len(ids)):
+    loss = correct = weight = 0.0
+    for i in range(ids.shape[1] - 1):
+      if real[b, i] and real[b, i + 1] and (not use_segments or segments[b, i] == segments[b, i + 1]):
+        z = logits[b, i] - logits[b, i].max()
+        loss += np.log(np.exp(z).sum()) - z[ids[b, i + 1]]
+        correct += float(np.argmax(logits[b, i]) == ids[b, i + 1])
+        weight += 1
+    np.testing.assert_allclose([got["loss"][b], got["correct"][b], got["weight"][b]], [loss, correct, weight],
+                               rtol=1e-4)
+  if use_segments:
+    assert float(np.sum(got["weight"])) < float(np.sum(real[:, 1:] * real[:, :-1]))  # boundaries are not predicted
+
+
+def test_a_clm_run_learns_and_reports_perplexity(tmp_path):
+  config = override(load_config("clm", "runlocal,position=t5"), total_steps=40, eval_every_steps=40,
+                    checkpoint_every_steps=40, batch_size=8, max_len=32)
+  train(config, str(tmp_path))
+  lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  losses = [line["loss"] for line in lines if "loss" in line]
+  assert losses[-1] < losses[0] - 0.5
+  evaluated = [line for line in lines if "eval_perplexity" in line][-1]
+  assert evaluated["eval_perplexity"] == pytest.approx(np.exp(evaluated["eval_loss"]), rel=1e-6)
+  assert json.loads((tmp_path / "config.json").read_text())["model"]["causal"] is True
+
+
+def test_clm_needs_a_causal_model(tmp_path):
+  config = override(load_config("clm", "runlocal"), **{"model.causal": False})
+  with pytest.raises(ValueError, match=r"task='clm' trains a decoder: set model.causal=True"):
+    train(config, str(tmp_path))
