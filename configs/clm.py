@@ -6,6 +6,9 @@ Options (``configs/clm.py:position=rope,size=base,runlocal``):
   size: ``tiny`` | ``base`` | ``large``; default ``base``.
   runlocal: a tiny decoder on the synthetic corpus in ``configs/data`` (about half a minute on 2 CPU cores).
   keep: more steps to keep, ``+``-joined.
+  eval_multiples: more evaluations at multiples of the training length, ``+``-joined (``eval_multiples=2+4+8``:
+    evaluators ``eval_x2``, ... on rows packed to 2, 4, 8 times ``max_len``; a method with a learned table reports
+    ``unsupported`` there).
 
 Everything else is the pre-training recipe of ``configs/pretrain.py`` (the corpus, its packing, the optimizer and the
 schedule, checkpoints, meshes): only the task (next-token loss over every real token, no masking), the causal mask,
@@ -20,11 +23,20 @@ from posjax.config_args import parse_arg
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, position="rope", size="base", runlocal=False, keep="")
+  arg = parse_arg(arg, position="rope", size="base", runlocal=False, keep="", eval_multiples="")
   config = pretrain.get_config(f"position={arg.position},size={arg.size},runlocal={arg.runlocal},keep={arg.keep}")
   config.task = "clm"
   config.model.causal = True
   config.model.type_vocab_size = 0
   config.evals = ml_collections.ConfigDict({name: {**spec.to_dict(), "kind": "clm"}
                                             for name, spec in config.evals.items()})
+  try:
+    multiples = [int(m) for m in arg.eval_multiples.split("+")] if arg.eval_multiples else []
+  except ValueError:
+    raise ValueError(f"config option eval_multiples={arg.eval_multiples!r}: expected integers joined by '+', e.g. "
+                     "eval_multiples=2+4+8") from None
+  for multiple in multiples:
+    if multiple < 1:
+      raise ValueError(f"config option eval_multiples: {multiple} must be >= 1")
+    config.evals[f"eval_x{multiple}"] = {**config.evals.eval.to_dict(), "length_multiple": multiple}
   return config

@@ -16,6 +16,7 @@ from posjax.data.tokenizer import Tokenizer
 from posjax.main import train
 from posjax.models import BertConfig, BertModel
 from posjax.tasks import clm
+from posjax.tasks import mlm as mlm_task
 from conftest import load_config, override
 
 
@@ -77,14 +78,15 @@ def test_the_next_token_loss_is_numpys(packing):
 
 
 def test_a_clm_run_learns_and_reports_perplexity(tmp_path):
-  config = override(load_config("clm", "runlocal,position=t5"), total_steps=40, eval_every_steps=40,
-                    checkpoint_every_steps=40, batch_size=8, max_len=32)
+  config = override(load_config("clm", "runlocal,position=t5,eval_multiples=2"), total_steps=40,
+                    eval_every_steps=40, checkpoint_every_steps=40, batch_size=8, max_len=32)
   train(config, str(tmp_path))
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   losses = [line["loss"] for line in lines if "loss" in line]
   assert losses[-1] < losses[0] - 0.5
   evaluated = [line for line in lines if "eval_perplexity" in line][-1]
   assert evaluated["eval_perplexity"] == pytest.approx(np.exp(evaluated["eval_loss"]), rel=1e-6)
+  assert np.isfinite(evaluated["eval_x2_loss"])  # rows of 64 tokens, twice the training length
   assert json.loads((tmp_path / "config.json").read_text())["model"]["causal"] is True
 
 
@@ -92,3 +94,14 @@ def test_clm_needs_a_causal_model(tmp_path):
   config = override(load_config("clm", "runlocal"), **{"model.causal": False})
   with pytest.raises(ValueError, match=r"task='clm' trains a decoder: set model.causal=True"):
     train(config, str(tmp_path))
+
+
+def test_an_evaluation_past_a_learned_table_is_unsupported():
+  evaluations = {"eval": mlm_task.Evaluation([{}], {}, 32), "eval_x2": mlm_task.Evaluation([{}], {}, 64)}
+  for position, unsupported in (("absolute", True), ("alibi", False)):
+    model_config = BertConfig.tiny(position=position, max_len=32, causal=True)
+    evaluators = mlm_task.corpus_evaluators(evaluations, model_config, None, clm.clm_metrics)
+    assert evaluators["eval"].unsupported is None
+    assert (evaluators["eval_x2"].unsupported is not None) == unsupported
+    if unsupported:
+      assert "learned table of max_len=32 positions" in evaluators["eval_x2"].unsupported

@@ -15,7 +15,7 @@ import optax
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
 from posjax.tasks import mlm as mlm_task
-from posjax.train.task import Evaluator, Task, summed_metrics
+from posjax.train.task import Task, summed_metrics
 
 
 def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic: bool):
@@ -58,7 +58,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   use_segments = config.data.packing == "documents"
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False)
   predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
-  evaluators = {name: Evaluator(rows, predict, clm_metrics, empty=empty) for name, (rows, empty) in evaluations.items()}
+  evaluators = mlm_task.corpus_evaluators(evaluations, model_config, predict, clm_metrics,
+                                          ("loss", "accuracy", "perplexity"))
   return Task("clm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               clm_loss(model, use_segments=use_segments), batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"), info={"position": model_config.position})

@@ -43,7 +43,7 @@ from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig
 from posjax.models.electra import Electra, ElectraConfig
 from posjax.tasks import mlm as mlm_task
-from posjax.train.task import Evaluator, Task
+from posjax.train.task import Task
 
 DEFAULTS = dict(discriminator_weight=50.0, temperature=1.0, tie_embeddings=True, share_position_table=True,
                 disallow_correct=False)
@@ -220,7 +220,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                     use_segments=use_segments, disallow_correct=disallow)
 
   score = functools.partial(evaluation_metrics, discriminator_weight=weight)
-  evaluators = {name: Evaluator(rows, predict, score, empty=empty) for name, (rows, empty) in evaluations.items()}
+  evaluators = mlm_task.corpus_evaluators(evaluations, configs.discriminator, predict, score, ("loss",))
   return Task("electra", model, configs, {"input_ids_BxL": jnp.ones((1, config.max_len), jnp.int32)},
               electra_loss(model, discriminator_weight=weight, temperature=temperature, use_segments=use_segments,
                            disallow_correct=disallow),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,11 +76,20 @@ def mlm_loss(model, *, use_segments: bool = False) -> Callable:
   return summed_loss(functools.partial(mlm_row_sums, model, use_segments=use_segments, deterministic=False))
 
 
+class Evaluation(NamedTuple):
+  """One corpus evaluator's batches (this process's rows), a padding batch, and the length they are packed to."""
+  rows: list
+  empty: dict
+  length: int
+
+
 def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int, masked: bool = True):
   """The training batches of ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a corpus
-  prepared by ``python -m posjax.data.prepare``, read by index) and, per evaluator, ``(its batches, a padding
-  batch)`` (``split``: ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared
-  corpus from ``data.eval_source``). What the pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read."""
+  prepared by ``python -m posjax.data.prepare``, read by index) and, per evaluator, an :class:`Evaluation`
+  (``split``: ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared corpus from
+  ``data.eval_source``; ``max_len``: the length its rows are packed to, or ``length_multiple``: that many times
+  ``config.max_len`` (default 1): another length measures the model at lengths it was not trained at). What the
+  pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read."""
   data = config.data
   masking = mlm_data.Masking.from_config(data) if masked else None
   evals = dict(config.evals) if config.eval_every_steps > 0 else {}
@@ -102,9 +111,26 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
                  num_shards=data.num_shards or jax.process_count())
   evaluations = {}
   for name, spec in evals.items():
-    stream = make_batches(config, tokenizer, spec.get("split", "eval"), local_batch, masked)
-    evaluations[name] = (list(itertools.islice(stream, spec.get("batches", 50))), stream.empty())
+    length = spec.get("max_len", 0) or config.max_len * spec.get("length_multiple", 1)
+    at_length = ml_collections.ConfigDict({**config.to_dict(), "max_len": length})
+    stream = make_batches(at_length, tokenizer, spec.get("split", "eval"), local_batch, masked)
+    evaluations[name] = Evaluation(list(itertools.islice(stream, spec.get("batches", 50))), stream.empty(), length)
   return batches, evaluations
+
+
+def corpus_evaluators(evaluations: dict, model_config: BertConfig, predict: Callable, metrics: Callable,
+                      metric_names: tuple[str, ...] = ("loss", "accuracy")) -> dict[str, Evaluator]:
+  """An :class:`Evaluator` per :class:`Evaluation`; one at a length the model's learned position table cannot
+  encode is reported ``unsupported`` (never clamped)."""
+  evaluators = {}
+  for name, evaluation in evaluations.items():
+    try:
+      model_config.position_spec.check_length(evaluation.length)
+    except ValueError as error:
+      evaluators[name] = Evaluator([], predict, None, unsupported=str(error), metric_names=metric_names)
+      continue
+    evaluators[name] = Evaluator(evaluation.rows, predict, metrics, empty=evaluation.empty)
+  return evaluators
 
 
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
@@ -115,8 +141,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   use_segments = config.data.packing == "documents"
   batches, evaluations = corpus_batches(config, tokenizer, local_batch)
   predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
-  evaluators = {name: Evaluator(rows, predict, summed_metrics, empty=empty)
-                for name, (rows, empty) in evaluations.items()}
+  evaluators = corpus_evaluators(evaluations, model_config, predict, summed_metrics)
   return Task("mlm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               mlm_loss(model, use_segments=use_segments), batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"),
