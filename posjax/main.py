@@ -28,7 +28,7 @@ from ml_collections import config_flags
 from posjax import config_args, tasks
 from posjax.aot import compile as aot
 from posjax.cli import error_message, run_user_errors
-from posjax.experiments import probes, sweep
+from posjax.experiments import length, probes, sweep
 from posjax.train import checkpoint, loop, peers
 
 # The one place the loop meets its tasks: ``train(config, workdir)`` trains the task ``config.task`` names.
@@ -37,6 +37,7 @@ train = functools.partial(loop.run, build_task=tasks.build)
 # ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), the probe table, or
 # a paper table's rows (``experiments/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
 JOBS = {"train": train, "probes": functools.partial(probes.run, train=train),
+        "length": functools.partial(length.run, train=train),
         "table": functools.partial(sweep.run_table, train=train)}
 
 _FLAGS = {}

@@ -1,0 +1,151 @@
+"""The length-generalisation harness: each position method trained at one length by the training loop (a decoder on
+next-token prediction, ``model="clm"``, or an encoder on MLM, ``model="mlm"``) and evaluated on held-out text of the
+same corpus at 1x, 2x, 4x, 8x and 16x that length (the corpus evaluators' ``length_multiple``). ``run(config,
+workdir, train)`` takes the loop as ``train(config, workdir)`` (:mod:`posjax.main` composes it).
+
+It writes ``length.md`` (a table per measure, method x length: perplexity, next-token or masked-token, and token
+accuracy), ``length.json`` and ``length.png`` (perplexity against length, one line per method) in the workdir. A method
+with a learned position table reports ``unsupported`` past it, never clamped. Each method runs in
+``workdir/runs/<method>``; a restarted harness skips finished methods (and a killed run resumes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import jax
+
+from posjax import config_args
+from posjax import results as results_lib
+from posjax.config_args import POSITIVE
+from posjax.experiments import plots
+from posjax.experiments.probes import COLORS
+from posjax.train import validate as run_checks
+
+MODELS = {"clm": "configs/clm.py", "mlm": "configs/pretrain.py"}
+MEASURES = ("perplexity", "accuracy")
+RANGES = {"steps": POSITIVE, "train_len": POSITIVE, "batch_size": POSITIVE, "eval_batches": POSITIVE}
+
+
+def run_config(config, method: str):
+  """The training-loop config of one method: the model's base config (``configs/clm.py`` or ``pretrain.py``) with
+  the harness's length, steps and an evaluator per multiple."""
+  base = config_args.load_config(f"{MODELS[config.model]}:position={method},size={config.size}"
+                                 + (",runlocal" if config.runlocal else ""))
+  base = config_args.apply_overrides(base, dict(config.overrides))
+  base.update(total_steps=config.steps, max_len=config.train_len, batch_size=config.batch_size,
+              eval_every_steps=config.steps, checkpoint_every_steps=config.steps, seed=config.seed)
+  base.warmup_steps = min(base.warmup_steps, config.steps // 10)
+  base.progress = False
+  spec = {**base.evals.eval.to_dict(), "batches": config.eval_batches}
+  base.evals = {f"x{m}": {**spec, "length_multiple": m} for m in config.eval_multiples}
+  return base
+
+
+def measures(metrics: dict, config) -> dict:
+  """``{measure: {length: value or "unsupported"}}`` from a run's ``results.json`` metrics."""
+  out = {measure: {} for measure in MEASURES}
+  for m in config.eval_multiples:
+    values = metrics[f"x{m}"]
+    length = str(config.train_len * m)
+    if values.get("loss") == results_lib.UNSUPPORTED:
+      for measure in MEASURES:
+        out[measure][length] = results_lib.UNSUPPORTED
+      continue
+    out["perplexity"][length] = values.get("perplexity", math.exp(min(values["loss"], 700.0)))
+    out["accuracy"][length] = values["accuracy"]
+  return out
+
+
+def tables(results: dict, config) -> str:
+  """A markdown table per measure: a row per method, a column per evaluation length."""
+  lengths = [str(config.train_len * m) for m in config.eval_multiples]
+  what = "next-token" if config.model == "clm" else "masked-token"
+  parts = []
+  for measure in MEASURES:
+    title = f"{what} {measure}" + (" (lower is better)" if measure == "perplexity" else " (%)")
+    rows = [f"**{title}**", "", "| method | " + " | ".join(f"@{l}" for l in lengths) + " |",
+            "|" + "---|" * (1 + len(lengths))]
+    for method in config.methods:
+      cells = []
+      for length in lengths:
+        value = results.get(method, {}).get(measure, {}).get(length)
+        cells.append("—" if value is None else value if value == results_lib.UNSUPPORTED
+                     else f"{value:.2f}" if measure == "perplexity" else f"{100 * value:.1f}")
+      rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    parts.append("\n".join(rows))
+  return "\n\n".join(parts)
+
+
+def plot(results: dict, config, path: str) -> None:
+  """Perplexity against evaluation length (both log scale), one line per method; a method that runs at the training
+  length alone is a point."""
+  plt = plots.pyplot()
+  lengths = [config.train_len * m for m in config.eval_multiples]
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for i, method in enumerate(config.methods):
+    values = results.get(method, {}).get("perplexity", {})
+    points = [(l, values[str(l)]) for l in lengths if isinstance(values.get(str(l)), float)]
+    if points:
+      ax.plot(*zip(*points), marker="osD^v"[i % 5], color=COLORS[i % len(COLORS)],
+              linestyle=("-", "--", ":")[i % 3], label=method)
+  ax.axvline(config.train_len, color="grey", linestyle=":")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xticks(lengths, [str(l) for l in lengths])
+  ax.minorticks_off()
+  ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model == 'clm' else 'masked'}-token perplexity",
+         title=f"{config.model}, trained at length {config.train_len} (dotted line), {config.steps} steps")
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def validate(config) -> None:
+  """What can fail before the workdir is written: ranges, the model, the multiples, every method's run config."""
+  config_args.check_ranges(config, RANGES)
+  if config.model not in MODELS:
+    raise ValueError(f"config.model={config.model!r}; allowed: {list(MODELS)}")
+  if not config.eval_multiples or any(int(m) != m or m < 1 for m in config.eval_multiples):
+    raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
+  for method in config.methods:
+    run_config(config, method)
+
+
+def run(config, workdir: str, train) -> dict:
+  """Trains and evaluates every method not yet in ``workdir/length.json``, each a run of the training loop in
+  ``workdir/runs/<method>``; writes the tables and the plot. The workdir's config must match (``methods``
+  excepted: a rerun may add methods). Compiled programs are cached in ``workdir/compilation_cache``."""
+  validate(config)
+  os.makedirs(workdir, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compilation_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  run_checks.check_workdir_config(config, workdir, ignore=("methods",))
+  path = os.path.join(workdir, "length.json")
+  results = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      results = json.load(f)
+  start = time.perf_counter()
+  for method in config.methods:
+    if method in results:
+      continue
+    run_dir = os.path.join(workdir, "runs", method)
+    train(run_config(config, method), run_dir)
+    with open(os.path.join(run_dir, "results.json")) as f:
+      results[method] = measures(json.load(f)["metrics"], config)
+    results_lib.write_json(path, results, sort_keys=False)
+    cells = ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.1f}'}"
+                      for l, v in results[method]["perplexity"].items())
+    print(f"[{time.perf_counter() - start:5.0f}s] {method:>12} perplexity {cells}", flush=True)
+  text = tables(results, config)
+  with open(os.path.join(workdir, "length.md"), "w") as f:
+    f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
+            f"{', '.join(f'{m}x' for m in config.eval_multiples)}\n\n{text}\n")
+  plot(results, config, os.path.join(workdir, "length.png"))
+  print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png", flush=True)
+  return results

@@ -1,0 +1,45 @@
+"""The length-generalisation harness (``configs/length.py``): every method trained once, evaluated at multiples of
+its length, the tables and the plot written, ``unsupported`` past a learned table, finished methods skipped."""
+
+import json
+
+import pytest
+
+from posjax.experiments import length
+from posjax.main import train
+from conftest import load_config
+
+
+def harness_config(methods="alibi+absolute", **fields):
+  config = load_config("length", f"methods={methods},runlocal")
+  config.update({"steps": 12, "eval_multiples": (1, 2), "eval_batches": 1, **fields})
+  return config
+
+
+def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_path):
+  config = harness_config()
+  results = length.run(config, str(tmp_path), train)
+  assert results["absolute"]["perplexity"]["64"] == "unsupported"
+  assert isinstance(results["absolute"]["perplexity"]["32"], float)
+  assert all(isinstance(v, float) and v > 1 for v in results["alibi"]["perplexity"].values())
+  text = (tmp_path / "length.md").read_text()
+  assert "**next-token perplexity (lower is better)**" in text and "| `absolute` |" in text
+  assert "| `absolute` | " in text and "unsupported" in text
+  assert (tmp_path / "length.png").stat().st_size > 0
+  run = json.loads((tmp_path / "runs" / "alibi" / "config.json").read_text())
+  assert run["task"] == "clm" and run["max_len"] == 32 and run["evals"]["x2"]["length_multiple"] == 2
+
+  def must_not_train(*args):
+    raise AssertionError("a finished method was trained again")
+
+  assert length.run(config, str(tmp_path), must_not_train) == results
+
+
+def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):
+  with pytest.raises(ValueError, match=r"config.model='gpt'; allowed: \['clm', 'mlm'\]"):
+    length.run(harness_config(model="gpt"), str(tmp_path / "a"), train)
+  with pytest.raises(ValueError, match=r"eval_multiples=\(0,\) must be whole numbers >= 1"):
+    length.run(harness_config(eval_multiples=(0,)), str(tmp_path / "b"), train)
+  with pytest.raises(ValueError, match="unknown position method 'fir'"):
+    load_config("length", "methods=fire+fir,runlocal")
+  assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
