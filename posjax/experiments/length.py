@@ -96,7 +96,9 @@ def plot(results: dict, config, path: str) -> None:
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xticks(lengths, [str(l) for l in lengths])
-  ax.minorticks_off()
+  ax.xaxis.set_minor_locator(plt.NullLocator())
+  ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
+  ax.yaxis.set_minor_formatter(plt.FormatStrFormatter("%g"))
   ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model == 'clm' else 'masked'}-token perplexity",
          title=f"{config.model}, trained at length {config.train_len} (dotted line), {config.steps} steps")
   ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
