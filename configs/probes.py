@@ -7,7 +7,7 @@ Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
   size: ``tiny`` (2×64, the CPU demo) or ``small`` (4×256, for an accelerator).
 
   python -m posjax.main --config=configs/probes.py --workdir=workdir/probes
-  (2 CPU cores: about 3¼ minutes for all 15 methods × 3 tasks.)
+  (2 CPU cores: about 5 minutes for all 19 methods × 3 tasks.)
 """
 
 import ml_collections
