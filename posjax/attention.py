@@ -82,8 +82,9 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
   if kernel in ("cudnn", "pallas") and not spec.fusable:
     raise ValueError(
         f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
-        f"{spec.options}: it needs the full logits (multiplicative terms) or the attention weights (value "
-        f"term); use kernel 'xla' (or 'auto', which falls back to it)")
+        f"{spec.options}: the fused kernels do not build its terms (multiplicative terms and Shaw's value term "
+        f"need the full logits or the weights; KERPLE's and FIRE's biases are not in the kernels yet); use kernel "
+        f"'xla' (or 'auto', which falls back to it)")
 
 
 def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool, platform: str | None = None) -> str:

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax.linen import unbox as nn_unbox
+
 from posjax import attention, positions
+from posjax.kernels.xla import position_bias
 from posjax.positions import absolute, alibi, relative, t5
 from conftest import PACKED_POSITIONS, OneLayer, randomize
 import reference
@@ -240,3 +243,32 @@ def test_bfloat16_compute_errs_no_more_than_a_small_multiple_of_rounding_its_inp
   rounding = np.abs(reference_output(name, jax.tree.map(to_bf16, params), to_bf16(x), PACKED_POSITIONS) - want).max()
   error = np.abs(np.asarray(out, np.float64) - want).max()
   assert error <= 3 * rounding, f"{name}: bfloat16 error {error:.3g}, {error / rounding:.1f}x rounding's {rounding:.3g}"
+
+
+def test_kerple_parameters_below_eps_keep_training_and_start_as_the_official_code():
+  """The clamp is straight-through (a stored value below eps still gets its gradient), and the power kernel draws its
+  exponent from U(0, 2) and its scale from U(0, 1) (chijames/KERPLE's ParallelKerplePower)."""
+  spec = positions.make("kerple_power", num_heads=256, hidden_size=512, max_len=16)
+  layer = spec.method.layer(spec=spec)
+  q = jnp.ones((1, 6, 256, 2))
+  state = spec.method.encoder(spec=spec).apply({}, jnp.arange(6)[None])
+  params = layer.init(jax.random.PRNGKey(0), q, q, state, 1.0)["params"]
+  r1, r2 = np.asarray(nn_unbox(params["r1"])), np.asarray(nn_unbox(params["r2"]))
+  assert r1.max() < 1.0 < r2.max() < 2.0 and r1.min() > 0 and r2.min() > 0
+  low = {"r1": jnp.full((256,), -0.5), "r2": jnp.full((256,), 0.001)}
+  bias = lambda p: jnp.sum(jnp.sin(position_bias_of(layer.apply({"params": p}, q, q, state, 1.0).terms, state.positions)))
+  grads = jax.grad(bias)(low)
+  assert np.all(np.asarray(grads["r1"]) != 0) and np.all(np.asarray(grads["r2"]) != 0)
+
+
+def test_options_a_decoder_cannot_compute_are_errors():
+  spec = positions.make("t5", {"max_distance": 16}, num_heads=2, hidden_size=16, max_len=64, causal=True)
+  with pytest.raises(ValueError, match=r"max_distance=16 must exceed the 16 exact buckets"):
+    spec.method.encoder(spec=spec).init(jax.random.PRNGKey(0), jnp.arange(8)[None])
+  with pytest.raises(ValueError, match=r"scaling='dynamic' grows the base from the model's max_len"):
+    positions.make("rope", {"scaling": "dynamic", "factor": 2.0, "original_max_len": 512}, num_heads=2,
+                   hidden_size=16, max_len=64)
+
+
+def position_bias_of(terms, positions_BxL):
+  return position_bias(terms, positions_BxL, 1.0)

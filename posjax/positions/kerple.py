@@ -7,11 +7,12 @@ each layer's bias, two learned positive scalars per head.
 | kerple_power   | ``-r1 |r|^r2``, ``0 < r2 <= 2``       |
 
 As the official code (chijames/KERPLE, ``ParallelKerpleLog`` / ``ParallelKerplePower``): one ``(r1, r2)`` per head in
-every layer, ``r1 ~ U(0, 2)``, ``r2 ~ U(0, 1)``, kept at or above ``eps = 0.01``. The official code clamps the
-parameters in place after each step; posjax clamps them where they are read, which is the same forward pass (a
-parameter below ``eps`` then gets no gradient until an update moves it back, where the official one is reset to
-``eps``). The power kernel's ``r2`` is also kept at or below 2, the paper's condition for the kernel. The encoder's
-form is symmetric in ``|r|``, the decoders' the same under the causal mask. The dense ``xla`` path computes it
+every layer, kept at or above ``eps = 0.01``; the log kernel draws ``r1 ~ U(0, 2)``, ``r2 ~ U(0, 1)``, the power
+kernel its exponent ``r2 ~ U(0, 2)`` (kept at or below 2, the paper's condition) and its scale ``r1 ~ U(0, 1)``. The
+official code clamps the stored parameters after each step; posjax clamps them where they are read, with the
+gradient passed straight through the clamp, so a parameter below ``eps`` keeps training (the forward pass is the
+official one; the stored value may sit below ``eps`` where the official one is reset to it). The encoder's form is
+symmetric in ``|r|``, the decoders' the same under the causal mask. The dense ``xla`` path computes it
 (:class:`posjax.kernels.Kerple`); the fused kernels do not yet.
 """
 
@@ -38,6 +39,11 @@ class KerpleOptions:
       raise ValueError(f"eps={self.eps} must be positive")
 
 
+def clamp_straight_through(x, low: float, high: float | None = None):
+  """``clip(x, low, high)`` forward, the identity backward: a clamped parameter keeps its gradient."""
+  return x + jax.lax.stop_gradient(jnp.clip(x, low, high) - x)
+
+
 def uniform_init(high: float):
   """U(0, high) with the heads' logical axis."""
   return nn.with_logical_partitioning(lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, 0.0, high),
@@ -52,11 +58,12 @@ class KerpleLayer(nn.Module):
   @nn.compact
   def __call__(self, q, k, state, scale):
     spec, eps = self.spec, self.spec.options.eps
-    r1 = jnp.maximum(self.param("r1", uniform_init(2.0), (spec.num_heads,), spec.param_dtype), eps)
-    r2 = jnp.maximum(self.param("r2", uniform_init(1.0), (spec.num_heads,), spec.param_dtype), eps)
     kind = spec.name.removeprefix("kerple_")
-    if kind == "power":
-      r2 = jnp.minimum(r2, 2.0)
+    power = kind == "power"
+    r1 = clamp_straight_through(self.param("r1", uniform_init(1.0 if power else 2.0), (spec.num_heads,),
+                                           spec.param_dtype), eps)
+    r2 = clamp_straight_through(self.param("r2", uniform_init(2.0 if power else 1.0), (spec.num_heads,),
+                                           spec.param_dtype), eps, 2.0 if power else None)
     return base.DenseLayerTerms(q, k, terms=kernels.Terms(kerple=kernels.Kerple(r1, r2, kind)))
 
 

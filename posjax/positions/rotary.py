@@ -32,7 +32,8 @@ class RopeOptions:
     (Llama 3.1: long wavelengths / factor, short ones kept, a smooth ramp between).
   factor: the extension factor (1 with ``none``).
   original_max_len: the length the model was trained at (``original_max_position_embeddings``); None: the model's
-    ``max_len`` (Hugging Face's ``max_position_embeddings``). ``llama3`` needs it.
+    ``max_len`` (Hugging Face's ``max_position_embeddings``). ``llama3`` needs it; ``dynamic`` takes none (Hugging
+    Face's grows the base from ``max_position_embeddings``, the model's ``max_len``, whatever this key says).
   beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate: YaRN's keys (defaults 32, 1, None, None,
     None: from the factor, True).
   low_freq_factor, high_freq_factor: Llama 3.1's keys (its defaults 1 and 4).
@@ -63,6 +64,9 @@ class RopeOptions:
       raise ValueError(f"factor={self.factor} must be >= 1 with scaling={self.scaling!r}")
     if self.original_max_len is not None and self.original_max_len < 1:
       raise ValueError(f"original_max_len={self.original_max_len} must be >= 1 (or None for the model's max_len)")
+    if self.scaling == "dynamic" and self.original_max_len is not None:
+      raise ValueError("scaling='dynamic' grows the base from the model's max_len (Hugging Face's "
+                       "max_position_embeddings); original_max_len must be None")
     if self.scaling == "llama3":
       if self.original_max_len is None:
         raise ValueError("scaling='llama3' needs original_max_len (Llama 3.1: 8192)")

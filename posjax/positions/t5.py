@@ -26,7 +26,8 @@ class T5Options:
   bidirectional: bool | None = None
 
   def __post_init__(self):
-    check_buckets(self.num_buckets, self.max_distance, self.bidirectional is not False)
+    if self.bidirectional is not None:  # None: checked once the model says which (t5_terms)
+      check_buckets(self.num_buckets, self.max_distance, self.bidirectional)
 
 
 class BucketTable(nn.Module):
@@ -47,6 +48,7 @@ def t5_terms(spec: base.PositionSpec, name: str = "relative_bias") -> kernels.Te
   opts = spec.options
   table = BucketTable(spec.num_heads, opts.num_buckets, spec.param_dtype, name=name)()
   bidirectional = not spec.causal if opts.bidirectional is None else opts.bidirectional
+  check_buckets(opts.num_buckets, opts.max_distance, bidirectional)
   return kernels.Terms(buckets=kernels.Buckets(table, num_buckets=opts.num_buckets, max_distance=opts.max_distance,
                                                bidirectional=bidirectional))
 
