@@ -295,9 +295,17 @@ class Fire:
     c = jnp.abs(self.c.astype(jnp.float32))
     psi = lambda x_S: jnp.log(c * x_S + 1.0)
     normaliser_S = psi(jnp.maximum(query_positions_S.astype(jnp.float32), jnp.abs(self.threshold))) + self.eps
-    u_Sx1 = (psi(jnp.abs(rel_S).astype(jnp.float32)) / normaliser_S)[..., None]
-    hidden_SxW = jax.nn.relu(u_Sx1 * self.w1.astype(jnp.float32) + self.b1.astype(jnp.float32))
-    return hidden_SxW @ self.w2.astype(jnp.float32) + self.b2.astype(jnp.float32)
+    u_S = psi(jnp.abs(rel_S).astype(jnp.float32)) / normaliser_S
+
+    @jax.checkpoint  # one hidden unit at a time, recomputed backward: no [..., W] tensor is kept
+    def unit(bias_SxH, w):
+      w1, b1, w2_H = w
+      return bias_SxH + jax.nn.relu(u_S * w1 + b1)[..., None] * w2_H, None
+
+    bias_SxH = jnp.broadcast_to(self.b2.astype(jnp.float32), (*u_S.shape, self.b2.shape[-1]))
+    bias_SxH, _ = jax.lax.scan(unit, bias_SxH, (self.w1.astype(jnp.float32), self.b1.astype(jnp.float32),
+                                                self.w2.astype(jnp.float32)))
+    return bias_SxH
 
 
 @flax.struct.dataclass
