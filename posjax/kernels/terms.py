@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 RESETS = ("official", "paper", "none")
 TILED = ("alibi", "buckets", "relative", "untied")  # the terms the Pallas kernels build per tile
+NAMES = (*TILED, "kerple", "fire")  # every field of Terms; the rest only the xla path computes
 KERPLES = ("log", "power")
 
 
@@ -321,7 +322,11 @@ class Terms:
 
   def tiled(self) -> bool:
     """Whether the Pallas kernels compute every term given (:data:`TILED`)."""
-    return all(getattr(self, name) is None for name in ("kerple", "fire"))
+    return all(getattr(self, name) is None for name in NAMES if name not in TILED)
+
+  def empty(self) -> bool:
+    """Whether no term is given."""
+    return all(getattr(self, name) is None for name in NAMES)
 
   def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
     """Shapes and options, with errors that say what was given and what is allowed."""
@@ -384,7 +389,7 @@ def merge(*parts: Terms | None) -> Terms:
   for part in parts:
     if part is None:
       continue
-    for name in (*TILED, "kerple", "fire"):
+    for name in NAMES:
       value = getattr(part, name)
       if value is not None:
         if name in fields:

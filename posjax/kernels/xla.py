@@ -23,7 +23,7 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
   ``Q = L``), None without terms. ``Bp`` is the batch of the positions (or of the terms' rows, where larger).
   Relative vectors read q and k (``q_BxQxHxK``: the rows' queries); the other terms need positions only, so an
   encoder computes them once for every layer."""
-  if all(t is None for t in (terms.alibi, terms.buckets, terms.relative, terms.untied, terms.kerple, terms.fire)):
+  if terms.empty():
     return None
   take = lambda x_BxLxS: x_BxLxS if rows_Q is None else jnp.take(x_BxLxS, rows_Q, axis=1)
   positions_BxL = jnp.asarray(positions_BxL, jnp.int32)

@@ -8,9 +8,10 @@ A position method may contribute to three places, and each is a separate, explic
 | shared terms (:class:`~posjax.kernels.Terms`) | once per forward pass     | t5, bert_r, tupe_a/r, alibi      |
 | per-layer q/k transforms and terms        | in every attention layer      | shaw, huang_m1..m4, bert_ad, rope|
 
-Every bias is a :class:`posjax.kernels.Terms` (ALiBi, buckets, relative vectors, TUPE's untied term): a fused kernel
-builds it per tile, the ``xla`` path adds its dense form from :mod:`posjax.kernels.xla`, the one reference. Only the
-multiplicative Methods 1-3 and Shaw's value term are not terms (:class:`DenseLayerTerms`: the ``xla`` path alone).
+Every bias is a :class:`posjax.kernels.Terms` (ALiBi, buckets, relative vectors, TUPE's untied term, KERPLE, FIRE):
+a fused kernel builds it per tile, the ``xla`` path adds its dense form from :mod:`posjax.kernels.xla`, the one
+reference. Only the multiplicative Methods 1-3 and Shaw's value term are not terms; they, and KERPLE's and FIRE's
+terms (not in the kernels yet), come as :class:`DenseLayerTerms`: the ``xla`` path alone.
 
 ``Bp`` is the batch size of the ``positions`` array: 1 when every row shares the default ``0..L-1``
 positions (the shared terms are then computed once for the whole batch), ``B`` for packed batches.
