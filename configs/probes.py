@@ -5,6 +5,12 @@ Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
   methods: ``+``-separated registry names; default all.
   steps: training steps per (method, task).
   size: ``tiny`` (2×64, the CPU demo) or ``small`` (4×256, for an accelerator).
+  tasks: ``+``-separated probe tasks (:mod:`posjax.tasks.probe`); default ``copy_left+reverse+index``, the demo's
+    table. Kazemnejad et al. 2023's ``copy``, ``sort``, ``parity`` and ``addition`` are opt-in
+    (``tasks=copy+sort+parity+addition``), so that the demo's table stays the one docs/probes.md records.
+  decoder: decoder-only probe models (causal attention, ``model.causal=True``), as Kazemnejad et al.'s; the tasks
+    take their decoder form and ``reverse``, which labels a token with a later one, is refused
+    (``configs/probes.py:decoder,tasks=copy+sort+parity+addition``).
 
   python -m posjax.main --config=configs/probes.py --workdir=workdir/probes
   (2 CPU cores: about 5 minutes for all 19 methods × 3 tasks.)
@@ -22,7 +28,7 @@ SIZES = {
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, methods="", steps=300, size="tiny")
+  arg = parse_arg(arg, methods="", steps=300, size="tiny", tasks="copy_left+reverse+index", decoder=False)
   if arg.size not in SIZES:
     raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
   config = ml_collections.ConfigDict()
@@ -31,7 +37,7 @@ def get_config(arg=None):
   config.methods = tuple(arg.methods.split("+")) if arg.methods else tuple(positions.names())
   for method in config.methods:
     positions.get(method)
-  config.tasks = ("copy_left", "reverse", "index")
+  config.tasks = tuple(arg.tasks.split("+")) if arg.tasks else ()
   config.symbols = 16
   config.shift = 2  # copy_left: copy the symbol this many places to the left
   config.index = 3  # index: copy the symbol at this absolute index
@@ -43,4 +49,6 @@ def get_config(arg=None):
   config.batch_size = 32
   config.eval_batch_size = 256
   config.model = ml_collections.ConfigDict(SIZES[arg.size])
+  if arg.decoder:  # set only for decoders: an encoder's config stays the one earlier workdirs hold
+    config.model.causal = True
   return config

@@ -1,8 +1,10 @@
 """The position probes of ``make demo``: one tiny encoder per position method and probe task
-(:mod:`posjax.tasks.probe`: copy the symbol to the left, reverse, copy an absolute index), each trained by the
-training loop at one length and evaluated at 1×, 2× and 4× that length (Huang et al.'s inductive question: which
-methods work on sequences longer than seen in training). ``run(config, workdir, train)`` takes the loop as
-``train(config, workdir)`` (:mod:`posjax.main` composes it).
+(:mod:`posjax.tasks.probe`: copy the symbol to the left, reverse, copy an absolute index; opt-in, Kazemnejad et al.
+2023's copy, sort, parity and addition), each trained by the training loop at one length and evaluated at 1×, 2× and
+4× that length (Huang et al.'s inductive question: which methods work on sequences longer than seen in training).
+With ``model.causal=True`` the probe models are decoders, as Kazemnejad et al.'s, and the tasks take their decoder
+form. ``run(config, workdir, train)`` takes the loop as ``train(config, workdir)`` (:mod:`posjax.main` composes it);
+the length harness (:mod:`posjax.experiments.length`) runs it too.
 
 A method with a learned table of positions cannot encode the longer sequences: its cells say
 ``unsupported`` instead of clamping. Results go to ``results.md`` / ``results.json`` in the workdir, with
@@ -113,7 +115,7 @@ def plot_accuracy(results: dict, config, path: str) -> None:
 def plot_tupe_correlation(config, params, path: str) -> None:
   """The learned positional correlation of a TUPE-A probe: one ``[L, L]`` map per head (TUPE's Figure 6)."""
   plt = plots.pyplot()
-  model = probe_task.Probe(probe_task.model_config(config, "tupe_a"), config.symbols)
+  model = probe_task.Probe(probe_task.model_config(config, "tupe_a", config.tasks[0]), config.symbols)
   _, state = model.apply({"params": params}, jnp.zeros((1, config.train_len), jnp.int32), mutable=["intermediates"])
   bias_HxLxL = np.asarray(state["intermediates"]["encoder"]["position_bias"][0][0])
   plots.head_maps(bias_HxLxL, path, "TUPE-A learned positional correlation", panel=(3.0, 3.0), tick_every=4)
@@ -125,11 +127,15 @@ RANGES = {"steps": POSITIVE, "warmup_steps": NON_NEGATIVE, "learning_rate": NON_
 
 
 def validate(config) -> None:
-  """Every check that can fail before the workdir is written: ranges, tasks, methods and their models."""
+  """Every check that can fail before the workdir is written: ranges, tasks (their decoder form with
+  ``model.causal``), methods and their models."""
   config_args.check_ranges(config, RANGES)
   unknown = sorted(set(config.tasks) - set(probe_task.TASKS))
   if unknown:
     raise ValueError(f"unknown probe task(s) {unknown}; allowed: {list(probe_task.TASKS)}")
+  for task in config.tasks:
+    probe_task.check(task, causal=bool(config.model.get("causal", False)), symbols=config.symbols,
+                     length=config.train_len)
   if config.warmup_steps > config.steps:
     raise ValueError(f"config.steps={config.steps} is shorter than the learning-rate warm-up "
                      f"(config.warmup_steps={config.warmup_steps}); give at least as many steps")
@@ -138,15 +144,16 @@ def validate(config) -> None:
       raise ValueError(f"config.{field}={config[field]} must be below config.train_len={config.train_len}")
   if not config.eval_multiples or any(m < 1 for m in config.eval_multiples):
     raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
+  task = config.tasks[0] if config.tasks else probe_task.TASKS[0]  # its vocabulary changes nothing checked here
   for method in config.methods:
-    model = probe_task.Probe(probe_task.model_config(config, method), config.symbols)
+    model = probe_task.Probe(probe_task.model_config(config, method, task), config.symbols)
     jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, config.train_len), jnp.int32))
 
 
 def run(config, workdir: str, train) -> dict:
   """Trains and evaluates every (method, task) not yet in ``workdir``'s results, each a run of the training
-  loop in ``workdir/runs/<method>/<task>``. The workdir's config must match (``methods`` excepted: a run may
-  add methods to a table). Compiled programs are cached in ``workdir/compilation_cache`` (JAX's persistent
+  loop in ``workdir/runs/<method>/<task>``. The workdir's config must match (``methods`` and ``tasks`` excepted: a
+  run may add methods or tasks to a table). Compiled programs are cached in ``workdir/compilation_cache`` (JAX's persistent
   cache): a method's three tasks compile the same programs, and a rerun compiles nothing."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
@@ -154,7 +161,7 @@ def run(config, workdir: str, train) -> dict:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   path = os.path.join(workdir, "results.json")
   known = os.path.exists(os.path.join(workdir, "config.json"))
-  run_checks.check_workdir_config(config, workdir, ignore=("methods",))
+  run_checks.check_workdir_config(config, workdir, ignore=("methods", "tasks"))
   results = {}
   if os.path.exists(path) and known:
     with open(path) as f:

@@ -1,12 +1,39 @@
-"""Position probes as a task of the training loop: tiny encoders on synthetic sequences where position is the
-whole difficulty, trained at one length and evaluated at multiples of it (:mod:`posjax.experiments.probes` runs
-every method on every probe and tabulates them).
+"""Position probes as a task of the training loop: tiny encoders (or decoders, ``model.causal=True``) on synthetic
+sequences where position is the whole difficulty, trained at one length and evaluated at multiples of it
+(:mod:`posjax.experiments.probes` runs every method on every probe and tabulates them).
 
-Every sequence is ``[CLS]`` followed by random symbols; the model labels every token:
+Every sequence starts with ``[CLS]`` (id ``symbols``) and the model labels every token (a classifier over the
+symbols; a token of weight 0 is not scored):
 
 - ``copy_left``: the symbol ``shift`` places to the left (a purely relative task);
 - ``reverse``: the symbol at the mirrored place of the sequence (needs to know where the sequence ends);
 - ``index``: the symbol at absolute index ``index`` (a purely absolute task).
+
+Kazemnejad et al. 2023 ("The Impact of Positional Encoding on Length Generalization in Transformers") train
+decoder-only models on seq2seq tasks written as one sequence, the input then the output, and score the output. As
+per-token probes, the tasks below lay a row out as ``[CLS]``, the input, then blank answer slots (id ``symbols + 1``,
+a token of its own), and label the slots with the output, all at once (no teacher forcing: a slot sees the input and
+blanks, never an earlier answer, so no answer leaks into the next). Finding an answer's input means knowing how long
+the input is, which grows with the row: a length-generalisation question, as in the paper.
+
+- ``copy`` (the paper's Copy): ``n = (L - 1) // 2`` symbols, then ``n`` slots; slot ``j`` is labelled the input's
+  ``j``-th symbol;
+- ``sort`` (its Sorting, one token per number): the same layout; slot ``j`` is labelled the ``j``-th smallest input
+  symbol;
+- ``addition`` (its Addition): two numbers of ``n = (L - 2) // 3`` decimal digits each (symbols 0-9, least
+  significant digit first, so that a carry runs forward as a decoder reads), then ``n + 1`` slots labelled with the
+  sum's digits, least significant first;
+- ``parity`` (its Parity): random bits; token ``i`` is labelled the parity of the bits up to and including ``i``.
+  The paper asks for one answer, the whole sequence's parity, after the input; the prefix parity is that answer at
+  the last token and a label at every other one. It is chosen for the encoder too: the whole sequence's parity at
+  every token would not depend on order, so positions would not matter; the prefix's needs them (which bits are
+  before ``i``), and in a decoder the causal mask hands the prefix over.
+
+A row's last tokens that no slot needs (``L`` not filling the layout) are blanks of weight 0.
+
+A decoder labels a token from that token and the ones before it: ``copy_left``, ``copy``, ``sort``, ``addition``
+and ``parity`` need nothing later; ``index`` scores only the tokens after index ``index`` (the decoder form);
+``reverse`` labels a token with a later one, which a decoder cannot see, and is refused (:func:`check`).
 """
 
 from __future__ import annotations
@@ -21,11 +48,43 @@ from posjax.data import features
 from posjax.models import BertConfig, BertEncoder
 from posjax.train.task import Evaluator, Task, summed_metrics
 
-TASKS = ("copy_left", "reverse", "index")
+TASKS = ("copy_left", "reverse", "index", "copy", "sort", "parity", "addition")
+ANSWER_TASKS = ("copy", "sort", "addition")  # the input, then blank answer slots
+DECODER_REFUSED = ("reverse",)  # labels a token with a later one
+BASE = 10  # addition's digits
 
 
-def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, shift: int, index: int):
-  """``(input_ids, labels, weights)``, each ``[batch, length]``; id ``symbols`` is [CLS]."""
+def min_length(task: str) -> int:
+  """The shortest row that holds one of ``task``'s examples (one symbol, one digit per number)."""
+  return {"copy": 3, "sort": 3, "addition": 5}.get(task, 2)
+
+
+def check(task: str, *, causal: bool = False, symbols: int = BASE, length: int | None = None) -> None:
+  """Raises (one line) for a task that does not exist, a decoder task that needs later tokens, too few symbols for
+  the digits of ``addition``, or a row too short for one example."""
+  if task not in TASKS:
+    raise ValueError(f"unknown probe task {task!r}; allowed: {list(TASKS)}")
+  if causal and task in DECODER_REFUSED:
+    raise ValueError(f"probe task {task!r} labels a token with a later one, which a decoder (model.causal=True) "
+                     f"cannot see; decoder tasks: {[t for t in TASKS if t not in DECODER_REFUSED]}")
+  if task == "addition" and symbols < BASE:
+    raise ValueError(f"probe task 'addition' writes decimal digits: it needs symbols >= {BASE}, got {symbols}")
+  if length is not None and length < min_length(task):
+    raise ValueError(f"probe task {task!r} needs rows of at least {min_length(task)} tokens, got {length}")
+
+
+def vocab_size(task: str, symbols: int) -> int:
+  """The symbols, [CLS] and, for the tasks with answer slots, the blank."""
+  return symbols + (2 if task in ANSWER_TASKS else 1)
+
+
+def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, shift: int, index: int,
+               causal: bool = False):
+  """``(input_ids, labels, weights)``, each ``[batch, length]``; id ``symbols`` is [CLS], ``symbols + 1`` the blank
+  of an answer slot. ``causal``: the decoder form (see the module docstring)."""
+  check(task, causal=causal, symbols=symbols, length=length)
+  if task in ANSWER_TASKS or task == "parity":
+    return _sequence_task(task, rng, batch, length, symbols)
   x = rng.integers(0, symbols, size=(batch, length))
   x[:, 0] = symbols
   positions = np.arange(length)
@@ -37,17 +96,44 @@ def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, sym
   elif task == "reverse":
     labels[:, 1:] = x[:, length - positions[1:]]
     weights[:, 1:] = 1
-  elif task == "index":
+  else:  # index
     labels[:, 1:] = x[:, [index]]
-    weights[:, 1:] = 1
+    weights[:, (index + 1 if causal else 1):] = 1
     weights[:, index] = 0
-  else:
-    raise ValueError(f"unknown probe task {task!r}; allowed: {list(TASKS)}")
   return x.astype(np.int32), labels.astype(np.int32), weights
 
 
+def _sequence_task(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int):
+  """``copy``, ``sort``, ``addition`` (the input, then answer slots) and ``parity``, as :func:`make_batch`."""
+  x_BxL = np.full((batch, length), symbols + 1)
+  x_BxL[:, 0] = symbols
+  labels_BxL = np.zeros_like(x_BxL)
+  weights_BxL = np.zeros(x_BxL.shape, np.float32)
+  if task == "parity":
+    x_BxL[:, 1:] = rng.integers(0, 2, size=(batch, length - 1))
+    labels_BxL[:, 1:] = np.cumsum(x_BxL[:, 1:], axis=1) % 2
+    weights_BxL[:, 1:] = 1
+  elif task in ("copy", "sort"):
+    n = (length - 1) // 2
+    x_BxL[:, 1:n + 1] = rng.integers(0, symbols, size=(batch, n))
+    inputs_BxN = x_BxL[:, 1:n + 1]
+    labels_BxL[:, n + 1:2 * n + 1] = inputs_BxN if task == "copy" else np.sort(inputs_BxN, axis=1)
+    weights_BxL[:, n + 1:2 * n + 1] = 1
+  else:  # addition
+    n = (length - 2) // 3
+    x_BxL[:, 1:2 * n + 1] = rng.integers(0, BASE, size=(batch, 2 * n))
+    a_BxN, b_BxN = x_BxL[:, 1:n + 1], x_BxL[:, n + 1:2 * n + 1]
+    carry_B = np.zeros(batch, np.int64)
+    for k in range(n):  # digit by digit, least significant first
+      total_B = a_BxN[:, k] + b_BxN[:, k] + carry_B
+      labels_BxL[:, 2 * n + 1 + k], carry_B = total_B % BASE, total_B // BASE
+    labels_BxL[:, 3 * n + 1] = carry_B
+    weights_BxL[:, 2 * n + 1:3 * n + 2] = 1
+  return x_BxL.astype(np.int32), labels_BxL.astype(np.int32), weights_BxL
+
+
 class Probe(nn.Module):
-  """A BERT encoder and a per-token classifier over the probe's symbols."""
+  """A BERT encoder (a decoder with ``config.causal``) and a per-token classifier over the probe's symbols."""
 
   config: BertConfig
   symbols: int
@@ -58,18 +144,19 @@ class Probe(nn.Module):
     return nn.Dense(self.symbols, name="classifier")(h).astype(jnp.float32)
 
 
-def model_config(config, method: str) -> BertConfig:
-  """The probe encoder of ``method`` (``config``: symbols, train_len, model), without dropout."""
-  return BertConfig(vocab_size=config.symbols + 1, max_len=config.train_len, type_vocab_size=0, position=method,
-                    dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
+def model_config(config, method: str, task: str) -> BertConfig:
+  """The probe model of ``method`` for ``task`` (``config``: symbols, train_len, model; ``model.causal``: a
+  decoder), without dropout."""
+  return BertConfig(vocab_size=vocab_size(task, config.symbols), max_len=config.train_len, type_vocab_size=0,
+                    position=method, dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
 
 
 class ProbeBatches:
   """Endless training batches of one probe task; batch ``n`` is drawn from ``[seed, task, n]`` whole and each
   process takes its rows, so the batches depend on the seed alone and restoring costs nothing."""
 
-  def __init__(self, probe, *, seed: int, global_batch: int, length: int):
-    self.probe, self.seed, self.global_batch, self.length = probe, seed, global_batch, length
+  def __init__(self, probe, *, seed: int, global_batch: int, length: int, causal: bool = False):
+    self.probe, self.seed, self.global_batch, self.length, self.causal = probe, seed, global_batch, length, causal
     self.drawn = 0
     self._rows = features.process_rows(global_batch)
 
@@ -79,7 +166,7 @@ class ProbeBatches:
   def __next__(self) -> dict:
     rng = np.random.default_rng([self.seed, TASKS.index(self.probe.task), self.drawn])
     self.drawn += 1
-    return _rows(draw(self.probe, rng, self.global_batch, self.length), self._rows)
+    return _rows(draw(self.probe, rng, self.global_batch, self.length, self.causal), self._rows)
 
   def state(self) -> dict:
     return {"batches_drawn": self.drawn}
@@ -88,9 +175,10 @@ class ProbeBatches:
     self.drawn = int(state["batches_drawn"])
 
 
-def draw(probe, rng: np.random.Generator, batch: int, length: int) -> dict:
-  """A global batch of the probe's task, as the loss reads it."""
-  x, y, w = make_batch(probe.task, rng, batch, length, symbols=probe.symbols, shift=probe.shift, index=probe.index)
+def draw(probe, rng: np.random.Generator, batch: int, length: int, causal: bool = False) -> dict:
+  """A global batch of the probe's task (``causal``: its decoder form), as the loss reads it."""
+  x, y, w = make_batch(probe.task, rng, batch, length, symbols=probe.symbols, shift=probe.shift, index=probe.index,
+                       causal=causal)
   return {"input_ids": x, "labels": y, "weights": w}
 
 
@@ -100,14 +188,15 @@ def _rows(batch: dict, rows: slice) -> dict:
 
 def build(config, local_batch: int) -> Task:
   """One (method, task) probe for the training loop (``config.task = "probe"``, ``config.probe``: method, task,
-  symbols, shift, index, eval_multiples); evaluators of kind ``probe`` report token accuracy at each multiple
-  of the training length as ``<name>@<length>`` (``unsupported`` beyond a learned table)."""
+  symbols, shift, index, eval_multiples; ``config.model.causal``: a decoder and the task's decoder form); evaluators
+  of kind ``probe`` report token accuracy at each multiple of the training length as ``<name>@<length>``
+  (``unsupported`` beyond a learned table)."""
   del local_batch
   probe = config.probe
-  if probe.task not in TASKS:
-    raise ValueError(f"unknown probe task {probe.task!r}; allowed: {list(TASKS)}")
+  causal = bool(config.model.get("causal", False))
+  check(probe.task, causal=causal, symbols=probe.symbols, length=config.max_len)
   settings = ml_collections.ConfigDict(dict(symbols=probe.symbols, train_len=config.max_len, model=config.model))
-  bert = model_config(settings, probe.method)
+  bert = model_config(settings, probe.method, probe.task)
   model = Probe(bert, probe.symbols)
 
   def token_sums(params, batch):
@@ -134,9 +223,10 @@ def build(config, local_batch: int) -> Task:
         evaluators[f"{name}@{length}"] = Evaluator([], token_sums, None, unsupported=str(error),
                                                          metric_names=("accuracy",))
         continue
-      batch = draw(probe, np.random.default_rng([config.seed, 99, multiple]), eval_batch, length)
+      batch = draw(probe, np.random.default_rng([config.seed, 99, multiple]), eval_batch, length, causal)
       evaluators[f"{name}@{length}"] = Evaluator([_rows(batch, features.process_rows(eval_batch))],
                                                        token_sums, summed_metrics)
-  batches = ProbeBatches(probe, seed=config.seed, global_batch=config.batch_size, length=config.max_len)
+  batches = ProbeBatches(probe, seed=config.seed, global_batch=config.batch_size, length=config.max_len,
+                         causal=causal)
   return Task(f"probe/{probe.task}", model, bert, {"input_ids": jnp.zeros((1, config.max_len), jnp.int32)},
                     loss_fn, batches, evaluators, info={"position": bert.position})
