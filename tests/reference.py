@@ -147,6 +147,13 @@ def fire_bias(F, opts, r, query_position, h):
   return hidden @ F["w2"][:, h] + F["b2"][h]
 
 
+def sandwich_bias(opts, r, h, num_heads):
+  """Sandwich's bias at distance ``r`` for head ``h``: ``λ (Σ_f cos(r ω_f / ρ_h) - dim/2)`` (Chi et al. 2023)."""
+  dim, base = opts.get("dim", 128), opts.get("base", 10_000.0)
+  rho = 8 * (h + 1) / num_heads if opts.get("compression", "alibi") == "alibi" else 1.0
+  return opts.get("scale", 1.0) * (sum(math.cos(r * base ** (-2 * f / dim) / rho) for f in range(dim // 2)) - dim / 2)
+
+
 def logits(name, opts, P, x, pos, max_len, num_heads):
   """Reference attention logits ``[B, H, L, L]`` of one layer (harness: ``pos`` + ``attn`` modules)."""
   A = P["attn"]
@@ -206,6 +213,8 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
             e = xpos_logit(qi, kj, pos[b, i], pos[b, j], opts) * s
           elif name == "fire":
             e = qi @ kj * s + fire_bias(tables["fire"], opts, r, pos[b, i], h)
+          elif name == "sandwich":
+            e = qi @ kj * s + sandwich_bias(opts, r, h, H)
           else:
             raise KeyError(name)
           out[b, h, i, j] = e

@@ -277,10 +277,53 @@ def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
   np.testing.assert_allclose(out[1], np.broadcast_to(v[1].mean(axis=0), (12, 1, 4)), rtol=1e-5, atol=1e-6)
 
 
+def learned_terms(rng, heads, kind, width=5):
+  """KERPLE (``kind``), FIRE (a ``width``-unit MLP whose units switch inside the sequence, so every parameter has a
+  gradient; the threshold below the longest position, so both sides of ``max(p_i, L)`` occur, a tie included) and
+  Sandwich in one call."""
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  return kernels.Terms(
+      kerple=kernels.Kerple(jnp.asarray(rng.uniform(0.2, 1.5, heads), jnp.float32),
+                            jnp.asarray(rng.uniform(0.2, 1.8, heads), jnp.float32), kind),
+      fire=kernels.Fire(2.0 * f32(width), jnp.asarray(rng.uniform(-0.8, 0.2, width), jnp.float32), f32(width, heads),
+                        f32(heads), jnp.asarray(0.4, jnp.float32), jnp.asarray(-6.0, jnp.float32)),
+      sandwich=kernels.Sandwich(jnp.asarray(rng.uniform(1.0, 4.0, heads), jnp.float32), dim=12, scale=0.5))
+
+
+@pytest.mark.parametrize("interpreter,blocks,kind,causal", [(True, (8, 16), "log", True), ("tpu", (8, 8), "power", False),
+                                                            (True, (16, 8), "power", False), ("tpu", (16, 8), "log", True)])
+def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal):
+  """The terms computed per tile (KERPLE, FIRE's MLP a hidden unit at a time, Sandwich's embeddings) and the
+  per-tile gradient sums of KERPLE's and FIRE's scalars equal the dense ``xla`` path's autodiff, on packed and padded
+  rows (positions up to 11, the FIRE threshold at 6)."""
+  rng = np.random.default_rng(5)
+  batch, length, heads, head_dim = 2, 21, 2, 8
+  positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
+  segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
+  terms = learned_terms(rng, heads, kind)
+  q, k, v, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(4))
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=np.array([21, 15]), causal=causal, implementation=implementation,
+                                     block_sizes=blocks, interpret=interpreter)
+    return jnp.sum(out * weights)
+
+  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms) for impl in ("xla", "pallas"))
+  largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want))
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(y, x, rtol=2e-5, atol=2e-5 * largest, err_msg=jax.tree_util.keystr(path))
+  for name in ("r1", "r2"):
+    assert float(jnp.max(jnp.abs(getattr(want[3].kerple, name)))) > 1e-2 * largest
+  for name in ("w1", "b1", "w2", "c", "threshold"):
+    assert float(jnp.max(jnp.abs(getattr(want[3].fire, name)))) > 1e-4 * largest, name
+
+
 MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}),
           ("tupe_a", {"cls_reset": "paper", "share_across_layers": False}),
           ("tupe_r", {"relative_distance": "clip", "max_distance": 6, "cls_reset": "none"}),
-          ("shaw", {"max_distance": 3}), ("huang_m4", {}), ("rope", {})]
+          ("shaw", {"max_distance": 3}), ("huang_m4", {}), ("rope", {}), ("kerple_log", {}),
+          ("fire", {"threshold": 8.0}), ("sandwich", {})]
 
 
 @pytest.mark.parametrize("position,options", MODELS, ids=[f"{m}-{'-'.join(map(str, o.values()))}" for m, o in MODELS])
@@ -316,6 +359,10 @@ LOWERED = {
     "huang_m4": lambda f32: kernels.Terms(relative=kernels.Relative(f32(15, 24), 7, query=True, key=True)),
     "huang_m4 window": lambda f32: kernels.Terms(relative=kernels.Relative(f32(79, 24), 39, query=True, key=True,
                                                                                   window=True)),
+    "kerple+fire+sandwich": lambda f32: kernels.Terms(
+        kerple=kernels.Kerple(jnp.ones(2), jnp.ones(2), "power"),
+        fire=kernels.Fire(f32(32), f32(32), f32(32, 2), f32(2), jnp.asarray(0.1), jnp.asarray(512.0)),
+        sandwich=kernels.Sandwich(jnp.ones(2))),
     # 259 bucket entries and 257 gathered distances: the backward scatters them in pieces (a one-hot of
     # [64, 64, 512] is over Triton's 2^20 elements)
     "wide tables": lambda f32: kernels.Terms(

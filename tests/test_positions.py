@@ -33,6 +33,7 @@ CASES = [
     ("kerple_log", {}), ("kerple_power", {}), ("kerple_log", {"eps": 0.3}), ("fire", {}), ("fire", {"threshold": 4.0}),
     ("fire", {"share_across_layers": True, "c": 0.5, "threshold": 2.0}),
     ("xpos", {}), ("xpos", {"scale_base": 4.0, "gamma": 0.2}),
+    ("sandwich", {}), ("sandwich", {"dim": 10, "compression": "none", "scale": 0.3, "base": 100.0}),
 ]
 
 

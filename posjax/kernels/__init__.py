@@ -32,11 +32,12 @@ from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import exact, fold, mosaic, tile, triton, xla
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import Alibi, Buckets, Fire, Kerple, Relative, Terms, Untied, check_rows, merge
+from posjax.kernels.terms import Alibi, Buckets, Fire, Kerple, Relative, Sandwich, Terms, Untied, check_rows, merge
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = ("cpu", "gpu", "tpu")
-__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "merge",
+__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
+           "merge",
            "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
@@ -126,8 +127,6 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
     return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH)
-  if not terms.tiled():
-    raise ValueError("the Pallas kernels do not compute KERPLE or FIRE terms yet; use implementation='xla'")
   platform = jax.default_backend() if platform is None else platform
   if platform not in PLATFORMS:
     raise ValueError(f"platform={platform!r}; allowed: None (the default backend's) or one of {list(PLATFORMS)}")
@@ -192,6 +191,12 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
     specs["buckets"] = terms.buckets.replace(table=P(None, heads))
   if terms.relative is not None:
     specs["relative"] = terms.relative.replace(table=P())
+  if terms.kerple is not None:
+    specs["kerple"] = terms.kerple.replace(r1=P(heads), r2=P(heads))
+  if terms.fire is not None:
+    specs["fire"] = terms.fire.replace(w1=P(), b1=P(), w2=P(None, heads), b2=P(heads), c=P(), threshold=P())
+  if terms.sandwich is not None:
+    specs["sandwich"] = terms.sandwich.replace(ratios=P(heads))
   if terms.untied is not None:
     u = terms.untied
     rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)

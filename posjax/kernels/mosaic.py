@@ -16,8 +16,10 @@ axis runs sequentially, q/k/v tiles brought in by BlockSpecs, running statistics
   skewed by :func:`_skew` (static rolls and selects: Mosaic's strided rotate exists only along lanes, with a
   small positive stride, and only from v5 on); the table's gradient is summed along tile diagonals in an output block
   that stays resident across the sequential axis (no atomics);
-- the gradients of the bucket table, slopes and θ are per-row partial sums (columns of one ``[B, H, L, C]``
-  output of the ``dq`` kernel), summed after it.
+- the gradients of the bucket table, slopes, θ and KERPLE's and FIRE's learned scalars (in SMEM, one row per
+  head) are per-row partial sums (columns of one ``[B, H, L, C]`` output of the ``dq`` kernel), summed after it;
+- Sandwich's embeddings are built per tile from the positions and this head's frequencies (a row and a column
+  block, so both sides' products are plain matrix products).
 
 Query-side integers (positions, segment ids) come replicated across the key tile's lanes (``[B, L, block]``) and
 the row statistics are kept ``[B, H, L, block]``, as in JAX's own TPU flash attention: no vector relayouts.
@@ -35,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, overlap_add, row_delta, t_dot,
-                                 untied_grads, window_table)
+from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, overlap_add, row_delta,
+                                 scalar_count, scalar_grads, scalar_rows, t_dot, untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -48,6 +50,7 @@ class _Tile(TileBase):
     self.plan, self.terms, self.r, self.b, self.h, self.i, self.j = plan, terms, r, b, h, i, j
     self.q_QxK, self.k_TxK = r["q"][0, 0], r["k"][0, 0]
     pos_i_QxT, pos_j_1xT = r["q_positions"][0], r["k_positions"][0]
+    self.pos_i_QxT, self.pos_j_1xT = pos_i_QxT, pos_j_1xT
     self.cls_i_QxT, self.cls_j_QxT = pos_i_QxT == 0, pos_j_1xT == 0
     self.row_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     self.col_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
@@ -73,6 +76,17 @@ class _Tile(TileBase):
 
   def _salt(self):
     return self.r["salts"][self.b, self.h]
+
+  def _scalar(self, name: str, index):
+    return self.r[name][self.h, index]
+
+  def _sandwich_inner(self):
+    """``pe(p_i)·pe(p_j)``: query angles ``[Q, F]`` from the frequency row, key angles ``[F, T]`` from the column."""
+    freq_1xF, freq_Fx1 = self.r["sandwich_row"][0], self.r["sandwich_col"][0]
+    a_QxF = self.pos_i_QxT[:, :1].astype(jnp.float32) * freq_1xF
+    b_FxT = freq_Fx1 * self.pos_j_1xT.astype(jnp.float32)
+    exact = jax.lax.Precision.HIGHEST
+    return dot(jnp.cos(a_QxF), jnp.cos(b_FxT), exact) + dot(jnp.sin(a_QxF), jnp.sin(b_FxT), exact), freq_1xF.shape[1]
 
   def _relative_term(self, rel_QxT):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
@@ -202,12 +216,14 @@ def _write_on_last_step(r: dict, names, step):
 
 def _position_columns(terms: Terms, tile: _Tile, ds_QxT, d_bucket_QxT, shape):
   """``[bq, C]`` row sums of the tile's gradient per scalar input: one column per bucket entry, then the ALiBi
-  slope and θ1, θ2 (:func:`_columns`)."""
+  slope and θ1, θ2 (:func:`_columns`), then KERPLE's and FIRE's (:func:`posjax.kernels.tile.scalar_columns`)."""
   lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
   out_QxC = jnp.zeros(shape, jnp.float32)
   for column, part_QxT in _columns(terms, tile, ds_QxT, d_bucket_QxT):
     out_QxC = jnp.where(lane_QxC == column, jnp.sum(part_QxT, axis=1, keepdims=True), out_QxC)
-  return out_QxC
+  add = lambda acc_QxC, column, part_QxT: acc_QxC + jnp.where(lane_QxC == column,
+                                                              jnp.sum(part_QxT, axis=1, keepdims=True), 0.0)
+  return tile.scalar_grads(ds_QxT, add, out_QxC, offset=_column_count(terms) - scalar_count(terms))
 
 
 def _columns(terms: Terms, tile, ds_QxT, d_bucket_QxT):
@@ -228,7 +244,7 @@ def _columns(terms: Terms, tile, ds_QxT, d_bucket_QxT):
 def _column_count(terms: Terms) -> int:
   count = terms.buckets.table.shape[0] if terms.buckets is not None else 0
   count += terms.alibi is not None
-  return count + 2 * (terms.untied is not None and terms.untied.reset != "none")
+  return count + 2 * (terms.untied is not None and terms.untied.reset != "none") + scalar_count(terms)
 
 
 def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -297,8 +313,10 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at((1, bq, bk), lambda b, h, i, j: (b, i, 0))
     elif name in ("k_positions", "k_segments", "k_valid"):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
-    elif name in ("slopes", "theta", "bucket_table", "salts"):
+    elif name in ("slopes", "theta", "bucket_table", "salts", "kerple", "fire"):
       specs[name] = smem
+    elif name in ("sandwich_row", "sandwich_col"):  # this head's frequencies
+      specs[name] = at((1, *a.shape[1:]), lambda b, h, i, j: (h, 0, 0))
     elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
       shift = name == "window_hi"
       specs[name] = at((bq, a.shape[-1]), lambda b, h, i, j, shift=shift: (j - i - 1 + n + shift, 0))
@@ -329,6 +347,10 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
     arrays["u_q"], arrays["u_k"] = (getattr(terms.untied, n).transpose(0, 2, 1, 3) for n in ("u_q", "u_k"))
     if terms.untied.reset != "none":
       arrays["theta"] = terms.untied.theta.astype(jnp.float32)
+  arrays.update(scalar_rows(terms))
+  if terms.sandwich is not None:
+    freq_HxF = terms.sandwich.frequencies()
+    arrays["sandwich_row"], arrays["sandwich_col"] = freq_HxF[:, None, :], freq_HxF[:, :, None]
   rel = terms.relative
   if rel is not None:
     table_RxK = window_table(rel, q_BxHxLxK.shape[2])
@@ -469,6 +491,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     if terms.untied is not None and terms.untied.reset != "none":
       d_terms = d_terms.replace(untied=d_terms.untied.replace(
           theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
+    d_terms = d_terms.replace(**scalar_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
   dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
   return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)

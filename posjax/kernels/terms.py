@@ -14,9 +14,10 @@ the batch's positions (so packed rows are exact):
 | ``Untied``     | ``u_q, u_k [Bp, L, H, K]``, θ ``[2, H]``  | ``u_q,i·u_k,j`` with the [CLS] reset (TUPE)        |
 | ``Kerple``     | ``r1, r2 [H]`` (positive)                 | ``-r1 log(1 + r2 |r|)`` or ``-r1 |r|^r2`` (KERPLE) |
 | ``Fire``       | an MLP ``1 -> W -> H``, ``c``, ``L``      | ``f(ψ(|r|) / ψ(max(L, p_i)))``, ``ψ(x) = log(c x + 1)`` |
+| ``Sandwich``   | ratios ``ρ [H]`` (constant)               | ``λ (Σ_f cos(r ω_f / ρ_h) - F)`` (Sandwich)        |
 
-The dense ``xla`` path computes every term; the Pallas kernels compute those of :data:`TILED` (the others are an
-error there).
+The dense ``xla`` path and the Pallas kernels compute every term; the learned scalars of KERPLE and FIRE get their
+gradients as per-tile partial sums (:data:`SCALARS`).
 
 ``scale`` is the op's content scale (the factor on ``q·k``); the other terms come scaled as the model adds
 them. [CLS] tokens are those at position 0 (the first token of each packed segment), as in TUPE's position
@@ -35,8 +36,8 @@ import jax
 import jax.numpy as jnp
 
 RESETS = ("official", "paper", "none")
-TILED = ("alibi", "buckets", "relative", "untied")  # the terms the Pallas kernels build per tile
-NAMES = (*TILED, "kerple", "fire")  # every field of Terms; the rest only the xla path computes
+NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich")  # every field of Terms
+SCALARS = ("kerple", "fire")  # terms whose learned scalars the kernels differentiate per tile (scalar_columns)
 KERPLES = ("log", "power")
 
 
@@ -310,6 +311,35 @@ class Fire:
 
 
 @flax.struct.dataclass
+class Sandwich:
+  """Sandwich (Chi, Fan, Rudnicky, Ramadge; ACL 2023): the inner product of the two positions' sinusoidal embeddings
+  of dimension ``dim`` as a bias, ``λ (pe(p_i)·pe(p_j) - F) = λ (Σ_f cos(r ω_f / ρ_h) - F)``, ``ω_f =
+  base^(-2f/dim)``, ``F = dim / 2`` (the offset makes the bias 0 at ``r = 0`` and changes no attention weight), with
+  each head's positions compressed by its ratio ``ρ_h``. Computed as that inner product (rank ``dim`` per head, in
+  float32 at full precision), as the paper states it."""
+
+  ratios: jax.Array  # [H] ρ (constants: no gradient)
+  dim: int = flax.struct.field(pytree_node=False, default=128)
+  base: float = flax.struct.field(pytree_node=False, default=10_000.0)
+  scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+  def frequencies(self):
+    """``[H, F]`` float32: ``ω_f / ρ_h``."""
+    omega_F = self.base ** (-2.0 * jnp.arange(self.dim // 2, dtype=jnp.float32) / self.dim)
+    return omega_F[None, :] / jax.lax.stop_gradient(self.ratios.astype(jnp.float32))[:, None]
+
+  def bias(self, positions_BxQ, positions_BxL):
+    """``[B, H, Q, L]`` float32 between query positions and key positions."""
+    freq_HxF = self.frequencies()
+    angle = lambda p_BxL: p_BxL.astype(jnp.float32)[:, :, None, None] * freq_HxF
+    dot = lambda a_BxQxHxF, b_BxLxHxF: jnp.einsum("bqhf,bkhf->bhqk", a_BxQxHxF, b_BxLxHxF,
+                                                   precision=jax.lax.Precision.HIGHEST)
+    a_BxQxHxF, b_BxLxHxF = angle(positions_BxQ), angle(positions_BxL)
+    inner_BxHxQxL = dot(jnp.cos(a_BxQxHxF), jnp.cos(b_BxLxHxF)) + dot(jnp.sin(a_BxQxHxF), jnp.sin(b_BxLxHxF))
+    return self.scale * (inner_BxHxQxL - self.dim // 2)
+
+
+@flax.struct.dataclass
 class Terms:
   """All position terms of one attention call (each None when absent)."""
 
@@ -319,10 +349,7 @@ class Terms:
   untied: Untied | None = None
   kerple: Kerple | None = None
   fire: Fire | None = None
-
-  def tiled(self) -> bool:
-    """Whether the Pallas kernels compute every term given (:data:`TILED`)."""
-    return all(getattr(self, name) is None for name in NAMES if name not in TILED)
+  sandwich: Sandwich | None = None
 
   def empty(self) -> bool:
     """Whether no term is given."""
@@ -369,8 +396,21 @@ class Terms:
       for name in ("r1", "r2"):
         if jnp.shape(getattr(self.kerple, name)) != (num_heads,):
           raise ValueError(f"Kerple.{name} has shape {jnp.shape(getattr(self.kerple, name))}; expected ({num_heads},)")
-    if self.fire is not None and jnp.shape(self.fire.b2) != (num_heads,):
-      raise ValueError(f"Fire.b2 has shape {jnp.shape(self.fire.b2)}; expected ({num_heads},) (one output per head)")
+    if self.fire is not None:
+      f = self.fire
+      width = jnp.shape(f.w1)[0] if jnp.ndim(f.w1) == 1 else None
+      expected = {"w1": (width,), "b1": (width,), "w2": (width, num_heads), "b2": (num_heads,), "c": (),
+                  "threshold": ()}
+      for name, shape in expected.items():
+        if width is None or jnp.shape(getattr(f, name)) != shape:
+          raise ValueError(f"Fire.{name} has shape {jnp.shape(getattr(f, name))}; expected {shape} (w1: [W], "
+                           f"b1: [W], w2: [W, {num_heads}], b2: [{num_heads}], c and threshold scalars)")
+    if self.sandwich is not None:
+      sw = self.sandwich
+      if jnp.shape(sw.ratios) != (num_heads,):
+        raise ValueError(f"Sandwich.ratios has shape {jnp.shape(sw.ratios)}; expected ({num_heads},)")
+      if not (isinstance(sw.dim, int) and sw.dim >= 2 and sw.dim % 2 == 0):
+        raise ValueError(f"Sandwich.dim={sw.dim!r} must be an even integer >= 2")
     if self.untied is not None:
       u = self.untied
       if u.reset not in RESETS:

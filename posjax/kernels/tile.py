@@ -11,7 +11,10 @@ diagonals, M/N/C a matrix's rows/columns/contracted axis. A tile's ``_QxT`` flag
 - :func:`dot`, :func:`dot_t`, :func:`t_dot`: a tile's matrix products, accumulated in float32;
 - :class:`TileBase`: the logits of one (query tile, key tile) pair from the tile's positions and the terms'
   small inputs (:mod:`posjax.kernels.terms`), its mask, dropout and how the logits' gradient reaches the
-  untied and bucket terms; each backend loads its inputs its own way through the hooks;
+  untied and bucket terms and the learned scalars of KERPLE and FIRE; each backend loads its inputs its own way
+  through the hooks;
+- :func:`scalar_columns`, :func:`scalar_rows`, :func:`scalar_grads`: those scalars' per-head input rows and the
+  layout of their gradient columns (a kernel writes per-tile partial sums of each column; no atomics);
 - the relative vectors' distance-ordered layout (:func:`window_table`) and the folding of its gradient back
   into the table (:func:`overlap_add`, :func:`fold_window_table`); :func:`row_delta` and
   :func:`untied_grads`, the backward's steps outside the kernels.
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.kernels import dropout as dropout_lib
-from posjax.kernels.terms import Relative, Terms, Untied
+from posjax.kernels.terms import SCALARS, Relative, Terms, Untied
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -68,18 +71,19 @@ def block_sizes(length: int, block_q: int, block_k: int) -> tuple[int, int, int]
   return min(block_q, padded), min(block_k, padded), padded
 
 
-def _dot_general(a, b, contract):
-  return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+def _dot_general(a, b, contract, precision=None):
+  return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
-def dot(a_MxC, b_CxN):
-  """``a @ b``, accumulated in float32 (both backends' matrix units take bf16 inputs)."""
-  return _dot_general(a_MxC, b_CxN, ((1,), (0,)))
+def dot(a_MxC, b_CxN, precision=None):
+  """``a @ b``, accumulated in float32 (both backends' matrix units take bf16 inputs; ``precision=HIGHEST``: float32
+  inputs multiplied in float32, not TF32)."""
+  return _dot_general(a_MxC, b_CxN, ((1,), (0,)), precision)
 
 
-def dot_t(a_MxC, b_NxC):
+def dot_t(a_MxC, b_NxC, precision=None):
   """``a @ b.T`` (float32), without transposing ``b`` in memory."""
-  return _dot_general(a_MxC, b_NxC, ((1,), (1,)))
+  return _dot_general(a_MxC, b_NxC, ((1,), (1,)), precision)
 
 
 def t_dot(a_CxM, b_CxN):
@@ -91,11 +95,13 @@ class TileBase:
   """One (query tile, key tile) pair: its logits, mask and what the backward needs to route gradients.
 
   Both backends' tiles share it, given their own loads through the hooks ``_slope``, ``_relative_term``,
-  ``_untied_factors``, ``_bucket_values``, ``_theta`` and ``_salt``: the position terms and the [CLS] reset,
-  the mask and the logits, dropout, and the routing of the logits' gradient to the untied and bucket terms. A
-  subclass sets ``plan``, ``terms`` and the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT``, then calls
-  :meth:`add_position_terms` and :meth:`mask_logits`, which set the attributes the kernels read (``s_QxT``,
-  ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``, ``u_k_TxK``, ...).
+  ``_untied_factors``, ``_bucket_values``, ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head,
+  :func:`scalar_rows`) and ``_sandwich_inner``: the position terms and the [CLS] reset, the mask and the logits,
+  dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
+  subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT`` and the query positions
+  ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``), then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set
+  the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``,
+  ``u_k_TxK``, ...).
   """
 
   plan: Plan
@@ -109,6 +115,13 @@ class TileBase:
       s_QxT = s_QxT - self._slope() * self.distance_QxT
     if terms.relative is not None:
       s_QxT = s_QxT + self._relative_term(rel_QxT)
+    if terms.kerple is not None:
+      s_QxT = s_QxT + self._kerple_bias(rel_QxT)
+    if terms.fire is not None:
+      s_QxT = s_QxT + self._fire_bias(rel_QxT)
+    if terms.sandwich is not None:
+      inner_QxT, count = self._sandwich_inner()
+      s_QxT = s_QxT + terms.sandwich.scale * (inner_QxT - count)
     self.reset = terms.untied.reset if terms.untied is not None else "none"
     self.neither_QxT = ~self.cls_i_QxT & ~self.cls_j_QxT
     positional_QxT = jnp.zeros_like(s_QxT)
@@ -123,6 +136,80 @@ class TileBase:
     if self.reset == "paper":
       positional_QxT = self._untie(positional_QxT)
     return s_QxT + positional_QxT
+
+  def _kerple_bias(self, rel_QxT):
+    """KERPLE's kernel (:class:`~posjax.kernels.terms.Kerple`) from this head's ``r1``, ``r2``."""
+    self.kerple_d_QxT = d_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
+    r1, r2 = self._scalar("kerple", 0), self._scalar("kerple", 1)
+    if self.terms.kerple.kind == "log":
+      self.kerple_f_QxT = jnp.log1p(r2 * d_QxT)
+    else:  # |r|^r2, 0 at r = 0
+      positive_QxT = d_QxT > 0
+      self.kerple_log_d_QxT = jnp.log(jnp.where(positive_QxT, d_QxT, 1.0))
+      self.kerple_f_QxT = jnp.where(positive_QxT, jnp.exp(r2 * self.kerple_log_d_QxT), 0.0)
+    return -r1 * self.kerple_f_QxT
+
+  def _fire_bias(self, rel_QxT):
+    """FIRE's MLP (:class:`~posjax.kernels.terms.Fire`), one hidden unit at a time (no ``[Q, T, W]`` array)."""
+    width, eps = self.terms.fire.w1.shape[0], self.terms.fire.eps
+    c, threshold = (jnp.abs(self._scalar("fire", 3 * width + n)) for n in (1, 2))
+    self.fire_d_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
+    self.fire_pos_i_QxT = self.pos_i_QxT.astype(jnp.float32)
+    self.fire_m_QxT = jnp.maximum(self.fire_pos_i_QxT, threshold)
+    self.fire_norm_QxT = jnp.log(c * self.fire_m_QxT + 1.0) + eps
+    self.fire_u_QxT = jnp.log(c * self.fire_d_QxT + 1.0) / self.fire_norm_QxT
+
+    def unit(w, bias_QxT):
+      w1, b1, w2 = (self._scalar("fire", n * width + w) for n in range(3))
+      return bias_QxT + jnp.maximum(self.fire_u_QxT * w1 + b1, 0.0) * w2
+
+    bias_QxT = jnp.full(self.fire_u_QxT.shape, self._scalar("fire", 3 * width), jnp.float32)
+    return jax.lax.fori_loop(0, width, unit, bias_QxT)
+
+  def scalar_grads(self, ds_QxT, add, acc, offset: int = 0):
+    """``acc`` with every learned scalar's share of the logits' gradient added: ``add(acc, column, part_QxT)`` per
+    column of :func:`scalar_columns` (shifted by ``offset``; the backend sums ``part`` its own way)."""
+    columns = scalar_columns(self.terms)
+    if "kerple" in columns:
+      start = offset + columns["kerple"][0]
+      r1, r2 = self._scalar("kerple", 0), self._scalar("kerple", 1)
+      acc = add(acc, start, -ds_QxT * self.kerple_f_QxT)
+      if self.terms.kerple.kind == "log":
+        acc = add(acc, start + 1, -ds_QxT * r1 * self.kerple_d_QxT / (1.0 + r2 * self.kerple_d_QxT))
+      else:
+        acc = add(acc, start + 1, -ds_QxT * r1 * self.kerple_f_QxT * self.kerple_log_d_QxT)
+    if "fire" in columns:
+      acc = self._fire_grads(ds_QxT, add, acc, offset + columns["fire"][0])
+    return acc
+
+  def _fire_grads(self, ds_QxT, add, acc, start: int):
+    """FIRE's columns: ``w1``, ``b1``, this head's ``w2`` (``W`` each), then ``b2``, ``c``, the threshold."""
+    width = self.terms.fire.w1.shape[0]
+    u_QxT = self.fire_u_QxT
+
+    def unit(w, carry):
+      acc, du_QxT = carry
+      w1, b1, w2 = (self._scalar("fire", n * width + w) for n in range(3))
+      pre_QxT = u_QxT * w1 + b1
+      g_QxT = jnp.where(pre_QxT > 0, ds_QxT * w2, 0.0)
+      acc = add(acc, start + w, g_QxT * u_QxT)
+      acc = add(acc, start + width + w, g_QxT)
+      acc = add(acc, start + 2 * width + w, ds_QxT * jnp.maximum(pre_QxT, 0.0))
+      return acc, du_QxT + g_QxT * w1
+
+    acc, du_QxT = jax.lax.fori_loop(0, width, unit, (acc, jnp.zeros_like(u_QxT)))
+    acc = add(acc, start + 3 * width, ds_QxT)
+    c_raw, threshold_raw = (self._scalar("fire", 3 * width + n) for n in (1, 2))
+    c, threshold = jnp.abs(c_raw), jnp.abs(threshold_raw)
+    d_QxT, m_QxT, norm_QxT = self.fire_d_QxT, self.fire_m_QxT, self.fire_norm_QxT
+    psi_d_QxT = jnp.log(c * d_QxT + 1.0)
+    du_dc_QxT = (d_QxT / (c * d_QxT + 1.0)) / norm_QxT - psi_d_QxT / norm_QxT ** 2 * (m_QxT / (c * m_QxT + 1.0))
+    du_dm_QxT = -psi_d_QxT / norm_QxT ** 2 * (c / (c * m_QxT + 1.0))
+    # max(p_i, L)'s derivative in L: 1 past p_i, 1/2 at a tie (as jnp.maximum's)
+    pos_QxT = self.fire_pos_i_QxT
+    dm_dl_QxT = jnp.where(threshold > pos_QxT, 1.0, jnp.where(threshold == pos_QxT, 0.5, 0.0))
+    acc = add(acc, start + 3 * width + 1, du_QxT * du_dc_QxT * _sign(c_raw))
+    return add(acc, start + 3 * width + 2, du_QxT * du_dm_QxT * dm_dl_QxT * _sign(threshold_raw))
 
   def _untie(self, positional_QxT):
     """The tile's part of :func:`posjax.kernels.terms.untie_cls`: [CLS] column θ2, then [CLS] row θ1."""
@@ -151,6 +238,63 @@ class TileBase:
     untied_QxT = ds_QxT if self.reset == "none" else jnp.where(self.neither_QxT, ds_QxT, 0.0)
     bucket_QxT = jnp.where(self.neither_QxT, ds_QxT, 0.0) if self.reset == "paper" else ds_QxT
     return untied_QxT, bucket_QxT
+
+
+def _sign(x):
+  """``jnp.sign`` (|x|'s derivative, 0 at 0) from comparisons: Mosaic's own sign needs a TPU to ask about, and
+  Triton's lowering of a scalar select returns a bool."""
+  return (x > 0).astype(jnp.float32) - (x < 0).astype(jnp.float32)
+
+
+def scalar_columns(terms: Terms) -> dict:
+  """``{term: (first column, columns)}``: where each learned scalar's gradient sits in a kernel's per-tile partial
+  sums (KERPLE: ``r1``, ``r2``; FIRE: ``w1``, ``b1``, ``w2[:, h]``, ``b2``, ``c``, threshold)."""
+  columns, start = {}, 0
+  for name in SCALARS:
+    term = getattr(terms, name)
+    if term is not None:
+      size = 2 if name == "kerple" else 3 * term.w1.shape[0] + 3
+      columns[name], start = (start, size), start + size
+  return columns
+
+
+def scalar_count(terms: Terms) -> int:
+  """How many gradient columns :func:`scalar_columns` lays out."""
+  return sum(size for _, size in scalar_columns(terms).values())
+
+
+def scalar_rows(terms: Terms) -> dict:
+  """``{term: [H, X] float32}``: each head's learned scalars in :func:`scalar_columns`' order, the row a tile reads
+  them from (``_scalar(term, index)``)."""
+  rows = {}
+  if terms.kerple is not None:
+    rows["kerple"] = jnp.stack([terms.kerple.r1, terms.kerple.r2], axis=1).astype(jnp.float32)
+  if terms.fire is not None:
+    f = terms.fire
+    heads = f.b2.shape[0]
+    shared = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32).reshape(1, -1), (heads, jnp.size(x)))
+    rows["fire"] = jnp.concatenate([shared(f.w1), shared(f.b1), f.w2.T.astype(jnp.float32),
+                                    f.b2.astype(jnp.float32)[:, None], shared(f.c), shared(f.threshold)], axis=1)
+  return rows
+
+
+def scalar_grads(terms: Terms, d_HxC) -> dict:
+  """The terms' gradients (``{name: term}``) from the per-head sums of their columns ``[H, C]``: shared inputs (FIRE's
+  ``w1``, ``b1``, ``c``, threshold) summed over the heads."""
+  out = {}
+  for name, (start, size) in scalar_columns(terms).items():
+    d_HxX = d_HxC[:, start:start + size]
+    term = getattr(terms, name)
+    if name == "kerple":
+      out[name] = term.replace(r1=d_HxX[:, 0].astype(term.r1.dtype), r2=d_HxX[:, 1].astype(term.r2.dtype))
+      continue
+    width = term.w1.shape[0]
+    summed = lambda x_HxX, like: jnp.sum(x_HxX, axis=0).reshape(jnp.shape(like)).astype(like.dtype)
+    out[name] = term.replace(
+        w1=summed(d_HxX[:, :width], term.w1), b1=summed(d_HxX[:, width:2 * width], term.b1),
+        w2=d_HxX[:, 2 * width:3 * width].T.astype(term.w2.dtype), b2=d_HxX[:, 3 * width].astype(term.b2.dtype),
+        c=summed(d_HxX[:, 3 * width + 1], term.c), threshold=summed(d_HxX[:, 3 * width + 2], term.threshold))
+  return out
 
 
 def row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims: bool = False):

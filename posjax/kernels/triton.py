@@ -14,7 +14,8 @@ recomputes its logits from the tile's positions, segment ids and the terms' smal
 
 Gradients of the position inputs, all without atomics (deterministic):
 
-- bucket table, θ and ALiBi slopes (a scalar per head: cheap, and exact should one learn them): the ``dq`` kernel
+- bucket table, θ and ALiBi slopes (a scalar per head: cheap, and exact should one learn them), KERPLE's
+  ``r1, r2`` and FIRE's MLP, ``c`` and threshold (:func:`posjax.kernels.tile.scalar_columns`): the ``dq`` kernel
   writes per-(batch, head, query tile) partial sums, summed after it;
 - TUPE's ``u_q`` / ``u_k``: rows of the ``dq`` / ``dk`` kernel, like ``dq`` / ``dk`` themselves;
 - relative vectors, gathered (``Relative.window=False``): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
@@ -48,8 +49,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from posjax.kernels.terms import TILED, Terms
-from posjax.kernels.tile import Plan, fold_window_table, overlap_add, row_delta, untied_grads, window_table
+from posjax.kernels.terms import NAMES, Terms
+from posjax.kernels.tile import (Plan, fold_window_table, next_power_of_two, overlap_add, row_delta, scalar_count,
+                                 scalar_grads, scalar_rows, untied_grads, window_table)
 from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
@@ -88,13 +90,22 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
     inputs["bucket_table"] = terms.buckets.table.T
   if terms.untied is not None and terms.untied.reset != "none":
     inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
+  for name, row_HxX in scalar_rows(terms).items():
+    inputs[name] = _pad_columns(row_HxX, next_power_of_two(row_HxX.shape[1]))
+  if terms.sandwich is not None:  # Triton's dot needs >= 16 columns: the padded frequencies (0) are counted
+    freq_HxF = terms.sandwich.frequencies()
+    inputs["sandwich"] = _pad_columns(freq_HxF, max(16, next_power_of_two(freq_HxF.shape[1])))
   if terms.relative is not None and terms.relative.window:
     inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
     specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
-  for name in ("slopes", "bucket_table", "theta_row", "theta_col"):
+  for name in ("slopes", "bucket_table", "theta_row", "theta_col", "kerple", "fire", "sandwich"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
   return inputs, specs
+
+
+def _pad_columns(x_HxX, size: int):
+  return jnp.pad(x_HxX, ((0, 0), (0, size - x_HxX.shape[1])))
 
 
 def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: dict, out_specs: dict, tiles: int):
@@ -126,7 +137,7 @@ def compiler_params(plan: Plan, terms: Terms) -> dict:
   4 otherwise. Windowed relative vectors take one stage: their tiles gather this program's scratch block right
   after storing it, which a software-pipelined (prefetched) load would read stale, and two stages of the
   window's operands fill 85-100% of the shared memory."""
-  plain = (all(getattr(terms, name) is None for name in TILED)
+  plain = (all(getattr(terms, name) is None for name in NAMES)
            and plan.block_q * plan.block_k <= 64 * 64)
   window = terms.relative is not None and bool(terms.relative.window)
   return {"num_warps": 4 if plain else 8, "num_stages": 1 if window else 2}
@@ -173,7 +184,7 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
   without position terms (no spills, at most 43% of the shared memory), 64x64 with any (at 128x64 ALiBi + T5's
   dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory)."""
   del length, head_dim
-  plain = all(getattr(terms, name) is None for name in TILED)
+  plain = all(getattr(terms, name) is None for name in NAMES)
   return (128, 64) if plain else (64, 64)
 
 
@@ -222,6 +233,10 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     dq_out["dbucket"], dq_specs["dbucket"] = f32(b, h, n_q, n), partial_spec(n)
   if terms.alibi is not None:
     dq_out["dslope"], dq_specs["dslope"] = f32(b, h, n_q, 1), partial_spec(1)
+  columns = scalar_count(terms)
+  if columns:
+    n = next_power_of_two(columns)
+    dq_out["dscalars"], dq_specs["dscalars"] = f32(b, h, n_q, n), partial_spec(n)
   dq_res = _call(dq_kernel, plan, terms, inputs, specs, dq_out, dq_specs, n_q)
 
   dkv_out = {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxHxLxV.shape[-1])}
@@ -271,6 +286,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   if terms.alibi is not None:
     d_slopes_H = jnp.sum(dq_res["dslope"], axis=(0, 2, 3)).astype(terms.alibi.slopes.dtype)
     d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes_H))
+  if columns:
+    d_terms = d_terms.replace(**scalar_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)

@@ -37,6 +37,7 @@ class Tile(TileBase):
     self.rows, self.cols = rows, cols
     self.q_QxK, self.k_TxK = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
     pos_i_Q, pos_j_T = refs["positions"][0, rows], refs["positions"][0, cols]
+    self.pos_i_QxT, self.pos_j_T = pos_i_Q[:, None], pos_j_T
     rel_QxT = pos_j_T[None, :] - pos_i_Q[:, None]
     self.cls_i_QxT, self.cls_j_QxT = (pos_i_Q == 0)[:, None], (pos_j_T == 0)[None, :]
     s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), rel_QxT)
@@ -61,6 +62,18 @@ class Tile(TileBase):
 
   def _salt(self):
     return self.refs["salts"][0, 0]
+
+  def _scalar(self, name: str, index):
+    return self.refs[name][0, index]
+
+  def _sandwich_inner(self):
+    """``pe(p_i)·pe(p_j)`` from this head's frequencies (zero-padded ones add 1 each: counted)."""
+    freq_1xF = self.refs["sandwich"][...]
+    angle = lambda pos_X: pos_X.astype(jnp.float32)[:, None] * freq_1xF
+    a_QxF, b_TxF = angle(self.pos_i_QxT[:, 0]), angle(self.pos_j_T)
+    exact = jax.lax.Precision.HIGHEST
+    inner_QxT = dot_t(jnp.cos(a_QxF), jnp.cos(b_TxF), exact) + dot_t(jnp.sin(a_QxF), jnp.sin(b_TxF), exact)
+    return inner_QxT, freq_1xF.shape[1]
 
   def _relative_term(self, rel_QxT):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
@@ -233,7 +246,7 @@ def _write(out, value, rows: bool):
 
 def dq_kernel(plan: Plan, terms: Terms, names, *refs):
   """One query tile against every key tile: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile partial sums
-  of the scalar inputs' gradients (bucket table, θ, ALiBi slopes)."""
+  of the scalar inputs' gradients (bucket table, θ, ALiBi slopes, KERPLE's and FIRE's scalars)."""
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
   bq, head_dim = plan.block_q, r["q"].shape[-1]
@@ -245,6 +258,8 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       acc["dtheta_row"] = acc["dtheta_col"] = jnp.zeros((1,), jnp.float32)
   if terms.alibi is not None:
     acc["dslope"] = jnp.zeros((1,), jnp.float32)
+  if "dscalars" in r:
+    acc["dscalars"] = jnp.zeros((r["dscalars"].shape[-1],), jnp.float32)
   scattered = [name for name in ("dqe", "dbucket") if name in r]
   for name in scattered:
     _zero(plan, r[name], rows=name == "dqe")
@@ -268,11 +283,15 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       _scatter_add(plan, r["dbucket"], d_bucket_QxT, tile.bucket_QxT, tile.allowed_QxT, (0, 1))
     if "dslope" in acc:
       acc["dslope"] = acc["dslope"] - jnp.sum(ds_QxT * tile.distance_QxT)
+    if "dscalars" in acc:
+      column_C = jax.lax.broadcasted_iota(jnp.int32, acc["dscalars"].shape, 0)
+      add = lambda acc_C, column, part_QxT: acc_C + jnp.where(column_C == column, jnp.sum(part_QxT), 0.0)
+      acc["dscalars"] = tile.scalar_grads(ds_QxT, add, acc["dscalars"])
     return acc
 
   acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
   for name, value in acc.items():
-    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dslope"))
+    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dslope", "dscalars"))
 
 
 def dkv_kernel(plan: Plan, terms: Terms, names, *refs):

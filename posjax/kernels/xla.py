@@ -38,6 +38,8 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
     bias_BxHxQxL = add(bias_BxHxQxL, jnp.moveaxis(terms.kerple.bias(rel_BxQxL), -1, 1))
   if terms.fire is not None:
     bias_BxHxQxL = add(bias_BxHxQxL, jnp.moveaxis(terms.fire.bias(rel_BxQxL, positions_BxQ[:, :, None]), -1, 1))
+  if terms.sandwich is not None:
+    bias_BxHxQxL = add(bias_BxHxQxL, terms.sandwich.bias(positions_BxQ, positions_BxL))
   if terms.relative is not None:
     r = terms.relative
     if q_BxQxHxK is None or k_BxLxHxK is None:

@@ -9,8 +9,9 @@ function of the distance alone; past it, distances are interpolated into ``[0, 1
 are the official defaults (their ``FIRE`` module: ``mlp_width=32``, ``init_c=0.1``, ``init_L=512``, ``eps=1e-6``).
 [unconfirmed] The paper's form is causal; the encoders' form here reads ``|r|`` (symmetric), the decoders' the same
 under the causal mask. The MLP takes flax's default initialisation (LeCun normal, zero biases; the official code
-PyTorch's). One MLP per layer (``share_across_layers=True``: one for the encoder). The dense ``xla`` path computes it
-(:class:`posjax.kernels.Fire`); the fused kernels do not yet.
+PyTorch's). One MLP per layer (``share_across_layers=True``: one for the encoder). It is a
+:class:`posjax.kernels.Fire` term: every kernel computes it (the Pallas kernels per tile, a hidden unit at a time,
+with the MLP's, ``c``'s and ``L``'s gradients as per-tile sums).
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class FireLayer(nn.Module):
   @nn.compact
   def __call__(self, q, k, state: FireState, scale):
     terms = state.shared if self.spec.options.share_across_layers else FireFunction(self.spec, name="fire")()
-    return base.DenseLayerTerms(q, k, terms=terms)
+    return base.LayerTerms(q, k, terms=terms)
 
 
-base.register(base.Method("fire", FireOptions, encoder=FireEncoder, layer=FireLayer, fusable=lambda options: False,
+base.register(base.Method("fire", FireOptions, encoder=FireEncoder, layer=FireLayer,
                           summary="FIRE: an MLP of the log distance normalised by the query's position (Li et al.)"))

@@ -12,8 +12,8 @@ kernel its exponent ``r2 ~ U(0, 2)`` (kept at or below 2, the paper's condition)
 official code clamps the stored parameters after each step; posjax clamps them where they are read, with the
 gradient passed straight through the clamp, so a parameter below ``eps`` keeps training (the forward pass is the
 official one; the stored value may sit below ``eps`` where the official one is reset to it). The encoder's form is
-symmetric in ``|r|``, the decoders' the same under the causal mask. The dense ``xla`` path computes it
-(:class:`posjax.kernels.Kerple`); the fused kernels do not yet.
+symmetric in ``|r|``, the decoders' the same under the causal mask. It is a :class:`posjax.kernels.Kerple` term:
+every kernel computes it (the Pallas kernels per tile, with ``r1`` and ``r2``'s gradients as per-tile sums).
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ class KerpleLayer(nn.Module):
                                            spec.param_dtype), eps)
     r2 = clamp_straight_through(self.param("r2", uniform_init(2.0 if power else 1.0), (spec.num_heads,),
                                            spec.param_dtype), eps, 2.0 if power else None)
-    return base.DenseLayerTerms(q, k, terms=kernels.Terms(kerple=kernels.Kerple(r1, r2, kind)))
+    return base.LayerTerms(q, k, terms=kernels.Terms(kerple=kernels.Kerple(r1, r2, kind)))
 
 
-base.register(base.Method("kerple_log", KerpleOptions, layer=KerpleLayer, fusable=lambda options: False,
+base.register(base.Method("kerple_log", KerpleOptions, layer=KerpleLayer,
                           summary="KERPLE log kernel: -r1 log(1 + r2 |j-i|) per head and layer (Chi et al. 2022)"))
-base.register(base.Method("kerple_power", KerpleOptions, layer=KerpleLayer, fusable=lambda options: False,
+base.register(base.Method("kerple_power", KerpleOptions, layer=KerpleLayer,
                           summary="KERPLE power kernel: -r1 |j-i|^r2 per head and layer (Chi et al. 2022)"))
