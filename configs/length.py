@@ -6,6 +6,9 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=clm,runloc
   model: ``clm`` (a decoder, next-token perplexity; default) or ``mlm`` (an encoder, masked-token perplexity).
   size: the model's size (``tiny`` | ``base`` | ``large``; default ``base``; runlocal: tiny).
   runlocal: the tiny model on the built-in corpus (``configs/data``); trained at length 32 for 300 steps.
+  passkey: passkey retrieval at every length (decoders, ``model=clm``, only: :mod:`posjax.tasks.passkey`); default on,
+    ``passkey=False`` turns it off. A key of 5 digits in Mohtashami & Jaggi's prompt; runlocal: 3 of 10 adjectives
+    in a prompt of the tiny corpus's words (it has no digits), which the tiny model was never taught to retrieve.
 
   python -m posjax.main --config=configs/length.py:methods=rope+alibi+fire+kerple_log,runlocal --workdir=DIR
 Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pairs of the base config
@@ -18,9 +21,14 @@ import ml_collections
 from posjax import positions
 from posjax.config_args import parse_arg
 
+# A passkey prompt in the tiny corpus's words (configs/data/tiny_vocab.txt has no digits) that fits length 32.
+PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet strange early gentle bright", "intro": "",
+                    "filler": "the rivers read the layers twice .", "key_line": "the token is {key} .",
+                    "question": "the token is"}
+
 
 def get_config(arg=None):
-  arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="clm", size="base", runlocal=False)
+  arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="clm", size="base", runlocal=False, passkey=True)
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
@@ -36,4 +44,8 @@ def get_config(arg=None):
   config.batch_size = 16 if arg.runlocal else 256
   config.eval_batches = 4 if arg.runlocal else 50
   config.overrides = ()  # (dotted field of the base config, value) pairs, e.g. (("learning_rate", 3e-4),)
+  # The passkey evaluators' options (posjax.tasks.passkey: batches of eval rows, digits, symbols, texts); None: off.
+  config.passkey = ml_collections.ConfigDict(
+      {"batches": 2, **PASSKEY_RUNLOCAL} if arg.runlocal else {"batches": 1, "digits": 5}
+  ) if arg.passkey and arg.model == "clm" else None
   return config

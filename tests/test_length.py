@@ -1,5 +1,6 @@
 """The length-generalisation harness (``configs/length.py``): every method trained once, evaluated at multiples of
-its length, the tables and the plot written, ``unsupported`` past a learned table, finished methods skipped."""
+its length (perplexity, accuracy, passkey retrieval), the tables and the plot written, ``unsupported`` past a learned
+table, finished methods skipped."""
 
 import json
 
@@ -22,12 +23,19 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   assert results["absolute"]["perplexity"]["64"] == "unsupported"
   assert isinstance(results["absolute"]["perplexity"]["32"], float)
   assert all(isinstance(v, float) and v > 1 for v in results["alibi"]["perplexity"].values())
+  assert results["absolute"]["passkey"]["64"] == "unsupported"
+  assert all(isinstance(v, float) and 0 <= v <= 1 for v in results["alibi"]["passkey"].values())
   text = (tmp_path / "length.md").read_text()
   assert "**next-token perplexity (lower is better)**" in text and "| `absolute` |" in text
+  assert "**passkey retrieval (% of prompts whose whole key greedy decoding reproduces)**" in text
+  assert "**passkey key tokens retrieved (%)**" in text
   assert "| `absolute` | " in text and "unsupported" in text
   assert (tmp_path / "length.png").stat().st_size > 0
   run = json.loads((tmp_path / "runs" / "alibi" / "config.json").read_text())
   assert run["task"] == "clm" and run["max_len"] == 32 and run["evals"]["x2"]["length_multiple"] == 2
+  assert run["evals"]["passkey_x2"] == {**config.passkey.to_dict(), "kind": "passkey", "length_multiple": 2}
+  evaluations = json.loads((tmp_path / "runs" / "alibi" / "results.json").read_text())["metrics"]
+  assert set(evaluations["passkey_x2"]) == {"accuracy", "digit_accuracy"}
 
   def must_not_train(*args):
     raise AssertionError("a finished method was trained again")
@@ -40,6 +48,12 @@ def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):
     length.run(harness_config(model="gpt"), str(tmp_path / "a"), train)
   with pytest.raises(ValueError, match=r"eval_multiples=\(0,\) must be whole numbers >= 1"):
     length.run(harness_config(eval_multiples=(0,)), str(tmp_path / "b"), train)
+  config = harness_config(model="mlm")  # a decoder's passkey, asked of an encoder
+  with pytest.raises(ValueError, match=r"config.passkey: passkey retrieval needs a decoder \(model='clm'\), not "
+                                       r"model='mlm'; set config.passkey=None"):
+    length.run(config, str(tmp_path / "b"), train)
+  assert load_config("length", "model=mlm,runlocal").passkey is None
+  assert load_config("length", "runlocal,passkey=False").passkey is None
   with pytest.raises(ValueError, match="unknown position method 'fir'"):
     load_config("length", "methods=fire+fir,runlocal")
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

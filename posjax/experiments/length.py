@@ -3,9 +3,11 @@ next-token prediction, ``model="clm"``, or an encoder on MLM, ``model="mlm"``) a
 same corpus at 1x, 2x, 4x, 8x and 16x that length (the corpus evaluators' ``length_multiple``). ``run(config,
 workdir, train)`` takes the loop as ``train(config, workdir)`` (:mod:`posjax.main` composes it).
 
-It writes ``length.md`` (a table per measure, method x length: perplexity, next-token or masked-token, and token
-accuracy), ``length.json`` and ``length.png`` (perplexity against length, one line per method) in the workdir. A method
-with a learned position table reports ``unsupported`` past it, never clamped. Each method runs in
+It writes ``length.md`` (a table per measure, method x length: perplexity, next-token or masked-token, token
+accuracy and, for a decoder, passkey retrieval, :mod:`posjax.tasks.passkey`: whole keys and key tokens, with
+``config.passkey``), ``length.json`` and ``length.png``
+(perplexity against length, one line per method) in the workdir. A method with a learned position table reports
+``unsupported`` past it, never clamped. Each method runs in
 ``workdir/runs/<method>``; a restarted harness skips finished methods (and a killed run resumes).
 """
 
@@ -26,7 +28,9 @@ from posjax.experiments.probes import COLORS
 from posjax.train import validate as run_checks
 
 MODELS = {"clm": "configs/clm.py", "mlm": "configs/pretrain.py"}
-MEASURES = ("perplexity", "accuracy")
+# passkey: the fraction of prompts whose whole key is retrieved; passkey_digits: of the key's tokens (chance: one in
+# the number of symbols).
+MEASURES = ("perplexity", "accuracy", "passkey", "passkey_digits")
 RANGES = {"steps": POSITIVE, "train_len": POSITIVE, "batch_size": POSITIVE, "eval_batches": POSITIVE}
 
 
@@ -40,20 +44,37 @@ def run_config(config, method: str):
               eval_every_steps=config.steps, checkpoint_every_steps=config.steps, seed=config.seed)
   base.warmup_steps = min(base.warmup_steps, config.steps // 10)
   base.progress = False
-  spec = {**base.evals.eval.to_dict(), "batches": config.eval_batches}
-  base.evals = {f"x{m}": {**spec, "length_multiple": m} for m in config.eval_multiples}
+  base.evals = evaluators(config)
   return base
+
+
+def evaluators(config) -> dict:
+  """A run's evaluators: ``x<m>`` on the held-out corpus at each multiple of the training length and, with
+  ``config.passkey``, ``passkey_x<m>`` (passkey retrieval at that length)."""
+  spec = {"kind": config.model, "split": "eval", "batches": config.eval_batches}
+  found = {f"x{m}": {**spec, "length_multiple": m} for m in config.eval_multiples}
+  if config.get("passkey") is not None:
+    found.update({f"passkey_x{m}": {**config.passkey.to_dict(), "kind": "passkey", "length_multiple": m}
+                  for m in config.eval_multiples})
+  return found
+
+
+def measured(config) -> tuple[str, ...]:
+  """The measures of ``config``'s tables (passkey retrieval where it is on)."""
+  return MEASURES if config.get("passkey") is not None else MEASURES[:2]
 
 
 def measures(metrics: dict, config) -> dict:
   """``{measure: {length: value or "unsupported"}}`` from a run's ``results.json`` metrics."""
-  out = {measure: {} for measure in MEASURES}
+  out = {measure: {} for measure in measured(config)}
   for m in config.eval_multiples:
     values = metrics[f"x{m}"]
     length = str(config.train_len * m)
+    if "passkey" in out:
+      out["passkey"][length] = metrics[f"passkey_x{m}"]["accuracy"]
+      out["passkey_digits"][length] = metrics[f"passkey_x{m}"]["digit_accuracy"]
     if values.get("loss") == results_lib.UNSUPPORTED:
-      for measure in MEASURES:
-        out[measure][length] = results_lib.UNSUPPORTED
+      out["perplexity"][length] = out["accuracy"][length] = results_lib.UNSUPPORTED
       continue
     out["perplexity"][length] = values.get("perplexity", math.exp(min(values["loss"], 700.0)))
     out["accuracy"][length] = values["accuracy"]
@@ -64,9 +85,12 @@ def tables(results: dict, config) -> str:
   """A markdown table per measure: a row per method, a column per evaluation length."""
   lengths = [str(config.train_len * m) for m in config.eval_multiples]
   what = "next-token" if config.model == "clm" else "masked-token"
+  titles = {"perplexity": f"{what} perplexity (lower is better)", "accuracy": f"{what} accuracy (%)",
+            "passkey": "passkey retrieval (% of prompts whose whole key greedy decoding reproduces)",
+            "passkey_digits": "passkey key tokens retrieved (%)"}
   parts = []
-  for measure in MEASURES:
-    title = f"{what} {measure}" + (" (lower is better)" if measure == "perplexity" else " (%)")
+  for measure in measured(config):
+    title = titles[measure]
     rows = [f"**{title}**", "", "| method | " + " | ".join(f"@{l}" for l in lengths) + " |",
             "|" + "---|" * (1 + len(lengths))]
     for method in config.methods:
@@ -114,6 +138,9 @@ def validate(config) -> None:
     raise ValueError(f"config.model={config.model!r}; allowed: {list(MODELS)}")
   if not config.eval_multiples or any(int(m) != m or m < 1 for m in config.eval_multiples):
     raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
+  if config.get("passkey") is not None and config.model != "clm":
+    raise ValueError(f"config.passkey: passkey retrieval needs a decoder (model='clm'), not model={config.model!r}; "
+                     "set config.passkey=None")
   for method in config.methods:
     run_config(config, method)
 
@@ -141,9 +168,9 @@ def run(config, workdir: str, train) -> dict:
     with open(os.path.join(run_dir, "results.json")) as f:
       results[method] = measures(json.load(f)["metrics"], config)
     results_lib.write_json(path, results, sort_keys=False)
-    cells = ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.1f}'}"
-                      for l, v in results[method]["perplexity"].items())
-    print(f"[{time.perf_counter() - start:5.0f}s] {method:>12} perplexity {cells}", flush=True)
+    print(f"[{time.perf_counter() - start:5.0f}s] {method:>12} " + "; ".join(
+        f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
+        for measure, values in results[method].items()), flush=True)
   text = tables(results, config)
   with open(os.path.join(workdir, "length.md"), "w") as f:
     f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "

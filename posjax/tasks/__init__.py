@@ -6,7 +6,8 @@ Evaluators are declared in ``config.evals`` (``{name: {kind, ...options}}``, aft
 ``config.evals``); their metrics are logged as ``<name>_<metric>``.
 
 - ``mlm``: masked-LM pre-training on a corpus (:mod:`posjax.tasks.mlm`);
-- ``clm``: causal language modelling with a decoder on the same corpus (:mod:`posjax.tasks.clm`);
+- ``clm``: causal language modelling with a decoder on the same corpus (:mod:`posjax.tasks.clm`), evaluators of
+  kind ``clm`` and ``passkey`` (passkey retrieval, :mod:`posjax.tasks.passkey`);
 - ``electra``: ELECTRA pre-training, a generator and a discriminator on a corpus (:mod:`posjax.tasks.electra`);
 - ``glue``: GLUE classification and STS-B regression (:mod:`posjax.tasks.glue`);
 - ``squad``: SQuAD 1.1 span extraction (:mod:`posjax.tasks.squad`);
@@ -29,7 +30,7 @@ class Entry(NamedTuple):
   eval_kinds: tuple[str, ...]
 
 
-TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "clm": Entry(clm.build, ("clm",)), "electra": Entry(electra.build, ("electra",)),
+TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "clm": Entry(clm.build, ("clm", "passkey")), "electra": Entry(electra.build, ("electra",)),
          "glue": Entry(glue.build, ("glue",)), "squad": Entry(squad.build, ("squad",)),
          "probe": Entry(probe.build, ("probe",))}
 

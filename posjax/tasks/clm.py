@@ -1,6 +1,7 @@
 """Causal language modelling as a task of the training loop: a decoder-only model (``model.causal=True``) predicts
 each next token of the packed corpus the MLM task reads (TFDS, text files or a prepared corpus; unmasked), with the
-same loop, checkpoints, resume and sweeps, and evaluators of kind ``clm`` (loss, accuracy, perplexity)."""
+same loop, checkpoints, resume and sweeps, and evaluators of kind ``clm`` (loss, accuracy, perplexity) and
+``passkey`` (retrieval of a key hidden in filler text, :mod:`posjax.tasks.passkey`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import optax
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
 from posjax.tasks import mlm as mlm_task
+from posjax.tasks import passkey
 from posjax.train.task import Task, summed_metrics
 
 
@@ -49,17 +51,19 @@ def clm_metrics(outputs: dict, workdir: str | None = None) -> dict:
 
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Next-token prediction on ``config.data`` (:func:`posjax.tasks.mlm.corpus_batches`, unmasked) with a causal
-  model; evaluators of kind ``clm``."""
+  model; evaluators of kind ``clm`` (on the corpus) and ``passkey``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
   model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
   if not model_config.causal:
     raise ValueError("task='clm' trains a decoder: set model.causal=True (configs/clm.py does)")
   model = BertModel(model_config, head="mlm")
   use_segments = config.data.packing == "documents"
-  batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False)
+  batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False, kinds=("clm",))
   predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
   evaluators = mlm_task.corpus_evaluators(evaluations, model_config, predict, clm_metrics,
                                           ("loss", "accuracy", "perplexity"))
+  if config.eval_every_steps > 0:
+    evaluators.update(passkey.evaluators(config, tokenizer, model_config, functools.partial(passkey.row_sums, model)))
   return Task("clm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               clm_loss(model, use_segments=use_segments), batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"), info={"position": model_config.position})

@@ -83,16 +83,19 @@ class Evaluation(NamedTuple):
   length: int
 
 
-def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int, masked: bool = True):
+def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int, masked: bool = True,
+                   kinds: tuple[str, ...] | None = None):
   """The training batches of ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a corpus
   prepared by ``python -m posjax.data.prepare``, read by index) and, per evaluator, an :class:`Evaluation`
   (``split``: ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared corpus from
   ``data.eval_source``; ``max_len``: the length its rows are packed to, or ``length_multiple``: that many times
   ``config.max_len`` (default 1): another length measures the model at lengths it was not trained at). What the
-  pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read."""
+  pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read. ``kinds``: only the evaluators of these kinds
+  read the corpus (default all)."""
   data = config.data
   masking = mlm_data.Masking.from_config(data) if masked else None
   evals = dict(config.evals) if config.eval_every_steps > 0 else {}
+  evals = {name: spec for name, spec in evals.items() if kinds is None or spec.get("kind") in kinds}
   eval_splits = tuple({spec.get("split", "eval") for spec in evals.values()})
   if data.source == "prepared":
     batches = prepared.PreparedBatches(
