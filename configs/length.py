@@ -9,6 +9,10 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=clm,runloc
   passkey: passkey retrieval at every length (decoders, ``model=clm``, only: :mod:`posjax.tasks.passkey`); default on,
     ``passkey=False`` turns it off. A key of 5 digits in Mohtashami & Jaggi's prompt; runlocal: 3 of 10 adjectives
     in a prompt of the tiny corpus's words (it has no digits), which the tiny model was never taught to retrieve.
+  probes: position probes run for every method too (``+``-separated tasks of :mod:`posjax.tasks.probe`; default
+    ``copy+sort+parity``, Kazemnejad et al. 2023's; ``probes=`` runs none): ``configs/probes.py``'s tiny models
+    (runlocal; ``small`` otherwise), decoders for ``model=clm``, trained at length 16 and evaluated at the same
+    multiples; a table per task in ``length.md``. ``config.probe_overrides`` changes their config.
 
   python -m posjax.main --config=configs/length.py:methods=rope+alibi+fire+kerple_log,runlocal --workdir=DIR
 Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pairs of the base config
@@ -28,7 +32,8 @@ PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet stran
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="clm", size="base", runlocal=False, passkey=True)
+  arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="clm", size="base", runlocal=False, passkey=True,
+                  probes="copy+sort+parity")
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
@@ -44,6 +49,10 @@ def get_config(arg=None):
   config.batch_size = 16 if arg.runlocal else 256
   config.eval_batches = 4 if arg.runlocal else 50
   config.overrides = ()  # (dotted field of the base config, value) pairs, e.g. (("learning_rate", 3e-4),)
+  # Probe tasks run for every method (posjax.tasks.probe; a decoder's for model=clm), and the probes' config fields
+  # to override (configs/probes.py's, dotted), e.g. (("steps", 1000),).
+  config.probes = tuple(arg.probes.split("+")) if arg.probes else ()
+  config.probe_overrides = ()
   # The passkey evaluators' options (posjax.tasks.passkey: batches of eval rows, digits, symbols, texts); None: off.
   config.passkey = ml_collections.ConfigDict(
       {"batches": 2, **PASSKEY_RUNLOCAL} if arg.runlocal else {"batches": 1, "digits": 5}

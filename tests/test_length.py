@@ -1,6 +1,6 @@
 """The length-generalisation harness (``configs/length.py``): every method trained once, evaluated at multiples of
-its length (perplexity, accuracy, passkey retrieval), the tables and the plot written, ``unsupported`` past a learned
-table, finished methods skipped."""
+its length (perplexity, accuracy, passkey retrieval), the probes run beside them, the tables and the plot written,
+``unsupported`` past a learned table, finished methods skipped."""
 
 import json
 
@@ -11,14 +11,17 @@ from posjax.main import train
 from conftest import load_config
 
 
+PROBE_STEPS = (("steps", 4), ("warmup_steps", 1), ("eval_batch_size", 8))
+
+
 def harness_config(methods="alibi+absolute", **fields):
   config = load_config("length", f"methods={methods},runlocal")
-  config.update({"steps": 12, "eval_multiples": (1, 2), "eval_batches": 1, **fields})
+  config.update({"steps": 12, "eval_multiples": (1, 2), "eval_batches": 1, "probes": (), **fields})
   return config
 
 
 def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_path):
-  config = harness_config()
+  config = harness_config(probes=("copy",), probe_overrides=PROBE_STEPS)
   results = length.run(config, str(tmp_path), train)
   assert results["absolute"]["perplexity"]["64"] == "unsupported"
   assert isinstance(results["absolute"]["perplexity"]["32"], float)
@@ -29,6 +32,12 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   assert "**next-token perplexity (lower is better)**" in text and "| `absolute` |" in text
   assert "**passkey retrieval (% of prompts whose whole key greedy decoding reproduces)**" in text
   assert "**passkey key tokens retrieved (%)**" in text
+  assert results["absolute"]["probes"]["copy"]["32"] == "unsupported"  # the probe's own length is 16
+  assert all(isinstance(v, float) for v in results["alibi"]["probes"]["copy"].values())
+  assert ("**probe `copy`: token accuracy (%), a decoder of 2 x 64 trained at length 16 for 4 steps**\n\n"
+          "| method | copy @16 | copy @32 |") in text
+  probe_run = json.loads((tmp_path / "probes" / "runs" / "alibi" / "copy" / "model_config.json").read_text())
+  assert probe_run["causal"] and probe_run["max_len"] == 16
   assert "| `absolute` | " in text and "unsupported" in text
   assert (tmp_path / "length.png").stat().st_size > 0
   run = json.loads((tmp_path / "runs" / "alibi" / "config.json").read_text())
@@ -52,6 +61,8 @@ def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):
   with pytest.raises(ValueError, match=r"config.passkey: passkey retrieval needs a decoder \(model='clm'\), not "
                                        r"model='mlm'; set config.passkey=None"):
     length.run(config, str(tmp_path / "b"), train)
+  with pytest.raises(ValueError, match=r"probe task 'reverse' labels a token with a later one, which a decoder"):
+    length.run(harness_config(probes=("reverse",)), str(tmp_path / "b"), train)
   assert load_config("length", "model=mlm,runlocal").passkey is None
   assert load_config("length", "runlocal,passkey=False").passkey is None
   with pytest.raises(ValueError, match="unknown position method 'fir'"):

@@ -7,7 +7,12 @@ It writes ``length.md`` (a table per measure, method x length: perplexity, next-
 accuracy and, for a decoder, passkey retrieval, :mod:`posjax.tasks.passkey`: whole keys and key tokens, with
 ``config.passkey``), ``length.json`` and ``length.png``
 (perplexity against length, one line per method) in the workdir. A method with a learned position table reports
-``unsupported`` past it, never clamped. Each method runs in
+``unsupported`` past it, never clamped.
+
+With ``config.probes`` (probe tasks, :mod:`posjax.tasks.probe`) it also runs the position probes
+(:func:`posjax.experiments.probes.run`, in ``workdir/probes``: a tiny probe model per method and task, a decoder for
+``model="clm"``, trained at the probes' own length and evaluated at the same multiples) and adds a table per probe
+task to ``length.md`` (method x length, token accuracy). Each method runs in
 ``workdir/runs/<method>``; a restarted harness skips finished methods (and a killed run resumes).
 """
 
@@ -19,11 +24,12 @@ import os
 import time
 
 import jax
+import ml_collections
 
 from posjax import config_args
 from posjax import results as results_lib
 from posjax.config_args import POSITIVE
-from posjax.experiments import plots
+from posjax.experiments import plots, probes
 from posjax.experiments.probes import COLORS
 from posjax.train import validate as run_checks
 
@@ -79,6 +85,26 @@ def measures(metrics: dict, config) -> dict:
     out["perplexity"][length] = values.get("perplexity", math.exp(min(values["loss"], 700.0)))
     out["accuracy"][length] = values["accuracy"]
   return out
+
+
+def probe_config(config, methods) -> ml_collections.ConfigDict:
+  """The probes' config: ``configs/probes.py`` with the harness's methods, ``config.probes`` as its tasks, its
+  multiples, decoders for ``model="clm"`` (tiny models in runlocal, small ones otherwise), then
+  ``config.probe_overrides``."""
+  probe = config_args.load_config(f"configs/probes.py:methods={'+'.join(methods)},tasks={'+'.join(config.probes)},"
+                                  f"size={'tiny' if config.runlocal else 'small'},decoder={config.model == 'clm'}")
+  probe.eval_multiples = tuple(config.eval_multiples)
+  return config_args.apply_overrides(probe, dict(config.probe_overrides))
+
+
+def probe_tables(results: dict, probe) -> str:
+  """A table per probe task (:func:`posjax.experiments.probes.results_table`): method x length, token accuracy."""
+  model = "decoder" if probe.model.get("causal") else "encoder"
+  return "\n\n".join(
+      f"**probe `{task}`: token accuracy (%), a {model} of {probe.model.num_layers} x {probe.model.hidden_size} trained "
+      f"at length {probe.train_len} for {probe.steps} steps**\n\n"
+      + probes.results_table(results, ml_collections.ConfigDict({**probe.to_dict(), "tasks": (task,)}))
+      for task in probe.tasks)
 
 
 def tables(results: dict, config) -> str:
@@ -143,17 +169,20 @@ def validate(config) -> None:
                      "set config.passkey=None")
   for method in config.methods:
     run_config(config, method)
+  if config.probes and config.methods:
+    probes.validate(probe_config(config, config.methods))
 
 
 def run(config, workdir: str, train) -> dict:
   """Trains and evaluates every method not yet in ``workdir/length.json``, each a run of the training loop in
-  ``workdir/runs/<method>``; writes the tables and the plot. The workdir's config must match (``methods``
-  excepted: a rerun may add methods). Compiled programs are cached in ``workdir/compilation_cache``."""
+  ``workdir/runs/<method>``, then the probes not yet in ``workdir/probes`` (``config.probes``); writes the tables and
+  the plot. The workdir's config must match (``methods`` and ``probes`` excepted: a rerun may add methods or probe
+  tasks). Compiled programs are cached in ``workdir/compilation_cache``."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compilation_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  run_checks.check_workdir_config(config, workdir, ignore=("methods",))
+  run_checks.check_workdir_config(config, workdir, ignore=("methods", "probes"))
   path = os.path.join(workdir, "length.json")
   results = {}
   if os.path.exists(path):
@@ -172,6 +201,13 @@ def run(config, workdir: str, train) -> dict:
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
         for measure, values in results[method].items()), flush=True)
   text = tables(results, config)
+  if config.probes and config.methods:
+    probe = probe_config(config, config.methods)
+    found = probes.run(probe, os.path.join(workdir, "probes"), train)
+    for method in config.methods:
+      results[method]["probes"] = {task: found[method][task] for task in probe.tasks}
+    results_lib.write_json(path, results, sort_keys=False)
+    text += "\n\n" + probe_tables(found, probe)
   with open(os.path.join(workdir, "length.md"), "w") as f:
     f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
             f"{', '.join(f'{m}x' for m in config.eval_multiples)}\n\n{text}\n")
