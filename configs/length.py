@@ -2,7 +2,11 @@
 :mod:`posjax.experiments.length`.
 
 Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=clm,runlocal``):
-  methods: ``+``-separated registry names; default ``rope+alibi+fire+kerple_log``.
+  methods: ``+``-separated registry names, trained here; default ``rope+alibi+fire+kerple_log``; ``methods=``: none.
+  runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/clm.py:... --workdir=DIR``,
+    ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
+    config and the harness's evaluators, as the row of its position method (``runs=DIR1+DIR2,methods=`` trains
+    nothing). A run must be trained at ``train_len`` (32 in runlocal, else 512).
   model: ``clm`` (a decoder, next-token perplexity; default) or ``mlm`` (an encoder, masked-token perplexity).
   size: the model's size (``tiny`` | ``base`` | ``large``; default ``base``; runlocal: tiny).
   runlocal: the tiny model on the built-in corpus (``configs/data``); trained at length 32 for 300 steps.
@@ -33,11 +37,11 @@ PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet stran
 
 def get_config(arg=None):
   arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="clm", size="base", runlocal=False, passkey=True,
-                  probes="copy+sort+parity")
+                  probes="copy+sort+parity", runs="")
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
-  config.methods = tuple(arg.methods.split("+"))
+  config.methods = tuple(arg.methods.split("+")) if arg.methods else ()
   for method in config.methods:
     positions.get(method)
   config.model = arg.model
@@ -48,6 +52,7 @@ def get_config(arg=None):
   config.steps = 300 if arg.runlocal else 100_000
   config.batch_size = 16 if arg.runlocal else 256
   config.eval_batches = 4 if arg.runlocal else 50
+  config.runs = tuple(arg.runs.split("+")) if arg.runs else ()  # finished runs' workdirs, read instead of trained
   config.overrides = ()  # (dotted field of the base config, value) pairs, e.g. (("learning_rate", 3e-4),)
   # Probe tasks run for every method (posjax.tasks.probe; a decoder's for model=clm), and the probes' config fields
   # to override (configs/probes.py's, dotted), e.g. (("steps", 1000),).

@@ -29,15 +29,17 @@ from posjax import config_args, tasks
 from posjax.aot import compile as aot
 from posjax.cli import error_message, run_user_errors
 from posjax.experiments import length, probes, sweep
-from posjax.train import checkpoint, loop, peers
+from posjax.train import checkpoint, evaluate, loop, peers
 
-# The one place the loop meets its tasks: ``train(config, workdir)`` trains the task ``config.task`` names.
+# The one place the loop meets its tasks: ``train(config, workdir)`` trains the task ``config.task`` names, and
+# ``evaluate_checkpoint(config, source, workdir)`` evaluates a finished run's checkpoint with config's evaluators.
 train = functools.partial(loop.run, build_task=tasks.build)
+evaluate_checkpoint = functools.partial(evaluate.checkpoint_results, build_task=tasks.build)
 
 # ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), the probe table, or
 # a paper table's rows (``experiments/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
 JOBS = {"train": train, "probes": functools.partial(probes.run, train=train),
-        "length": functools.partial(length.run, train=train),
+        "length": functools.partial(length.run, train=train, evaluate=evaluate_checkpoint),
         "table": functools.partial(sweep.run_table, train=train)}
 
 _FLAGS = {}

@@ -1,13 +1,13 @@
 """The length-generalisation harness (``configs/length.py``): every method trained once, evaluated at multiples of
 its length (perplexity, accuracy, passkey retrieval), the probes run beside them, the tables and the plot written,
-``unsupported`` past a learned table, finished methods skipped."""
+``unsupported`` past a learned table, finished methods skipped, finished runs read without training them."""
 
 import json
 
 import pytest
 
 from posjax.experiments import length
-from posjax.main import train
+from posjax.main import evaluate_checkpoint, train
 from conftest import load_config
 
 
@@ -46,10 +46,41 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   evaluations = json.loads((tmp_path / "runs" / "alibi" / "results.json").read_text())["metrics"]
   assert set(evaluations["passkey_x2"]) == {"accuracy", "digit_accuracy"}
 
-  def must_not_train(*args):
-    raise AssertionError("a finished method was trained again")
-
   assert length.run(config, str(tmp_path), must_not_train) == results
+
+
+def must_not_train(*args):
+  raise AssertionError("the harness trained a run it was given to read")
+
+
+def files(directory):
+  return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*")}
+
+
+def test_the_harness_reads_a_finished_run_without_training_it(tmp_path):
+  source = tmp_path / "clm_alibi"
+  run = load_config("clm", "position=alibi,runlocal")
+  run.update(total_steps=3, warmup_steps=1, max_len=32, eval_every_steps=3, checkpoint_every_steps=3, progress=False)
+  train(run, str(source))
+  before = files(source)
+  config = harness_config(methods="", runs=(str(source),), eval_batches=4)  # the run's own evaluation: 4 batches
+  results = length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=evaluate_checkpoint)
+  assert files(source) == before  # only read
+  own = json.loads((source / "results.json").read_text())["metrics"]["eval"]
+  assert results["alibi"]["perplexity"]["32"] == pytest.approx(own["perplexity"], rel=1e-5)  # the run's parameters
+  assert isinstance(results["alibi"]["perplexity"]["64"], float)
+  assert set(results["alibi"]["passkey"]) == {"32", "64"}
+  evaluated = json.loads((tmp_path / "harness" / "runs" / "alibi" / "results.json").read_text())
+  assert evaluated["evaluated_from"] == str(source) and evaluated["step"] == 3
+  text = (tmp_path / "harness" / "length.md").read_text()
+  assert f"`alibi`: read from {source} (its own recipe, 3 steps), not trained here" in text and "| `alibi` |" in text
+  assert length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=must_not_train) == results
+  with pytest.raises(ValueError, match=r"config.runs: .* was trained at length 32, the harness's config.train_len "
+                                       r"is 64; evaluate it with train_len=32"):
+    length.run(harness_config(methods="", runs=(str(source),), train_len=64), str(tmp_path / "other"), train)
+  with pytest.raises(FileNotFoundError, match=r"config.runs: .*nowhere is not a finished run"):
+    length.run(harness_config(runs=(str(tmp_path / "nowhere"),)), str(tmp_path / "other"), train)
+  assert not (tmp_path / "other").exists()
 
 
 def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):

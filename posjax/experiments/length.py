@@ -1,7 +1,14 @@
 """The length-generalisation harness: each position method trained at one length by the training loop (a decoder on
 next-token prediction, ``model="clm"``, or an encoder on MLM, ``model="mlm"``) and evaluated on held-out text of the
 same corpus at 1x, 2x, 4x, 8x and 16x that length (the corpus evaluators' ``length_multiple``). ``run(config,
-workdir, train)`` takes the loop as ``train(config, workdir)`` (:mod:`posjax.main` composes it).
+workdir, train, evaluate)`` takes the loop as ``train(config, workdir)`` and evaluation alone as ``evaluate(config,
+source, workdir)`` (:mod:`posjax.main` composes both).
+
+``config.runs`` names finished runs (workdirs of ``python -m posjax.main --config=configs/clm.py ...``, or
+``pretrain.py`` for ``model="mlm"``) to read instead of training: each run's last checkpoint is evaluated, with its
+own config (model, corpus, tokenizer) and the harness's evaluators, in ``workdir/runs/<method>`` (``<method>``: the
+run's position method, one run per method; a method in both ``methods`` and ``runs`` is read, not trained). A run
+must be of the harness's model and trained at ``train_len``.
 
 It writes ``length.md`` (a table per measure, method x length: perplexity, next-token or masked-token, token
 accuracy and, for a decoder, passkey retrieval, :mod:`posjax.tasks.passkey`: whole keys and key tokens, with
@@ -107,7 +114,41 @@ def probe_tables(results: dict, probe) -> str:
       for task in probe.tasks)
 
 
-def tables(results: dict, config) -> str:
+def read_runs(config) -> dict[str, str]:
+  """``{method: workdir}`` of ``config.runs``: each a finished run (``config.json``, ``results.json``) of the
+  harness's model at its training length, under its position method, one run per method."""
+  found = {}
+  for source in config.runs:
+    run = results_lib.read_json(os.path.join(source, "config.json"))
+    if run is None or not os.path.isfile(os.path.join(source, "results.json")):
+      raise FileNotFoundError(f"config.runs: {source} is not a finished run (it has no config.json and results.json)")
+    method, task = run["model"]["position"], run.get("task", "mlm")
+    if task != config.model:
+      raise ValueError(f"config.runs: {source} is a run of task {task!r}, not of the harness's model={config.model!r}")
+    if run["max_len"] != config.train_len:
+      raise ValueError(f"config.runs: {source} was trained at length {run['max_len']}, the harness's "
+                       f"config.train_len is {config.train_len}; evaluate it with train_len={run['max_len']}")
+    if method in found:
+      raise ValueError(f"config.runs: {found[method]} and {source} are both runs of {method!r}; give one per method")
+    found[method] = source
+  return found
+
+
+def source_config(config, source: str) -> ml_collections.ConfigDict:
+  """The config a finished run is evaluated with: its own (``source/config.json``), the harness's evaluators."""
+  run = ml_collections.ConfigDict(results_lib.read_json(os.path.join(source, "config.json")))
+  run.evals = evaluators(config)
+  run.eval_every_steps = max(run.eval_every_steps, 1)  # evaluators on (a run may have trained without them)
+  run.progress = False
+  return run
+
+
+def table_methods(config, sources: dict) -> list[str]:
+  """The tables' rows: ``config.methods``, then the methods of ``config.runs`` not among them."""
+  return list(config.methods) + [m for m in sources if m not in config.methods]
+
+
+def tables(results: dict, config, methods) -> str:
   """A markdown table per measure: a row per method, a column per evaluation length."""
   lengths = [str(config.train_len * m) for m in config.eval_multiples]
   what = "next-token" if config.model == "clm" else "masked-token"
@@ -119,7 +160,7 @@ def tables(results: dict, config) -> str:
     title = titles[measure]
     rows = [f"**{title}**", "", "| method | " + " | ".join(f"@{l}" for l in lengths) + " |",
             "|" + "---|" * (1 + len(lengths))]
-    for method in config.methods:
+    for method in methods:
       cells = []
       for length in lengths:
         value = results.get(method, {}).get(measure, {}).get(length)
@@ -130,13 +171,13 @@ def tables(results: dict, config) -> str:
   return "\n\n".join(parts)
 
 
-def plot(results: dict, config, path: str) -> None:
+def plot(results: dict, config, methods, path: str) -> None:
   """Perplexity against evaluation length (both log scale), one line per method; a method that runs at the training
   length alone is a point."""
   plt = plots.pyplot()
   lengths = [config.train_len * m for m in config.eval_multiples]
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for i, method in enumerate(config.methods):
+  for i, method in enumerate(methods):
     values = results.get(method, {}).get("perplexity", {})
     points = [(l, values[str(l)]) for l in lengths if isinstance(values.get(str(l)), float)]
     if points:
@@ -158,7 +199,8 @@ def plot(results: dict, config, path: str) -> None:
 
 
 def validate(config) -> None:
-  """What can fail before the workdir is written: ranges, the model, the multiples, every method's run config."""
+  """What can fail before the workdir is written: ranges, the model, the multiples, every method's run config, the
+  runs to read, the probes."""
   config_args.check_ranges(config, RANGES)
   if config.model not in MODELS:
     raise ValueError(f"config.model={config.model!r}; allowed: {list(MODELS)}")
@@ -169,48 +211,65 @@ def validate(config) -> None:
                      "set config.passkey=None")
   for method in config.methods:
     run_config(config, method)
-  if config.probes and config.methods:
-    probes.validate(probe_config(config, config.methods))
+  sources = read_runs(config)
+  for source in sources.values():
+    source_config(config, source)
+  if not config.methods and not sources:
+    raise ValueError("config.methods and config.runs are both empty: no method to measure")
+  if config.probes:
+    probes.validate(probe_config(config, table_methods(config, sources)))
 
 
-def run(config, workdir: str, train) -> dict:
+def run(config, workdir: str, train, evaluate=None) -> dict:
   """Trains and evaluates every method not yet in ``workdir/length.json``, each a run of the training loop in
-  ``workdir/runs/<method>``, then the probes not yet in ``workdir/probes`` (``config.probes``); writes the tables and
-  the plot. The workdir's config must match (``methods`` and ``probes`` excepted: a rerun may add methods or probe
-  tasks). Compiled programs are cached in ``workdir/compilation_cache``."""
+  ``workdir/runs/<method>`` (or, for a run of ``config.runs``, ``evaluate`` of its checkpoint there), then the probes
+  not yet in ``workdir/probes`` (``config.probes``); writes the tables and the plot. The workdir's config must match
+  (``methods``, ``runs`` and ``probes`` excepted: a rerun may add rows or probe tasks). Compiled programs are cached
+  in ``workdir/compilation_cache``."""
   validate(config)
+  sources = read_runs(config)
+  methods = table_methods(config, sources)
+  if sources and evaluate is None:
+    raise ValueError("config.runs needs evaluate(config, source, workdir) (posjax.main.evaluate_checkpoint)")
   os.makedirs(workdir, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compilation_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  run_checks.check_workdir_config(config, workdir, ignore=("methods", "probes"))
+  run_checks.check_workdir_config(config, workdir, ignore=("methods", "probes", "runs"))
   path = os.path.join(workdir, "length.json")
   results = {}
   if os.path.exists(path):
     with open(path) as f:
       results = json.load(f)
   start = time.perf_counter()
-  for method in config.methods:
+  for method in methods:
     if method in results:
       continue
     run_dir = os.path.join(workdir, "runs", method)
-    train(run_config(config, method), run_dir)
+    if method in sources:
+      evaluate(source_config(config, sources[method]), sources[method], run_dir)
+    else:
+      train(run_config(config, method), run_dir)
     with open(os.path.join(run_dir, "results.json")) as f:
       results[method] = measures(json.load(f)["metrics"], config)
     results_lib.write_json(path, results, sort_keys=False)
     print(f"[{time.perf_counter() - start:5.0f}s] {method:>12} " + "; ".join(
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
         for measure, values in results[method].items()), flush=True)
-  text = tables(results, config)
-  if config.probes and config.methods:
-    probe = probe_config(config, config.methods)
+  text = tables(results, config, methods)
+  if config.probes:
+    probe = probe_config(config, methods)
     found = probes.run(probe, os.path.join(workdir, "probes"), train)
-    for method in config.methods:
+    for method in methods:
       results[method]["probes"] = {task: found[method][task] for task in probe.tasks}
     results_lib.write_json(path, results, sort_keys=False)
     text += "\n\n" + probe_tables(found, probe)
+  read = ""
+  for method, source in sources.items():
+    steps = results_lib.read_json(os.path.join(source, "results.json"))["step"]
+    read += f"`{method}`: read from {source} (its own recipe, {steps} steps), not trained here\n"
   with open(os.path.join(workdir, "length.md"), "w") as f:
     f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
-            f"{', '.join(f'{m}x' for m in config.eval_multiples)}\n\n{text}\n")
-  plot(results, config, os.path.join(workdir, "length.png"))
+            f"{', '.join(f'{m}x' for m in config.eval_multiples)}\n{read}\n{text}\n")
+  plot(results, config, methods, os.path.join(workdir, "length.png"))
   print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png", flush=True)
   return results

@@ -1,15 +1,20 @@
 """Evaluation inside a run: every evaluator over every process's rows, the predictors (e.g. test-set files) of
-the evaluation that ``config.select`` reports, and ``results.json`` (see :mod:`posjax.results`)."""
+the evaluation that ``config.select`` reports, and ``results.json`` (see :mod:`posjax.results`); and evaluation
+alone, of another run's checkpoint (:func:`checkpoint_results`)."""
 
 from __future__ import annotations
 
+import os
+
+import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
 
 from posjax import results as results_lib
 from posjax.data import features
-from posjax.train import sharding
+from posjax.train import checkpoint as checkpoint_lib
+from posjax.train import sharding, validate
 from posjax.train.task import Evaluator
 
 
@@ -54,11 +59,41 @@ def predict_if_reported(config, log: results_lib.EvaluationLog, step: int, predi
     predict(state)
 
 
-def write_results(path: str, config, task, step: int, log: results_lib.EvaluationLog, is_main: bool, say) -> None:
-  """``results.json``: what the run was, its evaluations and the one ``config.select`` reports (what sweeps and
-  reports read)."""
+def write_results(path: str, config, task, step: int, log: results_lib.EvaluationLog, is_main: bool, say,
+                  info: dict | None = None) -> None:
+  """``results.json``: what the run was (``info``: more of it), its evaluations and the one ``config.select``
+  reports (what sweeps and reports read)."""
   if is_main:
-    info = {"task": task.name, "step": step, "seed": config.seed, "learning_rate": config.learning_rate, **task.info}
+    info = {"task": task.name, "step": step, "seed": config.seed, "learning_rate": config.learning_rate, **task.info,
+            **(info or {})}
     results_lib.write_json(path, results_lib.run_results(info, log.evaluations, config.get("select", "last"),
                                                           config.get("select_metric", "")))
     say(f"results in {path}")
+
+
+def checkpoint_results(config, source: str, workdir: str, build_task) -> dict:
+  """Evaluates the last checkpoint of another, finished run (``source``: its workdir, whose ``results.json`` names
+  that step) with ``config``'s evaluators, training nothing: ``workdir`` gets ``config.json`` and ``results.json``
+  (``evaluated_from``: ``source``), ``source`` is only read. ``config`` must build the model that run trained (its own
+  config, other evaluators); a parameter missing on either side is an error. Returns ``{evaluator: {metric:
+  value}}``."""
+  finished = results_lib.read_json(os.path.join(source, "results.json"))
+  if finished is None:
+    raise FileNotFoundError(f"{source} has no results.json: not a finished run")
+  prepared = validate.validate_everywhere(config, workdir, build_task)
+  parallel, task, step = prepared.parallel, prepared.task, int(finished["step"])
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  validate.check_workdir_config(config, workdir)
+  fresh = parallel.to_checkpoint(parallel.init(lambda rng: nn.unbox(prepared.init_boxed(rng)), prepared.init_rng))
+  params, created, unused = checkpoint_lib.merge_params(fresh.params, checkpoint_lib.load_params(source, step))
+  if created or unused:
+    raise ValueError(f"the checkpoint of {source} (step {step}) does not fit the model of the config it is evaluated "
+                     f"with: parameters not in the checkpoint {created[:3]}, not in the model {unused[:3]}")
+  state = parallel.from_checkpoint(fresh.replace(params=params))
+  metrics = evaluation(task.evaluators, parallel, workdir if is_main else None)(state)
+  log = results_lib.EvaluationLog(workdir, step, enabled=is_main)
+  log.append(step, metrics)
+  write_results(os.path.join(workdir, "results.json"), config, task, step, log, is_main, lambda message: None,
+                info={"evaluated_from": os.path.abspath(source)})
+  return metrics
