@@ -25,7 +25,8 @@ from posjax import kernels
 from posjax.aot import compile as aot
 from posjax.aot import resources, targets
 
-CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide")
+CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide", "kerple_log",
+         "kerple_power", "fire", "sandwich")
 KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
 
 
@@ -46,6 +47,11 @@ def terms_for(case: str, length: int, heads: int, head_dim: int):
       "m4": lambda: kernels.Terms(relative=kernels.Relative(f32(2 * k + 1, head_dim), k, query=True, key=True)),
       "m4_gathered": lambda: kernels.Terms(relative=kernels.Relative(f32(2 * k + 1, head_dim), k, query=True,
                                                                      key=True, window=False)),
+      "kerple_log": lambda: kernels.Terms(kerple=kernels.Kerple(f32(heads), f32(heads), "log")),
+      "kerple_power": lambda: kernels.Terms(kerple=kernels.Kerple(f32(heads), f32(heads), "power")),
+      "fire": lambda: kernels.Terms(fire=kernels.Fire(f32(32), f32(32), f32(32, heads), f32(heads), f32(),
+                                                      jnp.full((), 512.0))),
+      "sandwich": lambda: kernels.Terms(sandwich=kernels.Sandwich(f32(heads) + 1.0)),
       "wide": lambda: kernels.Terms(buckets=kernels.Buckets(f32(259, heads), kind="clip", max_distance=128,
                                                             cls_row=257, cls_col=258),
                                     relative=kernels.Relative(f32(257, head_dim), 128, query=True, key=True,

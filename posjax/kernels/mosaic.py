@@ -18,8 +18,7 @@ axis runs sequentially, q/k/v tiles brought in by BlockSpecs, running statistics
   that stays resident across the sequential axis (no atomics);
 - the gradients of the bucket table, slopes, θ and KERPLE's and FIRE's learned scalars (in SMEM, one row per
   head) are per-row partial sums (columns of one ``[B, H, L, C]`` output of the ``dq`` kernel), summed after it;
-- Sandwich's embeddings are built per tile from the positions and this head's frequencies (a row and a column
-  block, so both sides' products are plain matrix products).
+- Sandwich's embeddings come as query and key row blocks, multiplied per tile at float32 precision.
 
 Query-side integers (positions, segment ids) come replicated across the key tile's lanes (``[B, L, block]``) and
 the row statistics are kept ``[B, H, L, block]``, as in JAX's own TPU flash attention: no vector relayouts.
@@ -38,7 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, overlap_add, row_delta,
-                                 scalar_count, scalar_grads, scalar_rows, t_dot, untied_grads, window_table)
+                                 sandwich_embeddings, scalar_count, scalar_grads, scalar_rows, t_dot, untied_grads,
+                                 window_table)
 
 
 class _Tile(TileBase):
@@ -50,7 +50,7 @@ class _Tile(TileBase):
     self.plan, self.terms, self.r, self.b, self.h, self.i, self.j = plan, terms, r, b, h, i, j
     self.q_QxK, self.k_TxK = r["q"][0, 0], r["k"][0, 0]
     pos_i_QxT, pos_j_1xT = r["q_positions"][0], r["k_positions"][0]
-    self.pos_i_QxT, self.pos_j_1xT = pos_i_QxT, pos_j_1xT
+    self.pos_i_QxT = pos_i_QxT
     self.cls_i_QxT, self.cls_j_QxT = pos_i_QxT == 0, pos_j_1xT == 0
     self.row_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     self.col_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
@@ -80,13 +80,8 @@ class _Tile(TileBase):
   def _scalar(self, name: str, index):
     return self.r[name][self.h, index]
 
-  def _sandwich_inner(self):
-    """``pe(p_i)·pe(p_j)``: query angles ``[Q, F]`` from the frequency row, key angles ``[F, T]`` from the column."""
-    freq_1xF, freq_Fx1 = self.r["sandwich_row"][0], self.r["sandwich_col"][0]
-    a_QxF = self.pos_i_QxT[:, :1].astype(jnp.float32) * freq_1xF
-    b_FxT = freq_Fx1 * self.pos_j_1xT.astype(jnp.float32)
-    exact = jax.lax.Precision.HIGHEST
-    return dot(jnp.cos(a_QxF), jnp.cos(b_FxT), exact) + dot(jnp.sin(a_QxF), jnp.sin(b_FxT), exact), freq_1xF.shape[1]
+  def _sandwich_embeddings(self):
+    return self.r["sandwich_q"][0, 0], self.r["sandwich_k"][0, 0]
 
   def _relative_term(self, rel_QxT):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
@@ -303,9 +298,9 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
   row_block = lambda a_BxHxLxX, size: (1, 1, size, a_BxHxLxX.shape[-1])
   specs = {}
   for name, a in arrays.items():
-    if name in ("q", "d_out", "u_q"):
+    if name in ("q", "d_out", "u_q", "sandwich_q"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
-    elif name in ("k", "v", "u_k"):
+    elif name in ("k", "v", "u_k", "sandwich_k"):
       specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
     elif name in ("row_max", "row_sum", "delta"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, h, i, 0))
@@ -315,8 +310,6 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
     elif name in ("slopes", "theta", "bucket_table", "salts", "kerple", "fire"):
       specs[name] = smem
-    elif name in ("sandwich_row", "sandwich_col"):  # this head's frequencies
-      specs[name] = at((1, *a.shape[1:]), lambda b, h, i, j: (h, 0, 0))
     elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
       shift = name == "window_hi"
       specs[name] = at((bq, a.shape[-1]), lambda b, h, i, j, shift=shift: (j - i - 1 + n + shift, 0))
@@ -349,8 +342,7 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
       arrays["theta"] = terms.untied.theta.astype(jnp.float32)
   arrays.update(scalar_rows(terms))
   if terms.sandwich is not None:
-    freq_HxF = terms.sandwich.frequencies()
-    arrays["sandwich_row"], arrays["sandwich_col"] = freq_HxF[:, None, :], freq_HxF[:, :, None]
+    arrays["sandwich_q"] = arrays["sandwich_k"] = sandwich_embeddings(terms, positions_BxL, q_BxHxLxK.shape[0])
   rel = terms.relative
   if rel is not None:
     table_RxK = window_table(rel, q_BxHxLxK.shape[2])

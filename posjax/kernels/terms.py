@@ -316,7 +316,8 @@ class Sandwich:
   of dimension ``dim`` as a bias, ``λ (pe(p_i)·pe(p_j) - F) = λ (Σ_f cos(r ω_f / ρ_h) - F)``, ``ω_f =
   base^(-2f/dim)``, ``F = dim / 2`` (the offset makes the bias 0 at ``r = 0`` and changes no attention weight), with
   each head's positions compressed by its ratio ``ρ_h``. Computed as that inner product (rank ``dim`` per head, in
-  float32 at full precision), as the paper states it."""
+  float32 at full precision), as the paper states it: the kernels take the embeddings (:meth:`embeddings`, ``O(L
+  dim)`` per head, rebuilt for the backward) and multiply them per tile."""
 
   ratios: jax.Array  # [H] ρ (constants: no gradient)
   dim: int = flax.struct.field(pytree_node=False, default=128)
@@ -328,14 +329,16 @@ class Sandwich:
     omega_F = self.base ** (-2.0 * jnp.arange(self.dim // 2, dtype=jnp.float32) / self.dim)
     return omega_F[None, :] / jax.lax.stop_gradient(self.ratios.astype(jnp.float32))[:, None]
 
+  def embeddings(self, positions_BxL):
+    """``[B, H, L, 2F]`` float32: each head's ``[cos, sin](p ω_f / ρ_h)``, whose inner products are the bias (plus
+    ``F``)."""
+    angle_BxHxLxF = (positions_BxL.astype(jnp.float32)[:, None, :, None] * self.frequencies()[None, :, None, :])
+    return jnp.concatenate([jnp.cos(angle_BxHxLxF), jnp.sin(angle_BxHxLxF)], axis=-1)
+
   def bias(self, positions_BxQ, positions_BxL):
     """``[B, H, Q, L]`` float32 between query positions and key positions."""
-    freq_HxF = self.frequencies()
-    angle = lambda p_BxL: p_BxL.astype(jnp.float32)[:, :, None, None] * freq_HxF
-    dot = lambda a_BxQxHxF, b_BxLxHxF: jnp.einsum("bqhf,bkhf->bhqk", a_BxQxHxF, b_BxLxHxF,
-                                                   precision=jax.lax.Precision.HIGHEST)
-    a_BxQxHxF, b_BxLxHxF = angle(positions_BxQ), angle(positions_BxL)
-    inner_BxHxQxL = dot(jnp.cos(a_BxQxHxF), jnp.cos(b_BxLxHxF)) + dot(jnp.sin(a_BxQxHxF), jnp.sin(b_BxLxHxF))
+    inner_BxHxQxL = jnp.einsum("bhqf,bhkf->bhqk", self.embeddings(positions_BxQ), self.embeddings(positions_BxL),
+                               precision=jax.lax.Precision.HIGHEST)
     return self.scale * (inner_BxHxQxL - self.dim // 2)
 
 

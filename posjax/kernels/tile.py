@@ -96,8 +96,9 @@ class TileBase:
 
   Both backends' tiles share it, given their own loads through the hooks ``_slope``, ``_relative_term``,
   ``_untied_factors``, ``_bucket_values``, ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head,
-  :func:`scalar_rows`) and ``_sandwich_inner``: the position terms and the [CLS] reset, the mask and the logits,
-  dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
+  :func:`scalar_rows`) and ``_sandwich_embeddings`` (the tile's rows of :func:`sandwich_embeddings`): the position
+  terms and the [CLS] reset, the mask and the logits, dropout, and the routing of the logits' gradient to the
+  untied and bucket terms and the learned scalars. A
   subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT`` and the query positions
   ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``), then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set
   the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``,
@@ -120,8 +121,8 @@ class TileBase:
     if terms.fire is not None:
       s_QxT = s_QxT + self._fire_bias(rel_QxT)
     if terms.sandwich is not None:
-      inner_QxT, count = self._sandwich_inner()
-      s_QxT = s_QxT + terms.sandwich.scale * (inner_QxT - count)
+      q_QxE, k_TxE = self._sandwich_embeddings()
+      s_QxT = s_QxT + terms.sandwich.scale * (dot_t(q_QxE, k_TxE, self._exact()) - terms.sandwich.dim // 2)
     self.reset = terms.untied.reset if terms.untied is not None else "none"
     self.neither_QxT = ~self.cls_i_QxT & ~self.cls_j_QxT
     positional_QxT = jnp.zeros_like(s_QxT)
@@ -136,6 +137,10 @@ class TileBase:
     if self.reset == "paper":
       positional_QxT = self._untie(positional_QxT)
     return s_QxT + positional_QxT
+
+  def _exact(self):
+    """The precision of a float32 product that needs float32 accuracy (Sandwich's inner products reach ``F``)."""
+    return jax.lax.Precision.HIGHEST
 
   def _kerple_bias(self, rel_QxT):
     """KERPLE's kernel (:class:`~posjax.kernels.terms.Kerple`) from this head's ``r1``, ``r2``."""
@@ -256,6 +261,14 @@ def scalar_columns(terms: Terms) -> dict:
       size = 2 if name == "kerple" else 3 * term.w1.shape[0] + 3
       columns[name], start = (start, size), start + size
   return columns
+
+
+def sandwich_embeddings(terms: Terms, positions_BxL, batch: int):
+  """``[B, H, L, E]`` float32 Sandwich embeddings (:meth:`~posjax.kernels.terms.Sandwich.embeddings`), E padded to a
+  power of two of at least 16 with zeros (Triton's arrays and dots), for the kernels' ``sandwich`` input."""
+  e_BxHxLxE = terms.sandwich.embeddings(jnp.broadcast_to(positions_BxL, (batch, positions_BxL.shape[1])))
+  width = max(16, next_power_of_two(e_BxHxLxE.shape[-1]))
+  return jnp.pad(e_BxHxLxE, ((0, 0), (0, 0), (0, 0), (0, width - e_BxHxLxE.shape[-1])))
 
 
 def scalar_count(terms: Terms) -> int:

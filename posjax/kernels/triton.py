@@ -50,8 +50,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import NAMES, Terms
-from posjax.kernels.tile import (Plan, fold_window_table, next_power_of_two, overlap_add, row_delta, scalar_count,
-                                 scalar_grads, scalar_rows, untied_grads, window_table)
+from posjax.kernels.tile import (Plan, fold_window_table, next_power_of_two, overlap_add, row_delta,
+                                 sandwich_embeddings, scalar_count, scalar_grads, scalar_rows, untied_grads,
+                                 window_table)
 from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
@@ -92,13 +93,13 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
     inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
   for name, row_HxX in scalar_rows(terms).items():
     inputs[name] = _pad_columns(row_HxX, next_power_of_two(row_HxX.shape[1]))
-  if terms.sandwich is not None:  # Triton's dot needs >= 16 columns: the padded frequencies (0) are counted
-    freq_HxF = terms.sandwich.frequencies()
-    inputs["sandwich"] = _pad_columns(freq_HxF, max(16, next_power_of_two(freq_HxF.shape[1])))
+  if terms.sandwich is not None:
+    inputs["sandwich"] = sandwich_embeddings(terms, positions_BxL, q_BxHxLxK.shape[0])
+    specs["sandwich"] = _row_spec(inputs["sandwich"])
   if terms.relative is not None and terms.relative.window:
     inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
     specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
-  for name in ("slopes", "bucket_table", "theta_row", "theta_col", "kerple", "fire", "sandwich"):
+  for name in ("slopes", "bucket_table", "theta_row", "theta_col", "kerple", "fire"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
   return inputs, specs
@@ -136,11 +137,12 @@ def compiler_params(plan: Plan, terms: Terms) -> dict:
   tile builds position terms or is larger than 64x64 (at 4 their ``[bq, bk]`` index and value tensors spill),
   4 otherwise. Windowed relative vectors take one stage: their tiles gather this program's scratch block right
   after storing it, which a software-pipelined (prefetched) load would read stale, and two stages of the
-  window's operands fill 85-100% of the shared memory."""
+  window's operands fill 85-100% of the shared memory; so do two stages of Sandwich's float32 embeddings (88-92%
+  at 64x64, ``dim=128``)."""
   plain = (all(getattr(terms, name) is None for name in NAMES)
            and plan.block_q * plan.block_k <= 64 * 64)
   window = terms.relative is not None and bool(terms.relative.window)
-  return {"num_warps": 4 if plain else 8, "num_stages": 1 if window else 2}
+  return {"num_warps": 4 if plain else 8, "num_stages": 1 if window or terms.sandwich is not None else 2}
 
 
 def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int) -> dict:

@@ -37,7 +37,7 @@ class Tile(TileBase):
     self.rows, self.cols = rows, cols
     self.q_QxK, self.k_TxK = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
     pos_i_Q, pos_j_T = refs["positions"][0, rows], refs["positions"][0, cols]
-    self.pos_i_QxT, self.pos_j_T = pos_i_Q[:, None], pos_j_T
+    self.pos_i_QxT = pos_i_Q[:, None]
     rel_QxT = pos_j_T[None, :] - pos_i_Q[:, None]
     self.cls_i_QxT, self.cls_j_QxT = (pos_i_Q == 0)[:, None], (pos_j_T == 0)[None, :]
     s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), rel_QxT)
@@ -66,14 +66,12 @@ class Tile(TileBase):
   def _scalar(self, name: str, index):
     return self.refs[name][0, index]
 
-  def _sandwich_inner(self):
-    """``pe(p_i)·pe(p_j)`` from this head's frequencies (zero-padded ones add 1 each: counted)."""
-    freq_1xF = self.refs["sandwich"][...]
-    angle = lambda pos_X: pos_X.astype(jnp.float32)[:, None] * freq_1xF
-    a_QxF, b_TxF = angle(self.pos_i_QxT[:, 0]), angle(self.pos_j_T)
-    exact = jax.lax.Precision.HIGHEST
-    inner_QxT = dot_t(jnp.cos(a_QxF), jnp.cos(b_TxF), exact) + dot_t(jnp.sin(a_QxF), jnp.sin(b_TxF), exact)
-    return inner_QxT, freq_1xF.shape[1]
+  def _exact(self):
+    """Compiled: three TF32 passes on the tensor cores (IEEE float32 dots spill on sm_90); interpreted: float32."""
+    return jax.lax.Precision.HIGHEST if self.plan.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+  def _sandwich_embeddings(self):
+    return self.refs["sandwich"][0, 0, self.rows, :], self.refs["sandwich"][0, 0, self.cols, :]
 
   def _relative_term(self, rel_QxT):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
