@@ -24,14 +24,25 @@ def every_term(rng, batch, length, heads, head_dim):
       untied=kernels.Untied(f32(batch, length, heads, head_dim), f32(batch, length, heads, head_dim), f32(2, heads)))
 
 
-def test_the_kernel_on_a_mesh_matches_it_unsharded():
+def learned_biases(rng, batch, length, heads, head_dim):
+  """KERPLE (per-head scalars), FIRE (an MLP shared by the heads but its last layer) and Sandwich (fixed)."""
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  return kernels.Terms(
+      kerple=kernels.Kerple(jnp.asarray(rng.uniform(0.2, 1.5, heads), jnp.float32),
+                            jnp.asarray(rng.uniform(0.2, 1.0, heads), jnp.float32)),
+      fire=kernels.Fire(f32(4), f32(4), f32(4, heads), f32(heads), jnp.asarray(0.3), jnp.asarray(5.0)),
+      sandwich=kernels.Sandwich(jnp.asarray(rng.uniform(1.0, 4.0, heads), jnp.float32), dim=8))
+
+
+@pytest.mark.parametrize("make_terms", [every_term, learned_biases])
+def test_the_kernel_on_a_mesh_matches_it_unsharded(make_terms):
   # The GPU kernels in the generic interpreter; the TPU kernels' shard_map is the same, compiled for a v5e slice in
   # tests/test_aot.py (Mosaic refuses a kernel outside one).
   rng = np.random.default_rng(0)
   batch, length, heads, head_dim = 4, 16, 4, 8
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   q, k, v, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(4))
-  terms = every_term(rng, batch, length, heads, head_dim)
+  terms = make_terms(rng, batch, length, heads, head_dim)
   positions = np.tile(np.arange(length, dtype=np.int32), (batch, 1))
   lengths = np.array([16, 11, 16, 3])
   seen = []
