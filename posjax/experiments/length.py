@@ -4,23 +4,22 @@ same corpus at 1x, 2x, 4x, 8x and 16x that length (the corpus evaluators' ``leng
 workdir, train, evaluate)`` takes the loop as ``train(config, workdir)`` and evaluation alone as ``evaluate(config,
 source, workdir)`` (:mod:`posjax.main` composes both).
 
+It writes ``length.md`` (a table per measure, method x length: perplexity, next-token or masked-token, token accuracy
+and, for a decoder with ``config.passkey``, passkey retrieval of whole keys and of key tokens,
+:mod:`posjax.tasks.passkey`), ``length.json`` and ``length.png`` (perplexity against length, one line per method) in
+the workdir. A method with a learned position table reports ``unsupported`` past it, never clamped. Each method runs
+in ``workdir/runs/<method>``; a restarted harness skips finished methods (and a killed run resumes).
+
+``config.probes`` (probe tasks, :mod:`posjax.tasks.probe`) runs the position probes too
+(:func:`posjax.experiments.probes.run` in ``workdir/probes``: a tiny probe model per method and task, a decoder for
+``model="clm"``, trained at the probes' own length and evaluated at the same multiples) and adds a table per probe
+task to ``length.md`` (method x length, token accuracy).
+
 ``config.runs`` names finished runs (workdirs of ``python -m posjax.main --config=configs/clm.py ...``, or
 ``pretrain.py`` for ``model="mlm"``) to read instead of training: each run's last checkpoint is evaluated, with its
 own config (model, corpus, tokenizer) and the harness's evaluators, in ``workdir/runs/<method>`` (``<method>``: the
 run's position method, one run per method; a method in both ``methods`` and ``runs`` is read, not trained). A run
 must be of the harness's model and trained at ``train_len``.
-
-It writes ``length.md`` (a table per measure, method x length: perplexity, next-token or masked-token, token
-accuracy and, for a decoder, passkey retrieval, :mod:`posjax.tasks.passkey`: whole keys and key tokens, with
-``config.passkey``), ``length.json`` and ``length.png``
-(perplexity against length, one line per method) in the workdir. A method with a learned position table reports
-``unsupported`` past it, never clamped.
-
-With ``config.probes`` (probe tasks, :mod:`posjax.tasks.probe`) it also runs the position probes
-(:func:`posjax.experiments.probes.run`, in ``workdir/probes``: a tiny probe model per method and task, a decoder for
-``model="clm"``, trained at the probes' own length and evaluated at the same multiples) and adds a table per probe
-task to ``length.md`` (method x length, token accuracy). Each method runs in
-``workdir/runs/<method>``; a restarted harness skips finished methods (and a killed run resumes).
 """
 
 from __future__ import annotations
