@@ -248,21 +248,24 @@ class FusedAttention:
   positional = u_q,i·u_k,j (TUPE's untied term) under its [CLS] reset (a query at position 0 reads θ1, else a key
   at position 0 reads θ2: ``official`` before the bucket term is added, ``paper`` over it), plus the bucket
   table's entry (T5's bucket of r, or c with ``kind="clip"``; a [CLS] key's column, then a [CLS] query's row,
-  reads its own entry where given). Key j is attended by query i when it is real, in i's segment and (causal)
-  j <= i; a query with no such key averages every key.
+  reads its own entry where given), plus KERPLE's ``-r1 log(1 + r2 |r|)`` or ``-r1 |r|^r2``, FIRE's MLP of
+  ``log(c|r| + 1) / (log(c max(p_i, |L|) + 1) + eps)`` and Sandwich's ``λ (Σ_f cos(r ω_f / ρ_h) - F)``. Key j is
+  attended by query i when it is real, in i's segment and (causal) j <= i; a query with no such key averages every
+  key.
 
   Built from the batch's layout: each pair's distance, table entries, [CLS] flags and mask, found in a loop over
   (b, i, j); called with the arrays (numpy products), so that finite differences reuse the loop's work."""
 
   def __init__(self, positions, segments, valid, causal=False, buckets=None, relative_max_distance=None):
     B, L = positions.shape
-    self.distance, self.bucket, self.row = (np.zeros((B, L, L), int) for _ in range(3))
+    self.distance, self.bucket, self.row, self.query_position = (np.zeros((B, L, L), int) for _ in range(4))
     self.cls_i, self.cls_j, self.allowed = (np.zeros((B, L, L), bool) for _ in range(3))
     for b in range(B):
       for i in range(L):
         for j in range(L):
           r = int(positions[b, j]) - int(positions[b, i])
           self.distance[b, i, j] = r
+          self.query_position[b, i, j] = int(positions[b, i])
           self.cls_i[b, i, j], self.cls_j[b, i, j] = int(positions[b, i]) == 0, int(positions[b, j]) == 0
           self.allowed[b, i, j] = bool(valid[b, j]) and segments[b, i] == segments[b, j] and (not causal or j <= i)
           if relative_max_distance is not None:
@@ -279,15 +282,34 @@ class FusedAttention:
             self.bucket[b, i, j] = entry
 
   def __call__(self, q, k, v, *, scale, alibi=None, bucket_table=None, relative_table=None, relative_query=False,
-               relative_key=False, u_q=None, u_k=None, theta=None, reset="none"):
+               relative_key=False, u_q=None, u_k=None, theta=None, reset="none", kerple_r1=None, kerple_r2=None,
+               kerple_kind="log", fire_w1=None, fire_b1=None, fire_w2=None, fire_b2=None, fire_c=None,
+               fire_threshold=None, fire_eps=1e-6, sandwich=None):
     """``[B, L, H, V]`` float64. ``alibi`` ``[H]``, ``bucket_table`` ``[N, H]``, ``relative_table`` ``[2k+1, K]``,
-    ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none."""
+    ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none; ``kerple_r1``,
+    ``kerple_r2`` ``[H]``; FIRE's ``w1``, ``b1`` ``[W]``, ``w2`` ``[W, H]``, ``b2`` ``[H]``, ``c``, ``threshold``;
+    ``sandwich``: ``dict(ratios [H], dim, base, scale)``."""
     f64 = lambda x: np.asarray(x, np.float64)
     q, k, v = f64(q), f64(k), f64(v)
     B, L, H, _ = q.shape
     logits = scale * np.einsum("bihd,bjhd->bhij", q, k)
     if alibi is not None:
       logits = logits - f64(alibi)[None, :, None, None] * np.abs(self.distance)[:, None]
+    d = np.abs(self.distance).astype(np.float64)[:, None]  # [B, 1, L, L]
+    if kerple_r1 is not None:
+      r1, r2 = f64(kerple_r1)[None, :, None, None], f64(kerple_r2)[None, :, None, None]
+      logits = logits - r1 * (np.log(1 + r2 * d) if kerple_kind == "log" else d ** r2)
+    if fire_w1 is not None:
+      c, threshold = abs(float(fire_c)), abs(float(fire_threshold))
+      u = np.log(c * d[:, 0] + 1) / (np.log(c * np.maximum(self.query_position, threshold) + 1) + fire_eps)
+      hidden = np.maximum(u[..., None] * f64(fire_w1) + f64(fire_b1), 0.0)  # [B, L, L, W]
+      logits = logits + (hidden @ f64(fire_w2) + f64(fire_b2)).transpose(0, 3, 1, 2)
+    if sandwich is not None:
+      f = np.arange(sandwich["dim"] // 2)
+      ratios = np.asarray(sandwich["ratios"], np.float64)
+      omega = sandwich["base"] ** (-2.0 * f / sandwich["dim"])[None, :] / ratios[:, None]  # [H, F]
+      angles = self.distance[:, None, :, :, None] * omega[None, :, None, None, :]  # [B, H, L, L, F]
+      logits = logits + sandwich["scale"] * (np.cos(angles).sum(-1) - len(f))
     if relative_table is not None:
       a = f64(relative_table)[self.row]  # [B, L, L, K]
       if relative_query:

@@ -92,20 +92,36 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
   if untied is not None:
     for name in ("u_q", "u_k") + (("theta",) if untied.theta is not None else ()):
       inputs[name], grad_of[name] = getattr(untied, name), getattr(grads[3].untied, name)
+  for term, names in (("kerple", ("r1", "r2")), ("fire", ("w1", "b1", "w2", "b2", "c", "threshold"))):
+    if getattr(terms, term) is not None:
+      for name in names:
+        inputs[f"{term}_{name}"] = getattr(getattr(terms, term), name)
+        grad_of[f"{term}_{name}"] = getattr(getattr(grads[3], term), name)
   inputs = {name: np.asarray(x, np.float64) for name, x in inputs.items()}
   fixed = dict(scale=1.0 / np.sqrt(head_dim), alibi=None if terms.alibi is None else np.asarray(terms.alibi.slopes),
                relative_query=relative is not None and relative.query, relative_key=relative is not None and relative.key,
                reset="none" if untied is None else untied.reset)
+  if terms.kerple is not None:
+    fixed["kerple_kind"] = terms.kerple.kind
+  if terms.fire is not None:
+    fixed["fire_eps"] = terms.fire.eps
+  if terms.sandwich is not None:
+    sw = terms.sandwich
+    fixed["sandwich"] = dict(ratios=np.asarray(sw.ratios), dim=sw.dim, base=sw.base, scale=sw.scale)
   weights = np.asarray(weights, np.float64)
   loss = lambda **x: float(np.sum(fused(**fixed, **{**inputs, **x}) * weights))
   np.testing.assert_allclose(out, fused(**fixed, **inputs), rtol=2e-5, atol=2e-5)
   rng, eps = np.random.default_rng(0), 1e-3
+  # a gradient that is zero in exact arithmetic (a bias added to every logit of a row: FIRE's b2) is compared
+  # relative to the largest gradient's scale
+  floor = 1e-3 * max(np.linalg.norm(np.asarray(g, np.float64)) for g in grad_of.values())
   for name, x in inputs.items():
     grad = np.asarray(grad_of[name], np.float64)
     for _ in range(directions):
       d = rng.normal(size=x.shape)
       numeric = (loss(**{name: x + eps * d}) - loss(**{name: x - eps * d})) / (2 * eps)
-      assert abs(np.sum(grad * d) - numeric) <= 1e-4 * np.linalg.norm(grad) * np.linalg.norm(d) + 1e-6, (
+      scale = max(np.linalg.norm(grad), floor)
+      assert abs(np.sum(grad * d) - numeric) <= 1e-4 * scale * np.linalg.norm(d) + 1e-6, (
           f"d{name} along a random direction: {np.sum(grad * d)} (kernel), {numeric} (reference)")
 
 
@@ -294,8 +310,9 @@ def learned_terms(rng, heads, kind, width=5):
                                                             (True, (16, 8), "power", False), ("tpu", (16, 8), "log", True)])
 def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal):
   """The terms computed per tile (KERPLE, FIRE's MLP a hidden unit at a time, Sandwich's embeddings) and the
-  per-tile gradient sums of KERPLE's and FIRE's scalars equal the dense ``xla`` path's autodiff, on packed and padded
-  rows (positions up to 11, the FIRE threshold at 6)."""
+  per-tile gradient sums of KERPLE's and FIRE's scalars equal the dense ``xla`` path's autodiff and the float64
+  reference's outputs and central differences, on packed and padded rows (positions up to 11, the FIRE threshold at
+  6)."""
   rng = np.random.default_rng(5)
   batch, length, heads, head_dim = 2, 21, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
@@ -307,9 +324,13 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=np.array([21, 15]), causal=causal, implementation=implementation,
                                      block_sizes=blocks, interpret=interpreter)
-    return jnp.sum(out * weights)
+    return jnp.sum(out * weights), out
 
-  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms) for impl in ("xla", "pallas"))
+  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+                      for impl in ("xla", "pallas"))
+  want = want[0]
+  assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
+                           lengths=np.array([21, 15]), causal=causal)
   largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want))
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(y, x, rtol=2e-5, atol=2e-5 * largest, err_msg=jax.tree_util.keystr(path))
