@@ -3,6 +3,9 @@
 
 Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=clm,runlocal``):
   methods: ``+``-separated registry names, trained here; default ``rope+alibi+fire+kerple_log``; ``methods=``: none.
+    Named sets expand in place: ``huang`` (Huang et al. 2020's inductive rows: absolute, shaw, huang_m1-m4; their
+    models are encoders, so ``model=mlm``), ``extrapolation`` (the length-generalisation methods: none (NoPE), rope,
+    xpos, alibi, t5, kerple_log, kerple_power, fire, sandwich).
   runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/clm.py:... --workdir=DIR``,
     ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
     config and the harness's evaluators, as the row of its position method (``runs=DIR1+DIR2,methods=`` trains
@@ -28,6 +31,10 @@ import ml_collections
 
 from posjax import positions
 from posjax.config_args import parse_arg
+from posjax.experiments.tables import HUANG_METHODS
+
+METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
+               "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire", "sandwich")}
 
 # A passkey prompt in the tiny corpus's words (configs/data/tiny_vocab.txt has no digits) that fits length 32.
 PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet strange early gentle bright", "intro": "",
@@ -41,7 +48,8 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
-  config.methods = tuple(arg.methods.split("+")) if arg.methods else ()
+  names = arg.methods.split("+") if arg.methods else []
+  config.methods = tuple(dict.fromkeys(m for name in names for m in METHOD_SETS.get(name, (name,))))
   for method in config.methods:
     positions.get(method)
   config.model = arg.model

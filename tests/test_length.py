@@ -98,4 +98,7 @@ def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):
   assert load_config("length", "runlocal,passkey=False").passkey is None
   with pytest.raises(ValueError, match="unknown position method 'fir'"):
     load_config("length", "methods=fire+fir,runlocal")
+  # Huang et al.'s inductive rows as a named set (and no method twice)
+  assert load_config("length", "methods=huang+shaw+rope,model=mlm").methods == (
+      "absolute", "shaw", "huang_m1", "huang_m2", "huang_m3", "huang_m4", "rope")
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
