@@ -83,7 +83,7 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
     raise ValueError(
         f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
         f"{spec.options}: the fused kernels do not build its terms (multiplicative terms and Shaw's value term "
-        f"need the full logits or the weights; KERPLE's and FIRE's biases are not in the kernels yet); use kernel "
+        f"need the full logits or the weights); use kernel "
         f"'xla' (or 'auto', which falls back to it)")
 
 

@@ -37,8 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, overlap_add, row_delta,
-                                 sandwich_embeddings, scalar_count, scalar_grads, scalar_rows, t_dot, untied_grads,
-                                 window_table)
+                                 sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, t_dot,
+                                 untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -218,7 +218,7 @@ def _position_columns(terms: Terms, tile: _Tile, ds_QxT, d_bucket_QxT, shape):
     out_QxC = jnp.where(lane_QxC == column, jnp.sum(part_QxT, axis=1, keepdims=True), out_QxC)
   add = lambda acc_QxC, column, part_QxT: acc_QxC + jnp.where(lane_QxC == column,
                                                               jnp.sum(part_QxT, axis=1, keepdims=True), 0.0)
-  return tile.scalar_grads(ds_QxT, add, out_QxC, offset=_column_count(terms) - scalar_count(terms))
+  return tile.add_scalar_grads(ds_QxT, add, out_QxC, offset=_column_count(terms) - scalar_count(terms))
 
 
 def _columns(terms: Terms, tile, ds_QxT, d_bucket_QxT):
@@ -483,7 +483,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     if terms.untied is not None and terms.untied.reset != "none":
       d_terms = d_terms.replace(untied=d_terms.untied.replace(
           theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
-    d_terms = d_terms.replace(**scalar_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
+    d_terms = d_terms.replace(**scalar_term_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
   dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
   return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)

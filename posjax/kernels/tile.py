@@ -13,8 +13,10 @@ diagonals, M/N/C a matrix's rows/columns/contracted axis. A tile's ``_QxT`` flag
   small inputs (:mod:`posjax.kernels.terms`), its mask, dropout and how the logits' gradient reaches the
   untied and bucket terms and the learned scalars of KERPLE and FIRE; each backend loads its inputs its own way
   through the hooks;
-- :func:`scalar_columns`, :func:`scalar_rows`, :func:`scalar_grads`: those scalars' per-head input rows and the
-  layout of their gradient columns (a kernel writes per-tile partial sums of each column; no atomics);
+- :func:`scalar_columns`, :func:`scalar_count`, :func:`scalar_rows`, :func:`fire_slot`,
+  :func:`scalar_term_grads`: those scalars' per-head input rows and the layout of their gradient columns (a kernel
+  writes per-tile partial sums of each column, no atomics; :meth:`TileBase.add_scalar_grads` computes a tile's);
+- :func:`sandwich_embeddings`: Sandwich's per-call embeddings, which the tiles multiply;
 - the relative vectors' distance-ordered layout (:func:`window_table`) and the folding of its gradient back
   into the table (:func:`overlap_add`, :func:`fold_window_table`); :func:`row_delta` and
   :func:`untied_grads`, the backward's steps outside the kernels.
@@ -96,9 +98,9 @@ class TileBase:
 
   Both backends' tiles share it, given their own loads through the hooks ``_slope``, ``_relative_term``,
   ``_untied_factors``, ``_bucket_values``, ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head,
-  :func:`scalar_rows`) and ``_sandwich_embeddings`` (the tile's rows of :func:`sandwich_embeddings`): the position
-  terms and the [CLS] reset, the mask and the logits, dropout, and the routing of the logits' gradient to the
-  untied and bucket terms and the learned scalars. A
+  :func:`scalar_rows`), ``_exact`` (a float32-accurate product's precision) and ``_sandwich_embeddings`` (the
+  tile's rows of :func:`sandwich_embeddings`): the position terms and the [CLS] reset, the mask and the logits,
+  dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
   subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT`` and the query positions
   ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``), then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set
   the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``,
@@ -157,7 +159,7 @@ class TileBase:
   def _fire_bias(self, rel_QxT):
     """FIRE's MLP (:class:`~posjax.kernels.terms.Fire`), one hidden unit at a time (no ``[Q, T, W]`` array)."""
     width, eps = self.terms.fire.w1.shape[0], self.terms.fire.eps
-    c, threshold = (jnp.abs(self._scalar("fire", 3 * width + n)) for n in (1, 2))
+    c, threshold = (jnp.abs(self._scalar("fire", fire_slot(width, name))) for name in ("c", "threshold"))
     self.fire_d_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
     self.fire_pos_i_QxT = self.pos_i_QxT.astype(jnp.float32)
     self.fire_m_QxT = jnp.maximum(self.fire_pos_i_QxT, threshold)
@@ -165,13 +167,13 @@ class TileBase:
     self.fire_u_QxT = jnp.log(c * self.fire_d_QxT + 1.0) / self.fire_norm_QxT
 
     def unit(w, bias_QxT):
-      w1, b1, w2 = (self._scalar("fire", n * width + w) for n in range(3))
+      w1, b1, w2 = (self._scalar("fire", fire_slot(width, name, w)) for name in ("w1", "b1", "w2"))
       return bias_QxT + jnp.maximum(self.fire_u_QxT * w1 + b1, 0.0) * w2
 
-    bias_QxT = jnp.full(self.fire_u_QxT.shape, self._scalar("fire", 3 * width), jnp.float32)
+    bias_QxT = jnp.full(self.fire_u_QxT.shape, self._scalar("fire", fire_slot(width, "b2")), jnp.float32)
     return jax.lax.fori_loop(0, width, unit, bias_QxT)
 
-  def scalar_grads(self, ds_QxT, add, acc, offset: int = 0):
+  def add_scalar_grads(self, ds_QxT, add, acc, offset: int = 0):
     """``acc`` with every learned scalar's share of the logits' gradient added: ``add(acc, column, part_QxT)`` per
     column of :func:`scalar_columns` (shifted by ``offset``; the backend sums ``part`` its own way)."""
     columns = scalar_columns(self.terms)
@@ -188,23 +190,25 @@ class TileBase:
     return acc
 
   def _fire_grads(self, ds_QxT, add, acc, start: int):
-    """FIRE's columns: ``w1``, ``b1``, this head's ``w2`` (``W`` each), then ``b2``, ``c``, the threshold."""
+    """FIRE's columns (:func:`fire_slot`): ``w1``, ``b1``, this head's ``w2`` (``W`` each), then ``b2``, ``c``, the
+    threshold."""
     width = self.terms.fire.w1.shape[0]
     u_QxT = self.fire_u_QxT
+    column = lambda name, w=0: start + fire_slot(width, name, w)
 
     def unit(w, carry):
       acc, du_QxT = carry
-      w1, b1, w2 = (self._scalar("fire", n * width + w) for n in range(3))
+      w1, b1, w2 = (self._scalar("fire", fire_slot(width, name, w)) for name in ("w1", "b1", "w2"))
       pre_QxT = u_QxT * w1 + b1
       g_QxT = jnp.where(pre_QxT > 0, ds_QxT * w2, 0.0)
-      acc = add(acc, start + w, g_QxT * u_QxT)
-      acc = add(acc, start + width + w, g_QxT)
-      acc = add(acc, start + 2 * width + w, ds_QxT * jnp.maximum(pre_QxT, 0.0))
+      acc = add(acc, column("w1", w), g_QxT * u_QxT)
+      acc = add(acc, column("b1", w), g_QxT)
+      acc = add(acc, column("w2", w), ds_QxT * jnp.maximum(pre_QxT, 0.0))
       return acc, du_QxT + g_QxT * w1
 
     acc, du_QxT = jax.lax.fori_loop(0, width, unit, (acc, jnp.zeros_like(u_QxT)))
-    acc = add(acc, start + 3 * width, ds_QxT)
-    c_raw, threshold_raw = (self._scalar("fire", 3 * width + n) for n in (1, 2))
+    acc = add(acc, column("b2"), ds_QxT)
+    c_raw, threshold_raw = (self._scalar("fire", fire_slot(width, name)) for name in ("c", "threshold"))
     c, threshold = jnp.abs(c_raw), jnp.abs(threshold_raw)
     d_QxT, m_QxT, norm_QxT = self.fire_d_QxT, self.fire_m_QxT, self.fire_norm_QxT
     psi_d_QxT = jnp.log(c * d_QxT + 1.0)
@@ -213,8 +217,8 @@ class TileBase:
     # max(p_i, L)'s derivative in L: 1 past p_i, 1/2 at a tie (as jnp.maximum's)
     pos_QxT = self.fire_pos_i_QxT
     dm_dl_QxT = jnp.where(threshold > pos_QxT, 1.0, jnp.where(threshold == pos_QxT, 0.5, 0.0))
-    acc = add(acc, start + 3 * width + 1, du_QxT * du_dc_QxT * _sign(c_raw))
-    return add(acc, start + 3 * width + 2, du_QxT * du_dm_QxT * dm_dl_QxT * _sign(threshold_raw))
+    acc = add(acc, column("c"), du_QxT * du_dc_QxT * _sign(c_raw))
+    return add(acc, column("threshold"), du_QxT * du_dm_QxT * dm_dl_QxT * _sign(threshold_raw))
 
   def _untie(self, positional_QxT):
     """The tile's part of :func:`posjax.kernels.terms.untie_cls`: [CLS] column θ2, then [CLS] row θ1."""
@@ -251,6 +255,16 @@ def _sign(x):
   return (x > 0).astype(jnp.float32) - (x < 0).astype(jnp.float32)
 
 
+FIRE_PARTS = ("w1", "b1", "w2", "b2", "c", "threshold")
+
+
+def fire_slot(width: int, part: str, unit=0):
+  """Where FIRE's ``part`` (``unit`` of the ``W``-wide ones) sits in its per-head row and gradient columns:
+  ``w1``, ``b1``, the head's ``w2`` (``W`` each), then ``b2``, ``c``, the threshold."""
+  index = FIRE_PARTS.index(part)
+  return index * width + unit if index < 3 else 3 * width + index - 3
+
+
 def scalar_columns(terms: Terms) -> dict:
   """``{term: (first column, columns)}``: where each learned scalar's gradient sits in a kernel's per-tile partial
   sums (KERPLE: ``r1``, ``r2``; FIRE: ``w1``, ``b1``, ``w2[:, h]``, ``b2``, ``c``, threshold)."""
@@ -258,7 +272,7 @@ def scalar_columns(terms: Terms) -> dict:
   for name in SCALARS:
     term = getattr(terms, name)
     if term is not None:
-      size = 2 if name == "kerple" else 3 * term.w1.shape[0] + 3
+      size = 2 if name == "kerple" else fire_slot(term.w1.shape[0], "threshold") + 1
       columns[name], start = (start, size), start + size
   return columns
 
@@ -286,12 +300,12 @@ def scalar_rows(terms: Terms) -> dict:
     f = terms.fire
     heads = f.b2.shape[0]
     shared = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32).reshape(1, -1), (heads, jnp.size(x)))
-    rows["fire"] = jnp.concatenate([shared(f.w1), shared(f.b1), f.w2.T.astype(jnp.float32),
+    rows["fire"] = jnp.concatenate([shared(f.w1), shared(f.b1), f.w2.T.astype(jnp.float32),  # FIRE_PARTS' order
                                     f.b2.astype(jnp.float32)[:, None], shared(f.c), shared(f.threshold)], axis=1)
   return rows
 
 
-def scalar_grads(terms: Terms, d_HxC) -> dict:
+def scalar_term_grads(terms: Terms, d_HxC) -> dict:
   """The terms' gradients (``{name: term}``) from the per-head sums of their columns ``[H, C]``: shared inputs (FIRE's
   ``w1``, ``b1``, ``c``, threshold) summed over the heads."""
   out = {}
@@ -302,11 +316,12 @@ def scalar_grads(terms: Terms, d_HxC) -> dict:
       out[name] = term.replace(r1=d_HxX[:, 0].astype(term.r1.dtype), r2=d_HxX[:, 1].astype(term.r2.dtype))
       continue
     width = term.w1.shape[0]
-    summed = lambda x_HxX, like: jnp.sum(x_HxX, axis=0).reshape(jnp.shape(like)).astype(like.dtype)
-    out[name] = term.replace(
-        w1=summed(d_HxX[:, :width], term.w1), b1=summed(d_HxX[:, width:2 * width], term.b1),
-        w2=d_HxX[:, 2 * width:3 * width].T.astype(term.w2.dtype), b2=d_HxX[:, 3 * width].astype(term.b2.dtype),
-        c=summed(d_HxX[:, 3 * width + 1], term.c), threshold=summed(d_HxX[:, 3 * width + 2], term.threshold))
+    part = lambda name: d_HxX[:, fire_slot(width, name):fire_slot(width, name) + (width if name in ("w1", "b1", "w2")
+                                                                                     else 1)]
+    summed = lambda name: jnp.sum(part(name), axis=0).reshape(jnp.shape(getattr(term, name))).astype(
+        getattr(term, name).dtype)  # shared by the heads
+    out[name] = term.replace(w1=summed("w1"), b1=summed("b1"), w2=part("w2").T.astype(term.w2.dtype),
+                             b2=part("b2")[:, 0].astype(term.b2.dtype), c=summed("c"), threshold=summed("threshold"))
   return out
 
 

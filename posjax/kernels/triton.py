@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import NAMES, Terms
 from posjax.kernels.tile import (Plan, fold_window_table, next_power_of_two, overlap_add, row_delta,
-                                 sandwich_embeddings, scalar_count, scalar_grads, scalar_rows, untied_grads,
+                                 sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, untied_grads,
                                  window_table)
 from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
@@ -184,9 +184,12 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
 def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
   """The (query, key) tile when the caller gives none, from ptxas for H100 (bf16, K=64, L=512 and 2048): 128x64
   without position terms (no spills, at most 43% of the shared memory), 64x64 with any (at 128x64 ALiBi + T5's
-  dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory)."""
+  dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory). Sandwich embeddings
+  wider than 128 (``dim > 128``) take smaller tiles: their float32 operands pass the shared memory at 64x64."""
   del length, head_dim
   plain = all(getattr(terms, name) is None for name in NAMES)
+  if terms.sandwich is not None and terms.sandwich.dim > 128:
+    return (32, 32) if terms.sandwich.dim <= 256 else (16, 16)
   return (128, 64) if plain else (64, 64)
 
 
@@ -289,7 +292,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     d_slopes_H = jnp.sum(dq_res["dslope"], axis=(0, 2, 3)).astype(terms.alibi.slopes.dtype)
     d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes_H))
   if columns:
-    d_terms = d_terms.replace(**scalar_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
+    d_terms = d_terms.replace(**scalar_term_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)

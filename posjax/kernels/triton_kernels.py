@@ -284,7 +284,7 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     if "dscalars" in acc:
       column_C = jax.lax.broadcasted_iota(jnp.int32, acc["dscalars"].shape, 0)
       add = lambda acc_C, column, part_QxT: acc_C + jnp.where(column_C == column, jnp.sum(part_QxT), 0.0)
-      acc["dscalars"] = tile.scalar_grads(ds_QxT, add, acc["dscalars"])
+      acc["dscalars"] = tile.add_scalar_grads(ds_QxT, add, acc["dscalars"])
     return acc
 
   acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
