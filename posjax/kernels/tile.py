@@ -315,14 +315,18 @@ def scalar_term_grads(terms: Terms, d_HxC) -> dict:
     if name == "kerple":
       out[name] = term.replace(r1=d_HxX[:, 0].astype(term.r1.dtype), r2=d_HxX[:, 1].astype(term.r2.dtype))
       continue
-    width = term.w1.shape[0]
-    part = lambda name: d_HxX[:, fire_slot(width, name):fire_slot(width, name) + (width if name in ("w1", "b1", "w2")
-                                                                                     else 1)]
-    summed = lambda name: jnp.sum(part(name), axis=0).reshape(jnp.shape(getattr(term, name))).astype(
-        getattr(term, name).dtype)  # shared by the heads
-    out[name] = term.replace(w1=summed("w1"), b1=summed("b1"), w2=part("w2").T.astype(term.w2.dtype),
-                             b2=part("b2")[:, 0].astype(term.b2.dtype), c=summed("c"), threshold=summed("threshold"))
+    out[name] = _fire_term_grads(term, d_HxX)
   return out
+
+
+def _fire_term_grads(fire, d_HxX):
+  """FIRE's gradient from its columns' per-head sums (:func:`fire_slot`); the inputs shared by the heads summed."""
+  width = fire.w1.shape[0]
+  size = lambda part: width if part in ("w1", "b1", "w2") else 1
+  columns = {part: d_HxX[:, fire_slot(width, part):fire_slot(width, part) + size(part)] for part in FIRE_PARTS}
+  like = {part: getattr(fire, part) for part in ("w1", "b1", "c", "threshold")}
+  summed = {part: jnp.sum(columns[part], axis=0).reshape(jnp.shape(x)).astype(x.dtype) for part, x in like.items()}
+  return fire.replace(**summed, w2=columns["w2"].T.astype(fire.w2.dtype), b2=columns["b2"][:, 0].astype(fire.b2.dtype))
 
 
 def row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims: bool = False):
