@@ -13,7 +13,7 @@ Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
     (``configs/probes.py:decoder,tasks=copy+sort+parity+addition``).
 
   python -m posjax.main --config=configs/probes.py --workdir=workdir/probes
-  (2 CPU cores: about 5 minutes for all 19 methods × 3 tasks.)
+  (2 CPU cores: about 5 1/2 minutes for all 20 methods × 3 tasks.)
 """
 
 import ml_collections
