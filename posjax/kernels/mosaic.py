@@ -342,7 +342,7 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
       arrays["theta"] = terms.untied.theta.astype(jnp.float32)
   arrays.update(scalar_rows(terms))
   if terms.sandwich is not None:
-    arrays["sandwich_q"] = arrays["sandwich_k"] = sandwich_embeddings(terms, positions_BxL, q_BxHxLxK.shape[0])
+    arrays["sandwich_q"] = arrays["sandwich_k"] = sandwich_embeddings(terms, positions_BxL)
   rel = terms.relative
   if rel is not None:
     table_RxK = window_table(rel, q_BxHxLxK.shape[2])

@@ -113,15 +113,16 @@ class TileBase:
   def add_position_terms(self, s_QxT, rel_QxT):
     """``s`` plus every position term of the pairs at relative positions ``rel``."""
     terms = self.terms
-    if terms.alibi is not None:
+    if terms.alibi is not None or terms.kerple is not None or terms.fire is not None:
       self.distance_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
+    if terms.alibi is not None:
       s_QxT = s_QxT - self._slope() * self.distance_QxT
     if terms.relative is not None:
       s_QxT = s_QxT + self._relative_term(rel_QxT)
     if terms.kerple is not None:
-      s_QxT = s_QxT + self._kerple_bias(rel_QxT)
+      s_QxT = s_QxT + self._kerple_bias()
     if terms.fire is not None:
-      s_QxT = s_QxT + self._fire_bias(rel_QxT)
+      s_QxT = s_QxT + self._fire_bias()
     if terms.sandwich is not None:
       q_QxE, k_TxE = self._sandwich_embeddings()
       s_QxT = s_QxT + terms.sandwich.scale * (dot_t(q_QxE, k_TxE, self._exact()) - terms.sandwich.dim // 2)
@@ -144,9 +145,9 @@ class TileBase:
     """The precision of a float32 product that needs float32 accuracy (Sandwich's inner products reach ``F``)."""
     return jax.lax.Precision.HIGHEST
 
-  def _kerple_bias(self, rel_QxT):
+  def _kerple_bias(self):
     """KERPLE's kernel (:class:`~posjax.kernels.terms.Kerple`) from this head's ``r1``, ``r2``."""
-    self.kerple_d_QxT = d_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
+    d_QxT = self.distance_QxT
     r1, r2 = self._scalar("kerple", 0), self._scalar("kerple", 1)
     if self.terms.kerple.kind == "log":
       self.kerple_f_QxT = jnp.log1p(r2 * d_QxT)
@@ -156,15 +157,14 @@ class TileBase:
       self.kerple_f_QxT = jnp.where(positive_QxT, jnp.exp(r2 * self.kerple_log_d_QxT), 0.0)
     return -r1 * self.kerple_f_QxT
 
-  def _fire_bias(self, rel_QxT):
+  def _fire_bias(self):
     """FIRE's MLP (:class:`~posjax.kernels.terms.Fire`), one hidden unit at a time (no ``[Q, T, W]`` array)."""
     width, eps = self.terms.fire.w1.shape[0], self.terms.fire.eps
     c, threshold = (jnp.abs(self._scalar("fire", fire_slot(width, name))) for name in ("c", "threshold"))
-    self.fire_d_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
     self.fire_pos_i_QxT = self.pos_i_QxT.astype(jnp.float32)
     self.fire_m_QxT = jnp.maximum(self.fire_pos_i_QxT, threshold)
     self.fire_norm_QxT = jnp.log(c * self.fire_m_QxT + 1.0) + eps
-    self.fire_u_QxT = jnp.log(c * self.fire_d_QxT + 1.0) / self.fire_norm_QxT
+    self.fire_u_QxT = jnp.log(c * self.distance_QxT + 1.0) / self.fire_norm_QxT
 
     def unit(w, bias_QxT):
       w1, b1, w2 = (self._scalar("fire", fire_slot(width, name, w)) for name in ("w1", "b1", "w2"))
@@ -182,7 +182,7 @@ class TileBase:
       r1, r2 = self._scalar("kerple", 0), self._scalar("kerple", 1)
       acc = add(acc, start, -ds_QxT * self.kerple_f_QxT)
       if self.terms.kerple.kind == "log":
-        acc = add(acc, start + 1, -ds_QxT * r1 * self.kerple_d_QxT / (1.0 + r2 * self.kerple_d_QxT))
+        acc = add(acc, start + 1, -ds_QxT * r1 * self.distance_QxT / (1.0 + r2 * self.distance_QxT))
       else:
         acc = add(acc, start + 1, -ds_QxT * r1 * self.kerple_f_QxT * self.kerple_log_d_QxT)
     if "fire" in columns:
@@ -210,7 +210,7 @@ class TileBase:
     acc = add(acc, column("b2"), ds_QxT)
     c_raw, threshold_raw = (self._scalar("fire", fire_slot(width, name)) for name in ("c", "threshold"))
     c, threshold = jnp.abs(c_raw), jnp.abs(threshold_raw)
-    d_QxT, m_QxT, norm_QxT = self.fire_d_QxT, self.fire_m_QxT, self.fire_norm_QxT
+    d_QxT, m_QxT, norm_QxT = self.distance_QxT, self.fire_m_QxT, self.fire_norm_QxT
     psi_d_QxT = jnp.log(c * d_QxT + 1.0)
     du_dc_QxT = (d_QxT / (c * d_QxT + 1.0)) / norm_QxT - psi_d_QxT / norm_QxT ** 2 * (m_QxT / (c * m_QxT + 1.0))
     du_dm_QxT = -psi_d_QxT / norm_QxT ** 2 * (c / (c * m_QxT + 1.0))
@@ -277,10 +277,10 @@ def scalar_columns(terms: Terms) -> dict:
   return columns
 
 
-def sandwich_embeddings(terms: Terms, positions_BxL, batch: int):
+def sandwich_embeddings(terms: Terms, positions_BxL):
   """``[B, H, L, E]`` float32 Sandwich embeddings (:meth:`~posjax.kernels.terms.Sandwich.embeddings`), E padded to a
   power of two of at least 16 with zeros (Triton's arrays and dots), for the kernels' ``sandwich`` input."""
-  e_BxHxLxE = terms.sandwich.embeddings(jnp.broadcast_to(positions_BxL, (batch, positions_BxL.shape[1])))
+  e_BxHxLxE = terms.sandwich.embeddings(positions_BxL)
   width = max(16, next_power_of_two(e_BxHxLxE.shape[-1]))
   return jnp.pad(e_BxHxLxE, ((0, 0), (0, 0), (0, 0), (0, width - e_BxHxLxE.shape[-1])))
 

@@ -94,7 +94,7 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   for name, row_HxX in scalar_rows(terms).items():
     inputs[name] = _pad_columns(row_HxX, next_power_of_two(row_HxX.shape[1]))
   if terms.sandwich is not None:
-    inputs["sandwich"] = sandwich_embeddings(terms, positions_BxL, q_BxHxLxK.shape[0])
+    inputs["sandwich"] = sandwich_embeddings(terms, positions_BxL)
     specs["sandwich"] = _row_spec(inputs["sandwich"])
   if terms.relative is not None and terms.relative.window:
     inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
