@@ -6,12 +6,16 @@ import tempfile
 # What every process of the session reads, the test processes and every child they start (set before JAX starts):
 # one persistent compilation cache (a program compiled once is read back by every later run of it, in any process;
 # without a size limit, whose eviction would scan the thousands of entries at every write; an entry read while
-# another process writes it fails to parse and is compiled again) and no optimisation passes (the tests compile
-# many tiny programs: the passes cost more than they save).
+# another process writes it fails to parse and is compiled again), no optimisation passes and XLA:CPU's older
+# elemental emitters instead of its fusion emitters (the tests compile many tiny programs: the passes and the
+# fusion emitters' MLIR pipeline cost more than they save; each halves the compile of a tiny model's train step).
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:  # the first process of the session (pytest-xdist's controller); its workers inherit the directory
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="posjax-tests-jax-cache-")
 os.environ.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import flax.linen as nn  # noqa: E402

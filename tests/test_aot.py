@@ -13,6 +13,7 @@ import pytest
 
 from posjax.aot import compile as aot
 from posjax.aot import resources, targets
+from conftest import FAST_COMPILE_FLAG
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / ".aot"
@@ -77,9 +78,11 @@ def test_a_report_fits_only_within_the_device_memory():
 
 def compiler_env(plugins=True):
   """A child's environment with the aot compilers on its path, compiling with every optimisation (what a user's
-  run gets: the suite's JAX_DISABLE_MOST_OPTIMIZATIONS would change the kernels' registers and spills)."""
+  run gets: the suite's JAX_DISABLE_MOST_OPTIMIZATIONS would change the kernels' registers and spills; its XLA:CPU
+  flag goes too)."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
-  return {**env, "PYTHONPATH": str(PLUGINS) if plugins else ""}
+  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != FAST_COMPILE_FLAG)
+  return {**env, "XLA_FLAGS": flags, "PYTHONPATH": str(PLUGINS) if plugins else ""}
 
 
 def command(*args, plugins=True):
