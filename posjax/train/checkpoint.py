@@ -31,12 +31,23 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from posjax.models import layout
 from posjax.train import sharding
 
 
+# Orbax's replica-parallel save splits each replicated array among the devices that hold it, each writing its slice;
+# every slice is a program compiled per shape and device, which for a small array costs far more than the parallel
+# write saves (a tiny model's first save in a process: 2 s of compiles). Arrays whose slices would be smaller than
+# this are written whole by one replica; larger ones keep orbax's replica-parallel write.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
 def _handlers() -> dict:
+  ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+      array_metadata_store=array_metadata_store.Store(), min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
+      override=True)
   return {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
 
 
