@@ -270,7 +270,7 @@ def test_the_dense_path_by_query_blocks_is_the_reference(reset):
                relative_table=terms.relative.table, relative_query=True, relative_key=True,
                u_q=terms.untied.u_q, u_k=terms.untied.u_k, theta=terms.untied.theta, reset=reset)
   np.testing.assert_allclose(run(8, q, k, v, terms), want, rtol=1e-5, atol=1e-5)
-  grad = lambda block: jax.grad(lambda *args: jnp.sum(run(block, *args) * weights), argnums=(0, 1, 2, 3))(
+  grad = lambda block: jax.jit(jax.grad(lambda *args: jnp.sum(run(block, *args) * weights), argnums=(0, 1, 2, 3)))(
       q, k, v, terms)
   for got, expected in zip(jax.tree.leaves(grad(8)), jax.tree.leaves(grad(None))):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(expected).max())))

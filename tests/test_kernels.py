@@ -62,6 +62,12 @@ def random_terms(rng, draw, batch, length, heads, head_dim):
   return kernels.Terms(**fields)
 
 
+def compiled_grad(loss, implementation, argnums=(0, 1, 2, 3), has_aux=True):
+  """The gradient of ``loss(implementation, ...)`` as one compiled program (run op by op, the dense path and the
+  interpreters' glue would compile each primitive on its own)."""
+  return jax.jit(jax.grad(functools.partial(loss, implementation), argnums=argnums, has_aux=has_aux))
+
+
 def assert_close_tree(got, want, rtol=2e-5, atol=2e-5):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
     scale = max(1.0, float(np.abs(x).max()))
@@ -152,7 +158,7 @@ def test_pallas_matches_xla_outputs_and_gradients(interpreter, data):
                                      block_sizes=blocks, interpret=interpreter)
     return jnp.sum(out * weights), out
 
-  grads = {impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+  grads = {impl: compiled_grad(loss, impl)(q, k, v, terms)
            for impl in ("xla", "pallas")}
   assert_close_tree(grads["pallas"], grads["xla"])
   kernel_grads, out = grads["pallas"]
@@ -188,7 +194,7 @@ def test_every_term_at_once_matches_xla(interpreter, blocks, length):
                                      interpret=interpreter)
     return jnp.sum(out * weights), out
 
-  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+  want, (got, out) = (compiled_grad(loss, impl)(q, k, v, terms)
                       for impl in ("xla", "pallas"))
   assert_close_tree(got, want[0])
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments, lengths=lengths)
@@ -214,7 +220,7 @@ def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter, pac
                                      block_sizes=(8, 8), interpret=interpreter)
     return jnp.sum(out * weights), out
 
-  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k_, v, terms)
+  want, (got, out) = (compiled_grad(loss, impl)(q, k_, v, terms)
                       for impl in ("xla", "pallas"))
   assert_close_tree(got, want[0])
   assert_matches_reference(out, got, q, k_, v, terms, weights, positions=positions, segments=segments,
@@ -238,7 +244,7 @@ def test_tpu_windows_at_full_tiles_match_xla(length, k, side, packed):
                                      lengths=lengths, implementation=implementation, interpret="tpu")
     return jnp.sum(out * weights), out
 
-  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k_, v, terms)
+  want, (got, out) = (compiled_grad(loss, impl)(q, k_, v, terms)
                       for impl in ("xla", "pallas"))
   assert_close_tree(got, want[0])
   assert_matches_reference(out, got, q, k_, v, terms, weights, positions=positions, segments=segments,
@@ -282,7 +288,7 @@ def test_windowed_relative_vectors_are_exact_where_positions_skip(interpreter):
   if interpreter is True:
     np.testing.assert_allclose(run(False), want, rtol=1e-5, atol=1e-5)
   loss = lambda implementation, q, k, v: jnp.sum(jnp.sin(run(True, implementation, q, k, v)))
-  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2))(q, k, v) for impl in ("xla", "pallas"))
+  want, got = (compiled_grad(loss, impl, argnums=(0, 1, 2), has_aux=False)(q, k, v) for impl in ("xla", "pallas"))
   assert_close_tree(got, want)
 
 
@@ -334,7 +340,7 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
                                      block_sizes=blocks, interpret=interpreter)
     return jnp.sum(out * weights), out
 
-  want, (got, out) = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+  want, (got, out) = (compiled_grad(loss, impl)(q, k, v, terms)
                       for impl in ("xla", "pallas"))
   want = want[0]
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
@@ -373,8 +379,8 @@ def test_a_model_on_pallas_matches_it_on_xla(position, options):
                                            attention_mask=padding)
     return jnp.sum(jnp.sin(out.last_hidden_state) * padding[..., None]), out.last_hidden_state
 
-  (_, want), want_grads = jax.value_and_grad(functools.partial(loss, "xla"), has_aux=True)(params)
-  (_, got), got_grads = jax.value_and_grad(functools.partial(loss, "pallas"), has_aux=True)(params)
+  (_, want), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, "xla"), has_aux=True))(params)
+  (_, got), got_grads = jax.jit(jax.value_and_grad(functools.partial(loss, "pallas"), has_aux=True))(params)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert_close_tree(got_grads, want_grads)
 
@@ -464,7 +470,7 @@ def test_dropout_matches_xla_with_the_same_mask(interpreter, blocks):
                                      interpret=interpreter, dropout_rate=0.3, dropout_seed=1234)
     return jnp.sum(out * weights)
 
-  want, got = (jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3))(q, k, v, terms)
+  want, got = (compiled_grad(loss, impl, has_aux=False)(q, k, v, terms)
                for impl in ("xla", "pallas"))
   assert_close_tree(got, want)
 
@@ -501,7 +507,7 @@ def test_a_model_on_pallas_trains_with_attention_dropout():
   plain, dropped, again = apply(params, None), apply(params, jax.random.key(1)), apply(params, jax.random.key(1))
   assert float(jnp.abs(dropped - plain).max()) > 1e-4  # the weights were dropped (float noise: ~1e-7)
   np.testing.assert_array_equal(dropped, again)  # the same key, the same mask
-  grads = jax.grad(lambda p: jnp.sum(apply(p, jax.random.key(1)) ** 2))(params)
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, jax.random.key(1)) ** 2)))(params)
   assert all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
 
 

@@ -15,7 +15,7 @@ import pytest
 from posjax import attention, kernels
 from posjax.kernels import fold, xla
 from posjax.models import BertConfig, BertModel
-from test_kernels import assert_matches_reference
+from test_kernels import assert_matches_reference, compiled_grad
 
 B, L, H, K = 3, 13, 2, 8
 # Row 0: one sequence; row 1: three packed segments, each with a [CLS] at its first token; row 2: two segments.
@@ -81,7 +81,7 @@ def test_fold_matches_xla_outputs_and_gradients(reset, buckets, shared):
                                      lengths=LENGTHS, implementation="xla", untied=untied)
     return jnp.sum(out * weights), out
 
-  want, got = (jax.grad(functools.partial(loss, untied), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+  want, got = (compiled_grad(loss, untied)(q, k, v, terms)
                for untied in ("tile", "fold"))
   assert_close_tree(got, want)
   assert_matches_reference(got[1], got[0], q, k, v, terms, weights, positions=POSITIONS, segments=SEGMENTS,
@@ -103,7 +103,7 @@ def test_pallas_with_the_fold_matches_xla(interpreter, reset, shared):
                                      block_sizes=(8, 8) if interpreter == "tpu" else (8, 16), interpret=interpreter)
     return jnp.sum(out * weights), out
 
-  want, got = (jax.grad(functools.partial(loss, impl, untied), argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, terms)
+  want, got = (compiled_grad(functools.partial(loss, impl), untied)(q, k, v, terms)
                for impl, untied in (("xla", "tile"), ("pallas", "fold")))
   assert_close_tree(got, want)
   assert_matches_reference(got[1], got[0], q, k, v, terms, weights, positions=POSITIONS, segments=SEGMENTS,
@@ -199,8 +199,8 @@ def test_a_model_on_the_cudnn_path_matches_xla_with_gradients(position, options,
     out = model.apply({"params": params}, ids, **kwargs).last_hidden_state
     return jnp.sum(jnp.sin(out) * real), out
 
-  (_, want), want_grads = jax.value_and_grad(functools.partial(loss, reference), has_aux=True)(params)
-  (_, got), got_grads = jax.value_and_grad(functools.partial(loss, model), has_aux=True)(params)
+  (_, want), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, reference), has_aux=True))(params)
+  (_, got), got_grads = jax.jit(jax.value_and_grad(functools.partial(loss, model), has_aux=True))(params)
   np.testing.assert_allclose(got * real, want * real, rtol=1e-5, atol=1e-5)
   assert_close_tree(got_grads, want_grads, rtol=1e-4, atol=1e-5)
 
