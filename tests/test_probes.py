@@ -115,7 +115,7 @@ def test_a_decoder_probe_trains_with_the_causal_mask(tmp_path):
 
 @pytest.mark.slow
 def test_probe_run_reports_unsupported_lengths_and_resumes(tmp_path, monkeypatch):
-  config = probes_config("methods=absolute+huang_m4+tupe_a,steps=150")
+  config = probes_config("methods=absolute+huang_m4+tupe_a,steps=100")  # 60: huang_m4 0.77 at 64
   config.tasks = ("copy_left",)
   results = probes.run(config, str(tmp_path), train)
   absolute = results["absolute"]["copy_left"]

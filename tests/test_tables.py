@@ -121,18 +121,19 @@ def get_config(arg=None):
 
 
 @pytest.mark.slow
-def test_local_sweeps_skip_finished_runs_and_resume_unfinished_ones(tmp_path):
+def test_a_table_config_runs_from_posjax_main_as_a_pipeline_that_skips_finished_runs_and_resumes_unfinished_ones(
+    tmp_path, capsys):
   config = tiny_table(tmp_path)
   root = tmp_path / "root"
-  runs = sweep.plan(config, str(root))
+  sweep.run_table(config_args.load_config(config), str(root), train)  # what posjax.main does with a table config
+  assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")] == [
+      "[1/3] Shaw/pretrain", "[2/3] Shaw/sst2/lr0.001_seed1", "[3/3] Shaw/sst2/lr0.001_seed2"]
+  assert all(r.finished() for r in protocol.read_manifest(str(root))[1])
   said = []
-  sweep.run_local(runs, str(root), train, say=said.append)
-  assert said == ["[1/3] Shaw/pretrain", "[2/3] Shaw/sst2/lr0.001_seed1", "[3/3] Shaw/sst2/lr0.001_seed2"]
   seed2 = root / "Shaw" / "sst2" / "lr0.001_seed2"
   finished = json.loads((seed2 / "results.json").read_text())
   (seed2 / "results.json").unlink()  # unfinished: killed after step 2's checkpoint
   shutil.rmtree(seed2 / "checkpoints" / "4")
-  said.clear()
   sweep.run_local(sweep.plan(config, str(root)), str(root), say=said.append)
   assert said == ["[1/3] Shaw/pretrain: finished", "[2/3] Shaw/sst2/lr0.001_seed1: finished",
                   "[3/3] Shaw/sst2/lr0.001_seed2"]
@@ -287,12 +288,6 @@ def test_the_report_shows_lengths_a_method_cannot_reach(tmp_path):
                       "squad@128": {"f1": results.UNSUPPORTED, "exact_match": results.UNSUPPORTED}})
   markdown, _, missing = report.build(str(tmp_path))
   assert "| absolute | — | 40.00 n=1 | 30.00 n=1 | unsupported |" in markdown and not missing
-
-
-def test_a_table_config_runs_from_posjax_main_as_a_pipeline(tmp_path):
-  config = config_args.load_config(tiny_table(tmp_path))
-  sweep.run_table(config, str(tmp_path / "root"), train)
-  assert all(r.finished() for r in protocol.read_manifest(str(tmp_path / "root"))[1])
 
 
 class FakeExecutor:

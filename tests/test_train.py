@@ -11,13 +11,14 @@ import subprocess
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import logging as absl_logging
 
-from posjax import config_args
+from posjax import config_args, tasks
 from posjax.data import mlm as mlm_data
 from posjax.main import train
 from posjax.models import layout
@@ -95,30 +96,39 @@ def test_pmap_devices_draw_their_own_dropout_masks():
   np.testing.assert_array_equal(draws[0], jax.random.uniform(jax.random.fold_in(jax.random.fold_in(rng, 3), 0), (4,)))
 
 
-def test_pmap_and_jit_give_the_same_parameters_with_and_without_accumulation(tmp_path):
-  # On 8 devices: one jit program over the mesh, and pmap with its 16 rows in 2 micro-batches of 1 row per device.
+NO_DROPOUT = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
+BATCH_OF_32 = {**NO_DROPOUT, "eval_every_steps": 0, "total_steps": 3, "batch_size": 32}
+
+
+@pytest.fixture(scope="module")
+def whole_batch(tmp_path_factory):
+  """Three steps of 32 rows as one jit program over the 8-device mesh, which the accumulation tests reproduce, and
+  the initial parameters of that run."""
+  config = pretrain_config(**BATCH_OF_32)
+  prepared = validate.validate(config, str(tmp_path_factory.mktemp("unused")), tasks.build)
+  initial = prepared.parallel.init(lambda rng: nn.unbox(prepared.init_boxed(rng)), prepared.init_rng).params
+  return train(config, str(tmp_path_factory.mktemp("whole") / "run")), flat_params(initial)
+
+
+@pytest.mark.xdist_group("whole_batch")
+def test_pmap_with_accumulation_gives_the_parameters_of_jit_without(tmp_path, whole_batch):
+  # On 8 devices: pmap with its 32 rows in 2 micro-batches of 2 rows per device.
   assert jax.device_count() == 8
-  common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0,
-            "total_steps": 3, "batch_size": 16}
-  jit_params = train(pretrain_config(**common, parallelism="jit"), str(tmp_path / "jit"))
-  pmap_params = train(pretrain_config(**common, parallelism="pmap", grad_accum_steps=2), str(tmp_path / "pmap"))
+  jit_params, initial = whole_batch
+  pmap_params = train(pretrain_config(**BATCH_OF_32, parallelism="pmap", grad_accum_steps=2), str(tmp_path / "pmap"))
   assert_same_params(jit_params, pmap_params, rtol=2e-5, atol=2e-6)
-  # Both trained: every parameter moved away from its initial value (a zero learning rate keeps them there),
-  # except the key projection's bias, whose gradient is zero (softmax ignores a shift shared by all keys).
-  initial = flat_params(train(pretrain_config(**{**common, "total_steps": 1}, learning_rate=0.0),
-                                 str(tmp_path / "initial")))
+  # Both trained: every parameter moved away from its initial value, except the key projection's bias, whose
+  # gradient is zero (softmax ignores a shift shared by all keys).
   for key, value in flat_params(jit_params).items():
     moved = np.abs(value - initial[key]).max() > 1e-4
     assert moved != key.endswith("['attention']['key']['bias']"), key
 
 
-def test_gradient_accumulation_on_the_mesh_matches_the_full_batch(tmp_path):
+@pytest.mark.xdist_group("whole_batch")
+def test_gradient_accumulation_on_the_mesh_matches_the_full_batch(tmp_path, whole_batch):
   # 32 rows on 8 data devices in 4 micro-batches of 8 (what each device computes: tests/test_pod_program.py).
-  common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0,
-            "total_steps": 2, "batch_size": 32}
-  whole = train(pretrain_config(**common), str(tmp_path / "whole"))
-  accumulated = train(pretrain_config(**common, grad_accum_steps=4), str(tmp_path / "accumulated"))
-  assert_same_params(whole, accumulated, rtol=2e-5, atol=2e-6)
+  accumulated = train(pretrain_config(**BATCH_OF_32, grad_accum_steps=4), str(tmp_path / "accumulated"))
+  assert_same_params(whole_batch[0], accumulated, rtol=2e-5, atol=2e-6)
 
 
 def test_a_micro_batch_that_does_not_span_the_data_devices_is_an_error(tmp_path):
@@ -127,16 +137,24 @@ def test_a_micro_batch_that_does_not_span_the_data_devices_is_an_error(tmp_path)
     train(pretrain_config(grad_accum_steps=4), str(tmp_path))
 
 
-def test_restore_onto_another_mesh_and_fsdp_sharding(tmp_path):
-  common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0}
-  straight = train(pretrain_config(**common), str(tmp_path / "straight"))
-  train(pretrain_config(**common, total_steps=3), str(tmp_path / "moved"))
-  moved = train(pretrain_config(**common, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-                                   allow_config_change=True), str(tmp_path / "moved"))
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """Six steps without dropout or evaluation (checkpoints 3 and 6) in one go, which the resumed runs below must
+  end like; a test that changes its workdir copies it first."""
+  workdir = tmp_path_factory.mktemp("straight") / "run"
+  return workdir, train(pretrain_config(**NO_DROPOUT, eval_every_steps=0), str(workdir))
+
+
+@pytest.mark.xdist_group("straight")
+def test_restore_onto_another_mesh_and_fsdp_sharding(tmp_path, straight):
+  workdir, params = straight
+  train(pretrain_config(**NO_DROPOUT, eval_every_steps=0, total_steps=3), str(tmp_path / "moved"))
+  moved = train(pretrain_config(**NO_DROPOUT, eval_every_steps=0, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+                                allow_config_change=True), str(tmp_path / "moved"))
   embedding = moved["encoder"]["word_embeddings"]["embedding"]
   assert embedding.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
-  assert_same_params(straight, moved, rtol=2e-5, atol=2e-6)
-  for want, got in zip(stream(str(tmp_path / "straight")), stream(str(tmp_path / "moved")), strict=True):
+  assert_same_params(params, moved, rtol=2e-5, atol=2e-6)
+  for want, got in zip(stream(str(workdir)), stream(str(tmp_path / "moved")), strict=True):
     assert want.keys() == got.keys() and want["step"] == got["step"]
     assert all(got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6) for k in want)
 
@@ -210,18 +228,18 @@ def test_a_checkpointer_leaves_the_processs_hooks_as_they_were(tmp_path):
   assert process_hooks() == before
 
 
-def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, capfd):
+@pytest.mark.xdist_group("straight")
+def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, capfd, straight):
   hooks = process_hooks()
-  common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
-  straight = train(pretrain_config(**common), str(tmp_path / "straight"))
-  train(pretrain_config(**common, total_steps=6), str(tmp_path / "run"))
+  workdir, params = straight
+  shutil.copytree(workdir, tmp_path / "run")
   latest = tmp_path / "run" / "checkpoints" / "6"
   biggest = max((p for p in latest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
   biggest.write_bytes(biggest.read_bytes()[:1000])  # truncated, as by a full disk
   capfd.readouterr()
-  resumed = train(pretrain_config(**common), str(tmp_path / "run"))
+  resumed = train(pretrain_config(**NO_DROPOUT, eval_every_steps=0), str(tmp_path / "run"))
   err = capfd.readouterr().err
-  assert_same_params(straight, resumed, rtol=2e-5, atol=2e-6)  # retrained 4..6 from step 3, same result
+  assert_same_params(params, resumed, rtol=2e-5, atol=2e-6)  # retrained 4..6 from step 3, same result
   assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["3", "6"]
   assert os.listdir(tmp_path / "run" / "checkpoints.unreadable") == ["6"]  # kept for inspection
   assert "resumed from step 3" in err and "Traceback" not in err and "Event loop is closed" not in err
