@@ -106,7 +106,7 @@ def test_posjax_to_hugging_face_and_back_is_exact(position):
   config = BertConfig.tiny(position=position, max_len=24, type_vocab_size=0 if position == "shaw" else 2,
                            activation="gelu_tanh" if position == "absolute" else "gelu")
   module = BertModel(config, head="mlm")
-  params = randomize(module.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"], scale=0.3)
+  params = randomize(jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"], scale=0.3)
   model = hf_bert.to_hf_bert(config, {"params": params})
   ids, _, mask = inputs(vocab=config.vocab_size)
   with torch.no_grad():

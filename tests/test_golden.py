@@ -40,7 +40,7 @@ def one_batch(tokenizer):
 def measure(method: str) -> dict:
   tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
   model = BertModel(BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32), head="mlm")
-  params = randomize(model.init(jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
   optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(
       learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,
       adam_eps=1e-6, weight_decay=0.01)))
@@ -95,7 +95,7 @@ def measure_electra(method: str) -> dict:
   generator = BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32, hidden_size=16,
                               num_heads=2, intermediate_size=32, embedding_size=32)
   model = Electra(generator, discriminator, share_position_table=method == "tupe_a")
-  params = randomize(model.init(jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
   optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(
       learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,
       adam_eps=1e-6, weight_decay=0.01)))

@@ -42,7 +42,7 @@ def run_one_layer(name, options, positions_BxL, seed=0, mask=None):
   x = np.random.default_rng(seed).normal(size=(positions_BxL.shape[0], positions_BxL.shape[1], HIDDEN))
   x = x.astype(np.float32)
   model = OneLayer(spec)
-  params = randomize(model.init(jax.random.PRNGKey(0), x, positions_BxL)["params"], seed)
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), x, positions_BxL)["params"], seed)
   out, state = model.apply({"params": params}, x, positions_BxL, mask, mutable=["intermediates"])
   numpy_params = jax.tree.map(np.asarray, params)
   return x, numpy_params, np.asarray(state["intermediates"]["attn"]["attention_logits"][0]), out
@@ -103,7 +103,7 @@ def test_table_and_skew_agree(name, options, rng):
                                         max_len=MAX_LEN)
   x = rng.normal(size=PACKED_POSITIONS.shape + (HIDDEN,)).astype(np.float32)
   table, skew = OneLayer(spec_of("table")), OneLayer(spec_of("skew"))
-  params = randomize(table.init(jax.random.PRNGKey(0), x, PACKED_POSITIONS)["params"])
+  params = randomize(jax.eval_shape(table.init, jax.random.PRNGKey(0), x, PACKED_POSITIONS)["params"])
   loss = lambda model: lambda p: jnp.sum(model.apply({"params": p}, x, PACKED_POSITIONS) ** 2)
   np.testing.assert_allclose(table.apply({"params": params}, x, PACKED_POSITIONS),
                              skew.apply({"params": params}, x, PACKED_POSITIONS), rtol=1e-4, atol=1e-4)
@@ -162,7 +162,7 @@ def test_tupe_cls_row_and_column_are_one_constant_per_head(name, reset):
   spec = positions.make(name, {"cls_reset": reset}, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN)
   model = OneLayer(spec)
   x = np.zeros((1, 9, HIDDEN), np.float32)  # zero input: the logits are the positional term alone
-  params = randomize(model.init(jax.random.PRNGKey(0), x, PACKED_POSITIONS[:1])["params"])
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), x, PACKED_POSITIONS[:1])["params"])
   params["attn"]["query"]["bias"] *= 0
   _, state = model.apply({"params": params}, x, PACKED_POSITIONS[:1], mutable=["intermediates"])
   term = np.asarray(state["intermediates"]["attn"]["attention_logits"][0][0])  # [H, L, L]
@@ -181,7 +181,7 @@ def test_tupe_reset_modes_differ_as_specified():
   for reset in ("paper", "official"):
     spec = positions.make("tupe_r", {"cls_reset": reset}, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN)
     model = OneLayer(spec)
-    params = randomize(model.init(jax.random.PRNGKey(0), x, pos)["params"])
+    params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), x, pos)["params"])
     params["attn"]["query"]["bias"] *= 0
     _, state = model.apply({"params": params}, x, pos, mutable=["intermediates"])
     terms[reset] = params, np.asarray(state["intermediates"]["attn"]["attention_logits"][0][0])
@@ -236,7 +236,7 @@ def test_bfloat16_compute_errs_no_more_than_a_small_multiple_of_rounding_its_inp
   spec = positions.make(name, {}, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN, dtype=jnp.bfloat16)
   x = np.random.default_rng(1).normal(size=PACKED_POSITIONS.shape + (HIDDEN,)).astype(np.float32)
   model = OneLayer(spec)
-  params = randomize(model.init(jax.random.PRNGKey(0), x, PACKED_POSITIONS)["params"], 1, scale=0.3)
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), x, PACKED_POSITIONS)["params"], 1, scale=0.3)
   out = jax.jit(model.apply)({"params": params}, x, PACKED_POSITIONS)
   assert out.dtype == jnp.bfloat16 and jax.tree.leaves(params)[0].dtype == jnp.float32
   to_bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
