@@ -4,7 +4,8 @@ packed corpus, with any position method in its decoder form (T5's unidirectional
 Options (``configs/clm.py:position=rope,size=base,runlocal``):
   position: a registry name; default ``rope``.
   size: ``tiny`` | ``base`` | ``large``; default ``base``.
-  runlocal: a tiny decoder on the synthetic corpus in ``configs/data`` (about half a minute on 2 CPU cores).
+  runlocal: a tiny decoder on the synthetic corpus in ``configs/data`` (about half a minute on 2 CPU cores;
+    ``size`` named beside it keeps its model).
   keep: more steps to keep, ``+``-joined.
   eval_multiples: more evaluations at multiples of the training length, ``+``-joined (``eval_multiples=2+4+8``:
     evaluators ``eval_x2``, ... on rows packed to 2, 4, 8 times ``max_len``; a method with a learned table reports
@@ -19,12 +20,14 @@ the evaluators (kind ``clm``: loss, accuracy, perplexity) and, as GPT-style deco
 import ml_collections
 
 from configs import pretrain
-from posjax.config_args import parse_arg
+from posjax.config_args import named, parse_arg
 
 
 def get_config(arg=None):
+  given = named(arg)
   arg = parse_arg(arg, position="rope", size="base", runlocal=False, keep="", eval_multiples="")
-  config = pretrain.get_config(f"position={arg.position},size={arg.size},runlocal={arg.runlocal},keep={arg.keep}")
+  size = f",size={arg.size}" if "size" in given else ""  # unnamed: pretrain's (base; runlocal: tiny)
+  config = pretrain.get_config(f"position={arg.position}{size},runlocal={arg.runlocal},keep={arg.keep}")
   config.task = "clm"
   config.model.causal = True
   config.model.type_vocab_size = 0

@@ -5,7 +5,8 @@ Options (``configs/electra.py:position=tupe_r,size=base,runlocal``):
   position: a registry name, for the generator and the discriminator; default ``absolute`` (ELECTRA's).
   size: ``base`` | ``large`` | ``tiny``; default ``base``: ELECTRA-Base's or ELECTRA-Large's recipe (below);
     ``tiny``: a CPU-sized model with Base's recipe, for tests.
-  runlocal: tiny models for about a minute on 2 CPU cores, on the synthetic corpus in ``configs/data``.
+  runlocal: tiny models for about a minute on 2 CPU cores, on the synthetic corpus in ``configs/data`` (``size``
+    named beside it keeps its models).
   keep: more steps to keep, ``+``-joined, beside ``keep_steps`` (Table 4's "mid" row is the 600k checkpoint).
 
 Recipe (ELECTRA's Table 6, §3.1 and the official code: ``configure_pretraining.py``, ``pretrain/pretrain_helpers.py``,
@@ -39,7 +40,7 @@ runs: the corpus (TUPE's 16 GB, as Table 1).
 import ml_collections
 
 from configs import pretrain
-from posjax.config_args import parse_arg
+from posjax.config_args import named, parse_arg
 
 # The generator's sizes per discriminator size (ELECTRA's Table 6; tiny: half the width, for tests).
 GENERATORS = {"tiny": dict(hidden_size=32, num_heads=2, intermediate_size=128),
@@ -50,15 +51,18 @@ LARGE = dict(batch_size=2048, total_steps=400_000, mask_rate=0.25)
 
 
 def get_config(arg=None):
+  given = named(arg)
   arg = parse_arg(arg, position="absolute", size="base", runlocal=False, keep="")
-  config = pretrain.get_config(f"position={arg.position},size={arg.size},runlocal={arg.runlocal},keep={arg.keep}")
+  tiny = arg.runlocal and "size" not in given
+  size = f",size={arg.size}" if "size" in given else ""  # unnamed: pretrain's (base; runlocal: tiny)
+  config = pretrain.get_config(f"position={arg.position}{size},runlocal={arg.runlocal},keep={arg.keep}")
   config.task = "electra"
   config.learning_rate = 2e-4
   config.total_steps = 766_000  # keep_steps (configs/pretrain.py) holds 600k, Table 4's "mid" row
   config.adam_bias_correction = False
   config.lr_schedule = "electra"
   config.data.update(mask_token_rate=0.85, random_token_rate=0.0, mask_selection="electra")
-  if arg.size == "large" and not arg.runlocal:
+  if arg.size == "large" and not tiny:
     config.update(batch_size=LARGE["batch_size"], total_steps=LARGE["total_steps"])
     config.data.mask_rate = LARGE["mask_rate"]
   config.evals = ml_collections.ConfigDict({name: {**spec.to_dict(), "kind": "electra"}
@@ -66,7 +70,7 @@ def get_config(arg=None):
   # The generator: these fields replace the discriminator's (config.model); its embeddings are the
   # discriminator's, read through its own projection.
   config.generator = ml_collections.ConfigDict(
-      dict(num_layers=config.model.num_layers, **GENERATORS["tiny" if arg.runlocal else arg.size]))
+      dict(num_layers=config.model.num_layers, **GENERATORS["tiny" if tiny else arg.size]))
   config.electra = ml_collections.ConfigDict(dict(
       discriminator_weight=50.0,  # λ
       temperature=1.0,  # of the generator's samples

@@ -11,7 +11,7 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=clm,runloc
     config and the harness's evaluators, as the row of its position method (``runs=DIR1+DIR2,methods=`` trains
     nothing). A run must be trained at ``train_len`` (32 in runlocal, else 512).
   model: ``clm`` (a decoder, next-token perplexity; default) or ``mlm`` (an encoder, masked-token perplexity).
-  size: the model's size (``tiny`` | ``base`` | ``large``; default ``base``; runlocal: tiny).
+  size: the model's size (``tiny`` | ``base`` | ``large``; default ``base``; runlocal: tiny unless named).
   runlocal: the tiny model on the built-in corpus (``configs/data``); trained at length 32 for 300 steps.
   passkey: passkey retrieval at every length (decoders, ``model=clm``, only: :mod:`posjax.tasks.passkey`); default on,
     ``passkey=False`` turns it off. A key of 5 digits in Mohtashami & Jaggi's prompt; runlocal: 3 of 10 adjectives
@@ -30,7 +30,7 @@ Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pair
 import ml_collections
 
 from posjax import positions
-from posjax.config_args import parse_arg
+from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
@@ -43,6 +43,7 @@ PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet stran
 
 
 def get_config(arg=None):
+  given = named(arg)
   arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="clm", size="base", runlocal=False, passkey=True,
                   probes="copy+sort+parity", runs="")
   config = ml_collections.ConfigDict()
@@ -53,7 +54,7 @@ def get_config(arg=None):
   for method in config.methods:
     positions.get(method)
   config.model = arg.model
-  config.size = "tiny" if arg.runlocal else arg.size
+  config.size = "tiny" if arg.runlocal and "size" not in given else arg.size
   config.runlocal = bool(arg.runlocal)
   config.train_len = 32 if arg.runlocal else 512
   config.eval_multiples = (1, 2, 4, 8, 16)

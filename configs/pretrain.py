@@ -5,7 +5,8 @@ Options (``configs/pretrain.py:position=tupe_r,size=base,runlocal``):
     starts as that method's defaults, so ``--config.model.position_options.cls_reset=paper`` works; choose
     the method here rather than with ``--config.model.position`` (the options would not match it).
   size: ``tiny`` | ``base`` | ``large``; default ``base``.
-  runlocal: a tiny model for about 12 s on 2 CPU cores, on the synthetic corpus in ``configs/data``.
+  runlocal: a tiny model for about 12 s on 2 CPU cores, on the synthetic corpus in ``configs/data`` (``size``
+    named beside it keeps its model).
   keep: more steps to keep, ``+``-joined (``keep=100000+250000``), beside ``keep_steps`` (a table's "mid" rows).
 
 Paper run (BERT-Base, 1M steps, batch 256 × 512, keeps 100k/300k/600k for Figure 5 and the "mid" rows):
@@ -22,7 +23,7 @@ import os
 import ml_collections
 
 from posjax import positions
-from posjax.config_args import parse_arg
+from posjax.config_args import named, parse_arg
 from posjax.models import SIZES
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -34,6 +35,7 @@ def position_defaults(name: str) -> dict:
 
 
 def get_config(arg=None):
+  given = named(arg)
   arg = parse_arg(arg, position="tupe_r", size="base", runlocal=False, keep="")
   if arg.size not in SIZES:
     raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
@@ -106,7 +108,7 @@ def get_config(arg=None):
       examples_per_epoch=ml_collections.config_dict.placeholder(int)))  # packed sequences per epoch
 
   if arg.runlocal:
-    config.model.update(SIZES["tiny"], dtype="float32", attention_kernel="xla")
+    config.model.update({} if "size" in given else SIZES["tiny"], dtype="float32", attention_kernel="xla")
     config.data.update(source="text", train_files=os.path.join(DATA, "tiny_train.txt"),
                        eval_files=os.path.join(DATA, "tiny_eval.txt"), vocab_file=os.path.join(DATA, "tiny_vocab.txt"))
     config.update(total_steps=200, warmup_steps=20, learning_rate=1e-3, batch_size=16, max_len=64,

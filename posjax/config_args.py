@@ -45,6 +45,18 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(options)
 
 
+def named(arg: str | None) -> frozenset[str]:
+  """The options ``arg`` names (``"a=1,b"`` -> {"a", "b"}). A preset such as ``runlocal`` leaves these as given:
+  an option the user names wins over every preset."""
+  return frozenset(part.partition("=")[0].strip() for part in (arg or "").split(",") if part.strip())
+
+
+def unless_preset(arg: str | None, parsed: ml_collections.ConfigDict, name: str, preset: str = "runlocal"):
+  """``parsed[name]`` where the user named it in ``arg`` or ``preset`` is off; else None: the preset's own value
+  (a table's ``size`` under ``runlocal``: the tiny model, unless ``size=`` was given)."""
+  return parsed[name] if name in named(arg) or not parsed[preset] else None
+
+
 def steps(name: str, config, *, examples_per_step: int, examples_per_epoch: int | None = None) -> int:
   """Resolves ``config.<name>_steps`` / ``_epochs`` / ``_examples`` (exactly one set) into steps."""
   given = {unit: config.get(f"{name}_{unit}") for unit in ("steps", "epochs", "examples")}

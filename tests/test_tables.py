@@ -44,6 +44,47 @@ def test_table1_expands_to_every_row_task_learning_rate_and_seed(tmp_path):
   assert protocol.build(next(r for r in full if r.name == "TUPE-A/pretrain")).keep_steps == (100_000, 300_000, 600_000)
 
 
+def test_a_runlocal_sweep_trains_each_run_at_its_grids_learning_rate(tmp_path):
+  runs = [r for r in sweep.plan("experiments/tupe/table1.py:row=TUPE-R,runlocal", str(tmp_path)) if r.kind == "finetune"]
+  assert {r.lr for r in runs} == {1e-3, 3e-4}
+  assert all(protocol.build(r).learning_rate == r.lr for r in runs)
+
+
+@pytest.mark.parametrize("table", ["experiments/tupe/table1.py", "experiments/tupe/table4.py",
+                                   "experiments/huang2020/inductive.py"])
+def test_a_runlocal_tables_pretraining_is_tiny_unless_its_size_is_named(tmp_path, table):
+  for options, hidden in (("runlocal", 64), ("size=base,runlocal", 768)):
+    run = next(r for r in sweep.plan(f"{table}:{options}", str(tmp_path)) if r.kind == "pretrain")
+    assert protocol.build(run).model.hidden_size == hidden, options
+
+
+@pytest.mark.parametrize("config, fields", [
+    ("finetune/glue.py:task=rte,lr=3e-5,max_len=128,epochs=2,size=base,runlocal",
+     dict(learning_rate=3e-5, max_len=128, total_epochs=2.0, total_steps=None, model_size="base")),
+    ("finetune/glue.py:task=rte,runlocal", dict(learning_rate=1e-3, max_len=64, total_steps=60, model_size="tiny")),
+    ("finetune/squad.py:lr=3e-5,max_len=128,runlocal", dict(learning_rate=3e-5, max_len=128, total_steps=80)),
+    ("pretrain.py:size=base,runlocal", {"model.hidden_size": 768, "max_len": 64}),
+    ("clm.py:size=base,runlocal", {"model.hidden_size": 768, "model.causal": True}),
+    ("clm.py:runlocal", {"model.hidden_size": 64}),
+    ("electra.py:size=base,runlocal", {"model.hidden_size": 768, "generator.hidden_size": 256}),
+    ("electra.py:runlocal", {"model.hidden_size": 64, "generator.hidden_size": 32}),
+    ("length.py:size=base,runlocal", {"size": "base", "train_len": 32}),
+])
+def test_options_named_with_runlocal_keep_their_values(config, fields):
+  built = config_args.load_config(f"configs/{config}")
+  for field, value in fields.items():
+    got = built
+    for part in field.split("."):
+      got = got[part]
+    assert got == value, field
+
+
+@pytest.mark.parametrize("config", ["finetune/glue.py:task=rte,source=tfds,runlocal", "finetune/squad.py:source=tfds,runlocal"])
+def test_an_option_runlocal_would_override_is_an_error(config):
+  with pytest.raises(ValueError, match="source cannot combine with runlocal"):
+    config_args.load_config(f"configs/{config}")
+
+
 def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_path):
   runs = sweep.plan("experiments/tupe/table1.py:row=TUPE-R (mid)", str(tmp_path))
   assert {r.row for r in runs} == {"TUPE-R", "TUPE-R (mid)"}  # the mid row brings its pre-training
@@ -80,11 +121,13 @@ def test_each_sweep_code_path_runs_in_runlocal_mode(tmp_path, table):
   """Pre-training and the first task's fine-tuning (seed 1, the largest learning rate) of the chosen rows."""
   runs = sweep.plan(f"{table}:runlocal", str(tmp_path), rows=END_TO_END[table])
   first_task = next(r.task for r in runs if r.kind == "finetune")
-  chosen = one_step([r for r in runs if r.kind == "pretrain" or (r.task == first_task and r.seed == 1 and r.lr == max(
+  # The smallest learning rate: not runlocal's own (1e-3), which the grid's must win over.
+  chosen = one_step([r for r in runs if r.kind == "pretrain" or (r.task == first_task and r.seed == 1 and r.lr == min(
       x.lr for x in runs if x.kind == "finetune"))])
   assert {r.row for r in chosen if r.kind == "finetune"} == set(END_TO_END[table])
   sweep.run_local(chosen, str(tmp_path), train, say=lambda message: None)
   assert all(r.finished() for r in chosen)
+  assert all(protocol.results(r)["learning_rate"] == r.lr for r in chosen if r.kind == "finetune")
   assert all(protocol.results(r)["init_step"] == 1 for r in chosen if r.overrides.get("init_step"))
 
 

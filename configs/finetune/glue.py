@@ -15,7 +15,8 @@ Options (``configs/finetune/glue.py:task=rte,lr=3e-5,seed=1``):
   source: ``tfds`` (``glue/<task>``, prepared with ``tfds build``) or ``tsv`` (``data.data_dir`` = the GLUE
     download's directory, holding ``RTE/train.tsv`` ...); default tfds.
   size, position: the architecture of a run without ``init`` (default base, absolute).
-  runlocal: a tiny model on the made-up TSV files in ``configs/data/glue``, about 20 s on 2 CPU cores.
+  runlocal: a tiny model on the made-up TSV files in ``configs/data/glue``, about 20 s on 2 CPU cores; ``lr``,
+    ``epochs``, ``max_len`` and ``size`` named beside it keep their values.
 
 From a pre-training run (its encoder, position method and vocabulary; ``init_step`` default: its latest):
   python -m posjax.main --config=configs/finetune/glue.py:task=rte --workdir=$WORKDIR --config.init=$PRETRAIN
@@ -37,13 +38,14 @@ once a batch's longest passes 137 tokens); posjax keeps 32 examples a batch.
 
 import ml_collections
 
-from posjax.config_args import parse_arg
+from posjax.config_args import named, parse_arg
 from posjax.finetune import glue, metrics, recipe
 
 LONG_TASKS = ("mnli", "qnli", "qqp")  # 5 epochs in TUPE's recipe; the others 10
 
 
 def get_config(arg=None):
+  given = named(arg)
   arg = parse_arg(arg, task="rte", recipe="tupe", lr=0.0, seed=0, epochs=0.0, max_len=512, source="tfds", size="base",
                   position="", runlocal=False)
   task = glue.get(arg.task)
@@ -70,5 +72,5 @@ def get_config(arg=None):
   config.select_metric = f"{names[0]}/{metrics.PAPER_METRIC[names[0]]}" if config.select == "best" else ""
   if arg.runlocal:
     config.data.update(source="tsv", data_dir=recipe.DATA + "/glue")
-    recipe.runlocal(config, steps=60, max_len=64, batch_size=16)
+    recipe.runlocal(config, steps=60, max_len=64, batch_size=16, given=given)
   return config

@@ -14,7 +14,8 @@ Options (``configs/finetune/squad.py:lr=3e-5,seed=0,max_len=384,eval_max_lens=12
     ``tfds`` (``squad/v1.1``); default json.
   size, position: the architecture of a run without ``init`` (default base, absolute).
   runlocal: a tiny model on the made-up files in ``configs/data/squad``, trained at 64 tokens and evaluated
-    at 64 and 128 (unless eval_max_lens says otherwise); about 10 s on 2 CPU cores.
+    at 64 and 128 (unless eval_max_lens says otherwise); about 10 s on 2 CPU cores; ``lr``, ``epochs``,
+    ``max_len`` and ``size`` named beside it keep their values.
 
 Huang et al.'s recipe: batch 48, 2 epochs, doc stride 128, max query length 64, n-best 20, answers of at most 30
 tokens. Writes ``results.json`` and ``predictions_<eval>@<length>.json`` (the official script's format).
@@ -25,11 +26,12 @@ tokens. Writes ``results.json`` and ``predictions_<eval>@<length>.json`` (the of
 
 import ml_collections
 
-from posjax.config_args import parse_arg
+from posjax.config_args import named, parse_arg
 from posjax.finetune import recipe
 
 
 def get_config(arg=None):
+  given = named(arg)
   arg = parse_arg(arg, recipe="tupe", lr=0.0, seed=0, epochs=0.0, max_len=512, eval_max_lens="", source="json",
                   size="base", position="", runlocal=False)
   values = recipe.recipe_values(arg.recipe, task="squad", size=arg.size,
@@ -49,5 +51,5 @@ def get_config(arg=None):
   if arg.runlocal:
     config.data.update(train_file=recipe.DATA + "/squad/train-v1.1.json", dev_file=recipe.DATA + "/squad/dev-v1.1.json",
                        doc_stride=32)
-    recipe.runlocal(config, steps=80, max_len=64, batch_size=16)
+    recipe.runlocal(config, steps=80, max_len=64, batch_size=16, given=given)
   return config

@@ -10,21 +10,23 @@ The warm start loads every parameter but the absolute position table (dropped) a
 tables (fresh); the log lists both. Recipe: the pre-training config's BERT recipe (the paper's steps, batch and
 schedule are not given; it continues "3 epochs": set ``total_epochs=3`` with ``data.examples_per_epoch``).
 
-Options: ``init`` (the converted run), ``size`` (default large), ``runlocal`` (a tiny model on the built-in
-corpus; ``init`` must then be a converted model of that tiny architecture, as the tests build).
+Options: ``init`` (the converted run), ``size`` (default large), ``runlocal`` (a tiny model, unless ``size`` is
+named, on the built-in corpus; ``init`` must then be a converted model of that tiny architecture, as the tests build).
 """
 
 import os
 
-from posjax.config_args import load_config, parse_arg
+from posjax.config_args import load_config, parse_arg, unless_preset
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, init="", size="large", runlocal=False)
+  text, arg = arg, parse_arg(arg, init="", size="large", runlocal=False)
   if not arg.init:
     raise ValueError("experiments/huang2020/dropin.py needs init=DIR: a converted absolute-position BERT "
                      "(python -m posjax.convert hf-to-posjax --from HF_DIR --workdir DIR)")
-  config = load_config(f"configs/pretrain.py:position=huang_m4,size={arg.size}" + (",runlocal" if arg.runlocal else ""))
+  size = unless_preset(text, arg, "size")  # runlocal: the tiny model unless size= is given
+  config = load_config("configs/pretrain.py:position=huang_m4" + (f",size={size}" if size else "")
+                       + (",runlocal" if arg.runlocal else ""))
   config.init_from = arg.init
   if not arg.runlocal:  # runlocal keeps the built-in vocabulary, which its converted tiny model must use
     config.data.vocab_file = os.path.join(arg.init, "vocab.txt")

@@ -9,16 +9,16 @@ every length up to 512 and beyond (1024; relative methods only: a learned table 
 """
 
 from posjax.experiments import tables
-from posjax.config_args import parse_arg
+from posjax.config_args import parse_arg, unless_preset
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, row="", size="base", runlocal=False)
+  text, arg = arg, parse_arg(arg, row="", size="base", runlocal=False)
   rows = tables.select({row: dict(position=method) for row, method in tables.HUANG_METHODS.items()}, arg.row,
                        "the inductive table")
   train, lengths = (32, (32, 64, 128)) if arg.runlocal else (128, (128, 256, 384, 512, 1024))
   config = tables.squad_table("Huang et al. 2020: SQuAD 1.1 F1 by evaluation length, fine-tuned at "
-                              f"{train} tokens", rows, size=arg.size, runlocal=arg.runlocal, max_len=train,
+                              f"{train} tokens", rows, size=unless_preset(text, arg, "size"), runlocal=arg.runlocal, max_len=train,
                               eval_max_lens=lengths, columns={f"F1@{n}": (f"squad@{n}", "f1") for n in lengths})
   config.selected = tuple(rows)
   return config

@@ -13,18 +13,18 @@ batch or schedule: BERT's), SQuAD fine-tuning lr 3e-5, 2 epochs, batch 48, strid
 """
 
 from posjax.experiments import tables
-from posjax.config_args import parse_arg
+from posjax.config_args import parse_arg, unless_preset
 
 PAPER = {"absolute": {"EM": 81.22, "F1": 88.52}, "Shaw": {"F1": 89.51}, "Method 4": {"EM": 83.68, "F1": 90.55}}
 ROWS = {row: dict(position=method, paper=PAPER.get(row, {})) for row, method in tables.HUANG_METHODS.items()}
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, row="", size="base", runlocal=False)
+  text, arg = arg, parse_arg(arg, row="", size="base", runlocal=False)
   rows = tables.select(ROWS, arg.row, "Huang et al.'s table")
   length = 64 if arg.runlocal else 512
-  config = tables.squad_table("Huang et al. 2020: SQuAD 1.1 dev (BERT-Base from scratch)", rows, size=arg.size,
-                              runlocal=arg.runlocal, max_len=length, eval_max_lens=(length,),
+  config = tables.squad_table("Huang et al. 2020: SQuAD 1.1 dev (BERT-Base from scratch)", rows,
+                              size=unless_preset(text, arg, "size"), runlocal=arg.runlocal, max_len=length, eval_max_lens=(length,),
                               columns={"EM": (f"squad@{length}", "exact_match"), "F1": (f"squad@{length}", "f1")})
   config.selected = tuple(rows)
   return config

@@ -18,7 +18,7 @@ weight decay on every parameter), override the fields (``model.type_vocab_size=0
 """
 
 from posjax.experiments import tables
-from posjax.config_args import parse_arg
+from posjax.config_args import parse_arg, unless_preset
 
 P = tables.paper_row
 ROWS = {
@@ -38,8 +38,8 @@ ROWS = {
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, row="", size="base", runlocal=False)
+  text, arg = arg, parse_arg(arg, row="", size="base", runlocal=False)
   rows = tables.select(ROWS, arg.row, "TUPE Table 1")
-  config = tables.glue_table("TUPE Table 1 (BERT-Base, GLUE dev)", rows, size=arg.size, runlocal=arg.runlocal)
+  config = tables.glue_table("TUPE Table 1 (BERT-Base, GLUE dev)", rows, size=unless_preset(text, arg, "size"), runlocal=arg.runlocal)
   config.selected = (arg.row,) if arg.row else tuple(rows)
   return config

@@ -8,7 +8,7 @@ Table 1's (``experiments/tupe/table1.py``) at ``size=large``.
 """
 
 from posjax.experiments import tables
-from posjax.config_args import parse_arg
+from posjax.config_args import parse_arg, unless_preset
 
 P = tables.paper_row
 ROWS = {
@@ -21,8 +21,8 @@ ROWS = {
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, row="", size="large", runlocal=False)
+  text, arg = arg, parse_arg(arg, row="", size="large", runlocal=False)
   rows = tables.select(ROWS, arg.row, "TUPE Table 3")
-  config = tables.glue_table("TUPE Table 3 (BERT-Large, GLUE dev)", rows, size=arg.size, runlocal=arg.runlocal)
+  config = tables.glue_table("TUPE Table 3 (BERT-Large, GLUE dev)", rows, size=unless_preset(text, arg, "size"), runlocal=arg.runlocal)
   config.selected = tuple(rows)
   return config

@@ -27,7 +27,7 @@ Options:
 """
 
 from posjax.experiments import tables
-from posjax.config_args import parse_arg
+from posjax.config_args import parse_arg, unless_preset
 
 P = tables.paper_row
 TUPE_METHODS = ("tupe_r", "tupe_a")
@@ -69,10 +69,11 @@ def recipe(name: str, size: str) -> dict:
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, row="", size="base", runlocal=False, recipe="tupe", tupe="tupe_r")
+  text, arg = arg, parse_arg(arg, row="", size="base", runlocal=False, recipe="tupe", tupe="tupe_r")
   fine_tuning = recipe(arg.recipe, arg.size)
   selected = tables.select(rows(arg.tupe), arg.row, "TUPE Table 4")
-  config = tables.glue_table("TUPE Table 4 (ELECTRA-Base, GLUE dev)", selected, size=arg.size, runlocal=arg.runlocal,
+  config = tables.glue_table("TUPE Table 4 (ELECTRA-Base, GLUE dev)", selected,
+                             size=unless_preset(text, arg, "size"), runlocal=arg.runlocal,
                              pretrain="configs/electra.py", pretrain_overrides=() if arg.runlocal else (
                                  ("total_steps", STEPS),), **fine_tuning)
   config.protocol = PROTOCOLS[arg.recipe]

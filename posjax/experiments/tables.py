@@ -30,20 +30,25 @@ def paper_row(values: tuple[float, ...], average: float | None = None) -> dict:
   return row
 
 
-def glue_table(name: str, rows: dict, *, size: str, runlocal: bool, lrs=(2e-5, 3e-5, 4e-5, 5e-5),
+def pretrain_options(size: str | None, local: str) -> str:
+  """The pre-training config's options: ``size`` (None: the config's own) and ``,runlocal`` or nothing."""
+  return (f"size={size}" if size else "") + (local if size else local.removeprefix(","))
+
+
+def glue_table(name: str, rows: dict, *, size: str | None, runlocal: bool, lrs=(2e-5, 3e-5, 4e-5, 5e-5),
                seeds=(1, 2, 3, 4, 5), pretrain: str = "configs/pretrain.py", pretrain_overrides=(),
                finetune_options: str = "") -> ml_collections.ConfigDict:
   """A GLUE table: every row pre-trained with ``pretrain`` (BERT's MLM, or ``configs/electra.py``; its fields
   ``pretrain_overrides``, ``(field, value)`` pairs) and fine-tuned on the eight tasks with
   ``configs/finetune/glue.py`` (plus ``finetune_options``, e.g. ``recipe=electra``) over ``lrs`` x ``seeds``.
   ``runlocal``: tiny models on the made-up data, and a grid shrunk to 2 learning rates x 2 seeds (the
-  median/best-lr protocol still applies)."""
+  median/best-lr protocol still applies). ``size`` None: the pre-training config's own (runlocal's tiny model)."""
   local = ",runlocal" if runlocal else ""
   extra = f",{finetune_options}" if finetune_options else ""
   config = ml_collections.ConfigDict()
   config.job = "table"
   config.name = name
-  config.pretrain = dict(config=pretrain, options=f"size={size}{local}",
+  config.pretrain = dict(config=pretrain, options=pretrain_options(size, local),
                          overrides=[list(o) for o in pretrain_overrides])
   config.protocol = ""  # how the numbers are made where the paper leaves a choice (the report prints it)
   config.finetune = {task: dict(config="configs/finetune/glue.py", options=f"task={task}{extra}{local}",
@@ -69,17 +74,17 @@ HUANG_METHODS = {"absolute": "absolute", "Shaw": "shaw", "Method 1": "huang_m1",
                  "Method 3": "huang_m3", "Method 4": "huang_m4"}
 
 
-def squad_table(name: str, rows: dict, *, size: str, runlocal: bool, max_len: int, eval_max_lens: tuple[int, ...],
+def squad_table(name: str, rows: dict, *, size: str | None, runlocal: bool, max_len: int, eval_max_lens: tuple[int, ...],
                 columns: dict, lrs=(3e-5,), seeds=(1,)) -> ml_collections.ConfigDict:
   """A SQuAD 1.1 table: every row pre-trained with ``configs/pretrain.py`` and fine-tuned with
   ``configs/finetune/squad.py`` at ``max_len``, evaluated at ``eval_max_lens`` (Huang et al.'s recipe: lr 3e-5,
-  2 epochs, batch 48). ``runlocal``: tiny models, made-up data, lengths scaled to the tiny runs."""
+  2 epochs, batch 48). ``runlocal``: tiny models (unless ``size`` is given), made-up data, lengths scaled to the tiny runs."""
   local = ",runlocal" if runlocal else ""
   lengths = "+".join(str(n) for n in eval_max_lens)
   config = ml_collections.ConfigDict()
   config.job = "table"
   config.name = name
-  config.pretrain = dict(config="configs/pretrain.py", options=f"size={size}{local}", overrides=[])
+  config.pretrain = dict(config="configs/pretrain.py", options=pretrain_options(size, local), overrides=[])
   config.finetune = {"squad": dict(config="configs/finetune/squad.py",
                                    options=f"max_len={max_len},eval_max_lens={lengths}{local}",
                                    overrides=[["max_len", max_len]] if runlocal else [])}

@@ -158,12 +158,25 @@ def batching_fields() -> dict:
               cache_dir="")  # encoded features stored here, keyed by files, vocabulary and max_len; "": none
 
 
-def runlocal(config: ml_collections.ConfigDict, *, steps: int, max_len: int, batch_size: int) -> None:
-  """A tiny model on the made-up files in ``configs/data`` with the built-in vocabulary: seconds on a CPU."""
-  config.model_size = "tiny"
+# The config files' options that runlocal's preset would set, and the fields they set: a named option keeps them.
+RUNLOCAL_OPTIONS = {"lr": ("learning_rate",), "epochs": ("total_epochs", "total_steps"), "max_len": ("max_len",),
+                    "size": ("model_size",)}
+
+
+def runlocal(config: ml_collections.ConfigDict, *, steps: int, max_len: int, batch_size: int,
+             given: frozenset[str] = frozenset()) -> None:
+  """A tiny model on the made-up files in ``configs/data`` with the built-in vocabulary: seconds on a CPU.
+  ``given``: the options the user named (:func:`posjax.config_args.named`); those of :data:`RUNLOCAL_OPTIONS` keep
+  their values over the preset (``lr=3e-4,runlocal`` trains at 3e-4; ``epochs=3,runlocal`` for 3 epochs)."""
+  if "source" in given:
+    raise ValueError("the option source cannot combine with runlocal, which reads the made-up files in "
+                     "configs/data; drop one of them")
+  preset = dict(model_size="tiny", total_epochs=None, total_steps=steps, learning_rate=1e-3, max_len=max_len)
+  for option in given & RUNLOCAL_OPTIONS.keys():
+    for field in RUNLOCAL_OPTIONS[option]:
+      del preset[field]
   config.model.update(dtype="float32", attention_kernel="xla")
   config.data.scratch_vocab_file = os.path.join(DATA, "tiny_vocab.txt")  # with init: the init run's
   config.data.buckets_per_doubling = 1  # 32, 64, 128: few shapes to compile for runs of a few dozen steps
-  config.update(total_epochs=None, total_steps=steps, learning_rate=1e-3, batch_size=batch_size, max_len=max_len,
-                log_every_steps=10, eval_every_steps=steps // 2, checkpoint_every_steps=steps // 2,
-                tensorboard=False)
+  config.update(preset, batch_size=batch_size, log_every_steps=10, eval_every_steps=steps // 2,
+                checkpoint_every_steps=steps // 2, tensorboard=False)
