@@ -3,24 +3,32 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.posjax-installed
+DEV_STAMP := $(VENV)/.posjax-dev-installed
 
-.PHONY: help install demo test bench clean
+.PHONY: help install demo test aot bench clean
 
 help:
-	@echo "make demo     set up .venv, then run the position probes (every method; results in workdir/probes)"
-	@echo "make test     set up .venv with the dev and convert extras and run the test suite"
+	@echo "make demo     set up .venv (posjax alone, about 2.4 GB), then run the position probes (results in workdir/probes)"
+	@echo "make test     add the dev and convert extras to .venv (pytest, transformers, a CPU torch: about 1.5 GB more),"
+	@echo "              and the aot compilers to .aot/ (about 1.3 GB), then run the test suite"
+	@echo "make aot      only the aot compilers, in .aot/, where --target finds them"
 	@echo "make bench    the attention benchmark (per-method time and memory)"
 	@echo "make install  only set up .venv"
-	@echo "make clean    remove .venv and build files"
+	@echo "make clean    remove .venv, .aot and build files"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,convert]'
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-# The aot extra's compilers (without jaxlib, which .venv has), outside .venv: the suite's compile tests put them on
-# PYTHONPATH, every other process runs without them.
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,convert]'
+	touch $(DEV_STAMP)
+
+# The aot extra's compilers (without jaxlib, which .venv has), outside .venv: `--target` puts them on its own path
+# (posjax.aot.compile.setup), every other process runs without them (installed into .venv, the CUDA plugin and
+# libtpu would look for their devices at every start).
 AOT := .aot
 AOT_STAMP := $(AOT)/.posjax-installed
 $(AOT_STAMP): pyproject.toml $(STAMP)
@@ -32,10 +40,12 @@ $(AOT_STAMP): pyproject.toml $(STAMP)
 
 install: $(STAMP)
 
+aot: $(AOT_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m posjax.main --config=configs/probes.py --workdir=workdir/probes
 
-test: $(STAMP) $(AOT_STAMP)
+test: $(DEV_STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 bench: $(STAMP)

@@ -2,7 +2,7 @@
 length, whether forward + backward compile, how long the compile takes, and on a GPU each kernel's registers,
 spill stores and shared memory (against the 232,448 B an sm_90 block may opt into).
 
-  PYTHONPATH=.aot python benchmarks/aot_kernels.py --targets=h100,v5e:2x2,v6e:2x2 --lengths=512,2048
+  python benchmarks/aot_kernels.py --targets=h100,v5e:2x2,v6e:2x2 --lengths=512,2048
 
 Each case compiles in its own process (ptxas runs single-threaded in child processes; a case past ``--timeout``
 is killed with its children and shown as such). Shapes: batch 2, 12 heads, head dim 64, bf16, the op's default

@@ -3,7 +3,7 @@ accumulation, rematerialisation and layer scan, the compile time, the temporarie
 and the FLOPs per device and step (the model's, :mod:`posjax.models.flops`, and XLA's count, which takes a loop's body
 once).
 
-  PYTHONPATH=.aot python benchmarks/pod_step.py --targets=v5e:2x4,h100:8 --sizes=base,large --batch=256 --length=512
+  python benchmarks/pod_step.py --targets=v5e:2x4,h100:8 --sizes=base,large --batch=256 --length=512
 
 Each case is ``python -m posjax.main --config=configs/pretrain.py:size=<size>,position=<method> --target=<target>``
 with the case's fields, in its own process (killed with its children past ``--timeout``). ``--grid`` picks the cases:

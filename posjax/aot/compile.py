@@ -40,8 +40,12 @@ GiB = 1 << 30
 
 
 def setup() -> None:
-  """Before any backend starts: JAX on the CPU platform (a target's devices are compile-only), XLA logging
-  ptxas's report, and no compilation cache (a cached program would skip the compile it reports on)."""
+  """Before any backend starts: the compile-only plugins on the path (``make aot``'s directory,
+  :func:`targets.plugin_dir`), JAX on the CPU platform (a target's devices are compile-only), XLA logging ptxas's
+  report, and no compilation cache (a cached program would skip the compile it reports on)."""
+  plugins = str(targets.plugin_dir())
+  if os.path.isdir(plugins) and plugins not in sys.path:
+    sys.path.insert(0, plugins)
   os.environ.update(resources.LOG_ENV)
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: other processes may hold libtpu too
   jax.config.update("jax_platforms", "cpu")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import pathlib
 import re
 
 import jax
@@ -72,6 +74,15 @@ def parse(name: str) -> tuple[str, str, str]:
   raise ValueError(f"unknown target {name!r}; allowed: {ALLOWED}")
 
 
+AOT_DIR_ENV = "POSJAX_AOT_DIR"
+
+
+def plugin_dir() -> pathlib.Path:
+  """Where ``make aot`` installs the compile-only plugins: ``$POSJAX_AOT_DIR``, else ``.aot`` beside the posjax
+  package (a checkout's root). Only a ``--target`` run puts it on its path; every other process runs without them."""
+  return pathlib.Path(os.environ.get(AOT_DIR_ENV) or pathlib.Path(__file__).resolve().parents[2] / ".aot")
+
+
 def missing_plugin(platform: str) -> str | None:
   """What to install to compile for ``platform`` when it is not installed, else None."""
   if platform == "gpu":
@@ -89,8 +100,8 @@ def missing_plugin(platform: str) -> str | None:
       absent.append(package)
   if not absent:
     return None
-  return (f"compiling for a {platform.upper()} needs {', '.join(absent)} (pinned to jaxlib {jax.lib.__version__}): "
-          f"pip install 'posjax[aot]'")
+  return (f"compiling for a {platform.upper()} needs {', '.join(absent)} (pinned to jaxlib {jax.lib.__version__}), "
+          f"not found in {plugin_dir()}: run `make aot` (or set {AOT_DIR_ENV} to a directory holding the aot extra)")
 
 
 def devices(name: str) -> Target:
