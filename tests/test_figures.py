@@ -8,8 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from posjax.experiments import figures, protocol
+from posjax import config_args, positions
+from posjax.experiments import figures, plots, probes, protocol
+from posjax.experiments import length as length_harness
 from posjax.main import train
 from posjax.models import BertConfig
 from posjax.models.electra import Electra, ElectraConfig
@@ -111,3 +114,53 @@ def test_the_correlation_of_an_electra_run_is_its_discriminators(electra_root, t
   assert bias_HxLxL.shape == (ELECTRA.discriminator.num_heads, ELECTRA.discriminator.max_len,
                               ELECTRA.discriminator.max_len)
   assert np.isfinite(bias_HxLxL).all()
+
+
+def styles_of(ax) -> list[tuple]:
+  return [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in ax.get_lines()
+          if line.get_label() and not line.get_label().startswith("_")]
+
+
+def test_every_method_keeps_one_style_of_its_own_in_every_figure(tmp_path):
+  names = positions.names()
+  styles = plots.method_styles(names)
+  assert len({(s["color"], s["marker"]) for s in styles.values()}) == len(names)  # points alone: colour and marker
+  assert len({(s["color"], s["linestyle"]) for s in styles.values()}) == len(names)
+  assert plots.method_styles(["rope", "TUPE-R", "alibi"])["alibi"] == styles["alibi"]  # the same in any figure
+
+  # The probes' plot (make demo): 20 methods, four of them a learned table (points only) that stop at length 16.
+  config = config_args.load_config("configs/probes.py")
+  short = {"absolute", "bert_r", "tupe_a", "tupe_r"}
+  results = {m: {t: {str(l): "unsupported" if m in short and l > 16 else 0.5 for l in (16, 32, 64)}
+                 for t in config.tasks} for m in config.methods}
+  fig = probes.plot_accuracy(results, config, str(tmp_path / "probes.png"))
+  for ax in fig.axes:
+    drawn = styles_of(ax)
+    assert len(drawn) == len(config.methods) and len({(c, m) for c, m, _ in drawn}) == len(drawn)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "32", "64"]
+
+  # The length harness's plot: ticks at the lengths, not 3x10^1.
+  config = config_args.load_config("configs/length.py:methods=extrapolation+absolute,runlocal")
+  lengths = [config.train_len * m for m in config.eval_multiples]
+  results = {m: {"perplexity": {str(l): 10.0 + i + l / 100 for l in lengths}} for i, m in enumerate(config.methods)}
+  (ax,) = length_harness.plot(results, config, config.methods, str(tmp_path / "length.png")).axes
+  assert len(set(styles_of(ax))) == len(config.methods)
+  assert [t.get_text() for t in ax.get_xticklabels()] == [str(l) for l in lengths] == ["32", "64", "128", "256", "512"]
+
+
+@pytest.mark.xdist_group("figures_sweep")
+def test_figures_label_lengths_as_lengths_and_keep_colour_bars_clear_of_the_next_panel(sweep_root, tmp_path):
+  (ax,) = figures.length(str(sweep_root), str(tmp_path / "f1.png")).axes
+  assert [t.get_text() for t in ax.get_xticklabels()] == ["32", "64"]
+  fig = figures.terms(str(sweep_root / "absolute" / "pretrain"), str(tmp_path / "terms.png"))
+  panels, bars = fig.axes[:4], fig.axes[4:]
+  assert len(bars) == 4
+  canvas = FigureCanvasAgg(fig)  # the figure drawn again as the PNG was: extents with the tick labels
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  for bar, next_panel in zip(bars, panels[1:]):
+    assert bar.get_tightbbox(renderer).x1 < next_panel.get_tightbbox(renderer).x0
+  with pytest.raises(ValueError, match=r"--head=9: the run has 4 heads; allowed: 0 to 3"):
+    figures.terms(str(sweep_root / "absolute" / "pretrain"), str(tmp_path / "terms.png"), head=9)
+  with pytest.raises(ValueError, match=r"--length=64: the run's position table has 32 positions; allowed: 1 to 32"):
+    figures.terms(str(sweep_root / "absolute" / "pretrain"), str(tmp_path / "terms.png"), length=64)

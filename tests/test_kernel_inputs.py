@@ -1,4 +1,4 @@
-"""Every kernel with inputs as other pipelines make them: the README's own-model pattern with packed positions,
+"""Every kernel with inputs as other pipelines make them: docs/api.md's own-model pattern with packed positions,
 Hugging Face's left-padded position ids, left padding and holes on cuDNN, bf16, a layer called without its state,
 options of the wrong type and meshes that do not divide the model. Checked against the float64 loops of
 ``tests/reference.py``, numpy, or the ``xla`` path (itself checked against those loops in test_positions.py)."""
@@ -25,7 +25,7 @@ LEFT_PADDED = np.array([[False] * 5 + [True] * 11, [True] * 16])
 
 
 class MyEncoder(nn.Module):
-  """The README's own-model pattern, verbatim but for the method, the kernel and the sizes."""
+  """docs/api.md's own-model pattern, verbatim but for the method, the kernel and the sizes."""
 
   name_: str
   kernel: str

@@ -1,5 +1,6 @@
-"""The README as a new user meets it: each Python example runs on its own, ``make`` alone lists the targets, and
-every command and config the README, docs and configs name exists and loads."""
+"""The README and docs/ as a new user meets them: the README a front page, each Python example runs on its own,
+every relative link resolves, ``make`` alone lists the targets, and every command and config the README, docs and
+configs name exists and loads."""
 
 import pathlib
 import re
@@ -13,16 +14,22 @@ import numpy as np
 from posjax import config_args
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+DOCS = README.parent / "docs"
+MARKDOWN = [README, *sorted(DOCS.glob("*.md")), *sorted((README.parent / "experiments").rglob("*.md"))]
 
 
-def test_readme_examples_run_each_on_its_own():
-  blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-  assert len(blocks) == 4
+def test_the_readme_is_a_front_page():
+  assert len(README.read_text()) <= 15_000  # the rest lives in docs/
+
+
+def test_examples_run_each_on_its_own():
+  blocks = [(path, block) for path in MARKDOWN for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)]
+  assert [path.name for path, _ in blocks] == ["api.md", "api.md", "api.md", "kernels.md"]
   previous = flax.config.flax_always_shard_variable
   namespaces = [{} for _ in blocks]
   try:
-    for block, namespace in zip(blocks, namespaces):
-      exec(compile(block, str(README), "exec"), namespace)
+    for (path, block), namespace in zip(blocks, namespaces):
+      exec(compile(block, str(path), "exec"), namespace)
   finally:
     flax.config.update("flax_always_shard_variable", previous)
   linen, bridged, bert, fused = namespaces
@@ -48,7 +55,28 @@ def test_make_alone_lists_the_targets():
   assert {"demo", "test"} <= set(targets)
 
 
-DOCUMENTED = [README, *sorted((README.parent / "docs").glob("*.md")),
+def _anchor(heading: str) -> str:
+  """GitHub's anchor of a heading: lower case, spaces to hyphens, punctuation dropped."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_resolves():
+  checked = 0
+  for path in MARKDOWN:
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+      if re.match(r"[a-z]+://", target):
+        continue
+      file, _, anchor = target.partition("#")
+      linked = (path.parent / file).resolve() if file else path
+      assert linked.exists(), f"{path.relative_to(README.parent)}: {target} does not exist"
+      if anchor:
+        headings = re.findall(r"^#+ (.*)$", linked.read_text(), flags=re.M)
+        assert anchor in {_anchor(h) for h in headings}, f"{path.relative_to(README.parent)}: no heading #{anchor}"
+      checked += 1
+  assert checked >= 20
+
+
+DOCUMENTED = [README, *sorted(DOCS.glob("*.md")),
               *(path for folder in ("configs", "experiments") for pattern in ("*.py", "*.md")
                 for path in sorted((README.parent / folder).rglob(pattern)))]
 COMMAND = re.compile(r"python -m (posjax[\w.]*)")

@@ -72,9 +72,10 @@ def mlm_loss(root: str, out: str):
             "discriminator": ("validation discriminator loss", "ELECTRA discriminator loss")}
   plt = plots.pyplot()
   fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
+  styles = plots.method_styles([label for lines in curves.values() for label in lines])
   for ax, (panel, lines) in zip(axes[0], curves.items()):
     for label, points in lines.items():
-      ax.plot(*zip(*points), marker="o", label=label)
+      ax.plot(*zip(*points), label=label, **styles[label])
     ax.set(xlabel="pre-training step", ylabel=titles[panel][0], title=titles[panel][1])
     ax.legend(fontsize=8)
   fig.tight_layout()
@@ -83,28 +84,39 @@ def mlm_loss(root: str, out: str):
   return fig
 
 
+def _positions(length: int, config: BertConfig) -> int:
+  """``length`` if the run's position table holds it; else an error naming the table's length."""
+  if not 1 <= length <= config.max_len:
+    raise ValueError(f"--length={length}: the run's position table has {config.max_len} positions; allowed: 1 to "
+                     f"{config.max_len}")
+  return length
+
+
 def correlation(workdir: str, out: str, length: int = 0) -> None:
   """TUPE Figure 6: a TUPE run's learned positional correlation, one map per head of the shared bias."""
   config, params = _run(workdir)
   if not config.position.startswith("tupe"):
     raise ValueError(f"{workdir} uses position {config.position!r}; the positional correlation is TUPE's "
                      "(tupe_a, tupe_r)")
-  length = min(length or config.max_len, config.max_len)
+  length = _positions(length or config.max_len, config)
   _, state = BertEncoder(config).apply({"params": params["encoder"]}, jnp.zeros((1, length), jnp.int32),
                                        mutable=["intermediates"])
   bias_HxLxL = np.asarray(state["intermediates"]["position_bias"][0][0])
   plots.head_maps(bias_HxLxL, out, f"learned positional correlation ({config.position}, TUPE Figure 6)")
 
 
-def terms(workdir: str, out: str, length: int = 32, head: int = 0, seed: int = 0) -> None:
+def terms(workdir: str, out: str, length: int = 0, head: int = 0, seed: int = 0):
   """The first layer's logit split as (w + p) W^Q ((w + p) W^K)^T = ww + wp + pw + pp, on raw embeddings
-  (before the embedding LayerNorm, as the paper's decomposition), scaled by 1/sqrt(d_h)."""
+  (before the embedding LayerNorm, as the paper's decomposition), scaled by 1/sqrt(d_h); returns the figure
+  (closed)."""
   config, params = _run(workdir)
   if config.position != "absolute":
     raise ValueError(f"{workdir} uses position {config.position!r}; the four terms are of an absolute-position "
                      "model (BERT-A)")
   encoder = params["encoder"]
-  length = min(length, config.max_len)
+  length = _positions(length or min(32, config.max_len), config)
+  if not 0 <= head < config.num_heads:
+    raise ValueError(f"--head={head}: the run has {config.num_heads} heads; allowed: 0 to {config.num_heads - 1}")
   ids = np.random.default_rng(seed).integers(0, config.vocab_size, length)
   w = np.asarray(encoder["word_embeddings"]["embedding"])[ids]
   p = np.asarray(encoder["position"]["table"]["embedding"])[:length]
@@ -114,21 +126,25 @@ def terms(workdir: str, out: str, length: int = 32, head: int = 0, seed: int = 0
   maps = {"word-word": (w @ wq) @ (w @ wk).T, "word-position": (w @ wq) @ (p @ wk).T,
           "position-word": (p @ wq) @ (w @ wk).T, "position-position": (p @ wq) @ (p @ wk).T}
   plt = plots.pyplot()
-  fig, axes = plt.subplots(1, 4, figsize=(12, 3.2))
+  # Constrained layout places each panel's colour bar beside it, clear of the next panel; each scale is symmetric
+  # about 0, so white is no contribution in every panel.
+  fig, axes = plt.subplots(1, 4, figsize=(14, 3.4), layout="constrained")
   for ax, (name, value) in zip(axes, maps.items()):
-    image = ax.imshow(value * scale, cmap="RdBu_r")
+    limit = float(np.abs(value * scale).max()) or 1.0
+    image = ax.imshow(value * scale, cmap="RdBu_r", vmin=-limit, vmax=limit)
     ax.set(title=name, xlabel="key", ylabel="query" if name == "word-word" else "")
-    fig.colorbar(image, ax=ax, shrink=0.7)
+    fig.colorbar(image, ax=ax, shrink=0.8)
   fig.suptitle(f"first-layer logit terms, head {head} (TUPE Figure 2)")
-  fig.savefig(out, dpi=110, bbox_inches="tight")
+  fig.savefig(out, dpi=110)
   plt.close(fig)
+  return fig
 
 
-def length(root: str, out: str) -> None:
-  """Huang et al.'s inductive plot: SQuAD F1 against evaluation length, a line per row of the sweep."""
+def length(root: str, out: str):
+  """Huang et al.'s inductive plot: SQuAD F1 against evaluation length, a line per row of the sweep (a run with
+  several rows of one name, such as seeds, draws each); returns the figure (closed)."""
   _, runs = protocol.read_manifest(root)
-  plt = plots.pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
+  lines = {}
   for run in runs:
     found = protocol.results(run) if run.kind == "finetune" else None
     if not found:
@@ -136,28 +152,51 @@ def length(root: str, out: str) -> None:
     points = sorted((int(m.group(1)), values["f1"]) for name, values in found["metrics"].items()
                     if (m := re.fullmatch(r".*@(\d+)", name)) and isinstance(values.get("f1"), float))
     if points:
-      ax.plot(*zip(*points), marker="o", label=run.row)
-  ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="SQuAD F1",
-         title="F1 against evaluation length (Huang et al. 2020)")
+      lines[run.row] = points
+  plt = plots.pyplot()
+  fig, ax = plt.subplots(figsize=(6, 4))
+  styles = plots.method_styles(list(lines))
+  for row, points in lines.items():
+    ax.plot(*zip(*points), label=row, **styles[row])
+  if lines:
+    plots.length_axis(ax, [length for points in lines.values() for length, _ in points])
+  ax.set(xlabel="evaluation length (tokens)", ylabel="SQuAD F1", title="F1 against evaluation length (Huang et al. 2020)")
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   plt.close(fig)
+  return fig
 
 
 def main(argv=None) -> int:
   """``python -m posjax.experiments.figures``: one figure per call (see the module docstring)."""
   parser = argparse.ArgumentParser(prog="python -m posjax.experiments.figures", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  commands = parser.add_subparsers(dest="figure", required=True)
-  for name, source in (("mlm-loss", "root"), ("correlation", "workdir"), ("terms", "workdir"), ("length", "root")):
-    command = commands.add_parser(name)
-    command.add_argument(f"--{source}", required=True)
-    command.add_argument("--out", required=True, help="the PNG to write")
+  commands = parser.add_subparsers(dest="figure", required=True, metavar="FIGURE")
+  root = ("--root", dict(required=True, metavar="SWEEP", help="a sweep's --root: the directory of its manifest.json"))
+  workdir = ("--workdir", dict(required=True, metavar="RUN", help="a pre-training run's workdir (its checkpoints)"))
+  out = ("--out", dict(required=True, metavar="PNG", help="the PNG file to write"))
+  figures = {
+      "mlm-loss": ("TUPE Figure 5: validation MLM loss against steps, a line per pre-training run", [root, out]),
+      "correlation": ("TUPE Figure 6: a TUPE run's learned positional correlation, a map per head", [workdir, out, (
+          "--length", dict(type=int, default=0, help="positions shown (default 0: the run's max_len)"))]),
+      "terms": ("TUPE Figure 2: the first layer's four logit terms of an absolute-position run", [workdir, out, (
+          "--length", dict(type=int, default=0, help="positions shown (default 0: 32, or the run's max_len if shorter)")), (
+          "--head", dict(type=int, default=0, help="the attention head (default 0)")), (
+          "--seed", dict(type=int, default=0, help="seed of the random token ids (default 0)"))]),
+      "length": ("Huang et al.: SQuAD F1 against evaluation length, a line per row of an inductive sweep", [root, out]),
+  }
+  for name, (description, arguments) in figures.items():
+    command = commands.add_parser(name, help=description, description=description)
+    for flag, options in arguments:
+      command.add_argument(flag, **options)
   args = parser.parse_args(argv)
+  draw = {"mlm-loss": lambda: mlm_loss(args.root, args.out),
+          "correlation": lambda: correlation(args.workdir, args.out, args.length),
+          "terms": lambda: terms(args.workdir, args.out, args.length, args.head, args.seed),
+          "length": lambda: length(args.root, args.out)}
   try:
-    {"mlm-loss": lambda: mlm_loss(args.root, args.out), "correlation": lambda: correlation(args.workdir, args.out),
-     "terms": lambda: terms(args.workdir, args.out), "length": lambda: length(args.root, args.out)}[args.figure]()
+    draw[args.figure]()
   except (ValueError, OSError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2

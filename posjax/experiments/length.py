@@ -36,7 +36,6 @@ from posjax import config_args
 from posjax import results as results_lib
 from posjax.config_args import POSITIVE
 from posjax.experiments import plots, probes
-from posjax.experiments.probes import COLORS
 from posjax.train import validate as run_checks
 
 MODELS = {"clm": "configs/clm.py", "mlm": "configs/pretrain.py"}
@@ -170,23 +169,20 @@ def tables(results: dict, config, methods) -> str:
   return "\n\n".join(parts)
 
 
-def plot(results: dict, config, methods, path: str) -> None:
+def plot(results: dict, config, methods, path: str):
   """Perplexity against evaluation length (both log scale), one line per method; a method that runs at the training
-  length alone is a point."""
+  length alone is a point. Returns the figure (closed)."""
   plt = plots.pyplot()
   lengths = [config.train_len * m for m in config.eval_multiples]
+  styles = plots.method_styles(methods)
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for i, method in enumerate(methods):
+  for method in methods:
     values = results.get(method, {}).get("perplexity", {})
     points = [(l, values[str(l)]) for l in lengths if isinstance(values.get(str(l)), float)]
     if points:
-      ax.plot(*zip(*points), marker="osD^v"[i % 5], color=COLORS[i % len(COLORS)],
-              linestyle=("-", "--", ":")[i % 3], label=method)
-  ax.axvline(config.train_len, color="grey", linestyle=":")
-  ax.set_xscale("log", base=2)
+      ax.plot(*zip(*points), label=method, **styles[method])
   ax.set_yscale("log")
-  ax.set_xticks(lengths, [str(l) for l in lengths])
-  ax.xaxis.set_minor_locator(plt.NullLocator())
+  plots.length_axis(ax, lengths, config.train_len)
   ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
   ax.yaxis.set_minor_formatter(plt.FormatStrFormatter("%g"))
   ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model == 'clm' else 'masked'}-token perplexity",
@@ -195,6 +191,7 @@ def plot(results: dict, config, methods, path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+  return fig
 
 
 def validate(config) -> None:

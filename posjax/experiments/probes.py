@@ -73,43 +73,38 @@ def results_table(results: dict, config) -> str:
   return "\n".join(rows)
 
 
-# 15 colours that stay apart (tab10 and five more), cycled with 5 markers and 3 line styles.
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf", "#000000", "#000080", "#ffd700", "#00ff7f", "#ff00ff")
-
-
-def plot_accuracy(results: dict, config, path: str) -> None:
-  """Accuracy against evaluation length, one panel per task. Methods that only run at the training length
-  (a learned table) are single points, set side by side to its left so that none hides another."""
+def plot_accuracy(results: dict, config, path: str):
+  """Accuracy against evaluation length, one panel per task; returns the figure (closed). Methods that only run at
+  the training length (a learned table) are single points, set side by side to its left so that none hides
+  another."""
   plt = plots.pyplot()
+  styles = plots.method_styles(config.methods)
   lengths = [config.train_len * m for m in config.eval_multiples]
   fig, axes = plt.subplots(1, len(config.tasks), figsize=(5 * len(config.tasks), 4), squeeze=False)
   short = [m for m in config.methods if any(results_lib.UNSUPPORTED in results.get(m, {}).get(t, {}).values()
                                             for t in config.tasks)]
   for ax, task in zip(axes[0], config.tasks):
-    for i, method in enumerate(config.methods):
+    for method in config.methods:
       values = [results.get(method, {}).get(task, {}).get(str(l)) for l in lengths]
       points = [(l, v) for l, v in zip(lengths, values) if isinstance(v, float)]
       if not points:
         continue
-      style = dict(marker="osD^v"[i % 5], color=COLORS[i % len(COLORS)])
+      style = styles[method]
       if method in short:  # side by side left of the training length, clear of the lines' markers there
         shift = -0.2 - 0.5 * short.index(method) / max(len(short) - 1, 1)
-        ax.plot([l * 2 ** shift for l, _ in points], [v for _, v in points], linestyle="none", **style,
+        ax.plot([l * 2 ** shift for l, _ in points], [v for _, v in points], **{**style, "linestyle": "none"},
                 label=f"{method} (≤ {config.train_len} only)")
       else:
-        ax.plot(*zip(*points), linestyle=("-", "--", ":")[i % 3], label=method, **style)
-    ax.axvline(config.train_len, color="grey", linestyle=":")
-    ax.set_xscale("log", base=2)
+        ax.plot(*zip(*points), label=method, **style)
+    plots.length_axis(ax, lengths, config.train_len)
     ax.set(title=task, xlabel="evaluation length", ylabel="accuracy", ylim=(0, 1.04),
            xlim=(lengths[0] * 2 ** -0.9, lengths[-1] * 2 ** 0.2))
-    ax.set_xticks(lengths, [str(l) for l in lengths], minor=False)
-    ax.minorticks_off()
   axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
   fig.suptitle(f"trained at length {config.train_len} (dotted line)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+  return fig
 
 
 def plot_tupe_correlation(config, params, path: str) -> None:

@@ -32,6 +32,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from posjax.models import layout
 from posjax.train import sharding
@@ -45,9 +46,10 @@ MIN_REPLICA_SLICE_BYTES = 1 << 20
 
 
 def _handlers() -> dict:
-  ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+  # Replaces orbax's own jax.Array handler in its global registry, on purpose: without its warning per checkpointer.
+  type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, ocp.type_handlers.ArrayHandler(
       array_metadata_store=array_metadata_store.Store(), min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
-      override=True)
+      override=True, ignore_warnings=True)
   return {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
 
 
