@@ -176,14 +176,50 @@ def test_a_file_that_is_not_a_vocabulary_is_named(tmp_path, content, name, messa
     Tokenizer.load(str(tmp_path / name))
 
 
-def test_vocab_command_refuses_an_empty_corpus_and_an_empty_glob(tmp_path):
+def test_vocab_command_refuses_what_cannot_make_a_vocabulary_in_one_line(tmp_path):
   (tmp_path / "empty.txt").write_text("")
-  for files, message in [(tmp_path / "empty.txt", "hold no text to learn pieces from"),
-                         (tmp_path / "nothing*.txt", f"no text files match '{tmp_path}/nothing\\*.txt'")]:
-    result = subprocess.run([sys.executable, "-m", "posjax.data.vocab", f"--files={files}", "--size=100",
+  (tmp_path / "folder").mkdir()
+  train = f"--files={DATA}/tiny_train.txt"
+  for args, message in [
+      ([f"--files={tmp_path / 'empty.txt'}"], r"the files matching .*empty.txt. \(1\) hold no text to learn pieces from"),
+      ([f"--files={tmp_path / 'nothing*.txt'}"], f"no text files match '{tmp_path}/nothing\\*.txt' \\(--files\\)"),
+      ([f"--files={tmp_path}/*"], f"--files='{tmp_path}/\\*' matches the directory {tmp_path}/folder; give a glob "
+                                  f"of its text files, e.g. '{tmp_path}/folder/\\*.txt'"),
+      ([train, "--size=-5"], r"--size=-5: a vocabulary holds its 5 special tokens .*; allowed: an integer above 5"),
+      ([train, "--size=0"], r"--size=0: a vocabulary holds its 5 special tokens"),
+      ([train, "--model=bpe"], r"--out=\S+vocab.txt: a BPE vocabulary is a tokenizers file; give --out=FILE.json")]:
+    result = subprocess.run([sys.executable, "-m", "posjax.data.vocab", "--size=100", *args,
                              f"--out={tmp_path / 'vocab.txt'}"], capture_output=True, text=True)
-    assert result.returncode == 2 and re.match(f"error: .*{message}", result.stderr.strip().splitlines()[-1])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and re.fullmatch(f"error: {message}.*", lines[0]), lines
     assert not (tmp_path / "vocab.txt").exists()
+
+
+def test_vocab_command_says_when_the_corpus_caps_the_size(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "posjax.data.vocab", f"--files={DATA}/tiny_train.txt",
+                           "--size=30522", f"--out={tmp_path / 'vocab.txt'}"], capture_output=True, text=True,
+                          check=True)
+  pieces = len((tmp_path / "vocab.txt").read_text().splitlines())
+  assert pieces < 30522
+  assert result.stdout.startswith(f"wrote {pieces:,} pieces (of the 30,522 asked: the corpus holds no more")
+
+
+def test_text_files_that_cannot_be_a_corpus_are_named_before_a_run_writes_anything(tmp_path):
+  (tmp_path / "good.txt").write_text("one .\n\ntwo .\n")
+  (tmp_path / "blank.txt").write_text("\n  \n\n")
+  (tmp_path / "folder").mkdir()
+  data = lambda train: ml_collections.ConfigDict(dict(source="text", train_files=train, eval_files="",
+                                                      vocab_file=str(tmp_path / "vocab.txt")))
+  rule = r"a document is a run of non-blank lines, documents are separated by blank lines"
+  with pytest.raises(ValueError, match=rf"text file {tmp_path}/blank.txt \(data.train_files\) holds no document: it "
+                                       rf"is empty or blank lines only \({rule}\)"):
+    corpus.check(data(str(tmp_path / "*.txt")), ("train",))
+  with pytest.raises(IsADirectoryError, match=rf"data.train_files='{tmp_path}/folder' matches the directory "
+                                              rf"{tmp_path}/folder; give a glob of its text files"):
+    corpus.check(data(str(tmp_path / "folder")), ("train",))
+  with pytest.raises(ValueError, match=r"blank.txt \(data.eval_files\) holds no document"):
+    list(corpus.documents(ml_collections.ConfigDict(dict(source="text", eval_files=str(tmp_path / "blank.txt"))),
+                          "eval"))
 
 
 def test_an_eval_shard_may_be_empty_a_train_shard_may_not(tokenizer, tmp_path):

@@ -4,6 +4,7 @@ import errno
 import json
 import logging
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -300,14 +301,31 @@ def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path):
                            total_steps=1, eval_every_steps=0), str(tmp_path))
 
 
-def test_a_failed_config_change_leaves_the_run_resumable(tmp_path):
-  train(pretrain_config(total_steps=2, eval_every_steps=0), str(tmp_path))
-  with pytest.raises(ValueError, match=r"no checkpoint in .* can be restored \(step 2: "):
+def test_a_failed_config_change_names_the_change_and_leaves_the_run_resumable(tmp_path):
+  # One's own copy of the corpus, so that another vocabulary may read it.
+  own = {}
+  for split in ("train", "eval"):
+    own[f"data.{split}_files"] = str(tmp_path / f"{split}.txt")
+    shutil.copy(f"configs/data/tiny_{split}.txt", own[f"data.{split}_files"])
+  vocab = pathlib.Path("configs/data/tiny_vocab.txt").read_text().splitlines()
+  (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+  (tmp_path / "smaller.txt").write_text("\n".join(vocab[:150]) + "\n")
+  own.update({"data.source": "text", "data.vocab_file": str(tmp_path / "vocab.txt")})
+  run = tmp_path / "run"
+  train(pretrain_config(total_steps=2, eval_every_steps=0, **own), str(run))
+  with pytest.raises(ValueError, match=r"checkpoint 2 in \S+ holds parameters of other shapes than this run's model "
+                                       r"\(encoder/layer_0/mlp_in/bias: \(128,\) in the checkpoint, \(32,\) "
+                                       r"now; 6 changed in all\): resume with the model it was trained "
+                                       rf"with, or start another workdir from it with init_from={run} "):
     train(pretrain_config(total_steps=2, eval_every_steps=0, allow_config_change=True,
-                             **{"model.intermediate_size": 32}), str(tmp_path))
-  assert json.loads((tmp_path / "config.json").read_text())["model"]["intermediate_size"] == 128  # not overwritten
-  train(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True), str(tmp_path))
-  train(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))  # allow_config_change is no change
+                          **own, **{"model.intermediate_size": 32}), str(run))
+  with pytest.raises(ValueError, match=r"checkpoint 2 in \S+ was trained with a vocabulary of 200 pieces, this run's "
+                                       r"has 150 \(data.vocab_file\): a run resumes only with its own vocabulary"):
+    train(pretrain_config(total_steps=2, eval_every_steps=0, allow_config_change=True,
+                          **{**own, "data.vocab_file": str(tmp_path / "smaller.txt")}), str(run))
+  assert json.loads((run / "config.json").read_text())["model"]["intermediate_size"] == 128  # not overwritten
+  train(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True, **own), str(run))
+  train(pretrain_config(total_steps=3, eval_every_steps=0, **own), str(run))  # allow_config_change is no change
 
 
 def test_a_partial_last_metrics_line_is_dropped_on_resume(tmp_path):

@@ -20,24 +20,43 @@ Document = list[str]
 SOURCES = ("text", "tfds")
 
 
-def text_documents(pattern: str) -> Iterator[Document]:
-  """The documents of the text files ``pattern`` matches, in file-name order: a blank line ends a document, any
-  other line is a sentence; no match, or a file that is not UTF-8, is an error."""
+RULE = "a document is a run of non-blank lines, documents are separated by blank lines"
+
+
+def text_files(pattern: str, field: str = "data.train_files") -> list[str]:
+  """The files ``pattern`` matches, in name order; no match, or a directory among them, is an error naming
+  ``field``."""
   files = sorted(glob.glob(pattern))
   if not files:
-    raise FileNotFoundError(f"no text files match {pattern!r}")
+    raise FileNotFoundError(f"no text files match {pattern!r} ({field})")
   for path in files:
+    if os.path.isdir(path):
+      raise IsADirectoryError(f"{field}={pattern!r} matches the directory {path}; give a glob of its text files, "
+                              f"e.g. {os.path.join(path, '*.txt')!r}")
+  return files
+
+
+def text_documents(pattern: str, field: str = "data.train_files") -> Iterator[Document]:
+  """The documents of the text files ``pattern`` matches, in file-name order: a blank line ends a document, any
+  other line is a sentence. No match, a directory, a file that is not UTF-8 or one without a document (empty,
+  or blank lines only) is an error that names it."""
+  for path in text_files(pattern, field):
     document: Document = []
+    found = False
     with open(path, encoding="utf-8") as f:
       for line in _lines(f, path):
         line = line.strip()
         if line:
           document.append(line)
         elif document:
+          found = True
           yield document
           document = []
     if document:
+      found = True
       yield document
+    if not found:
+      raise ValueError(f"text file {path} ({field}) holds no document: it is empty or blank lines only ({RULE})")
 
 
 def _lines(f, path: str) -> Iterator[str]:
@@ -45,6 +64,13 @@ def _lines(f, path: str) -> Iterator[str]:
     yield from f
   except UnicodeDecodeError as error:
     raise ValueError(f"text file {path} is not UTF-8 text ({error.reason})") from None
+
+
+def _check_text_file(path: str, field: str) -> None:
+  """A text file holds a document: it has a non-blank line (read up to the first), and is UTF-8 up to there."""
+  with open(path, encoding="utf-8") as f:
+    if not any(line.strip() for line in _lines(f, path)):
+      raise ValueError(f"text file {path} ({field}) holds no document: it is empty or blank lines only ({RULE})")
 
 
 def tfds_documents(name: str, split: str, data_dir: str | None = None, text_key: str = "text") -> Iterator[Document]:
@@ -78,7 +104,7 @@ def documents(data_config, split: str, shard_index: int = 0, shard_count: int = 
     pattern = data_config.train_files if split == "train" else data_config.eval_files
     if not pattern:
       raise ValueError(f"data.source='text' needs data.{split}_files (a glob of text files)")
-    stream = text_documents(pattern)
+    stream = text_documents(pattern, f"data.{split}_files")
   elif data_config.source == "tfds":
     if not data_config.tfds_name:
       raise ValueError("data.source='tfds' needs data.tfds_name")
@@ -105,6 +131,11 @@ def check(data_config, splits: Sequence[str], train_shards: Sequence[int] = (0,)
     fields.update({f"{split}_files": _is_builtin(data_config.get(f"{split}_files", "")) for split in splits})
   else:
     fields["tfds_name"] = False
+  if data_config.source == "text":  # every file, before a run writes anything: not only the first document's
+    for split in splits:
+      pattern = data_config.get(f"{split}_files", "")
+      for path in text_files(pattern, f"data.{split}_files") if pattern else ():
+        _check_text_file(path, f"data.{split}_files")
   builtin = sorted(f for f, is_builtin in fields.items() if is_builtin)
   own = sorted(f for f, is_builtin in fields.items() if not is_builtin)
   if builtin and own:

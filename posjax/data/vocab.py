@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import glob
 import sys
 
 import tokenizers
 from absl import app, flags
 from tokenizers import models, trainers
 
+from posjax.data import corpus
 from posjax.data import tokenizer as tokenizer_lib
 
 def train_wordpiece(files: list[str], size: int, lowercase: bool = True) -> tokenizers.Tokenizer:
@@ -52,10 +52,16 @@ def write(tok: tokenizers.Tokenizer, out: str) -> None:
 
 
 def train(pattern: str, size: int, model: str = "wordpiece", lowercase: bool = True) -> tokenizers.Tokenizer:
-  """A vocabulary trained on the files ``pattern`` matches; an empty glob or a corpus with no text is an error."""
-  files = sorted(glob.glob(pattern))
-  if not files:
-    raise FileNotFoundError(f"no text files match {pattern!r}")
+  """A vocabulary of at most ``size`` pieces (fewer where the corpus holds fewer) trained on the files ``pattern``
+  matches; a size that leaves no room beside the special tokens, an empty glob, a directory or a corpus with no
+  text is an error."""
+  special = len(tokenizer_lib.SPECIAL)
+  if size <= special:
+    raise ValueError(f"--size={size}: a vocabulary holds its {special} special tokens and the pieces learned beside "
+                     f"them; allowed: an integer above {special} (BERT's is 30522)")
+  if model not in ("wordpiece", "bpe"):
+    raise ValueError(f"unknown --model={model!r}; allowed: wordpiece, bpe")
+  files = corpus.text_files(pattern, "--files")
   tok = train_bpe(files, size) if model == "bpe" else train_wordpiece(files, size, lowercase)
   if tok.get_vocab_size() <= len(tokenizer_lib.SPECIAL):
     raise ValueError(f"the files matching {pattern!r} ({len(files)}) hold no text to learn pieces from: the "
@@ -68,15 +74,18 @@ def main(argv):
   text in them, is one line on stderr and exit status 2."""
   del argv
   FLAGS = flags.FLAGS
-  if FLAGS.model == "bpe" and not FLAGS.out.endswith(".json"):
-    raise app.UsageError("a BPE vocabulary is a tokenizers file: give --out=FILE.json")
   try:
+    if FLAGS.model == "bpe" and not FLAGS.out.endswith(".json"):
+      raise ValueError(f"--out={FLAGS.out}: a BPE vocabulary is a tokenizers file; give --out=FILE.json")
     tok = train(FLAGS.files, FLAGS.size, FLAGS.model, FLAGS.lowercase)
-  except (ValueError, FileNotFoundError) as error:
+  except (ValueError, OSError) as error:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
   write(tok, FLAGS.out)
-  print(f"wrote {tok.get_vocab_size()} pieces from the files matching {FLAGS.files!r} to {FLAGS.out}")
+  pieces = tok.get_vocab_size()
+  capped = (f" (of the {FLAGS.size:,} asked: the corpus holds no more; a larger corpus gives more)"
+            if pieces < FLAGS.size else "")
+  print(f"wrote {pieces:,} pieces{capped} from the files matching {FLAGS.files!r} to {FLAGS.out}")
 
 
 if __name__ == "__main__":

@@ -131,10 +131,11 @@ class Checkpointer:
     return None
 
   def _check_layout(self, step: int, abstract_state: Any) -> None:
-    """A checkpoint's layers in the other layout than the run's (``model.scan_layers`` changed) is an error that
-    says how to go on, not an unreadable checkpoint."""
+    """A checkpoint's layers in the other layout than the run's (``model.scan_layers`` changed), or parameters of
+    other shapes, are an error that says how to go on, not an unreadable checkpoint."""
     try:
-      saved = layout.of(self.manager.item_metadata(step).state)
+      metadata = self.manager.item_metadata(step).state
+      saved = layout.of(metadata)
     except Exception:  # noqa: BLE001  (unreadable metadata: the restore below says why)
       return
     wanted = layout.of(abstract_state)
@@ -143,6 +144,27 @@ class Checkpointer:
                        f"{wanted} (model.scan_layers={wanted == layout.SCANNED}): resume with "
                        f"model.scan_layers={saved == layout.SCANNED}, or start another workdir from it with "
                        f"init_from={self.manager.directory} (parameters convert; the optimizer state starts afresh)")
+    self._check_shapes(step, metadata, abstract_state)
+
+  def _check_shapes(self, step: int, saved: Any, abstract_state: Any) -> None:
+    """Parameters of other shapes than the checkpoint's (a changed vocabulary or architecture, allowed by
+    ``allow_config_change``) are an error that names the change, not an unreadable checkpoint."""
+    before, now = _param_shapes(saved), _param_shapes(abstract_state)
+    changed = [(path, before[path], now[path]) for path in now if path in before and before[path] != now[path]]
+    if not changed:
+      return
+    workdir = os.path.dirname(os.path.normpath(str(self.manager.directory)))
+    restart = f"or start another workdir from it with init_from={workdir}"
+    vocabulary = [(old, new) for path, old, new in changed if "word_embeddings" in path]
+    if vocabulary:
+      (old, *_), (new, *_) = vocabulary[0]
+      raise ValueError(f"checkpoint {step} in {self.manager.directory} was trained with a vocabulary of {old:,} "
+                       f"pieces, this run's has {new:,} (data.vocab_file): a run resumes only with its own "
+                       f"vocabulary; give it back, {restart} (the embeddings then start fresh)")
+    path, old, new = changed[0]
+    raise ValueError(f"checkpoint {step} in {self.manager.directory} holds parameters of other shapes than this "
+                     f"run's model ({path}: {old} in the checkpoint, {new} now; {len(changed)} changed in all): "
+                     f"resume with the model it was trained with, {restart} (parameters of a new shape start fresh)")
 
   def _restore_step(self, step: int, abstract_state: Any):
     """``(restored, reason, transient)`` of one step: I/O errors are retried with backoff (``attempts`` in all),
@@ -307,6 +329,16 @@ def _orbax_thread_failures(record) -> bool:
   return os.sep + "orbax" + os.sep not in record.pathname
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json")  # a run's vocabulary, when kept beside its checkpoints
+
+
+def _param_shapes(tree: Any) -> dict[str, tuple]:
+  """``{"a/b/kernel": shape}`` of the ``params`` of a train state, or of a checkpoint's metadata."""
+  shapes = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if names and names[0] == "params" and getattr(leaf, "shape", None) is not None:
+      shapes["/".join(names[1:])] = tuple(leaf.shape)
+  return shapes
 
 
 def read_model_config(workdir: str, field: str = "workdir") -> dict:
