@@ -1,6 +1,8 @@
 """Fine-tuning on the one training loop: every task type learns, runs resume exactly, runs start from a
 pre-training run as they should, and bad input fails before the workdir is written."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -58,8 +60,10 @@ def test_regression_lowers_its_loss(tmp_path):  # classification: sst2_run; span
 def squad_run(tmp_path_factory):
   """SQuAD, 60 steps of the absolute method, evaluated at 64 and 128 tokens (beyond its table) at the end."""
   workdir = tmp_path_factory.mktemp("squad") / "absolute"
-  train(finetune_config("squad", "runlocal,eval_max_lens=64+128", total_steps=60, log_every_steps=1,
-                        eval_every_steps=60), str(workdir))
+  with contextlib.redirect_stderr(io.StringIO()) as said:  # the lines for the terminal, kept beside the run
+    train(finetune_config("squad", "runlocal,eval_max_lens=64+128", total_steps=60, log_every_steps=1,
+                          eval_every_steps=60), str(workdir))
+  (workdir.parent / "said.txt").write_text(said.getvalue())
   return workdir
 
 
@@ -131,6 +135,9 @@ def test_mnli_reports_matched_and_mismatched(tmp_path):
 def test_squad_writes_predictions_and_marks_lengths_a_learned_table_cannot_reach(tmp_path, squad_run):
   results = json.loads((squad_run / "results.json").read_text())["metrics"]
   assert results["squad@128"] == {"exact_match": "unsupported", "f1": "unsupported"}
+  said = (squad_run.parent / "said.txt").read_text()  # and the run said why, before training
+  assert ("\nsquad@128: unsupported (position method 'absolute' has a learned table of max_len=64 positions and "
+          "cannot encode a sequence of length 128;") in said
   assert set(results["squad@64"]) == {"exact_match", "f1"}
   predictions = json.loads((squad_run / "predictions_squad@64.json").read_text())
   dev = json.loads((ROOT / "configs" / "data" / "squad" / "dev-v1.1.json").read_text())
@@ -190,10 +197,11 @@ def test_a_finetuning_run_that_died_resumes_to_the_uninterrupted_result(sst2_run
 
 
 @pytest.mark.xdist_group("pretrained")
-def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path, pretrained):
+def test_init_takes_the_encoder_model_and_vocabulary_of_the_pretraining_run(tmp_path, pretrained, capfd):
   # Learning rate 0: the fine-tuned encoder is the pre-trained one, step 1 of the two kept.
   params = train(finetune_config("glue", "task=sst2,runlocal", total_steps=1, learning_rate=0.0,
                                     init=str(pretrained), init_step=1), str(tmp_path / "ft"))
+  assert f"fine-tuning from {pretrained} (step 1): its encoder (shaw) and vocabulary\n" in capfd.readouterr().err
   loaded = checkpoint.load_params(str(pretrained / "checkpoints"), 1)["encoder"]
   assert_same_params(params["encoder"], loaded)
   assert not np.allclose(flat_params(loaded)["['word_embeddings']['embedding']"],
@@ -296,6 +304,14 @@ def test_the_commands_of_the_readme_run_and_report(tmp_path):
                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
   assert out.returncode == 0, out.stderr[-2000:]
   assert f"results in {tmp_path}/results.json" in out.stderr
+  # What the numbers mean: a run from scratch, on made-up data, beside the dev set's majority class.
+  labels = [line.split("\t")[-1] for line in (ROOT / "configs/data/glue/RTE/dev.tsv").read_text().splitlines()[1:]]
+  majority = max(set(labels), key=labels.count)
+  assert ("fine-tuning from scratch: no config.init, so the encoder (absolute) starts from random weights; "
+          "--config.init=PRETRAIN_WORKDIR starts it from a pre-training run\n") in out.stderr
+  assert "a tiny run on them shows that the pipeline runs, not what a position method does\n" in out.stderr
+  assert (f"rte: {len(labels)} examples; always answering the most frequent label ({majority}) scores "
+          f"{100 * labels.count(majority) / len(labels):.1f} accuracy\n") in out.stderr
   finished = [line for line in out.stderr.replace("\r", "\n").splitlines() if "100%|" in line]
   assert len(finished) == 1 and " 2/2 " in finished[0], finished  # the bar's last line once, when it closes
   bad = subprocess.run([sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=rtee,runlocal",

@@ -63,6 +63,8 @@ def test_a_runlocal_tables_pretraining_is_tiny_unless_its_size_is_named(tmp_path
      dict(learning_rate=3e-5, max_len=128, total_epochs=2.0, total_steps=None, model_size="base")),
     ("finetune/glue.py:task=rte,runlocal", dict(learning_rate=1e-3, max_len=64, total_steps=60, model_size="tiny")),
     ("finetune/squad.py:lr=3e-5,max_len=128,runlocal", dict(learning_rate=3e-5, max_len=128, total_steps=80)),
+    ("finetune/glue.py:task=rte,source=tfds,runlocal", {"data.source": "tfds", "data.data_dir": "", "max_len": 64}),
+    ("finetune/squad.py:source=tfds,runlocal", {"data.source": "tfds", "data.train_file": "train-v1.1.json"}),
     ("pretrain.py:size=base,runlocal", {"model.hidden_size": 768, "max_len": 64}),
     ("clm.py:size=base,runlocal", {"model.hidden_size": 768, "model.causal": True}),
     ("clm.py:runlocal", {"model.hidden_size": 64}),
@@ -77,12 +79,6 @@ def test_options_named_with_runlocal_keep_their_values(config, fields):
     for part in field.split("."):
       got = got[part]
     assert got == value, field
-
-
-@pytest.mark.parametrize("config", ["finetune/glue.py:task=rte,source=tfds,runlocal", "finetune/squad.py:source=tfds,runlocal"])
-def test_an_option_runlocal_would_override_is_an_error(config):
-  with pytest.raises(ValueError, match="source cannot combine with runlocal"):
-    config_args.load_config(f"configs/{config}")
 
 
 def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_path):

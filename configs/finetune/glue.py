@@ -70,7 +70,8 @@ def get_config(arg=None):
   config.data.both_orders = chosen.pop("both_orders")
   config.update(chosen)
   config.select_metric = f"{names[0]}/{metrics.PAPER_METRIC[names[0]]}" if config.select == "best" else ""
-  if arg.runlocal:
+  if arg.runlocal and "source" not in given:  # a named source keeps its data
     config.data.update(source="tsv", data_dir=recipe.DATA + "/glue")
+  if arg.runlocal:
     recipe.runlocal(config, steps=60, max_len=64, batch_size=16, given=given)
   return config

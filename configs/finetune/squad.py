@@ -48,8 +48,9 @@ def get_config(arg=None):
   lengths = tuple(int(n) for n in arg.eval_max_lens.split("+") if n) or ((64, 128) if arg.runlocal else ())
   config.evals = ml_collections.ConfigDict(dict(squad=dict(kind="squad", split="validation", max_lens=lengths)))
   config.evals_per_epoch = 1  # a curve at each epoch's end; Huang et al. report the last (select="last")
+  if arg.runlocal and "source" not in given:  # a named source keeps its data
+    config.data.update(train_file=recipe.DATA + "/squad/train-v1.1.json", dev_file=recipe.DATA + "/squad/dev-v1.1.json")
   if arg.runlocal:
-    config.data.update(train_file=recipe.DATA + "/squad/train-v1.1.json", dev_file=recipe.DATA + "/squad/dev-v1.1.json",
-                       doc_stride=32)
+    config.data.doc_stride = 32
     recipe.runlocal(config, steps=80, max_len=64, batch_size=16, given=given)
   return config

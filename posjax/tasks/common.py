@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from posjax.data import feature_cache
+from posjax.data import feature_cache, synthetic
 from posjax.data.tokenizer import Tokenizer
 from posjax.finetune import init as init_lib
 from posjax.models import BertConfig
@@ -34,6 +34,19 @@ def info(config, start, model_config) -> dict:
   """What results.json says about the run's start: the init run and step, the position method, ``max_len``."""
   return {"init": start.workdir if start else None, "init_step": start.step if start else None,
           "position": model_config.position, "max_len": config.max_len}
+
+
+def notes(start, model_config, data_files) -> tuple[str, ...]:
+  """What a fine-tuning run says before it trains: where its encoder comes from, and, when its data are runlocal's
+  made-up files (any of ``data_files`` in ``configs/data``), that its numbers say nothing about the method."""
+  found = [f"fine-tuning from {start.workdir} (step {start.step}): its encoder ({model_config.position}) and "
+           "vocabulary" if start else
+           f"fine-tuning from scratch: no config.init, so the encoder ({model_config.position}) starts from random "
+           "weights; --config.init=PRETRAIN_WORKDIR starts it from a pre-training run"]
+  if any(path and os.path.abspath(path).startswith(synthetic.BUILTIN_DIR + os.sep) for path in data_files):
+    found.append(f"made-up data ({synthetic.BUILTIN_DIR}): a tiny run on them shows that the pipeline runs, not what "
+                 "a position method does")
+  return tuple(found)
 
 
 def inputs(batch: dict, use_types: bool) -> dict:

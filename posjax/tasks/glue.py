@@ -83,7 +83,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
 
   train = encode("train")[0]
   eval_batch = common.eval_batch(config)
-  evaluators, predictors = {}, {}
+  evaluators, predictors, baselines = {}, {}, []
   for name, spec in config.evals.items():
     split = spec.get("split", "validation")
     if split not in task.validation_splits:
@@ -101,6 +101,10 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
     eval_batches_of = functools.partial(features_lib.eval_batches, global_batch=eval_batch, max_len=config.max_len,
                                 pad_id=tokenizer.pad_id, **common.batching(data))
     evaluators[name] = Evaluator(eval_batches_of(rows), predict, glue_metrics)
+    if not regression and len(labels):
+      counts = np.bincount(labels, minlength=task.num_labels)
+      baselines.append(f"{name}: {len(labels)} examples; always answering the most frequent label "
+                       f"({task.labels[int(np.argmax(counts))]}) scores {100 * counts.max() / len(labels):.1f} accuracy")
     if data.get("test_predictions", True) and glue_data.has_test(task.name, split, data.source, data.data_dir):
       test_rows, meta = encode(glue_data.test_split(split))
 
@@ -118,4 +122,5 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                                         **common.batching(data))
   return Task(f"glue/{task.name}", model, model_config, common.init_inputs(config.max_len, use_types), loss_fn, batches,
               evaluators, examples_per_epoch=len(train), load_init=common.load_init(start, changed),
-              info=common.info(config, start, model_config), predictors=predictors)
+              info=common.info(config, start, model_config), predictors=predictors,
+              notes=common.notes(start, model_config, (data.get("data_dir"),)) + tuple(baselines))

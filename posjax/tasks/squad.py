@@ -131,4 +131,5 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                                         **common.batching(data))
   return Task("squad", model, model_config, common.init_inputs(config.max_len, use_types), loss_fn, batches, evaluators,
               examples_per_epoch=len(train), load_init=common.load_init(start, changed),
-              info=common.info(config, start, model_config))
+              info=common.info(config, start, model_config),
+              notes=common.notes(start, model_config, (data.get("train_file"), data.get("dev_file"))))

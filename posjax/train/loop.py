@@ -130,6 +130,11 @@ def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, wor
 
   say(f"training {task.name} to step {config.total_steps}: metrics in {writer.path}, checkpoints in "
       f"{checkpointer.directory}")
+  for note in task.notes:
+    say(note)
+  for name, evaluator in evaluators.items():
+    if evaluator.unsupported:
+      say(f"{name}: unsupported ({evaluator.unsupported})")
   batches = feed.DeviceFeed(task.train_batches, parallel.put_batch, config.get("device_prefetch", 2))
   step_fn = parallel.compile_step(task_step(task, prepared.optimizer, prepared.schedule, config.grad_accum_steps,
                                             config.get("loss_reduction", "mean")))

@@ -41,6 +41,8 @@ class Task:
   examples_per_epoch: int | None = None
   load_init: Callable | None = None  # fresh params -> params taken from the run it starts from
   info: dict = dataclasses.field(default_factory=dict)  # written to results.json
+  # Lines the loop prints before training: what the run starts from, what its numbers can mean.
+  notes: tuple[str, ...] = ()
   # Run after an evaluation that config.select reports (e.g. test-set predictions, written to the workdir).
   predictors: dict[str, Evaluator] = dataclasses.field(default_factory=dict)
   # A loss with several denominators: sums over the step's whole batch, given to loss_fn as ``totals=``, and the
