@@ -9,31 +9,18 @@ Each process of a multi-host run reads only its own shard: every ``shard_count``
 
 from __future__ import annotations
 
-import glob
 import itertools
 import os
 from typing import Iterator, Sequence
 
 from posjax.data import synthetic
+from posjax.data.files import text_files
 
 Document = list[str]
 SOURCES = ("text", "tfds")
 
 
 RULE = "a document is a run of non-blank lines, documents are separated by blank lines"
-
-
-def text_files(pattern: str, field: str = "data.train_files") -> list[str]:
-  """The files ``pattern`` matches, in name order; no match, or a directory among them, is an error naming
-  ``field``."""
-  files = sorted(glob.glob(pattern))
-  if not files:
-    raise FileNotFoundError(f"no text files match {pattern!r} ({field})")
-  for path in files:
-    if os.path.isdir(path):
-      raise IsADirectoryError(f"{field}={pattern!r} matches the directory {path}; give a glob of its text files, "
-                              f"e.g. {os.path.join(path, '*.txt')!r}")
-  return files
 
 
 def text_documents(pattern: str, field: str = "data.train_files") -> Iterator[Document]:

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import glob
-import os
 import sys
 
 import tokenizers
@@ -17,6 +15,7 @@ from absl import app, flags
 from tokenizers import models, trainers
 
 from posjax.data import tokenizer as tokenizer_lib
+from posjax.data.files import text_files
 
 def train_wordpiece(files: list[str], size: int, lowercase: bool = True) -> tokenizers.Tokenizer:
   """A BERT WordPiece vocabulary of ``size`` pieces (BERT's special tokens included) trained on ``files``;
@@ -62,13 +61,7 @@ def train(pattern: str, size: int, model: str = "wordpiece", lowercase: bool = T
                      f"them; allowed: an integer above {special} (BERT's is 30522)")
   if model not in ("wordpiece", "bpe"):
     raise ValueError(f"unknown --model={model!r}; allowed: wordpiece, bpe")
-  files = sorted(glob.glob(pattern))  # (not corpus.text_files: corpus reads synthetic, which trains with this module)
-  if not files:
-    raise FileNotFoundError(f"no text files match {pattern!r} (--files)")
-  for path in files:
-    if os.path.isdir(path):
-      raise IsADirectoryError(f"--files={pattern!r} matches the directory {path}; give a glob of its text files, "
-                              f"e.g. {os.path.join(path, '*.txt')!r}")
+  files = text_files(pattern, "--files")
   tok = train_bpe(files, size) if model == "bpe" else train_wordpiece(files, size, lowercase)
   if tok.get_vocab_size() <= len(tokenizer_lib.SPECIAL):
     raise ValueError(f"the files matching {pattern!r} ({len(files)}) hold no text to learn pieces from: the "
