@@ -55,11 +55,19 @@ class Mask:
     padding: ``[B, L]`` bool, True at real tokens; None when nothing is padded.
     segment_ids: ``[B, L]`` int; tokens attend only within their own segment (packed sequences).
     causal: query i attends to keys j <= i only (token order; a decoder). Every kernel takes it.
+    sliding_window: with ``causal``, query i attends to the ``sliding_window`` keys ``i - W < j <= i`` only (token
+      order, the query's own included: Mistral's, Hugging Face's ``sliding_window``); 0: no window. Every kernel
+      takes it (as a mask: the kernels do not skip the tiles it rules out yet).
   """
 
   padding: jax.Array | None = None
   segment_ids: jax.Array | None = None
   causal: bool = flax.struct.field(pytree_node=False, default=False)
+  sliding_window: int = flax.struct.field(pytree_node=False, default=0)
+
+  def __post_init__(self):
+    if self.sliding_window and (not self.causal or self.sliding_window < 0):
+      raise ValueError(f"Mask(sliding_window={self.sliding_window}) needs causal=True and a window >= 1 (0: none)")
 
   def pairs(self, length: int):
     """``[B or 1, 1, L or 1, L]`` bool, True where query i may attend to key j; None when all may."""
@@ -70,8 +78,9 @@ class Mask:
       same = self.segment_ids[:, None, :, None] == self.segment_ids[:, None, None, :]
       allowed = same if allowed is None else allowed & same
     if self.causal:
-      earlier = (jnp.arange(length)[:, None] >= jnp.arange(length)[None, :])[None, None]
-      allowed = earlier if allowed is None else allowed & earlier
+      distance_LxL = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
+      earlier_LxL = (distance_LxL >= 0) & ((distance_LxL < self.sliding_window) if self.sliding_window else True)
+      allowed = earlier_LxL[None, None] if allowed is None else allowed & earlier_LxL[None, None]
     return allowed
 
 
@@ -150,7 +159,7 @@ def cudnn_inputs(terms: base.LayerTerms, state: base.PositionState, v_BxLxHxV, s
   sources = [terms_ for terms_ in (state.terms, terms.terms) if terms_ is not None]
   untied = [terms_ for terms_ in sources if terms_.untied is not None]
   dense = lambda: (terms.q, terms.k, v_BxLxHxV, layer_bias(terms, state, scale))
-  if not untied:
+  if not untied or terms.k.shape[2] != terms.q.shape[2]:  # grouped keys: the untied term is per query head
     return dense()
   width = max(kernels.fold.folded_width(terms.q.shape[-1], untied[0].untied.reset, 8),
               -(-v_BxLxHxV.shape[-1] // 8) * 8)
@@ -179,9 +188,11 @@ def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str
   if mask.segment_ids is not None:
     same = mask.segment_ids[:, None, :, None] == mask.segment_ids[:, None, None, :]
     bias = add_biases(bias, jnp.where(same, 0.0, neg))
+  window = (mask.sliding_window - 1, 0) if mask.sliding_window else None
   attend = lambda q, k, v, bias, lengths=None: jax.nn.dot_product_attention(
       q, k, v, None if bias is None else bias.astype(q.dtype), scale=scale, is_causal=mask.causal,
-      query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation=implementation)
+      query_seq_lengths=lengths, key_value_seq_lengths=lengths, local_window_size=window,
+      implementation=implementation)
   if mask.padding is None:
     return attend(q, k, v, bias)
   padding_BxL = mask.padding.astype(bool)
@@ -228,6 +239,12 @@ class SelfAttention(nn.Module):
   positions ``0..L-1``; any other is an error. ``platform`` names the device the program
   is compiled for (``gpu`` / ``tpu``; None: the default backend's), for ahead-of-time compilation on a CPU. Under a
   mesh, q, k, v and the heads' outputs are constrained by their logical axes (:mod:`posjax.partitioning`).
+
+  Decoder options: ``spec.num_kv_heads`` below ``num_heads`` gives k and v that many heads (grouped-query
+  attention; every kernel reads them per group, never repeated); ``use_bias`` is the q/k/v projections' bias and
+  ``out_bias`` the output projection's (None: ``use_bias``; Qwen2 has q/k/v biases only); ``qk_norm``: an RMSNorm
+  over each head's q and k (``q_norm``, ``k_norm``, one scale of ``head_dim`` shared by the heads, epsilon
+  ``norm_eps``) before the position method, as Qwen3 and OLMo 2's per-head form.
   """
 
   spec: base.PositionSpec
@@ -235,6 +252,9 @@ class SelfAttention(nn.Module):
   dropout_rate: float = 0.0
   use_bias: bool = True
   platform: str | None = None
+  out_bias: bool | None = None
+  qk_norm: bool = False
+  norm_eps: float = 1e-6
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -245,8 +265,13 @@ class SelfAttention(nn.Module):
     state = check_state(spec, state, x_BxLxD.shape[:2])
     mask = mask or Mask()
     check_mask(mask, *x_BxLxD.shape[:2])
-    q, k, v = (partitioning.constrain(base.head_projection(spec, name, self.use_bias)(x_BxLxD), partitioning.BLHK)
-               for name in ("query", "key", "value"))
+    q, k, v = (partitioning.constrain(base.head_projection(spec, name, self.use_bias, heads)(x_BxLxD),
+                                      partitioning.BLHK)
+               for name, heads in (("query", spec.num_heads), ("key", spec.kv_heads), ("value", spec.kv_heads)))
+    if self.qk_norm:
+      q, k = (nn.RMSNorm(epsilon=self.norm_eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
+                         scale_init=base.ones_init((base.KV,)), name=name)(x_BxLxHxK)
+              for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
     if spec.method.layer is not None:
       terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale)
     else:
@@ -272,12 +297,14 @@ class SelfAttention(nn.Module):
       out = kernels.relative_attention(
           terms.q, terms.k, v, terms=kernels.merge(state.terms, terms.terms), positions=state.positions,
           segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale, causal=mask.causal,
+          sliding_window=mask.sliding_window,
           platform=self.platform, dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
     else:
       q, k, v_wide, bias = cudnn_inputs(terms, state, v, spec.scale)
       out = fused_attention(q, k, v_wide, bias, mask, spec.scale)[..., :v.shape[-1]]
     out = partitioning.constrain(out, partitioning.BLHK)
     return nn.DenseGeneral(
-        spec.hidden_size, axis=(-2, -1), use_bias=self.use_bias, dtype=spec.dtype,
+        spec.hidden_size, axis=(-2, -1), use_bias=self.use_bias if self.out_bias is None else self.out_bias,
+        dtype=spec.dtype,
         param_dtype=spec.param_dtype, kernel_init=base.normal_init((base.HEADS, base.KV, base.EMBED)),
         bias_init=base.zeros_init((base.EMBED,)), name="out")(out)

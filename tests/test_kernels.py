@@ -75,7 +75,7 @@ def assert_close_tree(got, want, rtol=2e-5, atol=2e-5):
 
 
 def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=None, segments=None, lengths=None,
-                             causal=False, directions=2):
+                             causal=False, directions=2, sliding_window=0):
   """The op's output and the gradients of ``sum(out * weights)`` (q, k, v and every term input but ALiBi's constant
   slopes) against :class:`reference.FusedAttention` in float64: the output elementwise, each gradient along random
   directions against central differences of the reference, relative to the gradient's norm."""
@@ -86,7 +86,7 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
   terms = terms or kernels.Terms()
   bucket, relative, untied = terms.buckets, terms.relative, terms.untied
   fused = reference.FusedAttention(
-      positions, segments, valid, causal, relative_max_distance=None if relative is None else relative.max_distance,
+      positions, segments, valid, causal, sliding_window=sliding_window, relative_max_distance=None if relative is None else relative.max_distance,
       buckets=None if bucket is None else dict(kind=bucket.kind, num_buckets=bucket.num_buckets,
                                                max_distance=bucket.max_distance, bidirectional=bucket.bidirectional,
                                                cls_row=bucket.cls_row, cls_col=bucket.cls_col))
@@ -198,6 +198,44 @@ def test_every_term_at_once_matches_xla(interpreter, blocks, length):
                       for impl in ("xla", "pallas"))
   assert_close_tree(got, want[0])
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments, lengths=lengths)
+
+
+@pytest.mark.parametrize("interpreter,heads,kv_heads,window,sliding", [(True, 4, 2, False, 6), ("tpu", 4, 1, True, 5)])
+def test_grouped_query_attention_matches_the_reference(interpreter, heads, kv_heads, window, sliding):
+  """k and v with fewer heads than q (GQA; MQA at one head), causal in a sliding window (Mistral's) over packed
+  and padded rows, with ALiBi, T5
+  buckets, TUPE's untied term and relative vectors on both sides (the key side reads the grouped keys): both the
+  ``xla`` path and the kernels against the float64 reference, in which query head h reads k/v head h // (H / G);
+  the shared heads' gradients are the sums over their groups."""
+  rng = np.random.default_rng(11)
+  batch, length, head_dim = 2, 21, 8
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  positions, segments, lengths = packed_rows(rng, batch, length)
+  terms = kernels.Terms(
+      alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 1.0, heads), jnp.float32)),
+      buckets=kernels.Buckets(f32(32, heads), num_buckets=32, max_distance=20, bidirectional=False),
+      relative=kernels.Relative(0.5 * f32(2 * 5 + 1, head_dim), max_distance=5, query=True, key=True, window=window),
+      untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), None, reset="none"))
+  q, weights = f32(batch, length, heads, head_dim), f32(batch, length, heads, head_dim)
+  k, v = f32(batch, length, kv_heads, head_dim), f32(batch, length, kv_heads, head_dim)
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=lengths, causal=True, implementation=implementation,
+                                     block_sizes=(8, 8), interpret=interpreter, sliding_window=sliding)
+    return jnp.sum(out * weights), out
+
+  for implementation in ("xla", "pallas"):
+    grads, out = compiled_grad(loss, implementation)(q, k, v, terms)
+    assert grads[1].shape == k.shape and grads[2].shape == v.shape
+    assert_matches_reference(out, grads, q, k, v, terms, weights, positions=positions, segments=segments,
+                             lengths=lengths, causal=True, directions=1, sliding_window=sliding)
+
+
+def test_grouped_heads_that_do_not_divide_are_an_error():
+  q, k = jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(ValueError, match="must divide the 3 query heads"):
+    kernels.relative_attention(q, k, k, implementation="xla")
 
 
 @pytest.mark.parametrize("length,k,causal,interpreter,packed", [

@@ -10,9 +10,43 @@ posjax ``Electra``'s generator and discriminator), and the official TUPE code's 
 ``transformers`` and ``torch`` (the ``convert`` extra) are imported only by the functions that need them.
 """
 
-from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, to_hf_bert
+from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, read_source, to_hf_bert
+from posjax.convert.hf_decoder import from_hf_decoder, to_hf_decoder
 from posjax.convert.hf_electra import electra_to_hf, from_hf_electra, to_hf_electra
 from posjax.convert.tupe_fairseq import from_tupe_fairseq
 
-__all__ = ["config_from_hf", "config_to_hf", "electra_to_hf", "from_hf_bert", "from_hf_electra", "from_tupe_fairseq",
-           "to_hf_bert", "to_hf_electra"]
+__all__ = ["config_from_hf", "config_to_hf", "electra_to_hf", "from_hf", "from_hf_bert", "from_hf_decoder",
+           "from_hf_electra", "from_tupe_fairseq", "to_hf", "to_hf_bert", "to_hf_decoder", "to_hf_electra"]
+
+
+def from_hf(source):
+  """``(module, variables)`` equal to a Hugging Face model of any supported ``model_type`` (``bert``, ``electra``,
+  ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt2``): an in-memory ``transformers`` model or a directory.
+  ``module.apply(variables, input_ids)`` returns an output whose ``.logits`` are the model's head's."""
+  model_type = _model_type(source)
+  if model_type == "electra":
+    return from_hf_electra(source)
+  return from_hf_bert(source) if model_type == "bert" else from_hf_decoder(source)
+
+
+def to_hf(config, variables, model_type: str | None = None):
+  """The Hugging Face model equal to a posjax model: a decoder (``config.lm_head == "linear"``) as its family's
+  causal LM (``model_type`` or the one that expresses it), else a BERT (:func:`to_hf_bert`)."""
+  if config.lm_head == "linear":
+    return to_hf_decoder(config, variables, model_type)
+  if model_type not in (None, "bert"):
+    raise ValueError(f"model_type={model_type!r}: a BERT-style model (lm_head={config.lm_head!r}) exports as 'bert'")
+  return to_hf_bert(config, variables)
+
+
+def _model_type(source) -> str:
+  import json
+  import os
+
+  if isinstance(source, (str, os.PathLike)):
+    path = os.path.join(os.fspath(source), "config.json")
+    if not os.path.isfile(path):
+      return read_source(source)[0].get("model_type", "bert")  # its error: what a model directory holds
+    with open(path) as f:
+      return json.load(f).get("model_type", "bert")
+  return source.config.model_type

@@ -10,8 +10,12 @@ Implementations: ``pallas`` — Triton kernels on GPU (:mod:`posjax.kernels.trit
 :mod:`posjax.kernels.tile`; on a CPU either runs in its Pallas interpreter: slow, for tests and for checking a
 model — and ``xla`` (:mod:`posjax.kernels.xla`, dense; the reference).
 
-Shapes: B batch, L length, H heads, K head dim, V value head dim, P padded length (a power of two), X any last
-axis, S any shape.
+Grouped-query attention (Ainslie et al. 2023) and multi-query attention: k and v may have G heads dividing q's H;
+query head h reads key/value head ``h // (H / G)`` (an index map in the kernels, a grouped product on the ``xla``
+path: no repeated k/v), and a shared head's gradients are the sums over its group.
+
+Shapes: B batch, L length, H heads, G key/value heads, K head dim, V value head dim, P padded length (a power of
+two), X any last axis, S any shape.
 
 The package depends on no position method: the formulas the terms stand for are :mod:`posjax.kernels.terms`',
 which the position methods import from it.
@@ -32,7 +36,8 @@ from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import exact, fold, mosaic, tile, triton, xla
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import Alibi, Buckets, Fire, Kerple, Relative, Sandwich, Terms, Untied, check_rows, merge
+from posjax.kernels.terms import (Alibi, Buckets, Fire, Kerple, Relative, Sandwich, Terms, Untied, check_rows, kv_group,
+                                  merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -41,9 +46,10 @@ __all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untie
            "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
-def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None = None, positions=None,
+def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None = None, positions=None,
                        segment_ids=None, lengths=None, padding=None, scale: float | None = None,
-                       causal: bool = False, implementation: str = "pallas", block_sizes: tuple[int, int] | None = None,
+                       causal: bool = False, sliding_window: int = 0, implementation: str = "pallas",
+                       block_sizes: tuple[int, int] | None = None,
                        interpret: bool | str | None = None, platform: str | None = None,
                        dropout_rate: float = 0.0, dropout_seed=None, untied: str = "tile",
                        batch_axes=None, head_axes=None):
@@ -56,6 +62,8 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
       tokens (any layout). A query with no key to attend to averages all keys, as the ``xla`` path does.
     scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
     causal: key j only for queries i >= j (token order).
+    sliding_window: with ``causal``, key j only for queries ``j <= i < j + sliding_window`` (Mistral's window, in
+      token order); 0: none. A mask: the kernels still visit the tiles it rules out.
     implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile, powers of two (default
       per backend and terms: ``triton.default_block_sizes`` / ``mosaic.default_block_sizes``, chosen from what
       compiles and fits on H100 and TPU v5e/v6e); the sequence is padded to a power of two (as are head dimensions
@@ -90,6 +98,8 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   if lengths is not None and padding is not None:
     raise ValueError("give the key padding as lengths (right padding) or as a padding mask, not both")
   terms = terms or Terms()
+  if sliding_window and (not causal or not isinstance(sliding_window, int) or sliding_window < 0):
+    raise ValueError(f"sliding_window={sliding_window!r} needs causal=True and an int >= 1 (0: none)")
   if q_BxLxHxK.ndim != 4:
     raise ValueError(f"q has shape {q_BxLxHxK.shape}; expected [B, L, H, K] (batch, sequence, heads, head dim)")
   b, length, h, d = q_BxLxHxK.shape
@@ -97,9 +107,11 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
                             ("padding", padding, "mask")):
     if x_BxL is not None:
       check_rows(name, x_BxL, b, length, kind)
-  if k_BxLxHxK.shape != q_BxLxHxK.shape or v_BxLxHxK.shape[:3] != q_BxLxHxK.shape[:3]:
-    raise ValueError(f"q {q_BxLxHxK.shape}, k {k_BxLxHxK.shape} and v {v_BxLxHxK.shape} must agree on "
-                     "[B, L, H] (and q, k on K)")
+  if (k_BxLxGxK.ndim != 4 or v_BxLxGxK.ndim != 4 or k_BxLxGxK.shape[:2] != q_BxLxHxK.shape[:2]
+      or k_BxLxGxK.shape[3] != d or v_BxLxGxK.shape[:3] != k_BxLxGxK.shape[:3]):
+    raise ValueError(f"q {q_BxLxHxK.shape}, k {k_BxLxGxK.shape} and v {v_BxLxGxK.shape} must agree on [B, L], "
+                     "k and v on their heads G (dividing q's H: grouped-query attention), q and k on K")
+  group = kv_group(h, k_BxLxGxK.shape[2])
   terms.check(b, h, d, length)
   dropout_rate = dropout_lib.check_rate(dropout_rate)
   if dropout_rate and dropout_seed is None:
@@ -110,8 +122,11 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions_BxL = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
                    else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
+  if untied == "fold" and group > 1:
+    raise ValueError(f"untied='fold' folds TUPE's per-head term into k, which has {k_BxLxGxK.shape[2]} heads "
+                     f"for q's {h} (grouped-query attention); use untied='tile'")
   if untied == "fold":
-    q_BxLxHxK, k_BxLxHxK, terms = fold.fold_untied(q_BxLxHxK, k_BxLxHxK, terms, positions_BxL, scale)
+    q_BxLxHxK, k_BxLxGxK, terms = fold.fold_untied(q_BxLxHxK, k_BxLxGxK, terms, positions_BxL, scale)
     d = q_BxLxHxK.shape[-1]
   segment_ids_BxL = (jnp.zeros((b, length), jnp.int32) if segment_ids is None
                      else jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), (b, length)))
@@ -124,9 +139,9 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   else:
     valid_BxL = jnp.ones((b, length), bool)
   if implementation == "xla":
-    return xla.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, terms, positions_BxL=positions_BxL,
+    return xla.attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
-                         dropout_rate=dropout_rate, salts_BxH=salts_BxH)
+                         dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
   platform = jax.default_backend() if platform is None else platform
   if platform not in PLATFORMS:
     raise ValueError(f"platform={platform!r}; allowed: None (the default backend's) or one of {list(PLATFORMS)}")
@@ -147,7 +162,7 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
   # padded with zeros that change no logit (padded keys are masked) and get no gradient.
   pad = lambda x_S, axis, size: jnp.pad(x_S, [(0, size - x_S.shape[a] if a == axis else 0) for a in range(x_S.ndim)])
   pow2 = tile.next_power_of_two
-  head_dim, value_dim = pow2(d), pow2(v_BxLxHxK.shape[-1])
+  head_dim, value_dim = pow2(d), pow2(v_BxLxGxK.shape[-1])
   if terms.untied is not None:
     u = terms.untied
     terms = terms.replace(untied=u.replace(u_q=pad(pad(u.u_q, 1, padded), 3, head_dim),
@@ -169,16 +184,17 @@ def relative_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, terms: Terms | None =
                                                                   pow2(terms.buckets.table.shape[0]))))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
-                   interpret=interpret, treedef=treedef, dropout=dropout_rate)
+                   interpret=interpret, treedef=treedef, dropout=dropout_rate, group=group,
+                   sliding_window=sliding_window)
   heads_first = lambda x_BxLxHxX, dim: pad(pad(x_BxLxHxX, 1, padded), 3, dim).transpose(0, 2, 1, 3)
   backend = functools.partial((mosaic if tpu else triton).attention, plan)
   if terms.relative is not None and terms.relative.window:
     backend = exact.windowed(plan, backend, functools.partial(exact.dense, plan))
-  out_BxHxPxV = per_shard(backend, terms, b, h, batch_axes, head_axes)(
-      leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxHxK, head_dim),
-      heads_first(v_BxLxHxK, value_dim), pad(positions_BxL, 1, padded), pad(segment_ids_BxL, 1, padded),
+  out_BxHxPxV = per_shard(backend, terms, b, h, batch_axes, head_axes, kv_heads=h // group)(
+      leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxGxK, head_dim),
+      heads_first(v_BxLxGxK, value_dim), pad(positions_BxL, 1, padded), pad(segment_ids_BxL, 1, padded),
       pad(valid_BxL.astype(jnp.int32), 1, padded), salts_BxH)
-  return out_BxHxPxV.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxHxK.shape[-1]]
+  return out_BxHxPxV.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxGxK.shape[-1]]
 
 
 def term_specs(terms: Terms, batch, heads) -> Terms:
@@ -205,7 +221,7 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
   return terms.replace(**specs)
 
 
-def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, head_axes=None):
+def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, head_axes=None, kv_heads=None):
   """``backend`` (a kernel call on heads-first arrays) as it runs under the mesh that tracing sees
   (``jax.sharding.use_abstract_mesh``, which posjax's training loop sets): once per shard, rows split over the
   mesh axes ``batch_axes`` and heads over ``head_axes`` (None: where the logical-axis rules put
@@ -217,7 +233,10 @@ def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, he
     return backend
   batch_axes = partitioning.mesh_axes("activation_batch", mesh) if batch_axes is None else tuple(batch_axes)
   head_axes = partitioning.mesh_axes("activation_heads", mesh) if head_axes is None else tuple(head_axes)
-  for what, size, axes in (("batch", batch, batch_axes), ("heads", heads, head_axes)):
+  checks = [("batch", batch, batch_axes), ("heads", heads, head_axes)]
+  if kv_heads is not None and kv_heads != heads:
+    checks.append(("key/value heads", kv_heads, head_axes))  # each shard: its query heads and their groups' k/v
+  for what, size, axes in checks:
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
       raise ValueError(f"the attention kernel splits its {what} over mesh axes {list(axes)}, but the mesh has axes "

@@ -65,7 +65,8 @@ def dense(plan: Plan, leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, positions_BxP, se
   out_BxLxHxV = xla.attention(rows(q_BxHxPxK), rows(k_BxHxPxK), rows(v_BxHxPxV), terms,
                               positions_BxL=positions_BxP[:, :n], segment_ids_BxL=segment_ids_BxP[:, :n],
                               valid_BxL=valid_BxP[:, :n] > 0, scale=plan.scale, causal=plan.causal,
-                              dropout_rate=plan.dropout, salts_BxH=salts_BxH, query_block=QUERY_BLOCK)
+                              dropout_rate=plan.dropout, salts_BxH=salts_BxH, query_block=QUERY_BLOCK,
+                              sliding_window=plan.sliding_window)
   pad = q_BxHxPxK.shape[2] - n
   return jnp.pad(out_BxLxHxV.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, pad), (0, 0)))
 

@@ -1,5 +1,8 @@
 """Flash attention for TPU (Pallas Mosaic) with the position terms built inside each tile.
 
+Grouped-query attention as on GPU (:mod:`posjax.kernels.triton`): the k/v BlockSpecs read head ``h // plan.group``,
+the ``dk/dv`` kernel writes each query head's share and a group's shares are summed after it.
+
 Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T query/key tile rows, W window
 rows (``2·block``), C the ``dq`` kernel's gradient columns, P tile diagonals, M/N any matrix's rows/columns,
 X any last axis.
@@ -36,9 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, overlap_add, row_delta,
-                                 sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, t_dot,
-                                 untied_grads, window_table)
+from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, group_sum, kv_head, overlap_add,
+                                 row_delta, sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads,
+                                 t_dot, untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -300,7 +303,9 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
   for name, a in arrays.items():
     if name in ("q", "d_out", "u_q", "sandwich_q"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
-    elif name in ("k", "v", "u_k", "sandwich_k"):
+    elif name in ("k", "v"):  # a head per plan.group query heads (grouped-query attention)
+      specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, kv_head(h, plan.group), j, 0))
+    elif name in ("u_k", "sandwich_k"):
       specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
     elif name in ("row_max", "row_sum", "delta"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, h, i, 0))
@@ -390,7 +395,7 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {})
   out = _call(_forward_kernel, plan, terms, arrays,
-              {"out": _rows(v_BxHxLxV.shape, bq, v_BxHxLxV.dtype), "row_max": _rows((b, h, l, bk), bq),
+              {"out": _rows((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype), "row_max": _rows((b, h, l, bk), bq),
                "row_sum": _rows((b, h, l, bk), bq)},
               (b, h, l // bq, l // bk), _QUERY_MAJOR,
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)})
@@ -442,7 +447,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     dq_out["dpos"], dq_scratch["acc_dpos"] = _rows((b, h, l, columns), bq), (bq, columns)
   dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _QUERY_MAJOR, dq_scratch)
 
-  dkv_out = {"dk": _rows(k_BxHxLxK.shape, bk), "dv": _rows(v_BxHxLxV.shape, bk)}
+  dkv_out = {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, v_BxHxLxV.shape[-1]), bk)}  # per query head
   dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
   if terms.untied is not None:
     dkv_out["du_k"], dkv_scratch["acc_du_k"] = _rows((b, h, l, d), bk), (bk, d)
@@ -484,7 +489,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       d_terms = d_terms.replace(untied=d_terms.untied.replace(
           theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
     d_terms = d_terms.replace(**scalar_term_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
-  dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
+  dq_BxHxLxK = dq_res["dq"]
+  dk_BxHxLxK, dv_BxHxLxV = (group_sum(dkv_res[name], plan.group) for name in ("dk", "dv"))  # over each group
   return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)
 

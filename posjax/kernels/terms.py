@@ -70,10 +70,32 @@ def relative_positions(positions_BxL):
   return positions_BxL[:, None, :] - positions_BxL[:, :, None]
 
 
-def dot_heads(a_BxQxHxK, b_BxTxHxK):
-  """``[B|1, Q, H, K] x [B|1, T, H, K] -> [B|1, H, Q, T]`` float32: per-head dot products (the content term's
-  layout; TUPE's untied term), accumulated in float32 whatever the inputs' dtype."""
-  return jnp.einsum("bqhd,bkhd->bhqk", a_BxQxHxK, b_BxTxHxK, preferred_element_type=jnp.float32)
+def kv_group(heads: int, kv_heads: int) -> int:
+  """How many query heads share one key/value head (grouped-query attention, Ainslie et al. 2023; 1: multi-head,
+  ``heads``: multi-query): query head h reads key/value head ``h // group``. Raises unless ``kv_heads`` divides
+  ``heads``."""
+  if kv_heads <= 0 or heads % kv_heads:
+    raise ValueError(f"k/v have {kv_heads} heads, which must divide the {heads} query heads (grouped-query "
+                     "attention: query head h reads key/value head h // (H / KV))")
+  return heads // kv_heads
+
+
+def dot_heads(a_BxQxHxK, b_BxTxGxK):
+  """``[B|1, Q, H, K] x [B|1, T, G, K] -> [B|1, H, Q, T]`` float32: per-head dot products (the content term's
+  layout; TUPE's untied term), accumulated in float32 whatever the inputs' dtype. ``G`` dividing ``H`` (grouped
+  keys): query head h meets key head ``h // (H / G)``, with no repeated copy of the keys."""
+  heads, kv_heads = a_BxQxHxK.shape[2], b_BxTxGxK.shape[2]
+  if kv_heads == heads:
+    return jnp.einsum("bqhd,bkhd->bhqk", a_BxQxHxK, b_BxTxGxK, preferred_element_type=jnp.float32)
+  group = kv_group(heads, kv_heads)
+  a_BxQxGxNxK = a_BxQxHxK.reshape(*a_BxQxHxK.shape[:2], kv_heads, group, a_BxQxHxK.shape[3])
+  s_BxGxNxQxT = jnp.einsum("bqgnd,bkgd->bgnqk", a_BxQxGxNxK, b_BxTxGxK, preferred_element_type=jnp.float32)
+  return s_BxGxNxQxT.reshape(s_BxGxNxQxT.shape[0], heads, *s_BxGxNxQxT.shape[3:])
+
+
+def expand_heads(x_BxGxQxT, heads: int):
+  """``[B, G, Q, T] -> [B, H, Q, T]``: a per-key-head term read by each of its group's query heads."""
+  return jnp.repeat(x_BxGxQxT, kv_group(heads, x_BxGxQxT.shape[1]), axis=1)
 
 
 def clipped_index(rel_S, k: int):

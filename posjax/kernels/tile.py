@@ -52,10 +52,27 @@ class Plan:
   interpret: Any  # False, True or the TPU interpreter's parameters
   treedef: jax.tree_util.PyTreeDef  # of the Terms (its static options included)
   dropout: float = 0.0  # the rate on the attention weights (mask: posjax.kernels.dropout)
+  group: int = 1  # query heads per key/value head (grouped-query attention): head h reads k/v head h // group
+  sliding_window: int = 0  # with causal: keys i - W < j <= i only (0: every earlier key)
 
   def terms(self, leaves) -> Terms:
     """The call's :class:`~posjax.kernels.terms.Terms` from their array leaves."""
     return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def kv_head(h, group: int):
+  """The key/value head query head ``h`` (a grid index) reads: ``h // group`` (``lax.div``, exact for the
+  non-negative index; no op at all without groups, so the index maps lower as before)."""
+  return h if group == 1 else jax.lax.div(h, group)
+
+
+def group_sum(d_BxHxLxX, group: int):
+  """``[B, H, L, X] -> [B, H / group, L, X]``: per-query-head gradients of a key/value head summed over the
+  ``group`` query heads that read it (grouped-query attention; unchanged for ``group=1``)."""
+  if group == 1:
+    return d_BxHxLxX
+  b, h, l, x = d_BxHxLxX.shape
+  return jnp.sum(d_BxHxLxX.reshape(b, h // group, group, l, x), axis=2)
 
 
 def next_power_of_two(n: int) -> int:
@@ -231,6 +248,8 @@ class TileBase:
     (and ``allowed_QxT``, the causal mask included, and the pairs' sequence indices, for dropout)."""
     if self.plan.causal:
       allowed_QxT = allowed_QxT & (index_j_QxT <= index_i_QxT)
+    if self.plan.sliding_window:
+      allowed_QxT = allowed_QxT & (index_i_QxT - index_j_QxT < self.plan.sliding_window)
     self.allowed_QxT = allowed_QxT
     self.index_i_QxT, self.index_j_QxT = index_i_QxT, index_j_QxT
     self.s_QxT = jnp.where(index_j_QxT < self.plan.length, jnp.where(allowed_QxT, s_QxT, MASKED), -jnp.inf)

@@ -2,6 +2,10 @@
 ``pallas`` implementation and their ``custom_vjp`` (TPU: :mod:`posjax.kernels.mosaic`; shared by both:
 :mod:`posjax.kernels.tile`).
 
+Grouped-query attention: k and v (and ``ke``) have a head per ``plan.group`` query heads; program (b, h) reads
+head ``h // group`` through its BlockSpec's index map (no repeated copy), the ``dk/dv`` kernel writes each query
+head's share, and the shares of a group are summed after it (a ``[B, H, L, K]`` float32 buffer in the backward).
+
 Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T query/key tile rows, W window
 rows (``2·block``), D relative-table rows (``2k+1``), N bucket entries, P tile diagonals, X any last axis.
 
@@ -50,7 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import NAMES, Terms
-from posjax.kernels.tile import (Plan, fold_window_table, next_power_of_two, overlap_add, row_delta,
+from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two, overlap_add, row_delta,
                                  sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, untied_grads,
                                  window_table)
 from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
@@ -59,11 +63,14 @@ from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel,
 # ----------------------------------------------------------------------------------------------------------
 # pallas_call plumbing.
 
+GROUPED = ("k", "v", "ke")  # inputs with a head per key/value head: query head h reads head h // plan.group
 
-def _row_spec(array_BxHxLxX, block: int | None = None):
-  """A ``[B, H, L, X]`` array: the program's (batch, head) rows, all of them or its tile of ``block``."""
+
+def _row_spec(array_BxHxLxX, block: int | None = None, group: int = 1):
+  """A ``[B, H, L, X]`` array: the program's (batch, head) rows, all of them or its tile of ``block``; ``group``:
+  the array has a head per ``group`` query heads (grouped k/v), and query head h reads head ``h // group``."""
   if block is None:
-    return pl.BlockSpec((1, 1, *array_BxHxLxX.shape[2:]), lambda b, h, i: (b, h, 0, 0))
+    return pl.BlockSpec((1, 1, *array_BxHxLxX.shape[2:]), lambda b, h, i: (b, kv_head(h, group), 0, 0))
   return pl.BlockSpec((1, 1, block, *array_BxHxLxX.shape[3:]),
                       lambda b, h, i: (b, h, i, *[0] * (array_BxHxLxX.ndim - 3)))
 
@@ -80,7 +87,8 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
             salts_BxH, extra: dict):
   """Names, arrays and block specs of a kernel's inputs (whole rows; per-head parameter rows)."""
   inputs = {"q": q_BxHxLxK, "k": k_BxHxLxK, "v": v_BxHxLxV, **extra}
-  specs = {name: _row_spec(x_BxHxLxX) for name, x_BxHxLxX in inputs.items()}
+  specs = {name: _row_spec(x_BxHxLxX, group=plan.group if name in GROUPED else 1)
+           for name, x_BxHxLxX in inputs.items()}
   if plan.dropout:
     inputs["salts"], specs["salts"] = salts_BxH, pl.BlockSpec((1, 1), lambda b, h, i: (b, h))
   for name, x_BxL in (("positions", positions_BxL), ("segment_ids", segment_ids_BxL), ("valid", valid_BxL)):
@@ -247,11 +255,14 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   dkv_out = {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxHxLxV.shape[-1])}
   dkv_specs = {"dk": _row_spec(k_BxHxLxK, plan.block_k), "dv": _row_spec(v_BxHxLxV, plan.block_k)}
   if "ke" in extra:
-    dkv_out["dke"], dkv_specs["dke"] = f32(*extra["ke"].shape), _row_spec(extra["ke"], plan.block_k)
+    dkv_out["dke"] = f32(b, h, l, extra["ke"].shape[-1])
+    dkv_specs["dke"] = _row_spec(dkv_out["dke"], plan.block_k)
   if terms.untied is not None:
     dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k_BxHxLxK, plan.block_k)
   dkv_res = _call(dkv_kernel, plan, terms, inputs, specs, dkv_out, dkv_specs, n_k)
 
+  # written per query head; a shared key/value head's gradient is the sum over its group
+  dkv_res.update({name: group_sum(dkv_res[name], plan.group) for name in ("dk", "dv", "dke") if name in dkv_res})
   dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
   d_terms = jax.tree.map(jnp.zeros_like, terms)
   if terms.relative is not None and terms.relative.window:

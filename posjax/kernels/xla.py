@@ -1,7 +1,8 @@
 """The op's ``xla`` implementation: every term materialised as ``[B, H, L, L]`` (or, by query blocks, ``[B, H, Q,
 L]`` at a time) and a plain float32 softmax.
 
-Shapes: B batch, L length, Q query rows, H heads, K head dim, V value head dim, N query blocks.
+Shapes: B batch, L length, Q query rows, H heads, G key/value heads (dividing H: grouped-query attention), K head
+dim, V value head dim, N query blocks.
 
 It is the oracle the kernels are tested against. It builds each term with the formulas of
 :mod:`posjax.kernels.terms` (:func:`~posjax.kernels.terms.bucket`, :func:`~posjax.kernels.terms.query_term`,
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from posjax.kernels import dropout
-from posjax.kernels.terms import Terms, key_term, query_term, untie_cls
+from posjax.kernels.terms import Terms, dot_heads, expand_heads, key_term, kv_group, query_term, untie_cls
 
 
 def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_BxLxHxK=None, rows_Q=None):
@@ -48,7 +49,8 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
     if r.query:
       bias_BxHxQxL = add(bias_BxHxQxL, scale * query_term(q_BxQxHxK, r.table, index_BxQxL, impl).astype(jnp.float32))
     if r.key:
-      bias_BxHxQxL = add(bias_BxHxQxL, scale * key_term(k_BxLxHxK, r.table, index_BxQxL, impl).astype(jnp.float32))
+      key_BxGxQxL = scale * key_term(k_BxLxHxK, r.table, index_BxQxL, impl).astype(jnp.float32)
+      bias_BxHxQxL = add(bias_BxHxQxL, expand_heads(key_BxGxQxL, q_BxQxHxK.shape[2]))
   positional_BxHxQxL = None
   if terms.untied is not None:
     positional_BxHxQxL = jnp.einsum("bqhd,bkhd->bhqk", take(terms.untied.u_q), terms.untied.u_k,
@@ -75,7 +77,7 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
 def logits(q_BxQxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float, rows_Q=None):
   """``[B, H, Q, L]`` float32: ``scale q·k`` plus every position term (:func:`position_bias`); ``rows_Q``: the
   queries' sequence rows (default all: ``Q = L``)."""
-  s_BxHxQxL = scale * jnp.einsum("bqhd,bkhd->bhqk", q_BxQxHxK, k_BxLxHxK, preferred_element_type=jnp.float32)
+  s_BxHxQxL = scale * dot_heads(q_BxQxHxK, k_BxLxHxK)
   bias_BxHxQxL = position_bias(terms, positions_BxL, scale, q_BxQxHxK, k_BxLxHxK, rows_Q)
   return s_BxHxQxL if bias_BxHxQxL is None else s_BxHxQxL + bias_BxHxQxL
 
@@ -88,25 +90,36 @@ def softmax_weights(s_BxHxQxL, allowed_Bx1xQxL=None):
   return jax.nn.softmax(s_BxHxQxL.astype(jnp.float32), axis=-1)
 
 
-def weighted_values(weights_BxHxQxL, v_BxLxHxV):
-  """``[B, Q, H, V]``: the weighted sum of the values, in the values' dtype."""
-  return jnp.einsum("bhqk,bkhd->bqhd", weights_BxHxQxL.astype(v_BxLxHxV.dtype), v_BxLxHxV)
+def weighted_values(weights_BxHxQxL, v_BxLxGxV):
+  """``[B, Q, H, V]``: the weighted sum of the values, in the values' dtype; ``G`` dividing ``H`` (grouped values):
+  query head h reads value head ``h // (H / G)``, with no repeated copy of the values."""
+  weights_BxHxQxL = weights_BxHxQxL.astype(v_BxLxGxV.dtype)
+  b, heads, q, length = weights_BxHxQxL.shape
+  kv_heads = v_BxLxGxV.shape[2]
+  if kv_heads == heads:
+    return jnp.einsum("bhqk,bkhd->bqhd", weights_BxHxQxL, v_BxLxGxV)
+  group = kv_group(heads, kv_heads)
+  out_BxQxGxNxV = jnp.einsum("bgnqk,bkgd->bqgnd", weights_BxHxQxL.reshape(b, kv_heads, group, q, length), v_BxLxGxV)
+  return out_BxQxGxNxV.reshape(b, q, heads, v_BxLxGxV.shape[-1])
 
 
-def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None):
-  """``[B, 1, Q, L]`` bool: key j is real, in query i's segment and (causal) not after it (``rows_Q``: the
-  queries' sequence rows, default all)."""
+def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None, sliding_window: int = 0):
+  """``[B, 1, Q, L]`` bool: key j is real, in query i's segment, (causal) not after it and (``sliding_window``)
+  fewer than ``sliding_window`` tokens before it (``rows_Q``: the queries' sequence rows, default all)."""
   length = valid_BxL.shape[-1]
   rows_Q = jnp.arange(length) if rows_Q is None else rows_Q
   segment_BxQ = jnp.take(segment_ids_BxL, rows_Q, axis=1)
   allowed_Bx1xQxL = valid_BxL[:, None, None, :] & (segment_BxQ[:, None, :, None] == segment_ids_BxL[:, None, None, :])
   if causal:
     allowed_Bx1xQxL = allowed_Bx1xQxL & (jnp.arange(length)[None, :] <= rows_Q[:, None])
+  if sliding_window:
+    allowed_Bx1xQxL = allowed_Bx1xQxL & (rows_Q[:, None] - jnp.arange(length)[None, :] < sliding_window)
   return allowed_Bx1xQxL
 
 
 def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, segment_ids_BxL, valid_BxL,
-              scale: float, causal: bool, dropout_rate: float = 0.0, salts_BxH=None, query_block: int | None = None):
+              scale: float, causal: bool, dropout_rate: float = 0.0, salts_BxH=None, query_block: int | None = None,
+              sliding_window: int = 0):
   """``[B, L, H, V]``; a masked logit is the most negative float32, so a fully masked row averages all keys.
   Dropout: the mask of :mod:`posjax.kernels.dropout`, the kernels' own. ``query_block``: compute ``query_block``
   query rows at a time (a loop whose blocks the backward recomputes), so no more than ``[B, H, query_block, L]``
@@ -115,7 +128,8 @@ def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, s
 
   def rows(rows_Q, q_BxQxHxK):
     s_BxHxQxL = logits(q_BxQxHxK, k_BxLxHxK, terms, positions_BxL, scale, rows_Q)
-    weights_BxHxQxL = softmax_weights(s_BxHxQxL, allowed_pairs(valid_BxL, segment_ids_BxL, causal, rows_Q))
+    weights_BxHxQxL = softmax_weights(s_BxHxQxL, allowed_pairs(valid_BxL, segment_ids_BxL, causal, rows_Q,
+                                                                   sliding_window))
     if dropout_rate:
       i_Q = jnp.arange(length, dtype=jnp.int32) if rows_Q is None else rows_Q.astype(jnp.int32)
       weights_BxHxQxL = dropout.apply(weights_BxHxQxL, salts_BxH[:, :, None, None], i_Q[:, None],

@@ -1,8 +1,10 @@
-"""BERT encoder (Devlin et al. 2019) with a pluggable position method, and its task heads.
+"""One Transformer stack with a pluggable position method, and its task heads: the BERT encoder (Devlin et al.
+2019) and the Llama-family decoder are presets of it (:meth:`BertConfig.base`, :meth:`BertConfig.decoder`).
 
-Embeddings (word, token type, the method's input embedding) -> LayerNorm -> dropout -> N encoder layers
-(Post-LN by default, as BERT and TUPE; Pre-LN optional) -> heads. The position method's shared terms are
-computed once per forward pass from the batch's ``positions`` and handed to every layer.
+Embeddings (word, token type, the method's input embedding) -> LayerNorm (or none) -> dropout -> N layers
+(Post-LN by default, as BERT and TUPE; Pre-LN; LayerNorm or RMSNorm; a GELU or gated (SwiGLU) MLP; grouped-query
+attention; GPT-NeoX's parallel residual) -> heads. The position method's shared terms are computed once per forward
+pass from the batch's ``positions`` and handed to every layer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from posjax.positions import base
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
-               "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu}
+               "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu, "silu": nn.silu}
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("dense", "gated")
+BIASES = ("all", "none", "qkv")  # which projections have biases: every one, none (Llama), q/k/v only (Qwen2)
+LM_HEADS = ("mlm", "linear")
 # Architectures by name (configs' ``size=`` option): a CPU-sized one, BERT-Base and BERT-Large.
 SIZES = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
@@ -67,6 +73,23 @@ class BertConfig:
     scan_layers: the layers as one ``nn.scan`` over stacked parameters (``encoder/layers/...``, leading axis
       ``layers``) instead of ``encoder/layer_{i}``: one layer's program, compiled once whatever the depth. The same
       numbers; checkpoints convert between the two layouts (:mod:`posjax.models.layout`).
+
+  Decoder fields (their defaults are BERT's; :meth:`decoder` is the Llama preset):
+    num_kv_heads: k/v heads (grouped-query attention, Ainslie et al. 2023; 1: multi-query); 0: ``num_heads``.
+    head_dim: each head's width where it is not ``hidden_size / num_heads``; 0: that.
+    norm_type: ``layernorm`` (BERT's, with a bias) or ``rmsnorm`` (Llama's: scale only), epsilon
+      ``layer_norm_eps``, for every norm of the stack.
+    mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
+      ``activation="silu"``, Shazeer 2020).
+    use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama), ``qkv`` (q/k/v only: Qwen2).
+    qk_norm: an RMSNorm over each head's q and k before the position method (Qwen3, OLMo 2).
+    embedding_norm: the norm after the embeddings (BERT's); False: none (GPT-2, Llama).
+    tie_embeddings: the LM head reads the word embeddings (BERT, GPT-2, Qwen2 small); False: its own ``lm_head``.
+    lm_head: what :class:`BertModel`'s ``lm`` head is: ``mlm`` (BERT's transform, LayerNorm and output bias,
+      tied) or ``linear`` (the decoders': the final state straight to the vocabulary).
+    parallel_residual: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX, GPT-J) instead of one branch after the
+      other; with ``norm="pre"``.
+    sliding_window: with ``causal``, each query attends to its last ``sliding_window`` tokens (Mistral); 0: all.
   """
 
   vocab_size: int = 30522
@@ -91,6 +114,17 @@ class BertConfig:
   remat: str = "none"
   scan_layers: bool = False
   causal: bool = False
+  num_kv_heads: int = 0
+  head_dim: int = 0
+  norm_type: str = "layernorm"
+  mlp: str = "dense"
+  use_bias: str = "all"
+  qk_norm: bool = False
+  embedding_norm: bool = True
+  tie_embeddings: bool = True
+  lm_head: str = "mlm"
+  parallel_residual: bool = False
+  sliding_window: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "position_options", FrozenDict(self.position_options or {}))
@@ -103,7 +137,20 @@ class BertConfig:
     base.check_choice("dtype", self.dtype, tuple(DTYPES))
     base.check_choice("param_dtype", self.param_dtype, tuple(DTYPES))
     base.check_choice("remat", self.remat, tuple(REMAT_POLICIES))
-    for field in ("scan_layers", "causal"):
+    base.check_choice("norm_type", self.norm_type, NORMS)
+    base.check_choice("mlp", self.mlp, MLPS)
+    base.check_choice("use_bias", self.use_bias, BIASES)
+    base.check_choice("lm_head", self.lm_head, LM_HEADS)
+    for field in ("num_kv_heads", "head_dim", "sliding_window"):
+      if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
+        raise ValueError(f"{field} must be an int >= 0 (0: the default), got {getattr(self, field)!r}")
+    if self.sliding_window and not self.causal:
+      raise ValueError(f"sliding_window={self.sliding_window} needs causal=True (a decoder)")
+    if self.parallel_residual and self.norm != "pre":
+      raise ValueError("parallel_residual=True needs norm='pre' (GPT-NeoX's layer)")
+    if not self.tie_embeddings and self.lm_head != "linear":
+      raise ValueError("tie_embeddings=False needs lm_head='linear' (BERT's MLM head is tied)")
+    for field in ("scan_layers", "causal", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
     if self.embedding_size < 0:
@@ -123,7 +170,8 @@ class BertConfig:
   def position_spec(self) -> base.PositionSpec:
     return positions_lib.make(self.position, self.position_options, num_heads=self.num_heads,
                               hidden_size=self.hidden_size, max_len=self.max_len, embedding_size=self.embed_width,
-                              dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype], causal=self.causal)
+                              dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype], causal=self.causal,
+                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
   @property
   def embed_width(self) -> int:
@@ -147,6 +195,17 @@ class BertConfig:
     return cls(**{**dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096), **overrides})
 
   @classmethod
+  def decoder(cls, **overrides) -> "BertConfig":
+    """A Llama-family decoder (Touvron et al. 2023): causal, RoPE, Pre-RMSNorm (epsilon 1e-5), SwiGLU, no biases,
+    no embedding norm or token types, untied LM head, no dropout; the sizes are the caller's (``configs/lm.py``
+    names them). Qwen2 is this with ``use_bias="qkv"``, Qwen3 with ``qk_norm=True``, Mistral with
+    ``sliding_window``."""
+    return cls(**{**dict(causal=True, position="rope", norm="pre", norm_type="rmsnorm", mlp="gated",
+                         activation="silu", use_bias="none", embedding_norm=False, type_vocab_size=0,
+                         tie_embeddings=False, lm_head="linear", dropout_rate=0.0, attention_dropout_rate=0.0,
+                         layer_norm_eps=1e-5), **overrides})
+
+  @classmethod
   def from_config(cls, model: Mapping[str, Any], vocab_size: int, max_len: int) -> "BertConfig":
     """A run's ``config.model`` (a ConfigDict or dict) as a BertConfig; ``vocab_size=0`` / ``max_len=0`` take the
     tokenizer's / the data's. An unknown field, or a vocabulary size other than the tokenizer's, is an error."""
@@ -162,17 +221,36 @@ class BertConfig:
     return cls(**values)
 
 
+class Unembed(nn.Module):
+  """An untied LM head: ``[.., D] -> [.., V]`` float32 logits through its own ``kernel [D, V]`` (no bias), the
+  products in the compute dtype, the sum in float32."""
+  config: Any
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    c = self.config
+    kernel_DxV = self.param("kernel", base.normal_init((base.EMBED, VOCAB)), (c.hidden_size, c.vocab_size),
+                            DTYPES[c.param_dtype])
+    dtype = DTYPES[c.dtype]
+    return jnp.einsum("...d,dv->...v", x_BxLxD.astype(dtype), kernel_DxV.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
 @flax.struct.dataclass
 class EncoderOutput:
   last_hidden_state: jax.Array
 
 
-def _dense(config: BertConfig, features: int, axes: tuple[str, str], name: str) -> nn.Dense:
-  return nn.Dense(features, dtype=DTYPES[config.dtype], param_dtype=DTYPES[config.param_dtype],
+def _dense(config: BertConfig, features: int, axes: tuple[str, str], name: str, use_bias: bool = True) -> nn.Dense:
+  return nn.Dense(features, dtype=DTYPES[config.dtype], param_dtype=DTYPES[config.param_dtype], use_bias=use_bias,
                   kernel_init=base.normal_init(axes), bias_init=base.zeros_init(axes[1:]), name=name)
 
 
-def _layer_norm(config: BertConfig, name: str) -> nn.LayerNorm:
+def _layer_norm(config: BertConfig, name: str) -> nn.Module:
+  """The stack's norm (``config.norm_type``): LayerNorm (scale and bias) or RMSNorm (scale), over the width."""
+  if config.norm_type == "rmsnorm":
+    return nn.RMSNorm(epsilon=config.layer_norm_eps, dtype=DTYPES[config.dtype],
+                      param_dtype=DTYPES[config.param_dtype], scale_init=base.ones_init((base.EMBED,)), name=name)
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=DTYPES[config.dtype],
                       param_dtype=DTYPES[config.param_dtype], scale_init=base.ones_init((base.EMBED,)),
                       bias_init=base.zeros_init((base.EMBED,)), name=name)
@@ -195,13 +273,22 @@ class EncoderLayer(nn.Module):
     c = self.config
     drop = lambda y: nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     attend = attention.SelfAttention(c.position_spec, c.attention_kernel, c.attention_dropout_rate,
-                                     platform=c.kernel_platform or None, name="attention")
+                                     use_bias=c.use_bias != "none", out_bias=c.use_bias == "all",
+                                     platform=c.kernel_platform or None, qk_norm=c.qk_norm,
+                                     norm_eps=c.layer_norm_eps, name="attention")
+    bias = c.use_bias == "all"
 
     def mlp(y):
-      y = ACTIVATIONS[c.activation](_dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in")(y))
-      return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out")(partitioning.constrain(y, partitioning.BLF))
+      h = ACTIVATIONS[c.activation](_dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_gate" if c.mlp == "gated"
+                                           else "mlp_in", bias)(y))
+      if c.mlp == "gated":
+        h = h * _dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in", bias)(y)
+      return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out", bias)(partitioning.constrain(h, partitioning.BLF))
 
     attention_norm, mlp_norm = _layer_norm(c, "attention_norm"), _layer_norm(c, "mlp_norm")
+    if c.parallel_residual:
+      return (x_BxLxD + drop(attend(attention_norm(x_BxLxD), state, mask, deterministic))
+              + drop(mlp(mlp_norm(x_BxLxD))))
     if c.norm == "post":
       x_BxLxD = attention_norm(x_BxLxD + drop(attend(x_BxLxD, state, mask, deterministic)))
       return mlp_norm(x_BxLxD + drop(mlp(x_BxLxD)))
@@ -258,7 +345,10 @@ class BertEncoder(nn.Module):
       self.position = spec.method.encoder(spec=spec, table_from=self._table_source().position)
     else:
       self.position = spec.method.encoder(spec=spec)
-    self.embedding_norm = _layer_norm(c, "embedding_norm")
+    if c.embedding_norm:
+      self.embedding_norm = _layer_norm(c, "embedding_norm")
+    if not c.tie_embeddings:
+      self.lm_head = Unembed(c, name="lm_head")
     self.embedding_dropout = nn.Dropout(c.dropout_rate)
     if c.embed_width != c.hidden_size:
       self.embeddings_project = _dense(c, c.hidden_size, (base.EMBED, MLP), "embeddings_project")
@@ -290,13 +380,16 @@ class BertEncoder(nn.Module):
       raise ValueError("token_type_ids given but the config has type_vocab_size=0")
     if state.embedding is not None:
       x = x + state.embedding.astype(x.dtype)
-    x = self.embedding_dropout(embeddings.embedding_norm(x), deterministic=deterministic)
+    if c.embedding_norm:
+      x = embeddings.embedding_norm(x)
+    x = self.embedding_dropout(x, deterministic=deterministic)
     if c.embed_width != c.hidden_size:
       x = self.embeddings_project(x)
 
     if attention_mask is not None:
       base.check_rows("attention_mask", attention_mask, batch, length, "mask")
-    mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal)
+    mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal,
+                          c.sliding_window)
     x = partitioning.constrain(x, partitioning.BLD)
     if c.scan_layers:
       x, _ = self.layers(x, state, mask, deterministic)
@@ -308,9 +401,11 @@ class BertEncoder(nn.Module):
     return EncoderOutput(last_hidden_state=x)
 
   def attend_words(self, x_BxLxE):
-    """Float32 logits over the vocabulary through the (tied, perhaps shared) word embeddings: the products take
-    the compute dtype, the sum over the embedding width accumulates in float32 (MaxText's
-    ``logits_dot_in_fp32``)."""
+    """Float32 logits over the vocabulary through the (tied, perhaps shared) word embeddings, or the untied
+    ``lm_head`` (``tie_embeddings=False``): the products take the compute dtype, the sum over the width accumulates
+    in float32 (MaxText's ``logits_dot_in_fp32``)."""
+    if not self.config.tie_embeddings:
+      return self.lm_head(x_BxLxE)
     embed = self._embeddings_source().word_embeddings
     return jnp.einsum("...e,ve->...v", x_BxLxE.astype(embed.dtype), embed.embedding.astype(embed.dtype),
                       preferred_element_type=jnp.float32)
@@ -405,7 +500,7 @@ class BertOutput:
   end_logits: jax.Array | None = None
 
 
-HEADS = ("none", "pooler", "mlm", "classification", "span", "rtd")
+HEADS = ("none", "pooler", "mlm", "lm", "classification", "span", "rtd")
 
 
 class BertModel(nn.Module):
@@ -415,7 +510,9 @@ class BertModel(nn.Module):
   checkpoint of one head starts a run of any other.
 
   ``mlm``: BERT's head tied to the word embeddings, ``[B, L, V]``, or with ``masked_positions [B, M]`` only at
-  those, ``[B, M, V]`` (an index outside the sequence gives NaN logits, never another token's).
+  those, ``[B, M, V]`` (an index outside the sequence gives NaN logits, never another token's). ``lm``: the
+  language-model head ``config.lm_head`` names: BERT's (``mlm``) or the decoders' ``linear`` one (tied or
+  ``encoder/lm_head``).
   ``classification``: ``num_labels`` outputs (1: a regression, STS-B) on the [CLS] state, through BERT's pooler or,
   ``classifier_input="cls"``, directly (ELECTRA's; :func:`classification_head`). ``span``: SQuAD's start and end
   logits. ``rtd``: ELECTRA's replaced-token logits. ``pooler``: the pooled [CLS] state."""
@@ -433,9 +530,11 @@ class BertModel(nn.Module):
     h = encoder(input_ids, deterministic=deterministic, **encoder_kwargs).last_hidden_state
     if self.head == "pooler":
       return BertOutput(h, pooler_output=pooler(self.config, h))
-    if self.head == "mlm":
+    if self.head in ("mlm", "lm"):
       at = h if masked_positions is None else jnp.take_along_axis(h, masked_positions[..., None], axis=1,
                                                                   mode="fill", fill_value=jnp.nan)
+      if self.head == "lm" and self.config.lm_head == "linear":
+        return BertOutput(h, logits=encoder.attend_words(at))
       return BertOutput(h, logits=mlm_head(self, encoder, at))
     if self.head == "classification":
       return BertOutput(h, logits=classification_head(self.config, self.num_labels, h, deterministic,

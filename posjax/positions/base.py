@@ -156,6 +156,7 @@ class Method:
       an encoder that shares another's embeddings (ELECTRA's generator) shares it too.
     table_shareable: whether the encoder module can read another encoder's position table (``table_from=``,
       TUPE's): ELECTRA's two models on one table, each with its own projections.
+    grouped_keys: whether its layer computes with k and v of fewer heads than q (grouped-query attention).
     summary: one line for listings and error messages.
   """
 
@@ -168,6 +169,7 @@ class Method:
   max_len_bound: bool = False
   input_embedding: bool = False
   table_shareable: bool = False
+  grouped_keys: bool = True
   summary: str = ""
 
   @property
@@ -250,6 +252,8 @@ class PositionSpec:
   param_dtype: Any = jnp.float32
   embedding_size: int = 0  # the input embeddings' width where it is not the model's (ELECTRA's); 0: hidden_size
   causal: bool = False  # in a decoder (attention to earlier tokens only): a method takes its decoder form
+  num_kv_heads: int = 0  # key/value heads (grouped-query attention; 0: num_heads)
+  model_width: int = 0  # the residual stream's width where it is not H·K (a decoder's head_dim); 0: H·K
 
   @property
   def name(self) -> str:
@@ -258,8 +262,13 @@ class PositionSpec:
 
   @property
   def hidden_size(self) -> int:
-    """The model width ``H·K``."""
-    return self.num_heads * self.head_dim
+    """The model width: ``H·K`` unless ``model_width`` says otherwise."""
+    return self.model_width or self.num_heads * self.head_dim
+
+  @property
+  def kv_heads(self) -> int:
+    """The heads of k and v: ``num_kv_heads``, or ``num_heads`` where that is 0 (multi-head attention)."""
+    return self.num_kv_heads or self.num_heads
 
   @property
   def input_width(self) -> int:
@@ -287,16 +296,29 @@ class PositionSpec:
 
 def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int, hidden_size: int,
          max_len: int, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-         embedding_size: int = 0, causal: bool = False) -> PositionSpec:
+         embedding_size: int = 0, causal: bool = False, num_kv_heads: int = 0, head_dim: int = 0) -> PositionSpec:
   """Validates a method name and its options and returns the spec the modules are built from (``causal``: for a
-  decoder, whose methods take their decoder form, e.g. T5's unidirectional buckets)."""
+  decoder, whose methods take their decoder form, e.g. T5's unidirectional buckets; ``num_kv_heads``: grouped k/v
+  heads, 0 for ``num_heads``; ``head_dim``: the heads' width where it is not ``hidden_size / num_heads``)."""
   method = get(name)
-  if num_heads <= 0 or hidden_size % num_heads:
-    raise ValueError(f"num_heads={num_heads} must be positive and divide hidden_size={hidden_size}")
+  if head_dim < 0:
+    raise ValueError(f"head_dim must be >= 0 (0: hidden_size / num_heads), got {head_dim}")
+  if num_heads <= 0 or (not head_dim and hidden_size % num_heads):
+    raise ValueError(f"num_heads={num_heads} must be positive and divide hidden_size={hidden_size} (or give "
+                     "head_dim)")
+  if num_kv_heads < 0 or (num_kv_heads and num_heads % num_kv_heads):
+    raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (0: num_heads)")
+  if num_kv_heads and num_kv_heads != num_heads and not method.grouped_keys:
+    raise ValueError(f"position method {name!r} cannot read grouped keys (num_kv_heads={num_kv_heads} for "
+                     f"num_heads={num_heads}); methods that can: "
+                     f"{', '.join(n for n in names() if get(n).grouped_keys)}")
   if max_len <= 0:
     raise ValueError(f"max_len must be positive, got {max_len}")
-  return PositionSpec(method, parse_options(method, options), num_heads, hidden_size // num_heads, max_len,
-                      dtype, param_dtype, 0 if embedding_size == hidden_size else embedding_size, bool(causal))
+  head_dim = head_dim or hidden_size // num_heads
+  return PositionSpec(method, parse_options(method, options), num_heads, head_dim, max_len,
+                      dtype, param_dtype, 0 if embedding_size == hidden_size else embedding_size, bool(causal),
+                      0 if num_kv_heads == num_heads else num_kv_heads,
+                      0 if hidden_size == num_heads * head_dim else hidden_size)
 
 
 def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
@@ -324,10 +346,11 @@ def zeros_init(axes: tuple[str, ...]) -> Initializer:
   return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
 
 
-def head_projection(spec: PositionSpec, name: str, use_bias: bool) -> nn.DenseGeneral:
-  """``[.., D] -> [.., H, K]`` with logical axes, as W^Q / W^K / U^Q / U^K."""
+def head_projection(spec: PositionSpec, name: str, use_bias: bool, heads: int = 0) -> nn.DenseGeneral:
+  """``[.., D] -> [.., H, K]`` with logical axes, as W^Q / W^K / U^Q / U^K (``heads``: other than ``num_heads``,
+  the key/value heads of grouped-query attention)."""
   return nn.DenseGeneral(
-      (spec.num_heads, spec.head_dim), use_bias=use_bias, dtype=spec.dtype, param_dtype=spec.param_dtype,
+      (heads or spec.num_heads, spec.head_dim), use_bias=use_bias, dtype=spec.dtype, param_dtype=spec.param_dtype,
       kernel_init=normal_init((EMBED, HEADS, KV)), bias_init=zeros_init((HEADS, KV)), name=name)
 
 

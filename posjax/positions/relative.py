@@ -176,6 +176,7 @@ def huang_m2(spec, q, k, positions, tables, scale):
 def huang_m3(spec, q, k, positions, tables, scale):
   """Method 3: ``Σ_l q_l k_l (w_r)_l`` replaces the logits (not fusable)."""
   a = jnp.take(tables["vector"], clipped_index(base.relative_positions(positions), max_distance(spec)), axis=0)
+  k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)  # grouped keys: the dense path's triple product, per query head
   return base.DenseLayerTerms(q, k, logits=scale * triple_product(q, k, a))
 
 

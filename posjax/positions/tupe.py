@@ -212,7 +212,7 @@ class BertAdLayer(nn.Module):
   def __call__(self, q, k, state: BertAdState, scale):
     p = state.p
     uq = base.head_projection(self.spec, "pos_query", self.spec.options.projection_bias)
-    uk = base.head_projection(self.spec, "pos_key", self.spec.options.projection_bias)
+    uk = base.head_projection(self.spec, "pos_key", self.spec.options.projection_bias, self.spec.kv_heads)
     return base.LayerTerms(q + uq(p).astype(q.dtype), k + uk(p).astype(k.dtype))
 
 

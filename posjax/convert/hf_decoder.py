@@ -1,0 +1,338 @@
+"""Hugging Face decoders <-> posjax, exactly: Llama (every ``rope_scaling`` type posjax's RoPE has), Mistral
+(sliding window), Qwen2 (q/k/v biases), Qwen3 (QK-norm) and GPT-2 (learned absolute positions).
+
+Each is the decoder preset of posjax's one stack (:meth:`posjax.models.BertConfig.decoder`) with the family's
+fields; the state-dict mapping is a table of names per family (:data:`LLAMA_LAYER`, :data:`GPT2_LAYER`), not code
+per model. ``*ForCausalLM`` / ``GPT2LMHeadModel`` come across with the ``lm`` head, the base models
+(``LlamaModel``, ...) with none (their ``last_hidden_state`` is after the final norm, as posjax's). A field posjax
+cannot represent (a per-layer sliding window, ``mlp_bias``, ``rope_type="longrope"``, ...) is a one-line error naming
+it. A ``model.safetensors`` directory reads without PyTorch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read_source
+from posjax.models import BertConfig, BertModel
+from posjax.positions import rotary
+
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = (*LLAMA_TYPES, "gpt2")
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
+# rope_scaling's keys under posjax's RoPE option names (the rest are the same words)
+ROPE_KEYS = {"original_max_position_embeddings": "original_max_len"}
+ROPE_FIELDS = {f.name for f in dataclasses.fields(rotary.RopeOptions)} - {"max_timescale", "scaling"}
+SCALING_KEYS = {"llama3": ("low_freq_factor", "high_freq_factor")}  # keys Hugging Face requires even at defaults
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+# Buffers and copies Hugging Face keeps beside the weights, which posjax does not need.
+DROPPED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+# posjax path under encoder/layer_{i} -> Hugging Face name under model.layers.{i} (Llama family) or h.{i} (GPT-2)
+LLAMA_LAYER = {"attention/query": "self_attn.q_proj", "attention/key": "self_attn.k_proj",
+               "attention/value": "self_attn.v_proj", "attention/out": "self_attn.o_proj",
+               "attention/q_norm": "self_attn.q_norm", "attention/k_norm": "self_attn.k_norm",
+               "mlp_gate": "mlp.gate_proj", "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj",
+               "attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+GPT2_LAYER = {"attention_norm": "ln_1", "mlp_norm": "ln_2", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj",
+              "attention/out": "attn.c_proj"}
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> dict:
+  options = {"max_timescale": float(hf.get("rope_theta", 10_000.0))}
+  scaling = dict(hf.get("rope_scaling") or {})
+  kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+  if kind == "default":
+    return options
+  if kind not in rotary.SCALINGS:
+    raise ValueError(f"config.json has rope_scaling rope_type={kind!r}; posjax's RoPE has "
+                     f"{['default', *rotary.SCALINGS[1:]]}")
+  for key, value in scaling.items():
+    name = ROPE_KEYS.get(key, key)
+    if name not in ROPE_FIELDS:
+      raise ValueError(f"config.json has rope_scaling key {key!r}; posjax's {kind} scaling reads "
+                       f"{sorted(ROPE_FIELDS)}")
+    options[name] = value
+  if kind == "dynamic":
+    options.pop("original_max_len", None)  # Hugging Face's dynamic scaling grows from max_position_embeddings
+  return {**options, "scaling": kind}
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
+  """A Hugging Face decoder's ``config.json`` (a dict) as posjax's :class:`BertConfig`; what posjax cannot represent
+  is an error naming the field."""
+  model_type = hf.get("model_type")
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"config.json has model_type={model_type!r}; the decoder converter reads {list(MODEL_TYPES)}")
+  if model_type == "gpt2":
+    return _gpt2_config(hf)
+  heads = int(hf["num_attention_heads"])
+  unsupported = {"mlp_bias": False, "pretraining_tp": 1, "use_sliding_window": False, "layer_types": None}
+  for field, allowed in unsupported.items():
+    value = hf.get(field, allowed)
+    if field == "layer_types" and value is not None and set(value) == {"full_attention"}:
+      continue
+    if field == "use_sliding_window" and model_type == "mistral":
+      continue
+    if value != allowed:
+      raise ValueError(f"config.json has {field}={value!r}; posjax represents only {field}={allowed!r}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"config.json has hidden_act={hf['hidden_act']!r}; posjax's {model_type} reads 'silu'")
+  if model_type == "qwen2":
+    use_bias = "qkv"
+  elif hf.get("attention_bias", False):
+    raise ValueError(f"config.json has attention_bias=True; posjax's {model_type} has no q/k/v/o biases "
+                     "(use_bias='all' adds the MLP's too)")
+  else:
+    use_bias = "none"
+  window = hf.get("sliding_window") if model_type == "mistral" else None
+  return BertConfig.decoder(
+      vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
+      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+      head_dim=int(hf.get("head_dim") or 0) if int(hf.get("head_dim") or 0) * heads != int(hf["hidden_size"]) else 0,
+      intermediate_size=int(hf["intermediate_size"]), max_len=int(hf.get("max_position_embeddings", 2048)),
+      layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), use_bias=use_bias,
+      qk_norm=model_type == "qwen3", sliding_window=int(window or 0), position="rope",
+      position_options=_rope_from_hf(hf))
+
+
+def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
+  act = hf.get("activation_function", "gelu_new")
+  if act not in GPT2_ACTIVATIONS:
+    raise ValueError(f"config.json has activation_function={act!r}; posjax reads {sorted(GPT2_ACTIVATIONS)}")
+  for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+    if hf.get(field, False):
+      raise ValueError(f"config.json has {field}=True; posjax represents only {field}=False")
+  if not hf.get("scale_attn_weights", True):
+    raise ValueError("config.json has scale_attn_weights=False; posjax scales q·k by 1/sqrt(head_dim)")
+  d = int(hf["n_embd"])
+  return BertConfig.decoder(
+      vocab_size=int(hf["vocab_size"]), hidden_size=d, num_layers=int(hf["n_layer"]), num_heads=int(hf["n_head"]),
+      intermediate_size=int(hf.get("n_inner") or 4 * d), max_len=int(hf["n_positions"]), position="absolute",
+      norm_type="layernorm", mlp="dense", activation=GPT2_ACTIVATIONS[act], use_bias="all",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+      layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+      dropout_rate=float(hf.get("resid_pdrop", 0.1)), attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)))
+
+
+def _rope_to_hf(config: BertConfig) -> dict:
+  options = config.position_spec.options
+  defaults = rotary.RopeOptions()
+  out = {"rope_theta": options.max_timescale}
+  if options.scaling != "none":
+    scaling = {"rope_type": options.scaling, "factor": options.factor}
+    for field in sorted(ROPE_FIELDS - {"factor"}):
+      value = getattr(options, field)
+      if value != getattr(defaults, field) or field in SCALING_KEYS.get(options.scaling, ()):
+        scaling[{v: k for k, v in ROPE_KEYS.items()}.get(field, field)] = value
+    out["rope_scaling"] = scaling
+  return out
+
+
+def model_type_of(config: BertConfig) -> str:
+  """The Hugging Face family that expresses ``config``: GPT-2 (learned absolute positions), Qwen3 (QK-norm), Qwen2
+  (q/k/v biases), Mistral (a sliding window) or Llama."""
+  if config.position == "absolute":
+    return "gpt2"
+  if config.qk_norm:
+    return "qwen3"
+  if config.use_bias == "qkv":
+    return "qwen2"
+  return "mistral" if config.sliding_window else "llama"
+
+
+def config_to_hf(config: BertConfig, model_type: str | None = None) -> dict:
+  """posjax's decoder config as a Hugging Face ``config.json`` dict of ``model_type`` (default
+  :func:`model_type_of`); what that family cannot express is an error naming the field."""
+  model_type = model_type or model_type_of(config)
+  if model_type not in MODEL_TYPES:
+    raise ValueError(f"model_type={model_type!r}; the decoder converter writes {list(MODEL_TYPES)}")
+  wanted = config_from_hf({"model_type": model_type, **_fields_to_hf(config, model_type)})
+  differ = [name for name, value in _compared(config).items() if _compared(wanted)[name] != value]
+  if differ:
+    raise ValueError(f"Hugging Face {model_type} cannot express this model: " + ", ".join(
+        f"{name}={_compared(config)[name]!r} (it would be {_compared(wanted)[name]!r})" for name in differ))
+  return {"model_type": model_type, **_fields_to_hf(config, model_type)}
+
+
+def _compared(config: BertConfig) -> dict:
+  """What a Hugging Face family must reproduce of a config: its fields (defaults resolved: the heads' width and
+  count, the position method's options), less the run's choices (kernel, dtypes, remat, layout, dropout)."""
+  skip = ("attention_kernel", "kernel_platform", "dtype", "param_dtype", "remat", "scan_layers", "dropout_rate",
+          "attention_dropout_rate", "position_options", "head_dim", "num_kv_heads")
+  values = {f.name: getattr(config, f.name) for f in dataclasses.fields(BertConfig) if f.name not in skip}
+  spec = config.position_spec
+  return {**values, "position_options": spec.options, "head_dim": spec.head_dim, "num_kv_heads": spec.kv_heads}
+
+
+def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
+  if model_type == "gpt2":
+    return {"vocab_size": config.vocab_size, "n_embd": config.hidden_size, "n_layer": config.num_layers,
+            "n_head": config.num_heads, "n_inner": config.intermediate_size, "n_positions": config.max_len,
+            "activation_function": {"gelu_tanh": "gelu_new"}.get(config.activation, config.activation),
+            "layer_norm_epsilon": config.layer_norm_eps, "tie_word_embeddings": config.tie_embeddings,
+            "resid_pdrop": config.dropout_rate, "embd_pdrop": config.dropout_rate,
+            "attn_pdrop": config.attention_dropout_rate}
+  if config.position != "rope":
+    raise ValueError(f"Hugging Face {model_type} has RoPE positions; this model has position={config.position!r}")
+  fields = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_heads, "num_key_value_heads": config.position_spec.kv_heads,
+            "head_dim": config.position_spec.head_dim, "intermediate_size": config.intermediate_size,
+            "max_position_embeddings": config.max_len, "rms_norm_eps": config.layer_norm_eps, "hidden_act": "silu",
+            "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.attention_dropout_rate,
+            **_rope_to_hf(config)}
+  if model_type == "mistral":
+    fields["sliding_window"] = config.sliding_window or None
+  if model_type in ("llama", "qwen3"):
+    fields["attention_bias"] = False
+  return fields
+
+
+def _gpt2_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
+  take, out, d = reader.take, reader.out, config.hidden_size
+  heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
+  out["encoder/word_embeddings/embedding"] = take(f"{prefix}wte.weight")
+  out["encoder/position/table/embedding"] = take(f"{prefix}wpe.weight")
+  for i in range(config.num_layers):
+    hf, px = f"{prefix}h.{i}", f"encoder/layer_{i}"
+    for target, name in GPT2_LAYER.items():  # Conv1D: weights stored [in, out], posjax's layout
+      if target.endswith("norm"):
+        reader.norm(f"{px}/{target}", f"{hf}.{name}")
+      elif target == "attention/out":
+        out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight").reshape(heads, head_dim, d)
+        out[f"{px}/{target}/bias"] = take(f"{hf}.{name}.bias")
+      else:
+        out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight")
+        out[f"{px}/{target}/bias"] = take(f"{hf}.{name}.bias")
+    qkv_kernel, qkv_bias = take(f"{hf}.attn.c_attn.weight"), take(f"{hf}.attn.c_attn.bias")
+    for part, kernel, bias in zip(("query", "key", "value"), np.split(qkv_kernel, 3, axis=1), np.split(qkv_bias, 3)):
+      out[f"{px}/attention/{part}/kernel"] = kernel.reshape(d, heads, head_dim)
+      out[f"{px}/attention/{part}/bias"] = bias.reshape(heads, head_dim)
+  reader.norm("encoder/final_norm", f"{prefix}ln_f")
+
+
+def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
+  take, out, d = reader.take, reader.out, config.hidden_size
+  spec = config.position_spec
+  heads = {"attention/query": spec.num_heads, "attention/key": spec.kv_heads, "attention/value": spec.kv_heads}
+  out["encoder/word_embeddings/embedding"] = take(f"{prefix}embed_tokens.weight")
+  for i in range(config.num_layers):
+    hf, px = f"{prefix}layers.{i}", f"encoder/layer_{i}"
+    for target, name in LLAMA_LAYER.items():
+      if target.endswith(("q_norm", "k_norm")) and not config.qk_norm:
+        continue
+      if target.endswith("norm"):
+        out[f"{px}/{target}/scale"] = take(f"{hf}.{name}.weight")
+      elif target in heads:  # [H·K, D] -> [D, H, K]
+        out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight").T.reshape(d, heads[target], spec.head_dim)
+        if config.use_bias != "none":
+          out[f"{px}/{target}/bias"] = take(f"{hf}.{name}.bias").reshape(heads[target], spec.head_dim)
+      elif target == "attention/out":  # [D, H·K] -> [H, K, D]
+        out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight").T.reshape(spec.num_heads, spec.head_dim, d)
+      else:
+        out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight").T
+  out["encoder/final_norm/scale"] = take(f"{prefix}norm.weight")
+
+
+def params_from_hf(config: BertConfig, model_type: str, state: Mapping[str, np.ndarray]) -> tuple[dict, str]:
+  """``(flat posjax parameters, head)`` from a Hugging Face decoder's state dict (a causal-LM model's or its base
+  model's); a weight left over is an error naming it."""
+  base = "transformer." if model_type == "gpt2" else "model."
+  prefix = base if any(k.startswith(base) for k in state) else ""
+  head = "lm" if prefix else "none"
+  reader = StateReader(state, f"Hugging Face {model_type}")
+  (_gpt2_params if model_type == "gpt2" else _llama_params)(config, reader, prefix)
+  embed_key = f"{prefix}{'wte' if model_type == 'gpt2' else 'embed_tokens'}.weight"
+  if head == "lm" and "lm_head.weight" in state:
+    if config.tie_embeddings:
+      if not np.array_equal(reader.take("lm_head.weight"), state[embed_key]):
+        raise ValueError("config.json has tie_word_embeddings=True but lm_head.weight differs from the embeddings")
+    else:
+      reader.out["encoder/lm_head/kernel"] = reader.take("lm_head.weight").T
+  left = [k for k in reader.dropped() if not k.endswith(DROPPED_SUFFIXES)]
+  if left:
+    raise ValueError(f"weights posjax has no place for: {left}")
+  return reader.out, head
+
+
+def from_hf_decoder(source) -> tuple[BertModel, dict]:
+  """``(module, variables)`` equal to a Hugging Face decoder (:data:`MODEL_TYPES`): an in-memory ``transformers``
+  model or a directory. ``module.apply(variables, input_ids)`` returns a :class:`posjax.models.BertOutput` whose
+  ``.logits`` are the causal LM's (``last_hidden_state`` for a base model)."""
+  hf_config, state, where = read_source(source)
+  config = config_from_hf(hf_config)
+  flat, head = params_from_hf(config, hf_config["model_type"], state)
+  module = BertModel(config, head=head)
+  return module, {"params": check_shapes(module, flat, where)}
+
+
+def state_to_hf(config: BertConfig, params: Mapping, model_type: str) -> dict[str, np.ndarray]:
+  """A Hugging Face causal-LM state dict of ``model_type`` from posjax parameters (:func:`model_params`' layout)."""
+  import flax.traverse_util
+
+  flat = {k: np.asarray(v, np.float32) for k, v in flax.traverse_util.flatten_dict(dict(params), sep="/").items()}
+  spec, d, out = config.position_spec, config.hidden_size, {}
+  if model_type == "gpt2":
+    out["transformer.wte.weight"] = flat["encoder/word_embeddings/embedding"]
+    out["transformer.wpe.weight"] = flat["encoder/position/table/embedding"]
+    for i in range(config.num_layers):
+      hf, px = f"transformer.h.{i}", f"encoder/layer_{i}"
+      for target, name in GPT2_LAYER.items():
+        if target.endswith("norm"):
+          out[f"{hf}.{name}.weight"] = flat[f"{px}/{target}/scale"]
+          out[f"{hf}.{name}.bias"] = flat[f"{px}/{target}/bias"]
+        else:
+          out[f"{hf}.{name}.weight"] = flat[f"{px}/{target}/kernel"].reshape(-1, d if target == "attention/out" else
+                                                                             flat[f"{px}/{target}/kernel"].shape[-1])
+          out[f"{hf}.{name}.bias"] = flat[f"{px}/{target}/bias"]
+      parts = ("query", "key", "value")
+      out[f"{hf}.attn.c_attn.weight"] = np.concatenate([flat[f"{px}/attention/{p}/kernel"].reshape(d, d)
+                                                        for p in parts], 1)
+      out[f"{hf}.attn.c_attn.bias"] = np.concatenate([flat[f"{px}/attention/{p}/bias"].reshape(d) for p in parts])
+    out["transformer.ln_f.weight"] = flat["encoder/final_norm/scale"]
+    out["transformer.ln_f.bias"] = flat["encoder/final_norm/bias"]
+    embed = out["transformer.wte.weight"]
+  else:
+    out["model.embed_tokens.weight"] = embed = flat["encoder/word_embeddings/embedding"]
+    for i in range(config.num_layers):
+      hf, px = f"model.layers.{i}", f"encoder/layer_{i}"
+      for target, name in LLAMA_LAYER.items():
+        if f"{px}/{target}/scale" in flat:
+          out[f"{hf}.{name}.weight"] = flat[f"{px}/{target}/scale"]
+        elif f"{px}/{target}/kernel" in flat:
+          kernel = flat[f"{px}/{target}/kernel"]
+          if kernel.ndim == 3:  # [D, H, K] -> [H·K, D]; out: [H, K, D] -> [D, H·K]
+            kernel = kernel.reshape(-1, d) if target == "attention/out" else kernel.reshape(d, -1)
+          out[f"{hf}.{name}.weight"] = kernel.T
+          if f"{px}/{target}/bias" in flat:
+            out[f"{hf}.{name}.bias"] = flat[f"{px}/{target}/bias"].reshape(-1)
+    out["model.norm.weight"] = flat["encoder/final_norm/scale"]
+  out["lm_head.weight"] = embed if config.tie_embeddings else flat["encoder/lm_head/kernel"].T
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def to_hf_decoder(config: BertConfig, variables: Mapping, model_type: str | None = None):
+  """The Hugging Face causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+  ``Qwen3ForCausalLM`` or ``GPT2LMHeadModel``; :func:`model_type_of` unless named) equal to a posjax decoder, in
+  float32, its weights loaded strictly."""
+  import torch  # imported here: the convert extra
+  import transformers
+
+  model_type = model_type or model_type_of(config)
+  fields = config_to_hf(config, model_type)
+  config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[model_type])
+  model = model_class(config_class(**{k: v for k, v in fields.items() if k != "model_type"}))
+  state = {k: torch.from_numpy(v) for k, v in state_to_hf(config, model_params(variables), model_type).items()}
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES)]
+  if missing or unexpected:
+    raise ValueError(f"posjax -> {model_class.__name__}: missing {missing}, unexpected {unexpected}")
+  if config.tie_embeddings:
+    model.tie_weights()
+  return model.eval()

@@ -1,0 +1,73 @@
+"""Hugging Face decoders in and out: Llama (GQA, rope_scaling), Mistral (a sliding window shorter than the input),
+Qwen2 (q/k/v biases, tied embeddings), Qwen3 (QK-norm, its own head_dim) and GPT-2 (learned positions, Conv1D
+weights) on random weights saved with ``save_pretrained``: posjax's logits equal Hugging Face's, and the model
+exported back gives them again."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import convert
+from posjax.convert import hf_decoder
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+CASES = {
+    "llama-gqa-llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, rope_theta=500_000.0,
+        rope_scaling=dict(rope_type="llama3", factor=4.0, original_max_position_embeddings=16, low_freq_factor=1.0,
+                          high_freq_factor=4.0))),
+    "llama-mqa-yarn": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=1, rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=32))),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5)),
+    "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
+                                                   vocab_size=97)),
+}
+
+
+def random_model(name):
+  config_class, model_class, fields = CASES[name]
+  fields = fields if name == "gpt2" else {**SMALL, **fields}
+  torch.manual_seed(0)
+  model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields, attn_implementation="eager"))
+  with torch.no_grad():  # every weight away from its initial value (norm scales from 1, biases from 0)
+    for parameter in model.parameters():
+      parameter.add_(0.2 * torch.randn_like(parameter))
+  return model.eval()
+
+
+def hf_logits(model, ids):
+  with torch.no_grad():
+    return model(torch.from_numpy(ids)).logits.numpy()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_hugging_face_decoders_convert_both_ways(name, tmp_path):
+  model = random_model(name)
+  model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+  ids = np.random.default_rng(0).integers(0, 97, (2, 12)).astype(np.int64)
+  want = hf_logits(model, ids)
+  module, variables = convert.from_hf(tmp_path / "hf")
+  got = np.asarray(module.apply(variables, jnp.asarray(ids, jnp.int32)).logits)
+  np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max(), rtol=0)
+  back = convert.to_hf(module.config, variables)
+  assert type(back).__name__ == type(model).__name__
+  np.testing.assert_allclose(hf_logits(back, ids), want, atol=2e-4 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(model_type="llama", mlp_bias=True), "mlp_bias=True"),
+    (dict(model_type="llama", rope_scaling={"rope_type": "longrope", "short_factor": [1.0]}), "rope_type='longrope'"),
+    (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window=True"),
+    (dict(model_type="gpt_neox"), "model_type='gpt_neox'"),
+])
+def test_what_posjax_cannot_represent_is_an_error(fields, message):
+  hf = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "intermediate_size": 48, **fields}
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    hf_decoder.config_from_hf(hf)
