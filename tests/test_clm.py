@@ -77,9 +77,12 @@ def test_the_next_token_loss_is_numpys(packing):
     assert float(np.sum(got["weight"])) < float(np.sum(real[:, 1:] * real[:, :-1]))  # boundaries are not predicted
 
 
-def test_a_clm_run_learns_and_reports_perplexity(tmp_path):
-  config = override(load_config("clm", "runlocal,position=t5,eval_multiples=2"), total_steps=40,
-                    eval_every_steps=40, checkpoint_every_steps=40, batch_size=8, max_len=32)
+def test_a_decoder_run_learns_and_reports_perplexity(tmp_path):
+  """configs/lm.py's Llama-family decoder (GQA, SwiGLU, RMSNorm, untied head) on the token stream, through the
+  loop: it learns, reports perplexity, and evaluates at twice its length."""
+  config = override(load_config("lm", "runlocal,position=t5"), total_steps=40, eval_every_steps=40,
+                    checkpoint_every_steps=40, batch_size=8, max_len=32)
+  config.evals.eval_x2 = {**config.evals.eval.to_dict(), "length_multiple": 2}
   train(config, str(tmp_path))
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   losses = [line["loss"] for line in lines if "loss" in line]
@@ -87,7 +90,8 @@ def test_a_clm_run_learns_and_reports_perplexity(tmp_path):
   evaluated = [line for line in lines if "eval_perplexity" in line][-1]
   assert evaluated["eval_perplexity"] == pytest.approx(np.exp(evaluated["eval_loss"]), rel=1e-6)
   assert np.isfinite(evaluated["eval_x2_loss"])  # rows of 64 tokens, twice the training length
-  assert json.loads((tmp_path / "config.json").read_text())["model"]["causal"] is True
+  model = json.loads((tmp_path / "config.json").read_text())["model"]
+  assert (model["causal"], model["num_kv_heads"], model["mlp"], model["lm_head"]) == (True, 2, "gated", "linear")
 
 
 def test_clm_needs_a_causal_model(tmp_path):

@@ -67,8 +67,29 @@ def test_vocab_command_trains_a_bpe_vocabulary(tmp_path):
 
 def blocks(tokenizer, packing, max_len=48, n=30, num_documents=20):
   docs = (tokenizer.encode_batch(d) for d in synthetic.documents(num_documents, seed=3))
-  pack = mlm.pack_full_sentences if packing == "full_sentence" else mlm.pack_documents
-  return list(pack(docs, max_len, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id))[:n]
+  return list(mlm.packer(packing)(docs, max_len, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id))[:n]
+
+
+@pytest.mark.parametrize("packing", ["stream", "stream_documents"])
+def test_stream_packing_cuts_one_token_stream_into_full_rows(tokenizer, packing):
+  """The rows, read in order, are the documents' tokens each followed by the end-of-document token; every row but
+  the stream's last is full (no [CLS], no padding); ``stream_documents`` restarts segments and positions at each
+  document, ``stream`` counts 0..L-1 in one segment."""
+  documents = [tokenizer.encode_batch(d) for d in synthetic.documents(6, seed=3)]
+  rows = blocks(tokenizer, packing, max_len=16, n=10_000, num_documents=6)
+  stream = [t for document in documents for t in [t for sentence in document for t in sentence] + [tokenizer.sep_id]]
+  real = [row["attention_mask"].astype(bool) for row in rows]
+  np.testing.assert_array_equal(np.concatenate([row["input_ids"][r] for row, r in zip(rows, real)]), stream)
+  assert all(r.all() for r in real[:-1]) and tokenizer.cls_id not in stream
+  for row, r in zip(rows, real):
+    ends = np.flatnonzero(row["input_ids"][r] == tokenizer.sep_id)
+    starts = [0, *(e + 1 for e in ends if e + 1 < r.sum())] if packing == "stream_documents" else [0]
+    want_positions, want_segments = np.zeros(r.sum(), int), np.zeros(r.sum(), int)
+    for k, start in enumerate(starts):
+      stop = starts[k + 1] if k + 1 < len(starts) else r.sum()
+      want_positions[start:stop], want_segments[start:stop] = np.arange(stop - start), k + 1
+    np.testing.assert_array_equal(row["positions"][r], want_positions)
+    np.testing.assert_array_equal(row["segment_ids"][r], want_segments)
 
 
 def test_full_sentence_packing(tokenizer):

@@ -6,13 +6,17 @@
       the tokenizer's vocab.txt (or tokenizer.json): what fine-tuning (``--config.init=OUT``) and pre-training
       warm starts (``--config.init_from=OUT``) start from. An ELECTRA source is also recorded in
       OUT/converted_from.json (``{"model_type": "electra", "source": ...}``), so that posjax-to-hf writes it back
-      as ELECTRA: BertConfig cannot say so, and an ELECTRA generator's parameters are a BERT MLM model's.
+      as ELECTRA: BertConfig cannot say so, and an ELECTRA generator's parameters are a BERT MLM model's. A decoder
+      (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt2``; :mod:`posjax.convert.hf_decoder`) is recorded the same
+      way, so that it goes back as its own family.
   python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
       A posjax run (absolute, shaw or huang_m4) -> config.json, model.safetensors and the tokenizer files:
       Hugging Face BERT; ELECTRA (``to_hf_electra``) for a run converted from ELECTRA (converted_from.json) or
       one with the ``rtd`` head, which BERT has not. An ELECTRA pre-training run (``"generator"`` fields in its
       model_config.json) -> HF_DIR/generator (ElectraForMaskedLM) and HF_DIR/discriminator
-      (ElectraForPreTraining), each with the tokenizer files.
+      (ElectraForPreTraining), each with the tokenizer files. A decoder run (``lm_head="linear"``: configs/lm.py's,
+      or one converted from Hugging Face) -> its family's ``*ForCausalLM`` (the one it was converted from, else the
+      one that expresses it: :func:`posjax.convert.hf_decoder.model_type_of`).
   python -m posjax.convert tupe-to-posjax --from checkpoint_best.pt --workdir OUT [--classification_head NAME]
       An official TUPE (fairseq) checkpoint -> a posjax run. Its vocabulary (a fairseq dictionary over GPT-2
       BPE) is not converted: give the run a ``tokenizers`` JSON with the same ids (``data.vocab_file``).
@@ -28,7 +32,7 @@ import sys
 
 import jax
 
-from posjax.convert import hf_bert, hf_electra, tupe_fairseq
+from posjax.convert import hf_bert, hf_decoder, hf_electra, tupe_fairseq
 from posjax.models import BertConfig
 from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
@@ -52,23 +56,25 @@ def write_run(module, variables, workdir: str, source: str) -> str:
 
 def hf_model_type(source: str) -> str:
   """The ``model_type`` of a Hugging Face directory's config.json (``bert`` where it has none); a type other
-  than BERT or ELECTRA is an error (no config.json is :func:`posjax.convert.hf_bert.read_directory`'s)."""
+  than BERT, ELECTRA or a decoder of :data:`posjax.convert.hf_decoder.MODEL_TYPES` is an error (no config.json is
+  :func:`posjax.convert.hf_bert.read_directory`'s)."""
   path = os.path.join(source, "config.json")
   if not os.path.isfile(path):
     return "bert"
   with open(path) as f:
     model_type = json.load(f).get("model_type", "bert")
-  if model_type not in ("bert", "electra"):
-    raise ValueError(f"{path} has model_type={model_type!r}; hf-to-posjax converts BERT ('bert') and ELECTRA "
-                     "('electra')")
+  if model_type not in ("bert", "electra", *hf_decoder.MODEL_TYPES):
+    raise ValueError(f"{path} has model_type={model_type!r}; hf-to-posjax converts BERT ('bert'), ELECTRA "
+                     f"('electra') and the decoders {list(hf_decoder.MODEL_TYPES)}")
   return model_type
 
 
 def hf_to_posjax(source: str, workdir: str) -> str:
-  """Writes the converted model (BERT or ELECTRA) as a posjax run in ``workdir``, with the tokenizer's files;
-  returns its checkpoint directory."""
+  """Writes the converted model (BERT, ELECTRA or a decoder) as a posjax run in ``workdir``, with the tokenizer's
+  files; returns its checkpoint directory."""
   model_type = hf_model_type(source)
-  convert = hf_electra.from_hf_electra if model_type == "electra" else hf_bert.from_hf_bert
+  convert = {"electra": hf_electra.from_hf_electra, "bert": hf_bert.from_hf_bert}.get(model_type,
+                                                                                      hf_decoder.from_hf_decoder)
   module, variables = convert(source)
   directory = write_run(module, variables, workdir, source)
   if model_type != "bert":
@@ -127,8 +133,14 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
                       hf_electra.electra_to_hf(config.generator, config.discriminator, {"params": params})))
   else:
     config = BertConfig(**fields)
-    electra = converted_from(run) == "electra" or "rtd" in params
-    models = {out: (hf_electra.to_hf_electra if electra else hf_bert.to_hf_bert)(config, {"params": params})}
+    source = converted_from(run)
+    if config.lm_head == "linear":  # a decoder: its family's causal LM (the one it came from, if converted)
+      model = hf_decoder.to_hf_decoder(config, {"params": params}, source if source != "bert" else None)
+    elif source == "electra" or "rtd" in params:
+      model = hf_electra.to_hf_electra(config, {"params": params})
+    else:
+      model = hf_bert.to_hf_bert(config, {"params": params})
+    models = {out: model}
   for directory, model in models.items():
     vocab = save_hf(model, run, directory)
     print(f"{run} ({config.position}) -> {directory}: {type(model).__name__}"

@@ -8,6 +8,11 @@ Packing modes (``packing=``):
 - ``documents``: every document starts with its own [CLS] at position 0 and gets its own ``segment_ids``
   and ``positions``, so it never attends to another document in the same block (a document longer than a
   block continues in the next one, again behind a [CLS]).
+- ``stream`` (GPT-style decoders: nanoGPT, MaxText, levanter): the documents' tokens joined into one stream, each
+  document followed by the end-of-document token (the tokenizer's [SEP]), cut into full rows of ``max_len``: no
+  [CLS], no padding (but in the stream's last row); positions ``0..L-1``, every token attends across documents.
+- ``stream_documents``: the same rows, with ``segment_ids`` and ``positions`` restarting at each document, so a
+  token attends only to its own document (a document cut by a row boundary continues at position 0).
 
 Batches are dicts of numpy arrays: ``input_ids``, ``attention_mask``, ``positions``, ``segment_ids``
 (``[B, L]``; padding has segment 0) and ``masked_positions``, ``masked_labels``, ``masked_weights``
@@ -26,7 +31,7 @@ from absl import logging
 
 from posjax.data.tokenizer import Tokenizer
 
-PACKINGS = ("full_sentence", "documents")
+PACKINGS = ("full_sentence", "documents", "stream", "stream_documents")
 SLOW_RESTORE_BLOCKS = 100_000  # a streaming restore this long says so
 
 
@@ -86,6 +91,41 @@ def pack_documents(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: 
       positions += list(range(len(piece)))
   if tokens:
     yield _block(tokens, segments, positions, max_len, pad_id)
+
+
+def pack_stream(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: int, sep_id: int, pad_id: int,
+                apart: bool = False) -> Iterator[dict]:
+  """Full rows cut from one token stream, each document followed by ``sep_id`` (its end-of-document token); no
+  [CLS] (``cls_id`` unused). ``apart``: segment ids and positions per document within each row."""
+  del cls_id
+  tokens, segments, positions = [], [], []
+  for document in token_docs:
+    flat = [t for sentence in document for t in sentence] + [sep_id]
+    while flat:
+      take = flat[:max_len - len(tokens)]
+      flat = flat[len(take):]
+      segment = (segments[-1] + 1) if segments and apart else 1
+      start = 0 if apart else len(tokens)
+      tokens += take
+      segments += [segment] * len(take)
+      positions += list(range(start, start + len(take)))
+      if len(tokens) == max_len:
+        yield _block(tokens, segments, positions, max_len, pad_id)
+        tokens, segments, positions = [], [], []
+  if tokens:
+    yield _block(tokens, segments, positions, max_len, pad_id)
+
+
+def packer(packing: str) -> Callable[..., Iterator[dict]]:
+  """The packing function of a mode (:data:`PACKINGS`): ``(token_docs, max_len, cls_id, sep_id, pad_id) -> blocks``."""
+  if packing not in PACKINGS:
+    raise ValueError(f"unknown packing {packing!r}; allowed: {list(PACKINGS)}")
+  return {"full_sentence": pack_full_sentences, "documents": pack_documents, "stream": pack_stream,
+          "stream_documents": lambda *args: pack_stream(*args, apart=True)}[packing]
+
+
+# Packings whose segment ids keep documents apart (the model reads them; the others' rows attend across).
+SEPARATE_DOCUMENTS = ("documents", "stream_documents")
 
 
 # How the masked positions of a block are chosen (``data.mask_selection``, :func:`mask_block`).
@@ -242,7 +282,7 @@ class MlmBatches:
     self._blocks = self._block_stream()
 
   def _block_stream(self) -> Iterator[dict]:
-    pack = pack_full_sentences if self.packing == "full_sentence" else pack_documents
+    pack = packer(self.packing)
     tok = self.tokenizer
     while True:
       token_docs = (tok.encode_batch(document) for document in self.documents())

@@ -112,7 +112,7 @@ def _prepare_chunk(job: tuple[int, int], *, corpora: list, chunks: int, max_len:
       return json.load(f)
   tokenizer = Tokenizer.load(data.vocab_file)
   dtype = record_dtype(tokenizer.vocab_size, max_len)
-  pack = mlm.pack_full_sentences if packing == "full_sentence" else mlm.pack_documents
+  pack = mlm.packer(packing)
   documents = (tokenizer.encode_batch(document) for document in corpus.documents(data, "train", chunk, chunks))
   blocks = tokens = 0
   writer = ArrayRecordWriter(path + ".tmp", "group_size:1")

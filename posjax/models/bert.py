@@ -36,6 +36,15 @@ SIZES = {
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072),
     "large": dict(hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096),
 }
+# Decoder shapes by name (``configs/lm.py``'s ``size=``): a CPU-sized one and the usual 125M / 350M / 1B classes with
+# grouped-query attention (SwiGLU widths near 8/3 of the model's; ``1b``: Llama 3.2 1B's shape, tied embeddings).
+DECODER_SIZES = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=176),
+    "125m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
+    "350m": dict(hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=4, intermediate_size=2816),
+    "1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+               tie_embeddings=True),
+}
 VOCAB, MLP = "vocab", "mlp"
 # Rematerialisation: what a layer's backward pass keeps from its forward (``jax.checkpoint_policies``); the rest it
 # recomputes. ``none``: keep everything (no remat); ``full``: keep only the layer's input.

@@ -1,5 +1,7 @@
-"""Causal language modelling as a task of the training loop: a decoder-only model (``model.causal=True``) predicts
-each next token of the packed corpus the MLM task reads (TFDS, text files or a prepared corpus; unmasked), with the
+"""Causal language modelling as a task of the training loop: a decoder-only model (``model.causal=True``: the
+Llama-family preset of ``configs/lm.py`` or a causal BERT, ``configs/clm.py``) predicts each next token of the
+packed corpus the MLM task reads (TFDS, text files or a prepared corpus; unmasked; ``stream`` packing cuts it into
+full rows as GPT-style training does), with the
 same loop, checkpoints, resume and sweeps, and evaluators of kind ``clm`` (loss, accuracy, perplexity) and
 ``passkey`` (retrieval of a key hidden in filler text, :mod:`posjax.tasks.passkey`)."""
 
@@ -56,8 +58,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
   if not model_config.causal:
     raise ValueError("task='clm' trains a decoder: set model.causal=True (configs/clm.py does)")
-  model = BertModel(model_config, head="mlm")
-  use_segments = config.data.packing == "documents"
+  model = BertModel(model_config, head="lm")  # model.lm_head: BERT's MLM head (the default) or a decoder's linear one
+  use_segments = config.data.packing in mlm_task.mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False, kinds=("clm",))
   predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
   evaluators = mlm_task.corpus_evaluators(evaluations, model_config, predict, clm_metrics,

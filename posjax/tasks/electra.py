@@ -211,7 +211,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                  and configs.discriminator.position_spec.method.table_shareable)
   model = Electra(configs.generator, configs.discriminator, tie_embeddings=opts["tie_embeddings"],
                   share_position_table=bool(share_table))
-  use_segments = config.data.packing == "documents"
+  use_segments = config.data.packing in mlm_task.mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch)
   weight, temperature, disallow = opts["discriminator_weight"], opts["temperature"], opts["disallow_correct"]
 

@@ -141,7 +141,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   tokenizer = Tokenizer.load(config.data.vocab_file)
   model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
   model = BertModel(model_config, head="mlm")
-  use_segments = config.data.packing == "documents"
+  use_segments = config.data.packing in mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = corpus_batches(config, tokenizer, local_batch)
   predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
   evaluators = corpus_evaluators(evaluations, model_config, predict, summed_metrics)

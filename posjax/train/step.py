@@ -20,14 +20,22 @@ class TrainState:
   opt_state: Any
 
 
-LR_SCHEDULES = ("linear", "electra")
+LR_SCHEDULES = ("linear", "electra", "cosine")
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
-def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, kind: str = "linear") -> optax.Schedule:
+def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, kind: str = "linear",
+                           end_fraction: float = 0.1) -> optax.Schedule:
   """``linear``: linear warm-up to ``peak``, then linear decay to 0 at ``total_steps`` (BERT, TUPE). ``electra``:
   the official ELECTRA ``create_optimizer``'s, a linear decay from ``peak`` over the whole run multiplied by the
-  warm-up ramp ``min(1, step / warmup_steps)`` (its peak is below ``peak``: 0.9 of it at 10% warm-up)."""
+  warm-up ramp ``min(1, step / warmup_steps)`` (its peak is below ``peak``: 0.9 of it at 10% warm-up). ``cosine``:
+  linear warm-up, then a cosine decay to ``end_fraction * peak`` at ``total_steps`` (the decoders' recipe: Llama's
+  0.1)."""
+  if kind == "cosine":
+    if not 0.0 <= end_fraction <= 1.0:
+      raise ValueError(f"config.lr_end_fraction={end_fraction} must be in [0, 1]")
+    return optax.warmup_cosine_decay_schedule(0.0, peak, max(warmup_steps, 1), max(total_steps, warmup_steps + 1),
+                                              end_value=end_fraction * peak)
   if kind == "electra":
     def schedule(step):
       step = jnp.asarray(step, jnp.float32)
@@ -134,7 +142,8 @@ def make_optimizer(config) -> tuple[optax.GradientTransformation, optax.Schedule
                                 ("lr_schedule", kind, LR_SCHEDULES), ("loss_reduction", reduction, LOSS_REDUCTIONS)):
     if value not in allowed:
       raise ValueError(f"config.{field}={value!r} is not one of {list(allowed)}")
-  schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps, config.total_steps, kind)
+  schedule = learning_rate_schedule(config.learning_rate, config.warmup_steps, config.total_steps, kind,
+                                    config.get("lr_end_fraction", 0.1))
   mask = WEIGHT_DECAY_EXCLUSIONS[exclusion]
   if config.get("adam_bias_correction", True):
     adamw = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
