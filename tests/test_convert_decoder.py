@@ -1,5 +1,6 @@
 """Hugging Face decoders in and out: Llama (GQA, rope_scaling), Mistral (a sliding window shorter than the input),
-Qwen2 (q/k/v biases, tied embeddings), Qwen3 (QK-norm, its own head_dim) and GPT-2 (learned positions, Conv1D
+Qwen2 (q/k/v biases, tied embeddings), Qwen3 (QK-norm, its own head_dim), GPT-NeoX (partial rotary, parallel and
+sequential residuals), Llama with LongRoPE (past its original length) and GPT-2 (learned positions, Conv1D
 weights) on random weights saved with ``save_pretrained``: posjax's logits equal Hugging Face's, and the model
 exported back gives them again."""
 
@@ -25,6 +26,11 @@ CASES = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5)),
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+    "gpt-neox-parallel": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25, rope_theta=1000.0)),
+    "gpt-neox-sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, use_parallel_residual=False,
+                                                                        hidden_act="gelu_new")),
+    "llama-longrope": ("LlamaConfig", "LlamaForCausalLM", dict(original_max_position_embeddings=8, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 4.0], long_factor=[2.0, 3.0, 6.0, 9.0], factor=4.0))),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
                                                    vocab_size=97)),
 }
@@ -62,9 +68,10 @@ def test_hugging_face_decoders_convert_both_ways(name, tmp_path):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(model_type="llama", mlp_bias=True), "mlp_bias=True"),
-    (dict(model_type="llama", rope_scaling={"rope_type": "longrope", "short_factor": [1.0]}), "rope_type='longrope'"),
+    (dict(model_type="llama", rope_scaling={"rope_type": "mrope", "factor": 2.0}), "rope_type='mrope'"),
     (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window=True"),
-    (dict(model_type="gpt_neox"), "model_type='gpt_neox'"),
+    (dict(model_type="gpt_neox", attention_bias=False), "attention_bias=False"),
+    (dict(model_type="falcon"), "model_type='falcon'"),
 ])
 def test_what_posjax_cannot_represent_is_an_error(fields, message):
   hf = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -77,3 +77,43 @@ def test_an_encoder_keeps_t5s_bidirectional_buckets():
   spec = positions.make("t5", num_heads=2, hidden_size=16, max_len=64)
   state = spec.method.encoder(spec=spec).init_with_output(jax.random.PRNGKey(0), np.arange(8)[None])[0]
   assert state.terms.buckets.bidirectional and not spec.causal
+
+
+@pytest.mark.parametrize("schedule", ["none,alibi", "alibi,none"])
+def test_a_position_schedule_gives_each_layer_its_method(schedule):
+  """Two batches that differ only in their positions: a NoPE layer whose input is the same (the first) computes the
+  same logits for both, an ALiBi layer different ones; so each layer runs the method the schedule names."""
+  config = BertConfig.decoder(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                              max_len=16, position="alibi", position_schedule=schedule)
+  model = BertModel(config, head="lm")
+  ids = jnp.arange(8)[None] % 64
+  variables = model.init(jax.random.PRNGKey(0), ids)
+  logits = lambda positions: model.apply(variables, ids, positions=positions, mutable=["intermediates"])[1][
+      "intermediates"]["encoder"]["layer_0"]["attention"]["attention_logits"][0]
+  same = np.allclose(logits(jnp.arange(8)[None]), logits(3 * jnp.arange(8)[None]))
+  assert same == schedule.startswith("none")
+  assert config.layer_positions == tuple(schedule.split(","))
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(position_schedule="rope,none", scan_layers=True), "scan_layers=True needs one layer program"),
+    (dict(position_schedule="rope,absolute"), "'absolute' adds an input embedding"),
+    (dict(position_schedule="rope,nope"), "unknown position method 'nope'"),
+])
+def test_a_schedule_that_cannot_run_is_an_error(fields, message):
+  with pytest.raises(ValueError, match=message):
+    BertConfig.decoder(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, max_len=16,
+                       **fields)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(num_kv_heads=3), r"num_kv_heads=3 must divide num_heads=4"),
+    (dict(sliding_window=4, causal=False), r"sliding_window=4 needs causal=True"),
+    (dict(parallel_residual=True, norm="post"), r"parallel_residual=True needs norm='pre'"),
+    (dict(norm_type="batchnorm"), r"option norm_type='batchnorm' is not allowed"),
+    (dict(head_dim=-1), r"head_dim must be an int >= 0"),
+])
+def test_decoder_fields_that_cannot_work_are_errors(fields, message):
+  with pytest.raises(ValueError, match=message):
+    BertConfig.decoder(vocab_size=64, hidden_size=16, num_layers=1, num_heads=4, intermediate_size=32, max_len=16,
+                       **fields).position_spec

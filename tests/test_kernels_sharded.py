@@ -34,14 +34,16 @@ def learned_biases(rng, batch, length, heads, head_dim):
       sandwich=kernels.Sandwich(jnp.asarray(rng.uniform(1.0, 4.0, heads), jnp.float32), dim=8))
 
 
-@pytest.mark.parametrize("make_terms", [every_term, learned_biases])
-def test_the_kernel_on_a_mesh_matches_it_unsharded(make_terms):
+@pytest.mark.parametrize("make_terms,kv_heads", [(every_term, 4), (learned_biases, 2)])
+def test_the_kernel_on_a_mesh_matches_it_unsharded(make_terms, kv_heads):
   # The GPU kernels in the generic interpreter; the TPU kernels' shard_map is the same, compiled for a v5e slice in
-  # tests/test_aot.py (Mosaic refuses a kernel outside one).
+  # tests/test_aot.py (Mosaic refuses a kernel outside one). kv_heads=2: grouped k/v, each tensor shard holding its
+  # two query heads and their one key/value head.
   rng = np.random.default_rng(0)
   batch, length, heads, head_dim = 4, 16, 4, 8
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  q, k, v, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(4))
+  q, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(2))
+  k, v = (jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), jnp.float32) for _ in range(2))
   terms = make_terms(rng, batch, length, heads, head_dim)
   positions = np.tile(np.arange(length, dtype=np.int32), (batch, 1))
   lengths = np.array([16, 11, 16, 3])

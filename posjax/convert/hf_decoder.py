@@ -1,12 +1,14 @@
-"""Hugging Face decoders <-> posjax, exactly: Llama (every ``rope_scaling`` type posjax's RoPE has), Mistral
-(sliding window), Qwen2 (q/k/v biases), Qwen3 (QK-norm) and GPT-2 (learned absolute positions).
+"""Hugging Face decoders <-> posjax, exactly: Llama (every ``rope_scaling`` type posjax's RoPE has, LongRoPE
+included), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (QK-norm), GPT-NeoX (partial rotary, parallel
+residual) and GPT-2 (learned absolute positions).
 
 Each is the decoder preset of posjax's one stack (:meth:`posjax.models.BertConfig.decoder`) with the family's
 fields; the state-dict mapping is a table of names per family (:data:`LLAMA_LAYER`, :data:`GPT2_LAYER`), not code
-per model. ``*ForCausalLM`` / ``GPT2LMHeadModel`` come across with the ``lm`` head, the base models
-(``LlamaModel``, ...) with none (their ``last_hidden_state`` is after the final norm, as posjax's). A field posjax
-cannot represent (a per-layer sliding window, ``mlp_bias``, ``rope_type="longrope"``, ...) is a one-line error naming
-it. A ``model.safetensors`` directory reads without PyTorch.
+per model (GPT-NeoX's fused ``query_key_value`` is per head ``[q_h, k_h, v_h]``; GPT-2's ``c_attn`` is
+``[q, k, v]`` of Conv1D ``[in, out]`` weights). ``*ForCausalLM`` / ``GPT2LMHeadModel`` come across with the ``lm``
+head, the base models (``LlamaModel``, ...) with none (their ``last_hidden_state`` is after the final norm, as
+posjax's). A field posjax cannot represent (a per-layer sliding window, ``mlp_bias``, ``rope_type="mrope"``, ...) is
+a one-line error naming it. A ``model.safetensors`` directory reads without PyTorch.
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ from posjax.models import BertConfig, BertModel
 from posjax.positions import rotary
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MODEL_TYPES = (*LLAMA_TYPES, "gpt2")
+MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2")
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-              "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
+              "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
 # rope_scaling's keys under posjax's RoPE option names (the rest are the same words)
 ROPE_KEYS = {"original_max_position_embeddings": "original_max_len"}
 ROPE_FIELDS = {f.name for f in dataclasses.fields(rotary.RopeOptions)} - {"max_timescale", "scaling"}
 SCALING_KEYS = {"llama3": ("low_freq_factor", "high_freq_factor")}  # keys Hugging Face requires even at defaults
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+# Per family: the base model's prefix, the embeddings' and the LM head's names.
+FAMILY_KEYS = {**{t: ("model.", "embed_tokens.weight", "lm_head.weight") for t in LLAMA_TYPES},
+               "gpt_neox": ("gpt_neox.", "embed_in.weight", "embed_out.weight"),
+               "gpt2": ("transformer.", "wte.weight", "lm_head.weight")}
 # Buffers and copies Hugging Face keeps beside the weights, which posjax does not need.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
@@ -39,6 +45,8 @@ LLAMA_LAYER = {"attention/query": "self_attn.q_proj", "attention/key": "self_att
                "attention/q_norm": "self_attn.q_norm", "attention/k_norm": "self_attn.k_norm",
                "mlp_gate": "mlp.gate_proj", "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj",
                "attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+NEOX_LAYER = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+              "mlp_in": "mlp.dense_h_to_4h", "mlp_out": "mlp.dense_4h_to_h", "attention/out": "attention.dense"}
 GPT2_LAYER = {"attention_norm": "ln_1", "mlp_norm": "ln_2", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj",
               "attention/out": "attn.c_proj"}
 
@@ -60,6 +68,12 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict:
     options[name] = value
   if kind == "dynamic":
     options.pop("original_max_len", None)  # Hugging Face's dynamic scaling grows from max_position_embeddings
+  if kind == "longrope":  # Phi-3's: the original length beside max_position_embeddings, the factor their ratio
+    original = hf.get("original_max_position_embeddings")
+    if original:
+      options.update(original_max_len=int(original),
+                     factor=float(hf.get("max_position_embeddings", 2048)) / int(original))
+    options.setdefault("factor", 1.0)
   return {**options, "scaling": kind}
 
 
@@ -71,6 +85,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
     raise ValueError(f"config.json has model_type={model_type!r}; the decoder converter reads {list(MODEL_TYPES)}")
   if model_type == "gpt2":
     return _gpt2_config(hf)
+  if model_type == "gpt_neox":
+    return _neox_config(hf)
   heads = int(hf["num_attention_heads"])
   unsupported = {"mlp_bias": False, "pretraining_tp": 1, "use_sliding_window": False, "layer_types": None}
   for field, allowed in unsupported.items():
@@ -121,6 +137,26 @@ def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
       dropout_rate=float(hf.get("resid_pdrop", 0.1)), attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)))
 
 
+def _neox_config(hf: Mapping[str, Any]) -> BertConfig:
+  act = hf.get("hidden_act", "gelu")
+  if act not in GPT2_ACTIVATIONS:
+    raise ValueError(f"config.json has hidden_act={act!r}; posjax reads {sorted(GPT2_ACTIVATIONS)}")
+  if not hf.get("attention_bias", True):
+    raise ValueError("config.json has attention_bias=False; posjax's GPT-NeoX has biases on every projection "
+                     "(its MLP's too)")
+  rope = _rope_from_hf({**hf, "rope_theta": hf.get("rope_theta", hf.get("rotary_emb_base", 10_000.0))})
+  fraction = float(hf.get("partial_rotary_factor", hf.get("rotary_pct", 0.25)))
+  return BertConfig.decoder(
+      vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
+      num_heads=int(hf["num_attention_heads"]), intermediate_size=int(hf["intermediate_size"]),
+      max_len=int(hf.get("max_position_embeddings", 2048)), norm_type="layernorm", mlp="dense",
+      activation=GPT2_ACTIVATIONS[act], use_bias="all", layer_norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      parallel_residual=bool(hf.get("use_parallel_residual", True)),
+      dropout_rate=float(hf.get("hidden_dropout", 0.0)), attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+      position="rope", position_options={**rope, **({"rotary_fraction": fraction} if fraction != 1.0 else {})})
+
+
 def _rope_to_hf(config: BertConfig) -> dict:
   options = config.position_spec.options
   defaults = rotary.RopeOptions()
@@ -131,6 +167,8 @@ def _rope_to_hf(config: BertConfig) -> dict:
       value = getattr(options, field)
       if value != getattr(defaults, field) or field in SCALING_KEYS.get(options.scaling, ()):
         scaling[{v: k for k, v in ROPE_KEYS.items()}.get(field, field)] = value
+    if options.scaling == "longrope":  # Hugging Face reads the original length at the config's top level (Phi-3)
+      out["original_max_position_embeddings"] = scaling.pop("original_max_position_embeddings", config.max_len)
     out["rope_scaling"] = scaling
   return out
 
@@ -140,6 +178,8 @@ def model_type_of(config: BertConfig) -> str:
   (q/k/v biases), Mistral (a sliding window) or Llama."""
   if config.position == "absolute":
     return "gpt2"
+  if config.norm_type == "layernorm":
+    return "gpt_neox"
   if config.qk_norm:
     return "qwen3"
   if config.use_bias == "qkv":
@@ -181,6 +221,17 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
             "attn_pdrop": config.attention_dropout_rate}
   if config.position != "rope":
     raise ValueError(f"Hugging Face {model_type} has RoPE positions; this model has position={config.position!r}")
+  if model_type == "gpt_neox":
+    options = config.position_spec.options
+    return {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+            "intermediate_size": config.intermediate_size, "max_position_embeddings": config.max_len,
+            "hidden_act": {"gelu_tanh": "gelu_new"}.get(config.activation, config.activation),
+            "layer_norm_eps": config.layer_norm_eps, "tie_word_embeddings": config.tie_embeddings,
+            "use_parallel_residual": config.parallel_residual, "rotary_pct": options.rotary_fraction,
+            "partial_rotary_factor": options.rotary_fraction, "attention_bias": True,
+            "hidden_dropout": config.dropout_rate, "attention_dropout": config.attention_dropout_rate,
+            **_rope_to_hf(config)}
   fields = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_heads, "num_key_value_heads": config.position_spec.kv_heads,
             "head_dim": config.position_spec.head_dim, "intermediate_size": config.intermediate_size,
@@ -217,6 +268,26 @@ def _gpt2_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
   reader.norm("encoder/final_norm", f"{prefix}ln_f")
 
 
+def _neox_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
+  take, out, d = reader.take, reader.out, config.hidden_size
+  heads, head_dim = config.num_heads, config.position_spec.head_dim
+  out["encoder/word_embeddings/embedding"] = take(f"{prefix}embed_in.weight")
+  for i in range(config.num_layers):
+    hf, px = f"{prefix}layers.{i}", f"encoder/layer_{i}"
+    for target, name in NEOX_LAYER.items():
+      if target.endswith("norm"):
+        reader.norm(f"{px}/{target}", f"{hf}.{name}")
+      else:
+        reader.dense(f"{px}/{target}", f"{hf}.{name}")
+    out[f"{px}/attention/out/kernel"] = out[f"{px}/attention/out/kernel"].reshape(heads, head_dim, d)
+    kernel_Hx3xKxD = take(f"{hf}.attention.query_key_value.weight").reshape(heads, 3, head_dim, d)
+    bias_Hx3xK = take(f"{hf}.attention.query_key_value.bias").reshape(heads, 3, head_dim)
+    for index, part in enumerate(("query", "key", "value")):
+      out[f"{px}/attention/{part}/kernel"] = kernel_Hx3xKxD[:, index].transpose(2, 0, 1)
+      out[f"{px}/attention/{part}/bias"] = bias_Hx3xK[:, index]
+  reader.norm("encoder/final_norm", f"{prefix}final_layer_norm")
+
+
 def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
   take, out, d = reader.take, reader.out, config.hidden_size
   spec = config.position_spec
@@ -243,18 +314,17 @@ def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
 def params_from_hf(config: BertConfig, model_type: str, state: Mapping[str, np.ndarray]) -> tuple[dict, str]:
   """``(flat posjax parameters, head)`` from a Hugging Face decoder's state dict (a causal-LM model's or its base
   model's); a weight left over is an error naming it."""
-  base = "transformer." if model_type == "gpt2" else "model."
+  base, embed, head_key = FAMILY_KEYS[model_type]
   prefix = base if any(k.startswith(base) for k in state) else ""
   head = "lm" if prefix else "none"
   reader = StateReader(state, f"Hugging Face {model_type}")
-  (_gpt2_params if model_type == "gpt2" else _llama_params)(config, reader, prefix)
-  embed_key = f"{prefix}{'wte' if model_type == 'gpt2' else 'embed_tokens'}.weight"
-  if head == "lm" and "lm_head.weight" in state:
+  {"gpt2": _gpt2_params, "gpt_neox": _neox_params}.get(model_type, _llama_params)(config, reader, prefix)
+  if head == "lm" and head_key in state:
     if config.tie_embeddings:
-      if not np.array_equal(reader.take("lm_head.weight"), state[embed_key]):
-        raise ValueError("config.json has tie_word_embeddings=True but lm_head.weight differs from the embeddings")
+      if not np.array_equal(reader.take(head_key), state[prefix + embed]):
+        raise ValueError(f"config.json has tie_word_embeddings=True but {head_key} differs from the embeddings")
     else:
-      reader.out["encoder/lm_head/kernel"] = reader.take("lm_head.weight").T
+      reader.out["encoder/lm_head/kernel"] = reader.take(head_key).T
   left = [k for k in reader.dropped() if not k.endswith(DROPPED_SUFFIXES)]
   if left:
     raise ValueError(f"weights posjax has no place for: {left}")
@@ -278,6 +348,27 @@ def state_to_hf(config: BertConfig, params: Mapping, model_type: str) -> dict[st
 
   flat = {k: np.asarray(v, np.float32) for k, v in flax.traverse_util.flatten_dict(dict(params), sep="/").items()}
   spec, d, out = config.position_spec, config.hidden_size, {}
+  if model_type == "gpt_neox":
+    out["gpt_neox.embed_in.weight"] = embed = flat["encoder/word_embeddings/embedding"]
+    heads, head_dim = spec.num_heads, spec.head_dim
+    for i in range(config.num_layers):
+      hf, px = f"gpt_neox.layers.{i}", f"encoder/layer_{i}"
+      for target, name in NEOX_LAYER.items():
+        if target.endswith("norm"):
+          out[f"{hf}.{name}.weight"], out[f"{hf}.{name}.bias"] = (flat[f"{px}/{target}/{p}"] for p in ("scale", "bias"))
+        else:
+          kernel = flat[f"{px}/{target}/kernel"]
+          out[f"{hf}.{name}.weight"] = kernel.reshape(-1, kernel.shape[-1]).T
+          out[f"{hf}.{name}.bias"] = flat[f"{px}/{target}/bias"]
+      parts = ("query", "key", "value")
+      kernel_Hx3xKxD = np.stack([flat[f"{px}/attention/{p}/kernel"].transpose(1, 2, 0) for p in parts], 1)
+      out[f"{hf}.attention.query_key_value.weight"] = kernel_Hx3xKxD.reshape(3 * heads * head_dim, d)
+      out[f"{hf}.attention.query_key_value.bias"] = np.stack([flat[f"{px}/attention/{p}/bias"] for p in parts],
+                                                             1).reshape(-1)
+    out["gpt_neox.final_layer_norm.weight"] = flat["encoder/final_norm/scale"]
+    out["gpt_neox.final_layer_norm.bias"] = flat["encoder/final_norm/bias"]
+    out["embed_out.weight"] = embed if config.tie_embeddings else flat["encoder/lm_head/kernel"].T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
   if model_type == "gpt2":
     out["transformer.wte.weight"] = flat["encoder/word_embeddings/embedding"]
     out["transformer.wpe.weight"] = flat["encoder/position/table/embedding"]

@@ -99,6 +99,11 @@ class BertConfig:
     parallel_residual: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX, GPT-J) instead of one branch after the
       other; with ``norm="pre"``.
     sliding_window: with ``causal``, each query attends to its last ``sliding_window`` tokens (Mistral); 0: all.
+    position_schedule: the layers' position methods, ``,``-separated registry names repeated over the depth
+      (``"rope,rope,rope,none"``: NoPE every fourth layer, as Llama 4's iRoPE; ``"none,rope"``: SWAN-GPT's
+      interleave); empty: ``position`` in every layer. ``position_options`` are ``position``'s; the other methods
+      in the schedule take their defaults. Each method's shared terms are computed once per forward pass. Not
+      with ``scan_layers`` (its layers are one program) or methods that add an input embedding.
   """
 
   vocab_size: int = 30522
@@ -134,6 +139,7 @@ class BertConfig:
   lm_head: str = "mlm"
   parallel_residual: bool = False
   sliding_window: int = 0
+  position_schedule: str = ""
 
   def __post_init__(self):
     object.__setattr__(self, "position_options", FrozenDict(self.position_options or {}))
@@ -168,6 +174,18 @@ class BertConfig:
       if not 0.0 <= getattr(self, field) < 1.0:
         raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
     attention.check_kernel(self.attention_kernel, self.position_spec)
+    if self.position_schedule:
+      if not isinstance(self.position_schedule, str):
+        raise ValueError(f"position_schedule must be a ','-separated string of method names, got "
+                         f"{self.position_schedule!r}")
+      if self.scan_layers:
+        raise ValueError("position_schedule gives the layers different methods; scan_layers=True needs one layer "
+                         "program (set scan_layers=False)")
+      for spec in self.method_specs.values():
+        if spec.method.input_embedding:
+          raise ValueError(f"position_schedule: {spec.name!r} adds an input embedding, not a per-layer term; a "
+                           "schedule takes methods that act inside attention")
+        attention.check_kernel(self.attention_kernel, spec)
 
   def to_dict(self) -> dict:
     """The fields as plain JSON values (what ``model_config.json`` holds)."""
@@ -181,6 +199,23 @@ class BertConfig:
                               hidden_size=self.hidden_size, max_len=self.max_len, embedding_size=self.embed_width,
                               dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype], causal=self.causal,
                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+  @functools.cached_property
+  def layer_positions(self) -> tuple[str, ...]:
+    """Each layer's position method: ``position_schedule`` repeated over the depth, or ``position`` everywhere."""
+    if not self.position_schedule:
+      return (self.position,) * self.num_layers
+    names = tuple(name.strip() for name in self.position_schedule.split(","))
+    if not all(names):
+      raise ValueError(f"position_schedule={self.position_schedule!r} has an empty entry")
+    return tuple(names[i % len(names)] for i in range(self.num_layers))
+
+  @functools.cached_property
+  def method_specs(self) -> dict[str, base.PositionSpec]:
+    """The spec of each method the layers use (``position``'s with ``position_options``, the others' defaults)."""
+    return {name: self.position_spec if name == self.position else dataclasses.replace(
+        self.position_spec, method=positions_lib.get(name), options=positions_lib.get(name).options())
+            for name in dict.fromkeys(self.layer_positions)}
 
   @property
   def embed_width(self) -> int:
@@ -269,9 +304,10 @@ class EncoderLayer(nn.Module):
   """One Transformer layer: self-attention with the position method's terms, then the MLP, each a residual
   branch with dropout and a LayerNorm after it (``norm="post"``) or before it (``"pre"``). Its output is
   constrained to the batch's sharding (:mod:`posjax.partitioning`); ``scanned``: it returns ``(x, None)``, the
-  body of ``nn.scan``."""
+  body of ``nn.scan``. ``position``: its method where the config's schedule gives one (default ``position``)."""
   config: BertConfig
   scanned: bool = False
+  position: str = ""
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool):
@@ -281,7 +317,8 @@ class EncoderLayer(nn.Module):
   def _layer(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool):
     c = self.config
     drop = lambda y: nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
-    attend = attention.SelfAttention(c.position_spec, c.attention_kernel, c.attention_dropout_rate,
+    spec = c.method_specs[self.position] if self.position else c.position_spec
+    attend = attention.SelfAttention(spec, c.attention_kernel, c.attention_dropout_rate,
                                      use_bias=c.use_bias != "none", out_bias=c.use_bias == "all",
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
                                      norm_eps=c.layer_norm_eps, name="attention")
@@ -315,7 +352,8 @@ def encoder_layers(config: BertConfig):
     layer = nn.remat(EncoderLayer, policy=REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
                      static_argnums=(4,))
   if not config.scan_layers:
-    return [layer(config, name=f"layer_{i}") for i in range(config.num_layers)]
+    return [layer(config, position=name if config.position_schedule else "", name=f"layer_{i}")
+            for i, name in enumerate(config.layer_positions)]
   scan = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
                  in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_layers,
                  metadata_params={nn.PARTITION_NAME: layout.STACKED})
@@ -362,6 +400,9 @@ class BertEncoder(nn.Module):
     if c.embed_width != c.hidden_size:
       self.embeddings_project = _dense(c, c.hidden_size, (base.EMBED, MLP), "embeddings_project")
     self.layers = encoder_layers(c)
+    # the schedule's other methods (position_schedule), each its own shared terms: ``position_<name>``
+    self.scheduled = {name: other.method.encoder(spec=other, name=f"position_{name}")
+                      for name, other in c.method_specs.items() if name != c.position}
     if c.norm == "pre":
       self.final_norm = _layer_norm(c, "final_norm")
 
@@ -403,8 +444,9 @@ class BertEncoder(nn.Module):
     if c.scan_layers:
       x, _ = self.layers(x, state, mask, deterministic)
     else:
-      for layer in self.layers:
-        x = layer(x, state, mask, deterministic)
+      states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
+      for layer, name in zip(self.layers, c.layer_positions):
+        x = layer(x, states[name], mask, deterministic)
     if c.norm == "pre":
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)

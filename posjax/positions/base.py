@@ -156,7 +156,6 @@ class Method:
       an encoder that shares another's embeddings (ELECTRA's generator) shares it too.
     table_shareable: whether the encoder module can read another encoder's position table (``table_from=``,
       TUPE's): ELECTRA's two models on one table, each with its own projections.
-    grouped_keys: whether its layer computes with k and v of fewer heads than q (grouped-query attention).
     summary: one line for listings and error messages.
   """
 
@@ -169,7 +168,6 @@ class Method:
   max_len_bound: bool = False
   input_embedding: bool = False
   table_shareable: bool = False
-  grouped_keys: bool = True
   summary: str = ""
 
   @property
@@ -308,10 +306,6 @@ def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int,
                      "head_dim)")
   if num_kv_heads < 0 or (num_kv_heads and num_heads % num_kv_heads):
     raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (0: num_heads)")
-  if num_kv_heads and num_kv_heads != num_heads and not method.grouped_keys:
-    raise ValueError(f"position method {name!r} cannot read grouped keys (num_kv_heads={num_kv_heads} for "
-                     f"num_heads={num_heads}); methods that can: "
-                     f"{', '.join(n for n in names() if get(n).grouped_keys)}")
   if max_len <= 0:
     raise ValueError(f"max_len must be positive, got {max_len}")
   head_dim = head_dim or hidden_size // num_heads

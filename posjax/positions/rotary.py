@@ -1,7 +1,9 @@
 """RoPE (Su et al. 2021): rotate q and k by angles proportional to their positions, in every layer.
 
 ``q_i·k_j`` after rotation depends on positions only through ``p_j - p_i``. Rotation pairs feature ``d``
-with feature ``d + d_h/2`` (the GPT-NeoX / Llama layout).
+with feature ``d + d_h/2`` (the GPT-NeoX / Llama layout, ``layout="half"``) or neighbouring features ``2f, 2f+1``
+(GPT-J's, ``layout="interleaved"``); a fraction of each head's features may rotate (GPT-NeoX's ``rotary_pct``), and
+the lowest frequencies may be dropped (p-RoPE).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 
 from posjax.positions import base
 
-SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")
+SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3", "longrope")
+LAYOUTS = ("half", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,16 @@ class RopeOptions:
   beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate: YaRN's keys (defaults 32, 1, None, None,
     None: from the factor, True).
   low_freq_factor, high_freq_factor: Llama 3.1's keys (its defaults 1 and 4).
+  short_factor, long_factor: LongRoPE's per-frequency divisors (Ding et al. 2024; Hugging Face's ``longrope``, Phi-3):
+    ``d_r/2`` each, the long ones where the batch's length passes ``original_max_len`` (default the model's
+    ``max_len``); the attention factor is ``attention_factor`` or ``sqrt(1 + log(factor) / log(original_max_len))``
+    (1 at ``factor`` 1), as Hugging Face's.
+  rotary_fraction: the fraction of each head's features that rotate, the first ``d_r = int(d_h * fraction)`` (even;
+    the rest pass unchanged): Hugging Face's ``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``; 1: all.
+  layout: ``half`` (rotate-half: feature f pairs with f + d_r/2; Llama, GPT-NeoX) or ``interleaved`` (f pairs
+    2f with 2f+1: GPT-J, the paper's, Meta's original Llama code).
+  frequency_fraction: p-RoPE (Barbero et al. 2024, "Round and Round We Go"): only the highest ``int(p · d_r/2)``
+    frequencies rotate, the lowest are set to 0 (those features carry no position); 1: every frequency.
 
   ``dynamic`` reads the batch's length L (static under jit); Hugging Face reads ``max(position_ids) + 1``, the same
   for positions ``0..L-1``.
@@ -54,9 +67,28 @@ class RopeOptions:
   truncate: bool = True
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
+  short_factor: tuple | list | None = None
+  long_factor: tuple | list | None = None
+  rotary_fraction: float = 1.0
+  layout: str = "half"
+  frequency_fraction: float = 1.0
 
   def __post_init__(self):
     base.check_choice("scaling", self.scaling, SCALINGS)
+    base.check_choice("layout", self.layout, LAYOUTS)
+    for name in ("short_factor", "long_factor"):  # hashable, whatever the config gave
+      value = getattr(self, name)
+      if value is not None:
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value):
+          raise ValueError(f"{name} must be positive numbers, one per rotated frequency; got {value!r}")
+        object.__setattr__(self, name, tuple(float(x) for x in value))
+    if (self.scaling == "longrope") != (self.short_factor is not None and self.long_factor is not None):
+      raise ValueError("short_factor and long_factor go with scaling='longrope', and it needs both"
+                       f" (scaling={self.scaling!r})")
+    if not 0.0 < self.rotary_fraction <= 1.0:
+      raise ValueError(f"rotary_fraction={self.rotary_fraction} must be in (0, 1]")
+    if not 0.0 <= self.frequency_fraction <= 1.0:
+      raise ValueError(f"frequency_fraction={self.frequency_fraction} must be in [0, 1]")
     if self.scaling == "none" and self.factor != 1.0:
       raise ValueError(f"factor={self.factor} needs a scaling ({', '.join(SCALINGS[1:])}); with scaling='none' it "
                        "must be 1")
@@ -79,9 +111,19 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
   return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def rotary_dim(options: RopeOptions, head_dim: int) -> int:
+  """``d_r``: the features of a head that rotate (``rotary_fraction``; Hugging Face's ``int(d_h * factor)``)."""
+  dim = int(head_dim * options.rotary_fraction)
+  if dim % 2 or dim < 2:
+    raise ValueError(f"rope rotates {dim} of head_dim={head_dim} features (rotary_fraction={options.rotary_fraction})"
+                     "; that must be even and at least 2")
+  return dim
+
+
 def frequencies(options: RopeOptions, head_dim: int, max_len: int, length: int) -> tuple[np.ndarray, float]:
-  """``(inverse frequencies [d_h/2] float32, attention factor)`` of the options at a batch of ``length`` tokens
-  (``max_len``: the model's, the default ``original_max_len``); the factor multiplies cos and sin."""
+  """``(inverse frequencies [d/2] float32, attention factor)`` of the options at a batch of ``length`` tokens for
+  ``d = head_dim`` rotated features (``max_len``: the model's, the default ``original_max_len``); the factor
+  multiplies cos and sin. p-RoPE's zeroed frequencies are :func:`rotation`'s."""
   if head_dim % 2:
     raise ValueError(f"rope needs an even head dimension, got head_dim={head_dim}")
   o, theta = options, float(options.max_timescale)
@@ -112,36 +154,58 @@ def frequencies(options: RopeOptions, head_dim: int, max_len: int, length: int) 
     scaled = np.where(wavelength > original / o.low_freq_factor, inv_freq / o.factor, inv_freq)
     medium = (wavelength >= original / o.high_freq_factor) & (wavelength <= original / o.low_freq_factor)
     inv_freq = np.where(medium, (1 - smooth) * scaled / o.factor + smooth * scaled, scaled)
+  elif o.scaling == "longrope":
+    ext = np.asarray(o.long_factor if length > original else o.short_factor, np.float64)
+    if ext.shape != inv_freq.shape:
+      raise ValueError(f"longrope's short_factor and long_factor need {len(inv_freq)} entries (one per rotated "
+                       f"frequency), got {len(o.short_factor)} and {len(o.long_factor)}")
+    inv_freq = 1.0 / (ext * theta ** exponent)
+    factor = o.attention_factor
+    if factor is None:
+      factor = 1.0 if o.factor <= 1.0 else math.sqrt(1 + math.log(o.factor) / math.log(original))
   return inv_freq.astype(np.float32), float(factor)
 
 
 def rotation(positions_BxL, head_dim: int, options: RopeOptions = RopeOptions(), max_len: int | None = None):
-  """``(sin, cos)``, each ``[B, L, 1, d_h/2]``: the angles ``p · inv_freq`` (:func:`frequencies`), times the
-  attention factor of YaRN."""
+  """``(sin, cos)``, each ``[B, L, 1, d_r/2]``: the angles ``p · inv_freq`` (:func:`frequencies` of the ``d_r``
+  rotated features), times the attention factor of YaRN and LongRoPE; p-RoPE's lowest frequencies 0."""
   base.check_rows("positions", positions_BxL)
   length = positions_BxL.shape[-1]
+  dim = rotary_dim(options, head_dim) if options.rotary_fraction != 1.0 else head_dim
   if options.scaling == "none":  # the paper's frequencies, computed as they always were
-    if head_dim % 2:
+    if dim % 2:
       raise ValueError(f"rope needs an even head dimension, got head_dim={head_dim}")
-    inv_freq, factor = options.max_timescale ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim), 1.0
+    inv_freq, factor = options.max_timescale ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim), 1.0
   else:
-    inv_freq, factor = frequencies(options, head_dim, max_len or length, length)
+    inv_freq, factor = frequencies(options, dim, max_len or length, length)
+  if options.frequency_fraction != 1.0:  # p-RoPE: the highest frequencies come first
+    kept = int(options.frequency_fraction * (dim // 2))
+    inv_freq = jnp.where(jnp.arange(dim // 2) < kept, jnp.asarray(inv_freq, jnp.float32), 0.0)
   angle = positions_BxL.astype(jnp.float32)[..., None, None] * inv_freq
   if factor == 1.0:
     return jnp.sin(angle), jnp.cos(angle)
   return jnp.sin(angle) * factor, jnp.cos(angle) * factor
 
 
-def rotate(x_BxLxHxK, sin, cos):
-  """RoPE's rotation of each pair of halves of the head dimension by the position's angles (float32 inside)."""
-  x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxLxHxK.dtype)
+def rotate(x_BxLxHxK, sin, cos, layout: str = "half"):
+  """RoPE's rotation of each pair of features by the position's angles (float32 inside): the first ``2 F`` features
+  for angles of ``F`` frequencies, the rest unchanged (partial rotary); pairs ``(f, f + F)`` (``half``) or
+  ``(2f, 2f + 1)`` (``interleaved``)."""
+  rotated = 2 * sin.shape[-1]
+  x_BxLxHxR, rest = x_BxLxHxK[..., :rotated].astype(jnp.float32), x_BxLxHxK[..., rotated:]
+  if layout == "interleaved":
+    x1, x2 = x_BxLxHxR[..., 0::2], x_BxLxHxR[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x_BxLxHxR.shape)
+  else:
+    x1, x2 = jnp.split(x_BxLxHxR, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  out = out.astype(x_BxLxHxK.dtype)
+  return out if rest.shape[-1] == 0 else jnp.concatenate([out, rest], axis=-1)
 
 
 @flax.struct.dataclass(kw_only=True)
 class RotaryState(base.PositionState):
-  """RoPE's state: the angles' sines and cosines, each ``[Bp, L, 1, d_h/2]``."""
+  """RoPE's state: the angles' sines and cosines, each ``[Bp, L, 1, d_r/2]``."""
 
   sin: jax.Array
   cos: jax.Array
@@ -165,11 +229,13 @@ class RotateQK(nn.Module):
 
   @nn.compact
   def __call__(self, q, k, state: RotaryState, scale):
-    return base.LayerTerms(rotate(q, state.sin, state.cos), rotate(k, state.sin, state.cos))
+    layout = self.spec.options.layout
+    return base.LayerTerms(rotate(q, state.sin, state.cos, layout), rotate(k, state.sin, state.cos, layout))
 
 
 base.register(base.Method("rope", RopeOptions, encoder=Rotation, layer=RotateQK,
-                          summary="rotary embedding of q and k (Su et al. 2021); linear / dynamic / YaRN / Llama 3 scaling"))
+                          summary="rotary embedding of q and k (Su et al. 2021); linear / dynamic / YaRN / Llama 3 / "
+                                  "LongRoPE scaling, partial, interleaved, p-RoPE"))
 
 
 @dataclasses.dataclass(frozen=True)
