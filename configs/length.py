@@ -1,29 +1,31 @@
 """Length generalisation: each position method trained at one length and evaluated at 1x-16x it. See
 :mod:`posjax.experiments.length`.
 
-Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=clm,runlocal``):
+Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runlocal``):
   methods: ``+``-separated registry names, trained here; default ``rope+alibi+fire+kerple_log``; ``methods=``: none.
     Named sets expand in place: ``huang`` (Huang et al. 2020's inductive rows: absolute, shaw, huang_m1-m4; their
     models are encoders, so ``model=mlm``), ``extrapolation`` (the length-generalisation methods: none (NoPE), rope,
     xpos, alibi, t5, kerple_log, kerple_power, fire, sandwich).
-  runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/clm.py:... --workdir=DIR``,
-    ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
+  runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/lm.py:... --workdir=DIR``,
+    ``configs/clm.py`` for ``model=clm``, ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
     config and the harness's evaluators, as the row of its position method (``runs=DIR1+DIR2,methods=`` trains
     nothing). A run must be trained at ``train_len`` (32 in runlocal, else 512).
-  model: ``clm`` (a decoder, next-token perplexity; default) or ``mlm`` (an encoder, masked-token perplexity).
-  size: the model's size (``tiny`` | ``base`` | ``large``; default ``base``; runlocal: tiny unless named).
+  model: ``lm`` (the Llama-family decoder of ``configs/lm.py``, next-token perplexity; default), ``clm`` (a causal
+    BERT, ``configs/clm.py``) or ``mlm`` (an encoder, masked-token perplexity).
+  size: the model's size (``lm``: ``tiny`` | ``125m`` | ``350m`` | ``1b``, default ``125m``; the others: ``tiny`` |
+    ``base`` | ``large``, default ``base``; runlocal: tiny unless named).
   runlocal: the tiny model on the built-in corpus (``configs/data``); trained at length 32 for 300 steps.
-  passkey: passkey retrieval at every length (decoders, ``model=clm``, only: :mod:`posjax.tasks.passkey`); default on,
+  passkey: passkey retrieval at every length (decoders, ``model=lm`` or ``clm``, only: :mod:`posjax.tasks.passkey`); default on,
     ``passkey=False`` turns it off. A key of 5 digits in Mohtashami & Jaggi's prompt; runlocal: 3 of 10 adjectives
     in a prompt of the tiny corpus's words (it has no digits), which the tiny model was never taught to retrieve.
   probes: position probes run for every method too (``+``-separated tasks of :mod:`posjax.tasks.probe`; default
     ``copy+sort+parity``, Kazemnejad et al. 2023's; ``probes=`` runs none): ``configs/probes.py``'s tiny models
-    (runlocal; ``small`` otherwise), decoders for ``model=clm``, trained at length 16 and evaluated at the same
+    (runlocal; ``small`` otherwise), decoders for ``model=lm`` (Llama-family) and ``clm``, trained at length 16 and evaluated at the same
     multiples; a table per task in ``length.md``. ``config.probe_overrides`` changes their config.
 
   python -m posjax.main --config=configs/length.py:methods=rope+alibi+fire+kerple_log,runlocal --workdir=DIR
 Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pairs of the base config
-(``configs/clm.py`` / ``configs/pretrain.py``, dotted), e.g. ``(("data.source", "text"), ("data.train_files",
+(``configs/lm.py`` / ``clm.py`` / ``pretrain.py``, dotted), e.g. ``(("data.source", "text"), ("data.train_files",
 "corpus.txt"), ...)``, as the paper tables' configs do; a local text file works as the corpus.
 """
 
@@ -44,7 +46,7 @@ PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet stran
 
 def get_config(arg=None):
   given = named(arg)
-  arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="clm", size="base", runlocal=False, passkey=True,
+  arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="lm", size="base", runlocal=False, passkey=True,
                   probes="copy+sort+parity", runs="")
   config = ml_collections.ConfigDict()
   config.job = "length"
@@ -54,7 +56,8 @@ def get_config(arg=None):
   for method in config.methods:
     positions.get(method)
   config.model = arg.model
-  config.size = "tiny" if arg.runlocal and "size" not in given else arg.size
+  default_size = "125m" if arg.model == "lm" else "base"
+  config.size = arg.size if "size" in given else "tiny" if arg.runlocal else default_size
   config.runlocal = bool(arg.runlocal)
   config.train_len = 32 if arg.runlocal else 512
   config.eval_multiples = (1, 2, 4, 8, 16)
@@ -63,12 +66,12 @@ def get_config(arg=None):
   config.eval_batches = 4 if arg.runlocal else 50
   config.runs = tuple(arg.runs.split("+")) if arg.runs else ()  # finished runs' workdirs, read instead of trained
   config.overrides = ()  # (dotted field of the base config, value) pairs, e.g. (("learning_rate", 3e-4),)
-  # Probe tasks run for every method (posjax.tasks.probe; a decoder's for model=clm), and the probes' config fields
+  # Probe tasks run for every method (posjax.tasks.probe; a decoder's for model=lm / clm), and the probes' config fields
   # to override (configs/probes.py's, dotted), e.g. (("steps", 1000),).
   config.probes = tuple(arg.probes.split("+")) if arg.probes else ()
   config.probe_overrides = ()
   # The passkey evaluators' options (posjax.tasks.passkey: batches of eval rows, digits, symbols, texts); None: off.
   config.passkey = ml_collections.ConfigDict(
       {"batches": 2, **PASSKEY_RUNLOCAL} if arg.runlocal else {"batches": 1, "digits": 5}
-  ) if arg.passkey and arg.model == "clm" else None
+  ) if arg.passkey and arg.model in ("lm", "clm") else None
   return config

@@ -11,6 +11,8 @@ Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
   decoder: decoder-only probe models (causal attention, ``model.causal=True``), as Kazemnejad et al.'s; the tasks
     take their decoder form and ``reverse``, which labels a token with a later one, is refused
     (``configs/probes.py:decoder,tasks=copy+sort+parity+addition``).
+  lm: with ``decoder``, the probe decoders are the Llama-family preset (``configs/lm.py``'s model: Pre-RMSNorm,
+    SwiGLU, no biases, k/v heads half the query heads) instead of a causal BERT.
 
   python -m posjax.main --config=configs/probes.py --workdir=workdir/probes
   (2 CPU cores: about 5 1/2 minutes for all 20 methods × 3 tasks.)
@@ -20,6 +22,7 @@ import ml_collections
 
 from posjax import positions
 from posjax.config_args import parse_arg
+from posjax.models import BertConfig
 
 SIZES = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
@@ -28,7 +31,10 @@ SIZES = {
 
 
 def get_config(arg=None):
-  arg = parse_arg(arg, methods="", steps=300, size="tiny", tasks="copy_left+reverse+index", decoder=False)
+  arg = parse_arg(arg, methods="", steps=300, size="tiny", tasks="copy_left+reverse+index", decoder=False,
+                  lm=False)
+  if arg.lm and not arg.decoder:
+    raise ValueError("config option lm=True makes the probe decoders Llama-family ones: it needs decoder=True")
   if arg.size not in SIZES:
     raise ValueError(f"unknown size {arg.size!r}; allowed: {list(SIZES)}")
   config = ml_collections.ConfigDict()
@@ -51,4 +57,9 @@ def get_config(arg=None):
   config.model = ml_collections.ConfigDict(SIZES[arg.size])
   if arg.decoder:  # set only for decoders: an encoder's config stays the one earlier workdirs hold
     config.model.causal = True
+  if arg.lm:
+    size = {**SIZES[arg.size], "num_kv_heads": SIZES[arg.size]["num_heads"] // 2}
+    preset = BertConfig.decoder(**size).to_dict()
+    config.model.update({k: preset[k] for k in (*size, "norm", "norm_type", "mlp", "activation", "use_bias",
+                                                 "embedding_norm", "layer_norm_eps")})
   return config

@@ -84,13 +84,13 @@ def test_the_harness_reads_a_finished_run_without_training_it(tmp_path):
 
 
 def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):
-  with pytest.raises(ValueError, match=r"config.model='gpt'; allowed: \['clm', 'mlm'\]"):
+  with pytest.raises(ValueError, match=r"config.model='gpt'; allowed: \['lm', 'clm', 'mlm'\]"):
     length.run(harness_config(model="gpt"), str(tmp_path / "a"), train)
   with pytest.raises(ValueError, match=r"eval_multiples=\(0,\) must be whole numbers >= 1"):
     length.run(harness_config(eval_multiples=(0,)), str(tmp_path / "b"), train)
   config = harness_config(model="mlm")  # a decoder's passkey, asked of an encoder
-  with pytest.raises(ValueError, match=r"config.passkey: passkey retrieval needs a decoder \(model='clm'\), not "
-                                       r"model='mlm'; set config.passkey=None"):
+  with pytest.raises(ValueError, match=r"config.passkey: passkey retrieval needs a decoder \(model='lm' or 'clm'\), "
+                                       r"not model='mlm'; set config.passkey=None"):
     length.run(config, str(tmp_path / "b"), train)
   with pytest.raises(ValueError, match=r"probe task 'reverse' labels a token with a later one, which a decoder"):
     length.run(harness_config(probes=("reverse",)), str(tmp_path / "b"), train)

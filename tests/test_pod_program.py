@@ -25,10 +25,10 @@ COLLECTIVES = ("all-gather", "all-to-all", "collective-permute")
 
 
 @functools.cache
-def traced(**overrides):
+def traced(recipe="pretrain", **overrides):
   """The run's train step traced over this process's 8 devices (data=8 unless ``mesh.*`` says otherwise), and its
-  model FLOPs per device."""
-  config = load_config("pretrain", "runlocal,position=absolute")
+  model FLOPs per device (``recipe``: ``pretrain``, BERT's, or ``lm``, the decoder's)."""
+  config = load_config(recipe, "runlocal,position=absolute" if recipe == "pretrain" else "runlocal,position=rope")
   config.update(batch_size=BATCH, max_len=LENGTH, total_steps=2, warmup_steps=1, eval_every_steps=0)
   config = override(config, **overrides)
   with tempfile.TemporaryDirectory() as workdir:
@@ -38,8 +38,8 @@ def traced(**overrides):
 
 
 @functools.cache
-def compiled(**overrides):
-  return traced(**overrides)[0].lower().compile()
+def compiled(recipe="pretrain", **overrides):
+  return traced(recipe, **overrides)[0].lower().compile()
 
 
 def outputs(program, op: str) -> list[tuple[int, ...]]:
@@ -142,3 +142,16 @@ def test_model_flops_are_xlas_count_without_loops_and_the_steps_with_them():
   accumulated = {**WIDE, "grad_accum_steps": 4}
   assert traced(**accumulated)[1] == model
   assert compiled(**accumulated).cost_analysis()["flops"] < 0.3 * model
+
+
+def test_a_grouped_query_decoders_flops_are_xlas_count_and_its_kv_projections_are_grouped():
+  """The Llama-family decoder (2 k/v heads for 4 query heads, SwiGLU, untied head): the model's FLOPs within 5% of
+  XLA's count, and every device projects k and v to 2 heads and scores each against its group, never a copy of k
+  repeated to 4 heads."""
+  wide = {"model.hidden_size": 256, "model.intermediate_size": 704}
+  program = compiled("lm", **wide)
+  assert 0.95 < traced("lm", **wide)[1] / program.cost_analysis()["flops"] < 1.0
+  rows, dots = BATCH // 8, set(outputs(program, "dot"))
+  assert (rows * LENGTH, 2 * 64) in dots and (rows * LENGTH, 4 * 64) in dots  # k/v: 2 heads of 64; q: 4
+  # the scores: per k/v head, its group's 2 query heads x 16 rows against its 16 keys; never 4 heads of k
+  assert (rows, 2, 2 * LENGTH, LENGTH) in dots and (rows, 4, LENGTH, LENGTH) not in dots

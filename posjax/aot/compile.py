@@ -35,7 +35,7 @@ from posjax.train.step import task_step
 
 DATA = ("synthetic", "config")
 BERT_VOCAB = 30522  # BERT's uncased WordPiece vocabulary: the size where a config leaves model.vocab_size to the data
-PRETRAINING = ("mlm", "electra")  # tasks whose batches come from a corpus: compiled on the synthetic one
+PRETRAINING = ("mlm", "electra", "clm")  # tasks whose batches come from a corpus: compiled on the synthetic one
 GiB = 1 << 30
 
 
@@ -152,6 +152,8 @@ def step_flops(model_config, batch: dict) -> float | None:
     return None
   rows, length = batch["input_ids"].shape
   head = np.size(batch["masked_positions"]) if "masked_positions" in batch else 0
+  if model_config.causal and "masked_positions" not in batch:  # next-token prediction: the head reads every token
+    head = rows * length
   return flops.train_step_flops(model_config, rows * length, length, head)
 
 

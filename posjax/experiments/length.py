@@ -1,5 +1,6 @@
 """The length-generalisation harness: each position method trained at one length by the training loop (a decoder on
-next-token prediction, ``model="clm"``, or an encoder on MLM, ``model="mlm"``) and evaluated on held-out text of the
+next-token prediction: ``model="lm"``, the Llama-family decoder of ``configs/lm.py``, or ``"clm"``, a causal BERT;
+or an encoder on MLM, ``model="mlm"``) and evaluated on held-out text of the
 same corpus at 1x, 2x, 4x, 8x and 16x that length (the corpus evaluators' ``length_multiple``). ``run(config,
 workdir, train, evaluate)`` takes the loop as ``train(config, workdir)`` and evaluation alone as ``evaluate(config,
 source, workdir)`` (:mod:`posjax.main` composes both).
@@ -12,11 +13,11 @@ in ``workdir/runs/<method>``; a restarted harness skips finished methods (and a 
 
 ``config.probes`` (probe tasks, :mod:`posjax.tasks.probe`) runs the position probes too
 (:func:`posjax.experiments.probes.run` in ``workdir/probes``: a tiny probe model per method and task, a decoder for
-``model="clm"``, trained at the probes' own length and evaluated at the same multiples) and adds a table per probe
+``model="lm"`` / ``"clm"``, trained at the probes' own length and evaluated at the same multiples) and adds a table per probe
 task to ``length.md`` (method x length, token accuracy).
 
-``config.runs`` names finished runs (workdirs of ``python -m posjax.main --config=configs/clm.py ...``, or
-``pretrain.py`` for ``model="mlm"``) to read instead of training: each run's last checkpoint is evaluated, with its
+``config.runs`` names finished runs (workdirs of ``python -m posjax.main --config=configs/lm.py ...``, ``clm.py``
+for ``model="clm"``, ``pretrain.py`` for ``model="mlm"``) to read instead of training: each run's last checkpoint is evaluated, with its
 own config (model, corpus, tokenizer) and the harness's evaluators, in ``workdir/runs/<method>`` (``<method>``: the
 run's position method, one run per method; a method in both ``methods`` and ``runs`` is read, not trained). A run
 must be of the harness's model and trained at ``train_len``.
@@ -38,7 +39,9 @@ from posjax.config_args import POSITIVE
 from posjax.experiments import plots, probes
 from posjax.train import validate as run_checks
 
-MODELS = {"clm": "configs/clm.py", "mlm": "configs/pretrain.py"}
+MODELS = {"lm": "configs/lm.py", "clm": "configs/clm.py", "mlm": "configs/pretrain.py"}
+TASKS = {"lm": "clm", "clm": "clm", "mlm": "mlm"}  # the training task (and evaluator kind) of each model
+DECODERS = ("lm", "clm")
 # passkey: the fraction of prompts whose whole key is retrieved; passkey_digits: of the key's tokens (chance: one in
 # the number of symbols).
 MEASURES = ("perplexity", "accuracy", "passkey", "passkey_digits")
@@ -62,7 +65,7 @@ def run_config(config, method: str):
 def evaluators(config) -> dict:
   """A run's evaluators: ``x<m>`` on the held-out corpus at each multiple of the training length and, with
   ``config.passkey``, ``passkey_x<m>`` (passkey retrieval at that length)."""
-  spec = {"kind": config.model, "split": "eval", "batches": config.eval_batches}
+  spec = {"kind": TASKS[config.model], "split": "eval", "batches": config.eval_batches}
   found = {f"x{m}": {**spec, "length_multiple": m} for m in config.eval_multiples}
   if config.get("passkey") is not None:
     found.update({f"passkey_x{m}": {**config.passkey.to_dict(), "kind": "passkey", "length_multiple": m}
@@ -97,7 +100,8 @@ def probe_config(config, methods) -> ml_collections.ConfigDict:
   multiples, decoders for ``model="clm"`` (tiny models in runlocal, small ones otherwise), then
   ``config.probe_overrides``."""
   probe = config_args.load_config(f"configs/probes.py:methods={'+'.join(methods)},tasks={'+'.join(config.probes)},"
-                                  f"size={'tiny' if config.runlocal else 'small'},decoder={config.model == 'clm'}")
+                                  f"size={'tiny' if config.runlocal else 'small'},decoder={config.model in DECODERS},"
+                                  f"lm={config.model == 'lm'}")
   probe.eval_multiples = tuple(config.eval_multiples)
   return config_args.apply_overrides(probe, dict(config.probe_overrides))
 
@@ -121,7 +125,7 @@ def read_runs(config) -> dict[str, str]:
     if run is None or not os.path.isfile(os.path.join(source, "results.json")):
       raise FileNotFoundError(f"config.runs: {source} is not a finished run (it has no config.json and results.json)")
     method, task = run["model"]["position"], run.get("task", "mlm")
-    if task != config.model:
+    if task != TASKS[config.model]:
       raise ValueError(f"config.runs: {source} is a run of task {task!r}, not of the harness's model={config.model!r}")
     if run["max_len"] != config.train_len:
       raise ValueError(f"config.runs: {source} was trained at length {run['max_len']}, the harness's "
@@ -149,7 +153,7 @@ def table_methods(config, sources: dict) -> list[str]:
 def tables(results: dict, config, methods) -> str:
   """A markdown table per measure: a row per method, a column per evaluation length."""
   lengths = [str(config.train_len * m) for m in config.eval_multiples]
-  what = "next-token" if config.model == "clm" else "masked-token"
+  what = "next-token" if config.model in DECODERS else "masked-token"
   titles = {"perplexity": f"{what} perplexity (lower is better)", "accuracy": f"{what} accuracy (%)",
             "passkey": "passkey retrieval (% of prompts whose whole key greedy decoding reproduces)",
             "passkey_digits": "passkey key tokens retrieved (%)"}
@@ -185,7 +189,7 @@ def plot(results: dict, config, methods, path: str):
   plots.length_axis(ax, lengths, config.train_len)
   ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
   ax.yaxis.set_minor_formatter(plt.FormatStrFormatter("%g"))
-  ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model == 'clm' else 'masked'}-token perplexity",
+  ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model in DECODERS else 'masked'}-token perplexity",
          title=f"{config.model}, trained at length {config.train_len} (dotted line), {config.steps} steps")
   ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
   fig.tight_layout()
@@ -202,8 +206,9 @@ def validate(config) -> None:
     raise ValueError(f"config.model={config.model!r}; allowed: {list(MODELS)}")
   if not config.eval_multiples or any(int(m) != m or m < 1 for m in config.eval_multiples):
     raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
-  if config.get("passkey") is not None and config.model != "clm":
-    raise ValueError(f"config.passkey: passkey retrieval needs a decoder (model='clm'), not model={config.model!r}; "
+  if config.get("passkey") is not None and config.model not in DECODERS:
+    raise ValueError(f"config.passkey: passkey retrieval needs a decoder (model='lm' or 'clm'), not "
+                     f"model={config.model!r}; "
                      "set config.passkey=None")
   for method in config.methods:
     run_config(config, method)
