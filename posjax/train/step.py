@@ -34,7 +34,8 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, kin
   if kind == "cosine":
     if not 0.0 <= end_fraction <= 1.0:
       raise ValueError(f"config.lr_end_fraction={end_fraction} must be in [0, 1]")
-    return optax.warmup_cosine_decay_schedule(0.0, peak, max(warmup_steps, 1), max(total_steps, warmup_steps + 1),
+    warmup = max(warmup_steps, 1)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1),
                                               end_value=end_fraction * peak)
   if kind == "electra":
     def schedule(step):
