@@ -35,7 +35,7 @@ RUN_CHOICES = ("attention_kernel", "kernel_platform", "dtype", "param_dtype", "r
 # The decoder preset's fields that configs/pretrain.py's model block sets otherwise (or not at all).
 DECODER_FIELDS = ("causal", "norm", "norm_type", "mlp", "activation", "use_bias", "embedding_norm", "type_vocab_size",
                   "tie_embeddings", "lm_head", "dropout_rate", "attention_dropout_rate", "layer_norm_eps", "qk_norm",
-                  "num_kv_heads", "head_dim", "parallel_residual", "sliding_window")
+                  "num_kv_heads", "head_dim", "parallel_residual", "sliding_window", "position_schedule")
 
 
 def get_config(arg=None):

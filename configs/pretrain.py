@@ -93,7 +93,15 @@ def get_config(arg=None):
       layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5
       norm="post",  # or "pre"
       activation="gelu",  # exact GELU (BERT); "gelu_tanh", "relu"
-      dropout_rate=0.1, attention_dropout_rate=0.1, **SIZES[arg.size]))
+      dropout_rate=0.1, attention_dropout_rate=0.1,
+      # The decoder family's fields (configs/lm.py sets them as Llama's; posjax.models.BertConfig documents each).
+      norm_type="layernorm", mlp="dense", use_bias="all", qk_norm=False, embedding_norm=True, tie_embeddings=True,
+      lm_head="mlm", parallel_residual=False,
+      num_kv_heads=0,  # grouped-query attention's k/v heads; 0: num_heads
+      head_dim=0,  # 0: hidden_size / num_heads
+      sliding_window=0,  # with causal: each query sees its last sliding_window tokens; 0: all
+      position_schedule="",  # ","-separated methods repeated over the layers ("rope,rope,rope,none": iRoPE)
+      **SIZES[arg.size]))
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",
       data_dir="", text_key="text", train_files="", eval_files="", vocab_file="",

@@ -216,8 +216,18 @@ def test_the_electra_schedule_is_the_official_create_optimizers():
       np.testing.assert_allclose(float(schedule(step)), official(step, warmup, total), rtol=1e-6, atol=1e-9)
   assert max(float(learning_rate_schedule(PEAK, 10, 100, "electra")(s)) for s in range(100)) < 0.91 * PEAK
   assert float(learning_rate_schedule(PEAK, 10, 100)(10)) == pytest.approx(PEAK)
-  with pytest.raises(ValueError, match=r"config.lr_schedule='cosine' is not one of \['linear', 'electra'\]"):
-    make_optimizer(optimizer_config(lr_schedule="cosine"))
+  # cosine (the decoders'): linear warm-up, then peak * (f + (1 - f) * (1 + cos(pi * t)) / 2) over the remaining steps.
+  def cosine(step, warmup, total, f=0.1):
+    if step < warmup:
+      return PEAK * step / warmup
+    t = min(step - warmup, total - warmup) / (total - warmup)
+    return PEAK * (f + (1 - f) * 0.5 * (1 + np.cos(np.pi * t)))
+  for warmup, total in ((10, 100), (7, 33)):
+    schedule = learning_rate_schedule(PEAK, warmup, total, "cosine", 0.1)
+    for step in range(total + 3):
+      np.testing.assert_allclose(float(schedule(step)), cosine(step, warmup, total), rtol=1e-5, atol=1e-9)
+  with pytest.raises(ValueError, match=r"config.lr_schedule='step' is not one of \['linear', 'electra', 'cosine'\]"):
+    make_optimizer(optimizer_config(lr_schedule="step"))
 
 
 def test_a_summed_loss_gives_the_batchs_summed_gradient():

@@ -39,7 +39,7 @@ def test_prepared_blocks_are_the_streaming_paths_blocks(tmp_path, packing):
   prepare.prepare(cfg, str(tmp_path), chunks=3, progress=False)
   metadata, files = records(tmp_path)
   tokenizer = Tokenizer.load(cfg.data.vocab_file)
-  pack = mlm.pack_full_sentences if packing == "full_sentence" else mlm.pack_documents
+  pack = mlm.packer(packing)
   for chunk, blocks in enumerate(files):
     docs = (tokenizer.encode_batch(d) for d in corpus.documents(cfg.data, "train", chunk, 3))
     expected = list(pack(docs, 32, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id))

@@ -279,7 +279,7 @@ def test_the_terminal_says_where_things_go_shows_evaluations_and_that_a_run_is_f
     ({"mesh.data": 3}, r"needs 3 devices; there are 8"),
     ({"seed": -1}, r"config.seed=-1 is out of range: it must be a number >= 0"),
     ({"learning_rate": float("inf")}, r"config.learning_rate=inf is out of range"),
-    ({"data.packing": "bogus"}, r"unknown packing 'bogus'; allowed: \['full_sentence', 'documents'\]"),
+    ({"data.packing": "bogus"}, r"unknown packing 'bogus'; allowed: \['full_sentence', 'documents', 'stream', 'stream_documents'\]"),
     ({"data.num_shards": 3}, r"the per-process batch 8 must divide over its 3 data shards"),
     ({"data.source": "bogus"}, r"unknown data.source 'bogus'; allowed: \['text', 'tfds'\]"),
     ({"batch_size": 12}, r"batch_size=12 must divide over the mesh's 8 data x fsdp devices"),
