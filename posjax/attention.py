@@ -258,7 +258,10 @@ class SelfAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
-               deterministic: bool = True):
+               deterministic: bool = True, decode: bool = False):
+    """``decode``: incremental decoding through the ``cache`` collection (:func:`decode_step`): initialised with
+    ``init(..., decode=True)`` on a ``[B, T]`` input (``T``: the cache's length), then called with the new tokens,
+    their positions in ``state`` and their validity in ``mask.padding``, the cache mutable."""
     spec = self.spec
     if x_BxLxD.ndim != 3:
       raise ValueError(f"SelfAttention's input has shape {x_BxLxD.shape}; expected [B, L, D]")
@@ -276,6 +279,11 @@ class SelfAttention(nn.Module):
       terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale)
     else:
       terms = base.LayerTerms(q, k)
+    if decode and self.has_variable("cache", "cached_key"):
+      out = decode_step(self, spec, terms, state, v, mask)
+      return self._out(out)
+    if decode:  # initialising: an empty cache of the input's length
+      cache_variables(self, terms.k, v)
     dropout = not deterministic and self.dropout_rate > 0
     kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout, platform=self.platform)
     if self.is_initializing():
@@ -302,9 +310,66 @@ class SelfAttention(nn.Module):
     else:
       q, k, v_wide, bias = cudnn_inputs(terms, state, v, spec.scale)
       out = fused_attention(q, k, v_wide, bias, mask, spec.scale)[..., :v.shape[-1]]
+    return self._out(out)
+
+  def _out(self, out):
+    spec = self.spec
     out = partitioning.constrain(out, partitioning.BLHK)
     return nn.DenseGeneral(
         spec.hidden_size, axis=(-2, -1), use_bias=self.use_bias if self.out_bias is None else self.out_bias,
         dtype=spec.dtype,
         param_dtype=spec.param_dtype, kernel_init=base.normal_init((base.HEADS, base.KV, base.EMBED)),
         bias_init=base.zeros_init((base.EMBED,)), name="out")(out)
+
+
+def cache_variables(module: nn.Module, k_BxTxGxK, v_BxTxGxV):
+  """The layer's decoding cache (collection ``cache``): keys (after the position method's transform: RoPE-rotated)
+  and values of its key/value heads only (``[B, T, G, K]``, G < H under grouped-query attention), the keys'
+  positions and validity ``[B, T]`` and the next free slot; the cache's length ``T`` is the input's at ``init``."""
+  b, t = k_BxTxGxK.shape[:2]
+  zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+  return (module.variable("cache", "cached_key", zeros, k_BxTxGxK),
+          module.variable("cache", "cached_value", zeros, v_BxTxGxV),
+          module.variable("cache", "cached_positions", jnp.zeros, (b, t), jnp.int32),
+          module.variable("cache", "cached_valid", jnp.zeros, (b, t), bool),
+          module.variable("cache", "cache_index", jnp.zeros, (), jnp.int32))
+
+
+def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTerms, state: base.PositionState,
+                v_BxQxGxV, mask: Mask):
+  """``[B, Q, H, V]``: the Q new tokens' attention over the cache after writing their keys and values into it at
+  the next free slots (prefill: the prompt; a decode step: one token). The position terms come from the positions:
+  the queries' (``state``, continuing past the prompt) and the cached keys', so every method whose terms are a
+  function of (query position, key position, q, k) decodes exactly (RoPE and its scalings, xPos, ALiBi, T5,
+  KERPLE, FIRE, Sandwich, Shaw's key term, NoPE; a learned table up to its length). Causal in slot order; the sliding
+  window counts slots. On the dense ``xla`` formulas (:func:`posjax.kernels.xla.position_bias`, the reference)
+  whatever the layer's kernel: ``[B, H, Q, T]`` logits, for a decode step ``O(T)``."""
+  if not mask.causal:
+    raise ValueError("decoding with a cache needs a causal model (Mask.causal=True)")
+  if isinstance(terms, base.DenseLayerTerms):
+    raise ValueError(f"position method {spec.name!r} computes dense logits from q and k of equal length (or a value "
+                     "term), which a decode step's few queries against the cache cannot; decode on the full forward")
+  merged = kernels.merge(state.terms, terms.terms)
+  if merged.untied is not None:
+    raise ValueError(f"position method {spec.name!r} has TUPE's untied term, an encoder's, which decoding with a "
+                     "cache does not compute")
+  k_var, v_var, positions_var, valid_var, index_var = cache_variables(module, terms.k, v_BxQxGxV)
+  b, q = terms.q.shape[:2]
+  index = index_var.value
+  positions_BxQ = jnp.broadcast_to(state.positions, (b, q)).astype(jnp.int32)
+  valid_BxQ = jnp.ones((b, q), bool) if mask.padding is None else jnp.asarray(mask.padding, bool)
+  write = lambda var, x: jax.lax.dynamic_update_slice(var.value, x.astype(var.value.dtype),
+                                                      (0, index) + (0,) * (x.ndim - 2))
+  k_var.value = partitioning.constrain(write(k_var, terms.k), partitioning.BLHK)
+  v_var.value = partitioning.constrain(write(v_var, v_BxQxGxV), partitioning.BLHK)
+  positions_var.value, valid_var.value = write(positions_var, positions_BxQ), write(valid_var, valid_BxQ)
+  index_var.value = index + q
+  rows_Q = index + jnp.arange(q, dtype=jnp.int32)
+  k_BxTxGxK, v_BxTxGxV = k_var.value, v_var.value
+  s_BxHxQxT = terms.content_logits_against(k_BxTxGxK, spec.scale)
+  bias = kernels.xla.position_bias(merged, positions_var.value, spec.scale, terms.q, k_BxTxGxK, rows_Q)
+  s_BxHxQxT = s_BxHxQxT if bias is None else s_BxHxQxT + bias
+  allowed_Bx1xQxT = kernels.xla.allowed_pairs(valid_var.value, jnp.zeros_like(positions_var.value), True, rows_Q,
+                                              mask.sliding_window)
+  weights_BxHxQxT = kernels.xla.softmax_weights(s_BxHxQxT, allowed_Bx1xQxT)
+  return kernels.xla.weighted_values(weights_BxHxQxT, v_BxTxGxV)

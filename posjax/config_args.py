@@ -9,10 +9,13 @@ rate before it writes anything. :func:`load_config` loads a config file by path,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 import re
+import types
+import typing
 from typing import Callable
 
 import ml_collections
@@ -129,3 +132,21 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_co
       raise ValueError(f"unknown config field {key!r} (in an override or --grid)")
     target[leaf] = value
   return config
+
+
+def overridable(options) -> dict:
+  """A dataclass of options as config values that the command line can set, a None default included: such a field
+  becomes a ``placeholder`` of its annotated type (``int | None`` -> int; a tuple or list -> tuple), which
+  ``--config.<path>=VALUE`` sets and which stays None otherwise (ml_collections refuses to override a plain None)."""
+  hints = typing.get_type_hints(type(options))
+  values = {}
+  for field in dataclasses.fields(options):
+    value = getattr(options, field.name)
+    if value is None:
+      kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)] or [hints[field.name]]
+      kind = typing.get_origin(kinds[0]) or kinds[0]
+      kind = tuple if kind in (list, tuple) or isinstance(kinds[0], types.GenericAlias) else kind
+      value = ml_collections.config_dict.placeholder(kind)
+    values[field.name] = value
+  return values
+

@@ -577,6 +577,52 @@ def test_position_options_from_the_command_line(tmp_path):
   assert "cls_theta" in params["encoder"]["position"]  # the paper's extra θ vectors exist
 
 
+def test_every_position_option_can_be_set_from_the_command_line_none_defaults_included(monkeypatch):
+  """Each method's options whose default is None (RoPE's original_max_len, so scaling=llama3; T5's bidirectional;
+  the relative methods' max_distance) take a value from ``--config.model.position_options.<option>=``."""
+  import dataclasses
+  import typing
+  from absl import flags
+  from ml_collections import config_flags
+  from posjax import positions
+  examples = {int: ("7", 7), float: ("1.5", 1.5), bool: ("True", True), tuple: ("(1.0,2.0)", (1.0, 2.0))}
+  covered = set()
+  for name in positions.names():
+    options = positions.get(name).options()
+    hints = typing.get_type_hints(type(options))
+    given, want = [], {}
+    for field in dataclasses.fields(options):
+      if getattr(options, field.name) is None:
+        kind = [t for t in typing.get_args(hints[field.name]) if t is not type(None)][0]
+        text, want[field.name] = examples[typing.get_origin(kind) or kind if kind in examples else tuple]
+        given.append(f"--config.model.position_options.{field.name}={text}")
+    if not given:
+      continue
+    argv = ["main", f"--config=configs/pretrain.py:position={name},runlocal", *given]
+    monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values)
+    values(argv)
+    assert {k: values.config.model.position_options[k] for k in want} == want, name
+    covered |= {f"{name}.{k}" for k in want}
+  assert {"rope.original_max_len", "rope.short_factor", "t5.bidirectional", "shaw.max_distance"} <= covered
+
+
+def test_a_warm_start_at_a_longer_length_extends_from_the_base_runs_length(tmp_path):
+  """The base run's max_len becomes RoPE's original_max_len where the user left it None; a value given stays, and
+  ``dynamic`` (which takes none) and a warm start at the same length are left alone."""
+  from posjax.train.validate import carry_training_length
+  (tmp_path / "base").mkdir()
+  (tmp_path / "base" / "model_config.json").write_text(json.dumps({"max_len": 32}))
+  for options, length, original in [(dict(scaling="yarn", factor=4.0), 128, 32),
+                                    (dict(scaling="yarn", factor=4.0, original_max_len=64), 128, 64),
+                                    (dict(scaling="linear", factor=2.0), 32, None),
+                                    (dict(scaling="dynamic", factor=4.0), 128, None)]:
+    config = pretrain_config("runlocal,position=rope", init_from=str(tmp_path / "base"), max_len=length,
+                             **{f"model.position_options.{k}": v for k, v in options.items()})
+    assert carry_training_length(config).model.position_options.original_max_len == original, options
+
+
 @pytest.mark.parametrize("change, message", [
     ("--config.learning_rat=0.1", 'error: unknown config field --config.learning_rat; Did you mean "learning_rate" '
                                   'instead of "learning_rat"?'),

@@ -33,7 +33,7 @@ import os
 
 import ml_collections
 
-from posjax import positions
+from posjax import config_args, positions
 from posjax.data import synthetic
 from posjax.models import SIZES, BertConfig
 
@@ -49,7 +49,7 @@ def model_fields(position: str) -> ml_collections.ConfigDict:
   model.update(OWN_MODEL_FIELDS)
   model.position = position
   # A method named here brings its options (so --config.model.position_options.<option>= works); none: the init run's.
-  model.position_options = dataclasses.asdict(positions.get(position).options()) if position else {}
+  model.position_options = config_args.overridable(positions.get(position).options()) if position else {}
   return model
 
 

@@ -10,7 +10,10 @@ X any last axis.
 The TPU counterpart of :mod:`posjax.kernels.triton` (same op, same terms, same numerics; what they share:
 :mod:`posjax.kernels.tile`), shaped the way Mosaic kernels are: a ``(batch, head, tile, tile)`` grid whose last
 axis runs sequentially, q/k/v tiles brought in by BlockSpecs, running statistics in VMEM scratch; no gathers
-(Mosaic has none):
+(Mosaic has none). The tiles without an allowed pair (:func:`posjax.kernels.tile.tile_ranges`: above the causal
+diagonal, outside the sliding window, in another packed document; computed at run time, scalar-prefetched into
+SMEM) are skipped: their grid steps compute nothing and their index maps repeat the last visited block, so no copy
+is issued (as JAX's splash attention does):
 
 - the bucket table and the per-head scalars (ALiBi slopes, θ) sit in SMEM; a pair's bucket value is a select
   per table entry;
@@ -41,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, group_sum, kv_head, overlap_add,
                                  row_delta, sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads,
-                                 t_dot, untied_grads, window_table)
+                                 t_dot, tile_ranges, untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -154,18 +157,20 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
     r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
     r["misplaced"][...] = jnp.zeros(r["misplaced"].shape, jnp.float32)
 
-  tile = _Tile(plan, terms, r, b, h, i, j)
-  m_QxT = r["m"][...]  # the row maximum, replicated across the lanes
-  new_max_QxT = jnp.maximum(m_QxT, jnp.max(tile.s_QxT, axis=1, keepdims=True))
-  alpha_QxT = jnp.exp(m_QxT - new_max_QxT)
-  p_QxT = jnp.exp(tile.s_QxT - new_max_QxT)
-  v_TxV = r["v"][0, 0]
-  r["m"][...] = new_max_QxT
-  r["l"][...] = alpha_QxT * r["l"][...] + jnp.sum(p_QxT, axis=1, keepdims=True)
-  r["acc"][...] = alpha_QxT[:, :1] * r["acc"][...] + dot(tile.dropped(p_QxT).astype(v_TxV.dtype), v_TxV)
-  if terms.relative is not None:
-    bad_Qx1 = jnp.max(jnp.where(tile.allowed_QxT & tile.misplaced_QxT, 1.0, 0.0), axis=1, keepdims=True)
-    r["misplaced"][...] = jnp.maximum(r["misplaced"][...], bad_Qx1)
+  @pl.when(_visits(r, b, i, j))
+  def _():
+    tile = _Tile(plan, terms, r, b, h, i, j)
+    m_QxT = r["m"][...]  # the row maximum, replicated across the lanes
+    new_max_QxT = jnp.maximum(m_QxT, jnp.max(tile.s_QxT, axis=1, keepdims=True))
+    alpha_QxT = jnp.exp(m_QxT - new_max_QxT)
+    p_QxT = jnp.exp(tile.s_QxT - new_max_QxT)
+    v_TxV = r["v"][0, 0]
+    r["m"][...] = new_max_QxT
+    r["l"][...] = alpha_QxT * r["l"][...] + jnp.sum(p_QxT, axis=1, keepdims=True)
+    r["acc"][...] = alpha_QxT[:, :1] * r["acc"][...] + dot(tile.dropped(p_QxT).astype(v_TxV.dtype), v_TxV)
+    if terms.relative is not None:
+      bad_Qx1 = jnp.max(jnp.where(tile.allowed_QxT & tile.misplaced_QxT, 1.0, 0.0), axis=1, keepdims=True)
+      r["misplaced"][...] = jnp.maximum(r["misplaced"][...], bad_Qx1)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _():
@@ -181,19 +186,37 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   b, h, i, j = (pl.program_id(a) for a in range(4))
   accumulators = [n for n in ("dq", "du_q", "dpos") if n in r]
   _zero_on_first_step(r, accumulators, j)
-  tile = _Tile(plan, terms, r, b, h, i, j)
-  _, ds_QxT = _ds(plan, r, tile)
-  dq_QxK = plan.scale * dot(ds_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
-  rel = terms.relative
-  if rel is not None and rel.query:
-    dq_QxK = dq_QxK + plan.scale * dot(tile.unskew_query(ds_QxT), tile.window_WxK.astype(jnp.float32))
-  r["acc_dq"][...] += dq_QxK
-  d_untied_QxT, d_bucket_QxT = tile.position_grads(ds_QxT)
-  if "du_q" in r:
-    r["acc_du_q"][...] += dot(d_untied_QxT, tile.u_k_TxK.astype(jnp.float32))
-  if "dpos" in r:
-    r["acc_dpos"][...] += _position_columns(terms, tile, ds_QxT, d_bucket_QxT, r["acc_dpos"].shape)
+
+  @pl.when(_visits(r, b, i, j))
+  def _():
+    tile = _Tile(plan, terms, r, b, h, i, j)
+    _, ds_QxT = _ds(plan, r, tile)
+    dq_QxK = plan.scale * dot(ds_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
+    rel = terms.relative
+    if rel is not None and rel.query:
+      dq_QxK = dq_QxK + plan.scale * dot(tile.unskew_query(ds_QxT), tile.window_WxK.astype(jnp.float32))
+    r["acc_dq"][...] += dq_QxK
+    d_untied_QxT, d_bucket_QxT = tile.position_grads(ds_QxT)
+    if "du_q" in r:
+      r["acc_du_q"][...] += dot(d_untied_QxT, tile.u_k_TxK.astype(jnp.float32))
+    if "dpos" in r:
+      r["acc_dpos"][...] += _position_columns(terms, tile, ds_QxT, d_bucket_QxT, r["acc_dpos"].shape)
+
   _write_on_last_step(r, accumulators, j)
+
+
+def _range(r: dict, b, outer):
+  """The inner tiles ``[lo, hi)`` grid row (b, outer) visits (:func:`posjax.kernels.tile.tile_ranges`, flattened
+  ``[B, N, 2]`` in SMEM): the rest hold no allowed pair."""
+  at = (b * pl.num_programs(2) + outer) * 2
+  return r["tiles"][at], r["tiles"][at + 1]
+
+
+def _visits(r: dict, b, outer, inner):
+  """Whether grid point (b, outer, inner) computes its tile (the skipped ones keep the previous blocks: their
+  index maps clamp the inner tile into the range, so no copy is issued)."""
+  lo, hi = _range(r, b, outer)
+  return (inner >= lo) & (inner < hi)
 
 
 def _zero_on_first_step(r: dict, names, step):
@@ -250,17 +273,21 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   b, h, j, i = (pl.program_id(a) for a in range(4))
   accumulators = [n for n in ("dk", "dv", "du_k") if n in r]
   _zero_on_first_step(r, accumulators, i)
-  tile = _Tile(plan, terms, r, b, h, i, j)
-  p_QxT, ds_QxT = _ds(plan, r, tile)
-  do_QxV = r["d_out"][0, 0]
-  r["acc_dv"][...] += t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
-  dk_TxK = plan.scale * t_dot(ds_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
-  if terms.relative is not None and terms.relative.key:
-    dk_TxK = dk_TxK + plan.scale * t_dot(tile.unskew_key(ds_QxT), tile.reversed_WxK.astype(jnp.float32))
-  r["acc_dk"][...] += dk_TxK
-  if "du_k" in r:
-    d_untied_QxT, _ = tile.position_grads(ds_QxT)
-    r["acc_du_k"][...] += t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
+
+  @pl.when(_visits(r, b, j, i))
+  def _():
+    tile = _Tile(plan, terms, r, b, h, i, j)
+    p_QxT, ds_QxT = _ds(plan, r, tile)
+    do_QxV = r["d_out"][0, 0]
+    r["acc_dv"][...] += t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
+    dk_TxK = plan.scale * t_dot(ds_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
+    if terms.relative is not None and terms.relative.key:
+      dk_TxK = dk_TxK + plan.scale * t_dot(tile.unskew_key(ds_QxT), tile.reversed_WxK.astype(jnp.float32))
+    r["acc_dk"][...] += dk_TxK
+    if "du_k" in r:
+      d_untied_QxT, _ = tile.position_grads(ds_QxT)
+      r["acc_du_k"][...] += t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
+
   _write_on_last_step(r, accumulators, i)
 
 
@@ -278,7 +305,13 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
     for name in outputs:
       r[name][...] = jnp.zeros(r[name].shape, jnp.float32)
 
-  @pl.when((t >= 0) & (t < n))
+  exists = (t >= 0) & (t < n)
+  if plan.causal:  # a diagonal above the causal one holds no allowed pair (square tiles); nor one past the window
+    exists = exists & (t <= s)
+    if plan.sliding_window:
+      exists = exists & ((s - t) * plan.block_q - (plan.block_q - 1) < plan.sliding_window)
+
+  @pl.when(exists)
   def _():
     tile = _Tile(plan, terms, r, b, h, s, t)
     _, ds_QxT = _ds(plan, r, tile)
@@ -289,7 +322,8 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# pallas_call plumbing. A kernel's ``tiles(b, h, x, y)`` maps its grid to (query tile i, key tile j).
+# pallas_call plumbing. A kernel's ``tiles(b, h, x, y, ranges)`` maps its grid to (query tile i, key tile j); ``ranges``:
+# the flattened tile ranges in SMEM (scalar prefetch), which the index maps clamp the inner tile into.
 
 
 def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
@@ -297,7 +331,7 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
   bq, bk = plan.block_q, plan.block_k
   n = arrays["q"].shape[2] // bq
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-  at = lambda shape, where: pl.BlockSpec(shape, lambda *g: where(*g[:2], *tiles(*g)))
+  at = lambda shape, where: pl.BlockSpec(shape, lambda *g: where(*g[:2], *tiles(*g[:4], g[4])))
   row_block = lambda a_BxHxLxX, size: (1, 1, size, a_BxHxLxX.shape[-1])
   specs = {}
   for name, a in arrays.items():
@@ -358,33 +392,51 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   return arrays
 
 
-def _call(kernel, plan: Plan, terms: Terms, arrays: dict, outputs: dict, grid, tiles, scratch: dict | None = None):
-  """``outputs``: name → (ShapeDtypeStruct, BlockSpec); ``tiles(b, h, x, y)``: the grid point's (i, j);
-  ``scratch``: name → shape of a float32 VMEM buffer."""
+def _call(kernel, plan: Plan, terms: Terms, arrays: dict, outputs: dict, grid, tiles, scratch: dict | None = None,
+          ranges_BxNx2=None):
+  """``outputs``: name → (ShapeDtypeStruct, BlockSpec); ``tiles(b, h, x, y, ranges)``: the grid point's (i, j);
+  ``scratch``: name → shape of a float32 VMEM buffer; ``ranges``: the inner tiles each (b, outer tile) visits
+  (:func:`posjax.kernels.tile.tile_ranges`; None: all)."""
   scratch = scratch or {}
+  if ranges_BxNx2 is None:
+    ranges_BxNx2 = jnp.broadcast_to(jnp.array([0, grid[3]], jnp.int32), (grid[0], grid[2], 2))
   specs = _specs(plan, terms, arrays, tiles)
-  results = pl.pallas_call(
-      functools.partial(kernel, plan, terms, list(arrays) + list(outputs) + list(scratch)),
-      grid=grid,
-      in_specs=[specs[n] for n in arrays],
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=grid, in_specs=[specs[n] for n in arrays],
       out_specs=[spec for _, spec in outputs.values()],
+      scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch.values()])
+  results = pl.pallas_call(
+      functools.partial(kernel, plan, terms, ["tiles"] + list(arrays) + list(outputs) + list(scratch)),
+      grid_spec=grid_spec,
       out_shape=[shape for shape, _ in outputs.values()],
-      scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch.values()],
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=plan.interpret,
       name=kernel.__name__.strip("_"),
-  )(*arrays.values())
+  )(ranges_BxNx2.reshape(-1), *arrays.values())
   return dict(zip(outputs, results))
 
 
 def _rows(shape, block: int, dtype=jnp.float32, *, axis: int = 2):
   """A ``[B, H, L, X]`` output written a tile of ``block`` rows at a time (tile index: grid axis ``axis``)."""
-  spec = pl.BlockSpec((1, 1, block, shape[-1]), lambda b, h, x, y: (b, h, (x, y)[axis - 2], 0))
+  spec = pl.BlockSpec((1, 1, block, shape[-1]), lambda b, h, x, y, ranges: (b, h, (x, y)[axis - 2], 0))
   return jax.ShapeDtypeStruct(shape, dtype), spec
 
 
-_QUERY_MAJOR = lambda b, h, i, j: (i, j)
-_KEY_MAJOR = lambda b, h, j, i: (i, j)
+def _clamped(ranges, outers: int, b, outer, inner):
+  """The inner tile, clamped into the range grid row (b, outer) visits (``outers`` outer tiles per batch row): a
+  skipped step keeps its blocks."""
+  at = (b * outers + outer) * 2
+  return jnp.minimum(jnp.maximum(inner, ranges[at]), ranges[at + 1] - 1)
+
+
+def _query_major(n_q: int):
+  """Grid (b, h, query tile i, key tile j): the key tile clamped into i's range."""
+  return lambda b, h, i, j, ranges: (i, _clamped(ranges, n_q, b, i, j))
+
+
+def _key_major(n_k: int):
+  """Grid (b, h, key tile j, query tile i): the query tile clamped into j's range."""
+  return lambda b, h, j, i, ranges: (_clamped(ranges, n_k, b, j, i), j)
 
 
 def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
@@ -397,8 +449,9 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   out = _call(_forward_kernel, plan, terms, arrays,
               {"out": _rows((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype), "row_max": _rows((b, h, l, bk), bq),
                "row_sum": _rows((b, h, l, bk), bq)},
-              (b, h, l // bq, l // bk), _QUERY_MAJOR,
-              {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)})
+              (b, h, l // bq, l // bk), _query_major(l // bq),
+              {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)},
+              tile_ranges(plan, segment_ids_BxL, valid_BxL)[0])
   return out["out"], (out["row_max"], out["row_sum"])
 
 
@@ -445,24 +498,26 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   columns = _column_count(terms)
   if columns:
     dq_out["dpos"], dq_scratch["acc_dpos"] = _rows((b, h, l, columns), bq), (bq, columns)
-  dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _QUERY_MAJOR, dq_scratch)
+  key_tiles_BxNx2, query_tiles_BxMx2 = tile_ranges(plan, segment_ids_BxL, valid_BxL)
+  dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _query_major(n_q), dq_scratch, key_tiles_BxNx2)
 
   dkv_out = {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, v_BxHxLxV.shape[-1]), bk)}  # per query head
   dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
   if terms.untied is not None:
     dkv_out["du_k"], dkv_scratch["acc_du_k"] = _rows((b, h, l, d), bk), (bk, d)
-  dkv_res = _call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), _KEY_MAJOR, dkv_scratch)
+  dkv_res = _call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), _key_major(n_k), dkv_scratch,
+                  query_tiles_BxMx2)
 
   d_terms = jax.tree.map(jnp.zeros_like, terms)
   rel = terms.relative
   if rel is not None:
     window_out = {}
-    spec = pl.BlockSpec((1, 1, 1, 2 * bq, d), lambda b, h, p, s: (b, h, p, 0, 0))
+    spec = pl.BlockSpec((1, 1, 1, 2 * bq, d), lambda b, h, p, s, ranges: (b, h, p, 0, 0))
     for name, side in (("d_window", rel.query), ("d_reversed", rel.key)):
       if side:
         window_out[name] = jax.ShapeDtypeStruct((b, h, 2 * n_q - 1, 2 * bq, d), jnp.float32), spec
     # grid point (p, s) works on tile (s, s + p - (n - 1)), clamped into the sequence where it does not exist
-    diagonal = lambda b, h, p, s: (s, jnp.clip(s + p - (n_q - 1), 0, n_q - 1))
+    diagonal = lambda b, h, p, s, ranges: (s, jnp.clip(s + p - (n_q - 1), 0, n_q - 1))
     res = _call(_window_grad_kernel, plan, terms, arrays, window_out, (b, h, 2 * n_q - 1, n_q), diagonal)
     d_RxK = jnp.zeros((2 * l, d), jnp.float32)
     if "d_window" in res:

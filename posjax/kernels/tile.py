@@ -82,12 +82,72 @@ def next_power_of_two(n: int) -> int:
 
 def block_sizes(length: int, block_q: int, block_k: int) -> tuple[int, int, int]:
   """``(block_q, block_k, padded length)``: power-of-two tiles (Triton's blocks must be) no longer than the
-  sequence rounded up to a power of two, which is the padded length."""
+  sequence rounded up to a power of two, and the length padded to a multiple of both (the larger tile: a 1,100-token
+  row computes 1,152 at 128x64, not 2,048)."""
   for name, block in (("block_q", block_q), ("block_k", block_k)):
     if not isinstance(block, int) or block < 1 or block & (block - 1):
       raise ValueError(f"block_sizes: {name}={block!r} must be a positive power of two")
-  padded = next_power_of_two(length)
-  return min(block_q, padded), min(block_k, padded), padded
+  bq, bk = min(block_q, next_power_of_two(length)), min(block_k, next_power_of_two(length))
+  step = max(bq, bk)
+  return bq, bk, -(-length // step) * step
+
+
+def segment_bounds(segment_ids_BxP):
+  """``([B, P], [B, P])``: the first and the last index of each position's segment id in its row (anywhere in it:
+  exact for ids that are not contiguous runs), by a stable sort of the ids (``O(P log P)``, no ``[P, P]``)."""
+  b, p = segment_ids_BxP.shape
+  order_BxP = jnp.argsort(segment_ids_BxP, axis=1, stable=True)
+  sorted_BxP = jnp.take_along_axis(segment_ids_BxP, order_BxP, axis=1)
+  index_BxP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  change_BxQ = sorted_BxP[:, 1:] != sorted_BxP[:, :-1]
+  starts_BxP = jnp.concatenate([jnp.ones((b, 1), bool), change_BxQ], axis=1)
+  ends_BxP = jnp.concatenate([change_BxQ, jnp.ones((b, 1), bool)], axis=1)
+  # a group's first and last sorted slot (the stable sort keeps its indices rising: its first and last index)
+  start_BxP = jax.lax.cummax(jnp.where(starts_BxP, index_BxP, 0), axis=1)
+  end_BxP = jax.lax.cummin(jnp.where(ends_BxP, index_BxP, p - 1), axis=1, reverse=True)
+  inverse_BxP = jnp.argsort(order_BxP, axis=1)
+  back = lambda slot_BxP: jnp.take_along_axis(jnp.take_along_axis(order_BxP, slot_BxP, axis=1), inverse_BxP, axis=1)
+  return back(start_BxP).astype(jnp.int32), back(end_BxP).astype(jnp.int32)
+
+
+def tile_ranges(plan: Plan, segment_ids_BxP, valid_BxP):
+  """``(keys_BxNx2, queries_BxMx2)``: for each query tile the key tiles ``[lo, hi)`` it must visit, for each key tile
+  the query tiles, computed at run time from the segment ids and the mask; the tiles outside hold no allowed pair
+  (above the causal diagonal, outside the sliding window, in another packed document), so the kernels skip them.
+
+  A query row with no allowed key (a padded or masked query: every key tile of its row is masked) averages every
+  real key, as the ``xla`` path does: its query tile visits every key tile, and every key tile visits its tile
+  (``valid`` is 0 at the padding past the real length too, whose rows visit everything: never an empty row)."""
+  b, p = segment_ids_BxP.shape
+  bq, bk, w = plan.block_q, plan.block_k, plan.sliding_window
+  first_BxP, last_BxP = segment_bounds(segment_ids_BxP)
+  index_P = jnp.arange(p, dtype=jnp.int32)
+  lo_BxP, hi_BxP = first_BxP, last_BxP  # the keys of query row i
+  if plan.causal:
+    hi_BxP = jnp.minimum(hi_BxP, index_P)
+  if w:
+    lo_BxP = jnp.maximum(lo_BxP, index_P - w + 1)
+  masked_BxP = valid_BxP == 0
+  per_tile = lambda x_BxP, block: x_BxP.reshape(b, p // block, block)
+  all_keys_BxN = jnp.any(per_tile(masked_BxP, bq), axis=2)
+  keys_lo_BxN = jnp.where(all_keys_BxN, 0, jnp.min(per_tile(lo_BxP, bq), axis=2) // bk)
+  keys_hi_BxN = jnp.where(all_keys_BxN, p // bk, jnp.max(per_tile(hi_BxP, bq), axis=2) // bk + 1)
+  lo_BxP, hi_BxP = first_BxP, last_BxP  # the queries of key row j
+  if plan.causal:
+    lo_BxP = jnp.maximum(lo_BxP, index_P)
+  if w:
+    hi_BxP = jnp.minimum(hi_BxP, index_P + w - 1)
+  queries_lo_BxM = jnp.min(per_tile(lo_BxP, bk), axis=2) // bq
+  queries_hi_BxM = jnp.max(per_tile(hi_BxP, bk), axis=2) // bq + 1
+  # a masked query row of the real sequence reads every key: every key tile visits its query tile
+  real_masked_BxP = masked_BxP & (index_P < plan.length)
+  first_masked_B = jnp.min(jnp.where(real_masked_BxP, index_P, p), axis=1) // bq
+  last_masked_B = jnp.max(jnp.where(real_masked_BxP, index_P, -1), axis=1) // bq
+  any_B = jnp.any(real_masked_BxP, axis=1)
+  queries_lo_BxM = jnp.where(any_B[:, None], jnp.minimum(queries_lo_BxM, first_masked_B[:, None]), queries_lo_BxM)
+  queries_hi_BxM = jnp.where(any_B[:, None], jnp.maximum(queries_hi_BxM, last_masked_B[:, None] + 1), queries_hi_BxM)
+  return (jnp.stack([keys_lo_BxN, keys_hi_BxN], axis=2).astype(jnp.int32),
+          jnp.stack([queries_lo_BxM, queries_hi_BxM], axis=2).astype(jnp.int32))
 
 
 def _dot_general(a, b, contract, precision=None):

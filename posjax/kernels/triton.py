@@ -10,7 +10,8 @@ Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T que
 rows (``2·block``), D relative-table rows (``2k+1``), N bucket entries, P tile diagonals, X any last axis.
 
 Three Triton-style kernels over a ``(batch, head, tile)`` grid, each reading its (batch, head) rows and looping
-over the other side's tiles: the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel
+over the other side's tiles that hold an allowed pair (:func:`posjax.kernels.tile.tile_ranges`, from the segment ids
+at run time: none above the causal diagonal, outside the sliding window or in another packed document): the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel
 (one query tile against every key tile) and the ``dk/dv`` kernel (one key tile against every query tile). Every tile
 recomputes its logits from the tile's positions, segment ids and the terms' small inputs
 (:mod:`posjax.kernels.terms`), so no ``[B, H, L, L]`` array exists, forward or backward. This module holds the
@@ -55,8 +56,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import NAMES, Terms
 from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two, overlap_add, row_delta,
-                                 sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, untied_grads,
-                                 window_table)
+                                 sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, tile_ranges,
+                                 untied_grads, window_table)
 from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
@@ -73,6 +74,11 @@ def _row_spec(array_BxHxLxX, block: int | None = None, group: int = 1):
     return pl.BlockSpec((1, 1, *array_BxHxLxX.shape[2:]), lambda b, h, i: (b, kv_head(h, group), 0, 0))
   return pl.BlockSpec((1, 1, block, *array_BxHxLxX.shape[3:]),
                       lambda b, h, i: (b, h, i, *[0] * (array_BxHxLxX.ndim - 3)))
+
+
+def _range_spec():
+  """A ``[B, N, 2]`` tile range (:func:`posjax.kernels.tile.tile_ranges`): the program's tile's ``[lo, hi)``."""
+  return pl.BlockSpec((1, 1, 2), lambda b, h, i: (b, i, 0))
 
 
 def _batch_spec(array_BxL):
@@ -178,6 +184,7 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   extra = _per_head_rows(terms, q_BxHxLxK, k_BxHxLxK, plan.scale, b)
   inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, extra)
+  inputs["tiles"], specs["tiles"] = tile_ranges(plan, segment_ids_BxL, valid_BxL)[0], _range_spec()
   out = _call(forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
                "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
@@ -250,7 +257,9 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   if columns:
     n = next_power_of_two(columns)
     dq_out["dscalars"], dq_specs["dscalars"] = f32(b, h, n_q, n), partial_spec(n)
-  dq_res = _call(dq_kernel, plan, terms, inputs, specs, dq_out, dq_specs, n_q)
+  key_tiles_BxNx2, query_tiles_BxMx2 = tile_ranges(plan, segment_ids_BxL, valid_BxL)
+  dq_res = _call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
+                 dq_out, dq_specs, n_q)
 
   dkv_out = {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxHxLxV.shape[-1])}
   dkv_specs = {"dk": _row_spec(k_BxHxLxK, plan.block_k), "dv": _row_spec(v_BxHxLxV, plan.block_k)}
@@ -259,7 +268,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     dkv_specs["dke"] = _row_spec(dkv_out["dke"], plan.block_k)
   if terms.untied is not None:
     dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k_BxHxLxK, plan.block_k)
-  dkv_res = _call(dkv_kernel, plan, terms, inputs, specs, dkv_out, dkv_specs, n_k)
+  dkv_res = _call(dkv_kernel, plan, terms, {**inputs, "tiles": query_tiles_BxMx2}, {**specs, "tiles": _range_spec()},
+                  dkv_out, dkv_specs, n_k)
 
   # written per query head; a shared key/value head's gradient is the sum over its group
   dkv_res.update({name: group_sum(dkv_res[name], plan.group) for name in ("dk", "dv", "dke") if name in dkv_res})

@@ -143,7 +143,7 @@ class Tile(TileBase):
 
 
 def forward_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile against every key tile (online softmax): the output rows, and each row's maximum and sum
+  """One query tile against the key tiles it visits (online softmax): the output rows, and each row's maximum and sum
   for the backward pass (a row that a windowed relative term misread comes out NaN)."""
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
@@ -167,7 +167,7 @@ def forward_kernel(plan: Plan, terms: Terms, names, *refs):
 
   init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros((bq, value_dim), jnp.float32), jnp.zeros((bq,), jnp.float32))
-  row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, init)
+  row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = jax.lax.fori_loop(*_tiles(r), body, init)
   # A windowed relative term read index distances: rows whose positions disagree with them are NaN, not wrong.
   out_QxV = jnp.where(misplaced_Q[:, None] > 0, jnp.nan, acc_QxV / row_sum_Q[:, None])
   r["out"][0, 0, :, :] = out_QxV.astype(r["out"].dtype)
@@ -175,6 +175,12 @@ def forward_kernel(plan: Plan, terms: Terms, names, *refs):
   # m + log(l) would round back to m.
   r["row_max"][0, 0, :] = row_max_Q
   r["row_sum"][0, 0, :] = row_sum_Q
+
+
+def _tiles(r: dict):
+  """The other side's tiles ``[lo, hi)`` this program visits (:func:`posjax.kernels.tile.tile_ranges`): the rest hold
+  no allowed pair."""
+  return r["tiles"][0, 0, 0], r["tiles"][0, 0, 1]
 
 
 def _ds(plan: Plan, r: dict, tile: Tile):
@@ -243,7 +249,7 @@ def _write(out, value, rows: bool):
 
 
 def dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile against every key tile: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile partial sums
+  """One query tile against the key tiles it visits: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile partial sums
   of the scalar inputs' gradients (bucket table, θ, ALiBi slopes, KERPLE's and FIRE's scalars)."""
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
@@ -287,13 +293,13 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       acc["dscalars"] = tile.add_scalar_grads(ds_QxT, add, acc["dscalars"])
     return acc
 
-  acc = jax.lax.fori_loop(0, r["k"].shape[2] // plan.block_k, body, acc)
+  acc = jax.lax.fori_loop(*_tiles(r), body, acc)
   for name, value in acc.items():
     _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dslope", "dscalars"))
 
 
 def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One key tile against every query tile: its ``dk``, ``dv`` (and ``dke``, ``du_k``) rows."""
+  """One key tile against the query tiles that visit it: its ``dk``, ``dv`` (and ``dke``, ``du_k``) rows."""
   r = dict(zip(names, refs))
   j0 = pl.program_id(2) * plan.block_k
   bk, head_dim = plan.block_k, r["k"].shape[-1]
@@ -320,7 +326,7 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
       acc["du_k"] = acc["du_k"] + _dot_in(t_dot, d_untied_QxT, tile.u_q_QxK)
     return acc
 
-  acc = jax.lax.fori_loop(0, r["q"].shape[2] // plan.block_q, body, acc)
+  acc = jax.lax.fori_loop(*_tiles(r), body, acc)
   for name, value in acc.items():
     _write(r[name], value, rows=True)
 
@@ -344,7 +350,12 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
       acc_WxK = acc_WxK + _dot_in(t_dot, tile.unskew(ds_QxT, key=True), tile.k_TxK)
     return acc_WxK
 
-  acc_WxK = jax.lax.fori_loop(0, n - jnp.abs(diagonal), body,
+  steps = n - jnp.abs(diagonal)
+  if plan.causal:  # a diagonal above the causal one holds no allowed pair (square tiles); nor one past the window
+    nearest = jnp.where(diagonal < 0, -diagonal * block - (block - 1), 0)
+    skipped = (diagonal > 0) | ((nearest >= plan.sliding_window) if plan.sliding_window else False)
+    steps = jnp.where(skipped, 0, steps)
+  acc_WxK = jax.lax.fori_loop(0, steps, body,
                               jnp.zeros((2 * block, r["q"].shape[-1]), jnp.float32))
   r["d_window"][0, 0, 0, :, :] = plan.scale * acc_WxK
 

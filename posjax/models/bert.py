@@ -310,11 +310,12 @@ class EncoderLayer(nn.Module):
   position: str = ""
 
   @nn.compact
-  def __call__(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool):
-    y_BxLxD = partitioning.constrain(self._layer(x_BxLxD, state, mask, deterministic), partitioning.BLD)
+  def __call__(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool,
+               decode: bool = False):
+    y_BxLxD = partitioning.constrain(self._layer(x_BxLxD, state, mask, deterministic, decode), partitioning.BLD)
     return (y_BxLxD, None) if self.scanned else y_BxLxD
 
-  def _layer(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool):
+  def _layer(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool, decode: bool):
     c = self.config
     drop = lambda y: nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     spec = c.method_specs[self.position] if self.position else c.position_spec
@@ -332,6 +333,7 @@ class EncoderLayer(nn.Module):
       return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out", bias)(partitioning.constrain(h, partitioning.BLF))
 
     attention_norm, mlp_norm = _layer_norm(c, "attention_norm"), _layer_norm(c, "mlp_norm")
+    attend = functools.partial(attend, decode=decode)
     if c.parallel_residual:
       return (x_BxLxD + drop(attend(attention_norm(x_BxLxD), state, mask, deterministic))
               + drop(mlp(mlp_norm(x_BxLxD))))
@@ -350,12 +352,13 @@ def encoder_layers(config: BertConfig):
   if config.remat != "none":
     # deterministic (argument 4, counting the module) is static; CSE stays possible inside a scan (MaxText's choice).
     layer = nn.remat(EncoderLayer, policy=REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
-                     static_argnums=(4,))
+                     static_argnums=(4, 5))
   if not config.scan_layers:
     return [layer(config, position=name if config.position_schedule else "", name=f"layer_{i}")
             for i, name in enumerate(config.layer_positions)]
-  scan = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True, "dropout": True},
-                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_layers,
+  scan = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0, "cache": 0},
+                 split_rngs={"params": True, "dropout": True},
+                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_layers,
                  metadata_params={nn.PARTITION_NAME: layout.STACKED})
   return scan(config, scanned=True, name=layout.STACKED)
 
@@ -407,7 +410,9 @@ class BertEncoder(nn.Module):
       self.final_norm = _layer_norm(c, "final_norm")
 
   def __call__(self, input_ids, *, token_type_ids=None, attention_mask=None, positions=None, segment_ids=None,
-               deterministic: bool = True) -> EncoderOutput:
+               deterministic: bool = True, decode: bool = False) -> EncoderOutput:
+    """``decode``: incremental decoding with each layer's cache (:func:`posjax.attention.decode_step`; a causal
+    model; :mod:`posjax.generate` drives it): ``input_ids`` are the new tokens, ``positions`` theirs."""
     c, spec = self.config, self.config.position_spec
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
@@ -442,11 +447,11 @@ class BertEncoder(nn.Module):
                           c.sliding_window)
     x = partitioning.constrain(x, partitioning.BLD)
     if c.scan_layers:
-      x, _ = self.layers(x, state, mask, deterministic)
+      x, _ = self.layers(x, state, mask, deterministic, decode)
     else:
       states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
       for layer, name in zip(self.layers, c.layer_positions):
-        x = layer(x, states[name], mask, deterministic)
+        x = layer(x, states[name], mask, deterministic, decode)
     if c.norm == "pre":
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)

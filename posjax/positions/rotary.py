@@ -246,7 +246,9 @@ class XposOptions:
 
   max_timescale: the rotation base (10,000). scale_base: γ (512). gamma: 0.4. The official code (torchscale's
   ``XPOS``) centres the positions at the length's middle before the powers (the product is the same, the factors
-  stay near 1); posjax does too, at ``L // 2``. Meant for decoders: in an encoder the keys after a query grow
+  stay near 1). centre: where posjax centres them: ``max_len`` (default: the model's ``max_len // 2`` for every
+  call, so a decoding cache's keys, scaled once, meet each new query at the same centre) or ``length`` (the
+  batch's ``L // 2``, torchscale's; not for decoding with a cache). Meant for decoders: in an encoder the keys after a query grow
   instead of decaying. The rotation pairs feature ``f`` with ``f + d_h/2``, as posjax's RoPE (torchscale interleaves
   neighbouring features: a permutation of the head's features, the same model up to it).
   """
@@ -254,15 +256,17 @@ class XposOptions:
   max_timescale: float = 10_000.0
   scale_base: float = 512.0
   gamma: float = 0.4
+  centre: str = "max_len"
 
   def __post_init__(self):
     if not self.scale_base > 0 or not self.gamma > 0:
       raise ValueError(f"scale_base={self.scale_base} and gamma={self.gamma} must be positive")
+    base.check_choice("centre", self.centre, ("max_len", "length"))
 
 
 @flax.struct.dataclass(kw_only=True)
 class XposState(RotaryState):
-  """xPos's state: RoPE's angles and the queries' decay ``ζ^((p - L//2)/γ)``, ``[Bp, L, 1, d_h/2]`` (the keys'
+  """xPos's state: RoPE's angles and the queries' decay ``ζ^((p - c)/γ)`` (c: ``XposOptions.centre``), ``[Bp, L, 1, d_h/2]`` (the keys'
   is its inverse)."""
 
   decay: jax.Array
@@ -278,7 +282,8 @@ class XposRotation(nn.Module):
     spec, o = self.spec, self.spec.options
     sin, cos = rotation(positions_BxL, spec.head_dim, RopeOptions(max_timescale=o.max_timescale))
     zeta_F = (jnp.arange(0, spec.head_dim, 2, dtype=jnp.float32) / spec.head_dim + o.gamma) / (1.0 + o.gamma)
-    centred_BxL = (positions_BxL - positions_BxL.shape[-1] // 2).astype(jnp.float32)
+    centre = spec.max_len // 2 if o.centre == "max_len" else positions_BxL.shape[-1] // 2
+    centred_BxL = (positions_BxL - centre).astype(jnp.float32)
     decay = zeta_F ** (centred_BxL[..., None, None] / o.scale_base)
     return XposState(positions=positions_BxL, sin=sin, cos=cos, decay=decay)
 

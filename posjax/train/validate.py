@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any, Callable, NamedTuple
 
+from absl import logging
 import flax.traverse_util
 import jax
 import jax.numpy as jnp
@@ -156,10 +157,35 @@ class Prepared(NamedTuple):
   parallel: Any
 
 
+def carry_training_length(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A warm start (``init_from``) at a longer ``max_len`` than its run's, with a RoPE scaling whose
+  ``original_max_len`` the user left None: that run's ``max_len`` (the length it was trained at) becomes it, so a
+  YaRN / PI / LongRoPE fine-tune extends from the base run's length rather than from the new one. A value the user
+  gives stays; ``dynamic`` takes none (it grows from the model's ``max_len``, as Hugging Face's)."""
+  options = config.get("model", {}).get("position_options", {})
+  if (not config.get("init_from") or "original_max_len" not in options or options.original_max_len is not None
+      or options.get("scaling", "none") in ("none", "dynamic")):
+    return config
+  path = os.path.join(config.init_from, "model_config.json")
+  if not os.path.isfile(path):
+    return config  # not a posjax run: its checkpoint check below says so
+  with open(path) as f:
+    trained = json.load(f).get("max_len") or 0
+  length = config.model.get("max_len") or config.get("max_len") or 0
+  if trained and length > trained:
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+      config.model.position_options.original_max_len = int(trained)
+    logging.info("model.position_options.original_max_len=%d: the length config.init_from=%s was trained at "
+                 "(this run's max_len is %d)", trained, config.init_from, length)
+  return config
+
+
 def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callable[..., Task],
              devices=None) -> Prepared:
   """Checks ``config`` and builds what the run needs, writing nothing (see :func:`validate_everywhere`);
   ``devices``: the mesh's (default all; ahead-of-time compilation passes a target's)."""
+  config = carry_training_length(config)
   config_args.check_ranges(config, RANGES)
   lock_lib.check(workdir)
   check_workdir_config(config, workdir, write=False)

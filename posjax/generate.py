@@ -1,0 +1,163 @@
+"""Generation with a KV cache: a prefill of the prompt, then one decode step per new token, each layer attending
+over its cache (:func:`posjax.attention.decode_step`: k/v heads only, positions continuing past the prompt).
+
+  tokens = generate(module, variables, prompt_ids, max_new_tokens=32)               # greedy
+  tokens = generate(module, variables, prompt_ids, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=1)
+  module, variables, tokenizer = load("/tmp/posjax_lm")                             # a run's last checkpoint
+
+  python -m posjax.generate --workdir=RUN --prompt="the history of" --max_new_tokens=20
+
+``module`` is a causal :class:`posjax.models.BertModel` with head ``lm`` (a decoder run's, or
+:func:`posjax.convert.from_hf`'s). The result is the prompt followed by the new tokens, ``[B, P + N]`` (Hugging
+Face's ``generate`` convention). Prompts of different lengths come left-padded with ``attention_mask`` (0 at the
+padding); their positions are then ``cumsum(mask) - 1``, as Hugging Face counts them. After ``eos_id`` a row
+repeats it. The whole loop is one compiled program (``lax.fori_loop`` over the steps).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posjax.models import BertConfig, BertModel
+from posjax.train import checkpoint
+
+
+def check_options(module, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+  """One-line errors for a module that cannot generate and options out of range."""
+  config = getattr(module, "config", None)
+  if not isinstance(module, BertModel) or module.head != "lm" or not config.causal:
+    raise ValueError("generate takes a causal BertModel with head='lm' (a decoder run's model, or "
+                     "posjax.convert.from_hf's)")
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+  if not temperature >= 0:
+    raise ValueError(f"temperature={temperature!r} must be >= 0 (0: greedy)")
+  if not isinstance(top_k, int) or top_k < 0:
+    raise ValueError(f"top_k={top_k!r} must be an int >= 0 (0: off)")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1: off)")
+
+
+def sample(logits_BxV, key, temperature: float, top_k: int, top_p: float):
+  """``[B]`` int32: the argmax at ``temperature=0``, else a draw from ``softmax(logits / temperature)`` restricted to
+  the ``top_k`` most likely tokens and to the smallest set whose probability reaches ``top_p`` (nucleus)."""
+  if temperature == 0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  logits_BxV = logits_BxV.astype(jnp.float32) / temperature
+  if top_k:
+    kth_Bx1 = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][:, -1:]
+    logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+  if top_p < 1:
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    cumulative_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
+    # the last token kept: the first whose cumulative probability reaches top_p (so one token at least)
+    last_B = jnp.sum(cumulative_BxV < top_p, axis=-1)
+    cutoff_Bx1 = jnp.take_along_axis(sorted_BxV, last_B[:, None], axis=-1)
+    logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
+  return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def generate(module: BertModel, variables, prompt_ids, *, max_new_tokens: int, attention_mask=None,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             return_logits: bool = False):
+  """``[B, P + max_new_tokens]`` int32: the prompts ``[B, P]`` and their continuations (see the module docstring);
+  with ``return_logits`` also the float32 logits each new token was drawn from, ``[B, max_new_tokens, V]`` (before
+  temperature and filtering; Hugging Face's ``output_logits``)."""
+  check_options(module, max_new_tokens, temperature, top_k, top_p)
+  prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
+  if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
+    raise ValueError(f"prompt_ids has shape {prompt_ids.shape}; expected [batch, length >= 1]")
+  b, p = prompt_ids.shape
+  total = p + max_new_tokens
+  module.config.position_spec.check_length(total)
+  mask_BxP = jnp.ones((b, p), bool) if attention_mask is None else jnp.asarray(attention_mask, bool)
+  if mask_BxP.shape != (b, p):
+    raise ValueError(f"attention_mask has shape {mask_BxP.shape}; expected the prompt's {(b, p)}")
+  tokens, logits = _generate(module, {"params": variables["params"]}, prompt_ids, mask_BxP, max_new_tokens,
+                             float(temperature), top_k, float(top_p), jnp.uint32(seed),
+                             -1 if eos_id is None else int(eos_id))
+  return (tokens, logits) if return_logits else tokens
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9))
+def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id):
+  b, p = prompt_BxP.shape
+  cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+      lambda: module.init(jax.random.key(0), jnp.zeros((b, p + steps), jnp.int32), decode=True))["cache"])
+  positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP.astype(jnp.int32), axis=1) - 1, 0)
+  out, mutated = module.apply({**variables, "cache": cache}, prompt_BxP, positions=positions_BxP,
+                              attention_mask=mask_BxP, decode=True, mutable=["cache"])
+  key = jax.random.key(seed)
+  first_BxV = out.logits[:, -1].astype(jnp.float32)
+  tokens_BxN = jnp.zeros((b, steps), jnp.int32).at[:, 0].set(
+      sample(first_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p))
+  logits_BxNxV = jnp.zeros((b, steps, first_BxV.shape[-1]), jnp.float32).at[:, 0].set(first_BxV)
+
+  def step(t, carry):
+    tokens_BxN, logits_BxNxV, cache, position_B, done_B = carry
+    token_B = tokens_BxN[:, t - 1]
+    out, mutated = module.apply({**variables, "cache": cache}, token_B[:, None], positions=position_B[:, None],
+                                decode=True, mutable=["cache"])
+    logits_BxV = out.logits[:, -1].astype(jnp.float32)
+    next_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
+    done_B = done_B | (token_B == eos_id)
+    next_B = jnp.where(done_B, eos_id, next_B)
+    return (tokens_BxN.at[:, t].set(next_B), logits_BxNxV.at[:, t].set(logits_BxV), mutated["cache"],
+            position_B + 1, done_B)
+
+  last_B = positions_BxP[:, -1]
+  tokens_BxN, logits_BxNxV, *_ = jax.lax.fori_loop(1, steps, step, (tokens_BxN, logits_BxNxV, mutated["cache"],
+                                                                    last_B + 1, jnp.zeros((b,), bool)))
+  return jnp.concatenate([prompt_BxP, tokens_BxN], axis=1), logits_BxNxV
+
+
+def load(workdir: str, step: int | None = None):
+  """``(module, variables, tokenizer)`` of a run (a training run's or ``hf-to-posjax``'s workdir): its model
+  (``model_config.json``), the parameters of its last kept checkpoint (or ``step``) and its tokenizer (None where the
+  run has none)."""
+  from posjax.data.tokenizer import Tokenizer
+  values = checkpoint.read_model_config(workdir)
+  config = BertConfig(**{**values, "attention_kernel": "xla", "kernel_platform": ""})
+  params = checkpoint.load_params(workdir, step)
+  vocab = checkpoint.vocab_file_of(workdir)
+  tokenizer = Tokenizer.load(vocab) if vocab else None
+  return BertModel(config, head="lm"), {"params": params}, tokenizer
+
+
+def main(argv=None) -> int:
+  import argparse
+  parser = argparse.ArgumentParser(prog="python -m posjax.generate", description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", required=True, help="a decoder run (training or hf-to-posjax)")
+  parser.add_argument("--prompt", required=True, help="the text to continue")
+  parser.add_argument("--max_new_tokens", type=int, default=32)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+  parser.add_argument("--top_k", type=int, default=0)
+  parser.add_argument("--top_p", type=float, default=1.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--step", type=int, default=None, help="a kept checkpoint step (default: the last)")
+  args = parser.parse_args(argv)
+  try:
+    module, variables, tokenizer = load(args.workdir, args.step)
+    if tokenizer is None:
+      raise ValueError(f"--workdir={args.workdir!r} has no tokenizer (vocab.txt or tokenizer.json beside it, or "
+                       "data.vocab_file in its config.json)")
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+      raise ValueError(f"--prompt={args.prompt!r} encodes to no tokens")
+    tokens = generate(module, variables, np.asarray([ids]), max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  new = [int(t) for t in np.asarray(tokens)[0, len(ids):]]
+  print(tokenizer.backend.decode(ids + new, skip_special_tokens=False))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,133 @@
+"""Generation with a KV cache: every decoder-form position method's greedy tokens and step logits equal the full
+forward's at every position (a causal model's logits at t depend only on tokens <= t, so one forward over the
+generated sequence is the loop that reruns the model for every new token); grouped k/v in the cache, a sliding
+window shorter than the sequence, scanned layers, left-padded prompts, sampling, Hugging Face's own ``generate``
+for a converted Llama, and the command line."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import generate
+from posjax.models import BertConfig, BertModel
+
+# one layer per method (a position schedule): every decoder form in one model
+SCHEDULE = "rope,alibi,t5,kerple_log,fire,sandwich,xpos,kerple_power,shaw,none"
+
+
+def decoder(**fields):
+  config = BertConfig.decoder(**{**dict(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                        intermediate_size=48, max_len=64, dtype="float32"), **fields})
+  module = BertModel(config, head="lm")
+  variables = jax.jit(module.init)(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
+  # every parameter away from its initial value, so no position term starts at zero
+  leaves, tree = jax.tree.flatten(variables)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  variables = tree.unflatten([x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+  return module, variables
+
+
+@pytest.mark.parametrize("fields", [
+    dict(num_layers=len(SCHEDULE.split(",")), position_schedule=SCHEDULE),
+    dict(position="absolute", scan_layers=True, sliding_window=4),
+    dict(position="rope", sliding_window=3, position_options={"scaling": "yarn", "factor": 2.0,
+                                                              "original_max_len": 8}),
+])
+def test_greedy_tokens_and_step_logits_equal_the_full_forward(fields):
+  module, variables = decoder(**fields)
+  prompt = np.random.default_rng(0).integers(0, 61, (2, 5))
+  tokens, cached = (np.asarray(x) for x in generate.generate(module, variables, prompt, max_new_tokens=9,
+                                                              return_logits=True))
+  assert tokens.shape == (2, 14) and (tokens[:, :5] == prompt).all()
+  full = np.asarray(jax.jit(module.apply)(variables, jnp.asarray(tokens)).logits)
+  np.testing.assert_array_equal(tokens[:, 5:], np.argmax(full[:, 4:-1], axis=-1))
+  np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
+  cache = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((2, 14), jnp.int32), decode=True))["cache"]
+  layer = cache["encoder"]["layers"] if fields.get("scan_layers") else cache["encoder"]["layer_0"]
+  assert layer["attention"]["cached_key"].shape[-3:] == (14, 2, 8)  # k/v heads only (GQA)
+
+
+def test_left_padded_prompts_continue_as_each_prompt_alone():
+  module, variables = decoder(position="rope")
+  rng = np.random.default_rng(1)
+  short, long = rng.integers(0, 61, 3), rng.integers(0, 61, 6)
+  batch = np.stack([np.concatenate([[0, 0, 0], short]), long])
+  mask = np.array([[0, 0, 0, 1, 1, 1], [1] * 6])
+  both = np.asarray(generate.generate(module, variables, batch, attention_mask=mask, max_new_tokens=5))
+  alone = np.asarray(generate.generate(module, variables, short[None], max_new_tokens=5))
+  np.testing.assert_array_equal(both[0, 6:], alone[0, 3:])
+  np.testing.assert_array_equal(both[1, 6:], np.asarray(generate.generate(module, variables, long[None],
+                                                                          max_new_tokens=5))[0, 6:])
+
+
+def test_sampling_follows_its_options():
+  module, variables = decoder(position="alibi")
+  prompt = np.random.default_rng(2).integers(0, 61, (3, 4))
+  run = lambda **options: np.asarray(generate.generate(module, variables, prompt, max_new_tokens=12, **options))
+  greedy = run()
+  np.testing.assert_array_equal(run(temperature=1.0, top_k=1, seed=3), greedy)  # one candidate: the argmax
+  np.testing.assert_array_equal(run(temperature=1.0, top_p=1e-6, seed=3), greedy)  # the nucleus of one token
+  hot = run(temperature=2.0, seed=3)
+  np.testing.assert_array_equal(run(temperature=2.0, seed=3), hot)
+  assert (hot != run(temperature=2.0, seed=4)).any() and (hot != greedy).any()
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  draws = {int(generate.sample(logits, jax.random.key(s), 1.0, 0, 0.7)[0]) for s in range(200)}
+  assert draws == {0, 1}  # 0.5 < 0.7 <= 0.8: the two most likely tokens
+  eos = int(greedy[0, 6])
+  stopped = np.asarray(generate.generate(module, variables, prompt, max_new_tokens=12, eos_id=eos))
+  assert (stopped[0, 6:] == eos).all() and (stopped[0, :7] == greedy[0, :7]).all()
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(causal=False), "generate takes a causal BertModel with head='lm'"),
+    (dict(position="huang_m1"), "position method 'huang_m1' computes dense logits"),
+    (dict(position="tupe_a"), "TUPE's untied term"),
+    (dict(position="absolute", max_len=16), "learned table of max_len=16 positions"),
+])
+def test_what_cannot_decode_is_an_error(fields, message):
+  module, variables = decoder(**fields)
+  with pytest.raises(ValueError, match=message):
+    generate.generate(module, variables, np.zeros((1, 4), np.int32), max_new_tokens=14)
+
+
+def test_bad_options_are_errors():
+  module, variables = decoder()
+  for options, message in [(dict(max_new_tokens=0), "max_new_tokens=0 must be an int >= 1"),
+                           (dict(max_new_tokens=2, top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+                           (dict(max_new_tokens=2, temperature=-1.0), "temperature=-1.0 must be >= 0")]:
+    with pytest.raises(ValueError, match=message):
+      generate.generate(module, variables, np.zeros((1, 4), np.int32), **options)
+
+
+def test_a_converted_llama_generates_hugging_faces_tokens_and_from_the_command_line(tmp_path, capsys):
+  transformers = pytest.importorskip("transformers")
+  torch = pytest.importorskip("torch")
+  from posjax import convert
+  from posjax.convert import __main__ as cli
+  torch.manual_seed(0)
+  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager"))
+  with torch.no_grad():
+    for parameter in hf.parameters():
+      parameter.add_(0.2 * torch.randn_like(parameter))
+  hf.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
+  prompt = np.random.default_rng(3).integers(0, 97, (2, 7))
+  with torch.no_grad():
+    want = hf.generate(torch.from_numpy(prompt), max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                       pad_token_id=0).numpy()
+  module, variables = convert.from_hf(tmp_path / "hf")
+  np.testing.assert_array_equal(np.asarray(generate.generate(module, variables, prompt, max_new_tokens=10)), want)
+
+  assert cli.main(["hf-to-posjax", "--from", str(tmp_path / "hf"), "--workdir", str(tmp_path / "run")]) == 0
+  pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(92)]
+  (tmp_path / "run" / "vocab.txt").write_text("\n".join(pieces) + "\n")
+  assert json.loads((tmp_path / "run" / "model_config.json").read_text())["vocab_size"] == 97
+  capsys.readouterr()
+  assert generate.main(["--workdir", str(tmp_path / "run"), "--prompt", "w3 w7 w1", "--max_new_tokens", "4"]) == 0
+  ids = [pieces.index(p) for p in ("w3", "w7", "w1")]
+  expected = np.asarray(generate.generate(module, variables, np.asarray([ids]), max_new_tokens=4))[0]
+  assert capsys.readouterr().out.split() == [pieces[i] for i in expected]
