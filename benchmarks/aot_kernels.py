@@ -3,6 +3,10 @@ length, whether forward + backward compile, how long the compile takes, and on a
 spill stores and shared memory (against the 232,448 B an sm_90 block may opt into).
 
   python benchmarks/aot_kernels.py --targets=h100,v5e:2x2,v6e:2x2 --lengths=512,2048
+  python benchmarks/aot_kernels.py --cases=none,alibi --mask=window:512 --lengths=4096   # causal, windowed
+
+``--mask``: ``full`` (default), ``causal`` or ``window:W`` (causal in a sliding window of W: the kernels skip the
+tiles it rules out, their loops bounded by run-time tile ranges).
 
 Each case compiles in its own process (ptxas runs single-threaded in child processes; a case past ``--timeout``
 is killed with its children and shown as such). Shapes: batch 2, 12 heads, head dim 64, bf16, the op's default
@@ -61,7 +65,19 @@ def terms_for(case: str, length: int, heads: int, head_dim: int):
   }[case]()
 
 
-def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | None = None) -> dict:
+def mask_options(mask: str) -> dict:
+  """``relative_attention``'s mask arguments of a ``--mask`` value."""
+  if mask == "full":
+    return {}
+  if mask == "causal":
+    return {"causal": True}
+  if mask.startswith("window:") and mask[7:].isdigit():
+    return {"causal": True, "sliding_window": int(mask[7:])}
+  raise ValueError(f"--mask={mask!r}; allowed: full, causal, window:W")
+
+
+def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | None = None,
+           mask: str = "full") -> dict:
   """Compiles one case (in this process) and returns what the compiler reported."""
   aot.setup()
   target = targets.devices(target_name)
@@ -76,7 +92,7 @@ def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | N
 
   def loss(q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, platform=target.platform, interpret=False,
-                                     block_sizes=blocks)
+                                     block_sizes=blocks, **mask_options(mask))
     return jnp.sum(out.astype(jnp.float32))
 
   dump = tempfile.mkdtemp(prefix="aot-kernels-")
@@ -96,9 +112,9 @@ def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | N
           "kernels": {name: vars(found[name]) for name in KERNELS if name in found}}
 
 
-def run_case(case: str, target: str, length: int, blocks: str, timeout: float) -> dict:
+def run_case(case: str, target: str, length: int, blocks: str, timeout: float, mask: str = "full") -> dict:
   """:func:`worker` in a child process group, killed whole past ``timeout`` seconds."""
-  command = [sys.executable, __file__, f"--worker={case},{target},{length},{blocks}"]
+  command = [sys.executable, __file__, f"--worker={case},{target},{length},{blocks},{mask}"]
   start = time.perf_counter()
   finished = common.run_in_group(command, timeout)
   if finished is None:
@@ -123,13 +139,15 @@ def main():
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--blocks", default="default", help="tiles, e.g. default,128x128,256x256")
   parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
+  parser.add_argument("--mask", default="full", help="full, causal or window:W")
   parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
-    case, target, length, blocks = args.worker.split(",")
+    case, target, length, blocks, mask = args.worker.split(",")
     tiles = None if blocks == "default" else tuple(int(n) for n in blocks.split("x"))
-    print(json.dumps(worker(case, target, int(length), tiles)))
+    print(json.dumps(worker(case, target, int(length), tiles, mask)))
     return
+  mask_options(args.mask)
   cases = args.cases.split(",")
   unknown = sorted(set(cases) - set(CASES))
   if unknown:
@@ -139,7 +157,7 @@ def main():
   for case in cases:
     for length in ([40] if case == "wide" else [int(n) for n in args.lengths.split(",")]):
       for target, blocks in ((t, b) for t in args.targets.split(",") for b in args.blocks.split(",")):
-        r = run_case(case, target, length, blocks, args.timeout)
+        r = run_case(case, target, length, blocks, args.timeout, args.mask)
         k = r.get("kernels", {})
         seconds = f"{r['seconds']:.0f}" if "seconds" in r else ""
         print(f"| {case} | {length} | {target} | {r.get('tiles', blocks)} | {r['result']} | {seconds} | "

@@ -57,7 +57,7 @@ class Mask:
     causal: query i attends to keys j <= i only (token order; a decoder). Every kernel takes it.
     sliding_window: with ``causal``, query i attends to the ``sliding_window`` keys ``i - W < j <= i`` only (token
       order, the query's own included: Mistral's, Hugging Face's ``sliding_window``); 0: no window. Every kernel
-      takes it (as a mask: the kernels do not skip the tiles it rules out yet).
+      takes it; the Pallas kernels skip the tiles it rules out.
   """
 
   padding: jax.Array | None = None

@@ -16,6 +16,7 @@ repeats it. The whole loop is one compiled program (``lax.fori_loop`` over the s
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
 from posjax.train import checkpoint
 
@@ -120,7 +122,6 @@ def load(workdir: str, step: int | None = None):
   """``(module, variables, tokenizer)`` of a run (a training run's or ``hf-to-posjax``'s workdir): its model
   (``model_config.json``), the parameters of its last kept checkpoint (or ``step``) and its tokenizer (None where the
   run has none)."""
-  from posjax.data.tokenizer import Tokenizer
   values = checkpoint.read_model_config(workdir)
   config = BertConfig(**{**values, "attention_kernel": "xla", "kernel_platform": ""})
   params = checkpoint.load_params(workdir, step)
@@ -130,7 +131,7 @@ def load(workdir: str, step: int | None = None):
 
 
 def main(argv=None) -> int:
-  import argparse
+  """``python -m posjax.generate``: a run's continuation of ``--prompt``, printed; 2 and one line on a mistake."""
   parser = argparse.ArgumentParser(prog="python -m posjax.generate", description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", required=True, help="a decoder run (training or hf-to-posjax)")
   parser.add_argument("--prompt", required=True, help="the text to continue")

@@ -14,8 +14,12 @@ Grouped-query attention (Ainslie et al. 2023) and multi-query attention: k and v
 query head h reads key/value head ``h // (H / G)`` (an index map in the kernels, a grouped product on the ``xla``
 path: no repeated k/v), and a shared head's gradients are the sums over its group.
 
-Shapes: B batch, L length, H heads, G key/value heads, K head dim, V value head dim, P padded length (a power of
-two), X any last axis, S any shape.
+Tiles without an allowed pair are not computed, forward or backward: above the causal diagonal, outside the sliding
+window, between different packed documents (the tile ranges come from the segment ids at run time,
+:func:`posjax.kernels.tile.tile_ranges`).
+
+Shapes: B batch, L length, H heads, G key/value heads, K head dim, V value head dim, P padded length (a multiple of
+the tiles), X any last axis, S any shape.
 
 The package depends on no position method: the formulas the terms stand for are :mod:`posjax.kernels.terms`',
 which the position methods import from it.
@@ -63,11 +67,12 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
     causal: key j only for queries i >= j (token order).
     sliding_window: with ``causal``, key j only for queries ``j <= i < j + sliding_window`` (Mistral's window, in
-      token order); 0: none. A mask: the kernels still visit the tiles it rules out.
+      token order); 0: none. The kernels skip the tiles it rules out, as they skip those above the causal diagonal
+      and those between different packed documents (:func:`posjax.kernels.tile.tile_ranges`, at run time).
     implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile, powers of two (default
       per backend and terms: ``triton.default_block_sizes`` / ``mosaic.default_block_sizes``, chosen from what
-      compiles and fits on H100 and TPU v5e/v6e); the sequence is padded to a power of two (as are head dimensions
-      and table rows: Triton's arrays must be).
+      compiles and fits on H100 and TPU v5e/v6e); the sequence is padded to a multiple of the tiles (head
+      dimensions and table rows to powers of two: Triton's arrays must be).
     interpret: run the kernels in a Pallas interpreter: True (the GPU kernels in the generic one) or ``"tpu"``
       (the TPU kernels in the Mosaic TPU interpreter, ``pltpu.InterpretParams()``); False compiles them for the
       device (Triton on GPU, Mosaic on TPU). Default: interpret on a CPU (the GPU kernels), compile elsewhere.
@@ -158,8 +163,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     raise ValueError(f"the TPU kernels need a query block that is a multiple of 8 and a key block that is a "
                      f"multiple of 128 (or blocks as long as the padded sequence, {padded}); the tiles are "
                      f"{bq}x{bk} (block_sizes={tuple(block_sizes)})")
-  # Power-of-two sizes everywhere (Triton's arrays must be): the sequence, head dimensions and the tables' rows,
-  # padded with zeros that change no logit (padded keys are masked) and get no gradient.
+  # The sequence padded to the tiles, head dimensions and the tables' rows to powers of two (Triton's arrays must
+  # be), with zeros that change no logit (padded keys are masked) and get no gradient.
   pad = lambda x_S, axis, size: jnp.pad(x_S, [(0, size - x_S.shape[a] if a == axis else 0) for a in range(x_S.ndim)])
   pow2 = tile.next_power_of_two
   head_dim, value_dim = pow2(d), pow2(v_BxLxGxK.shape[-1])
