@@ -1,0 +1,63 @@
+"""The decode step's compiled memory, ahead of time on this CPU: one new token per row against a KV cache of
+``--context`` slots for a Llama-family decoder (``configs/lm.py``'s sizes), bf16 parameters and cache, on one device
+of each target (``make aot``'s compilers). Prints the cache's size and XLA's memory analysis per target.
+
+  python benchmarks/decode_memory.py --size=1b --context=32768 --batch=1 --targets=h100,v5e:2x2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from posjax.aot import compile as aot
+from posjax.aot import targets
+from posjax.models import DECODER_SIZES, BertConfig, BertModel
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", default="1b", choices=list(DECODER_SIZES))
+  parser.add_argument("--context", type=int, default=32768)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--vocab", type=int, default=128_256)
+  parser.add_argument("--targets", default="h100,v5e:2x2")
+  args = parser.parse_args()
+  aot.setup()
+  config = BertConfig.decoder(**DECODER_SIZES[args.size], vocab_size=args.vocab, max_len=args.context,
+                              dtype="bfloat16", param_dtype="bfloat16")
+  module = BertModel(config, head="lm")
+  b, t = args.batch, args.context
+  shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((b, t), jnp.int32), decode=True))
+  cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["cache"]))
+  params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["params"]))
+
+  def step(params, cache, token_Bx1, position_Bx1):
+    out, mutated = module.apply({"params": params, "cache": cache}, token_Bx1, positions=position_Bx1, decode=True,
+                                mutable=["cache"])
+    return jnp.argmax(out.logits[:, -1], axis=-1), mutated["cache"]
+
+  print(f"{args.size} decoder ({config.num_layers} layers x {config.hidden_size}, {config.num_heads} query / "
+        f"{config.num_kv_heads} k/v heads), vocabulary {args.vocab}, batch {b}, cache {t} slots, bf16; "
+        f"parameters {params_bytes / 2**30:.2f} GiB, cache {cache_bytes / 2**30:.2f} GiB\n")
+  print("| target | arguments | outputs | temporaries | total (cache donated) |")
+  print("|---|---|---|---|---|")
+  for name in args.targets.split(","):
+    target = targets.devices(name)
+    device = jax.sharding.SingleDeviceSharding(target.devices[0])
+    on = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
+    token = jax.ShapeDtypeStruct((b, 1), jnp.int32, sharding=device)
+    compiled = jax.jit(step, donate_argnums=(1,)).trace(on(shapes["params"]), on(shapes["cache"]), token,
+                                                        token).lower().compile()
+    memory = compiled.memory_analysis()
+    gib = lambda n: f"{n / 2**30:.2f} GiB"
+    total = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes \
+        - memory.alias_size_in_bytes
+    print(f"| {name} | {gib(memory.argument_size_in_bytes)} | {gib(memory.output_size_in_bytes)} | "
+          f"{gib(memory.temp_size_in_bytes)} | {gib(total)} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
