@@ -366,9 +366,7 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   index_var.value = index + q
   rows_Q = index + jnp.arange(q, dtype=jnp.int32)
   k_BxTxGxK, v_BxTxGxV = k_var.value, v_var.value
-  s_BxHxQxT = terms.content_logits_against(k_BxTxGxK, spec.scale)
-  bias = kernels.xla.position_bias(merged, positions_var.value, spec.scale, terms.q, k_BxTxGxK, rows_Q)
-  s_BxHxQxT = s_BxHxQxT if bias is None else s_BxHxQxT + bias
+  s_BxHxQxT = kernels.xla.logits(terms.q, k_BxTxGxK, merged, positions_var.value, spec.scale, rows_Q)
   allowed_Bx1xQxT = kernels.xla.allowed_pairs(valid_var.value, jnp.zeros_like(positions_var.value), True, rows_Q,
                                               mask.sliding_window)
   weights_BxHxQxT = kernels.xla.softmax_weights(s_BxHxQxT, allowed_Bx1xQxT)

@@ -14,7 +14,6 @@ import importlib.util
 import math
 import os
 import re
-import types
 import typing
 from typing import Callable
 
@@ -145,7 +144,7 @@ def overridable(options) -> dict:
     if value is None:
       kinds = [t for t in typing.get_args(hints[field.name]) if t is not type(None)] or [hints[field.name]]
       kind = typing.get_origin(kinds[0]) or kinds[0]
-      kind = tuple if kind in (list, tuple) or isinstance(kinds[0], types.GenericAlias) else kind
+      kind = tuple if kind in (list, tuple) else kind
       value = ml_collections.config_dict.placeholder(kind)
     values[field.name] = value
   return values

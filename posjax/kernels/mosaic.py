@@ -43,8 +43,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, group_sum, kv_head, overlap_add,
-                                 row_delta, sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads,
-                                 t_dot, tile_ranges, untied_grads, window_table)
+                                 diagonal_may_hold_pairs, row_delta, sandwich_embeddings, scalar_count, scalar_rows,
+                                 scalar_term_grads, t_dot, tile_ranges, untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -205,17 +205,17 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   _write_on_last_step(r, accumulators, j)
 
 
-def _range(r: dict, b, outer):
+def _range(ranges, outers, b, outer):
   """The inner tiles ``[lo, hi)`` grid row (b, outer) visits (:func:`posjax.kernels.tile.tile_ranges`, flattened
-  ``[B, N, 2]`` in SMEM): the rest hold no allowed pair."""
-  at = (b * pl.num_programs(2) + outer) * 2
-  return r["tiles"][at], r["tiles"][at + 1]
+  ``[B, N, 2]`` in SMEM, ``outers = N`` outer tiles per batch row): the rest hold no allowed pair."""
+  at = (b * outers + outer) * 2
+  return ranges[at], ranges[at + 1]
 
 
 def _visits(r: dict, b, outer, inner):
   """Whether grid point (b, outer, inner) computes its tile (the skipped ones keep the previous blocks: their
   index maps clamp the inner tile into the range, so no copy is issued)."""
-  lo, hi = _range(r, b, outer)
+  lo, hi = _range(r["tiles"], pl.num_programs(2), b, outer)
   return (inner >= lo) & (inner < hi)
 
 
@@ -305,13 +305,7 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
     for name in outputs:
       r[name][...] = jnp.zeros(r[name].shape, jnp.float32)
 
-  exists = (t >= 0) & (t < n)
-  if plan.causal:  # a diagonal above the causal one holds no allowed pair (square tiles); nor one past the window
-    exists = exists & (t <= s)
-    if plan.sliding_window:
-      exists = exists & ((s - t) * plan.block_q - (plan.block_q - 1) < plan.sliding_window)
-
-  @pl.when(exists)
+  @pl.when((t >= 0) & (t < n) & diagonal_may_hold_pairs(plan, p - (n - 1)))
   def _():
     tile = _Tile(plan, terms, r, b, h, s, t)
     _, ds_QxT = _ds(plan, r, tile)
@@ -423,10 +417,10 @@ def _rows(shape, block: int, dtype=jnp.float32, *, axis: int = 2):
 
 
 def _clamped(ranges, outers: int, b, outer, inner):
-  """The inner tile, clamped into the range grid row (b, outer) visits (``outers`` outer tiles per batch row): a
-  skipped step keeps its blocks."""
-  at = (b * outers + outer) * 2
-  return jnp.minimum(jnp.maximum(inner, ranges[at]), ranges[at + 1] - 1)
+  """The inner tile, clamped into the range grid row (b, outer) visits (:func:`_range`): a skipped step keeps its
+  blocks."""
+  lo, hi = _range(ranges, outers, b, outer)
+  return jnp.minimum(jnp.maximum(inner, lo), hi - 1)
 
 
 def _query_major(n_q: int):
@@ -446,13 +440,14 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   bq, bk = plan.block_q, plan.block_k
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {})
+  ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
   out = _call(_forward_kernel, plan, terms, arrays,
               {"out": _rows((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype), "row_max": _rows((b, h, l, bk), bq),
                "row_sum": _rows((b, h, l, bk), bq)},
               (b, h, l // bq, l // bk), _query_major(l // bq),
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)},
-              tile_ranges(plan, segment_ids_BxL, valid_BxL)[0])
-  return out["out"], (out["row_max"], out["row_sum"])
+              ranges[0])
+  return out["out"], ((out["row_max"], out["row_sum"]), ranges)
 
 
 def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
@@ -474,15 +469,15 @@ def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL
 
 def _attention_fwd(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH):
-  out_BxHxLxV, stats = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
-                                valid_BxL, salts_BxH)
+  out_BxHxLxV, (stats, ranges) = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
+                                          segment_ids_BxL, valid_BxL, salts_BxH)
   return out_BxHxLxV, (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                       salts_BxH, out_BxHxLxV, stats)
+                       salts_BxH, out_BxHxLxV, stats, ranges)
 
 
 def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, out_BxHxLxV,
-   (row_max_BxHxLxT, row_sum_BxHxLxT)) = residuals
+   (row_max_BxHxLxT, row_sum_BxHxLxT), (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
   terms = plan.terms(leaves)
   b, h, l, d = q_BxHxLxK.shape
   bq, bk = plan.block_q, plan.block_k
@@ -498,7 +493,6 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   columns = _column_count(terms)
   if columns:
     dq_out["dpos"], dq_scratch["acc_dpos"] = _rows((b, h, l, columns), bq), (bq, columns)
-  key_tiles_BxNx2, query_tiles_BxMx2 = tile_ranges(plan, segment_ids_BxL, valid_BxL)
   dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _query_major(n_q), dq_scratch, key_tiles_BxNx2)
 
   dkv_out = {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, v_BxHxLxV.shape[-1]), bk)}  # per query head

@@ -110,6 +110,16 @@ def segment_bounds(segment_ids_BxP):
   return back(start_BxP).astype(jnp.int32), back(end_BxP).astype(jnp.int32)
 
 
+def diagonal_may_hold_pairs(plan: Plan, diagonal):
+  """Whether the tile diagonal ``key tile - query tile = diagonal`` (square tiles) can hold an allowed pair: not above
+  the causal one, nor (sliding window) one whose nearest pair is ``sliding_window`` tokens apart or more."""
+  if not plan.causal:
+    return jnp.bool_(True)
+  nearest = -diagonal * plan.block_q - (plan.block_q - 1)  # the smallest i - j of a diagonal below the main one
+  below_window = nearest < plan.sliding_window if plan.sliding_window else True
+  return (diagonal <= 0) & ((diagonal == 0) | below_window)
+
+
 def tile_ranges(plan: Plan, segment_ids_BxP, valid_BxP):
   """``(keys_BxNx2, queries_BxMx2)``: for each query tile the key tiles ``[lo, hi)`` it must visit, for each key tile
   the query tiles, computed at run time from the segment ids and the mask; the tiles outside hold no allowed pair

@@ -10,8 +10,9 @@ Shapes: B batch, H heads, L padded length, K head dim, V value head dim, Q/T que
 rows (``2·block``), D relative-table rows (``2k+1``), N bucket entries, P tile diagonals, X any last axis.
 
 Three Triton-style kernels over a ``(batch, head, tile)`` grid, each reading its (batch, head) rows and looping
-over the other side's tiles that hold an allowed pair (:func:`posjax.kernels.tile.tile_ranges`, from the segment ids
-at run time: none above the causal diagonal, outside the sliding window or in another packed document): the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel
+over the other side's tiles that hold an allowed pair (:func:`posjax.kernels.tile.tile_ranges`, from the segment
+ids at run time, computed once in the forward: none above the causal diagonal, outside the sliding window or in
+another packed document): the forward (online softmax; saves each row's maximum and sum), the ``dq`` kernel
 (one query tile against every key tile) and the ``dk/dv`` kernel (one key tile against every query tile). Every tile
 recomputes its logits from the tile's positions, segment ids and the terms' small inputs
 (:mod:`posjax.kernels.terms`), so no ``[B, H, L, L]`` array exists, forward or backward. This module holds the
@@ -184,7 +185,8 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   extra = _per_head_rows(terms, q_BxHxLxK, k_BxHxLxK, plan.scale, b)
   inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, extra)
-  inputs["tiles"], specs["tiles"] = tile_ranges(plan, segment_ids_BxL, valid_BxL)[0], _range_spec()
+  ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
+  inputs["tiles"], specs["tiles"] = ranges[0], _range_spec()
   out = _call(forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
                "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
@@ -193,7 +195,7 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
                "row_max": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i)),
                "row_sum": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))},
               l // plan.block_q)
-  return out["out"], ((out["row_max"], out["row_sum"]), extra)
+  return out["out"], ((out["row_max"], out["row_sum"]), extra, ranges)
 
 
 def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
@@ -219,15 +221,15 @@ def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL
 
 def _attention_fwd(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH):
-  out_BxHxLxV, (stats, extra) = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
-                                         segment_ids_BxL, valid_BxL, salts_BxH)
+  out_BxHxLxV, (stats, extra, ranges) = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
+                                                 segment_ids_BxL, valid_BxL, salts_BxH)
   return out_BxHxLxV, (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                       salts_BxH, out_BxHxLxV, stats, extra)
+                       salts_BxH, out_BxHxLxV, stats, extra, ranges)
 
 
 def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, out_BxHxLxV,
-   (row_max_BxHxL, row_sum_BxHxL), extra) = residuals
+   (row_max_BxHxL, row_sum_BxHxL), extra, (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
   terms = plan.terms(leaves)
   b, h, l, d = q_BxHxLxK.shape
   n_q, n_k = l // plan.block_q, l // plan.block_k
@@ -257,7 +259,6 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   if columns:
     n = next_power_of_two(columns)
     dq_out["dscalars"], dq_specs["dscalars"] = f32(b, h, n_q, n), partial_spec(n)
-  key_tiles_BxNx2, query_tiles_BxMx2 = tile_ranges(plan, segment_ids_BxL, valid_BxL)
   dq_res = _call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
                  dq_out, dq_specs, n_q)
 

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import Plan, TileBase, dot, dot_t, t_dot
+from posjax.kernels.tile import Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, t_dot
 
 
 def _one_hot(index_QxT, size: int):
@@ -143,8 +143,8 @@ class Tile(TileBase):
 
 
 def forward_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile against the key tiles it visits (online softmax): the output rows, and each row's maximum and sum
-  for the backward pass (a row that a windowed relative term misread comes out NaN)."""
+  """One query tile against the key tiles it visits (online softmax): the output rows, and each row's maximum and
+  sum for the backward pass (a row that a windowed relative term misread comes out NaN)."""
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
   bq, value_dim = plan.block_q, r["v"].shape[-1]
@@ -249,8 +249,8 @@ def _write(out, value, rows: bool):
 
 
 def dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile against the key tiles it visits: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile partial sums
-  of the scalar inputs' gradients (bucket table, θ, ALiBi slopes, KERPLE's and FIRE's scalars)."""
+  """One query tile against the key tiles it visits: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile
+  partial sums of the scalar inputs' gradients (bucket table, θ, ALiBi slopes, KERPLE's and FIRE's scalars)."""
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
   bq, head_dim = plan.block_q, r["q"].shape[-1]
@@ -350,11 +350,7 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
       acc_WxK = acc_WxK + _dot_in(t_dot, tile.unskew(ds_QxT, key=True), tile.k_TxK)
     return acc_WxK
 
-  steps = n - jnp.abs(diagonal)
-  if plan.causal:  # a diagonal above the causal one holds no allowed pair (square tiles); nor one past the window
-    nearest = jnp.where(diagonal < 0, -diagonal * block - (block - 1), 0)
-    skipped = (diagonal > 0) | ((nearest >= plan.sliding_window) if plan.sliding_window else False)
-    steps = jnp.where(skipped, 0, steps)
+  steps = jnp.where(diagonal_may_hold_pairs(plan, diagonal), n - jnp.abs(diagonal), 0)
   acc_WxK = jax.lax.fori_loop(0, steps, body,
                               jnp.zeros((2 * block, r["q"].shape[-1]), jnp.float32))
   r["d_window"][0, 0, 0, :, :] = plan.scale * acc_WxK

@@ -96,10 +96,6 @@ class LayerTerms:
     """``[B, H, L, L]`` float32: ``scale q·k``, the logits before the position terms."""
     return scale * dot_heads(self.q, self.k)
 
-  def content_logits_against(self, k_BxTxGxK, scale: float):
-    """``[B, H, L, T]`` float32: ``scale q·k`` of these queries against other keys (a decoding cache's)."""
-    return scale * dot_heads(self.q, k_BxTxGxK)
-
   def value_term(self, weights_BxHxLxL):
     """What the method adds to the attention output from the weights (None: nothing)."""
     del weights_BxHxLxL

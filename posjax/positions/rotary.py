@@ -248,8 +248,8 @@ class XposOptions:
   ``XPOS``) centres the positions at the length's middle before the powers (the product is the same, the factors
   stay near 1). centre: where posjax centres them: ``max_len`` (default: the model's ``max_len // 2`` for every
   call, so a decoding cache's keys, scaled once, meet each new query at the same centre) or ``length`` (the
-  batch's ``L // 2``, torchscale's; not for decoding with a cache). Meant for decoders: in an encoder the keys after a query grow
-  instead of decaying. The rotation pairs feature ``f`` with ``f + d_h/2``, as posjax's RoPE (torchscale interleaves
+  batch's ``L // 2``, torchscale's; not for decoding with a cache). Meant for decoders: in an encoder the keys
+  after a query grow instead of decaying. The rotation pairs feature ``f`` with ``f + d_h/2``, as posjax's RoPE (torchscale interleaves
   neighbouring features: a permutation of the head's features, the same model up to it).
   """
 
@@ -266,8 +266,8 @@ class XposOptions:
 
 @flax.struct.dataclass(kw_only=True)
 class XposState(RotaryState):
-  """xPos's state: RoPE's angles and the queries' decay ``ζ^((p - c)/γ)`` (c: ``XposOptions.centre``), ``[Bp, L, 1, d_h/2]`` (the keys'
-  is its inverse)."""
+  """xPos's state: RoPE's angles and the queries' decay ``ζ^((p - c)/γ)`` (c: ``XposOptions.centre``),
+  ``[Bp, L, 1, d_h/2]`` (the keys' is its inverse)."""
 
   decay: jax.Array
 

@@ -166,11 +166,10 @@ def carry_training_length(config: ml_collections.ConfigDict) -> ml_collections.C
   if (not config.get("init_from") or "original_max_len" not in options or options.original_max_len is not None
       or options.get("scaling", "none") in ("none", "dynamic")):
     return config
-  path = os.path.join(config.init_from, "model_config.json")
-  if not os.path.isfile(path):
-    return config  # not a posjax run: its checkpoint check below says so
-  with open(path) as f:
-    trained = json.load(f).get("max_len") or 0
+  try:
+    trained = checkpoint_lib.read_model_config(config.init_from, "config.init_from").get("max_len") or 0
+  except FileNotFoundError:
+    return config  # not a posjax run: the checkpoint check below says so
   length = config.model.get("max_len") or config.get("max_len") or 0
   if trained and length > trained:
     config = config.copy_and_resolve_references()
