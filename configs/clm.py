@@ -21,6 +21,7 @@ import ml_collections
 
 from configs import pretrain
 from posjax.config_args import named, parse_arg
+from posjax.tasks import passkey
 
 
 def get_config(arg=None):
@@ -33,6 +34,9 @@ def get_config(arg=None):
   config.model.type_vocab_size = 0
   config.evals = ml_collections.ConfigDict({name: {**spec.to_dict(), "kind": "clm"}
                                             for name, spec in config.evals.items()})
+  # Passkey prompts in the training batches (posjax.tasks.passkey.TrainingRows): a fraction of each batch's rows
+  # (0: none); runlocal: a prompt in the tiny corpus's words.
+  config.passkey_train = passkey.training_defaults(**(pretrain.PASSKEY_RUNLOCAL if arg.runlocal else {}))
   try:
     multiples = [int(m) for m in arg.eval_multiples.split("+")] if arg.eval_multiples else []
   except ValueError:

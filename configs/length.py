@@ -31,6 +31,7 @@ Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pair
 
 import ml_collections
 
+from configs.pretrain import PASSKEY_RUNLOCAL
 from posjax import positions
 from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
@@ -38,10 +39,6 @@ from posjax.experiments.tables import HUANG_METHODS
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
                "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire", "sandwich")}
 
-# A passkey prompt in the tiny corpus's words (configs/data/tiny_vocab.txt has no digits) that fits length 32.
-PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet strange early gentle bright", "intro": "",
-                    "filler": "the rivers read the layers twice .", "key_line": "the token is {key} .",
-                    "question": "the token is"}
 
 
 def get_config(arg=None):

@@ -28,6 +28,7 @@ import ml_collections
 from configs import pretrain
 from posjax.config_args import named, parse_arg
 from posjax.models import DECODER_SIZES, BertConfig
+from posjax.tasks import passkey
 from posjax.train import checkpoint
 
 # A run's model fields that stay this recipe's when it continues from the run (init_from=): how it runs, not what.
@@ -54,6 +55,9 @@ def get_config(arg=None):
   config.evals = ml_collections.ConfigDict({name: {**spec.to_dict(), "kind": "clm"}
                                             for name, spec in config.evals.items()})
   config.data.packing = "stream"
+  # Passkey prompts in the training batches (posjax.tasks.passkey.TrainingRows): a fraction of each batch's rows
+  # (0: none); runlocal: a prompt in the tiny corpus's words.
+  config.passkey_train = passkey.training_defaults(**(pretrain.PASSKEY_RUNLOCAL if arg.runlocal else {}))
   config.update(adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0, lr_schedule="cosine",
                 lr_end_fraction=0.1)
   if arg.init_from:

@@ -26,6 +26,11 @@ from posjax.config_args import named, overridable, parse_arg
 from posjax.models import SIZES
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+# A passkey prompt in the tiny corpus's words (configs/data/tiny_vocab.txt has no digits) that fits length 32: the
+# runlocal decoders' passkey_train texts and the length harness's runlocal passkey (posjax.tasks.passkey).
+PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet strange early gentle bright", "intro": "",
+                    "filler": "the rivers read the layers twice .", "key_line": "the token is {key} .",
+                    "question": "the token is"}
 
 
 def position_defaults(name: str) -> dict:

@@ -86,6 +86,13 @@ def generate(module: BertModel, variables, prompt_ids, *, max_new_tokens: int, a
   return (tokens, logits) if return_logits else tokens
 
 
+def greedy(module: BertModel, variables, prompt_BxP, steps: int):
+  """``[B, P + steps]``: :func:`generate` at temperature 0 for full prompts, without its checks (traceable: what an
+  evaluator calls inside its compiled program)."""
+  return _generate(module, variables, prompt_BxP, jnp.ones(prompt_BxP.shape, bool), steps, 0.0, 0, 1.0,
+                   jnp.uint32(0), -1)[0]
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9))
 def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id):
   b, p = prompt_BxP.shape

@@ -1,6 +1,8 @@
 """Passkey retrieval (``kind="passkey"`` evaluators of the clm task): the prompt's layout, its texts in a vocabulary,
-the scoring of greedy decoding, and the evaluators a clm run builds."""
+the scoring of greedy decoding (against a loop over the full forward) on a needle grid, the prompts put into
+training batches, and the evaluators a clm run builds."""
 
+import functools
 import types
 
 import jax
@@ -10,6 +12,7 @@ import pytest
 from conftest import load_config
 
 from posjax.data.tokenizer import Tokenizer
+from posjax.models import BertConfig, BertModel
 from posjax.tasks import clm, passkey
 
 # [CLS] = 2, [SEP] = 3; intro 10 11; filler 20 21 22; key line "30 {key} 31 32 {key} 33"; question 40 41.
@@ -108,3 +111,70 @@ def test_a_clm_run_builds_passkey_evaluators_and_a_learned_table_reports_unsuppo
   config.evals = {"passkey": {**spec, "depth": 3}}
   with pytest.raises(ValueError, match=r"config.evals.passkey: unknown passkey option\(s\) \['depth'\]"):
     clm.build(config, 16)
+
+
+def test_greedy_and_teacher_forced_scoring_agree_with_a_loop_over_the_full_forward_at_each_grid_depth():
+  config = BertConfig.decoder(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=48, max_len=24, dtype="float32", position="rope")
+  model = BertModel(config, head="lm")
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 24), jnp.int32))["params"]
+  batch = passkey.draw(TEMPLATE, [7, 8, 9], 2, np.random.default_rng(2), 4, 24, depths=3)
+  assert batch["depth_index"].tolist() == [0, 1, 2, 0]
+  assert [row.index(30) - 5 for row in batch["input_ids"].tolist()] == [0, 2, 5, 0]  # depths 0, round(2.5), 5
+  ids = batch["input_ids"][:, :-2]  # the reference: rerun the full forward for each new token
+  for _ in range(2):
+    logits = model.apply({"params": params}, jnp.asarray(ids)).logits
+    ids = np.concatenate([ids, np.argmax(np.asarray(logits[:, -1]), -1)[:, None]], axis=1)
+  labels = ids[:, -2:].copy()
+  labels[2:, 1] = (labels[2:, 1] + 1) % 50  # rows 2 and 3: the first key token right, the second wrong
+  batch = {**batch, "masked_labels": labels.astype(np.int32),
+           "input_ids": np.concatenate([ids[:, :-2], labels], axis=1).astype(np.int32)}
+  expected = {"accuracy": 0.5, "digit_accuracy": 0.75, "accuracy@0.00": 0.5, "accuracy@0.50": 1.0,
+              "accuracy@1.00": 0.0}
+  for scorer in (passkey.greedy_row_sums, passkey.row_sums):
+    outputs = jax.tree.map(np.asarray, jax.jit(functools.partial(scorer, model))(params, batch))
+    assert passkey.metrics(outputs, depths=3) == expected, scorer
+
+
+class Batches:
+  """A corpus's batches as the loop reads them: numbered rows of zeros, with a resumable position."""
+
+  def __init__(self):
+    self.served = 0
+
+  def __next__(self):
+    self.served += 1
+    return {"input_ids": np.full((4, 32), self.served, np.int32), "attention_mask": np.zeros((4, 32), np.int32),
+            "segment_ids": np.zeros((4, 32), np.int32), "positions": np.zeros((4, 32), np.int32)}
+
+  def state(self):
+    return {"served": self.served}
+
+  def restore(self, state):
+    self.served = state["served"]
+
+
+def test_training_rows_replace_a_fraction_of_each_batch_with_prompts_and_resume_exactly():
+  tokenizer = Tokenizer.load("configs/data/tiny_vocab.txt")
+  spec = {**passkey.training_defaults().to_dict(), **load_config("length", "runlocal").passkey.to_dict(),
+          "fraction": 0.5}
+  del spec["batches"]
+  rows = passkey.TrainingRows(Batches(), tokenizer, spec, local_batch=4, length=32, seed=0)
+  pieces, _ = passkey.template(tokenizer, {**passkey.DEFAULTS, **spec})
+  first = [next(rows) for _ in range(3)]
+  for n, batch in enumerate(first, 1):
+    for row in batch["input_ids"][:2].tolist():  # rows 0 and 1: prompts, at any depth
+      key = row[-3:]
+      assert any(row == passkey.prompt(pieces, key, depth, 32) for depth in range(33 - passkey.fixed_tokens(pieces, 3)))
+    assert (batch["input_ids"][2:] == n).all() and (batch["attention_mask"][:2] == 1).all()
+    assert (batch["segment_ids"][:2] == 1).all() and (batch["positions"][:2] == np.arange(32)).all()
+  assert not (first[0]["input_ids"][:2] == first[1]["input_ids"][:2]).all()  # fresh prompts per batch
+  resumed = passkey.TrainingRows(Batches(), tokenizer, spec, local_batch=4, length=32, seed=0)
+  state = passkey.TrainingRows(Batches(), tokenizer, spec, local_batch=4, length=32, seed=0)
+  next(state)
+  resumed.restore(state.state())
+  np.testing.assert_array_equal(next(resumed)["input_ids"], first[1]["input_ids"])
+  with pytest.raises(ValueError, match=r"config.passkey_train.fraction=1.5 must be in \(0, 1\]"):
+    passkey.TrainingRows(Batches(), tokenizer, {**spec, "fraction": 1.5}, local_batch=4, length=32, seed=0)
+  with pytest.raises(ValueError, match=r"config.passkey_train: unknown passkey option\(s\) \['batches'\]"):
+    passkey.TrainingRows(Batches(), tokenizer, {**spec, "batches": 2}, local_batch=4, length=32, seed=0)

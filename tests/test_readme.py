@@ -99,7 +99,9 @@ def test_every_documented_command_names_a_module_that_runs():
     assert "usage" in (result.stdout + result.stderr).lower() or "flags" in (result.stdout + result.stderr), module
 
 
-def test_every_documented_config_loads_with_its_options():
+def test_every_documented_config_loads_with_its_options(tmp_path):
+  # a run for the texts' init_from=DIR (an earlier command's workdir): its model_config.json is what the config reads
+  (tmp_path / "model_config.json").write_text('{"position": "rope", "max_len": 32}')
   found = _documented(CONFIG)
   assert len({config for _, config, _ in found}) >= 8
   for where, config, options in found:
@@ -107,6 +109,7 @@ def test_every_documented_config_loads_with_its_options():
     if "..." in options or "[" in options:
       options = ""  # an elided or optional list of the text: the file itself must load
     options = re.sub(r"\$\w+", "/a/workdir", options)  # $CONVERTED and such: the text's placeholders
+    options = re.sub(r"init_from=[^,]+", f"init_from={tmp_path}", options)
     try:
       config_args.load_config(f"{config}:{options}" if options else config)
     except Exception as error:  # noqa: BLE001

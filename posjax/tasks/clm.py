@@ -3,7 +3,9 @@ Llama-family preset of ``configs/lm.py`` or a causal BERT, ``configs/clm.py``) p
 packed corpus the MLM task reads (TFDS, text files or a prepared corpus; unmasked; ``stream`` packing cuts it into
 full rows as GPT-style training does), with the
 same loop, checkpoints, resume and sweeps, and evaluators of kind ``clm`` (loss, accuracy, perplexity) and
-``passkey`` (retrieval of a key hidden in filler text, :mod:`posjax.tasks.passkey`)."""
+``passkey`` (retrieval of a key hidden in filler text, :mod:`posjax.tasks.passkey`). ``config.passkey_train``
+(``fraction`` > 0 and the passkey texts) puts passkey prompts into the training batches
+(:class:`posjax.tasks.passkey.TrainingRows`)."""
 
 from __future__ import annotations
 
@@ -65,7 +67,10 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   evaluators = mlm_task.corpus_evaluators(evaluations, model_config, predict, clm_metrics,
                                           ("loss", "accuracy", "perplexity"))
   if config.eval_every_steps > 0:
-    evaluators.update(passkey.evaluators(config, tokenizer, model_config, functools.partial(passkey.row_sums, model)))
+    evaluators.update(passkey.evaluators(config, tokenizer, model_config, model))
+  train_passkey = dict(config.get("passkey_train") or {})
+  if train_passkey.get("fraction", 0.0):
+    batches = passkey.TrainingRows(batches, tokenizer, train_passkey, local_batch, config.max_len, config.seed)
   return Task("clm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               clm_loss(model, use_segments=use_segments), batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"), info={"position": model_config.position})
