@@ -6,7 +6,9 @@ spill stores and shared memory (against the 232,448 B an sm_90 block may opt int
   python benchmarks/aot_kernels.py --cases=none,alibi --mask=window:512 --lengths=4096   # causal, windowed
 
 ``--mask``: ``full`` (default), ``causal`` or ``window:W`` (causal in a sliding window of W: the kernels skip the
-tiles it rules out, their loops bounded by run-time tile ranges).
+tiles it rules out, their loops bounded by run-time tile ranges); ``decode`` or ``decode:W``: the decode kernel
+(:func:`posjax.kernels.decode_attention`, forward only) of one new query per row against a cache of L slots (in a
+window of W), 12 query heads reading 4 k/v heads, its cell in the forward column.
 
 Each case compiles in its own process (ptxas runs single-threaded in child processes; a case past ``--timeout``
 is killed with its children and shown as such). Shapes: batch 2, 12 heads, head dim 64, bf16, the op's default
@@ -32,6 +34,7 @@ from posjax.aot import resources, targets
 CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide", "kerple_log",
          "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512")
 KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
+FOUND = KERNELS + ("decode_kernel",)
 
 
 def terms_for(case: str, length: int, heads: int, head_dim: int):
@@ -73,7 +76,25 @@ def mask_options(mask: str) -> dict:
     return {"causal": True}
   if mask.startswith("window:") and mask[7:].isdigit():
     return {"causal": True, "sliding_window": int(mask[7:])}
-  raise ValueError(f"--mask={mask!r}; allowed: full, causal, window:W")
+  if mask == "decode" or (mask.startswith("decode:") and mask[7:].isdigit()):
+    return {"sliding_window": int(mask[7:] or 0)}
+  raise ValueError(f"--mask={mask!r}; allowed: full, causal, window:W, decode, decode:W")
+
+
+def decode_step(terms, target, batch: int, length: int, heads: int, head_dim: int, mask: str):
+  """The traced decode kernel of one query per row at the last of ``length`` cache slots (``heads // 3`` k/v heads),
+  or None where it does not build the case's terms."""
+  if kernels.decode.kernel_refusal(terms):
+    return None
+  device = jax.sharding.SingleDeviceSharding(target.devices[0])
+  on = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+  cache = on((batch, heads // 3, length, head_dim), jnp.bfloat16)
+  abstract_terms = jax.tree.map(lambda a: on(a.shape, a.dtype), terms)
+  step = lambda q, k, v, positions, valid, terms: kernels.decode_attention(
+      q, k, v, start=length - 1, key_positions=positions, key_valid=valid, terms=terms, platform=target.platform,
+      interpret=False, **mask_options(mask))
+  return jax.jit(step).trace(on((batch, 1, heads, head_dim), jnp.bfloat16), cache, cache,
+                             on((batch, length), jnp.int32), on((batch, length), jnp.bool_), abstract_terms)
 
 
 def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | None = None,
@@ -95,21 +116,28 @@ def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | N
                                      block_sizes=blocks, **mask_options(mask))
     return jnp.sum(out.astype(jnp.float32))
 
+  if mask.startswith("decode"):
+    traced = decode_step(terms, target, batch, length, heads, head_dim, mask)
+    if traced is None:
+      return {"result": f"n/a ({kernels.decode.kernel_refusal(terms)}: decoded on the xla formulas)"}
+  else:
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, x, abstract_terms)
   dump = tempfile.mkdtemp(prefix="aot-kernels-")
   start = time.perf_counter()
   with resources.captured_stderr() as log:
     try:
-      jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, x, x, abstract_terms).lower().compile(
-          compiler_options={"xla_dump_to": dump} if target.platform == "gpu" else {})
+      traced.lower().compile(compiler_options={"xla_dump_to": dump} if target.platform == "gpu" else {})
       error = None
     except Exception as caught:  # noqa: BLE001  (the compiler's error is the result)
       error = f"{type(caught).__name__}: {str(caught).strip().splitlines()[0][:160]}"
   seconds = time.perf_counter() - start
   found = resources.merge(resources.parse_ptxas(log[0]), resources.read_dump(dump)) if not error else {}
-  tiles = blocks or (kernels.mosaic if target.platform == "tpu" else kernels.triton).default_block_sizes(
-      terms, length, head_dim)
+  tiles = blocks or (kernels.decode.default_block_sizes(terms, 1, head_dim, target.platform == "tpu")
+                     if mask.startswith("decode") else
+                     (kernels.mosaic if target.platform == "tpu" else kernels.triton).default_block_sizes(
+                         terms, length, head_dim))
   return {"result": error or "compiles", "seconds": seconds, "tiles": "x".join(map(str, tiles)),
-          "kernels": {name: vars(found[name]) for name in KERNELS if name in found}}
+          "kernels": {name: vars(found[name]) for name in FOUND if name in found}}
 
 
 def run_case(case: str, target: str, length: int, blocks: str, timeout: float, mask: str = "full") -> dict:
@@ -160,6 +188,7 @@ def main():
         r = run_case(case, target, length, blocks, args.timeout, args.mask)
         k = r.get("kernels", {})
         seconds = f"{r['seconds']:.0f}" if "seconds" in r else ""
+        k.setdefault("forward_kernel", k.get("decode_kernel"))
         print(f"| {case} | {length} | {target} | {r.get('tiles', blocks)} | {r['result']} | {seconds} | "
               + " | ".join(cell(k.get(name)) for name in KERNELS) + " |", flush=True)
   print("\nKernel cells: registers / spill stores per thread / shared memory of the 232,448 B opt-in limit.")

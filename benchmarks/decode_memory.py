@@ -1,13 +1,17 @@
 """The decode step's compiled memory, ahead of time on this CPU: one new token per row against a KV cache of
 ``--context`` slots for a Llama-family decoder (``configs/lm.py``'s sizes), bf16 parameters and cache, on one device
-of each target (``make aot``'s compilers). Prints the cache's size and XLA's memory analysis per target.
+of each target (``make aot``'s compilers). Prints the cache's size and XLA's memory analysis per target and
+attention kernel (``xla``: the dense formulas; ``pallas``: the decode kernels, :func:`posjax.kernels.decode_attention`).
 
-  python benchmarks/decode_memory.py --size=1b --context=32768 --batch=1 --targets=h100,v5e:2x2
+  python benchmarks/decode_memory.py --size=1b --context=32768 --batch=1 --targets=h100,v5e:2x2 --kernels=xla,pallas
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +28,7 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--vocab", type=int, default=128_256)
   parser.add_argument("--targets", default="h100,v5e:2x2")
+  parser.add_argument("--kernels", default="xla,pallas")
   args = parser.parse_args()
   aot.setup()
   config = BertConfig.decoder(**DECODER_SIZES[args.size], vocab_size=args.vocab, max_len=args.context,
@@ -34,7 +39,7 @@ def main():
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["cache"]))
   params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["params"]))
 
-  def step(params, cache, token_Bx1, position_Bx1):
+  def step(module, params, cache, token_Bx1, position_Bx1):
     out, mutated = module.apply({"params": params, "cache": cache}, token_Bx1, positions=position_Bx1, decode=True,
                                 mutable=["cache"])
     return jnp.argmax(out.logits[:, -1], axis=-1), mutated["cache"]
@@ -42,21 +47,26 @@ def main():
   print(f"{args.size} decoder ({config.num_layers} layers x {config.hidden_size}, {config.num_heads} query / "
         f"{config.num_kv_heads} k/v heads), vocabulary {args.vocab}, batch {b}, cache {t} slots, bf16; "
         f"parameters {params_bytes / 2**30:.2f} GiB, cache {cache_bytes / 2**30:.2f} GiB\n")
-  print("| target | arguments | outputs | temporaries | total (cache donated) |")
-  print("|---|---|---|---|---|")
+  print("| target | kernel | arguments | outputs | temporaries | total (cache donated) | compile |")
+  print("|---|---|---|---|---|---|---|")
   for name in args.targets.split(","):
     target = targets.devices(name)
     device = jax.sharding.SingleDeviceSharding(target.devices[0])
     on = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
     token = jax.ShapeDtypeStruct((b, 1), jnp.int32, sharding=device)
-    compiled = jax.jit(step, donate_argnums=(1,)).trace(on(shapes["params"]), on(shapes["cache"]), token,
-                                                        token).lower().compile()
-    memory = compiled.memory_analysis()
-    gib = lambda n: f"{n / 2**30:.2f} GiB"
-    total = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes \
-        - memory.alias_size_in_bytes
-    print(f"| {name} | {gib(memory.argument_size_in_bytes)} | {gib(memory.output_size_in_bytes)} | "
-          f"{gib(memory.temp_size_in_bytes)} | {gib(total)} |", flush=True)
+    for kernel in args.kernels.split(","):
+      model = BertModel(dataclasses.replace(config, attention_kernel=kernel, kernel_platform=target.platform),
+                        head="lm")
+      start = time.perf_counter()
+      compiled = jax.jit(functools.partial(step, model), donate_argnums=(1,)).trace(
+          on(shapes["params"]), on(shapes["cache"]), token, token).lower().compile()
+      seconds = time.perf_counter() - start
+      memory = compiled.memory_analysis()
+      gib = lambda n: f"{n / 2**30:.2f} GiB"
+      total = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes \
+          - memory.alias_size_in_bytes
+      print(f"| {name} | {kernel} | {gib(memory.argument_size_in_bytes)} | {gib(memory.output_size_in_bytes)} | "
+            f"{gib(memory.temp_size_in_bytes)} | {gib(total)} | {seconds:.1f} s |", flush=True)
 
 
 if __name__ == "__main__":

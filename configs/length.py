@@ -22,8 +22,19 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
     ``copy+sort+parity``, Kazemnejad et al. 2023's; ``probes=`` runs none): ``configs/probes.py``'s tiny models
     (runlocal; ``small`` otherwise), decoders for ``model=lm`` (Llama-family) and ``clm``, trained at length 16 and evaluated at the same
     multiples; a table per task in ``length.md``. ``config.probe_overrides`` changes their config.
+  control: the positive control of passkey retrieval, a method trained with passkey prompts in half its rows (the
+    row ``<method>+keys``; ``config.control_steps``, ``config.control_fraction``); default the first method when
+    passkey is on, ``control=`` none.
+  depths: the needle-in-a-haystack grid's depths (``config.passkey.depths``: retrieval at each depth fraction x
+    length, ``needle.png``); default 5, ``depths=0`` draws each depth uniformly.
+  extension: ``+``-separated context-extension variants of a RoPE model (:mod:`posjax.experiments.extension`:
+    ``unscaled``, ``pi``, ``ntk``, ``yarn``, ``longrope``; ``all``: every one), each zero-shot and fine-tuned at
+    ``factor`` (default 4) times the training length for ``config.extension.finetune_steps``; default none.
+  extension_base: the model they extend: a method among the rows (default ``rope``), or the workdir of a finished
+    run or of ``python -m posjax.convert hf-to-posjax`` trained at ``train_len``.
 
   python -m posjax.main --config=configs/length.py:methods=rope+alibi+fire+kerple_log,runlocal --workdir=DIR
+  python -m posjax.main --config=configs/length.py:methods=rope,extension=all,probes=,runlocal --workdir=DIR
 Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pairs of the base config
 (``configs/lm.py`` / ``clm.py`` / ``pretrain.py``, dotted), e.g. ``(("data.source", "text"), ("data.train_files",
 "corpus.txt"), ...)``, as the paper tables' configs do; a local text file works as the corpus.
@@ -33,6 +44,7 @@ import ml_collections
 
 from configs.pretrain import PASSKEY_RUNLOCAL
 from posjax import positions
+from posjax.experiments import extension
 from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
 
@@ -44,7 +56,8 @@ METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
 def get_config(arg=None):
   given = named(arg)
   arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="lm", size="base", runlocal=False, passkey=True,
-                  probes="copy+sort+parity", runs="")
+                  probes="copy+sort+parity", runs="", control="", depths=5, extension="", extension_base="rope",
+                  factor=4.0)
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
@@ -71,4 +84,21 @@ def get_config(arg=None):
   config.passkey = ml_collections.ConfigDict(
       {"batches": 2, **PASSKEY_RUNLOCAL} if arg.runlocal else {"batches": 1, "digits": 5}
   ) if arg.passkey and arg.model in ("lm", "clm") else None
+  if config.passkey is not None:
+    config.passkey.depths = arg.depths
+  # The positive control (posjax.tasks.passkey.TrainingRows): a method trained with passkey prompts in its rows.
+  config.control = (arg.control if "control" in given else config.methods[0] if config.methods else ""
+                    ) if config.passkey is not None else arg.control
+  config.control_steps = 3000 if arg.runlocal else config.steps
+  config.control_fraction = 0.5
+  # Context extension (posjax.experiments.extension): variants of a RoPE base, zero-shot and fine-tuned.
+  variants = arg.extension.split("+") if arg.extension else []
+  variants = list(extension.VARIANTS) if variants == ["all"] else variants
+  for variant in variants:
+    if variant not in extension.VARIANTS:
+      raise ValueError(f"extension={arg.extension!r}: unknown variant {variant!r}; allowed: "
+                       f"{list(extension.VARIANTS)} or all")
+  config.extension = ml_collections.ConfigDict({
+      "variants": tuple(variants), "base": arg.extension_base, "factor": float(arg.factor),
+      "finetune_steps": 300 if arg.runlocal else 1000, "lr_fraction": 0.1})
   return config

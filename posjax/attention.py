@@ -279,13 +279,12 @@ class SelfAttention(nn.Module):
       terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale)
     else:
       terms = base.LayerTerms(q, k)
-    if decode and self.has_variable("cache", "cached_key"):
-      out = decode_step(self, spec, terms, state, v, mask)
-      return self._out(out)
-    if decode:  # initialising: an empty cache of the input's length
-      cache_variables(self, terms.k, v)
     dropout = not deterministic and self.dropout_rate > 0
     kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout, platform=self.platform)
+    if decode and self.has_variable("cache", "cached_key"):
+      return self._out(decode_step(self, spec, terms, state, v, mask, kernel))
+    if decode:  # initialising: an empty cache of the input's length
+      cache_variables(self, terms.k, v)
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
     if kernel not in terms.kernels:
@@ -322,28 +321,31 @@ class SelfAttention(nn.Module):
         bias_init=base.zeros_init((base.EMBED,)), name="out")(out)
 
 
-def cache_variables(module: nn.Module, k_BxTxGxK, v_BxTxGxV):
+def cache_variables(module: nn.Module, k_BxQxGxK, v_BxQxGxV):
   """The layer's decoding cache (collection ``cache``): keys (after the position method's transform: RoPE-rotated)
-  and values of its key/value heads only (``[B, T, G, K]``, G < H under grouped-query attention), the keys'
-  positions and validity ``[B, T]`` and the next free slot; the cache's length ``T`` is the input's at ``init``."""
-  b, t = k_BxTxGxK.shape[:2]
-  zeros = lambda x: jnp.zeros(x.shape, x.dtype)
-  return (module.variable("cache", "cached_key", zeros, k_BxTxGxK),
-          module.variable("cache", "cached_value", zeros, v_BxTxGxV),
-          module.variable("cache", "cached_positions", jnp.zeros, (b, t), jnp.int32),
-          module.variable("cache", "cached_valid", jnp.zeros, (b, t), bool),
-          module.variable("cache", "cache_index", jnp.zeros, (), jnp.int32))
+  and values of its key/value heads only, heads first (``[B, G, T, K]``, G < H under grouped-query attention: the
+  decode kernels' layout, read in place), the keys' positions and validity ``[B, T]`` and the next free slot; the
+  cache's length ``T`` is the input's at ``init``. Under a mesh the cache is split like the activations (rows over
+  the batch's axes, heads over the heads': :data:`posjax.partitioning.BHLK`)."""
+  (b, t, g), zeros = k_BxQxGxK.shape[:3], jnp.zeros
+  return (module.variable("cache", "cached_key", zeros, (b, g, t, k_BxQxGxK.shape[3]), k_BxQxGxK.dtype),
+          module.variable("cache", "cached_value", zeros, (b, g, t, v_BxQxGxV.shape[3]), v_BxQxGxV.dtype),
+          module.variable("cache", "cached_positions", zeros, (b, t), jnp.int32),
+          module.variable("cache", "cached_valid", zeros, (b, t), bool),
+          module.variable("cache", "cache_index", zeros, (), jnp.int32))
 
 
 def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTerms, state: base.PositionState,
-                v_BxQxGxV, mask: Mask):
+                v_BxQxGxV, mask: Mask, kernel: str):
   """``[B, Q, H, V]``: the Q new tokens' attention over the cache after writing their keys and values into it at
-  the next free slots (prefill: the prompt; a decode step: one token). The position terms come from the positions:
-  the queries' (``state``, continuing past the prompt) and the cached keys', so every method whose terms are a
-  function of (query position, key position, q, k) decodes exactly (RoPE and its scalings, xPos, ALiBi, T5,
-  KERPLE, FIRE, Sandwich, Shaw's key term, NoPE; a learned table up to its length). Causal in slot order; the sliding
-  window counts slots. On the dense ``xla`` formulas (:func:`posjax.kernels.xla.position_bias`, the reference)
-  whatever the layer's kernel: ``[B, H, Q, T]`` logits, for a decode step ``O(T)``."""
+  the next free slots (prefill: the prompt; a decode step: one token), through
+  :func:`posjax.kernels.decode.decode_attention`. The position terms come from the positions: the queries'
+  (``state``, continuing past the prompt) and the cached keys', so every method whose terms are a function of (query
+  position, key position, q, k) decodes exactly (RoPE and its scalings, xPos, ALiBi, T5, KERPLE, FIRE, Sandwich,
+  Shaw's key term, NoPE; a learned table up to its length). Causal in slot order; the sliding window counts slots.
+  ``kernel``: the layer's resolved kernel; ``pallas`` decodes on the decode kernels where they build the method's
+  terms (:data:`posjax.kernels.decode.KERNEL_TERMS`), otherwise, and on ``xla`` and ``cudnn``, on the dense
+  formulas (``[B, H, Q, T]`` logits; a logged line says why where ``pallas`` was asked for)."""
   if not mask.causal:
     raise ValueError("decoding with a cache needs a causal model (Mask.causal=True)")
   if isinstance(terms, base.DenseLayerTerms):
@@ -358,16 +360,19 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   index = index_var.value
   positions_BxQ = jnp.broadcast_to(state.positions, (b, q)).astype(jnp.int32)
   valid_BxQ = jnp.ones((b, q), bool) if mask.padding is None else jnp.asarray(mask.padding, bool)
-  write = lambda var, x: jax.lax.dynamic_update_slice(var.value, x.astype(var.value.dtype),
-                                                      (0, index) + (0,) * (x.ndim - 2))
-  k_var.value = partitioning.constrain(write(k_var, terms.k), partitioning.BLHK)
-  v_var.value = partitioning.constrain(write(v_var, v_BxQxGxV), partitioning.BLHK)
-  positions_var.value, valid_var.value = write(positions_var, positions_BxQ), write(valid_var, valid_BxQ)
+  write = lambda var, x, axis: jax.lax.dynamic_update_slice_in_dim(var.value, x.astype(var.value.dtype), index, axis)
+  k_var.value = partitioning.constrain(write(k_var, jnp.swapaxes(terms.k, 1, 2), 2), partitioning.BHLK)
+  v_var.value = partitioning.constrain(write(v_var, jnp.swapaxes(v_BxQxGxV, 1, 2), 2), partitioning.BHLK)
+  positions_var.value, valid_var.value = write(positions_var, positions_BxQ, 1), write(valid_var, valid_BxQ, 1)
   index_var.value = index + q
-  rows_Q = index + jnp.arange(q, dtype=jnp.int32)
-  k_BxTxGxK, v_BxTxGxV = k_var.value, v_var.value
-  s_BxHxQxT = kernels.xla.logits(terms.q, k_BxTxGxK, merged, positions_var.value, spec.scale, rows_Q)
-  allowed_Bx1xQxT = kernels.xla.allowed_pairs(valid_var.value, jnp.zeros_like(positions_var.value), True, rows_Q,
-                                              mask.sliding_window)
-  weights_BxHxQxT = kernels.xla.softmax_weights(s_BxHxQxT, allowed_Bx1xQxT)
-  return kernels.xla.weighted_values(weights_BxHxQxT, v_BxTxGxV)
+  implementation = "xla"
+  if kernel == "pallas":
+    refusal = kernels.decode.kernel_refusal(merged)
+    implementation = "xla" if refusal else "pallas"
+    if refusal and refusal not in _LOGGED:
+      _LOGGED.add(refusal)
+      logging.info("decoding %r on the xla formulas: %s", spec.name, refusal)
+  return kernels.decode.decode_attention(
+      terms.q, k_var.value, v_var.value, start=index, key_positions=positions_var.value, key_valid=valid_var.value,
+      terms=merged, scale=spec.scale, sliding_window=mask.sliding_window, implementation=implementation,
+      platform=module.platform)

@@ -5,6 +5,7 @@ its last checkpoint), status 130. Imports nothing of posjax, so every command, w
 from __future__ import annotations
 
 import sys
+import warnings
 
 from absl import app, flags, logging
 
@@ -46,5 +47,8 @@ def run_user_errors(fn, argv) -> None:
     sys.exit(130)
   except USER_ERRORS as error:
     logging.info("the run stopped", exc_info=True)
+    # a failed asynchronous save leaves its writes' coroutines unawaited: Python would warn of each at exit, after
+    # the line that says what failed
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     print(f"error: {error_message(error)}", file=sys.stderr)
     sys.exit(2)

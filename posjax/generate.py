@@ -29,6 +29,9 @@ from posjax.models import BertConfig, BertModel
 from posjax.train import checkpoint
 
 
+CACHE_MULTIPLE = 256  # the cache's slots under the Pallas kernels: whole key tiles of either backend (64 / 256)
+
+
 def check_options(module, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
   """One-line errors for a module that cannot generate and options out of range."""
   config = getattr(module, "config", None)
@@ -96,8 +99,11 @@ def greedy(module: BertModel, variables, prompt_BxP, steps: int):
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9))
 def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id):
   b, p = prompt_BxP.shape
+  slots = p + steps
+  if module.config.attention_kernel == "pallas":  # the decode kernels read a cache of whole key tiles in place
+    slots = -(-slots // CACHE_MULTIPLE) * CACHE_MULTIPLE
   cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-      lambda: module.init(jax.random.key(0), jnp.zeros((b, p + steps), jnp.int32), decode=True))["cache"])
+      lambda: module.init(jax.random.key(0), jnp.zeros((b, slots), jnp.int32), decode=True))["cache"])
   positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP.astype(jnp.int32), axis=1) - 1, 0)
   out, mutated = module.apply({**variables, "cache": cache}, prompt_BxP, positions=positions_BxP,
                               attention_mask=mask_BxP, decode=True, mutable=["cache"])

@@ -41,6 +41,7 @@ RULES = (
 # The activations' logical axes at the boundaries the model constrains.
 BLD = ("activation_batch", "activation_length", "activation_embed")
 BLHK = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+BHLK = ("activation_batch", "activation_heads", "activation_length", "activation_kv")  # heads first: a decoding cache
 BLF = ("activation_batch", "activation_length", "activation_mlp")
 
 

@@ -4,7 +4,9 @@ generated sequence is the loop that reruns the model for every new token); group
 window shorter than the sequence, scanned layers, left-padded prompts, sampling, Hugging Face's own ``generate``
 for a converted Llama, and the command line."""
 
+import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import pytest
 
 from posjax import generate
 from posjax.models import BertConfig, BertModel
+from posjax.train import sharding
 
 # one layer per method (a position schedule): every decoder form in one model
 SCHEDULE = "rope,alibi,t5,kerple_log,fire,sandwich,xpos,kerple_power,shaw,none"
@@ -47,7 +50,36 @@ def test_greedy_tokens_and_step_logits_equal_the_full_forward(fields):
   np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
   cache = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((2, 14), jnp.int32), decode=True))["cache"]
   layer = cache["encoder"]["layers"] if fields.get("scan_layers") else cache["encoder"]["layer_0"]
-  assert layer["attention"]["cached_key"].shape[-3:] == (14, 2, 8)  # k/v heads only (GQA)
+  assert layer["attention"]["cached_key"].shape[-3:] == (2, 14, 8)  # k/v heads only (GQA), heads first
+
+
+def test_the_decode_kernels_generate_the_dense_full_forwards_tokens():
+  # the decode kernels' methods (sandwich: on the xla formulas), GQA, a window, positions past the prompt; the
+  # reference: the same weights' full forward on the dense xla path
+  schedule = "rope,alibi,t5,kerple_log,fire,kerple_power,sandwich"
+  module, variables = decoder(num_layers=len(schedule.split(",")), position_schedule=schedule, sliding_window=6,
+                              attention_kernel="pallas")
+  prompt = np.random.default_rng(3).integers(0, 61, (2, 5))
+  tokens, cached = (np.asarray(x) for x in generate.generate(module, variables, prompt, max_new_tokens=7,
+                                                              return_logits=True))
+  dense = BertModel(dataclasses.replace(module.config, attention_kernel="xla"), head="lm")
+  full = np.asarray(jax.jit(dense.apply)(variables, jnp.asarray(tokens)).logits)
+  np.testing.assert_array_equal(tokens[:, 5:], np.argmax(full[:, 4:-1], axis=-1))
+  np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
+
+
+def test_under_a_mesh_each_device_holds_its_rows_and_kv_heads_of_the_cache():
+  # 8 devices: rows over data x fsdp (4), the 2 k/v heads over tensor (2); the decode kernel runs once per shard
+  module, variables = decoder(position="alibi", attention_kernel="pallas")
+  prompt = jnp.asarray(np.random.default_rng(4).integers(0, 61, (4, 5)), jnp.int32)
+  want = np.asarray(generate.generate(module, variables, prompt, max_new_tokens=4))
+  with jax.set_mesh(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
+    np.testing.assert_array_equal(generate.generate(module, variables, prompt, max_new_tokens=4), want)
+    program = generate._generate.lower(module, {"params": variables["params"]}, prompt, jnp.ones((4, 5), bool), 4,
+                                       0.0, 0, 1.0, jnp.uint32(0), -1).compile().as_text()
+  written = set(re.findall(r"= [a-z0-9]+\[([\d,]*)\]\S* dynamic-update-slice\(", program))
+  slots = generate.CACHE_MULTIPLE
+  assert f"1,1,{slots},8" in written and f"4,2,{slots},8" not in written  # [B/4, G/2, T, K] per device
 
 
 def test_left_padded_prompts_continue_as_each_prompt_alone():

@@ -1,12 +1,15 @@
 """The length-generalisation harness (``configs/length.py``): every method trained once, evaluated at multiples of
 its length (perplexity, accuracy, passkey retrieval), the probes run beside them, the tables and the plot written,
-``unsupported`` past a learned table, finished methods skipped, finished runs read without training them."""
+``unsupported`` past a learned table, finished methods skipped, finished runs read without training them, the
+positive control and the needle grid, context extension zero-shot and fine-tuned."""
 
 import json
 
+import numpy as np
 import pytest
 
-from posjax.experiments import length
+from posjax.experiments import extension, length
+from posjax.positions import rotary
 from posjax.main import evaluate_checkpoint, train
 from conftest import load_config
 
@@ -15,14 +18,18 @@ PROBE_STEPS = (("steps", 4), ("warmup_steps", 1), ("eval_batch_size", 8))
 
 
 def harness_config(methods="alibi+absolute", **fields):
-  config = load_config("length", f"methods={methods},runlocal")
+  config = load_config("length", f"methods={methods},runlocal,control=" + (",passkey=False" if "passkey" in fields
+                                                                          else ""))
+  fields.pop("passkey", None)
   config.update({"steps": 12, "eval_multiples": (1, 2), "eval_batches": 1, "probes": (), **fields})
   return config
 
 
 def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_path):
-  config = harness_config(probes=("copy",), probe_overrides=PROBE_STEPS)
+  config = harness_config(probes=("copy",), probe_overrides=PROBE_STEPS, control="alibi", control_steps=3)
+  config.passkey.depths = 3
   results = length.run(config, str(tmp_path), train)
+  assert list(results) == ["alibi", "absolute", "alibi+keys"]
   assert results["absolute"]["perplexity"]["64"] == "unsupported"
   assert isinstance(results["absolute"]["perplexity"]["32"], float)
   assert all(isinstance(v, float) and v > 1 for v in results["alibi"]["perplexity"].values())
@@ -41,10 +48,24 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   assert "| `absolute` | " in text and "unsupported" in text
   assert (tmp_path / "length.png").stat().st_size > 0
   run = json.loads((tmp_path / "runs" / "alibi" / "config.json").read_text())
-  assert run["task"] == "clm" and run["max_len"] == 32 and run["evals"]["x2"]["length_multiple"] == 2
-  assert run["evals"]["passkey_x2"] == {**config.passkey.to_dict(), "kind": "passkey", "length_multiple": 2}
+  assert run["task"] == "clm" and run["max_len"] == 32 and run["evals"]["x2"]["max_len"] == 64
+  assert run["evals"]["passkey_x2"] == {**config.passkey.to_dict(), "kind": "passkey", "max_len": 64}
+  assert run["passkey_train"]["fraction"] == 0.0
   evaluations = json.loads((tmp_path / "runs" / "alibi" / "results.json").read_text())["metrics"]
-  assert set(evaluations["passkey_x2"]) == {"accuracy", "digit_accuracy"}
+  assert set(evaluations["passkey_x2"]) == {"accuracy", "digit_accuracy", "accuracy@0.00", "accuracy@0.50",
+                                            "accuracy@1.00"}
+  # the positive control: the first method, trained with passkey prompts in half its rows
+  control = json.loads((tmp_path / "runs" / "alibi_keys" / "config.json").read_text())
+  assert control["model"]["position"] == "alibi" and control["total_steps"] == 3
+  assert control["passkey_train"] == {"fraction": 0.5, **{k: v for k, v in config.passkey.to_dict().items()
+                                                          if k in ("digits", "symbols", "intro", "filler",
+                                                                   "key_line", "question")}}
+  assert "`alibi+keys`: the positive control, trained for 3 steps with passkey prompts in 50% of its rows" in text
+  # the needle grid: a line per row and depth, a panel per row
+  assert set(results["alibi"]["needle"]["64"]) == {"0.00", "0.50", "1.00"}
+  assert results["absolute"]["needle"]["64"]["0.50"] == "unsupported"
+  assert "| `alibi+keys` | 1.00 | " in text and "| `absolute` | 0.50 | " in text
+  assert (tmp_path / "needle.png").stat().st_size > 0
 
   assert length.run(config, str(tmp_path), must_not_train) == results
 
@@ -102,3 +123,53 @@ def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):
   assert load_config("length", "methods=huang+shaw+rope,model=mlm").methods == (
       "absolute", "shaw", "huang_m1", "huang_m2", "huang_m3", "huang_m4", "rope")
   assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_context_extension_variants_follow_their_formulas():
+  d, theta, factor = 16, 10_000.0, 4.0
+  base = {"max_timescale": theta}
+  ntk = extension.options("ntk", base, d, 32, factor)
+  expected = (theta * factor ** (d / (d - 2))) ** (-np.arange(0, d, 2, dtype=np.float64) / d)  # NTK-aware base
+  np.testing.assert_allclose(rotary.frequencies(rotary.RopeOptions(**ntk), d, 32, 128)[0], expected, rtol=1e-6)
+  longrope = rotary.RopeOptions(**extension.options("longrope", base, d, 32, factor))
+  np.testing.assert_allclose(rotary.frequencies(longrope, d, 32, 128)[0], expected, rtol=1e-6)  # past 32: NTK's
+  np.testing.assert_allclose(rotary.frequencies(longrope, d, 32, 32)[0], theta ** (-np.arange(0, d, 2) / d),
+                             rtol=1e-6)  # within the training length: RoPE's own
+  assert extension.options("pi", base, d, 32, factor) == {**base, "scaling": "linear", "factor": 4.0}
+  assert extension.options("yarn", base, d, 32, factor) == {**base, "scaling": "yarn", "factor": 4.0,
+                                                            "original_max_len": 32}
+  with pytest.raises(ValueError, match=r"context extension starts from an unscaled RoPE model; this one has "
+                                       r"scaling='linear'"):
+    extension.options("pi", {"scaling": "linear", "factor": 2.0}, d, 32, factor)
+  with pytest.raises(ValueError, match=r"unknown variant 'ntk2'; allowed: \['unscaled', 'pi', 'ntk', 'yarn', "
+                                       r"'longrope'\] or all"):
+    load_config("length", "extension=pi+ntk2,runlocal")
+
+
+def test_the_harness_extends_a_finished_rope_run_zero_shot_and_fine_tuned(tmp_path):
+  source = tmp_path / "lm_rope"
+  run = load_config("lm", "position=rope,runlocal")
+  config = harness_config(methods="", passkey=None, extension={
+      "variants": ("unscaled", "pi"), "base": str(source), "factor": 2.0, "finetune_steps": 2, "lr_fraction": 0.1})
+  run.update(total_steps=3, warmup_steps=1, max_len=32, eval_every_steps=3, checkpoint_every_steps=3, progress=False,
+             batch_size=config.batch_size)
+  run.evals.eval.batches = config.eval_batches  # the rows the harness scores at length 32
+  train(run, str(source))
+  results = length.run(config, str(tmp_path / "harness"), train, evaluate=evaluate_checkpoint)
+  assert list(results) == ["base", "unscaled x2 +2 steps", "pi x2", "pi x2 +2 steps"]
+  own = json.loads((source / "results.json").read_text())["metrics"]["eval"]
+  assert results["base"]["perplexity"]["32"] == pytest.approx(own["perplexity"], rel=1e-5)  # the run, unscaled
+  zero_shot = json.loads((tmp_path / "harness" / "runs" / "pi_x2" / "config.json").read_text())
+  assert zero_shot["model"]["position_options"]["scaling"] == "linear"  # the base's checkpoint, interpolated
+  tuned = json.loads((tmp_path / "harness" / "runs" / "pi_x2_2_steps" / "config.json").read_text())
+  assert tuned["init_from"] == str(source) and tuned["max_len"] == 64 and tuned["total_steps"] == 2
+  assert tuned["model"]["position_options"]["scaling"] == "linear" and tuned["model"]["position_options"]["factor"] == 2
+  assert tuned["learning_rate"] == pytest.approx(0.1 * run.learning_rate)
+  assert tuned["evals"]["x1"]["max_len"] == 32  # measured at the harness's lengths, not multiples of its own
+  text = (tmp_path / "harness" / "length.md").read_text()
+  assert f"`pi x2 +2 steps`: {source} with pi, trained 2 steps at length 64 at 0.1 of its learning rate" in text
+  with pytest.raises(ValueError, match=r"config.extension.base=.* was trained at length 32, the harness's "
+                                       r"config.train_len is 64; set train_len=32"):
+    length.run(harness_config(methods="", passkey=None, train_len=64, extension=config.extension.to_dict()),
+               str(tmp_path / "other"), train)
+  assert not (tmp_path / "other").exists()

@@ -158,7 +158,7 @@ def test_training_rows_replace_a_fraction_of_each_batch_with_prompts_and_resume_
   tokenizer = Tokenizer.load("configs/data/tiny_vocab.txt")
   spec = {**passkey.training_defaults().to_dict(), **load_config("length", "runlocal").passkey.to_dict(),
           "fraction": 0.5}
-  del spec["batches"]
+  del spec["batches"], spec["depths"]
   rows = passkey.TrainingRows(Batches(), tokenizer, spec, local_batch=4, length=32, seed=0)
   pieces, _ = passkey.template(tokenizer, {**passkey.DEFAULTS, **spec})
   first = [next(rows) for _ in range(3)]

@@ -21,6 +21,20 @@ for ``model="clm"``, ``pretrain.py`` for ``model="mlm"``) to read instead of tra
 own config (model, corpus, tokenizer) and the harness's evaluators, in ``workdir/runs/<method>`` (``<method>``: the
 run's position method, one run per method; a method in both ``methods`` and ``runs`` is read, not trained). A run
 must be of the harness's model and trained at ``train_len``.
+
+Rows beyond one per method (each in ``workdir/runs/<row>``, in the same tables and plot):
+
+- ``config.control`` (a method; runlocal default the first method when passkey is on): the positive control of
+  passkey retrieval, ``<method>+keys``, the method trained for ``control_steps`` with passkey prompts in
+  ``control_fraction`` of its rows (:class:`posjax.tasks.passkey.TrainingRows`, the harness's passkey texts): it
+  retrieves at its training length, so the other rows' zeros mean "not retrieved", not "not measurable".
+- ``config.passkey.depths`` (N >= 2; runlocal 5): the needle-in-a-haystack grid, passkey retrieval at each depth
+  fraction x length, a table per row and a heatmap panel per row in ``needle.png``.
+- ``config.extension`` (``variants``, :mod:`posjax.experiments.extension`): context extension of a RoPE model
+  trained at ``train_len`` (``base``: a method among the harness's rows, trained here, or the workdir of a finished
+  posjax run or of ``python -m posjax.convert hf-to-posjax``), each variant evaluated zero-shot (``<variant> x<F>``)
+  and after ``finetune_steps`` of training at ``train_len * factor`` from the base's parameters at ``lr_fraction`` of
+  its learning rate (``<variant> x<F> +<N> steps``).
 """
 
 from __future__ import annotations
@@ -28,7 +42,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
+
+from typing import Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -36,7 +53,9 @@ import ml_collections
 from posjax import config_args
 from posjax import results as results_lib
 from posjax.config_args import POSITIVE
-from posjax.experiments import plots, probes
+from posjax.experiments import extension, plots, probes
+from posjax.tasks import passkey as passkey_task
+from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import validate as run_checks
 
 MODELS = {"lm": "configs/lm.py", "clm": "configs/clm.py", "mlm": "configs/pretrain.py"}
@@ -45,7 +64,18 @@ DECODERS = ("lm", "clm")
 # passkey: the fraction of prompts whose whole key is retrieved; passkey_digits: of the key's tokens (chance: one in
 # the number of symbols).
 MEASURES = ("perplexity", "accuracy", "passkey", "passkey_digits")
-RANGES = {"steps": POSITIVE, "train_len": POSITIVE, "batch_size": POSITIVE, "eval_batches": POSITIVE}
+RANGES = {"steps": POSITIVE, "train_len": POSITIVE, "batch_size": POSITIVE, "eval_batches": POSITIVE,
+          "control_steps": POSITIVE, "extension.finetune_steps": POSITIVE}
+
+
+class Row(NamedTuple):
+  """A row of the tables: its position method (the plot's style), ``train`` (its run config is trained) or
+  ``evaluate`` (a checkpoint is evaluated), ``make() -> config`` or ``(config, source)`` (built when the row runs:
+  a fine-tune reads its base's finished run), and a line for ``length.md`` ("" none)."""
+  method: str
+  kind: str
+  make: Callable
+  note: str = ""
 
 
 def run_config(config, method: str):
@@ -63,14 +93,20 @@ def run_config(config, method: str):
 
 
 def evaluators(config) -> dict:
-  """A run's evaluators: ``x<m>`` on the held-out corpus at each multiple of the training length and, with
+  """A run's evaluators: ``x<m>`` on the held-out corpus at each multiple of the harness's training length (an
+  absolute ``max_len``: a row fine-tuned at a longer length is measured at the same lengths) and, with
   ``config.passkey``, ``passkey_x<m>`` (passkey retrieval at that length)."""
   spec = {"kind": TASKS[config.model], "split": "eval", "batches": config.eval_batches}
-  found = {f"x{m}": {**spec, "length_multiple": m} for m in config.eval_multiples}
+  found = {f"x{m}": {**spec, "max_len": config.train_len * m} for m in config.eval_multiples}
   if config.get("passkey") is not None:
-    found.update({f"passkey_x{m}": {**config.passkey.to_dict(), "kind": "passkey", "length_multiple": m}
+    found.update({f"passkey_x{m}": {**config.passkey.to_dict(), "kind": "passkey", "max_len": config.train_len * m}
                   for m in config.eval_multiples})
   return found
+
+
+def needle_depths(config) -> int:
+  """The passkey grid's depths (0: none)."""
+  return int(config.passkey.get("depths", 0)) if config.get("passkey") is not None else 0
 
 
 def measured(config) -> tuple[str, ...]:
@@ -81,12 +117,18 @@ def measured(config) -> tuple[str, ...]:
 def measures(metrics: dict, config) -> dict:
   """``{measure: {length: value or "unsupported"}}`` from a run's ``results.json`` metrics."""
   out = {measure: {} for measure in measured(config)}
+  fractions = passkey_task.depth_fractions(needle_depths(config))
+  if len(fractions):
+    out["needle"] = {}
   for m in config.eval_multiples:
     values = metrics[f"x{m}"]
     length = str(config.train_len * m)
     if "passkey" in out:
-      out["passkey"][length] = metrics[f"passkey_x{m}"]["accuracy"]
-      out["passkey_digits"][length] = metrics[f"passkey_x{m}"]["digit_accuracy"]
+      found = metrics[f"passkey_x{m}"]
+      out["passkey"][length] = found["accuracy"]
+      out["passkey_digits"][length] = found["digit_accuracy"]
+      if len(fractions):
+        out["needle"][length] = {f"{f:.2f}": found[f"accuracy@{f:.2f}"] for f in fractions}
     if values.get("loss") == results_lib.UNSUPPORTED:
       out["perplexity"][length] = out["accuracy"][length] = results_lib.UNSUPPORTED
       continue
@@ -146,8 +188,131 @@ def source_config(config, source: str) -> ml_collections.ConfigDict:
 
 
 def table_methods(config, sources: dict) -> list[str]:
-  """The tables' rows: ``config.methods``, then the methods of ``config.runs`` not among them."""
+  """The methods of the tables' first rows: ``config.methods``, then the methods of ``config.runs`` not among them."""
   return list(config.methods) + [m for m in sources if m not in config.methods]
+
+
+def control_name(config) -> str:
+  """The positive control's row: ``<method>+keys``."""
+  return f"{config.control}+keys"
+
+
+def control_config(config) -> ml_collections.ConfigDict:
+  """The positive control's run: ``config.control`` trained for ``control_steps`` with passkey prompts (the
+  harness's passkey texts) in ``control_fraction`` of its rows."""
+  run = run_config(config, config.control)
+  run.update(total_steps=config.control_steps, eval_every_steps=config.control_steps,
+             checkpoint_every_steps=config.control_steps)
+  run.warmup_steps = min(run.warmup_steps, config.control_steps // 10)
+  texts = {k: v for k, v in config.passkey.to_dict().items() if k in passkey_task.TRAINING}
+  run.passkey_train = ml_collections.ConfigDict({**run.passkey_train.to_dict(), **texts,
+                                                 "fraction": config.control_fraction})
+  return run
+
+
+def base_source(config, workdir: str, sources: dict) -> tuple[str, bool]:
+  """``(the context-extension base's workdir, whether it is a row of the tables)``: a method's row (its run of
+  ``config.runs``, or its run here) or a directory."""
+  base = config.extension.base
+  if base in sources:
+    return sources[base], True
+  if base in config.methods:
+    return run_dir(workdir, base), True
+  return base, False
+
+
+def base_run(config, workdir: str) -> tuple[ml_collections.ConfigDict, str]:
+  """The context-extension base: ``(its config with the harness's evaluators, its workdir)``; a converted model
+  (no ``config.json``) gets ``configs/lm.py:init_from=`` its directory (with runlocal's corpus in runlocal, and the
+  harness's ``overrides``) at ``train_len``."""
+  source, _ = base_source(config, workdir, read_runs(config))
+  if os.path.isfile(os.path.join(source, "config.json")):
+    return source_config(config, source), source
+  run = config_args.load_config(f"configs/lm.py:init_from={source}" + (",runlocal" if config.runlocal else ""))
+  run = config_args.apply_overrides(run, dict(config.overrides))
+  run.update(max_len=config.train_len, batch_size=config.batch_size, seed=config.seed, progress=False,
+             eval_every_steps=1, evals=evaluators(config))
+  return run, source
+
+
+def extended(run, variant: str, config) -> ml_collections.ConfigDict:
+  """``run`` with the RoPE options of ``variant`` (:func:`posjax.experiments.extension.options`)."""
+  model = run.model
+  if model.position != "rope":
+    raise ValueError(f"config.extension: the base is a {model.position!r} model; context extension scales RoPE")
+  head_dim = model.get("head_dim") or model.hidden_size // model.num_heads
+  options = extension.options(variant, dict(model.position_options), head_dim, config.train_len,
+                              config.extension.factor)
+  run = ml_collections.ConfigDict(run.to_dict())
+  run.model.position_options = ml_collections.ConfigDict(options)
+  return run
+
+
+def finetuned(run, source: str, variant: str, config) -> ml_collections.ConfigDict:
+  """The fine-tune of ``variant``: from ``source``'s parameters, at ``train_len * factor`` for ``finetune_steps``,
+  at ``lr_fraction`` of the base's learning rate, a tenth of the steps warming up, no passkey prompts."""
+  ext, steps = config.extension, config.extension.finetune_steps
+  run = extended(run, variant, config)
+  run.update(init_from=source, max_len=int(config.train_len * ext.factor), total_steps=steps, eval_every_steps=steps,
+             checkpoint_every_steps=steps, warmup_steps=steps // 10, learning_rate=run.learning_rate * ext.lr_fraction)
+  if run.get("passkey_train") is not None:
+    run.passkey_train.fraction = 0.0
+  run.progress = False
+  return run
+
+
+def zero_shot(config, workdir: str, variant: str) -> tuple[ml_collections.ConfigDict, str]:
+  """``(config, source)`` evaluating the base's checkpoint with ``variant``'s options."""
+  run, source = base_run(config, workdir)
+  return extended(run, variant, config), source
+
+
+def extension_names(config, variant: str, base_is_row: bool) -> tuple[str | None, str]:
+  """The rows of ``variant``: zero-shot (None for ``unscaled`` over a row of the tables, which is that row) and
+  fine-tuned."""
+  ext = config.extension
+  factor = f"x{ext.factor:g}"
+  first = None if variant == "unscaled" and base_is_row else "base" if variant == "unscaled" else f"{variant} {factor}"
+  return first, f"{variant} {factor} +{ext.finetune_steps} steps"
+
+
+def plan(config, workdir: str) -> dict[str, Row]:
+  """The tables' rows in order: the methods (trained or read from ``config.runs``), the positive control, the
+  context-extension variants (zero-shot, then fine-tuned)."""
+  sources = read_runs(config)
+  rows = {}
+  for method in table_methods(config, sources):
+    if method in sources:
+      source = sources[method]
+      steps = (results_lib.read_json(os.path.join(source, "results.json")) or {}).get("step")
+      rows[method] = Row(method, "evaluate", lambda s=source: (source_config(config, s), s),
+                         f"`{method}`: read from {source} (its own recipe, {steps} steps), not trained here")
+    else:
+      rows[method] = Row(method, "train", lambda m=method: run_config(config, m))
+  if config.get("control"):
+    rows[control_name(config)] = Row(
+        config.control, "train", lambda: control_config(config),
+        f"`{control_name(config)}`: the positive control, trained for {config.control_steps} steps with passkey "
+        f"prompts in {100 * config.control_fraction:g}% of its rows")
+  ext = config.get("extension")
+  if ext is not None and ext.variants:
+    _, is_row = base_source(config, workdir, sources)
+    where = f"the `{ext.base}` row" if is_row else ext.base
+    for variant in ext.variants:
+      first, tuned = extension_names(config, variant, is_row)
+      if first:
+        rows[first] = Row("rope", "evaluate", lambda v=variant: zero_shot(config, workdir, v),
+                          f"`{first}`: {where}, {variant} zero-shot")
+      rows[tuned] = Row("rope", "train", lambda v=variant: finetuned(*base_run(config, workdir), v, config),
+                        f"`{tuned}`: {where} with {variant}, trained {ext.finetune_steps} steps at length "
+                        f"{int(config.train_len * ext.factor)} at {ext.lr_fraction:g} of its learning rate")
+  return rows
+
+
+def run_dir(workdir: str, name: str) -> str:
+  """A row's run directory: ``workdir/runs/<name>``, each run of characters other than letters, digits, ``.``, ``-``
+  and ``_`` as one ``_``."""
+  return os.path.join(workdir, "runs", re.sub(r"[^A-Za-z0-9_.-]+", "_", name))
 
 
 def tables(results: dict, config, methods) -> str:
@@ -171,6 +336,49 @@ def tables(results: dict, config, methods) -> str:
       rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
     parts.append("\n".join(rows))
   return "\n\n".join(parts)
+
+
+def needle_table(results: dict, config, rows) -> str:
+  """The needle-in-a-haystack grid: for each row, passkey retrieval (%) at each depth fraction x length."""
+  lengths = [str(config.train_len * m) for m in config.eval_multiples]
+  fractions = [f"{f:.2f}" for f in passkey_task.depth_fractions(needle_depths(config))]
+  lines = ["**needle in a haystack: passkey retrieval (%) by the key's depth in the filler (0: first, 1: last) and "
+           "length**", "", "| row | depth | " + " | ".join(f"@{l}" for l in lengths) + " |",
+           "|" + "---|" * (2 + len(lengths))]
+  for name in rows:
+    grid = results.get(name, {}).get("needle", {})
+    for fraction in fractions:
+      cells = [grid.get(l, {}).get(fraction) for l in lengths]
+      lines.append(f"| `{name}` | {fraction} | " + " | ".join(
+          "—" if v is None else v if v == results_lib.UNSUPPORTED else f"{100 * v:.0f}" for v in cells) + " |")
+  return "\n".join(lines)
+
+
+def needle_plot(results: dict, config, rows, path: str):
+  """A heatmap panel per row: retrieval by depth (rows) and length (columns), unsupported cells blank."""
+  plt = plots.pyplot()
+  lengths = [str(config.train_len * m) for m in config.eval_multiples]
+  fractions = [f"{f:.2f}" for f in passkey_task.depth_fractions(needle_depths(config))]
+  columns = min(len(rows), 4)
+  lines = math.ceil(len(rows) / columns)
+  fig, axes = plt.subplots(lines, columns, figsize=(2.4 * columns + 1.2, 2.2 * lines + 0.6), squeeze=False,
+                           layout="constrained")
+  for i, (ax, name) in enumerate(zip(axes.ravel(), rows)):
+    grid = results.get(name, {}).get("needle", {})
+    values = [[grid.get(l, {}).get(f) for l in lengths] for f in fractions]
+    image = ax.imshow([[v if isinstance(v, float) else math.nan for v in line] for line in values], vmin=0.0,
+                      vmax=1.0, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
+    ax.set_yticks(range(len(fractions)), fractions if i % columns == 0 else [], fontsize=7)
+    ax.set_title(name, fontsize=8)
+  for ax in axes.ravel()[len(rows):]:
+    ax.axis("off")
+  fig.supxlabel("evaluation length", fontsize=8)
+  fig.supylabel("key depth (fraction of the filler)", fontsize=8)
+  fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="retrieved")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return fig
 
 
 def plot(results: dict, config, methods, path: str):
@@ -200,7 +408,7 @@ def plot(results: dict, config, methods, path: str):
 
 def validate(config) -> None:
   """What can fail before the workdir is written: ranges, the model, the multiples, every method's run config, the
-  runs to read, the probes."""
+  runs to read, the positive control, the context extension, the probes."""
   config_args.check_ranges(config, RANGES)
   if config.model not in MODELS:
     raise ValueError(f"config.model={config.model!r}; allowed: {list(MODELS)}")
@@ -215,62 +423,102 @@ def validate(config) -> None:
   sources = read_runs(config)
   for source in sources.values():
     source_config(config, source)
-  if not config.methods and not sources:
-    raise ValueError("config.methods and config.runs are both empty: no method to measure")
+  ext = config.get("extension")
+  if not config.methods and not sources and not (ext is not None and ext.variants):
+    raise ValueError("config.methods, config.runs and config.extension.variants are all empty: no row to measure")
+  if config.get("control"):
+    if config.get("passkey") is None:
+      raise ValueError(f"config.control={config.control!r}: the positive control of passkey retrieval needs "
+                       "config.passkey (a decoder's); set config.control=''")
+    if not 0.0 < config.control_fraction <= 1.0:
+      raise ValueError(f"config.control_fraction={config.control_fraction!r} must be in (0, 1]")
+    control_config(config)
+  if ext is not None and ext.variants:
+    validate_extension(config, sources)
   if config.probes:
     probes.validate(probe_config(config, table_methods(config, sources)))
 
 
+def validate_extension(config, sources: dict) -> None:
+  """The extension's base and options: a decoder harness, a RoPE base (a row here, or a finished run or converted
+  model at ``train_len``), known variants, a factor > 1."""
+  ext = config.extension
+  if config.model not in DECODERS:
+    raise ValueError(f"config.extension: context extension is measured on decoders (model='lm' or 'clm'), not "
+                     f"model={config.model!r}")
+  if not 0.0 < ext.lr_fraction:
+    raise ValueError(f"config.extension.lr_fraction={ext.lr_fraction!r} must be > 0")
+  if ext.base in sources or ext.base in config.methods:
+    run = source_config(config, sources[ext.base]) if ext.base in sources else run_config(config, ext.base)
+  elif os.path.isdir(ext.base):
+    if os.path.isfile(os.path.join(ext.base, "config.json")):
+      trained = results_lib.read_json(os.path.join(ext.base, "config.json"))["max_len"]
+    else:
+      trained = checkpoint_lib.read_model_config(ext.base, "config.extension.base").get("max_len")
+    if trained != config.train_len:
+      raise ValueError(f"config.extension.base={ext.base!r} was trained at length {trained}, the harness's "
+                       f"config.train_len is {config.train_len}; set train_len={trained}")
+    run, _ = base_run(config, "")
+  else:
+    raise ValueError(f"config.extension.base={ext.base!r} is neither a method of config.methods or config.runs "
+                     f"({table_methods(config, sources)}) nor a run's directory")
+  for variant in ext.variants:
+    extended(run, variant, config)
+
+
 def run(config, workdir: str, train, evaluate=None) -> dict:
-  """Trains and evaluates every method not yet in ``workdir/length.json``, each a run of the training loop in
-  ``workdir/runs/<method>`` (or, for a run of ``config.runs``, ``evaluate`` of its checkpoint there), then the probes
-  not yet in ``workdir/probes`` (``config.probes``); writes the tables and the plot. The workdir's config must match
-  (``methods``, ``runs`` and ``probes`` excepted: a rerun may add rows or probe tasks). Compiled programs are cached
-  in ``workdir/compilation_cache``."""
+  """Trains or evaluates every row of :func:`plan` not yet in ``workdir/length.json``, each in its run directory
+  (:func:`run_dir`; a row read from ``config.runs`` or evaluated zero-shot goes through ``evaluate(config, source,
+  workdir)``), then the probes not yet in ``workdir/probes`` (``config.probes``); writes the tables and the plots.
+  The workdir's config must match (``methods``, ``runs``, ``probes``, ``control`` and ``extension`` excepted: a rerun
+  may add rows or probe tasks). Compiled programs are cached in ``workdir/compilation_cache``."""
   validate(config)
-  sources = read_runs(config)
-  methods = table_methods(config, sources)
-  if sources and evaluate is None:
-    raise ValueError("config.runs needs evaluate(config, source, workdir) (posjax.main.evaluate_checkpoint)")
+  rows = plan(config, workdir)
+  if any(row.kind == "evaluate" for row in rows.values()) and evaluate is None:
+    raise ValueError("config.runs and zero-shot extension rows need evaluate(config, source, workdir) "
+                     "(posjax.main.evaluate_checkpoint)")
   os.makedirs(workdir, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "compilation_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  run_checks.check_workdir_config(config, workdir, ignore=("methods", "probes", "runs"))
+  run_checks.check_workdir_config(config, workdir, ignore=("methods", "probes", "runs", "control", "extension"))
   path = os.path.join(workdir, "length.json")
   results = {}
   if os.path.exists(path):
     with open(path) as f:
       results = json.load(f)
   start = time.perf_counter()
-  for method in methods:
-    if method in results:
+  for name, row in rows.items():
+    if name in results:
       continue
-    run_dir = os.path.join(workdir, "runs", method)
-    if method in sources:
-      evaluate(source_config(config, sources[method]), sources[method], run_dir)
+    directory = run_dir(workdir, name)
+    if row.kind == "evaluate":
+      evaluate(*row.make(), directory)
     else:
-      train(run_config(config, method), run_dir)
-    with open(os.path.join(run_dir, "results.json")) as f:
-      results[method] = measures(json.load(f)["metrics"], config)
+      train(row.make(), directory)
+    with open(os.path.join(directory, "results.json")) as f:
+      results[name] = measures(json.load(f)["metrics"], config)
     results_lib.write_json(path, results, sort_keys=False)
-    print(f"[{time.perf_counter() - start:5.0f}s] {method:>12} " + "; ".join(
+    print(f"[{time.perf_counter() - start:5.0f}s] {name:>12} " + "; ".join(
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
-        for measure, values in results[method].items()), flush=True)
-  text = tables(results, config, methods)
+        for measure, values in results[name].items() if measure != "needle"), flush=True)
+  names = list(rows)
+  text = tables(results, config, names)
+  if needle_depths(config):
+    text += "\n\n" + needle_table(results, config, names)
+    needle_plot(results, config, names, os.path.join(workdir, "needle.png"))
   if config.probes:
+    methods = table_methods(config, read_runs(config))
     probe = probe_config(config, methods)
     found = probes.run(probe, os.path.join(workdir, "probes"), train)
     for method in methods:
       results[method]["probes"] = {task: found[method][task] for task in probe.tasks}
     results_lib.write_json(path, results, sort_keys=False)
     text += "\n\n" + probe_tables(found, probe)
-  read = ""
-  for method, source in sources.items():
-    steps = results_lib.read_json(os.path.join(source, "results.json"))["step"]
-    read += f"`{method}`: read from {source} (its own recipe, {steps} steps), not trained here\n"
+  notes = "".join(f"{row.note}\n" for row in rows.values() if row.note)
   with open(os.path.join(workdir, "length.md"), "w") as f:
     f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
-            f"{', '.join(f'{m}x' for m in config.eval_multiples)}\n{read}\n{text}\n")
-  plot(results, config, methods, os.path.join(workdir, "length.png"))
-  print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png", flush=True)
+            f"{', '.join(f'{m}x' for m in config.eval_multiples)}\n{notes}\n{text}\n")
+  plot(results, config, names, os.path.join(workdir, "length.png"))
+  print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png"
+        + (", needle.png" if needle_depths(config) else ""), flush=True)
   return results

@@ -28,24 +28,22 @@ which the position methods import from it.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-from jax.experimental.pallas import tpu as pltpu
 
-from posjax import partitioning
 from posjax.kernels import dropout as dropout_lib
-from posjax.kernels import exact, fold, mosaic, tile, triton, xla
+from posjax.kernels import decode, exact, fold, mosaic, tile, triton, xla
+from posjax.kernels.decode import decode_attention
 from posjax.kernels.exact import fall_back_where
+from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
 from posjax.kernels.terms import (Alibi, Buckets, Fire, Kerple, Relative, Sandwich, Terms, Untied, check_rows, kv_group,
                                   merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
-PLATFORMS = ("cpu", "gpu", "tpu")
-__all__ = ["relative_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
+PLATFORMS = tile.PLATFORMS
+__all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
            "merge",
            "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
@@ -147,16 +145,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     return xla.attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
-  platform = jax.default_backend() if platform is None else platform
-  if platform not in PLATFORMS:
-    raise ValueError(f"platform={platform!r}; allowed: None (the default backend's) or one of {list(PLATFORMS)}")
-  tpu = interpret == "tpu" or (not interpret and platform == "tpu")
-  if interpret is None:
-    interpret = platform == "cpu"
-  elif interpret == "tpu":
-    interpret = pltpu.InterpretParams()
-  elif not isinstance(interpret, bool):
-    raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
+  tpu, interpret = tile.backend(interpret, platform)
   block_sizes = block_sizes or (mosaic if tpu else triton).default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)
   if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):
@@ -200,59 +189,3 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
       heads_first(v_BxLxGxK, value_dim), pad(positions_BxL, 1, padded), pad(segment_ids_BxL, 1, padded),
       pad(valid_BxL.astype(jnp.int32), 1, padded), salts_BxH)
   return out_BxHxPxV.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxGxK.shape[-1]]
-
-
-def term_specs(terms: Terms, batch, heads) -> Terms:
-  """Each term array's ``PartitionSpec`` when rows split over mesh axes ``batch`` and heads over ``heads`` (a
-  table shared by the whole batch, such as the relative vectors or a ``[1, ...]`` untied term, is replicated)."""
-  specs = {}
-  if terms.alibi is not None:
-    specs["alibi"] = terms.alibi.replace(slopes=P(heads))
-  if terms.buckets is not None:
-    specs["buckets"] = terms.buckets.replace(table=P(None, heads))
-  if terms.relative is not None:
-    specs["relative"] = terms.relative.replace(table=P())
-  if terms.kerple is not None:
-    specs["kerple"] = terms.kerple.replace(r1=P(heads), r2=P(heads))
-  if terms.fire is not None:
-    specs["fire"] = terms.fire.replace(w1=P(), b1=P(), w2=P(None, heads), b2=P(heads), c=P(), threshold=P())
-  if terms.sandwich is not None:
-    specs["sandwich"] = terms.sandwich.replace(ratios=P(heads))
-  if terms.untied is not None:
-    u = terms.untied
-    rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)
-    specs["untied"] = u.replace(u_q=rows(u.u_q), u_k=rows(u.u_k),
-                                theta=None if u.theta is None else P(None, heads))
-  return terms.replace(**specs)
-
-
-def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, head_axes=None, kv_heads=None):
-  """``backend`` (a kernel call on heads-first arrays) as it runs under the mesh that tracing sees
-  (``jax.sharding.use_abstract_mesh``, which posjax's training loop sets): once per shard, rows split over the
-  mesh axes ``batch_axes`` and heads over ``head_axes`` (None: where the logical-axis rules put
-  ``activation_batch`` / ``activation_heads``), through ``shard_map``, so the partitioner neither gathers the batch
-  onto every device (a Triton call) nor refuses the call (Mosaic). An axis the mesh lacks is an error. Unchanged
-  without a mesh, or inside ``pmap`` / ``shard_map`` (:func:`posjax.partitioning.traced_mesh`)."""
-  mesh = partitioning.traced_mesh()
-  if mesh is None:
-    return backend
-  batch_axes = partitioning.mesh_axes("activation_batch", mesh) if batch_axes is None else tuple(batch_axes)
-  head_axes = partitioning.mesh_axes("activation_heads", mesh) if head_axes is None else tuple(head_axes)
-  checks = [("batch", batch, batch_axes), ("heads", heads, head_axes)]
-  if kv_heads is not None and kv_heads != heads:
-    checks.append(("key/value heads", kv_heads, head_axes))  # each shard: its query heads and their groups' k/v
-  for what, size, axes in checks:
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing:
-      raise ValueError(f"the attention kernel splits its {what} over mesh axes {list(axes)}, but the mesh has axes "
-                       f"{list(mesh.axis_names)}; name axes it has (or none)")
-    shards = math.prod(mesh.shape[a] for a in axes)
-    if size % shards:
-      raise ValueError(f"the attention kernel splits its {what} ({size}) over mesh axes {list(axes)} ({shards} "
-                       f"shards), which does not divide it; choose a mesh whose {'/'.join(axes)} size divides {size}")
-  b, h = batch_axes or None, head_axes or None
-  rows_BxHxPxX, line_BxP = P(b, h, None, None), P(b, None)
-  leaves = jax.tree.leaves(term_specs(terms, b, h), is_leaf=lambda x: isinstance(x, P))
-  return jax.shard_map(backend, mesh=mesh, in_specs=(leaves, rows_BxHxPxX, rows_BxHxPxX, rows_BxHxPxX, line_BxP,
-                                                      line_BxP, line_BxP, P(b, h)),
-                       out_specs=rows_BxHxPxX, check_vma=False)

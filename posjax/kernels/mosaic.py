@@ -62,7 +62,9 @@ class _Tile(TileBase):
     self.col_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), pos_j_1xT - pos_i_QxT)
     allowed_QxT = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
-    self.mask_logits(s_QxT, allowed_QxT, i * bq + self.row_QxT, j * bk + self.col_QxT)
+    # decoding (:func:`decode`): the queries' cache slots; self-attention: their rows of the sequence
+    index_i_QxT = r["q_slots"][0] if "q_slots" in r else i * bq + self.row_QxT
+    self.mask_logits(s_QxT, allowed_QxT, index_i_QxT, j * bk + self.col_QxT)
 
   def _slope(self):
     return self.r["slopes"][self.h]
@@ -337,7 +339,7 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
     elif name in ("row_max", "row_sum", "delta"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, h, i, 0))
-    elif name in ("q_positions", "q_segments"):
+    elif name in ("q_positions", "q_segments", "q_slots"):
       specs[name] = at((1, bq, bk), lambda b, h, i, j: (b, i, 0))
     elif name in ("k_positions", "k_segments", "k_valid"):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
@@ -545,3 +547,25 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ, q_slots_BxQ, positions_BxT, valid_BxT,
+           ranges_BxNx2):
+  """Decoding on TPU (:func:`posjax.kernels.decode.decode_attention`): ``[B, H, Q, V]`` for ``Q`` queries (a
+  multiple of ``plan.block_q``) at cache slots ``q_slots`` against a cache of ``T`` slots (a multiple of
+  ``plan.block_k``): the forward kernel over a ``(b, h, query tile, key tile)`` grid, the query side's positions and
+  slots its own, the key tiles outside each query tile's range (``ranges``) skipped."""
+  terms = plan.terms(leaves)
+  b, h, q, _ = q_BxHxQxK.shape
+  t, bq, bk = k_BxGxTxK.shape[2], plan.block_q, plan.block_k
+  arrays = _inputs(plan, terms, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, positions_BxT, jnp.zeros_like(positions_BxT),
+                   valid_BxT, None, {})
+  replicate = lambda x_BxQ: jnp.broadcast_to(x_BxQ[:, :, None], (*x_BxQ.shape, bk))
+  arrays.update(q_positions=replicate(q_positions_BxQ), q_segments=replicate(jnp.zeros_like(q_positions_BxQ)),
+                q_slots=replicate(q_slots_BxQ))
+  out = _call(_forward_kernel, plan, terms, arrays,
+              {"out": _rows((b, h, q, v_BxGxTxV.shape[-1]), bq, jnp.float32), "row_max": _rows((b, h, q, bk), bq),
+               "row_sum": _rows((b, h, q, bk), bq)},
+              (b, h, q // bq, t // bk), _query_major(q // bq),
+              {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxGxTxV.shape[-1]), "misplaced": (bq, bk)}, ranges_BxNx2)
+  return out["out"]

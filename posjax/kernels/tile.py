@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels.terms import SCALARS, Relative, Terms, Untied
@@ -54,10 +55,32 @@ class Plan:
   dropout: float = 0.0  # the rate on the attention weights (mask: posjax.kernels.dropout)
   group: int = 1  # query heads per key/value head (grouped-query attention): head h reads k/v head h // group
   sliding_window: int = 0  # with causal: keys i - W < j <= i only (0: every earlier key)
+  splits: int = 1  # decoding (posjax.kernels.decode): programs sharing one query tile's key tiles
 
   def terms(self, leaves) -> Terms:
     """The call's :class:`~posjax.kernels.terms.Terms` from their array leaves."""
     return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def backend(interpret, platform: str | None) -> tuple[bool, Any]:
+  """``(tpu, interpret)``: whether the TPU (Mosaic) kernels run, and the ``interpret`` argument of their
+  ``pallas_call``, from an op's ``interpret`` (None: interpret on a CPU; True: the GPU kernels in the generic
+  interpreter; ``"tpu"``: the TPU kernels in the Mosaic TPU interpreter; False: compiled) and ``platform`` (the
+  device compiled for, default the default backend's)."""
+  platform = jax.default_backend() if platform is None else platform
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform={platform!r}; allowed: None (the default backend's) or one of {list(PLATFORMS)}")
+  tpu = interpret == "tpu" or (not interpret and platform == "tpu")
+  if interpret is None:
+    interpret = platform == "cpu"
+  elif interpret == "tpu":
+    interpret = pltpu.InterpretParams()
+  elif not isinstance(interpret, bool):
+    raise ValueError(f"interpret={interpret!r}; allowed: None, True, False, 'tpu'")
+  return tpu, interpret
 
 
 def kv_head(h, group: int):

@@ -59,7 +59,7 @@ from posjax.kernels.terms import NAMES, Terms
 from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two, overlap_add, row_delta,
                                  sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, tile_ranges,
                                  untied_grads, window_table)
-from posjax.kernels.triton_kernels import dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
+from posjax.kernels.triton_kernels import decode_kernel, dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -321,3 +321,33 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ, q_slots_BxQ, positions_BxT, valid_BxT,
+           ranges_BxNx2):
+  """Decoding on GPU (:func:`posjax.kernels.decode.decode_attention`): ``[B, H, Q, V]`` float32 for ``Q`` queries
+  (a multiple of ``plan.block_q``) at cache slots ``q_slots`` against a cache of ``T`` slots (a multiple of
+  ``plan.block_k``); ``ranges``: each query tile's key tiles. ``plan.splits`` programs share a query tile's key
+  tiles (flash decoding), each writing unnormalised rows with their maximum and sum, combined here."""
+  terms = plan.terms(leaves)
+  b, h, q, _ = q_BxHxQxK.shape
+  n_q, splits = q // plan.block_q, plan.splits
+  inputs, specs = _inputs(plan, terms, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, positions_BxT, jnp.zeros_like(positions_BxT),
+                          valid_BxT, None, {})
+  for name, x_BxQ in (("q_positions", q_positions_BxQ), ("q_slots", q_slots_BxQ)):
+    inputs[name], specs[name] = x_BxQ, _batch_spec(x_BxQ)
+  inputs["tiles"], specs["tiles"] = ranges_BxNx2, pl.BlockSpec((1, 1, 2), lambda b, h, x: (b, x // splits, 0))
+  value_dim = v_BxGxTxV.shape[-1]
+  stats = lambda: (jax.ShapeDtypeStruct((b, h, splits, q), jnp.float32),
+                   pl.BlockSpec((1, 1, 1, plan.block_q), lambda b, h, x: (b, h, x % splits, x // splits)))
+  (out, out_spec), (row_max, max_spec), (row_sum, sum_spec) = (
+      (jax.ShapeDtypeStruct((b, h, splits, q, value_dim), jnp.float32),
+       pl.BlockSpec((1, 1, 1, plan.block_q, value_dim), lambda b, h, x: (b, h, x % splits, x // splits, 0))),
+      stats(), stats())
+  res = _call(decode_kernel, plan, terms, inputs, specs, {"out": out, "row_max": row_max, "row_sum": row_sum},
+              {"out": out_spec, "row_max": max_spec, "row_sum": sum_spec}, n_q * splits)
+  # the splits combined: each split's rows rescaled to the overall maximum (a split without tiles weighs 0)
+  overall_BxHx1xQ = jnp.max(res["row_max"], axis=2, keepdims=True)
+  weight_BxHxSxQ = jnp.exp(res["row_max"] - overall_BxHx1xQ)
+  total_BxHxQ = jnp.sum(weight_BxHxSxQ * res["row_sum"], axis=2)
+  return jnp.sum(weight_BxHxSxQ[..., None] * res["out"], axis=2) / total_BxHxQ[..., None]

@@ -36,15 +36,19 @@ class Tile(TileBase):
     rows, cols = pl.ds(i0, bq), pl.ds(j0, bk)
     self.rows, self.cols = rows, cols
     self.q_QxK, self.k_TxK = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
-    pos_i_Q, pos_j_T = refs["positions"][0, rows], refs["positions"][0, cols]
+    pos_j_T = refs["positions"][0, cols]
+    allowed_QxT = jnp.broadcast_to(refs["valid"][0, cols][None, :] > 0, (bq, bk))
+    if "q_slots" in refs:  # decoding (decode_kernel): the queries' own positions and cache slots, one document
+      pos_i_Q = refs["q_positions"][0, rows]
+      index_i_QxT = jnp.broadcast_to(refs["q_slots"][0, rows][:, None], (bq, bk))
+    else:  # self-attention: the query rows of the keys' arrays
+      pos_i_Q = refs["positions"][0, rows]
+      allowed_QxT = allowed_QxT & (refs["segment_ids"][0, rows][:, None] == refs["segment_ids"][0, cols][None, :])
+      index_i_QxT = i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     self.pos_i_QxT = pos_i_Q[:, None]
     rel_QxT = pos_j_T[None, :] - pos_i_Q[:, None]
     self.cls_i_QxT, self.cls_j_QxT = (pos_i_Q == 0)[:, None], (pos_j_T == 0)[None, :]
     s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), rel_QxT)
-    valid_j_T = refs["valid"][0, cols] > 0
-    allowed_QxT = valid_j_T[None, :] & (refs["segment_ids"][0, rows][:, None]
-                                        == refs["segment_ids"][0, cols][None, :])
-    index_i_QxT = i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     index_j_QxT = j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     self.mask_logits(s_QxT, allowed_QxT, index_i_QxT, index_j_QxT)
 
@@ -146,9 +150,36 @@ def forward_kernel(plan: Plan, terms: Terms, names, *refs):
   """One query tile against the key tiles it visits (online softmax): the output rows, and each row's maximum and
   sum for the backward pass (a row that a windowed relative term misread comes out NaN)."""
   r = dict(zip(names, refs))
-  i0 = pl.program_id(2) * plan.block_q
-  bq, value_dim = plan.block_q, r["v"].shape[-1]
+  row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = _attend(plan, terms, r, pl.program_id(2) * plan.block_q, *_tiles(r))
+  # A windowed relative term read index distances: rows whose positions disagree with them are NaN, not wrong.
+  out_QxV = jnp.where(misplaced_Q[:, None] > 0, jnp.nan, acc_QxV / row_sum_Q[:, None])
+  r["out"][0, 0, :, :] = out_QxV.astype(r["out"].dtype)
+  # The row maximum and sum, not their log-sum-exp: in a fully masked row m is the most negative float32 and
+  # m + log(l) would round back to m.
+  r["row_max"][0, 0, :] = row_max_Q
+  r["row_sum"][0, 0, :] = row_sum_Q
 
+
+def decode_kernel(plan: Plan, terms: Terms, names, *refs):
+  """Decoding (:func:`posjax.kernels.triton.decode`): grid point ``(b, h, i · splits + s)`` takes split ``s`` of the
+  key tiles query tile ``i`` visits (flash decoding: the splits of one query tile run side by side) and writes its
+  unnormalised output rows with their maximum and sum; the splits are combined after the kernel."""
+  r = dict(zip(names, refs))
+  splits = plan.splits
+  i, s = pl.program_id(2) // splits, pl.program_id(2) % splits
+  lo, hi = _tiles(r)
+  per = (hi - lo + splits - 1) // splits
+  start = jnp.minimum(lo + s * per, hi)
+  row_max_Q, row_sum_Q, acc_QxV, _ = _attend(plan, terms, r, i * plan.block_q, start, jnp.minimum(start + per, hi))
+  r["out"][0, 0, 0, :, :] = acc_QxV
+  r["row_max"][0, 0, 0, :] = row_max_Q
+  r["row_sum"][0, 0, 0, :] = row_sum_Q
+
+
+def _attend(plan: Plan, terms: Terms, r: dict, i0, lo, hi):
+  """Online softmax of query tile ``i0`` over key tiles ``[lo, hi)``: each row's maximum and sum, its unnormalised
+  output and whether a windowed relative term misread it (1.0)."""
+  bq, value_dim = plan.block_q, r["v"].shape[-1]
   window = terms.relative is not None and terms.relative.window
 
   def body(t, carry):
@@ -167,14 +198,7 @@ def forward_kernel(plan: Plan, terms: Terms, names, *refs):
 
   init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros((bq, value_dim), jnp.float32), jnp.zeros((bq,), jnp.float32))
-  row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = jax.lax.fori_loop(*_tiles(r), body, init)
-  # A windowed relative term read index distances: rows whose positions disagree with them are NaN, not wrong.
-  out_QxV = jnp.where(misplaced_Q[:, None] > 0, jnp.nan, acc_QxV / row_sum_Q[:, None])
-  r["out"][0, 0, :, :] = out_QxV.astype(r["out"].dtype)
-  # The row maximum and sum, not their log-sum-exp: in a fully masked row m is the most negative float32 and
-  # m + log(l) would round back to m.
-  r["row_max"][0, 0, :] = row_max_Q
-  r["row_sum"][0, 0, :] = row_sum_Q
+  return jax.lax.fori_loop(lo, hi, body, init)
 
 
 def _tiles(r: dict):

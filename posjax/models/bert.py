@@ -142,7 +142,9 @@ class BertConfig:
   position_schedule: str = ""
 
   def __post_init__(self):
-    object.__setattr__(self, "position_options", FrozenDict(self.position_options or {}))
+    # lists as tuples (LongRoPE's factors from a config or JSON): the config is hashed as a static argument
+    object.__setattr__(self, "position_options", FrozenDict({k: tuple(v) if isinstance(v, list) else v
+                                                             for k, v in (self.position_options or {}).items()}))
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len"):
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")

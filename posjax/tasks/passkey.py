@@ -11,10 +11,9 @@ as the packed corpus ends its sentences (:mod:`posjax.data.mlm`):
 the key line and ``F - p`` after it, ``F`` being whatever the row has room for; the depth ``p`` is drawn uniformly
 from ``0..F``. The key is ``digits`` symbols drawn uniformly (each symbol one token: by default the digits 0-9 as
 separate tokens; Landmark's key is a number below 50,000, as many tokens as its tokenizer makes of it), written twice
-in the key line (``{key}`` in ``key_line``) and once after the question, where it is scored: the model predicts
-each key token from the tokens before it (the true ones: teacher forcing), so a row whose every key token is its
-argmax is exactly a row that greedy decoding completes with the key. ``accuracy``: the fraction of rows retrieved
-whole; ``digit_accuracy``: of key tokens.
+in the key line (``{key}`` in ``key_line``) and once after the question, where it is scored (``scoring``: by
+default the key the model writes by greedy decoding after the question). ``accuracy``: the fraction of rows
+retrieved whole; ``digit_accuracy``: of key tokens.
 
 Spec options (``config.evals.<name>``, beside ``kind="passkey"``): ``batches`` (global evaluation batches of rows),
 ``length_multiple`` or ``max_len`` (the row length, as the corpus evaluators'), ``digits``, ``symbols`` (the key's

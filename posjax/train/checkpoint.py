@@ -364,6 +364,17 @@ def vocab_file_of(workdir: str) -> str:
   return ""
 
 
+def latest_step(directory: str) -> int:
+  """The last step kept in a run's checkpoints (its workdir or checkpoint directory)."""
+  check_directory(directory, "checkpoint directory")
+  manager = ocp.CheckpointManager(os.path.abspath(resolve_directory(directory)), item_handlers=_handlers())
+  kept = sorted(manager.all_steps())
+  manager.close()
+  if not kept:
+    raise FileNotFoundError(f"{directory} holds no checkpoint")
+  return kept[-1]
+
+
 def load_params(directory: str, step: int | None = None) -> dict:
   """Parameters of another run's checkpoint (its workdir or checkpoint directory; ``step`` default: the latest),
   as a nested dict of arrays (for warm starts)."""

@@ -73,15 +73,17 @@ def write_results(path: str, config, task, step: int, log: results_lib.Evaluatio
 
 def checkpoint_results(config, source: str, workdir: str, build_task) -> dict:
   """Evaluates the last checkpoint of another, finished run (``source``: its workdir, whose ``results.json`` names
-  that step) with ``config``'s evaluators, training nothing: ``workdir`` gets ``config.json`` and ``results.json``
+  that step, or a converted model's, its latest checkpoint) with ``config``'s evaluators, training nothing: ``workdir`` gets ``config.json`` and ``results.json``
   (``evaluated_from``: ``source``), ``source`` is only read. ``config`` must build the model that run trained (its own
   config, other evaluators); a parameter missing on either side is an error. Returns ``{evaluator: {metric:
   value}}``."""
   finished = results_lib.read_json(os.path.join(source, "results.json"))
-  if finished is None:
-    raise FileNotFoundError(f"{source} has no results.json: not a finished run")
+  if finished is None and not os.path.isdir(os.path.join(source, "checkpoints")):
+    raise FileNotFoundError(f"{source} has no results.json and no checkpoints: not a finished run or a converted "
+                            "model")
+  step = int(finished["step"]) if finished else checkpoint_lib.latest_step(source)
   prepared = validate.validate_everywhere(config, workdir, build_task)
-  parallel, task, step = prepared.parallel, prepared.task, int(finished["step"])
+  parallel, task = prepared.parallel, prepared.task
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   validate.check_workdir_config(config, workdir)

@@ -1,0 +1,74 @@
+"""The attention kernels under a mesh: each call runs once per shard (``shard_map``), rows split over the batch's mesh
+axes and heads over the heads' (:func:`per_shard`), each term's array laid out to match (:func:`term_specs`).
+
+Shapes: B batch, H heads, P padded length, K head dim, X any last axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from posjax import partitioning
+from posjax.kernels.terms import Terms
+
+
+def term_specs(terms: Terms, batch, heads) -> Terms:
+  """Each term array's ``PartitionSpec`` when rows split over mesh axes ``batch`` and heads over ``heads`` (a
+  table shared by the whole batch, such as the relative vectors or a ``[1, ...]`` untied term, is replicated)."""
+  specs = {}
+  if terms.alibi is not None:
+    specs["alibi"] = terms.alibi.replace(slopes=P(heads))
+  if terms.buckets is not None:
+    specs["buckets"] = terms.buckets.replace(table=P(None, heads))
+  if terms.relative is not None:
+    specs["relative"] = terms.relative.replace(table=P())
+  if terms.kerple is not None:
+    specs["kerple"] = terms.kerple.replace(r1=P(heads), r2=P(heads))
+  if terms.fire is not None:
+    specs["fire"] = terms.fire.replace(w1=P(), b1=P(), w2=P(None, heads), b2=P(heads), c=P(), threshold=P())
+  if terms.sandwich is not None:
+    specs["sandwich"] = terms.sandwich.replace(ratios=P(heads))
+  if terms.untied is not None:
+    u = terms.untied
+    rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)
+    specs["untied"] = u.replace(u_q=rows(u.u_q), u_k=rows(u.u_k),
+                                theta=None if u.theta is None else P(None, heads))
+  return terms.replace(**specs)
+
+
+def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, head_axes=None, kv_heads=None,
+              arg_specs=None):
+  """``backend`` (a kernel call on heads-first arrays) as it runs under the mesh that tracing sees
+  (``jax.sharding.use_abstract_mesh``, which posjax's training loop sets): once per shard, rows split over the
+  mesh axes ``batch_axes`` and heads over ``head_axes`` (None: where the logical-axis rules put
+  ``activation_batch`` / ``activation_heads``), through ``shard_map``, so the partitioner neither gathers the batch
+  onto every device (a Triton call) nor refuses the call (Mosaic). An axis the mesh lacks is an error. Unchanged
+  without a mesh, or inside ``pmap`` / ``shard_map`` (:func:`posjax.partitioning.traced_mesh`). ``arg_specs(b,
+  h)``: the specs of the arguments after the terms' leaves (default: the attention kernels' q, k, v ``[B, H, L,
+  X]``, positions, segment ids and validity ``[B, L]``, dropout salts ``[B, H]``)."""
+  mesh = partitioning.traced_mesh()
+  if mesh is None:
+    return backend
+  batch_axes = partitioning.mesh_axes("activation_batch", mesh) if batch_axes is None else tuple(batch_axes)
+  head_axes = partitioning.mesh_axes("activation_heads", mesh) if head_axes is None else tuple(head_axes)
+  checks = [("batch", batch, batch_axes), ("heads", heads, head_axes)]
+  if kv_heads is not None and kv_heads != heads:
+    checks.append(("key/value heads", kv_heads, head_axes))  # each shard: its query heads and their groups' k/v
+  for what, size, axes in checks:
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+      raise ValueError(f"the attention kernel splits its {what} over mesh axes {list(axes)}, but the mesh has axes "
+                       f"{list(mesh.axis_names)}; name axes it has (or none)")
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if size % shards:
+      raise ValueError(f"the attention kernel splits its {what} ({size}) over mesh axes {list(axes)} ({shards} "
+                       f"shards), which does not divide it; choose a mesh whose {'/'.join(axes)} size divides {size}")
+  b, h = batch_axes or None, head_axes or None
+  rows_BxHxPxX, line_BxP = P(b, h, None, None), P(b, None)
+  leaves = jax.tree.leaves(term_specs(terms, b, h), is_leaf=lambda x: isinstance(x, P))
+  args = (arg_specs(b, h) if arg_specs is not None else
+          (rows_BxHxPxX, rows_BxHxPxX, rows_BxHxPxX, line_BxP, line_BxP, line_BxP, P(b, h)))
+  return jax.shard_map(backend, mesh=mesh, in_specs=(leaves, *args), out_specs=rows_BxHxPxX, check_vma=False)
