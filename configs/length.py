@@ -30,7 +30,8 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
   extension: ``+``-separated context-extension variants of a RoPE model (:mod:`posjax.experiments.extension`:
     ``unscaled``, ``pi``, ``ntk``, ``yarn``, ``longrope``; ``all``: every one), each zero-shot and fine-tuned at
     ``factor`` (default 4) times the training length for ``config.extension.finetune_steps``; default none.
-  extension_base: the model they extend: a method among the rows (default ``rope``), or the workdir of a finished
+  extension_base: the model they extend: a method among the rows (default ``rope``), the positive control's row
+    (``rope+keys``: a model that retrieves, so the passkey tables show what each extension keeps), or the workdir of a finished
     run or of ``python -m posjax.convert hf-to-posjax`` trained at ``train_len``.
 
   python -m posjax.main --config=configs/length.py:methods=rope+alibi+fire+kerple_log,runlocal --workdir=DIR

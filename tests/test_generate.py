@@ -53,29 +53,23 @@ def test_greedy_tokens_and_step_logits_equal_the_full_forward(fields):
   assert layer["attention"]["cached_key"].shape[-3:] == (2, 14, 8)  # k/v heads only (GQA), heads first
 
 
-def test_the_decode_kernels_generate_the_dense_full_forwards_tokens():
+def test_the_decode_kernels_generate_the_dense_full_forwards_tokens_on_one_device_and_on_a_mesh():
   # the decode kernels' methods (sandwich: on the xla formulas), GQA, a window, positions past the prompt; the
-  # reference: the same weights' full forward on the dense xla path
+  # reference: the same weights' full forward on the dense xla path. Then on 8 devices: rows over data x fsdp (4),
+  # the 2 k/v heads over tensor (2), the decode kernel once per shard, each device holding its part of the cache.
   schedule = "rope,alibi,t5,kerple_log,fire,kerple_power,sandwich"
   module, variables = decoder(num_layers=len(schedule.split(",")), position_schedule=schedule, sliding_window=6,
                               attention_kernel="pallas")
-  prompt = np.random.default_rng(3).integers(0, 61, (2, 5))
+  prompt = jnp.asarray(np.random.default_rng(3).integers(0, 61, (4, 5)), jnp.int32)
   tokens, cached = (np.asarray(x) for x in generate.generate(module, variables, prompt, max_new_tokens=7,
                                                               return_logits=True))
   dense = BertModel(dataclasses.replace(module.config, attention_kernel="xla"), head="lm")
   full = np.asarray(jax.jit(dense.apply)(variables, jnp.asarray(tokens)).logits)
   np.testing.assert_array_equal(tokens[:, 5:], np.argmax(full[:, 4:-1], axis=-1))
   np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
-
-
-def test_under_a_mesh_each_device_holds_its_rows_and_kv_heads_of_the_cache():
-  # 8 devices: rows over data x fsdp (4), the 2 k/v heads over tensor (2); the decode kernel runs once per shard
-  module, variables = decoder(position="alibi", attention_kernel="pallas")
-  prompt = jnp.asarray(np.random.default_rng(4).integers(0, 61, (4, 5)), jnp.int32)
-  want = np.asarray(generate.generate(module, variables, prompt, max_new_tokens=4))
   with jax.set_mesh(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
-    np.testing.assert_array_equal(generate.generate(module, variables, prompt, max_new_tokens=4), want)
-    program = generate._generate.lower(module, {"params": variables["params"]}, prompt, jnp.ones((4, 5), bool), 4,
+    np.testing.assert_array_equal(generate.generate(module, variables, prompt, max_new_tokens=7), tokens)
+    program = generate._generate.lower(module, {"params": variables["params"]}, prompt, jnp.ones((4, 5), bool), 7,
                                        0.0, 0, 1.0, jnp.uint32(0), -1).compile().as_text()
   written = set(re.findall(r"= [a-z0-9]+\[([\d,]*)\]\S* dynamic-update-slice\(", program))
   slots = generate.CACHE_MULTIPLE

@@ -216,7 +216,7 @@ def base_source(config, workdir: str, sources: dict) -> tuple[str, bool]:
   base = config.extension.base
   if base in sources:
     return sources[base], True
-  if base in config.methods:
+  if base in config.methods or (config.get("control") and base == control_name(config)):
     return run_dir(workdir, base), True
   return base, False
 
@@ -250,13 +250,12 @@ def extended(run, variant: str, config) -> ml_collections.ConfigDict:
 
 def finetuned(run, source: str, variant: str, config) -> ml_collections.ConfigDict:
   """The fine-tune of ``variant``: from ``source``'s parameters, at ``train_len * factor`` for ``finetune_steps``,
-  at ``lr_fraction`` of the base's learning rate, a tenth of the steps warming up, no passkey prompts."""
+  at ``lr_fraction`` of the base's learning rate, a tenth of the steps warming up, on the base's own data (the
+  positive control's passkey prompts included, built at the longer length)."""
   ext, steps = config.extension, config.extension.finetune_steps
   run = extended(run, variant, config)
   run.update(init_from=source, max_len=int(config.train_len * ext.factor), total_steps=steps, eval_every_steps=steps,
              checkpoint_every_steps=steps, warmup_steps=steps // 10, learning_rate=run.learning_rate * ext.lr_fraction)
-  if run.get("passkey_train") is not None:
-    run.passkey_train.fraction = 0.0
   run.progress = False
   return run
 
@@ -448,7 +447,9 @@ def validate_extension(config, sources: dict) -> None:
                      f"model={config.model!r}")
   if not 0.0 < ext.lr_fraction:
     raise ValueError(f"config.extension.lr_fraction={ext.lr_fraction!r} must be > 0")
-  if ext.base in sources or ext.base in config.methods:
+  if config.get("control") and ext.base == control_name(config):
+    run = control_config(config)
+  elif ext.base in sources or ext.base in config.methods:
     run = source_config(config, sources[ext.base]) if ext.base in sources else run_config(config, ext.base)
   elif os.path.isdir(ext.base):
     if os.path.isfile(os.path.join(ext.base, "config.json")):
