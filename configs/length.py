@@ -8,7 +8,8 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
     xpos, alibi, t5, kerple_log, kerple_power, fire, sandwich).
   runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/lm.py:... --workdir=DIR``,
     ``configs/clm.py`` for ``model=clm``, ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
-    config and the harness's evaluators, as the row of its position method (``runs=DIR1+DIR2,methods=`` trains
+    config and the harness's evaluators, as the row of its position method (a second run of the same method, e.g.
+    RoPE with other options: the row ``<method> (<its directory's name>)``; ``runs=DIR1+DIR2,methods=`` trains
     nothing). A run must be trained at ``train_len`` (32 in runlocal, else 512).
   model: ``lm`` (the Llama-family decoder of ``configs/lm.py``, next-token perplexity; default), ``clm`` (a causal
     BERT, ``configs/clm.py``) or ``mlm`` (an encoder, masked-token perplexity).

@@ -16,6 +16,7 @@ from test_kernels import learned_terms
     (True, (16, 16), 1, 0),  # a decode step: one query, every key tile split among programs
     (True, (16, 16), 19, 9),  # a prefill of two query tiles in a window: the tiles before it skipped
     ("tpu", (8, 128), 11, 9),
+    ("xla", None, 3, 9),  # the dense formulas (implementation="xla")
 ])
 def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(interpreter, blocks, queries, window):
   rng = np.random.default_rng(7)
@@ -43,7 +44,7 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
       q[:, -queries:], cache(k), cache(v), start=written - queries,
       key_positions=np.pad(positions, ((0, 0), (0, slots - written))),
       key_valid=np.pad(valid, ((0, 0), (0, slots - written))), terms=terms, sliding_window=window,
-      interpret=interpreter, block_sizes=blocks)
+      **(dict(implementation="xla") if interpreter == "xla" else dict(interpret=interpreter, block_sizes=blocks)))
   np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
 
 

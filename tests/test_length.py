@@ -4,6 +4,7 @@ its length (perplexity, accuracy, passkey retrieval), the probes run beside them
 positive control and the needle grid, context extension zero-shot and fine-tuned."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -26,10 +27,10 @@ def harness_config(methods="alibi+absolute", **fields):
 
 
 def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_path):
-  config = harness_config(probes=("copy",), probe_overrides=PROBE_STEPS, control="alibi", control_steps=3)
+  config = harness_config(probes=("copy",), probe_overrides=PROBE_STEPS, steps=4)
   config.passkey.depths = 3
   results = length.run(config, str(tmp_path), train)
-  assert list(results) == ["alibi", "absolute", "alibi+keys"]
+  assert list(results) == ["alibi", "absolute"]
   assert results["absolute"]["perplexity"]["64"] == "unsupported"
   assert isinstance(results["absolute"]["perplexity"]["32"], float)
   assert all(isinstance(v, float) and v > 1 for v in results["alibi"]["perplexity"].values())
@@ -54,20 +55,24 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   evaluations = json.loads((tmp_path / "runs" / "alibi" / "results.json").read_text())["metrics"]
   assert set(evaluations["passkey_x2"]) == {"accuracy", "digit_accuracy", "accuracy@0.00", "accuracy@0.50",
                                             "accuracy@1.00"}
-  # the positive control: the first method, trained with passkey prompts in half its rows
-  control = json.loads((tmp_path / "runs" / "alibi_keys" / "config.json").read_text())
-  assert control["model"]["position"] == "alibi" and control["total_steps"] == 3
-  assert control["passkey_train"] == {"fraction": 0.5, **{k: v for k, v in config.passkey.to_dict().items()
-                                                          if k in ("digits", "symbols", "intro", "filler",
-                                                                   "key_line", "question")}}
-  assert "`alibi+keys`: the positive control, trained for 3 steps with passkey prompts in 50% of its rows" in text
   # the needle grid: a line per row and depth, a panel per row
   assert set(results["alibi"]["needle"]["64"]) == {"0.00", "0.50", "1.00"}
   assert results["absolute"]["needle"]["64"]["0.50"] == "unsupported"
-  assert "| `alibi+keys` | 1.00 | " in text and "| `absolute` | 0.50 | " in text
+  assert "| `alibi` | 1.00 | " in text and "| `absolute` | 0.50 | " in text
   assert (tmp_path / "needle.png").stat().st_size > 0
 
   assert length.run(config, str(tmp_path), must_not_train) == results
+  # the positive control (a row like the methods', trained the same way): the first method by default, trained for
+  # control_steps with passkey prompts in half its rows
+  control = load_config("length", "methods=alibi+absolute,runlocal")
+  control.control_steps = 3
+  row = length.plan(control, str(tmp_path))["alibi+keys"]
+  run = row.make()
+  assert row.method == "alibi" and run.model.position == "alibi" and run.total_steps == 3
+  assert run.passkey_train.to_dict() == {"fraction": 0.5, **{k: v for k, v in control.passkey.to_dict().items()
+                                                             if k in ("digits", "symbols", "intro", "filler",
+                                                                      "key_line", "question")}}
+  assert row.note == "`alibi+keys`: the positive control, trained for 3 steps with passkey prompts in 50% of its rows"
 
 
 def must_not_train(*args):
@@ -78,9 +83,9 @@ def files(directory):
   return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*")}
 
 
-def test_the_harness_reads_a_finished_run_without_training_it(tmp_path):
-  source = tmp_path / "clm_alibi"
-  run = load_config("clm", "position=alibi,runlocal")
+def test_the_harness_reads_a_finished_run_and_extends_it_zero_shot_and_fine_tuned(tmp_path):
+  source = tmp_path / "clm_rope"
+  run = load_config("clm", "position=rope,runlocal")
   run.update(total_steps=3, warmup_steps=1, max_len=32, eval_every_steps=3, checkpoint_every_steps=3, progress=False)
   train(run, str(source))
   before = files(source)
@@ -88,17 +93,43 @@ def test_the_harness_reads_a_finished_run_without_training_it(tmp_path):
   results = length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=evaluate_checkpoint)
   assert files(source) == before  # only read
   own = json.loads((source / "results.json").read_text())["metrics"]["eval"]
-  assert results["alibi"]["perplexity"]["32"] == pytest.approx(own["perplexity"], rel=1e-5)  # the run's parameters
-  assert isinstance(results["alibi"]["perplexity"]["64"], float)
-  assert set(results["alibi"]["passkey"]) == {"32", "64"}
-  evaluated = json.loads((tmp_path / "harness" / "runs" / "alibi" / "results.json").read_text())
+  assert results["rope"]["perplexity"]["32"] == pytest.approx(own["perplexity"], rel=1e-5)  # the run's parameters
+  assert isinstance(results["rope"]["perplexity"]["64"], float)
+  assert set(results["rope"]["passkey"]) == {"32", "64"}
+  evaluated = json.loads((tmp_path / "harness" / "runs" / "rope" / "results.json").read_text())
   assert evaluated["evaluated_from"] == str(source) and evaluated["step"] == 3
   text = (tmp_path / "harness" / "length.md").read_text()
-  assert f"`alibi`: read from {source} (its own recipe, 3 steps), not trained here" in text and "| `alibi` |" in text
+  assert f"`rope`: read from {source} (its own recipe, 3 steps), not trained here" in text and "| `rope` |" in text
   assert length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=must_not_train) == results
+  # a second run of the same method (a variant) is a row of its own, named by its directory
+  shutil.copytree(source, tmp_path / "rope_variant")
+  both = harness_config(methods="", runs=(str(source), str(tmp_path / "rope_variant")))
+  rows = length.plan(both, str(tmp_path / "harness"))
+  assert list(rows) == ["rope", "rope (rope_variant)"] and rows["rope (rope_variant)"].method == "rope"
+  assert rows["rope (rope_variant)"].make()[1] == str(tmp_path / "rope_variant")
+
+  # context extension of the finished run: PI zero-shot (its checkpoint, interpolated) and fine-tuned at 2x
+  extended = harness_config(methods="", passkey=None, model="clm", extension={
+      "variants": ("pi",), "base": str(source), "factor": 2.0, "finetune_steps": 2, "lr_fraction": 0.1})
+  results = length.run(extended, str(tmp_path / "extended"), train, evaluate=evaluate_checkpoint)
+  assert list(results) == ["pi x2", "pi x2 +2 steps"]
+  zero_shot = json.loads((tmp_path / "extended" / "runs" / "pi_x2" / "config.json").read_text())
+  assert zero_shot["model"]["position_options"]["scaling"] == "linear" and zero_shot["max_len"] == 32
+  tuned = json.loads((tmp_path / "extended" / "runs" / "pi_x2_2_steps" / "config.json").read_text())
+  assert tuned["init_from"] == str(source) and tuned["max_len"] == 64 and tuned["total_steps"] == 2
+  assert tuned["model"]["position_options"]["scaling"] == "linear" and tuned["model"]["position_options"]["factor"] == 2
+  assert tuned["learning_rate"] == pytest.approx(0.1 * run.learning_rate)
+  assert tuned["evals"]["x1"]["max_len"] == 32  # measured at the harness's lengths, not multiples of its own
+  text = (tmp_path / "extended" / "length.md").read_text()
+  assert f"`pi x2 +2 steps`: {source} with pi, trained 2 steps at length 64 at 0.1 of its learning rate" in text
+
   with pytest.raises(ValueError, match=r"config.runs: .* was trained at length 32, the harness's config.train_len "
                                        r"is 64; evaluate it with train_len=32"):
     length.run(harness_config(methods="", runs=(str(source),), train_len=64), str(tmp_path / "other"), train)
+  with pytest.raises(ValueError, match=r"config.extension.base=.* was trained at length 32, the harness's "
+                                       r"config.train_len is 64; set train_len=32"):
+    length.run(harness_config(methods="", passkey=None, model="clm", train_len=64,
+                              extension=extended.extension.to_dict()), str(tmp_path / "other"), train)
   with pytest.raises(FileNotFoundError, match=r"config.runs: .*nowhere is not a finished run"):
     length.run(harness_config(runs=(str(tmp_path / "nowhere"),)), str(tmp_path / "other"), train)
   assert not (tmp_path / "other").exists()
@@ -144,32 +175,3 @@ def test_context_extension_variants_follow_their_formulas():
   with pytest.raises(ValueError, match=r"unknown variant 'ntk2'; allowed: \['unscaled', 'pi', 'ntk', 'yarn', "
                                        r"'longrope'\] or all"):
     load_config("length", "extension=pi+ntk2,runlocal")
-
-
-def test_the_harness_extends_a_finished_rope_run_zero_shot_and_fine_tuned(tmp_path):
-  source = tmp_path / "lm_rope"
-  run = load_config("lm", "position=rope,runlocal")
-  config = harness_config(methods="", passkey=None, extension={
-      "variants": ("unscaled", "pi"), "base": str(source), "factor": 2.0, "finetune_steps": 2, "lr_fraction": 0.1})
-  run.update(total_steps=3, warmup_steps=1, max_len=32, eval_every_steps=3, checkpoint_every_steps=3, progress=False,
-             batch_size=config.batch_size)
-  run.evals.eval.batches = config.eval_batches  # the rows the harness scores at length 32
-  train(run, str(source))
-  results = length.run(config, str(tmp_path / "harness"), train, evaluate=evaluate_checkpoint)
-  assert list(results) == ["base", "unscaled x2 +2 steps", "pi x2", "pi x2 +2 steps"]
-  own = json.loads((source / "results.json").read_text())["metrics"]["eval"]
-  assert results["base"]["perplexity"]["32"] == pytest.approx(own["perplexity"], rel=1e-5)  # the run, unscaled
-  zero_shot = json.loads((tmp_path / "harness" / "runs" / "pi_x2" / "config.json").read_text())
-  assert zero_shot["model"]["position_options"]["scaling"] == "linear"  # the base's checkpoint, interpolated
-  tuned = json.loads((tmp_path / "harness" / "runs" / "pi_x2_2_steps" / "config.json").read_text())
-  assert tuned["init_from"] == str(source) and tuned["max_len"] == 64 and tuned["total_steps"] == 2
-  assert tuned["model"]["position_options"]["scaling"] == "linear" and tuned["model"]["position_options"]["factor"] == 2
-  assert tuned["learning_rate"] == pytest.approx(0.1 * run.learning_rate)
-  assert tuned["evals"]["x1"]["max_len"] == 32  # measured at the harness's lengths, not multiples of its own
-  text = (tmp_path / "harness" / "length.md").read_text()
-  assert f"`pi x2 +2 steps`: {source} with pi, trained 2 steps at length 64 at 0.1 of its learning rate" in text
-  with pytest.raises(ValueError, match=r"config.extension.base=.* was trained at length 32, the harness's "
-                                       r"config.train_len is 64; set train_len=32"):
-    length.run(harness_config(methods="", passkey=None, train_len=64, extension=config.extension.to_dict()),
-               str(tmp_path / "other"), train)
-  assert not (tmp_path / "other").exists()

@@ -18,9 +18,10 @@ task to ``length.md`` (method x length, token accuracy).
 
 ``config.runs`` names finished runs (workdirs of ``python -m posjax.main --config=configs/lm.py ...``, ``clm.py``
 for ``model="clm"``, ``pretrain.py`` for ``model="mlm"``) to read instead of training: each run's last checkpoint is evaluated, with its
-own config (model, corpus, tokenizer) and the harness's evaluators, in ``workdir/runs/<method>`` (``<method>``: the
-run's position method, one run per method; a method in both ``methods`` and ``runs`` is read, not trained). A run
-must be of the harness's model and trained at ``train_len``.
+own config (model, corpus, tokenizer) and the harness's evaluators, in ``workdir/runs/<row>`` (``<row>``: the
+run's position method, or for a second run of the same method ``<method> (<its directory's name>)``; a method in
+both ``methods`` and ``runs`` is read, not trained). A run must be of the harness's model and trained at
+``train_len``.
 
 Rows beyond one per method (each in ``workdir/runs/<row>``, in the same tables and plot):
 
@@ -159,8 +160,9 @@ def probe_tables(results: dict, probe) -> str:
 
 
 def read_runs(config) -> dict[str, str]:
-  """``{method: workdir}`` of ``config.runs``: each a finished run (``config.json``, ``results.json``) of the
-  harness's model at its training length, under its position method, one run per method."""
+  """``{row: workdir}`` of ``config.runs``: each a finished run (``config.json``, ``results.json``) of the
+  harness's model at its training length. A run is the row of its position method; a second run of the same method
+  (a variant: other options) is the row ``<method> (<its directory's name>)``."""
   found = {}
   for source in config.runs:
     run = results_lib.read_json(os.path.join(source, "config.json"))
@@ -172,9 +174,11 @@ def read_runs(config) -> dict[str, str]:
     if run["max_len"] != config.train_len:
       raise ValueError(f"config.runs: {source} was trained at length {run['max_len']}, the harness's "
                        f"config.train_len is {config.train_len}; evaluate it with train_len={run['max_len']}")
-    if method in found:
-      raise ValueError(f"config.runs: {found[method]} and {source} are both runs of {method!r}; give one per method")
-    found[method] = source
+    name = method if method not in found else f"{method} ({os.path.basename(os.path.normpath(source))})"
+    if name in found:
+      raise ValueError(f"config.runs: {found[name]} and {source} are both runs of {method!r} in directories of the "
+                       "same name; rename one (its name names the row)")
+    found[name] = source
   return found
 
 
@@ -188,8 +192,14 @@ def source_config(config, source: str) -> ml_collections.ConfigDict:
 
 
 def table_methods(config, sources: dict) -> list[str]:
-  """The methods of the tables' first rows: ``config.methods``, then the methods of ``config.runs`` not among them."""
+  """The tables' first rows: ``config.methods``, then the rows of ``config.runs`` not among them."""
   return list(config.methods) + [m for m in sources if m not in config.methods]
+
+
+def probe_methods(config, sources: dict) -> list[str]:
+  """The methods the probes train: the first rows named by their method (a variant read from ``config.runs`` has
+  no probe of its own)."""
+  return [m for m in table_methods(config, sources) if m in config.methods or " (" not in m]
 
 
 def control_name(config) -> str:
@@ -284,7 +294,7 @@ def plan(config, workdir: str) -> dict[str, Row]:
     if method in sources:
       source = sources[method]
       steps = (results_lib.read_json(os.path.join(source, "results.json")) or {}).get("step")
-      rows[method] = Row(method, "evaluate", lambda s=source: (source_config(config, s), s),
+      rows[method] = Row(method.split(" (")[0], "evaluate", lambda s=source: (source_config(config, s), s),
                          f"`{method}`: read from {source} (its own recipe, {steps} steps), not trained here")
     else:
       rows[method] = Row(method, "train", lambda m=method: run_config(config, m))
@@ -435,7 +445,7 @@ def validate(config) -> None:
   if ext is not None and ext.variants:
     validate_extension(config, sources)
   if config.probes:
-    probes.validate(probe_config(config, table_methods(config, sources)))
+    probes.validate(probe_config(config, probe_methods(config, sources)))
 
 
 def validate_extension(config, sources: dict) -> None:
@@ -508,7 +518,7 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
     text += "\n\n" + needle_table(results, config, names)
     needle_plot(results, config, names, os.path.join(workdir, "needle.png"))
   if config.probes:
-    methods = table_methods(config, read_runs(config))
+    methods = probe_methods(config, read_runs(config))
     probe = probe_config(config, methods)
     found = probes.run(probe, os.path.join(workdir, "probes"), train)
     for method in methods:
