@@ -204,7 +204,8 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
             e = (qi @ kj + qi @ a + a @ kj) * s
           elif name in ("kerple_log", "kerple_power"):
             eps = opts.get("eps", 1e-2)
-            r1, r2 = max(layer_tables["r1"][h], eps), max(layer_tables["r2"][h], eps)
+            kt = shared_tables if opts.get("share_across_layers", True) else layer_tables  # shared: the official
+            r1, r2 = max(kt["r1"][h], eps), max(kt["r2"][h], eps)
             if name == "kerple_log":
               e = qi @ kj * s - r1 * math.log(1 + r2 * abs(r))
             else:

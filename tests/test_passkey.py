@@ -122,8 +122,9 @@ def test_greedy_and_teacher_forced_scoring_agree_with_a_loop_over_the_full_forwa
   assert batch["depth_index"].tolist() == [0, 1, 2, 0]
   assert [row.index(30) - 5 for row in batch["input_ids"].tolist()] == [0, 2, 5, 0]  # depths 0, round(2.5), 5
   ids = batch["input_ids"][:, :-2]  # the reference: rerun the full forward for each new token
+  apply = jax.jit(model.apply)
   for _ in range(2):
-    logits = model.apply({"params": params}, jnp.asarray(ids)).logits
+    logits = apply({"params": params}, jnp.asarray(ids)).logits
     ids = np.concatenate([ids, np.argmax(np.asarray(logits[:, -1]), -1)[:, None]], axis=1)
   labels = ids[:, -2:].copy()
   labels[2:, 1] = (labels[2:, 1] + 1) % 50  # rows 2 and 3: the first key token right, the second wrong

@@ -30,7 +30,7 @@ CASES = [
     ("huang_m1", {}), ("huang_m1", {"max_distance": 2}), ("huang_m2", {"max_distance": 3}),
     ("huang_m3", {}), ("huang_m3", {"max_distance": 2, "share_across_layers": True}),
     ("huang_m4", {}), ("huang_m4", {"max_distance": 3, "impl": "skew"}), ("relative_key_query", {"impl": "table"}),
-    ("kerple_log", {}), ("kerple_power", {}), ("kerple_log", {"eps": 0.3}), ("fire", {}), ("fire", {"threshold": 4.0}),
+    ("kerple_log", {}), ("kerple_power", {}), ("kerple_log", {"eps": 0.3, "share_across_layers": False}), ("fire", {}), ("fire", {"threshold": 4.0}),
     ("fire", {"share_across_layers": True, "c": 0.5, "threshold": 2.0}),
     ("xpos", {}), ("xpos", {"scale_base": 4.0, "gamma": 0.2}),
     ("sandwich", {}), ("sandwich", {"dim": 10, "compression": "none", "scale": 0.3, "base": 100.0}),
@@ -249,7 +249,7 @@ def test_bfloat16_compute_errs_no_more_than_a_small_multiple_of_rounding_its_inp
 def test_kerple_parameters_below_eps_keep_training_and_start_as_the_official_code():
   """The clamp is straight-through (a stored value below eps still gets its gradient), and the power kernel draws its
   exponent from U(0, 2) and its scale from U(0, 1) (chijames/KERPLE's ParallelKerplePower)."""
-  spec = positions.make("kerple_power", num_heads=256, hidden_size=512, max_len=16)
+  spec = positions.make("kerple_power", {"share_across_layers": False}, num_heads=256, hidden_size=512, max_len=16)
   layer = spec.method.layer(spec=spec)
   q = jnp.ones((1, 6, 256, 2))
   state = spec.method.encoder(spec=spec).apply({}, jnp.arange(6)[None])
@@ -273,3 +273,27 @@ def test_options_a_decoder_cannot_compute_are_errors():
 
 def position_bias_of(terms, positions_BxL):
   return position_bias(terms, positions_BxL, 1.0)
+
+
+@pytest.mark.parametrize("share,pairs", [(True, 1), (False, 3)])
+def test_kerple_holds_one_kernel_for_the_whole_model_as_the_official_code(share, pairs):
+  # chijames/KERPLE builds one ParallelKerpleLog and hands it to every layer: (r1, r2) per head, once per model
+  from posjax.models import BertConfig, BertModel
+  config = BertConfig.tiny(position="kerple_log", num_layers=3, position_options={"share_across_layers": share})
+  shapes = jax.eval_shape(BertModel(config).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  found = [(jax.tree_util.keystr(path), x.shape) for path, x in jax.tree_util.tree_leaves_with_path(shapes)
+           if jax.tree_util.keystr(path).endswith(("['r1']", "['r2']", "['r1'].value", "['r2'].value"))]
+  assert len(found) == 2 * pairs and all(shape == (config.num_heads,) for _, shape in found), found
+  assert all(("layer_" in name) != share for name, _ in found), found
+
+
+def test_fire_starts_as_the_official_modules_torch_linear_layers():
+  # nn.Linear(1, W) then nn.Linear(W, H), PyTorch's default: weights and biases from U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+  width = 4096
+  spec = positions.make("fire", {"mlp_width": width, "share_across_layers": True}, num_heads=256, hidden_size=512,
+                        max_len=16)
+  params = nn_unbox(spec.method.encoder(spec=spec).init(jax.random.PRNGKey(0), jnp.arange(4)[None])["params"])
+  for name, bound in (("w1", 1.0), ("b1", 1.0), ("w2", width ** -0.5), ("b2", width ** -0.5)):
+    x = np.asarray(params["fire"][name]).ravel()
+    assert np.abs(x).max() <= bound and np.abs(x).max() > 0.9 * bound, name
+    np.testing.assert_allclose(x.var(), bound ** 2 / 3, rtol=0.1, err_msg=name)

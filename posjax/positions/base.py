@@ -135,6 +135,45 @@ class Positions(nn.Module):
     return PositionState(positions=positions_BxL)
 
 
+@flax.struct.dataclass(kw_only=True)
+class SharedTermsState(PositionState):
+  """The state of a method whose layers' terms one module may serve (``options.share_across_layers``): those terms
+  (None: each layer builds its own)."""
+
+  shared: Any = None
+
+
+class SharedTermsEncoder(nn.Module):
+  """Encoder-level part of such a method (FIRE, KERPLE): the shared terms, built once by :meth:`layer_terms`, when
+  ``options.share_across_layers``. A subclass defines ``layer_terms()`` (its parameters are declared where it runs:
+  here when shared, in the layer otherwise); its layer is :class:`SharedTermsLayer` with the same ``layer_terms``."""
+
+  spec: Any
+
+  def layer_terms(self):
+    raise NotImplementedError
+
+  @nn.compact
+  def __call__(self, positions_BxL):
+    check_rows("positions", positions_BxL)
+    shared = self.layer_terms() if self.spec.options.share_across_layers else None
+    return SharedTermsState(positions=positions_BxL, shared=shared)
+
+
+class SharedTermsLayer(nn.Module):
+  """Per-layer part: the shared terms, or this layer's own (:meth:`layer_terms`)."""
+
+  spec: Any
+
+  def layer_terms(self):
+    raise NotImplementedError
+
+  @nn.compact
+  def __call__(self, q, k, state: SharedTermsState, scale):
+    terms = state.shared if self.spec.options.share_across_layers else self.layer_terms()
+    return LayerTerms(q, k, terms=terms)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
   """A registered position method.

@@ -8,8 +8,9 @@ threshold learned as a multiplier of ``threshold`` (512): below ``L`` the normal
 function of the distance alone; past it, distances are interpolated into ``[0, 1]`` by the query's position. These
 are the official defaults (their ``FIRE`` module: ``mlp_width=32``, ``init_c=0.1``, ``init_L=512``, ``eps=1e-6``).
 [unconfirmed] The paper's form is causal; the encoders' form here reads ``|r|`` (symmetric), the decoders' the same
-under the causal mask. The MLP takes flax's default initialisation (LeCun normal, zero biases; the official code
-PyTorch's). One MLP per layer (``share_across_layers=True``: one for the encoder). It is a
+under the causal mask. The MLP starts as the official module's ``nn.Linear`` layers do (``init="torch"``: weights
+and biases from ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, so the first layer's from ``U(-1, 1)``: its units switch
+on at different distances instead of all at 0); ``init="flax"``: flax's LeCun normal with zero biases. One MLP per layer (``share_across_layers=True``: one for the encoder). It is a
 :class:`posjax.kernels.Fire` term: every kernel computes it (the Pallas kernels per tile, a hidden unit at a time,
 with the MLP's, ``c``'s and ``L``'s gradients as per-tile sums).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
-import flax.struct
+import jax
 
 from posjax import kernels
 from posjax.positions import base
@@ -28,17 +29,20 @@ from posjax.positions import base
 @dataclasses.dataclass(frozen=True)
 class FireOptions:
   """mlp_width: the MLP's hidden width (32). c: ψ's initial scale (0.1). threshold: L's initial value (512).
-  eps: added to the normaliser (1e-6). share_across_layers: one MLP for every layer (False: one per layer)."""
+  eps: added to the normaliser (1e-6). share_across_layers: one MLP for every layer (False: one per layer).
+  init: the MLP's initialisation, ``torch`` (the official module's PyTorch ``nn.Linear`` default) or ``flax``."""
 
   mlp_width: int = 32
   c: float = 0.1
   threshold: float = 512.0
   eps: float = 1e-6
   share_across_layers: bool = False
+  init: str = "torch"
 
   def __post_init__(self):
     if self.mlp_width < 1:
       raise ValueError(f"mlp_width={self.mlp_width} must be >= 1")
+    base.check_choice("init", self.init, ("torch", "flax"))
     if not self.threshold > 0 or not self.c > 0:
       raise ValueError(f"c={self.c} and threshold={self.threshold} must be positive")
 
@@ -51,46 +55,37 @@ class FireFunction(nn.Module):
   @nn.compact
   def __call__(self) -> kernels.Terms:
     spec, o = self.spec, self.spec.options
-    lecun = nn.initializers.lecun_normal()
     param = lambda name, init, shape, axes: self.param(name, nn.with_logical_partitioning(init, axes), shape,
                                                        spec.param_dtype)
-    w1 = param("w1", lambda key, shape, dtype: lecun(key, (1, shape[0]), dtype)[0], (o.mlp_width,), (None,))
-    b1 = param("b1", nn.initializers.zeros_init(), (o.mlp_width,), (None,))
-    w2 = param("w2", lecun, (o.mlp_width, spec.num_heads), (None, base.HEADS))
-    b2 = param("b2", nn.initializers.zeros_init(), (spec.num_heads,), (base.HEADS,))
+    if o.init == "torch":  # nn.Linear's: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the weights and the biases
+      uniform = lambda fan_in: lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -fan_in ** -0.5,
+                                                                            fan_in ** -0.5)
+      (w1_init, b1_init), (w2_init, b2_init) = (uniform(1), uniform(1)), (uniform(o.mlp_width), uniform(o.mlp_width))
+    else:
+      lecun = nn.initializers.lecun_normal()
+      w1_init, w2_init = lambda key, shape, dtype: lecun(key, (1, shape[0]), dtype)[0], lecun
+      b1_init = b2_init = nn.initializers.zeros_init()
+    w1 = param("w1", w1_init, (o.mlp_width,), (None,))
+    b1 = param("b1", b1_init, (o.mlp_width,), (None,))
+    w2 = param("w2", w2_init, (o.mlp_width, spec.num_heads), (None, base.HEADS))
+    b2 = param("b2", b2_init, (spec.num_heads,), (base.HEADS,))
     c = param("c", nn.initializers.constant(o.c), (), ())
     multiplier = param("threshold_multiplier", nn.initializers.ones_init(), (), ())
     return kernels.Terms(fire=kernels.Fire(w1, b1, w2, b2, c, multiplier * o.threshold, eps=o.eps))
 
 
-@flax.struct.dataclass(kw_only=True)
-class FireState(base.PositionState):
-  """FIRE's state: the shared function's terms when one serves every layer (else None)."""
-
-  shared: kernels.Terms | None = None
-
-
-class FireEncoder(nn.Module):
+class FireEncoder(base.SharedTermsEncoder):
   """Encoder-level part: the shared function, when ``share_across_layers``."""
 
-  spec: base.PositionSpec
-
-  @nn.compact
-  def __call__(self, positions_BxL):
-    base.check_rows("positions", positions_BxL)
-    shared = FireFunction(self.spec, name="fire")() if self.spec.options.share_across_layers else None
-    return FireState(positions=positions_BxL, shared=shared)
+  def layer_terms(self):
+    return FireFunction(self.spec, name="fire")()
 
 
-class FireLayer(nn.Module):
+class FireLayer(base.SharedTermsLayer):
   """Per-layer part: this layer's (or the shared) FIRE bias."""
 
-  spec: base.PositionSpec
-
-  @nn.compact
-  def __call__(self, q, k, state: FireState, scale):
-    terms = state.shared if self.spec.options.share_across_layers else FireFunction(self.spec, name="fire")()
-    return base.LayerTerms(q, k, terms=terms)
+  def layer_terms(self):
+    return FireFunction(self.spec, name="fire")()
 
 
 base.register(base.Method("fire", FireOptions, encoder=FireEncoder, layer=FireLayer,
