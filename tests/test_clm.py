@@ -109,3 +109,20 @@ def test_an_evaluation_past_a_learned_table_is_unsupported():
     assert (evaluators["eval_x2"].unsupported is not None) == unsupported
     if unsupported:
       assert "learned table of max_len=32 positions" in evaluators["eval_x2"].unsupported
+
+
+def test_evaluators_given_tokens_read_the_same_text_at_every_length():
+  # the decoder recipe's stream packing: rows of 32 and of 128 tokens are the same 1,024 tokens of the held-out text,
+  # cut differently (Press et al. 2022's protocol: only the context changes)
+  config = override(load_config("lm", "runlocal"), batch_size=8, max_len=32)
+  config.evals = ml_collections.ConfigDict({
+      f"x{m}": {"kind": "clm", "split": "eval", "tokens": 1024, "max_len": 32 * m} for m in (1, 4)})
+  _, evaluations = mlm_task.corpus_batches(config, Tokenizer.load(config.data.vocab_file), 8, masked=False)
+  text = {name: np.concatenate([batch["input_ids"].reshape(-1) for batch in e.rows]) for name, e in
+          evaluations.items()}
+  assert [len(evaluations[n].rows) for n in ("x1", "x4")] == [4, 1] and text["x1"].shape == (1024,)
+  np.testing.assert_array_equal(text["x1"], text["x4"])
+  assert clm.clm_metrics({"loss": np.ones(3), "correct": np.ones(3), "weight": np.full(3, 31.0)})["tokens"] == 93
+  config.evals.x1.batches = 2
+  with pytest.raises(ValueError, match=r"config.evals.x1: give batches or tokens \(a positive count\), not both"):
+    mlm_task.corpus_batches(config, Tokenizer.load(config.data.vocab_file), 8, masked=False)

@@ -31,6 +31,8 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   config.passkey.depths = 3
   results = length.run(config, str(tmp_path), train)
   assert list(results) == ["alibi", "absolute"]
+  b = config.batch_size  # every length on the same 1 x b x 64 tokens: 2 batches of rows of 32, 1 of 64
+  assert results["alibi"]["tokens"] == {"32": 2 * b * 31, "64": b * 63}
   assert results["absolute"]["perplexity"]["64"] == "unsupported"
   assert isinstance(results["absolute"]["perplexity"]["32"], float)
   assert all(isinstance(v, float) and v > 1 for v in results["alibi"]["perplexity"].values())
@@ -89,7 +91,8 @@ def test_the_harness_reads_a_finished_run_and_extends_it_zero_shot_and_fine_tune
   run.update(total_steps=3, warmup_steps=1, max_len=32, eval_every_steps=3, checkpoint_every_steps=3, progress=False)
   train(run, str(source))
   before = files(source)
-  config = harness_config(methods="", runs=(str(source),), eval_batches=4)  # the run's own evaluation: 4 batches
+  # the longest length's 2 batches of tokens are 4 batches at 32: the run's own evaluation
+  config = harness_config(methods="", runs=(str(source),), eval_batches=2)
   results = length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=evaluate_checkpoint)
   assert files(source) == before  # only read
   own = json.loads((source / "results.json").read_text())["metrics"]["eval"]

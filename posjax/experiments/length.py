@@ -97,12 +97,19 @@ def evaluators(config) -> dict:
   """A run's evaluators: ``x<m>`` on the held-out corpus at each multiple of the harness's training length (an
   absolute ``max_len``: a row fine-tuned at a longer length is measured at the same lengths) and, with
   ``config.passkey``, ``passkey_x<m>`` (passkey retrieval at that length)."""
-  spec = {"kind": TASKS[config.model], "split": "eval", "batches": config.eval_batches}
+  spec = {"kind": TASKS[config.model], "split": "eval", "tokens": eval_tokens(config)}
   found = {f"x{m}": {**spec, "max_len": config.train_len * m} for m in config.eval_multiples}
   if config.get("passkey") is not None:
     found.update({f"passkey_x{m}": {**config.passkey.to_dict(), "kind": "passkey", "max_len": config.train_len * m}
                   for m in config.eval_multiples})
   return found
+
+
+def eval_tokens(config) -> int:
+  """The tokens every length is scored on: ``eval_batches`` batches of the longest length (``batch_size`` rows).
+  With a stream packing (the decoder recipe's) every length reads the same text, cut into rows of its length, so
+  only the context changes (Press et al. 2022's protocol); a packing of whole sentences pads them per length."""
+  return config.eval_batches * config.batch_size * config.train_len * max(config.eval_multiples)
 
 
 def needle_depths(config) -> int:
@@ -118,6 +125,7 @@ def measured(config) -> tuple[str, ...]:
 def measures(metrics: dict, config) -> dict:
   """``{measure: {length: value or "unsupported"}}`` from a run's ``results.json`` metrics."""
   out = {measure: {} for measure in measured(config)}
+  out["tokens"] = {}  # the predictions each length's perplexity averages (for the record: not a table)
   fractions = passkey_task.depth_fractions(needle_depths(config))
   if len(fractions):
     out["needle"] = {}
@@ -135,6 +143,8 @@ def measures(metrics: dict, config) -> dict:
       continue
     out["perplexity"][length] = values.get("perplexity", math.exp(min(values["loss"], 700.0)))
     out["accuracy"][length] = values["accuracy"]
+    if "tokens" in values:
+      out["tokens"][length] = values["tokens"]
   return out
 
 
@@ -511,7 +521,7 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
     results_lib.write_json(path, results, sort_keys=False)
     print(f"[{time.perf_counter() - start:5.0f}s] {name:>12} " + "; ".join(
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
-        for measure, values in results[name].items() if measure != "needle"), flush=True)
+        for measure, values in results[name].items() if measure not in ("needle", "tokens")), flush=True)
   names = list(rows)
   text = tables(results, config, names)
   if needle_depths(config):
@@ -528,7 +538,8 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
   notes = "".join(f"{row.note}\n" for row in rows.values() if row.note)
   with open(os.path.join(workdir, "length.md"), "w") as f:
     f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
-            f"{', '.join(f'{m}x' for m in config.eval_multiples)}\n{notes}\n{text}\n")
+            f"{', '.join(f'{m}x' for m in config.eval_multiples)}, each length on {eval_tokens(config)} tokens of the "
+            f"held-out text (a stream packing: the same text, cut into rows of each length)\n{notes}\n{text}\n")
   plot(results, config, names, os.path.join(workdir, "length.png"))
   print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png"
         + (", needle.png" if needle_depths(config) else ""), flush=True)

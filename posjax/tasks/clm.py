@@ -15,6 +15,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from posjax.data.tokenizer import Tokenizer
@@ -48,9 +49,11 @@ def clm_loss(model, *, use_segments: bool = False) -> Callable:
 
 
 def clm_metrics(outputs: dict, workdir: str | None = None) -> dict:
-  """``loss``, ``accuracy`` and ``perplexity`` (``exp`` of the mean next-token loss)."""
+  """``loss``, ``accuracy``, ``perplexity`` (``exp`` of the mean next-token loss) and ``tokens`` (how many
+  predictions they average)."""
   metrics = summed_metrics(outputs, workdir)
-  return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}
+  return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0)),
+          "tokens": int(round(float(np.sum(outputs["weight"], dtype=np.float64))))}
 
 
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
@@ -65,7 +68,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False, kinds=("clm",))
   predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
   evaluators = mlm_task.corpus_evaluators(evaluations, model_config, predict, clm_metrics,
-                                          ("loss", "accuracy", "perplexity"))
+                                          ("loss", "accuracy", "perplexity", "tokens"))
   if config.eval_every_steps > 0:
     evaluators.update(passkey.evaluators(config, tokenizer, model_config, model))
   train_passkey = dict(config.get("passkey_train") or {})

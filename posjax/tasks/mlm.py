@@ -88,8 +88,11 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
   """The training batches of ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a corpus
   prepared by ``python -m posjax.data.prepare``, read by index) and, per evaluator, an :class:`Evaluation`
   (``split``: ``eval``; ``batches``: how many global batches of that split, streamed; with a prepared corpus from
-  ``data.eval_source``; ``max_len``: the length its rows are packed to, or ``length_multiple``: that many times
-  ``config.max_len`` (default 1): another length measures the model at lengths it was not trained at). What the
+  ``data.eval_source``; or ``tokens``: as many batches as hold that many tokens at the evaluator's length, rounded
+  up, so that evaluators of every length read the same text where the packing is a stream (``stream``: rows are
+  consecutive pieces of one token stream; other packings pad and regroup sentences per length); ``max_len``: the
+  length its rows are packed to, or ``length_multiple``: that many times ``config.max_len`` (default 1): another
+  length measures the model at lengths it was not trained at). What the
   pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read. ``kinds``: only the evaluators of these kinds
   read the corpus (default all)."""
   data = config.data
@@ -117,7 +120,13 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
     length = spec.get("max_len", 0) or config.max_len * spec.get("length_multiple", 1)
     at_length = ml_collections.ConfigDict({**config.to_dict(), "max_len": length})
     stream = make_batches(at_length, tokenizer, spec.get("split", "eval"), local_batch, masked)
-    evaluations[name] = Evaluation(list(itertools.islice(stream, spec.get("batches", 50))), stream.empty(), length)
+    count = spec.get("batches", 50)
+    if spec.get("tokens"):
+      if "batches" in spec or int(spec["tokens"]) < 1:
+        raise ValueError(f"config.evals.{name}: give batches or tokens (a positive count), not both; got "
+                         f"batches={spec.get('batches')}, tokens={spec['tokens']}")
+      count = -(-int(spec["tokens"]) // (length * config.batch_size))
+    evaluations[name] = Evaluation(list(itertools.islice(stream, count)), stream.empty(), length)
   return batches, evaluations
 
 
