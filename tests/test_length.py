@@ -13,6 +13,7 @@ from posjax.experiments import extension, length
 from posjax.positions import rotary
 from posjax.main import evaluate_checkpoint, train
 from conftest import load_config
+import reference
 
 
 PROBE_STEPS = (("steps", 4), ("warmup_steps", 1), ("eval_batch_size", 8))
@@ -178,3 +179,25 @@ def test_context_extension_variants_follow_their_formulas():
   with pytest.raises(ValueError, match=r"unknown variant 'ntk2'; allowed: \['unscaled', 'pi', 'ntk', 'yarn', "
                                        r"'longrope'\] or all"):
     load_config("length", "extension=pi+ntk2,runlocal")
+
+
+def test_t5_rows_flag_the_pairs_whose_bucket_was_never_trained():
+  # every attended pair of a decoder row (key j <= query i), its bucket by the reference's loop: the share whose
+  # bucket no pair of a 32-token row reaches
+  trained = {reference.t5_bucket(j - i, 32, 128, False) for i in range(32) for j in range(i + 1)}
+  for size in (64, 512):
+    pairs = [(i, j) for i in range(size) for j in range(i + 1)]
+    want = sum(reference.t5_bucket(j - i, 32, 128, False) not in trained for i, j in pairs) / len(pairs)
+    assert length_lib_share(size) == pytest.approx(want, abs=1e-12)
+  assert length_lib_share(32) == 0.0
+  config = harness_config(methods="t5")
+  results = {"t5": {"perplexity": {"32": 9.5, "64": 10.0}, "accuracy": {"32": 0.2, "64": 0.1},
+                    "untrained_buckets": {"32": 0.0, "64": length_lib_share(64)}}}
+  text = length.tables(results, config, ["t5"]) + "\n" + length.bucket_footnote(results, config, ["t5"])
+  assert "| `t5` | 9.50 | 10.00† |" in text and "| `t5` | 20.0 | 10.0† |" in text
+  assert f"† `t5`: the share of attended pairs in T5 buckets never trained at 32: @64 {100 * length_lib_share(64):.0f}%" in text
+
+
+def length_lib_share(size):
+  return length.untrained_bucket_share({"num_buckets": 32, "max_distance": 128, "bidirectional": None}, 32, size,
+                                       causal=True)

@@ -50,11 +50,13 @@ from typing import Callable, NamedTuple
 
 import jax
 import ml_collections
+import numpy as np
 
 from posjax import config_args
 from posjax import results as results_lib
 from posjax.config_args import POSITIVE
 from posjax.experiments import extension, plots, probes
+from posjax.kernels import terms as terms_lib
 from posjax.tasks import passkey as passkey_task
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import validate as run_checks
@@ -350,11 +352,40 @@ def tables(results: dict, config, methods) -> str:
       cells = []
       for length in lengths:
         value = results.get(method, {}).get(measure, {}).get(length)
+        flag = "†" if results.get(method, {}).get("untrained_buckets", {}).get(length, 0) > 0 else ""
         cells.append("—" if value is None else value if value == results_lib.UNSUPPORTED
-                     else f"{value:.2f}" if measure == "perplexity" else f"{100 * value:.1f}")
+                     else (f"{value:.2f}" if measure == "perplexity" else f"{100 * value:.1f}") + flag)
       rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
     parts.append("\n".join(rows))
   return "\n\n".join(parts)
+
+
+def untrained_bucket_share(options: dict, train_len: int, length: int, causal: bool) -> float:
+  """The share of the pairs a row of ``length`` attends (``causal``: each query's keys up to it) whose T5 bucket
+  (``options``: the run's ``num_buckets``, ``max_distance``, ``bidirectional``) no pair of a ``train_len`` row
+  reaches: there the bias is the table's initial value, never trained, and perplexity at that length does not
+  measure extrapolation."""
+  given = {k: v for k, v in options.items() if v is not None}
+  n, far = given.get("num_buckets", 32), given.get("max_distance", 128)
+  both = given.get("bidirectional", not causal)
+  pairs = lambda size: np.arange(-(size - 1), 1 if causal else size)  # key minus query
+  trained = np.unique(np.asarray(terms_lib.bucket(pairs(train_len), n, far, both)))
+  rel = pairs(length)
+  count = length - np.abs(rel)  # pairs at each distance
+  untrained = ~np.isin(np.asarray(terms_lib.bucket(rel, n, far, both)), trained)
+  return float(count[untrained].sum() / count.sum())
+
+
+def bucket_footnote(results: dict, config, rows) -> str:
+  """The T5 rows' untrained-bucket shares (:func:`untrained_bucket_share`) under the tables ("" without any)."""
+  lines = []
+  for name in rows:
+    shares = results.get(name, {}).get("untrained_buckets", {})
+    if any(share > 0 for share in shares.values()):
+      lines.append(f"† `{name}`: the share of attended pairs in T5 buckets never trained at {config.train_len}: "
+                   + ", ".join(f"@{length} {100 * share:.0f}%" for length, share in shares.items() if share > 0)
+                   + " (its numbers there read untrained biases, not extrapolation)")
+  return "\n".join(lines)
 
 
 def needle_table(results: dict, config, rows) -> str:
@@ -518,12 +549,22 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
       train(row.make(), directory)
     with open(os.path.join(directory, "results.json")) as f:
       results[name] = measures(json.load(f)["metrics"], config)
+    if row.method == "t5":
+      made = row.make()
+      options = (made[0] if isinstance(made, tuple) else made).model.position_options.to_dict()
+      results[name]["untrained_buckets"] = {
+          str(config.train_len * m): untrained_bucket_share(options, config.train_len, config.train_len * m,
+                                                            causal=config.model in DECODERS)
+          for m in config.eval_multiples}
     results_lib.write_json(path, results, sort_keys=False)
     print(f"[{time.perf_counter() - start:5.0f}s] {name:>12} " + "; ".join(
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
-        for measure, values in results[name].items() if measure not in ("needle", "tokens")), flush=True)
+        for measure, values in results[name].items() if measure not in ("needle", "tokens", "untrained_buckets")),
+        flush=True)
   names = list(rows)
   text = tables(results, config, names)
+  footnote = bucket_footnote(results, config, names)
+  text += f"\n\n{footnote}" if footnote else ""
   if needle_depths(config):
     text += "\n\n" + needle_table(results, config, names)
     needle_plot(results, config, names, os.path.join(workdir, "needle.png"))
