@@ -26,6 +26,9 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
   control: the positive control of passkey retrieval, a method trained with passkey prompts in half its rows (the
     row ``<method>+keys``; ``config.control_steps``, ``config.control_fraction``); default the first method when
     passkey is on, ``control=`` none.
+  seeds: how many times each trained row is trained (seeds ``seed``, ``seed + 1``, ...; default 1): its tables show the
+    mean ± the sample standard deviation, the plot the mean with a band from the lowest to the highest seed, and
+    ``length.json`` every seed's value (``seeds``, ``spread``).
   depths: the needle-in-a-haystack grid's depths (``config.passkey.depths``: retrieval at each depth fraction x
     length, ``needle.png``); default 5, ``depths=0`` draws each depth uniformly.
   extension: ``+``-separated context-extension variants of a RoPE model (:mod:`posjax.experiments.extension`:
@@ -59,10 +62,11 @@ def get_config(arg=None):
   given = named(arg)
   arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="lm", size="base", runlocal=False, passkey=True,
                   probes="copy+sort+parity", runs="", control="", depths=5, extension="", extension_base="rope",
-                  factor=4.0)
+                  factor=4.0, seeds=1)
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
+  config.seeds = arg.seeds  # runs per trained row (seeds seed .. seed + seeds - 1): tables show mean ± std
   names = arg.methods.split("+") if arg.methods else []
   config.methods = tuple(dict.fromkeys(m for name in names for m in METHOD_SETS.get(name, (name,))))
   for method in config.methods:

@@ -201,3 +201,20 @@ def test_t5_rows_flag_the_pairs_whose_bucket_was_never_trained():
 def length_lib_share(size):
   return length.untrained_bucket_share({"num_buckets": 32, "max_distance": 128, "bidirectional": None}, 32, size,
                                        causal=True)
+
+
+def test_seeds_train_each_row_again_and_the_tables_show_mean_and_spread(tmp_path):
+  config = harness_config(methods="alibi", passkey=None, steps=3, seeds=2)
+  results = length.run(config, str(tmp_path), train)
+  runs = [json.loads((tmp_path / "runs" / d / "results.json").read_text())["metrics"]
+          for d in ("alibi", "alibi_seed1")]
+  assert [json.loads((tmp_path / "runs" / d / "config.json").read_text())["seed"] for d in ("alibi", "alibi_seed1")] \
+      == [0, 1]
+  each = [run["x1"]["perplexity"] for run in runs]
+  assert each[0] != each[1]
+  assert results["alibi"]["perplexity"]["32"] == pytest.approx(np.mean(each), rel=1e-12)
+  assert results["alibi"]["spread"]["perplexity"]["32"] == pytest.approx(np.std(each, ddof=1), rel=1e-9)
+  assert results["alibi"]["seeds"]["perplexity"]["32"] == each
+  text = (tmp_path / "length.md").read_text()
+  assert f"| `alibi` | {np.mean(each):.2f} ± {np.std(each, ddof=1):.2f} |" in text
+  assert length.run(config, str(tmp_path), must_not_train) == results

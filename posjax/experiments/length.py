@@ -67,7 +67,7 @@ DECODERS = ("lm", "clm")
 # passkey: the fraction of prompts whose whole key is retrieved; passkey_digits: of the key's tokens (chance: one in
 # the number of symbols).
 MEASURES = ("perplexity", "accuracy", "passkey", "passkey_digits")
-RANGES = {"steps": POSITIVE, "train_len": POSITIVE, "batch_size": POSITIVE, "eval_batches": POSITIVE,
+RANGES = {"steps": POSITIVE, "train_len": POSITIVE, "batch_size": POSITIVE, "eval_batches": POSITIVE, "seeds": POSITIVE,
           "control_steps": POSITIVE, "extension.finetune_steps": POSITIVE}
 
 
@@ -353,11 +353,41 @@ def tables(results: dict, config, methods) -> str:
       for length in lengths:
         value = results.get(method, {}).get(measure, {}).get(length)
         flag = "†" if results.get(method, {}).get("untrained_buckets", {}).get(length, 0) > 0 else ""
+        spread = results.get(method, {}).get("spread", {}).get(measure, {}).get(length)
+        show = (lambda v: f"{v:.2f}") if measure == "perplexity" else (lambda v: f"{100 * v:.1f}")
         cells.append("—" if value is None else value if value == results_lib.UNSUPPORTED
-                     else (f"{value:.2f}" if measure == "perplexity" else f"{100 * value:.1f}") + flag)
+                     else show(value) + ("" if spread is None else f" ± {show(spread)}") + flag)
       rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
     parts.append("\n".join(rows))
   return "\n\n".join(parts)
+
+
+def across_seeds(runs: list[dict]) -> dict:
+  """One row's measures over its seeds' runs (:func:`measures` each): each value the mean, and with two seeds or more
+  ``spread`` (``{measure: {length: sample standard deviation}}``) and ``seeds`` (every run's values); a length any
+  run cannot measure is ``unsupported``."""
+  if len(runs) == 1:
+    return runs[0]
+  out, spread, values = {}, {}, {}
+
+  def mean(items):
+    if any(v == results_lib.UNSUPPORTED for v in items):
+      return results_lib.UNSUPPORTED, None
+    if isinstance(items[0], dict):  # the needle grid: {length: {depth: value}}
+      return {k: mean([v[k] for v in items])[0] for k in items[0]}, None
+    return float(np.mean(items)), float(np.std(items, ddof=1))
+
+  for measure, by_length in runs[0].items():
+    if measure == "tokens":
+      out[measure] = by_length
+      continue
+    out[measure], spread[measure], values[measure] = {}, {}, {}
+    for length in by_length:
+      items = [run[measure][length] for run in runs]
+      out[measure][length], deviation = mean(items)
+      if deviation is not None:
+        spread[measure][length], values[measure][length] = deviation, items
+  return {**out, "spread": {m: v for m, v in spread.items() if v}, "seeds": {m: v for m, v in values.items() if v}}
 
 
 def untrained_bucket_share(options: dict, train_len: int, length: int, causal: bool) -> float:
@@ -432,8 +462,9 @@ def needle_plot(results: dict, config, rows, path: str):
 
 
 def plot(results: dict, config, methods, path: str):
-  """Perplexity against evaluation length (both log scale), one line per method; a method that runs at the training
-  length alone is a point. Returns the figure (closed)."""
+  """Perplexity against evaluation length (both log scale), one line per method (the mean over its seeds, shaded
+between the lowest and the highest seed); a method that runs at the training length alone is a point. Returns the
+  figure (closed)."""
   plt = plots.pyplot()
   lengths = [config.train_len * m for m in config.eval_multiples]
   styles = plots.method_styles(methods)
@@ -443,6 +474,10 @@ def plot(results: dict, config, methods, path: str):
     points = [(l, values[str(l)]) for l in lengths if isinstance(values.get(str(l)), float)]
     if points:
       ax.plot(*zip(*points), label=method, **styles[method])
+    seeds = results.get(method, {}).get("seeds", {}).get("perplexity", {})
+    band = [(l, min(seeds[str(l)]), max(seeds[str(l)])) for l, _ in points if str(l) in seeds]
+    if band:  # every seed's run inside the band
+      ax.fill_between(*zip(*band), color=styles[method].get("color"), alpha=0.15, linewidth=0)
   ax.set_yscale("log")
   plots.length_axis(ax, lengths, config.train_len)
   ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
@@ -538,17 +573,27 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
   if os.path.exists(path):
     with open(path) as f:
       results = json.load(f)
+  seeds_path = os.path.join(workdir, "length_seeds.json")
+  per_seed = results_lib.read_json(seeds_path) or {}
   start = time.perf_counter()
   for name, row in rows.items():
     if name in results:
       continue
-    directory = run_dir(workdir, name)
-    if row.kind == "evaluate":
-      evaluate(*row.make(), directory)
-    else:
-      train(row.make(), directory)
-    with open(os.path.join(directory, "results.json")) as f:
-      results[name] = measures(json.load(f)["metrics"], config)
+    found = per_seed.setdefault(name, {})
+    for seed in range(config.get("seeds", 1) if row.kind == "train" else 1):
+      if str(seed) in found:
+        continue
+      directory = run_dir(workdir, name if seed == 0 else f"{name}@seed{seed}")
+      if row.kind == "evaluate":
+        evaluate(*row.make(), directory)
+      else:
+        run = row.make()
+        run.seed = run.seed + seed
+        train(run, directory)
+      with open(os.path.join(directory, "results.json")) as f:
+        found[str(seed)] = measures(json.load(f)["metrics"], config)
+      results_lib.write_json(seeds_path, per_seed, sort_keys=False)
+    results[name] = across_seeds([found[str(seed)] for seed in range(len(found))])
     if row.method == "t5":
       made = row.make()
       options = (made[0] if isinstance(made, tuple) else made).model.position_options.to_dict()
@@ -559,7 +604,7 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
     results_lib.write_json(path, results, sort_keys=False)
     print(f"[{time.perf_counter() - start:5.0f}s] {name:>12} " + "; ".join(
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
-        for measure, values in results[name].items() if measure not in ("needle", "tokens", "untrained_buckets")),
+        for measure, values in results[name].items() if measure in MEASURES),
         flush=True)
   names = list(rows)
   text = tables(results, config, names)
