@@ -58,21 +58,29 @@ def test_the_next_token_loss_is_numpys(packing):
                     head="mlm")
   params = model.init(jax.random.PRNGKey(0), jnp.asarray(batch["input_ids"]))["params"]
   use_segments = packing == "documents"
-  got = clm.next_token_row_sums(model, params, batch, None, use_segments=use_segments, deterministic=True)
+  got = clm.next_token_row_sums(model, params, batch, None, use_segments=use_segments, deterministic=True,
+                                by_position=True)
   inputs = {k: batch[k] for k in ("attention_mask", "positions")} | (
       {"segment_ids": batch["segment_ids"]} if use_segments else {})
   logits = np.asarray(model.apply({"params": params}, jnp.asarray(batch["input_ids"]), **inputs).logits, np.float64)
   ids, real, segments = batch["input_ids"], batch["attention_mask"], batch["segment_ids"]
+  at_position = np.zeros((2, ids.shape[1] - 1))  # summed loss and weight at each token index, over the rows
   for b in range(len(ids)):
     loss = correct = weight = 0.0
     for i in range(ids.shape[1] - 1):
       if real[b, i] and real[b, i + 1] and (not use_segments or segments[b, i] == segments[b, i + 1]):
         z = logits[b, i] - logits[b, i].max()
         loss += np.log(np.exp(z).sum()) - z[ids[b, i + 1]]
+        at_position[:, i] += (np.log(np.exp(z).sum()) - z[ids[b, i + 1]], 1.0)
         correct += float(np.argmax(logits[b, i]) == ids[b, i + 1])
         weight += 1
     np.testing.assert_allclose([got["loss"][b], got["correct"][b], got["weight"][b]], [loss, correct, weight],
                                rtol=1e-4)
+  by_position = clm.clm_metrics(jax.tree.map(np.asarray, got))["loss_by_position"]
+  want = [t / w if w else None for t, w in at_position.T]
+  assert [v is None for v in by_position] == [v is None for v in want]
+  np.testing.assert_allclose([v for v in by_position if v is not None], [v for v in want if v is not None],
+                             rtol=1e-4)
   if use_segments:
     assert float(np.sum(got["weight"])) < float(np.sum(real[:, 1:] * real[:, :-1]))  # boundaries are not predicted
 

@@ -217,4 +217,9 @@ def test_seeds_train_each_row_again_and_the_tables_show_mean_and_spread(tmp_path
   assert results["alibi"]["seeds"]["perplexity"]["32"] == each
   text = (tmp_path / "length.md").read_text()
   assert f"| `alibi` | {np.mean(each):.2f} ± {np.std(each, ddof=1):.2f} |" in text
+  # the loss at each token index of the rows of 64 (63 predictions a row), the mean over the seeds, and its figure
+  by_position = [run["x2"]["loss_by_position"] for run in runs]
+  assert len(by_position[0]) == 63 and results["alibi"]["loss_by_position"]["64"] == pytest.approx(
+      np.mean(by_position, axis=0).tolist(), rel=1e-12)
+  assert (tmp_path / "position.png").stat().st_size > 0
   assert length.run(config, str(tmp_path), must_not_train) == results

@@ -147,6 +147,8 @@ def measures(metrics: dict, config) -> dict:
     out["accuracy"][length] = values["accuracy"]
     if "tokens" in values:
       out["tokens"][length] = values["tokens"]
+    if "loss_by_position" in values:
+      out.setdefault("loss_by_position", {})[length] = values["loss_by_position"]
   return out
 
 
@@ -375,6 +377,8 @@ def across_seeds(runs: list[dict]) -> dict:
       return results_lib.UNSUPPORTED, None
     if isinstance(items[0], dict):  # the needle grid: {length: {depth: value}}
       return {k: mean([v[k] for v in items])[0] for k in items[0]}, None
+    if isinstance(items[0], list):  # the loss by position
+      return [None if None in column else float(np.mean(column)) for column in zip(*items)], None
     return float(np.mean(items)), float(np.std(items, ddof=1))
 
   for measure, by_length in runs[0].items():
@@ -456,6 +460,34 @@ def needle_plot(results: dict, config, rows, path: str):
   fig.supxlabel("evaluation length", fontsize=8)
   fig.supylabel("key depth (fraction of the filler)", fontsize=8)
   fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="retrieved")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return fig
+
+
+def position_plot(results: dict, config, rows, path: str):
+  """The loss at each token index of the rows at the longest length every row measures (the mean over the rows of
+  the held-out text: past the training length a row's tokens see contexts longer than any trained), a line per row.
+  None where no row reports it."""
+  lengths = [str(config.train_len * m) for m in config.eval_multiples]
+  found = {name: results.get(name, {}).get("loss_by_position", {}) for name in rows}
+  shared = [l for l in lengths if all(isinstance(found[name].get(l), list) for name in rows)]
+  if not shared:
+    return None
+  length = shared[-1]
+  plt = plots.pyplot()
+  styles = plots.method_styles(rows)
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for name in rows:
+    points = [(i + 1, v) for i, v in enumerate(found[name][length]) if v is not None]
+    style = {k: v for k, v in styles[name].items() if k != "marker"}
+    ax.plot(*zip(*points), label=name, linewidth=1.0, **style)
+  ax.set_xscale("log")
+  ax.axvline(config.train_len, color="0.6", linestyle=":", linewidth=1)
+  ax.set(xlabel="context (tokens before the predicted one)", ylabel="next-token loss",
+         title=f"loss by position in rows of {length} tokens, trained at {config.train_len} (dotted line)")
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+  fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return fig
@@ -627,6 +659,7 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
             f"{', '.join(f'{m}x' for m in config.eval_multiples)}, each length on {eval_tokens(config)} tokens of the "
             f"held-out text (a stream packing: the same text, cut into rows of each length)\n{notes}\n{text}\n")
   plot(results, config, names, os.path.join(workdir, "length.png"))
+  by_position = position_plot(results, config, names, os.path.join(workdir, "position.png"))
   print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png"
-        + (", needle.png" if needle_depths(config) else ""), flush=True)
+        + (", needle.png" if needle_depths(config) else "") + (", position.png" if by_position else ""), flush=True)
   return results

@@ -25,9 +25,12 @@ from posjax.tasks import passkey
 from posjax.train.task import Task, summed_metrics
 
 
-def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic: bool):
+def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic: bool,
+                        by_position: bool = False):
   """Per row: summed next-token loss, correct predictions and weight: token i predicts token i + 1 where both are
-  real and (``documents`` packing) of one segment."""
+  real and (``documents`` packing) of one segment. ``by_position``: also each prediction's loss and weight
+  (``position_loss``, ``position_weight``, ``[B, L - 1]``: index i predicts token i + 1 from i + 1 tokens of context),
+  for the loss by position."""
   logits_BxLxV = model.apply({"params": params}, batch["input_ids"], deterministic=deterministic,
                              rngs=None if deterministic else {"dropout": rng},
                              **mlm_task.encoder_inputs(batch, use_segments)).logits[:, :-1]
@@ -38,8 +41,11 @@ def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, determ
     weights_BxL = weights_BxL * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
   losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV.astype(jnp.float32), labels_BxL)
   correct_BxL = (jnp.argmax(logits_BxLxV, -1) == labels_BxL).astype(jnp.float32)
-  return {"loss": jnp.sum(losses_BxL * weights_BxL, -1), "correct": jnp.sum(correct_BxL * weights_BxL, -1),
+  sums = {"loss": jnp.sum(losses_BxL * weights_BxL, -1), "correct": jnp.sum(correct_BxL * weights_BxL, -1),
           "weight": jnp.sum(weights_BxL, -1)}
+  if by_position:
+    sums.update(position_loss=losses_BxL * weights_BxL, position_weight=weights_BxL)
+  return sums
 
 
 def clm_loss(model, *, use_segments: bool = False) -> Callable:
@@ -49,11 +55,17 @@ def clm_loss(model, *, use_segments: bool = False) -> Callable:
 
 
 def clm_metrics(outputs: dict, workdir: str | None = None) -> dict:
-  """``loss``, ``accuracy``, ``perplexity`` (``exp`` of the mean next-token loss) and ``tokens`` (how many
-  predictions they average)."""
+  """``loss``, ``accuracy``, ``perplexity`` (``exp`` of the mean next-token loss), ``tokens`` (how many
+  predictions they average) and, from outputs by position, ``loss_by_position`` (the mean loss at each token
+  index of the rows)."""
   metrics = summed_metrics(outputs, workdir)
-  return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0)),
-          "tokens": int(round(float(np.sum(outputs["weight"], dtype=np.float64))))}
+  metrics.update(perplexity=math.exp(min(metrics["loss"], 700.0)),
+                 tokens=int(round(float(np.sum(outputs["weight"], dtype=np.float64)))))
+  if "position_loss" in outputs:  # the mean loss at each token index of the rows (none scored: null)
+    total_P = np.sum(outputs["position_loss"], axis=0, dtype=np.float64)
+    weight_P = np.sum(outputs["position_weight"], axis=0, dtype=np.float64)
+    metrics["loss_by_position"] = [round(float(t / w), 5) if w else None for t, w in zip(total_P, weight_P)]
+  return metrics
 
 
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
@@ -66,7 +78,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   model = BertModel(model_config, head="lm")  # model.lm_head: BERT's MLM head (the default) or a decoder's linear one
   use_segments = config.data.packing in mlm_task.mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False, kinds=("clm",))
-  predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
+  predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True,
+                              by_position=True)
   evaluators = mlm_task.corpus_evaluators(evaluations, model_config, predict, clm_metrics,
                                           ("loss", "accuracy", "perplexity", "tokens"))
   if config.eval_every_steps > 0:

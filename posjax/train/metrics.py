@@ -132,8 +132,10 @@ class DelayedMetrics:
   def write_eval(self, step: int, results: dict) -> None:
     """Evaluation metrics to the files, the progress bar and a line of their own (``unsupported`` ones only
     to the line)."""
-    numbers = {k: v for k, v in results.items() if not isinstance(v, str)}
-    self.writer.write(step, numbers)
-    self.postfix.update({k: f"{v:.3f}" for k, v in numbers.items()})
+    numbers = {k: v for k, v in results.items() if not isinstance(v, (str, list, tuple, dict))}
+    self.writer.write(step, numbers)  # lists (a loss by position) only in results.json
+    show = lambda v, digits: f"{v}" if isinstance(v, (str, int)) else f"{v:.{digits}f}"  # counts as they are
+    self.postfix.update({k: show(v, 3) for k, v in numbers.items()})
     self.progress.set_postfix(self.postfix)
-    self.say(f"step {step}: " + ", ".join(f"{k} {v}" if isinstance(v, str) else f"{k} {v:.4f}" for k, v in results.items()))
+    self.say(f"step {step}: " + ", ".join(f"{k} {show(v, 4)}" for k, v in results.items()
+                                          if isinstance(v, str) or k in numbers))
