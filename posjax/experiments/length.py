@@ -486,6 +486,11 @@ def position_plot(results: dict, config, rows, path: str):
   ax.axvline(config.train_len, color="0.6", linestyle=":", linewidth=1)
   ax.set(xlabel="context (tokens before the predicted one)", ylabel="next-token loss",
          title=f"loss by position in rows of {length} tokens, trained at {config.train_len} (dotted line)")
+  return _saved(plt, fig, ax, path)
+
+
+def _saved(plt, fig, ax, path: str):
+  """The figure with its legend right of the axes, written to ``path`` and closed."""
   ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -495,7 +500,7 @@ def position_plot(results: dict, config, rows, path: str):
 
 def plot(results: dict, config, methods, path: str):
   """Perplexity against evaluation length (both log scale), one line per method (the mean over its seeds, shaded
-between the lowest and the highest seed); a method that runs at the training length alone is a point. Returns the
+  between the lowest and the highest seed); a method that runs at the training length alone is a point. Returns the
   figure (closed)."""
   plt = plots.pyplot()
   lengths = [config.train_len * m for m in config.eval_multiples]
@@ -516,11 +521,7 @@ between the lowest and the highest seed); a method that runs at the training len
   ax.yaxis.set_minor_formatter(plt.FormatStrFormatter("%g"))
   ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model in DECODERS else 'masked'}-token perplexity",
          title=f"{config.model}, trained at length {config.train_len} (dotted line), {config.steps} steps")
-  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return fig
+  return _saved(plt, fig, ax, path)
 
 
 def validate(config) -> None:
