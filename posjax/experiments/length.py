@@ -656,9 +656,12 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
     text += "\n\n" + probe_tables(found, probe)
   notes = "".join(f"{row.note}\n" for row in rows.values() if row.note)
   with open(os.path.join(workdir, "length.md"), "w") as f:
+    scored = next((results[name]["tokens"] for name in names if results.get(name, {}).get("tokens")), {})
     f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
-            f"{', '.join(f'{m}x' for m in config.eval_multiples)}, each length on {eval_tokens(config)} tokens of the "
-            f"held-out text (a stream packing: the same text, cut into rows of each length)\n{notes}\n{text}\n")
+            f"{', '.join(f'{m}x' for m in config.eval_multiples)}, each length on the first {eval_tokens(config)} "
+            "tokens of the held-out text (with a stream packing the same text, cut into rows of each length)"
+            + (f"; predictions scored: {', '.join(f'@{l} {n}' for l, n in scored.items())}" if scored else "")
+            + f"\n{notes}\n{text}\n")
   plot(results, config, names, os.path.join(workdir, "length.png"))
   by_position = position_plot(results, config, names, os.path.join(workdir, "position.png"))
   print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png"
