@@ -466,9 +466,9 @@ def needle_plot(results: dict, config, rows, path: str):
 
 
 def position_plot(results: dict, config, rows, path: str):
-  """The loss at each token index of the rows at the longest length every row measures (the mean over the rows of
-  the held-out text: past the training length a row's tokens see contexts longer than any trained), a line per row.
-  None where no row reports it."""
+  """The loss by context length at the longest length every row measures (each token index's mean over the rows of
+  the held-out text, averaged over doubling spans of the index: past the training length a token sees more context
+  than any trained), a line per row. None where no row reports it."""
   lengths = [str(config.train_len * m) for m in config.eval_multiples]
   found = {name: results.get(name, {}).get("loss_by_position", {}) for name in rows}
   shared = [l for l in lengths if all(isinstance(found[name].get(l), list) for name in rows)]
@@ -479,10 +479,13 @@ def position_plot(results: dict, config, rows, path: str):
   styles = plots.method_styles(rows)
   fig, ax = plt.subplots(figsize=(6.5, 4.2))
   for name in rows:
-    points = [(i + 1, v) for i, v in enumerate(found[name][length]) if v is not None]
-    style = {k: v for k, v in styles[name].items() if k != "marker"}
-    ax.plot(*zip(*points), label=name, linewidth=1.0, **style)
-  ax.set_xscale("log")
+    # averaged over doubling spans of context (1, 2-3, 4-7, ...): a few rows per length leave each index noisy
+    values = found[name][length]
+    spans = [(lo, min(2 * lo, len(values) + 1)) for lo in (2 ** k for k in range(len(values).bit_length()))]
+    points = [(np.sqrt(lo * (hi - 1)), np.mean(kept)) for lo, hi in spans
+              if (kept := [v for v in values[lo - 1:hi - 1] if v is not None])]
+    ax.plot(*zip(*points), label=name, **styles[name])
+  ax.set_xscale("log", base=2)
   ax.axvline(config.train_len, color="0.6", linestyle=":", linewidth=1)
   ax.set(xlabel="context (tokens before the predicted one)", ylabel="next-token loss",
          title=f"loss by position in rows of {length} tokens, trained at {config.train_len} (dotted line)")
