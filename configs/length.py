@@ -29,6 +29,9 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
   seeds: how many times each trained row is trained (seeds ``seed``, ``seed + 1``, ...; default 1): its tables show the
     mean ± the sample standard deviation, the plot the mean with a band from the lowest to the highest seed, and
     ``length.json`` every seed's value (``seeds``, ``spread``).
+  stride: > 0 adds sliding-window perplexity (Press et al. 2022): the same text in windows of each length every
+    ``stride`` tokens, each token predicted once after up to ``length - stride`` tokens of context (a decoder on a
+    stream packing, in one process; ``stride`` must divide ``train_len``); default 0, off.
   depths: the needle-in-a-haystack grid's depths (``config.passkey.depths``: retrieval at each depth fraction x
     length, ``needle.png``); default 5, ``depths=0`` draws each depth uniformly.
   extension: ``+``-separated context-extension variants of a RoPE model (:mod:`posjax.experiments.extension`:
@@ -62,11 +65,12 @@ def get_config(arg=None):
   given = named(arg)
   arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="lm", size="base", runlocal=False, passkey=True,
                   probes="copy+sort+parity", runs="", control="", depths=5, extension="", extension_base="rope",
-                  factor=4.0, seeds=1)
+                  factor=4.0, seeds=1, stride=0)
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
   config.seeds = arg.seeds  # runs per trained row (seeds seed .. seed + seeds - 1): tables show mean ± std
+  config.stride = arg.stride  # > 0: sliding-window perplexity too (windows of each length every `stride` tokens)
   names = arg.methods.split("+") if arg.methods else []
   config.methods = tuple(dict.fromkeys(m for name in names for m in METHOD_SETS.get(name, (name,))))
   for method in config.methods:

@@ -134,3 +134,35 @@ def test_evaluators_given_tokens_read_the_same_text_at_every_length():
   config.evals.x1.batches = 2
   with pytest.raises(ValueError, match=r"config.evals.x1: give batches or tokens \(a positive count\), not both"):
     mlm_task.corpus_batches(config, Tokenizer.load(config.data.vocab_file), 8, masked=False)
+
+
+def test_sliding_window_evaluation_predicts_each_token_once_after_its_windows_context():
+  # windows of 64 tokens every 16 over the first 256 tokens of the held-out stream: token t is new in the window
+  # ending at the next multiple of 16 after it, which starts 64 tokens earlier (or at the text's start); the reference
+  # reruns the model on each token's own window
+  config = override(load_config("lm", "runlocal,position=alibi"), batch_size=4, max_len=64)
+  tokenizer = Tokenizer.load(config.data.vocab_file)
+  config.evals = ml_collections.ConfigDict({"sw": {"kind": "clm", "split": "eval", "tokens": 256, "max_len": 64,
+                                                   "stride": 16},
+                                            "flat": {"kind": "clm", "split": "eval", "tokens": 256, "max_len": 16}})
+  _, evaluations = mlm_task.corpus_batches(config, tokenizer, 4, masked=False)
+  text = np.concatenate([b["input_ids"].reshape(-1) for b in evaluations["flat"].rows])[:256]
+  model = BertModel(BertConfig.from_config(config.model, tokenizer.vocab_size, 64), head="lm")
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 64), jnp.int32))["params"]
+  sums = [clm.next_token_row_sums(model, params, b, None, use_segments=False, deterministic=True)
+          for b in evaluations["sw"].rows]
+  got = clm.clm_metrics({k: np.concatenate([np.asarray(s[k]) for s in sums]) for k in sums[0]})
+  apply = jax.jit(model.apply)
+  losses = []
+  for t in range(1, 256):
+    end = min(-(-(t + 1) // 16) * 16, 256)
+    start = max(0, end - 64)
+    logits = np.asarray(apply({"params": params}, jnp.asarray(text[None, start:end])).logits[0, t - start - 1],
+                        np.float64)
+    losses.append(np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[text[t]])
+  assert got["tokens"] == 255
+  np.testing.assert_allclose(got["loss"], np.mean(losses), rtol=1e-5)
+  config.evals.sw.stride = 24
+  with pytest.raises(ValueError, match=r"config.evals.sw: stride=24 evaluates one token stream in one process: it must "
+                                       r"divide the length 64"):
+    mlm_task.corpus_batches(config, tokenizer, 4, masked=False)

@@ -148,6 +148,9 @@ def test_bad_harness_configs_are_errors_before_anything_is_written(tmp_path):
   with pytest.raises(ValueError, match=r"config.passkey: passkey retrieval needs a decoder \(model='lm' or 'clm'\), "
                                        r"not model='mlm'; set config.passkey=None"):
     length.run(config, str(tmp_path / "b"), train)
+  with pytest.raises(ValueError, match=r"config.stride=5: sliding-window perplexity needs a decoder \(model='lm' or "
+                                       r"'clm'\) and a positive stride dividing train_len=32"):
+    length.run(harness_config(stride=5), str(tmp_path / "b"), train)
   with pytest.raises(ValueError, match=r"probe task 'reverse' labels a token with a later one, which a decoder"):
     length.run(harness_config(probes=("reverse",)), str(tmp_path / "b"), train)
   assert load_config("length", "model=mlm,runlocal").passkey is None
@@ -204,7 +207,7 @@ def length_lib_share(size):
 
 
 def test_seeds_train_each_row_again_and_the_tables_show_mean_and_spread(tmp_path):
-  config = harness_config(methods="alibi", passkey=None, steps=3, seeds=2)
+  config = harness_config(methods="alibi", passkey=None, steps=3, seeds=2, stride=16)
   results = length.run(config, str(tmp_path), train)
   runs = [json.loads((tmp_path / "runs" / d / "results.json").read_text())["metrics"]
           for d in ("alibi", "alibi_seed1")]
@@ -222,4 +225,8 @@ def test_seeds_train_each_row_again_and_the_tables_show_mean_and_spread(tmp_path
   assert len(by_position[0]) == 63 and results["alibi"]["loss_by_position"]["64"] == pytest.approx(
       np.mean(by_position, axis=0).tolist(), rel=1e-12)
   assert (tmp_path / "position.png").stat().st_size > 0
+  # sliding-window perplexity beside it: windows of 32 and 64 every 16 tokens
+  sliding = [run["sw_x2"]["perplexity"] for run in runs]
+  assert results["alibi"]["sliding"]["64"] == pytest.approx(np.mean(sliding), rel=1e-12)
+  assert "**sliding-window next-token perplexity (windows of each length every 16 tokens" in text
   assert length.run(config, str(tmp_path), must_not_train) == results

@@ -101,6 +101,9 @@ def evaluators(config) -> dict:
   ``config.passkey``, ``passkey_x<m>`` (passkey retrieval at that length)."""
   spec = {"kind": TASKS[config.model], "split": "eval", "tokens": eval_tokens(config)}
   found = {f"x{m}": {**spec, "max_len": config.train_len * m} for m in config.eval_multiples}
+  if config.get("stride"):  # the same text in windows of each length every `stride` tokens
+    found.update({f"sw_x{m}": {**spec, "max_len": config.train_len * m, "stride": config.stride}
+                  for m in config.eval_multiples})
   if config.get("passkey") is not None:
     found.update({f"passkey_x{m}": {**config.passkey.to_dict(), "kind": "passkey", "max_len": config.train_len * m}
                   for m in config.eval_multiples})
@@ -120,8 +123,10 @@ def needle_depths(config) -> int:
 
 
 def measured(config) -> tuple[str, ...]:
-  """The measures of ``config``'s tables (passkey retrieval where it is on)."""
-  return MEASURES if config.get("passkey") is not None else MEASURES[:2]
+  """The measures of ``config``'s tables (passkey retrieval where it is on, sliding-window perplexity where
+  ``config.stride`` is)."""
+  found = MEASURES if config.get("passkey") is not None else MEASURES[:2]
+  return found + (("sliding",) if config.get("stride") else ())
 
 
 def measures(metrics: dict, config) -> dict:
@@ -140,6 +145,8 @@ def measures(metrics: dict, config) -> dict:
       out["passkey_digits"][length] = found["digit_accuracy"]
       if len(fractions):
         out["needle"][length] = {f"{f:.2f}": found[f"accuracy@{f:.2f}"] for f in fractions}
+    if "sliding" in out:
+      out["sliding"][length] = metrics[f"sw_x{m}"]["perplexity"]
     if values.get("loss") == results_lib.UNSUPPORTED:
       out["perplexity"][length] = out["accuracy"][length] = results_lib.UNSUPPORTED
       continue
@@ -344,7 +351,9 @@ def tables(results: dict, config, methods) -> str:
   what = "next-token" if config.model in DECODERS else "masked-token"
   titles = {"perplexity": f"{what} perplexity (lower is better)", "accuracy": f"{what} accuracy (%)",
             "passkey": "passkey retrieval (% of prompts whose whole key greedy decoding reproduces)",
-            "passkey_digits": "passkey key tokens retrieved (%)"}
+            "passkey_digits": "passkey key tokens retrieved (%)",
+            "sliding": f"sliding-window {what} perplexity (windows of each length every {config.get('stride')} tokens, "
+                       "each token predicted once)"}
   parts = []
   for measure in measured(config):
     title = titles[measure]
@@ -356,7 +365,7 @@ def tables(results: dict, config, methods) -> str:
         value = results.get(method, {}).get(measure, {}).get(length)
         flag = "†" if results.get(method, {}).get("untrained_buckets", {}).get(length, 0) > 0 else ""
         spread = results.get(method, {}).get("spread", {}).get(measure, {}).get(length)
-        show = (lambda v: f"{v:.2f}") if measure == "perplexity" else (lambda v: f"{100 * v:.1f}")
+        show = (lambda v: f"{v:.2f}") if measure in ("perplexity", "sliding") else (lambda v: f"{100 * v:.1f}")
         cells.append("—" if value is None else value if value == results_lib.UNSUPPORTED
                      else show(value) + ("" if spread is None else f" ± {show(spread)}") + flag)
       rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
@@ -533,6 +542,10 @@ def validate(config) -> None:
   config_args.check_ranges(config, RANGES)
   if config.model not in MODELS:
     raise ValueError(f"config.model={config.model!r}; allowed: {list(MODELS)}")
+  stride = config.get("stride", 0)
+  if stride and (stride < 0 or config.train_len % stride or config.model not in DECODERS):
+    raise ValueError(f"config.stride={stride}: sliding-window perplexity needs a decoder (model='lm' or 'clm') and a "
+                     f"positive stride dividing train_len={config.train_len}; 0: off")
   if not config.eval_multiples or any(int(m) != m or m < 1 for m in config.eval_multiples):
     raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
   if config.get("passkey") is not None and config.model not in DECODERS:
@@ -640,7 +653,7 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
     results_lib.write_json(path, results, sort_keys=False)
     print(f"[{time.perf_counter() - start:5.0f}s] {name:>12} " + "; ".join(
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
-        for measure, values in results[name].items() if measure in MEASURES),
+        for measure, values in results[name].items() if measure in MEASURES + ("sliding",)),
         flush=True)
   names = list(rows)
   text = tables(results, config, names)

@@ -39,6 +39,8 @@ def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, determ
   weights_BxL = real_BxL[:, 1:] * real_BxL[:, :-1]
   if use_segments:
     weights_BxL = weights_BxL * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
+  if "scored" in batch:  # sliding-window rows (posjax.tasks.mlm.strided): only the window's new tokens count
+    weights_BxL = weights_BxL * batch["scored"][:, 1:]
   losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV.astype(jnp.float32), labels_BxL)
   correct_BxL = (jnp.argmax(logits_BxLxV, -1) == labels_BxL).astype(jnp.float32)
   sums = {"loss": jnp.sum(losses_BxL * weights_BxL, -1), "correct": jnp.sum(correct_BxL * weights_BxL, -1),

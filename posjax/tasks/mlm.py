@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from posjax.data import corpus, prepared
@@ -119,15 +120,55 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
   for name, spec in evals.items():
     length = spec.get("max_len", 0) or config.max_len * spec.get("length_multiple", 1)
     at_length = ml_collections.ConfigDict({**config.to_dict(), "max_len": length})
-    stream = make_batches(at_length, tokenizer, spec.get("split", "eval"), local_batch, masked)
     count = spec.get("batches", 50)
     if spec.get("tokens"):
       if "batches" in spec or int(spec["tokens"]) < 1:
         raise ValueError(f"config.evals.{name}: give batches or tokens (a positive count), not both; got "
                          f"batches={spec.get('batches')}, tokens={spec['tokens']}")
       count = -(-int(spec["tokens"]) // (length * config.batch_size))
+    if spec.get("stride"):
+      evaluations[name] = strided(config, tokenizer, spec, name, length, count * local_batch * length, local_batch)
+      continue
+    stream = make_batches(at_length, tokenizer, spec.get("split", "eval"), local_batch, masked)
     evaluations[name] = Evaluation(list(itertools.islice(stream, count)), stream.empty(), length)
   return batches, evaluations
+
+
+def strided(config, tokenizer: Tokenizer, spec, name: str, length: int, text_tokens: int, local_batch: int):
+  """Sliding-window evaluation (Press et al. 2022's): windows of ``length`` tokens every ``stride`` tokens of the
+  evaluation text (the same text as without a stride: the stream's first ``text_tokens`` tokens), each
+  scoring only its last ``stride`` predictions (the first windows, shorter, start at the text's first token), so
+  every token is predicted once, after up to ``length - stride`` tokens of context. Rows carry ``scored`` (1 at the
+  tokens whose prediction counts). A stream packing in one process (the text must be one stream)."""
+  stride = int(spec["stride"])
+  if spec.get("kind") != "clm" or stride < 1:
+    raise ValueError(f"config.evals.{name}: stride={stride} is next-token (kind='clm') evaluation with a positive "
+                     f"stride; got kind={spec.get('kind')!r}")
+  if length % stride or config.data.packing != "stream" or jax.process_count() > 1:
+    raise ValueError(f"config.evals.{name}: stride={stride} evaluates one token stream in one process: it must "
+                     f"divide the length {length}, with data.packing='stream' (got {config.data.packing!r}) and "
+                     f"{jax.process_count()} process(es)")
+  at_stride = ml_collections.ConfigDict({**config.to_dict(), "max_len": stride})
+  stream = make_batches(at_stride, tokenizer, spec.get("split", "eval"), local_batch, masked=False)
+  chunks = list(itertools.islice(stream, -(-text_tokens // (stride * local_batch))))
+  text = np.concatenate([batch["input_ids"][batch["attention_mask"] > 0] for batch in chunks])[:text_tokens]
+  rows = []
+  for new_from in range(0, len(text), stride):  # the window whose new tokens start at new_from
+    end = min(new_from + stride, len(text))
+    start = max(0, end - length)
+    ids = np.full(length, tokenizer.pad_id, np.int32)
+    ids[:end - start] = text[start:end]
+    index = np.arange(length)
+    real = (index < end - start).astype(np.int32)
+    scored = real * (index >= new_from - start)
+    rows.append({"input_ids": ids, "attention_mask": real, "segment_ids": np.zeros(length, np.int32),
+                 "positions": np.arange(length, dtype=np.int32), "scored": scored.astype(np.int32)})
+  empty = {k: np.zeros((local_batch, length), np.int32) for k in ("input_ids", "attention_mask", "segment_ids",
+                                                                   "positions", "scored")}
+  batches = [{k: np.stack([row[k] for row in rows[i:i + local_batch]]
+                          + [empty[k][0]] * (local_batch - len(rows[i:i + local_batch]))) for k in empty}
+             for i in range(0, len(rows), local_batch)]
+  return Evaluation(batches, empty, length)
 
 
 def corpus_evaluators(evaluations: dict, model_config: BertConfig, predict: Callable, metrics: Callable,
