@@ -52,7 +52,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from posjax import config_args
+from posjax import config_args, positions
 from posjax import results as results_lib
 from posjax.config_args import POSITIVE
 from posjax.experiments import extension, plots, probes
@@ -220,7 +220,7 @@ def table_methods(config, sources: dict) -> list[str]:
 def probe_methods(config, sources: dict) -> list[str]:
   """The methods the probes train: the first rows named by their method (a variant read from ``config.runs`` has
   no probe of its own)."""
-  return [m for m in table_methods(config, sources) if m in config.methods or " (" not in m]
+  return [m for m in table_methods(config, sources) if m in positions.names()]
 
 
 def control_name(config) -> str:
@@ -643,9 +643,9 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
         found[str(seed)] = measures(json.load(f)["metrics"], config)
       results_lib.write_json(seeds_path, per_seed, sort_keys=False)
     results[name] = across_seeds([found[str(seed)] for seed in range(len(found))])
-    if row.method == "t5":
-      made = row.make()
-      options = (made[0] if isinstance(made, tuple) else made).model.position_options.to_dict()
+    if row.method == "t5":  # its bucket options as the run had them (the config it wrote)
+      ran = results_lib.read_json(os.path.join(run_dir(workdir, name), "config.json"))
+      options = ran["model"]["position_options"]
       results[name]["untrained_buckets"] = {
           str(config.train_len * m): untrained_bucket_share(options, config.train_len, config.train_len * m,
                                                             causal=config.model in DECODERS)
@@ -653,7 +653,7 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
     results_lib.write_json(path, results, sort_keys=False)
     print(f"[{time.perf_counter() - start:5.0f}s] {name:>12} " + "; ".join(
         f"{measure} " + ", ".join(f"@{l}: {v if v == results_lib.UNSUPPORTED else f'{v:.2f}'}" for l, v in values.items())
-        for measure, values in results[name].items() if measure in MEASURES + ("sliding",)),
+        for measure, values in results[name].items() if measure in measured(config)),
         flush=True)
   names = list(rows)
   text = tables(results, config, names)

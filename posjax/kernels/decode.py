@@ -132,8 +132,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   q_BxHxQxK = pad(pad(q_BxQxHxK, 1, padded_q), 3, head_dim).transpose(0, 2, 1, 3)
   cache = lambda x_BxGxTxX, dim: pad(pad(x_BxGxTxX, 2, padded_t), 3, dim)
   line = lambda x_BxT: pad(x_BxT, 1, padded_t)
-  rows_BxHxSxX, line_BxS = lambda b_, h_: P(b_, h_, None, None), lambda b_, h_: P(b_, None)
-  specs = lambda b_, h_: (rows_BxHxSxX(b_, h_),) * 3 + (line_BxS(b_, h_),) * 4 + (P(b_, None, None),)
+  # q, k, v [B, H or G, S, X]; query positions and slots, key positions and validity [B, S]; the tile ranges
+  specs = lambda b_, h_: (P(b_, h_, None, None),) * 3 + (P(b_, None),) * 4 + (P(b_, None, None),)
   backend = functools.partial((mosaic if tpu else triton).decode, plan)
   out_BxHxQxV = per_shard(backend, terms, b, h, batch_axes, head_axes, kv_heads=g, arg_specs=specs)(
       leaves, q_BxHxQxK, cache(k_BxGxTxK, head_dim), cache(v_BxGxTxV, value_dim),
