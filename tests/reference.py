@@ -138,20 +138,27 @@ def xpos_logit(q, k, n, m, opts):
                               * zeta ** ((n - m) / opts.get("scale_base", 512.0)))))
 
 
-def fire_bias(F, opts, r, query_position, h):
-  """FIRE's bias at distance ``r`` from a query at ``query_position`` for head ``h`` (Li et al. 2023)."""
-  c, L = abs(float(F["c"])), abs(float(F["threshold_multiplier"]) * opts.get("threshold", 512.0))
+def fire_bias(F, opts, r, query_position, h, max_len):
+  """FIRE's bias at distance ``r`` from a query at ``query_position`` for head ``h`` (Li et al. 2023); ``L`` starts
+  at the ``threshold`` option, else a quarter (``threshold_ratio``) of the training length."""
+  initial = opts.get("threshold") or opts.get("threshold_ratio", 0.25) * (opts.get("original_max_len") or max_len)
+  c, L = abs(float(F["c"])), abs(float(F["threshold_multiplier"]) * initial)
   psi = lambda d: math.log(c * d + 1)
   u = psi(abs(r)) / (psi(max(query_position, L)) + opts.get("eps", 1e-6))
   hidden = np.maximum(u * F["w1"] + F["b1"], 0.0)
   return hidden @ F["w2"][:, h] + F["b2"][h]
 
 
-def sandwich_bias(opts, r, h, num_heads):
-  """Sandwich's bias at distance ``r`` for head ``h``: ``λ (Σ_f cos(r ω_f / ρ_h) - dim/2)`` (Chi et al. 2023)."""
-  dim, base = opts.get("dim", 128), opts.get("base", 10_000.0)
-  rho = 8 * (h + 1) / num_heads if opts.get("compression", "alibi") == "alibi" else 1.0
-  return opts.get("scale", 1.0) * (sum(math.cos(r * base ** (-2 * f / dim) / rho) for f in range(dim // 2)) - dim / 2)
+def sandwich_bias(opts, r, h, num_heads, head_dim):
+  """Sandwich's bias at distance ``r`` for head ``h``: ``λ (Σ_f cos(r ω_f / ρ_h) - dim/2)`` (Chi et al. 2023);
+  ``compression="bias"``, ``dim=None`` and ``first_frequency=1`` as NVIDIA NeMo's ``SandwichRelativePositionEmbedding``
+  computes it, ``(Σ_{f=1..d/2} cos(r 10000^(-2f/d)) - d/2) / (8h/H)`` with ``d`` the head dimension."""
+  dim, base = opts.get("dim", 128) or head_dim, opts.get("base", 10_000.0)
+  compression, first = opts.get("compression", "alibi"), opts.get("first_frequency", 0)
+  rho = 8 * (h + 1) / num_heads if compression in ("alibi", "bias") else 1.0
+  position_ratio = rho if compression == "alibi" else 1.0
+  inner = sum(math.cos(r * base ** (-2 * f / dim) / position_ratio) for f in range(first, first + dim // 2))
+  return opts.get("scale", 1.0) * (inner - dim / 2) / (rho if compression == "bias" else 1.0)
 
 
 def logits(name, opts, P, x, pos, max_len, num_heads):
@@ -213,9 +220,9 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
           elif name == "xpos":
             e = xpos_logit(qi, kj, pos[b, i], pos[b, j], opts) * s
           elif name == "fire":
-            e = qi @ kj * s + fire_bias(tables["fire"], opts, r, pos[b, i], h)
+            e = qi @ kj * s + fire_bias(tables["fire"], opts, r, pos[b, i], h, max_len)
           elif name == "sandwich":
-            e = qi @ kj * s + sandwich_bias(opts, r, h, H)
+            e = qi @ kj * s + sandwich_bias(opts, r, h, H, K)
           else:
             raise KeyError(name)
           out[b, h, i, j] = e
@@ -291,7 +298,7 @@ class FusedAttention:
     """``[B, L, H, V]`` float64. ``alibi`` ``[H]``, ``bucket_table`` ``[N, H]``, ``relative_table`` ``[2k+1, K]``,
     ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none; ``kerple_r1``,
     ``kerple_r2`` ``[H]``; FIRE's ``w1``, ``b1`` ``[W]``, ``w2`` ``[W, H]``, ``b2`` ``[H]``, ``c``, ``threshold``;
-    ``sandwich``: ``dict(ratios [H], dim, base, scale)``."""
+    ``sandwich``: ``dict(ratios [H], dim, base, scale, divide, first)``."""
     f64 = lambda x: np.asarray(x, np.float64)
     q, k, v = f64(q), f64(k), f64(v)
     B, L, H, _ = q.shape
@@ -309,12 +316,15 @@ class FusedAttention:
       u = np.log(c * d[:, 0] + 1) / (np.log(c * np.maximum(self.query_position, threshold) + 1) + fire_eps)
       hidden = np.maximum(u[..., None] * f64(fire_w1) + f64(fire_b1), 0.0)  # [B, L, L, W]
       logits = logits + (hidden @ f64(fire_w2) + f64(fire_b2)).transpose(0, 3, 1, 2)
-    if sandwich is not None:
-      f = np.arange(sandwich["dim"] // 2)
+    if sandwich is not None:  # divide="bias": NeMo's form, each head's bias divided by its ratio
+      first = sandwich.get("first", 0)
+      f = np.arange(first, first + sandwich["dim"] // 2)
       ratios = np.asarray(sandwich["ratios"], np.float64)
-      omega = sandwich["base"] ** (-2.0 * f / sandwich["dim"])[None, :] / ratios[:, None]  # [H, F]
+      by_bias = sandwich.get("divide", "positions") == "bias"
+      omega = sandwich["base"] ** (-2.0 * f / sandwich["dim"])[None, :] / (1.0 if by_bias else ratios[:, None])
       angles = self.distance[:, None, :, :, None] * omega[None, :, None, None, :]  # [B, H, L, L, F]
-      logits = logits + sandwich["scale"] * (np.cos(angles).sum(-1) - len(f))
+      bias = sandwich["scale"] * (np.cos(angles).sum(-1) - len(f))
+      logits = logits + (bias / ratios[None, :, None, None] if by_bias else bias)
     if relative_table is not None:
       a = f64(relative_table)[self.row]  # [B, L, L, K]
       if relative_query:

@@ -166,3 +166,30 @@ def test_sliding_window_evaluation_predicts_each_token_once_after_its_windows_co
   with pytest.raises(ValueError, match=r"config.evals.sw: stride=24 evaluates one token stream in one process: it must "
                                        r"divide the length 64"):
     mlm_task.corpus_batches(config, tokenizer, 4, masked=False)
+
+
+def test_an_encoders_evaluators_mask_the_same_text_once_at_every_length():
+  # model=mlm in the length harness: the held-out stream (documents joined by [SEP], rebuilt here from the corpus's
+  # documents and the tokenizer) masked once, cut into [CLS] + 31 and [CLS] + 127 tokens: the same masked tokens,
+  # with the same labels, at both lengths
+  config = override(load_config("pretrain", "runlocal"), batch_size=4, max_len=32)
+  config.evals = ml_collections.ConfigDict({
+      f"x{m}": {"kind": "mlm", "split": "eval", "tokens": 512, "max_len": 32 * m, "same_text": True} for m in (1, 4)})
+  tok = Tokenizer.load(config.data.vocab_file)
+  _, evaluations = mlm_task.corpus_batches(config, tok, 4)
+  documents = corpus.documents(config.data, "eval", 0, 1)
+  stream = np.asarray([t for d in documents for t in [*sum(tok.encode_batch(d), []), tok.sep_id]][:512])
+  masked, shown = {}, []
+  for name, evaluation in evaluations.items():
+    span = evaluation.length - 1
+    rows = [{k: b[k][i] for k in b} for b in evaluation.rows for i in range(4)]
+    assert all(r["input_ids"][0] == tok.cls_id for r in rows if r["attention_mask"].any())
+    text = np.concatenate([r["input_ids"][1:r["attention_mask"].sum()] for r in rows])
+    for n, r in enumerate(rows):  # the labels put back: the held-out stream itself
+      at = r["masked_positions"][r["masked_weights"] > 0]
+      shown.extend(r["input_ids"][at] == tok.mask_id)
+      text[n * span + at - 1] = r["masked_labels"][r["masked_weights"] > 0]
+      masked.setdefault(name, []).extend((n * span + at - 1).tolist())
+    np.testing.assert_array_equal(text, stream)
+  assert masked["x1"] == masked["x4"] and 0.1 < len(masked["x1"]) / 512 < 0.2
+  assert 0.6 < np.mean(shown) < 0.95  # BERT's 80% of the masked tokens shown as [MASK]

@@ -113,7 +113,8 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
     fixed["fire_eps"] = terms.fire.eps
   if terms.sandwich is not None:
     sw = terms.sandwich
-    fixed["sandwich"] = dict(ratios=np.asarray(sw.ratios), dim=sw.dim, base=sw.base, scale=sw.scale)
+    fixed["sandwich"] = dict(ratios=np.asarray(sw.ratios), dim=sw.dim, base=sw.base, scale=sw.scale, divide=sw.divide,
+                             first=sw.first)
   weights = np.asarray(weights, np.float64)
   loss = lambda **x: float(np.sum(fused(**fixed, **{**inputs, **x}) * weights))
   np.testing.assert_allclose(out, fused(**fixed, **inputs), rtol=2e-5, atol=2e-5)
@@ -358,7 +359,7 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
   per-tile gradient sums of KERPLE's and FIRE's scalars equal the dense ``xla`` path's autodiff and the float64
   reference's outputs and central differences, on packed and padded rows (positions up to 11, the FIRE threshold at
   6). ``others``: with ALiBi, T5 buckets with [CLS] entries and TUPE's untied term and θ in the same call, whose
-  scalar gradients come first in the TPU kernels' columns."""
+  scalar gradients come first in the TPU kernels' columns, and Sandwich in NeMo's form."""
   rng = np.random.default_rng(5)
   batch, length, heads, head_dim = 2, 21, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
@@ -369,7 +370,8 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
     terms = terms.replace(
         alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
         buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33),
-        untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads)))
+        untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads)),
+        sandwich=terms.sandwich.replace(divide="bias", first=1))  # NeMo's form
   q, k, v, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(4))
 
   def loss(implementation, q, k, v, terms):

@@ -34,6 +34,7 @@ CASES = [
     ("fire", {"share_across_layers": True, "c": 0.5, "threshold": 2.0}),
     ("xpos", {}), ("xpos", {"scale_base": 4.0, "gamma": 0.2}),
     ("sandwich", {}), ("sandwich", {"dim": 10, "compression": "none", "scale": 0.3, "base": 100.0}),
+    ("sandwich", {"compression": "bias", "dim": None, "first_frequency": 1}),  # NVIDIA NeMo's form
 ]
 
 

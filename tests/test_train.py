@@ -609,8 +609,8 @@ def test_every_position_option_can_be_set_from_the_command_line_none_defaults_in
 
 
 def test_a_warm_start_at_a_longer_length_extends_from_the_base_runs_length(tmp_path):
-  """The base run's max_len becomes RoPE's original_max_len where the user left it None; a value given stays, and
-  ``dynamic`` (which takes none) and a warm start at the same length are left alone."""
+  """The base run's max_len becomes RoPE's and FIRE's original_max_len where the user left it None; a value given
+  stays, and ``dynamic`` (which takes none) and a warm start at the same length are left alone."""
   from posjax.train.validate import carry_training_length
   (tmp_path / "base").mkdir()
   (tmp_path / "base" / "model_config.json").write_text(json.dumps({"max_len": 32}))
@@ -621,6 +621,8 @@ def test_a_warm_start_at_a_longer_length_extends_from_the_base_runs_length(tmp_p
     config = pretrain_config("runlocal,position=rope", init_from=str(tmp_path / "base"), max_len=length,
                              **{f"model.position_options.{k}": v for k, v in options.items()})
     assert carry_training_length(config).model.position_options.original_max_len == original, options
+  fire = pretrain_config("runlocal,position=fire", init_from=str(tmp_path / "base"), max_len=128)
+  assert carry_training_length(fire).model.position_options.original_max_len == 32  # FIRE keeps its threshold
 
 
 @pytest.mark.parametrize("change, message", [

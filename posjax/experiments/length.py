@@ -100,6 +100,8 @@ def evaluators(config) -> dict:
   absolute ``max_len``: a row fine-tuned at a longer length is measured at the same lengths) and, with
   ``config.passkey``, ``passkey_x<m>`` (passkey retrieval at that length)."""
   spec = {"kind": TASKS[config.model], "split": "eval", "tokens": eval_tokens(config)}
+  if spec["kind"] == "mlm":  # the encoder: the same masked text at every length (posjax.tasks.mlm.same_text)
+    spec["same_text"] = True
   found = {f"x{m}": {**spec, "max_len": config.train_len * m} for m in config.eval_multiples}
   if config.get("stride"):  # the same text in windows of each length every `stride` tokens
     found.update({f"sw_x{m}": {**spec, "max_len": config.train_len * m, "stride": config.stride}
@@ -112,8 +114,8 @@ def evaluators(config) -> dict:
 
 def eval_tokens(config) -> int:
   """The tokens every length is scored on: ``eval_batches`` batches of the longest length (``batch_size`` rows).
-  With a stream packing (the decoder recipe's) every length reads the same text, cut into rows of its length, so
-  only the context changes (Press et al. 2022's protocol); a packing of whole sentences pads them per length."""
+  Every length reads the same text, cut into rows of its length, so only the context changes (Press et al. 2022's
+  protocol): a decoder's stream packing does it, and an encoder's evaluators mask that text once (``same_text``)."""
   return config.eval_batches * config.batch_size * config.train_len * max(config.eval_multiples)
 
 
@@ -180,8 +182,15 @@ def probe_tables(results: dict, probe) -> str:
       for task in probe.tasks)
 
 
-def read_runs(config) -> dict[str, str]:
-  """``{row: workdir}`` of ``config.runs``: each a finished run (``config.json``, ``results.json``) of the
+class Finished(NamedTuple):
+  """A finished run of ``config.runs``: its position method and its workdir."""
+
+  method: str
+  workdir: str
+
+
+def read_runs(config) -> dict[str, Finished]:
+  """``{row: Finished}`` of ``config.runs``: each a finished run (``config.json``, ``results.json``) of the
   harness's model at its training length. A run is the row of its position method; a second run of the same method
   (a variant: other options) is the row ``<method> (<its directory's name>)``."""
   found = {}
@@ -197,9 +206,9 @@ def read_runs(config) -> dict[str, str]:
                        f"config.train_len is {config.train_len}; evaluate it with train_len={run['max_len']}")
     name = method if method not in found else f"{method} ({os.path.basename(os.path.normpath(source))})"
     if name in found:
-      raise ValueError(f"config.runs: {found[name]} and {source} are both runs of {method!r} in directories of the "
-                       "same name; rename one (its name names the row)")
-    found[name] = source
+      raise ValueError(f"config.runs: {found[name].workdir} and {source} are both runs of {method!r} in directories "
+                       "of the same name; rename one (its name names the row)")
+    found[name] = Finished(method, source)
   return found
 
 
@@ -246,7 +255,7 @@ def base_source(config, workdir: str, sources: dict) -> tuple[str, bool]:
   ``config.runs``, or its run here) or a directory."""
   base = config.extension.base
   if base in sources:
-    return sources[base], True
+    return sources[base].workdir, True
   if base in config.methods or (config.get("control") and base == control_name(config)):
     return run_dir(workdir, base), True
   return base, False
@@ -313,9 +322,9 @@ def plan(config, workdir: str) -> dict[str, Row]:
   rows = {}
   for method in table_methods(config, sources):
     if method in sources:
-      source = sources[method]
+      source = sources[method].workdir
       steps = (results_lib.read_json(os.path.join(source, "results.json")) or {}).get("step")
-      rows[method] = Row(method.split(" (")[0], "evaluate", lambda s=source: (source_config(config, s), s),
+      rows[method] = Row(sources[method].method, "evaluate", lambda s=source: (source_config(config, s), s),
                          f"`{method}`: read from {source} (its own recipe, {steps} steps), not trained here")
     else:
       rows[method] = Row(method, "train", lambda m=method: run_config(config, m))
@@ -556,7 +565,7 @@ def validate(config) -> None:
     run_config(config, method)
   sources = read_runs(config)
   for source in sources.values():
-    source_config(config, source)
+    source_config(config, source.workdir)
   ext = config.get("extension")
   if not config.methods and not sources and not (ext is not None and ext.variants):
     raise ValueError("config.methods, config.runs and config.extension.variants are all empty: no row to measure")
@@ -585,7 +594,7 @@ def validate_extension(config, sources: dict) -> None:
   if config.get("control") and ext.base == control_name(config):
     run = control_config(config)
   elif ext.base in sources or ext.base in config.methods:
-    run = source_config(config, sources[ext.base]) if ext.base in sources else run_config(config, ext.base)
+    run = source_config(config, sources[ext.base].workdir) if ext.base in sources else run_config(config, ext.base)
   elif os.path.isdir(ext.base):
     if os.path.isfile(os.path.join(ext.base, "config.json")):
       trained = results_lib.read_json(os.path.join(ext.base, "config.json"))["max_len"]
@@ -675,7 +684,8 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
     scored = next((results[name]["tokens"] for name in names if results.get(name, {}).get("tokens")), {})
     f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
             f"{', '.join(f'{m}x' for m in config.eval_multiples)}, each length on the first {eval_tokens(config)} "
-            "tokens of the held-out text (with a stream packing the same text, cut into rows of each length)"
+            "tokens of the held-out text (the same text at every length, cut into rows of its length, with a "
+            "decoder's stream packing or an encoder's text masked once)"
             + (f"; predictions scored: {', '.join(f'@{l} {n}' for l, n in scored.items())}" if scored else "")
             + f"\n{notes}\n{text}\n")
   plot(results, config, names, os.path.join(workdir, "length.png"))

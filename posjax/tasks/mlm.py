@@ -93,7 +93,8 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
   up, so that evaluators of every length read the same text where the packing is a stream (``stream``: rows are
   consecutive pieces of one token stream; other packings pad and regroup sentences per length); ``max_len``: the
   length its rows are packed to, or ``length_multiple``: that many times ``config.max_len`` (default 1): another
-  length measures the model at lengths it was not trained at). What the
+  length measures the model at lengths it was not trained at; ``stride``: sliding windows, :func:`strided`;
+  ``same_text``: a masked-LM evaluation of the same masked text at every length, :func:`same_text`). What the
   pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read. ``kinds``: only the evaluators of these kinds
   read the corpus (default all)."""
   data = config.data
@@ -129,9 +130,31 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
     if spec.get("stride"):
       evaluations[name] = strided(config, tokenizer, spec, name, length, count * local_batch * length, local_batch)
       continue
+    if spec.get("same_text"):
+      evaluations[name] = same_text(config, tokenizer, spec, name, length, count * local_batch * length, local_batch)
+      continue
     stream = make_batches(at_length, tokenizer, spec.get("split", "eval"), local_batch, masked)
     evaluations[name] = Evaluation(list(itertools.islice(stream, count)), stream.empty(), length)
   return batches, evaluations
+
+
+def batched(rows: list[dict], local_batch: int, length: int) -> Evaluation:
+  """Rows of one evaluation in batches of ``local_batch`` (the last filled with all-zero rows, weight 0)."""
+  empty = {k: np.zeros_like(v) for k, v in rows[0].items()}
+  batches = [{k: np.stack([row[k] for row in rows[i:i + local_batch]]
+                          + [empty[k]] * (local_batch - len(rows[i:i + local_batch]))) for k in empty}
+             for i in range(0, len(rows), local_batch)]
+  return Evaluation(batches, {k: np.stack([v] * local_batch) for k, v in empty.items()}, length)
+
+
+def text_stream(config, tokenizer: Tokenizer, split: str, text_tokens: int, local_batch: int, chunk: int) -> np.ndarray:
+  """The first ``text_tokens`` tokens of ``split`` as one stream (the ``stream`` packing's: each document followed by
+  [SEP]), read ``chunk`` tokens a row; in one process (the text must be one stream)."""
+  streaming = ml_collections.ConfigDict({**config.to_dict(), "max_len": chunk})
+  streaming.data.packing = "stream"
+  stream = make_batches(streaming, tokenizer, split, local_batch, masked=False)
+  chunks = list(itertools.islice(stream, -(-text_tokens // (chunk * local_batch))))
+  return np.concatenate([batch["input_ids"][batch["attention_mask"] > 0] for batch in chunks])[:text_tokens]
 
 
 def strided(config, tokenizer: Tokenizer, spec, name: str, length: int, text_tokens: int, local_batch: int):
@@ -148,10 +171,7 @@ def strided(config, tokenizer: Tokenizer, spec, name: str, length: int, text_tok
     raise ValueError(f"config.evals.{name}: stride={stride} evaluates one token stream in one process: it must "
                      f"divide the length {length}, with data.packing='stream' (got {config.data.packing!r}) and "
                      f"{jax.process_count()} process(es)")
-  at_stride = ml_collections.ConfigDict({**config.to_dict(), "max_len": stride})
-  stream = make_batches(at_stride, tokenizer, spec.get("split", "eval"), local_batch, masked=False)
-  chunks = list(itertools.islice(stream, -(-text_tokens // (stride * local_batch))))
-  text = np.concatenate([batch["input_ids"][batch["attention_mask"] > 0] for batch in chunks])[:text_tokens]
+  text = text_stream(config, tokenizer, spec.get("split", "eval"), text_tokens, local_batch, stride)
   rows = []
   for new_from in range(0, len(text), stride):  # the window whose new tokens start at new_from
     end = min(new_from + stride, len(text))
@@ -163,12 +183,41 @@ def strided(config, tokenizer: Tokenizer, spec, name: str, length: int, text_tok
     scored = real * (index >= new_from - start)
     rows.append({"input_ids": ids, "attention_mask": real, "segment_ids": np.zeros(length, np.int32),
                  "positions": np.arange(length, dtype=np.int32), "scored": scored.astype(np.int32)})
-  empty = {k: np.zeros((local_batch, length), np.int32) for k in ("input_ids", "attention_mask", "segment_ids",
-                                                                   "positions", "scored")}
-  batches = [{k: np.stack([row[k] for row in rows[i:i + local_batch]]
-                          + [empty[k][0]] * (local_batch - len(rows[i:i + local_batch]))) for k in empty}
-             for i in range(0, len(rows), local_batch)]
-  return Evaluation(batches, empty, length)
+  return batched(rows, local_batch, length)
+
+
+def same_text(config, tokenizer: Tokenizer, spec, name: str, length: int, text_tokens: int, local_batch: int):
+  """Masked-LM evaluation of the same text at every length: the evaluation text (the stream's first ``text_tokens``
+  tokens, documents each followed by [SEP]) masked once as one block (:func:`posjax.data.mlm.mask_block`, its rng
+  from the seed alone), then cut into rows of ``length``: a [CLS] first where the training packing puts one
+  (``full_sentence``, ``documents``), then the next ``length - 1`` tokens. Every length predicts the same masked
+  tokens from the same masked text; only the context around them changes. In one process."""
+  if spec.get("kind") != "mlm" or jax.process_count() > 1:
+    raise ValueError(f"config.evals.{name}: same_text is masked-LM (kind='mlm') evaluation of one token stream in one "
+                     f"process; got kind={spec.get('kind')!r} in {jax.process_count()} process(es)")
+  text = text_stream(config, tokenizer, spec.get("split", "eval"), text_tokens, local_batch, length)
+  masking = mlm_data.Masking.from_config(config.data)
+  whole = mlm_data.mask_block({"input_ids": text, "attention_mask": np.ones_like(text)},
+                              np.random.default_rng([config.seed, 1]), tokenizer, len(text), masking)
+  chosen = whole["masked_positions"][whole["masked_weights"] > 0]
+  cls = int(config.data.packing in ("full_sentence", "documents"))
+  span = length - cls
+  rows = []
+  for start in range(0, len(text), span):
+    ids = [tokenizer.cls_id] * cls + whole["input_ids"][start:start + span].tolist()
+    real = np.arange(length) < len(ids)
+    row = {"input_ids": np.asarray(ids + [tokenizer.pad_id] * (length - len(ids)), np.int32),
+           "attention_mask": real.astype(np.int32), "segment_ids": real.astype(np.int32),
+           "positions": np.where(real, np.arange(length), 0).astype(np.int32)}
+    inside = chosen[(chosen >= start) & (chosen < start + span)]
+    rows.append({**row, "masked_positions": inside - start + cls, "masked_labels": text[inside]})
+  width = max(1, max(len(row["masked_positions"]) for row in rows))
+  for row in rows:
+    pad = width - len(row["masked_positions"])
+    row["masked_weights"] = np.concatenate([np.ones(len(row["masked_positions"])), np.zeros(pad)]).astype(np.float32)
+    for key in ("masked_positions", "masked_labels"):
+      row[key] = np.concatenate([row[key], np.zeros(pad, np.int64)]).astype(np.int32)
+  return batched(rows, local_batch, length)
 
 
 def corpus_evaluators(evaluations: dict, model_config: BertConfig, predict: Callable, metrics: Callable,
@@ -186,6 +235,11 @@ def corpus_evaluators(evaluations: dict, model_config: BertConfig, predict: Call
   return evaluators
 
 
+def masked_metrics(outputs: dict, workdir: str | None = None) -> dict:
+  """``loss`` and ``accuracy`` over the masked tokens, and ``tokens``: how many they average."""
+  return {**summed_metrics(outputs, workdir), "tokens": int(round(float(np.sum(outputs["weight"], dtype=np.float64))))}
+
+
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Masked-LM pre-training on ``config.data`` (see :func:`corpus_batches`); evaluators of kind ``mlm``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
@@ -194,7 +248,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   use_segments = config.data.packing in mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = corpus_batches(config, tokenizer, local_batch)
   predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
-  evaluators = corpus_evaluators(evaluations, model_config, predict, summed_metrics)
+  evaluators = corpus_evaluators(evaluations, model_config, predict, masked_metrics, ("loss", "accuracy", "tokens"))
   return Task("mlm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               mlm_loss(model, use_segments=use_segments), batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"),

@@ -158,13 +158,14 @@ class Prepared(NamedTuple):
 
 
 def carry_training_length(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A warm start (``init_from``) at a longer ``max_len`` than its run's, with a RoPE scaling whose
+  """A warm start (``init_from``) at a longer ``max_len`` than its run's, with a position method whose
   ``original_max_len`` the user left None: that run's ``max_len`` (the length it was trained at) becomes it, so a
-  YaRN / PI / LongRoPE fine-tune extends from the base run's length rather than from the new one. A value the user
-  gives stays; ``dynamic`` takes none (it grows from the model's ``max_len``, as Hugging Face's)."""
+  YaRN / PI / LongRoPE fine-tune extends from the base run's length rather than from the new one, and FIRE keeps the
+  threshold it was trained with. A value the user gives stays; RoPE without a scaling or with ``dynamic`` takes none
+  (``dynamic`` grows from the model's ``max_len``, as Hugging Face's)."""
   options = config.get("model", {}).get("position_options", {})
   if (not config.get("init_from") or "original_max_len" not in options or options.original_max_len is not None
-      or options.get("scaling", "none") in ("none", "dynamic")):
+      or options.get("scaling") in ("none", "dynamic")):
     return config
   try:
     trained = checkpoint_lib.read_model_config(config.init_from, "config.init_from").get("max_len") or 0
