@@ -13,7 +13,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from posjax.data import corpus, prepared
+from posjax import positions
+from posjax.data import corpus, prepared, random_positions
 from posjax.data import mlm as mlm_data
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
@@ -84,6 +85,21 @@ class Evaluation(NamedTuple):
   length: int
 
 
+def check_random_positions(config: ml_collections.ConfigDict) -> int:
+  """``data.random_positions``, checked: at least ``max_len``, and within a learned position table's rows."""
+  limit, model = int(config.data.random_positions), config.get("model", {})
+  if limit < config.max_len:
+    raise ValueError(f"data.random_positions={limit} must be at least max_len={config.max_len}, the most positions a "
+                     "row draws (0: off)")
+  table = model.get("max_len") or config.max_len
+  methods = [model.get("position", "none"), *filter(None, model.get("position_schedule", "").split(","))]
+  bound = [m for m in methods if positions.get(m).max_len_bound]
+  if bound and limit > table:
+    raise ValueError(f"data.random_positions={limit}: position method {bound[0]!r} has a learned table of "
+                     f"model.max_len={table} rows; draw from at most {table} positions or raise model.max_len")
+  return limit
+
+
 def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int, masked: bool = True,
                    kinds: tuple[str, ...] | None = None):
   """The training batches of ``config.data`` (streamed from TFDS or text files, or ``source="prepared"``: a corpus
@@ -96,7 +112,8 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
   length measures the model at lengths it was not trained at; ``stride``: sliding windows, :func:`strided`;
   ``same_text``: a masked-LM evaluation of the same masked text at every length, :func:`same_text`). What the
   pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read. ``kinds``: only the evaluators of these kinds
-  read the corpus (default all)."""
+  read the corpus (default all). ``data.random_positions=N``: the training batches' positions drawn from ``[0, N)``
+  (:mod:`posjax.data.random_positions`); evaluation keeps the ordinary ones."""
   data = config.data
   masking = mlm_data.Masking.from_config(data) if masked else None
   evals = dict(config.evals) if config.eval_every_steps > 0 else {}
@@ -117,6 +134,8 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
     batches = make_batches(config, tokenizer, "train", local_batch, masked)
     corpus.check(data, ("train", *eval_splits), train_shards=[s.shard for s in batches.streams],
                  num_shards=data.num_shards or jax.process_count())
+  if data.get("random_positions", 0):
+    batches = random_positions.RandomPositions(batches, check_random_positions(config), config.seed)
   evaluations = {}
   for name, spec in evals.items():
     length = spec.get("max_len", 0) or config.max_len * spec.get("length_multiple", 1)

@@ -44,7 +44,7 @@ import ml_collections
 import numpy as np
 
 from posjax import generate
-from posjax.data import features
+from posjax.data import features, wrapped
 from posjax.data.tokenizer import Tokenizer
 from posjax.train.task import Evaluator
 
@@ -263,7 +263,7 @@ def evaluators(config, tokenizer: Tokenizer, model_config, model) -> dict[str, E
   return found
 
 
-class TrainingRows:
+class TrainingRows(wrapped.Wrapped):
   """A run's training batches with passkey prompts in them (``config.passkey_train``: ``fraction`` of each local
   batch's rows, the first ones, replaced by rows of the texts and key it names, at uniform depths; the rest of
   its keys as an evaluator's): a model that learns retrieval at its training length, the positive control of the
@@ -276,7 +276,8 @@ class TrainingRows:
     if not 0.0 < fraction <= 1.0:
       raise ValueError(f"config.passkey_train.fraction={fraction!r} must be in (0, 1] (0: no passkey rows; drop the "
                        "key)")
-    self.batches, self.length, self.seed, self.drawn = batches, length, seed, 0
+    super().__init__(batches, seed)
+    self.length = length
     self.rows = max(1, round(fraction * local_batch))
     self.template, self.symbols = template(tokenizer, spec, "config.passkey_train")
     self.digits = spec["digits"]
@@ -284,24 +285,7 @@ class TrainingRows:
       raise ValueError(f"config.passkey_train: a passkey row needs at least "
                        f"{fixed_tokens(self.template, self.digits)} tokens with these texts, but max_len is {length}")
 
-  def state(self) -> dict:
-    return {"batches": self.batches.state(), "drawn": self.drawn}
-
-  def restore(self, state: dict) -> None:
-    self.batches.restore(state["batches"])
-    self.drawn = int(state["drawn"])
-
-  def close(self) -> None:
-    if hasattr(self.batches, "close"):
-      self.batches.close()
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict:
-    batch = {k: np.array(v) for k, v in next(self.batches).items()}
-    rng = np.random.default_rng([self.seed, jax.process_index(), self.drawn])
-    self.drawn += 1
+  def change(self, batch: dict, rng: np.random.Generator) -> dict:
     ids_RxL = draw(self.template, self.symbols, self.digits, rng, self.rows, self.length)["input_ids"]
     r = self.rows
     batch["input_ids"][:r] = ids_RxL

@@ -106,7 +106,7 @@ RANGES = {
     "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE,
     "profile_steps": POSITIVE, "init_step": NON_NEGATIVE, "data.num_shards": NON_NEGATIVE,
     "data.examples_per_epoch": POSITIVE, "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE,
-    "data.group_size": NON_NEGATIVE, "regression_scale": POSITIVE,
+    "data.group_size": NON_NEGATIVE, "regression_scale": POSITIVE, "data.random_positions": NON_NEGATIVE,
 }
 
 
