@@ -5,7 +5,7 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
   methods: ``+``-separated registry names, trained here; default ``rope+alibi+fire+kerple_log``; ``methods=``: none.
     Named sets expand in place: ``huang`` (Huang et al. 2020's inductive rows: absolute, shaw, huang_m1-m4; their
     models are encoders, so ``model=mlm``), ``extrapolation`` (the length-generalisation methods: none (NoPE), rope,
-    xpos, alibi, t5, kerple_log, kerple_power, fire, sandwich).
+    xpos, alibi, t5, kerple_log, kerple_power, fire, sandwich, fox).
   runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/lm.py:... --workdir=DIR``,
     ``configs/clm.py`` for ``model=clm``, ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
     config and the harness's evaluators, as the row of its position method (a second run of the same method, e.g.
@@ -57,7 +57,8 @@ from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
-               "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire", "sandwich")}
+               "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire", "sandwich",
+                                 "fox")}
 
 
 

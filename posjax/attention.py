@@ -92,7 +92,7 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
     raise ValueError(
         f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
         f"{spec.options}: the fused kernels do not build its terms (multiplicative terms and Shaw's value term "
-        f"need the full logits or the weights); use kernel "
+        f"need the full logits or the weights; the Forgetting Transformer's gate is not built in them yet); use kernel "
         f"'xla' (or 'auto', which falls back to it)")
 
 
@@ -276,7 +276,8 @@ class SelfAttention(nn.Module):
                          scale_init=base.ones_init((base.KV,)), name=name)(x_BxLxHxK)
               for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
     if spec.method.layer is not None:
-      terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale)
+      inputs = (x_BxLxD,) if spec.method.reads_input else ()
+      terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale, *inputs)
     else:
       terms = base.LayerTerms(q, k)
     dropout = not deterministic and self.dropout_rate > 0
@@ -285,6 +286,8 @@ class SelfAttention(nn.Module):
       return self._out(decode_step(self, spec, terms, state, v, mask, kernel))
     if decode:  # initialising: an empty cache of the input's length
       cache_variables(self, terms.k, v)
+      if terms.terms is not None and terms.terms.forget is not None:
+        forget_variable(self, terms.terms.forget.c.shape)
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
     if kernel not in terms.kernels:
@@ -335,6 +338,26 @@ def cache_variables(module: nn.Module, k_BxQxGxK, v_BxQxGxV):
           module.variable("cache", "cache_index", zeros, (), jnp.int32))
 
 
+def forget_variable(module: nn.Module, shape_BxHxT):
+  """The cache's cumulative log forget gates ``[B, H, T]`` float32 (the Forgetting Transformer's ``c`` of each
+  cached key)."""
+  return module.variable("cache", "cached_forget", jnp.zeros, tuple(shape_BxHxT), jnp.float32)
+
+
+def continue_forget(module: nn.Module, forget: kernels.Forget, positions_BxQ, index, slots: int) -> kernels.Forget:
+  """The new tokens' ``c`` (summed over the new tokens alone) continued from the previous slot's, unless a token's
+  run restarted (a position 0) among them, written into the cache at ``index``: the term over every slot."""
+  c_BxHxQ = forget.c.astype(jnp.float32)
+  b, h, q = c_BxHxQ.shape
+  var = forget_variable(module, (b, h, slots))
+  previous_BxH = jnp.where(index > 0, jax.lax.dynamic_index_in_dim(var.value, jnp.maximum(index - 1, 0), axis=2,
+                                                                   keepdims=False), 0.0)
+  restarted_BxQ = jax.lax.cummax((jnp.broadcast_to(positions_BxQ, (b, q)) == 0).astype(jnp.int32), axis=1) > 0
+  c_BxHxQ = c_BxHxQ + jnp.where(restarted_BxQ[:, None, :], 0.0, previous_BxH[:, :, None])
+  var.value = jax.lax.dynamic_update_slice_in_dim(var.value, c_BxHxQ, index, axis=2)
+  return kernels.Forget(var.value)
+
+
 def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTerms, state: base.PositionState,
                 v_BxQxGxV, mask: Mask, kernel: str):
   """``[B, Q, H, V]``: the Q new tokens' attention over the cache after writing their keys and values into it at
@@ -356,6 +379,9 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
     raise ValueError(f"position method {spec.name!r} has TUPE's untied term, an encoder's, which decoding with a "
                      "cache does not compute")
   k_var, v_var, positions_var, valid_var, index_var = cache_variables(module, terms.k, v_BxQxGxV)
+  if merged.forget is not None:
+    merged = merged.replace(forget=continue_forget(module, merged.forget, state.positions, index_var.value,
+                                                   k_var.value.shape[2]))
   b, q = terms.q.shape[:2]
   index = index_var.value
   positions_BxQ = jnp.broadcast_to(state.positions, (b, q)).astype(jnp.int32)

@@ -161,6 +161,28 @@ def sandwich_bias(opts, r, h, num_heads, head_dim):
   return opts.get("scale", 1.0) * (inner - dim / 2) / (rho if compression == "bias" else 1.0)
 
 
+def fox_log_gates(tables, opts, x, num_heads):
+  """``[B, L, H]`` the Forgetting Transformer's log forget gates, ``log sigmoid(x W + b)`` (the official
+  ``fgate_proj``), or a bias per head (``bias_only``; ``fixed``: ``-log(expm1(1 / T))``, ``T`` log-spaced over the
+  heads from ``decay_time``)."""
+  gate = opts.get("gate", "full")
+  if gate == "full":
+    logit = np.einsum("bld,dh->blh", x, tables["gate"]["kernel"]) + tables["gate"]["bias"]
+  elif gate == "bias_only":
+    logit = np.broadcast_to(tables["gate_bias"], x.shape[:2] + (num_heads,))
+  else:
+    t_min, t_max = opts["decay_time"]
+    t = [math.exp(math.log(t_min) + (math.log(t_max) - math.log(t_min)) * n / (num_heads - 1)) for n in range(num_heads)]
+    logit = np.broadcast_to([-math.log(math.expm1(1 / T)) for T in t], x.shape[:2] + (num_heads,))
+  return -np.logaddexp(0.0, -np.asarray(logit, np.float64))
+
+
+def fox_sum(log_f, pos, i):
+  """``Σ log f_t`` from the start of ``i``'s run of positions (its last position 0) through ``i``."""
+  start = max(t for t in range(i + 1) if pos[t] == 0)
+  return sum(log_f[t] for t in range(start, i + 1))
+
+
 def logits(name, opts, P, x, pos, max_len, num_heads):
   """Reference attention logits ``[B, H, L, L]`` of one layer (harness: ``pos`` + ``attn`` modules)."""
   A = P["attn"]
@@ -174,6 +196,8 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
   if name == "tupe_a" or name == "tupe_r":
     corr_params = P["pos"]["correlation"] if opts.get("share_across_layers", True) else A["position"]["correlation"]
     positional = tupe_positional(P["pos"], corr_params, pos, opts, H, K, relative=name == "tupe_r")
+  if name == "fox":
+    log_f = fox_log_gates(layer_tables, opts, x, H)
   out = np.zeros((B, H, L, L))
   for b in range(B):
     if name == "bert_ad":
@@ -223,6 +247,10 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
             e = qi @ kj * s + fire_bias(tables["fire"], opts, r, pos[b, i], h, max_len)
           elif name == "sandwich":
             e = qi @ kj * s + sandwich_bias(opts, r, h, H, K)
+          elif name == "fox":
+            if opts.get("rope"):
+              qi, kj = (rope_rotate(v, pos[b, n], opts.get("rope_base", 500_000.0)) for v, n in ((qi, i), (kj, j)))
+            e = qi @ kj * s - abs(fox_sum(log_f[b, :, h], pos[b], i) - fox_sum(log_f[b, :, h], pos[b], j))
           else:
             raise KeyError(name)
           out[b, h, i, j] = e

@@ -35,6 +35,8 @@ CASES = [
     ("xpos", {}), ("xpos", {"scale_base": 4.0, "gamma": 0.2}),
     ("sandwich", {}), ("sandwich", {"dim": 10, "compression": "none", "scale": 0.3, "base": 100.0}),
     ("sandwich", {"compression": "bias", "dim": None, "first_frequency": 1}),  # NVIDIA NeMo's form
+    ("fox", {}), ("fox", {"gate": "bias_only", "rope": True, "rope_base": 100.0}),
+    ("fox", {"gate": "fixed", "decay_time": (2.0, 64.0)}),
 ]
 
 

@@ -15,6 +15,7 @@ the batch's positions (so packed rows are exact):
 | ``Kerple``     | ``r1, r2 [H]`` (positive)                 | ``-r1 log(1 + r2 |r|)`` or ``-r1 |r|^r2`` (KERPLE) |
 | ``Fire``       | an MLP ``1 -> W -> H``, ``c``, ``L``      | ``f(ψ(|r|) / ψ(max(|L|, p_i)))``, ``ψ = log(|c| x + 1)`` |
 | ``Sandwich``   | ratios ``ρ [H]`` (constant)               | ``λ (Σ_f cos(r ω_f / ρ_h) - F)`` (Sandwich)        |
+| ``Forget``     | ``c [B, H, L]`` (per token, float32)      | ``-|c_i - c_j|`` (the Forgetting Transformer's)    |
 
 The dense ``xla`` path and the Pallas kernels compute every term; the learned scalars of KERPLE and FIRE get their
 gradients as per-tile partial sums (:data:`SCALARS`).
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 RESETS = ("official", "paper", "none")
-NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich")  # every field of Terms
+NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget")  # every field of Terms
 SCALARS = ("kerple", "fire")  # terms whose learned scalars the kernels differentiate per tile (scalar_columns)
 KERPLES = ("log", "power")
 
@@ -387,6 +388,37 @@ class Sandwich:
     return self.scale * (inner_BxHxQxL - offset_H[None, :, None, None])
 
 
+def forget_sums(log_f_BxHxL, positions_BxL):
+  """``[B, H, L]`` float32 ``c_i = Σ log f_t`` over the tokens ``t <= i`` of ``i``'s run of positions (a run starts
+  at each position 0: a packed document's state restarts at its first token), so ``c_i - c_j`` is the sum over
+  ``j < t <= i`` for any pair of one document, and the sums stay as short as the documents."""
+  log_f_BxHxL = log_f_BxHxL.astype(jnp.float32)
+  sums_BxHxL = jnp.cumsum(log_f_BxHxL, axis=-1)
+  index_L = jnp.arange(log_f_BxHxL.shape[-1], dtype=jnp.int32)
+  starts_BxL = jax.lax.cummax(jnp.where(jnp.asarray(positions_BxL) == 0, index_L, 0), axis=1)
+  before_BxHxL = jnp.take_along_axis(sums_BxHxL - log_f_BxHxL,
+                                     jnp.broadcast_to(starts_BxL[:, None, :], sums_BxHxL.shape), axis=-1)
+  return sums_BxHxL - before_BxHxL
+
+
+@flax.struct.dataclass
+class Forget:
+  """The Forgetting Transformer's forget gate (Lin, Nikishin, He, Courville; ICLR 2025): ``-|c_i - c_j|`` added to
+  the logits, ``c`` the cumulative log forget gates of each query head (:func:`forget_sums`, non-increasing within
+  a document), so a key's weight decays by the product of the gates after it: ``exp(c_i - c_j) = Π_{j<t<=i} f_t``
+  for ``j <= i``, the paper's (causal) form. [unconfirmed] Past the causal mask (an encoder), the gates between the
+  two tokens either way. One ``c`` serves the queries and the keys (the queries' rows of it); a decoding cache holds
+  the keys' ``c`` beside their k and v."""
+
+  c: jax.Array  # [B, H, L] float32
+
+  def bias(self, rows_Q=None):
+    """``[B, H, Q, L]`` float32 ``-|c_i - c_j|`` at query rows ``rows_Q`` (default all)."""
+    c_BxHxL = self.c.astype(jnp.float32)
+    c_BxHxQ = c_BxHxL if rows_Q is None else jnp.take(c_BxHxL, rows_Q, axis=2)
+    return -jnp.abs(c_BxHxQ[..., :, None] - c_BxHxL[..., None, :])
+
+
 @flax.struct.dataclass
 class Terms:
   """All position terms of one attention call (each None when absent)."""
@@ -398,6 +430,7 @@ class Terms:
   kerple: Kerple | None = None
   fire: Fire | None = None
   sandwich: Sandwich | None = None
+  forget: Forget | None = None
 
   def empty(self) -> bool:
     """Whether no term is given."""
@@ -461,6 +494,10 @@ class Terms:
         raise ValueError(f"Sandwich.dim={sw.dim!r} must be an even integer >= 2")
       if sw.divide not in ("positions", "bias"):
         raise ValueError(f"Sandwich.divide={sw.divide!r}; allowed: ['positions', 'bias']")
+    if self.forget is not None and (jnp.ndim(self.forget.c) != 3 or jnp.shape(self.forget.c)[1:] != (num_heads, length)
+                                    or jnp.shape(self.forget.c)[0] not in (1, batch)):
+      raise ValueError(f"Forget.c has shape {jnp.shape(self.forget.c)}; expected ({batch} or 1, {num_heads}, {length}) "
+                       "(one cumulative log gate per query head and token)")
     if self.untied is not None:
       u = self.untied
       if u.reset not in RESETS:

@@ -41,6 +41,8 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
     bias_BxHxQxL = add(bias_BxHxQxL, jnp.moveaxis(terms.fire.bias(rel_BxQxL, positions_BxQ[:, :, None]), -1, 1))
   if terms.sandwich is not None:
     bias_BxHxQxL = add(bias_BxHxQxL, terms.sandwich.bias(positions_BxQ, positions_BxL))
+  if terms.forget is not None:
+    bias_BxHxQxL = add(bias_BxHxQxL, terms.forget.bias(rows_Q))
   if terms.relative is not None:
     r = terms.relative
     if q_BxQxHxK is None or k_BxLxHxK is None:

@@ -10,6 +10,7 @@ from posjax.positions import alibi  # noqa: F401  alibi
 from posjax.positions import kerple  # noqa: F401  kerple_log, kerple_power
 from posjax.positions import fire  # noqa: F401  fire
 from posjax.positions import sandwich  # noqa: F401  sandwich
+from posjax.positions import fox  # noqa: F401  fox
 from posjax.positions.base import (LayerTerms, Method, PositionSpec, PositionState, get, make, names,
                                    register)
 

@@ -195,6 +195,8 @@ class Method:
       an encoder that shares another's embeddings (ELECTRA's generator) shares it too.
     table_shareable: whether the encoder module can read another encoder's position table (``table_from=``,
       TUPE's): ELECTRA's two models on one table, each with its own projections.
+    reads_input: whether its layer also reads the attention layer's input ``x`` ``[B, L, D]``, called as ``(q, k,
+      state, scale, x)`` (the Forgetting Transformer's gate, computed from the tokens).
     summary: one line for listings and error messages.
   """
 
@@ -207,6 +209,7 @@ class Method:
   max_len_bound: bool = False
   input_embedding: bool = False
   table_shareable: bool = False
+  reads_input: bool = False
   summary: str = ""
 
   @property
