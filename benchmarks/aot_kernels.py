@@ -32,7 +32,7 @@ from posjax.aot import compile as aot
 from posjax.aot import resources, targets
 
 CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide", "kerple_log",
-         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512")
+         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512", "forget")
 KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
 FOUND = KERNELS + ("decode_kernel",)
 
@@ -61,6 +61,7 @@ def terms_for(case: str, length: int, heads: int, head_dim: int):
       "sandwich": lambda: kernels.Terms(sandwich=kernels.Sandwich(f32(heads) + 1.0)),
       "sandwich_256": lambda: kernels.Terms(sandwich=kernels.Sandwich(f32(heads) + 1.0, dim=256)),
       "sandwich_512": lambda: kernels.Terms(sandwich=kernels.Sandwich(f32(heads) + 1.0, dim=512)),
+      "forget": lambda: kernels.Terms(forget=kernels.Forget(f32(1, heads, length))),
       "wide": lambda: kernels.Terms(buckets=kernels.Buckets(f32(259, heads), kind="clip", max_distance=128,
                                                             cls_row=257, cls_col=258),
                                     relative=kernels.Relative(f32(257, head_dim), 128, query=True, key=True,

@@ -12,7 +12,7 @@ PY=.venv-gpu/bin/python
 mkdir -p "$OUT"
 $PY -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 if [ "$MODE" = kernels ]; then
-  $PY benchmarks/attention.py --methods=absolute,alibi,t5,bert_r,tupe_a,tupe_r,shaw,huang_m4,rope,kerple_log,fire,sandwich \
+  $PY benchmarks/attention.py --methods=absolute,alibi,t5,bert_r,tupe_a,tupe_r,shaw,huang_m4,rope,kerple_log,fire,sandwich,fox \
       --lengths=512,2048 --batch=32 --dtype=bfloat16 --kernels=cudnn,pallas,xla --model_time_max_len=2048 \
       | tee "$OUT/kernels.md"
   exit 0

@@ -92,7 +92,7 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
     raise ValueError(
         f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
         f"{spec.options}: the fused kernels do not build its terms (multiplicative terms and Shaw's value term "
-        f"need the full logits or the weights; the Forgetting Transformer's gate is not built in them yet); use kernel "
+        f"need the full logits or the weights); use kernel "
         f"'xla' (or 'auto', which falls back to it)")
 
 

@@ -322,11 +322,12 @@ class FusedAttention:
   def __call__(self, q, k, v, *, scale, alibi=None, bucket_table=None, relative_table=None, relative_query=False,
                relative_key=False, u_q=None, u_k=None, theta=None, reset="none", kerple_r1=None, kerple_r2=None,
                kerple_kind="log", fire_w1=None, fire_b1=None, fire_w2=None, fire_b2=None, fire_c=None,
-               fire_threshold=None, fire_eps=1e-6, sandwich=None):
+               fire_threshold=None, fire_eps=1e-6, sandwich=None, forget_c=None):
     """``[B, L, H, V]`` float64. ``alibi`` ``[H]``, ``bucket_table`` ``[N, H]``, ``relative_table`` ``[2k+1, K]``,
     ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none; ``kerple_r1``,
     ``kerple_r2`` ``[H]``; FIRE's ``w1``, ``b1`` ``[W]``, ``w2`` ``[W, H]``, ``b2`` ``[H]``, ``c``, ``threshold``;
-    ``sandwich``: ``dict(ratios [H], dim, base, scale, divide, first)``."""
+    ``sandwich``: ``dict(ratios [H], dim, base, scale, divide, first)``; ``forget_c`` ``[1 or B, H, L]``: the
+    Forgetting Transformer's cumulative log gates, ``-|c_i - c_j|``."""
     f64 = lambda x: np.asarray(x, np.float64)
     q, k, v = f64(q), f64(k), f64(v)
     B, L, H, _ = q.shape
@@ -339,6 +340,9 @@ class FusedAttention:
     if kerple_r1 is not None:
       r1, r2 = f64(kerple_r1)[None, :, None, None], f64(kerple_r2)[None, :, None, None]
       logits = logits - r1 * (np.log(1 + r2 * d) if kerple_kind == "log" else d ** r2)
+    if forget_c is not None:
+      c = f64(forget_c)
+      logits = logits - np.abs(c[:, :, :, None] - c[:, :, None, :])
     if fire_w1 is not None:
       c, threshold = abs(float(fire_c)), abs(float(fire_threshold))
       u = np.log(c * d[:, 0] + 1) / (np.log(c * np.maximum(self.query_position, threshold) + 1) + fire_eps)

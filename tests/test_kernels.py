@@ -98,6 +98,8 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
   if untied is not None:
     for name in ("u_q", "u_k") + (("theta",) if untied.theta is not None else ()):
       inputs[name], grad_of[name] = getattr(untied, name), getattr(grads[3].untied, name)
+  if terms.forget is not None:
+    inputs["forget_c"], grad_of["forget_c"] = terms.forget.c, grads[3].forget.c
   for term, names in (("kerple", ("r1", "r2")), ("fire", ("w1", "b1", "w2", "b2", "c", "threshold"))):
     if getattr(terms, term) is not None:
       for name in names:
@@ -394,6 +396,35 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
     assert float(jnp.max(jnp.abs(getattr(want[3].fire, name)))) > 1e-4 * largest, name
 
 
+@pytest.mark.parametrize("interpreter", [True, "tpu"])
+def test_the_forget_term_matches_the_reference_with_its_gradient(interpreter):
+  """The Forgetting Transformer's ``-|c_i - c_j|`` built per tile on the GPU and TPU kernels (interpreted), with
+  ``c``'s gradient as the dq kernel's row sums and the dkv kernel's column sums: the output and every gradient against the
+  float64 reference (central differences), on packed, padded, causal rows with grouped k/v heads and tiles smaller
+  than a document; ``c`` of decreasing sums per document, as the gates give."""
+  rng = np.random.default_rng(11)
+  batch, length, heads, kv_heads, head_dim = 2, 21, 4, 2, 8
+  positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
+  segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
+  log_f = np.log(rng.uniform(0.3, 0.99, (batch, heads, length)))
+  c = jnp.asarray(np.concatenate([np.cumsum(log_f[..., :12], -1), np.cumsum(log_f[..., 12:], -1)], -1), jnp.float32)
+  terms = kernels.Terms(forget=kernels.Forget(c))
+  q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), jnp.float32) for _ in range(2))
+  weights = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=np.array([21, 17]), causal=True, implementation=implementation,
+                                     block_sizes=(8, 8), interpret=interpreter)
+    return jnp.sum(out * weights), out
+
+  got, out = compiled_grad(loss, "pallas")(q, k, v, terms)
+  assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
+                           lengths=np.array([21, 17]), causal=True)
+  assert float(jnp.max(jnp.abs(got[3].forget.c))) > 1e-2 * float(jnp.max(jnp.abs(got[0])))
+
+
 MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}),
           ("tupe_a", {"cls_reset": "paper", "share_across_layers": False}),
           ("tupe_r", {"relative_distance": "clip", "max_distance": 6, "cls_reset": "none"}),
@@ -434,10 +465,10 @@ LOWERED = {
     "huang_m4": lambda f32: kernels.Terms(relative=kernels.Relative(f32(15, 24), 7, query=True, key=True)),
     "huang_m4 window": lambda f32: kernels.Terms(relative=kernels.Relative(f32(79, 24), 39, query=True, key=True,
                                                                                   window=True)),
-    "kerple+fire+sandwich": lambda f32: kernels.Terms(
+    "kerple+fire+sandwich+forget": lambda f32: kernels.Terms(
         kerple=kernels.Kerple(jnp.ones(2), jnp.ones(2), "power"),
         fire=kernels.Fire(f32(32), f32(32), f32(32, 2), f32(2), jnp.asarray(0.1), jnp.asarray(512.0)),
-        sandwich=kernels.Sandwich(jnp.ones(2))),
+        sandwich=kernels.Sandwich(jnp.ones(2)), forget=kernels.Forget(f32(1, 2, 40))),
     # 259 bucket entries and 257 gathered distances: the backward scatters them in pieces (a one-hot of
     # [64, 64, 512] is over Triton's 2^20 elements)
     "wide tables": lambda f32: kernels.Terms(

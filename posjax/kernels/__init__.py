@@ -145,9 +145,6 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     return xla.attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
-  if terms.forget is not None:
-    raise ValueError("implementation='pallas' does not build the Forget term (the Forgetting Transformer's gate) "
-                     "yet; use implementation='xla'")
   tpu, interpret = tile.backend(interpret, platform)
   block_sizes = block_sizes or (mosaic if tpu else triton).default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)
@@ -176,6 +173,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                        f"{bq}x{bk} (block_sizes={tuple(block_sizes)} for length {length})")
     terms = terms.replace(relative=r.replace(table=pad(pad(r.table, 0, pow2(r.table.shape[0])), 1, head_dim),
                                              window=bool(window)))
+  if terms.forget is not None:
+    terms = terms.replace(forget=terms.forget.replace(c=pad(terms.forget.c, 2, padded)))
   if terms.buckets is not None and not tpu:  # the TPU kernels select per entry: no padded entries
     terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
                                                                   pow2(terms.buckets.table.shape[0]))))

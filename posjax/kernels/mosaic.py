@@ -91,6 +91,9 @@ class _Tile(TileBase):
   def _sandwich_embeddings(self):
     return self.r["sandwich_q"][0, 0], self.r["sandwich_k"][0, 0]
 
+  def _forget_sums(self):
+    return self.r["forget_q"][0, 0], self.r["forget_k"][0, 0]
+
   def _relative_term(self, rel_QxT):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
     ``bq + a``; the key side multiplies the reversed window, ``out[a, c] = g[a - c + bq - 1, c]``, a roll of
@@ -262,18 +265,21 @@ def _columns(terms: Terms, tile, ds_QxT, d_bucket_QxT):
   if terms.untied is not None and terms.untied.reset != "none":
     yield column, jnp.where(tile.cls_i_QxT, ds_QxT, 0.0)
     yield column + 1, jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0)
+    column += 2
+  if terms.forget is not None:  # per row, not summed: c_i's gradient, d(-|c_i - c_j|)/dc_i = -sign(c_i - c_j)
+    yield column, -tile.forget_grads(ds_QxT)
 
 
 def _column_count(terms: Terms) -> int:
   count = terms.buckets.table.shape[0] if terms.buckets is not None else 0
-  count += terms.alibi is not None
+  count += (terms.alibi is not None) + (terms.forget is not None)
   return count + 2 * (terms.untied is not None and terms.untied.reset != "none") + scalar_count(terms)
 
 
 def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   b, h, j, i = (pl.program_id(a) for a in range(4))
-  accumulators = [n for n in ("dk", "dv", "du_k") if n in r]
+  accumulators = [n for n in ("dk", "dv", "du_k", "dc_k") if n in r]
   _zero_on_first_step(r, accumulators, i)
 
   @pl.when(_visits(r, b, j, i))
@@ -289,6 +295,8 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     if "du_k" in r:
       d_untied_QxT, _ = tile.position_grads(ds_QxT)
       r["acc_du_k"][...] += t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
+    if "dc_k" in r:  # c_j's gradient, d(-|c_i - c_j|)/dc_j = sign(c_i - c_j): column sums
+      r["acc_dc_k"][...] += jnp.sum(tile.forget_grads(ds_QxT), axis=0, keepdims=True)
 
   _write_on_last_step(r, accumulators, i)
 
@@ -337,6 +345,10 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, kv_head(h, plan.group), j, 0))
     elif name in ("u_k", "sandwich_k"):
       specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
+    elif name == "forget_q":  # c of the query rows, replicated across the key tile's lanes
+      specs[name] = at((1, 1, bq, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
+    elif name == "forget_k":  # c of the key rows, one row
+      specs[name] = at((1, 1, 1, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, 0, j))
     elif name in ("row_max", "row_sum", "delta"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, h, i, 0))
     elif name in ("q_positions", "q_segments", "q_slots"):
@@ -378,6 +390,10 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   arrays.update(scalar_rows(terms))
   if terms.sandwich is not None:
     arrays["sandwich_q"] = arrays["sandwich_k"] = sandwich_embeddings(terms, positions_BxL)
+  if terms.forget is not None:
+    c_BxHxL = terms.forget.c.astype(jnp.float32)
+    arrays["forget_q"] = jnp.broadcast_to(c_BxHxL[..., None], (*c_BxHxL.shape, bk))
+    arrays["forget_k"] = c_BxHxL[:, :, None, :]
   rel = terms.relative
   if rel is not None:
     table_RxK = window_table(rel, q_BxHxLxK.shape[2])
@@ -501,6 +517,10 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
   if terms.untied is not None:
     dkv_out["du_k"], dkv_scratch["acc_du_k"] = _rows((b, h, l, d), bk), (bk, d)
+  if terms.forget is not None:
+    dkv_out["dc_k"] = (jax.ShapeDtypeStruct((b, h, 1, l), jnp.float32),
+                       pl.BlockSpec((1, 1, 1, bk), lambda b, h, j, i, ranges: (b, h, 0, j)))
+    dkv_scratch["acc_dc_k"] = (1, bk)
   dkv_res = _call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), _key_major(n_k), dkv_scratch,
                   query_tiles_BxMx2)
 
@@ -539,6 +559,11 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     if terms.untied is not None and terms.untied.reset != "none":
       d_terms = d_terms.replace(untied=d_terms.untied.replace(
           theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
+      column += 2
+    if terms.forget is not None:  # one value per row: c's gradient from the queries' side, plus the keys'
+      d_c_BxHxL = dq_res["dpos"][..., column] + dkv_res["dc_k"][:, :, 0, :]
+      d_terms = d_terms.replace(forget=terms.forget.replace(
+          c=jnp.sum(d_c_BxHxL, axis=0, keepdims=True) if terms.forget.c.shape[0] == 1 else d_c_BxHxL))
     d_terms = d_terms.replace(**scalar_term_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
   dq_BxHxLxK = dq_res["dq"]
   dk_BxHxLxK, dv_BxHxLxV = (group_sum(dkv_res[name], plan.group) for name in ("dk", "dv"))  # over each group

@@ -31,6 +31,8 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
     specs["fire"] = terms.fire.replace(w1=P(), b1=P(), w2=P(None, heads), b2=P(heads), c=P(), threshold=P())
   if terms.sandwich is not None:
     specs["sandwich"] = terms.sandwich.replace(ratios=P(heads))
+  if terms.forget is not None:
+    specs["forget"] = terms.forget.replace(c=P(batch if terms.forget.c.shape[0] > 1 else None, heads, None))
   if terms.untied is not None:
     u = terms.untied
     rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)

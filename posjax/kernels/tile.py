@@ -208,8 +208,9 @@ class TileBase:
 
   Both backends' tiles share it, given their own loads through the hooks ``_slope``, ``_relative_term``,
   ``_untied_factors``, ``_bucket_values``, ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head,
-  :func:`scalar_rows`), ``_exact`` (a float32-accurate product's precision) and ``_sandwich_embeddings`` (the
-  tile's rows of :func:`sandwich_embeddings`): the position terms and the [CLS] reset, the mask and the logits,
+  :func:`scalar_rows`), ``_exact`` (a float32-accurate product's precision), ``_sandwich_embeddings`` (the
+  tile's rows of :func:`sandwich_embeddings`) and ``_forget_sums`` (the query rows' and key rows' ``c`` of the
+  Forget term, ``[Q, 1]`` (or ``[Q, T]``) and ``[1, T]``): the position terms and the [CLS] reset, the mask and the logits,
   dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
   subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT`` and the query positions
   ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``), then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set
@@ -236,6 +237,11 @@ class TileBase:
     if terms.sandwich is not None:
       q_QxE, k_TxE = self._sandwich_embeddings()
       s_QxT = s_QxT + terms.sandwich.scale * (dot_t(q_QxE, k_TxE, self._exact()) - terms.sandwich.dim // 2)
+    if terms.forget is not None:  # -|c_i - c_j|, the difference kept for the backward (:meth:`forget_grads`)
+      c_i_Qx1, c_j_1xT = self._forget_sums()
+      difference_QxT = c_i_Qx1 - c_j_1xT
+      self.forget_difference_QxT = difference_QxT
+      s_QxT = s_QxT - jnp.abs(difference_QxT)
     self.reset = terms.untied.reset if terms.untied is not None else "none"
     self.neither_QxT = ~self.cls_i_QxT & ~self.cls_j_QxT
     positional_QxT = jnp.zeros_like(s_QxT)
@@ -250,6 +256,12 @@ class TileBase:
     if self.reset == "paper":
       positional_QxT = self._untie(positional_QxT)
     return s_QxT + positional_QxT
+
+  def forget_grads(self, ds_QxT):
+    """``ds · sign(c_i - c_j)``: the Forget term's share of the logits' gradient on ``c_j`` (its negation on
+    ``c_i``), as selects (Mosaic's ``sign`` asks the device for its generation)."""
+    d_QxT = self.forget_difference_QxT
+    return jnp.where(d_QxT > 0, ds_QxT, jnp.where(d_QxT < 0, -ds_QxT, 0.0))
 
   def _exact(self):
     """The precision of a float32 product that needs float32 accuracy (Sandwich's inner products reach ``F``)."""

@@ -111,6 +111,9 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   if terms.sandwich is not None:
     inputs["sandwich"] = sandwich_embeddings(terms, positions_BxL)
     specs["sandwich"] = _row_spec(inputs["sandwich"])
+  if terms.forget is not None:  # c [B, H, L]: the program's (batch, head) row
+    inputs["forget"] = jnp.broadcast_to(terms.forget.c.astype(jnp.float32), q_BxHxLxK.shape[:3])
+    specs["forget"] = pl.BlockSpec((1, 1, q_BxHxLxK.shape[2]), lambda b, h, i: (b, h, 0))
   if terms.relative is not None and terms.relative.window:
     inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
     specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
@@ -259,6 +262,9 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   if columns:
     n = next_power_of_two(columns)
     dq_out["dscalars"], dq_specs["dscalars"] = f32(b, h, n_q, n), partial_spec(n)
+  rows_spec = lambda block: pl.BlockSpec((1, 1, block), lambda b, h, i: (b, h, i))
+  if terms.forget is not None:
+    dq_out["dc_q"], dq_specs["dc_q"] = f32(b, h, l), rows_spec(plan.block_q)
   dq_res = _call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
                  dq_out, dq_specs, n_q)
 
@@ -269,6 +275,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     dkv_specs["dke"] = _row_spec(dkv_out["dke"], plan.block_k)
   if terms.untied is not None:
     dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k_BxHxLxK, plan.block_k)
+  if terms.forget is not None:
+    dkv_out["dc_k"], dkv_specs["dc_k"] = f32(b, h, l), rows_spec(plan.block_k)
   dkv_res = _call(dkv_kernel, plan, terms, {**inputs, "tiles": query_tiles_BxMx2}, {**specs, "tiles": _range_spec()},
                   dkv_out, dkv_specs, n_k)
 
@@ -315,6 +323,10 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes_H))
   if columns:
     d_terms = d_terms.replace(**scalar_term_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
+  if terms.forget is not None:
+    d_c_BxHxL = dq_res["dc_q"] + dkv_res["dc_k"]
+    d_terms = d_terms.replace(forget=terms.forget.replace(
+        c=jnp.sum(d_c_BxHxL, axis=0, keepdims=True) if terms.forget.c.shape[0] == 1 else d_c_BxHxL))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)

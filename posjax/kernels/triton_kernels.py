@@ -77,6 +77,9 @@ class Tile(TileBase):
   def _sandwich_embeddings(self):
     return self.refs["sandwich"][0, 0, self.rows, :], self.refs["sandwich"][0, 0, self.cols, :]
 
+  def _forget_sums(self):
+    return self.refs["forget"][0, 0, self.rows][:, None], self.refs["forget"][0, 0, self.cols][None, :]
+
   def _relative_term(self, rel_QxT):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
     ``2·block`` table rows its index distances reach, skewed: pair (a, c) has distance ``j0 - i0 + c - a``,
@@ -265,8 +268,11 @@ def _scatter_add(plan: Plan, out, values_QxT, index_QxT, allowed_QxT, axis):
 
 
 def _write(out, value, rows: bool):
-  """An accumulator into this program's output block: rows ``[b, L, X]`` or a partial sum ``[X]``."""
-  if rows:
+  """An accumulator into this program's output block: rows ``[b, L, X]`` (``[b]``: one value a row, the Forget
+  term's) or a partial sum ``[X]``."""
+  if out.ndim == 3:
+    out[0, 0, :] = value.astype(out.dtype)
+  elif rows:
     out[0, 0, :, :] = value.astype(out.dtype)
   else:
     out[0, 0, 0, :] = value.astype(out.dtype)
@@ -288,6 +294,8 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dslope"] = jnp.zeros((1,), jnp.float32)
   if "dscalars" in r:
     acc["dscalars"] = jnp.zeros((r["dscalars"].shape[-1],), jnp.float32)
+  if terms.forget is not None:
+    acc["dc_q"] = jnp.zeros((bq,), jnp.float32)
   scattered = [name for name in ("dqe", "dbucket") if name in r]
   for name in scattered:
     _zero(plan, r[name], rows=name == "dqe")
@@ -311,6 +319,8 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       _scatter_add(plan, r["dbucket"], d_bucket_QxT, tile.bucket_QxT, tile.allowed_QxT, (0, 1))
     if "dslope" in acc:
       acc["dslope"] = acc["dslope"] - jnp.sum(ds_QxT * tile.distance_QxT)
+    if "dc_q" in acc:  # d(-|c_i - c_j|)/dc_i = -sign(c_i - c_j): row sums
+      acc["dc_q"] = acc["dc_q"] - jnp.sum(tile.forget_grads(ds_QxT), axis=1)
     if "dscalars" in acc:
       column_C = jax.lax.broadcasted_iota(jnp.int32, acc["dscalars"].shape, 0)
       add = lambda acc_C, column, part_QxT: acc_C + jnp.where(column_C == column, jnp.sum(part_QxT), 0.0)
@@ -331,6 +341,8 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   window = terms.relative is not None and terms.relative.window
   if terms.untied is not None:
     acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
+  if terms.forget is not None:
+    acc["dc_k"] = jnp.zeros((bk,), jnp.float32)
   if "dke" in r:
     _zero(plan, r["dke"], rows=True)
 
@@ -348,6 +360,8 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     if "du_k" in acc:
       d_untied_QxT, _ = tile.position_grads(ds_QxT)
       acc["du_k"] = acc["du_k"] + _dot_in(t_dot, d_untied_QxT, tile.u_q_QxK)
+    if "dc_k" in acc:  # d(-|c_i - c_j|)/dc_j = sign(c_i - c_j): column sums
+      acc["dc_k"] = acc["dc_k"] + jnp.sum(tile.forget_grads(ds_QxT), axis=0)
     return acc
 
   acc = jax.lax.fori_loop(*_tiles(r), body, acc)

@@ -21,8 +21,9 @@ Options, as the official ``ForgettingAttentionLayer``'s:
 
 Packed documents: ``c`` restarts at each position 0 (:func:`posjax.kernels.terms.forget_sums`). Grouped-query
 attention: one gate per query head, as the official code (its k/v heads are never grouped). It is a
-:class:`posjax.kernels.Forget` term on the ``xla`` kernel (the attention layer falls back to it under ``auto``);
-decoding keeps each key's ``c`` in the cache. Left out: the "Pro" block's output gate, output norm, QK-norm and
+:class:`posjax.kernels.Forget` term: every kernel computes it (the Pallas kernels per tile from ``c``'s rows, its
+gradient as the dq kernel's row sums and the dk/dv kernel's column sums, no atomics); decoding keeps each key's
+``c`` in the cache and decodes on the dense formulas. Left out: the "Pro" block's output gate, output norm, QK-norm and
 k/v token shift, which are parts of the attention block rather than of the position signal.
 """
 
@@ -116,6 +117,5 @@ class ForgetGate(nn.Module):
 
 
 base.register(base.Method("fox", FoxOptions, encoder=FoxPositions, layer=ForgetGate, reads_input=True,
-                          fusable=lambda options: False,
                           summary="Forgetting Attention: a data-dependent forget gate's cumulative log as a bias "
                                   "(Lin et al. 2025)"))
