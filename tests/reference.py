@@ -250,7 +250,8 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
           elif name == "fox":
             if opts.get("rope"):
               qi, kj = (rope_rotate(v, pos[b, n], opts.get("rope_base", 500_000.0)) for v, n in ((qi, i), (kj, j)))
-            e = qi @ kj * s - abs(fox_sum(log_f[b, :, h], pos[b], i) - fox_sum(log_f[b, :, h], pos[b], j))
+            later, earlier = max(i, j), min(i, j)  # the gates between the two tokens, either way
+            e = qi @ kj * s + fox_sum(log_f[b, :, h], pos[b], later) - fox_sum(log_f[b, :, h], pos[b], earlier)
           else:
             raise KeyError(name)
           out[b, h, i, j] = e
@@ -327,7 +328,7 @@ class FusedAttention:
     ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none; ``kerple_r1``,
     ``kerple_r2`` ``[H]``; FIRE's ``w1``, ``b1`` ``[W]``, ``w2`` ``[W, H]``, ``b2`` ``[H]``, ``c``, ``threshold``;
     ``sandwich``: ``dict(ratios [H], dim, base, scale, divide, first)``; ``forget_c`` ``[1 or B, H, L]``: the
-    Forgetting Transformer's cumulative log gates, ``-|c_i - c_j|``."""
+    Forgetting Transformer's cumulative log gates, ``c_i - c_j`` (``c_j - c_i`` for a later key)."""
     f64 = lambda x: np.asarray(x, np.float64)
     q, k, v = f64(q), f64(k), f64(v)
     B, L, H, _ = q.shape
@@ -340,9 +341,10 @@ class FusedAttention:
     if kerple_r1 is not None:
       r1, r2 = f64(kerple_r1)[None, :, None, None], f64(kerple_r2)[None, :, None, None]
       logits = logits - r1 * (np.log(1 + r2 * d) if kerple_kind == "log" else d ** r2)
-    if forget_c is not None:
+    if forget_c is not None:  # c_i - c_j for a key at or before the query, c_j - c_i after it
       c = f64(forget_c)
-      logits = logits - np.abs(c[:, :, :, None] - c[:, :, None, :])
+      difference = c[:, :, :, None] - c[:, :, None, :]
+      logits = logits + np.where(np.arange(L)[None, :] > np.arange(L)[:, None], -difference, difference)
     if fire_w1 is not None:
       c, threshold = abs(float(fire_c)), abs(float(fire_threshold))
       u = np.log(c * d[:, 0] + 1) / (np.log(c * np.maximum(self.query_position, threshold) + 1) + fire_eps)

@@ -361,7 +361,8 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
   per-tile gradient sums of KERPLE's and FIRE's scalars equal the dense ``xla`` path's autodiff and the float64
   reference's outputs and central differences, on packed and padded rows (positions up to 11, the FIRE threshold at
   6). ``others``: with ALiBi, T5 buckets with [CLS] entries and TUPE's untied term and θ in the same call, whose
-  scalar gradients come first in the TPU kernels' columns, and Sandwich in NeMo's form."""
+  scalar gradients come first in the TPU kernels' columns, Sandwich in NeMo's form and a Forget term (its column
+  after θ's) of one row for the batch."""
   rng = np.random.default_rng(5)
   batch, length, heads, head_dim = 2, 21, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
@@ -373,7 +374,8 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
         alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
         buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33),
         untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads)),
-        sandwich=terms.sandwich.replace(divide="bias", first=1))  # NeMo's form
+        sandwich=terms.sandwich.replace(divide="bias", first=1),  # NeMo's form
+        forget=kernels.Forget(f32(1, heads, length)))  # one row for the batch; on TPU a column among the others
   q, k, v, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(4))
 
   def loss(implementation, q, k, v, terms):
@@ -401,12 +403,13 @@ def test_the_forget_term_matches_the_reference_with_its_gradient(interpreter):
   """The Forgetting Transformer's ``-|c_i - c_j|`` built per tile on the GPU and TPU kernels (interpreted), with
   ``c``'s gradient as the dq kernel's row sums and the dkv kernel's column sums: the output and every gradient against the
   float64 reference (central differences), on packed, padded, causal rows with grouped k/v heads and tiles smaller
-  than a document; ``c`` of decreasing sums per document, as the gates give."""
+  than a document; ``c`` of non-increasing sums per document, as the gates give, with ties (gates of 1)."""
   rng = np.random.default_rng(11)
   batch, length, heads, kv_heads, head_dim = 2, 21, 4, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
   segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
   log_f = np.log(rng.uniform(0.3, 0.99, (batch, heads, length)))
+  log_f[..., 3:6] = 0.0  # gates of 1: equal sums, where -|c_i - c_j| would take the wrong gradient
   c = jnp.asarray(np.concatenate([np.cumsum(log_f[..., :12], -1), np.cumsum(log_f[..., 12:], -1)], -1), jnp.float32)
   terms = kernels.Terms(forget=kernels.Forget(c))
   q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)

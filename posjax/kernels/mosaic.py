@@ -60,11 +60,12 @@ class _Tile(TileBase):
     self.cls_i_QxT, self.cls_j_QxT = pos_i_QxT == 0, pos_j_1xT == 0
     self.row_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     self.col_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    # decoding (:func:`decode`): the queries' cache slots; self-attention: their rows of the sequence
+    self.index_i_QxT = r["q_slots"][0] if "q_slots" in r else i * bq + self.row_QxT
+    self.index_j_QxT = j * bk + self.col_QxT
     s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), pos_j_1xT - pos_i_QxT)
     allowed_QxT = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
-    # decoding (:func:`decode`): the queries' cache slots; self-attention: their rows of the sequence
-    index_i_QxT = r["q_slots"][0] if "q_slots" in r else i * bq + self.row_QxT
-    self.mask_logits(s_QxT, allowed_QxT, index_i_QxT, j * bk + self.col_QxT)
+    self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
 
   def _slope(self):
     return self.r["slopes"][self.h]
@@ -92,7 +93,7 @@ class _Tile(TileBase):
     return self.r["sandwich_q"][0, 0], self.r["sandwich_k"][0, 0]
 
   def _forget_sums(self):
-    return self.r["forget_q"][0, 0], self.r["forget_k"][0, 0]
+    return self.r["forget_q"][0, 0][:, :1], self.r["forget_k"][0, 0]
 
   def _relative_term(self, rel_QxT):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
@@ -266,7 +267,7 @@ def _columns(terms: Terms, tile, ds_QxT, d_bucket_QxT):
     yield column, jnp.where(tile.cls_i_QxT, ds_QxT, 0.0)
     yield column + 1, jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0)
     column += 2
-  if terms.forget is not None:  # per row, not summed: c_i's gradient, d(-|c_i - c_j|)/dc_i = -sign(c_i - c_j)
+  if terms.forget is not None:  # per row, not summed: c_i's gradient (the negation of c_j's share, forget_grads)
     yield column, -tile.forget_grads(ds_QxT)
 
 
@@ -295,7 +296,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     if "du_k" in r:
       d_untied_QxT, _ = tile.position_grads(ds_QxT)
       r["acc_du_k"][...] += t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
-    if "dc_k" in r:  # c_j's gradient, d(-|c_i - c_j|)/dc_j = sign(c_i - c_j): column sums
+    if "dc_k" in r:  # c_j's gradient: column sums of its share (forget_grads)
       r["acc_dc_k"][...] += jnp.sum(tile.forget_grads(ds_QxT), axis=0, keepdims=True)
 
   _write_on_last_step(r, accumulators, i)
@@ -345,8 +346,8 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, kv_head(h, plan.group), j, 0))
     elif name in ("u_k", "sandwich_k"):
       specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
-    elif name == "forget_q":  # c of the query rows, replicated across the key tile's lanes
-      specs[name] = at((1, 1, bq, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
+    elif name == "forget_q":  # c of the query rows, replicated across up to 128 lanes
+      specs[name] = at((1, 1, bq, a.shape[-1]), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
     elif name == "forget_k":  # c of the key rows, one row
       specs[name] = at((1, 1, 1, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, 0, j))
     elif name in ("row_max", "row_sum", "delta"):
@@ -390,9 +391,9 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   arrays.update(scalar_rows(terms))
   if terms.sandwich is not None:
     arrays["sandwich_q"] = arrays["sandwich_k"] = sandwich_embeddings(terms, positions_BxL)
-  if terms.forget is not None:
+  if terms.forget is not None:  # the query rows' c across min(bk, 128) lanes (a column pads to 128 lanes anyway)
     c_BxHxL = terms.forget.c.astype(jnp.float32)
-    arrays["forget_q"] = jnp.broadcast_to(c_BxHxL[..., None], (*c_BxHxL.shape, bk))
+    arrays["forget_q"] = jnp.broadcast_to(c_BxHxL[..., None], (*c_BxHxL.shape, min(bk, 128)))
     arrays["forget_k"] = c_BxHxL[:, :, None, :]
   rel = terms.relative
   if rel is not None:

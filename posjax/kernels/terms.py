@@ -15,7 +15,7 @@ the batch's positions (so packed rows are exact):
 | ``Kerple``     | ``r1, r2 [H]`` (positive)                 | ``-r1 log(1 + r2 |r|)`` or ``-r1 |r|^r2`` (KERPLE) |
 | ``Fire``       | an MLP ``1 -> W -> H``, ``c``, ``L``      | ``f(ψ(|r|) / ψ(max(|L|, p_i)))``, ``ψ = log(|c| x + 1)`` |
 | ``Sandwich``   | ratios ``ρ [H]`` (constant)               | ``λ (Σ_f cos(r ω_f / ρ_h) - F)`` (Sandwich)        |
-| ``Forget``     | ``c [B, H, L]`` (per token, float32)      | ``-|c_i - c_j|`` (the Forgetting Transformer's)    |
+| ``Forget``     | ``c [B, H, L]`` (per token, float32)      | ``c_i - c_j``, ``j <= i`` (the Forgetting Transformer) |
 
 The dense ``xla`` path and the Pallas kernels compute every term; the learned scalars of KERPLE and FIRE get their
 gradients as per-tile partial sums (:data:`SCALARS`).
@@ -403,20 +403,24 @@ def forget_sums(log_f_BxHxL, positions_BxL):
 
 @flax.struct.dataclass
 class Forget:
-  """The Forgetting Transformer's forget gate (Lin, Nikishin, He, Courville; ICLR 2025): ``-|c_i - c_j|`` added to
-  the logits, ``c`` the cumulative log forget gates of each query head (:func:`forget_sums`, non-increasing within
-  a document), so a key's weight decays by the product of the gates after it: ``exp(c_i - c_j) = Π_{j<t<=i} f_t``
-  for ``j <= i``, the paper's (causal) form. [unconfirmed] Past the causal mask (an encoder), the gates between the
-  two tokens either way. One ``c`` serves the queries and the keys (the queries' rows of it); a decoding cache holds
-  the keys' ``c`` beside their k and v."""
+  """The Forgetting Transformer's forget gate (Lin, Nikishin, He, Courville; ICLR 2025): ``c_i - c_j`` added to the
+  logits for a key ``j`` at or before the query ``i`` (in index order), ``c`` the cumulative log forget gates of each
+  query head (:func:`forget_sums`), so a key's weight decays by the product of the gates after it: ``exp(c_i - c_j)
+  = Π_{j<t<=i} f_t``, the paper's (causal) form. [unconfirmed] Past the causal mask (an encoder), ``c_j - c_i``: the
+  gates between the two tokens either way. (Not ``-|c_i - c_j|``: equal where ``c`` does not increase, but its
+  gradient at a tie, where a gate rounds to 1, would be the wrong one.) One ``c`` serves the queries and the keys
+  (the queries' rows of it); a decoding cache holds the keys' ``c`` beside their k and v."""
 
   c: jax.Array  # [B, H, L] float32
 
   def bias(self, rows_Q=None):
-    """``[B, H, Q, L]`` float32 ``-|c_i - c_j|`` at query rows ``rows_Q`` (default all)."""
+    """``[B, H, Q, L]`` float32 at query rows ``rows_Q`` (default all): ``c_i - c_j``, or ``c_j - c_i`` for a key
+    after the query."""
     c_BxHxL = self.c.astype(jnp.float32)
-    c_BxHxQ = c_BxHxL if rows_Q is None else jnp.take(c_BxHxL, rows_Q, axis=2)
-    return -jnp.abs(c_BxHxQ[..., :, None] - c_BxHxL[..., None, :])
+    length = c_BxHxL.shape[-1]
+    rows_Q = jnp.arange(length) if rows_Q is None else rows_Q
+    difference_BxHxQxL = jnp.take(c_BxHxL, rows_Q, axis=2)[..., :, None] - c_BxHxL[..., None, :]
+    return jnp.where(jnp.arange(length)[None, :] > rows_Q[:, None], -difference_BxHxQxL, difference_BxHxQxL)
 
 
 @flax.struct.dataclass

@@ -212,8 +212,8 @@ class TileBase:
   tile's rows of :func:`sandwich_embeddings`) and ``_forget_sums`` (the query rows' and key rows' ``c`` of the
   Forget term, ``[Q, 1]`` (or ``[Q, T]``) and ``[1, T]``): the position terms and the [CLS] reset, the mask and the logits,
   dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
-  subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT`` and the query positions
-  ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``), then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set
+  subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT``, the query positions
+  ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``) and the pairs' indices ``index_i_QxT`` / ``index_j_QxT``, then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set
   the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``,
   ``u_k_TxK``, ...).
   """
@@ -237,11 +237,11 @@ class TileBase:
     if terms.sandwich is not None:
       q_QxE, k_TxE = self._sandwich_embeddings()
       s_QxT = s_QxT + terms.sandwich.scale * (dot_t(q_QxE, k_TxE, self._exact()) - terms.sandwich.dim // 2)
-    if terms.forget is not None:  # -|c_i - c_j|, the difference kept for the backward (:meth:`forget_grads`)
+    if terms.forget is not None:  # c_i - c_j for a key at or before the query, c_j - c_i after it
       c_i_Qx1, c_j_1xT = self._forget_sums()
+      self.forget_later_QxT = self.index_j_QxT > self.index_i_QxT
       difference_QxT = c_i_Qx1 - c_j_1xT
-      self.forget_difference_QxT = difference_QxT
-      s_QxT = s_QxT - jnp.abs(difference_QxT)
+      s_QxT = s_QxT + jnp.where(self.forget_later_QxT, -difference_QxT, difference_QxT)
     self.reset = terms.untied.reset if terms.untied is not None else "none"
     self.neither_QxT = ~self.cls_i_QxT & ~self.cls_j_QxT
     positional_QxT = jnp.zeros_like(s_QxT)
@@ -258,10 +258,9 @@ class TileBase:
     return s_QxT + positional_QxT
 
   def forget_grads(self, ds_QxT):
-    """``ds · sign(c_i - c_j)``: the Forget term's share of the logits' gradient on ``c_j`` (its negation on
-    ``c_i``), as selects (Mosaic's ``sign`` asks the device for its generation)."""
-    d_QxT = self.forget_difference_QxT
-    return jnp.where(d_QxT > 0, ds_QxT, jnp.where(d_QxT < 0, -ds_QxT, 0.0))
+    """The Forget term's share of the logits' gradient on ``c_j`` (its negation on ``c_i``): ``-ds`` for a key at
+    or before the query, ``ds`` after it."""
+    return jnp.where(self.forget_later_QxT, ds_QxT, -ds_QxT)
 
   def _exact(self):
     """The precision of a float32 product that needs float32 accuracy (Sandwich's inner products reach ``F``)."""

@@ -48,9 +48,9 @@ class Tile(TileBase):
     self.pos_i_QxT = pos_i_Q[:, None]
     rel_QxT = pos_j_T[None, :] - pos_i_Q[:, None]
     self.cls_i_QxT, self.cls_j_QxT = (pos_i_Q == 0)[:, None], (pos_j_T == 0)[None, :]
+    self.index_i_QxT, self.index_j_QxT = index_i_QxT, j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), rel_QxT)
-    index_j_QxT = j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    self.mask_logits(s_QxT, allowed_QxT, index_i_QxT, index_j_QxT)
+    self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
 
   def _slope(self):
     return self.refs["slopes"][0, 0]
@@ -319,7 +319,7 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       _scatter_add(plan, r["dbucket"], d_bucket_QxT, tile.bucket_QxT, tile.allowed_QxT, (0, 1))
     if "dslope" in acc:
       acc["dslope"] = acc["dslope"] - jnp.sum(ds_QxT * tile.distance_QxT)
-    if "dc_q" in acc:  # d(-|c_i - c_j|)/dc_i = -sign(c_i - c_j): row sums
+    if "dc_q" in acc:  # c_i's gradient: row sums of the negation of c_j's share (forget_grads)
       acc["dc_q"] = acc["dc_q"] - jnp.sum(tile.forget_grads(ds_QxT), axis=1)
     if "dscalars" in acc:
       column_C = jax.lax.broadcasted_iota(jnp.int32, acc["dscalars"].shape, 0)
@@ -360,7 +360,7 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     if "du_k" in acc:
       d_untied_QxT, _ = tile.position_grads(ds_QxT)
       acc["du_k"] = acc["du_k"] + _dot_in(t_dot, d_untied_QxT, tile.u_q_QxK)
-    if "dc_k" in acc:  # d(-|c_i - c_j|)/dc_j = sign(c_i - c_j): column sums
+    if "dc_k" in acc:  # c_j's gradient: column sums of its share (forget_grads)
       acc["dc_k"] = acc["dc_k"] + jnp.sum(tile.forget_grads(ds_QxT), axis=0)
     return acc
 

@@ -6,7 +6,7 @@ layer's input, ``f_t = sigmoid(w_h · x_t + b_h)``, and the logits
 
 so a key's weight decays by the gates between it and the query (``Π_{j<t<=i} f_t``): a data-dependent, learned
 recency bias, and FoX's only position signal by default (the official ``use_rope=False``). The paper's form is
-causal; [unconfirmed] an encoder's adds ``-|c_i - c_j|``, the gates between the two tokens either way.
+causal; [unconfirmed] an encoder's adds ``c_j - c_i`` for a later key, the gates between the two tokens either way.
 
 Options, as the official ``ForgettingAttentionLayer``'s:
 
