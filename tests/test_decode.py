@@ -25,8 +25,11 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
   positions = np.stack([np.arange(written), np.maximum(np.arange(written) - 4, 0)])  # row 1: 4 slots of padding
   valid = np.stack([np.ones(written, bool), np.arange(written) >= 4])
   learned = learned_terms(rng, heads, "log")
+  c = np.cumsum(np.log(rng.uniform(0.5, 1.0, (batch, heads, written))), axis=-1)  # the Forgetting Transformer's
   terms = learned.replace(sandwich=None, alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 0.5, heads), jnp.float32)),
-                          buckets=kernels.Buckets(f32(32, heads), num_buckets=32, max_distance=40, bidirectional=False))
+                          buckets=kernels.Buckets(f32(32, heads), num_buckets=32, max_distance=40, bidirectional=False),
+                          forget=kernels.Forget(jnp.asarray(np.pad(c, ((0, 0), (0, 0), (0, slots - written))),
+                                                            jnp.float32)))
   q, k, v = f32(batch, written, heads, head_dim), f32(batch, written, kv_heads, head_dim), f32(batch, written,
                                                                                               kv_heads, head_dim)
   fused = reference.FusedAttention(positions, np.zeros_like(positions), valid, causal=True, sliding_window=window,
@@ -37,7 +40,8 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
                    bucket_table=np.asarray(terms.buckets.table), kerple_r1=np.asarray(kerple.r1),
                    kerple_r2=np.asarray(kerple.r2), kerple_kind="log", fire_w1=np.asarray(fire.w1),
                    fire_b1=np.asarray(fire.b1), fire_w2=np.asarray(fire.w2), fire_b2=np.asarray(fire.b2),
-                   fire_c=float(fire.c), fire_threshold=float(fire.threshold), fire_eps=fire.eps)[:, -queries:]
+                   fire_c=float(fire.c), fire_threshold=float(fire.threshold), fire_eps=fire.eps,
+                   forget_c=c)[:, -queries:]
   # the cache: heads first, slots past the written ones zero and invalid
   cache = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, slots - written), (0, 0)))
   out = kernels.decode_attention(
@@ -70,7 +74,8 @@ def test_the_decode_kernels_lower_for_gpu_and_tpu(platform, monkeypatch):
   rng = np.random.default_rng(0)
   terms = learned_terms(rng, 4, "power").replace(
       sandwich=None, alibi=kernels.Alibi(jnp.ones(4)),
-      buckets=kernels.Buckets(jnp.ones((32, 4)), num_buckets=32, max_distance=128, bidirectional=False))
+      buckets=kernels.Buckets(jnp.ones((32, 4)), num_buckets=32, max_distance=128, bidirectional=False),
+      forget=kernels.Forget(jnp.zeros((2, 4, 1024))))
   q, cache = jnp.ones((2, 1, 4, 64), jnp.bfloat16), jnp.ones((2, 2, 1024, 64), jnp.bfloat16)
   step = lambda q, k, v, positions, valid, start: kernels.decode_attention(
       q, k, v, start=start, key_positions=positions, key_valid=valid, terms=terms, sliding_window=512, interpret=False)

@@ -59,7 +59,7 @@ def test_the_decode_kernels_generate_the_dense_full_forwards_tokens_on_one_devic
   # the decode kernels' methods (sandwich: on the xla formulas), GQA, a window, positions past the prompt; the
   # reference: the same weights' full forward on the dense xla path. Then on 8 devices: rows over data x fsdp (4),
   # the 2 k/v heads over tensor (2), the decode kernel once per shard, each device holding its part of the cache.
-  schedule = "rope,alibi,t5,kerple_power,fire,sandwich"
+  schedule = "rope,alibi,t5,kerple_power,fire,sandwich,fox"
   module, variables = decoder(num_layers=len(schedule.split(",")), position_schedule=schedule, sliding_window=6,
                               attention_kernel="pallas")
   prompt = jnp.asarray(np.random.default_rng(3).integers(0, 61, (4, 5)), jnp.int32)

@@ -7,7 +7,7 @@ the queries' positions (the prompt's, continuing past it) and the cached keys' (
 
 Implementations: ``xla`` (dense ``[B, H, Q, T]`` logits from :mod:`posjax.kernels.xla`'s formulas, the reference;
 every term) and ``pallas``, a decode kernel per backend that reads the cache in place, tile by tile, building ALiBi,
-T5 buckets, KERPLE and FIRE inside each tile from the positions (:data:`KERNEL_TERMS`; RoPE, xPos and the absolute
+T5 buckets, KERPLE, FIRE and the Forgetting Transformer's cached sums inside each tile from the positions (:data:`KERNEL_TERMS`; RoPE, xPos and the absolute
 methods only change q and k before the call) and skipping the key tiles no query can see (past the newest query's
 slot, before the sliding window):
 
@@ -37,7 +37,7 @@ from posjax.kernels.shard import per_shard
 from posjax.kernels.terms import NAMES, Terms, check_rows, kv_group
 
 IMPLEMENTATIONS = ("pallas", "xla")
-KERNEL_TERMS = ("alibi", "buckets", "kerple", "fire")  # the terms the decode kernels build per tile
+KERNEL_TERMS = ("alibi", "buckets", "kerple", "fire", "forget")  # the terms the decode kernels build per tile
 
 
 def kernel_refusal(terms: Terms | None) -> str | None:
@@ -126,6 +126,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   if terms.buckets is not None and not tpu:  # Triton's gathers read a power-of-two table
     terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0, tile.next_power_of_two(
         terms.buckets.table.shape[0]))))
+  if terms.forget is not None:  # the cache's slots' c, padded like the cache (the queries read theirs at their slots)
+    terms = terms.replace(forget=terms.forget.replace(c=pad(terms.forget.c, 2, padded_t)))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=True, block_q=bq, block_k=bk, length=t, interpret=interpret, treedef=treedef,
                    group=group, sliding_window=sliding_window, splits=splits)

@@ -589,6 +589,10 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   replicate = lambda x_BxQ: jnp.broadcast_to(x_BxQ[:, :, None], (*x_BxQ.shape, bk))
   arrays.update(q_positions=replicate(q_positions_BxQ), q_segments=replicate(jnp.zeros_like(q_positions_BxQ)),
                 q_slots=replicate(q_slots_BxQ))
+  if terms.forget is not None:  # the queries' c at their slots (a per-row constant under the causal mask: it cancels)
+    c_BxHxT = jnp.broadcast_to(terms.forget.c.astype(jnp.float32), (b, h, t))
+    c_BxHxQ = jnp.take_along_axis(c_BxHxT, jnp.broadcast_to(q_slots_BxQ[:, None, :], (b, h, q)), axis=2)
+    arrays["forget_q"] = jnp.broadcast_to(c_BxHxQ[..., None], (b, h, q, arrays["forget_q"].shape[-1]))
   out = _call(_forward_kernel, plan, terms, arrays,
               {"out": _rows((b, h, q, v_BxGxTxV.shape[-1]), bq, jnp.float32), "row_max": _rows((b, h, q, bk), bq),
                "row_sum": _rows((b, h, q, bk), bq)},

@@ -111,9 +111,10 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   if terms.sandwich is not None:
     inputs["sandwich"] = sandwich_embeddings(terms, positions_BxL)
     specs["sandwich"] = _row_spec(inputs["sandwich"])
-  if terms.forget is not None:  # c [B, H, L]: the program's (batch, head) row
-    inputs["forget"] = jnp.broadcast_to(terms.forget.c.astype(jnp.float32), q_BxHxLxK.shape[:3])
-    specs["forget"] = pl.BlockSpec((1, 1, q_BxHxLxK.shape[2]), lambda b, h, i: (b, h, 0))
+  if terms.forget is not None:  # c [B, H, L] of the keys: the program's (batch, head) row
+    length = k_BxHxLxK.shape[2]
+    inputs["forget"] = jnp.broadcast_to(terms.forget.c.astype(jnp.float32), (*q_BxHxLxK.shape[:2], length))
+    specs["forget"] = pl.BlockSpec((1, 1, length), lambda b, h, i: (b, h, 0))
   if terms.relative is not None and terms.relative.window:
     inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
     specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
@@ -348,6 +349,9 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
                           valid_BxT, None, {})
   for name, x_BxQ in (("q_positions", q_positions_BxQ), ("q_slots", q_slots_BxQ)):
     inputs[name], specs[name] = x_BxQ, _batch_spec(x_BxQ)
+  if terms.forget is not None:  # the queries' c at their slots (a per-row constant under the causal mask: it cancels)
+    c_BxHxQ = jnp.take_along_axis(inputs["forget"], jnp.broadcast_to(q_slots_BxQ[:, None, :], (b, h, q)), axis=2)
+    inputs["forget_q"], specs["forget_q"] = c_BxHxQ, pl.BlockSpec((1, 1, q), lambda b, h, x: (b, h, 0))
   inputs["tiles"], specs["tiles"] = ranges_BxNx2, pl.BlockSpec((1, 1, 2), lambda b, h, x: (b, x // splits, 0))
   value_dim = v_BxGxTxV.shape[-1]
   stats = lambda: (jax.ShapeDtypeStruct((b, h, splits, q), jnp.float32),

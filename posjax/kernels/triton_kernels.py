@@ -78,7 +78,8 @@ class Tile(TileBase):
     return self.refs["sandwich"][0, 0, self.rows, :], self.refs["sandwich"][0, 0, self.cols, :]
 
   def _forget_sums(self):
-    return self.refs["forget"][0, 0, self.rows][:, None], self.refs["forget"][0, 0, self.cols][None, :]
+    queries = self.refs["forget_q" if "forget_q" in self.refs else "forget"]  # decoding: the queries' own
+    return queries[0, 0, self.rows][:, None], self.refs["forget"][0, 0, self.cols][None, :]
 
   def _relative_term(self, rel_QxT):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
