@@ -78,9 +78,9 @@ def test_the_decode_kernels_generate_the_dense_full_forwards_tokens_on_one_devic
   assert f"1,1,{slots},8" in written and f"4,2,{slots},8" not in written  # [B/4, G/2, T, K] per device
 
 
-@pytest.mark.parametrize("position", ["rope", "fox"])  # fox: its cached gate sums restart at the first real token
-def test_left_padded_prompts_continue_as_each_prompt_alone(position):
-  module, variables = decoder(position=position)
+def test_left_padded_prompts_continue_as_each_prompt_alone():
+  # RoPE's positions past the padding, and FoX's cached gate sums with the padding's gates before the prompt
+  module, variables = decoder(position_schedule="rope,fox")
   rng = np.random.default_rng(1)
   short, long = rng.integers(0, 61, 3), rng.integers(0, 61, 6)
   batch = np.stack([np.concatenate([[0, 0, 0], short]), long])
