@@ -57,8 +57,8 @@ from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
-               "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire", "sandwich",
-                                 "fox")}
+               "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire",
+                                 "sandwich", "fox")}
 
 
 

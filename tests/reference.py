@@ -172,7 +172,8 @@ def fox_log_gates(tables, opts, x, num_heads):
     logit = np.broadcast_to(tables["gate_bias"], x.shape[:2] + (num_heads,))
   else:
     t_min, t_max = opts["decay_time"]
-    t = [math.exp(math.log(t_min) + (math.log(t_max) - math.log(t_min)) * n / (num_heads - 1)) for n in range(num_heads)]
+    t = [math.exp(math.log(t_min) + (math.log(t_max) - math.log(t_min)) * n / (num_heads - 1))
+         for n in range(num_heads)]
     logit = np.broadcast_to([-math.log(math.expm1(1 / T)) for T in t], x.shape[:2] + (num_heads,))
   return -np.logaddexp(0.0, -np.asarray(logit, np.float64))
 

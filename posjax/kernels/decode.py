@@ -7,8 +7,8 @@ the queries' positions (the prompt's, continuing past it) and the cached keys' (
 
 Implementations: ``xla`` (dense ``[B, H, Q, T]`` logits from :mod:`posjax.kernels.xla`'s formulas, the reference;
 every term) and ``pallas``, a decode kernel per backend that reads the cache in place, tile by tile, building ALiBi,
-T5 buckets, KERPLE, FIRE and the Forgetting Transformer's cached sums inside each tile from the positions (:data:`KERNEL_TERMS`; RoPE, xPos and the absolute
-methods only change q and k before the call) and skipping the key tiles no query can see (past the newest query's
+T5 buckets, KERPLE, FIRE and the Forgetting Transformer's cached sums inside each tile from the positions
+(:data:`KERNEL_TERMS`; RoPE, xPos and the absolute methods only change q and k before the call) and skipping the key tiles no query can see (past the newest query's
 slot, before the sliding window):
 
 - GPU (Triton, :func:`posjax.kernels.triton.decode`): grid ``(batch, head, query tile x split)``: the key tiles a

@@ -42,9 +42,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, group_sum, kv_head, overlap_add,
-                                 diagonal_may_hold_pairs, row_delta, sandwich_embeddings, scalar_count, scalar_rows,
-                                 scalar_term_grads, t_dot, tile_ranges, untied_grads, window_table)
+from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, forget_term_grads, group_sum, kv_head,
+                                 overlap_add, diagonal_may_hold_pairs, row_delta, sandwich_embeddings, scalar_count,
+                                 scalar_rows, scalar_term_grads, t_dot, tile_ranges, untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -562,9 +562,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
           theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
       column += 2
     if terms.forget is not None:  # one value per row: c's gradient from the queries' side, plus the keys'
-      d_c_BxHxL = dq_res["dpos"][..., column] + dkv_res["dc_k"][:, :, 0, :]
-      d_terms = d_terms.replace(forget=terms.forget.replace(
-          c=jnp.sum(d_c_BxHxL, axis=0, keepdims=True) if terms.forget.c.shape[0] == 1 else d_c_BxHxL))
+      d_terms = d_terms.replace(forget=forget_term_grads(terms.forget, dq_res["dpos"][..., column]
+                                                         + dkv_res["dc_k"][:, :, 0, :]))
     d_terms = d_terms.replace(**scalar_term_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
   dq_BxHxLxK = dq_res["dq"]
   dk_BxHxLxK, dv_BxHxLxV = (group_sum(dkv_res[name], plan.group) for name in ("dk", "dv"))  # over each group

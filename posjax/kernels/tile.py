@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
-from posjax.kernels.terms import SCALARS, Relative, Terms, Untied
+from posjax.kernels.terms import SCALARS, Forget, Relative, Terms, Untied
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -210,11 +210,11 @@ class TileBase:
   ``_untied_factors``, ``_bucket_values``, ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head,
   :func:`scalar_rows`), ``_exact`` (a float32-accurate product's precision), ``_sandwich_embeddings`` (the
   tile's rows of :func:`sandwich_embeddings`) and ``_forget_sums`` (the query rows' and key rows' ``c`` of the
-  Forget term, ``[Q, 1]`` (or ``[Q, T]``) and ``[1, T]``): the position terms and the [CLS] reset, the mask and the logits,
+  Forget term, ``[Q, 1]`` and ``[1, T]``): the position terms and the [CLS] reset, the mask and the logits,
   dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
   subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT``, the query positions
-  ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``) and the pairs' indices ``index_i_QxT`` / ``index_j_QxT``, then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set
-  the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``,
+  ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``) and the pairs' indices ``index_i_QxT`` / ``index_j_QxT``, then calls
+  :meth:`add_position_terms` and :meth:`mask_logits`, which set the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``,
   ``u_k_TxK``, ...).
   """
 
@@ -486,6 +486,14 @@ def fold_window_table(d_RxK, relative: Relative, padded: int):
   if k < padded:
     grad_DxK = grad_DxK.at[2 * k].set(jnp.sum(d_RxK[padded + k:], axis=0))
   return grad_DxK
+
+
+def forget_term_grads(forget: Forget, d_c_BxHxL) -> Forget:
+  """The Forget term's gradient from the kernels' ``[B, H, L]`` rows (the queries' side plus the keys'), summed over
+  the batch where ``c`` was shared by it."""
+  if forget.c.shape[0] == 1 and d_c_BxHxL.shape[0] != 1:
+    d_c_BxHxL = jnp.sum(d_c_BxHxL, axis=0, keepdims=True)
+  return forget.replace(c=d_c_BxHxL.astype(forget.c.dtype))
 
 
 def untied_grads(untied: Untied, du_q_BxHxLxK, du_k_BxHxLxK) -> Untied:

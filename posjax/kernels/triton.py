@@ -56,9 +56,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import NAMES, Terms
-from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two, overlap_add, row_delta,
-                                 sandwich_embeddings, scalar_count, scalar_rows, scalar_term_grads, tile_ranges,
-                                 untied_grads, window_table)
+from posjax.kernels.tile import (Plan, fold_window_table, forget_term_grads, group_sum, kv_head, next_power_of_two,
+                                 overlap_add, row_delta, sandwich_embeddings, scalar_count, scalar_rows,
+                                 scalar_term_grads, tile_ranges, untied_grads, window_table)
 from posjax.kernels.triton_kernels import decode_kernel, dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
@@ -325,9 +325,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   if columns:
     d_terms = d_terms.replace(**scalar_term_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
   if terms.forget is not None:
-    d_c_BxHxL = dq_res["dc_q"] + dkv_res["dc_k"]
-    d_terms = d_terms.replace(forget=terms.forget.replace(
-        c=jnp.sum(d_c_BxHxL, axis=0, keepdims=True) if terms.forget.c.shape[0] == 1 else d_c_BxHxL))
+    d_terms = d_terms.replace(forget=forget_term_grads(terms.forget, dq_res["dc_q"] + dkv_res["dc_k"]))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)

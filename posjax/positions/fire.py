@@ -16,8 +16,8 @@ its base run's L (its ``max_len`` becomes ``original_max_len``).
 [unconfirmed] The paper's form is causal; the encoders' form here reads ``|r|`` (symmetric), the decoders' the same
 under the causal mask. The MLP starts as the official module's ``nn.Linear`` layers do (``init="torch"``: weights
 and biases from ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, so the first layer's from ``U(-1, 1)``: its units switch
-on at different distances instead of all at 0); ``init="flax"``: flax's LeCun normal with zero biases. One MLP per layer (``share_across_layers=True``: one for the encoder). It is a
-:class:`posjax.kernels.Fire` term: every kernel computes it (the Pallas kernels per tile, a hidden unit at a time,
+on at different distances instead of all at 0); ``init="flax"``: flax's LeCun normal with zero biases. One MLP
+per layer (``share_across_layers=True``: one for the encoder). It is a :class:`posjax.kernels.Fire` term: every kernel computes it (the Pallas kernels per tile, a hidden unit at a time,
 with the MLP's, ``c``'s and ``L``'s gradients as per-tile sums).
 """
 
@@ -36,8 +36,8 @@ from posjax.positions import base
 class FireOptions:
   """mlp_width: the MLP's hidden width (32). c: ψ's initial scale (0.1). threshold: L's initial value (None:
   ``threshold_ratio`` of the training length). threshold_ratio: that fraction (0.25). original_max_len: the training
-  length it is a fraction of (None: the model's ``max_len``). eps: added to the normaliser (1e-6). share_across_layers: one MLP for every layer (False: one per layer).
-  init: the MLP's initialisation, ``torch`` (the official module's PyTorch ``nn.Linear`` default) or ``flax``."""
+  length it is a fraction of (None: the model's ``max_len``). eps: added to the normaliser (1e-6).
+  share_across_layers: one MLP for every layer (False: one per layer). init: the MLP's initialisation, ``torch`` (the official module's PyTorch ``nn.Linear`` default) or ``flax``."""
 
   mlp_width: int = 32
   c: float = 0.1

@@ -23,8 +23,9 @@ Packed documents: ``c`` restarts at each position 0 (:func:`posjax.kernels.terms
 attention: one gate per query head, as the official code (its k/v heads are never grouped). It is a
 :class:`posjax.kernels.Forget` term: every kernel computes it (the Pallas kernels per tile from ``c``'s rows, its
 gradient as the dq kernel's row sums and the dk/dv kernel's column sums, no atomics); decoding keeps each key's
-``c`` in the cache, which the decode kernels read per tile like its k and v. Left out: the "Pro" block's output gate, output norm, QK-norm and
-k/v token shift, which are parts of the attention block rather than of the position signal.
+``c`` in the cache, which the decode kernels read per tile like its k and v. Left out: the "Pro" block's output
+gate, output norm, QK-norm and k/v token shift, which are parts of the attention block rather than of the position
+signal.
 """
 
 from __future__ import annotations

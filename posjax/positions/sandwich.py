@@ -56,9 +56,10 @@ class SandwichOptions:
 
 
 def ratios(num_heads: int, compression: str) -> np.ndarray:
-  """``[H]`` each head's position compression ``ρ``."""
+  """``[H]`` each head's ratio ``ρ = 8n/H`` (``alibi``: its positions are divided by it; ``bias``: its bias), or 1
+  (``none``)."""
   if compression == "none":
-    return np.ones(num_heads, np.float32)  # "bias" divides the bias by the same 8n/H
+    return np.ones(num_heads, np.float32)
   return (8.0 * np.arange(1, num_heads + 1) / num_heads).astype(np.float32)
 
 

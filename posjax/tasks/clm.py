@@ -22,7 +22,7 @@ from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
 from posjax.tasks import mlm as mlm_task
 from posjax.tasks import passkey
-from posjax.train.task import Task, summed_metrics
+from posjax.train.task import Task, counted_metrics
 
 
 def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic: bool,
@@ -60,9 +60,8 @@ def clm_metrics(outputs: dict, workdir: str | None = None) -> dict:
   """``loss``, ``accuracy``, ``perplexity`` (``exp`` of the mean next-token loss), ``tokens`` (how many
   predictions they average) and, from outputs by position, ``loss_by_position`` (the mean loss at each token
   index of the rows)."""
-  metrics = summed_metrics(outputs, workdir)
-  metrics.update(perplexity=math.exp(min(metrics["loss"], 700.0)),
-                 tokens=int(round(float(np.sum(outputs["weight"], dtype=np.float64)))))
+  metrics = counted_metrics(outputs, workdir)
+  metrics["perplexity"] = math.exp(min(metrics["loss"], 700.0))
   if "position_loss" in outputs:  # the mean loss at each token index of the rows (none scored: null)
     total_P = np.sum(outputs["position_loss"], axis=0, dtype=np.float64)
     weight_P = np.sum(outputs["position_weight"], axis=0, dtype=np.float64)

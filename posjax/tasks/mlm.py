@@ -13,12 +13,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from posjax import positions
 from posjax.data import corpus, prepared, random_positions
 from posjax.data import mlm as mlm_data
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
-from posjax.train.task import Evaluator, Task, summed_metrics
+from posjax.train.task import Evaluator, Task, counted_metrics
 
 
 def make_batches(config, tokenizer: Tokenizer, split: str, local_batch: int,
@@ -85,18 +84,19 @@ class Evaluation(NamedTuple):
   length: int
 
 
-def check_random_positions(config: ml_collections.ConfigDict) -> int:
-  """``data.random_positions``, checked: at least ``max_len``, and within a learned position table's rows."""
-  limit, model = int(config.data.random_positions), config.get("model", {})
+def check_random_positions(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> int:
+  """``data.random_positions``, checked: at least ``max_len``, and within a learned position table's rows (of any
+  method the model's layers use)."""
+  limit = int(config.data.random_positions)
   if limit < config.max_len:
     raise ValueError(f"data.random_positions={limit} must be at least max_len={config.max_len}, the most positions a "
                      "row draws (0: off)")
-  table = model.get("max_len") or config.max_len
-  methods = [model.get("position", "none"), *filter(None, model.get("position_schedule", "").split(","))]
-  bound = [m for m in methods if positions.get(m).max_len_bound]
-  if bound and limit > table:
+  model = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
+  bound = [name for name, spec in model.method_specs.items() if spec.method.max_len_bound]
+  if bound and limit > model.max_len:
     raise ValueError(f"data.random_positions={limit}: position method {bound[0]!r} has a learned table of "
-                     f"model.max_len={table} rows; draw from at most {table} positions or raise model.max_len")
+                     f"model.max_len={model.max_len} rows; draw from at most {model.max_len} positions or raise "
+                     "model.max_len")
   return limit
 
 
@@ -135,7 +135,7 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
     corpus.check(data, ("train", *eval_splits), train_shards=[s.shard for s in batches.streams],
                  num_shards=data.num_shards or jax.process_count())
   if data.get("random_positions", 0):
-    batches = random_positions.RandomPositions(batches, check_random_positions(config), config.seed)
+    batches = random_positions.RandomPositions(batches, check_random_positions(config, tokenizer), config.seed)
   evaluations = {}
   for name, spec in evals.items():
     length = spec.get("max_len", 0) or config.max_len * spec.get("length_multiple", 1)
@@ -254,11 +254,6 @@ def corpus_evaluators(evaluations: dict, model_config: BertConfig, predict: Call
   return evaluators
 
 
-def masked_metrics(outputs: dict, workdir: str | None = None) -> dict:
-  """``loss`` and ``accuracy`` over the masked tokens, and ``tokens``: how many they average."""
-  return {**summed_metrics(outputs, workdir), "tokens": int(round(float(np.sum(outputs["weight"], dtype=np.float64))))}
-
-
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Masked-LM pre-training on ``config.data`` (see :func:`corpus_batches`); evaluators of kind ``mlm``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
@@ -267,7 +262,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   use_segments = config.data.packing in mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = corpus_batches(config, tokenizer, local_batch)
   predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)
-  evaluators = corpus_evaluators(evaluations, model_config, predict, masked_metrics, ("loss", "accuracy", "tokens"))
+  evaluators = corpus_evaluators(evaluations, model_config, predict, counted_metrics, ("loss", "accuracy", "tokens"))
   return Task("mlm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               mlm_loss(model, use_segments=use_segments), batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"),

@@ -57,3 +57,8 @@ def summed_metrics(outputs: dict, workdir: str | None = None) -> dict:
   weight = max(float(np.sum(outputs["weight"], dtype=np.float64)), 1.0)
   return {"loss": float(np.sum(outputs["loss"], dtype=np.float64)) / weight,
           "accuracy": float(np.sum(outputs["correct"], dtype=np.float64)) / weight}
+
+
+def counted_metrics(outputs: dict, workdir: str | None = None) -> dict:
+  """:func:`summed_metrics` and ``tokens``: how many predictions they average."""
+  return {**summed_metrics(outputs, workdir), "tokens": int(round(float(np.sum(outputs["weight"], dtype=np.float64))))}
