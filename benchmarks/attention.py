@@ -69,7 +69,7 @@ def fmt(seconds=None, nbytes=None):
 
 def main(argv):
   del argv
-  methods = _METHODS.value or positions.names()
+  methods = _METHODS.value or positions.encoder_names()
   dtype = DTYPES[_DTYPE.value]
   print(f"device: {common.describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernels "
         f"{','.join(_KERNELS.value)}, model {_LAYERS.value}×{HIDDEN}, dropout off\n")

@@ -72,7 +72,7 @@ def main(argv):
   base = parameter_count(BertConfig.base(position="none"))
   rows = ["| method | contributes | + params at BERT-Base | fused kernel | shift-invariant | runs at 2× max_len |",
           "|---|---|---|---|---|---|"]
-  for name in positions.names():
+  for name in positions.encoder_names():
     spec = BertConfig.tiny(position=name).position_spec
     added = parameter_count(BertConfig.base(position=name)) - base
     rows.append(f"| `{name}` | {contributions(name)} | {added:,} | {'yes' if spec.fusable else 'no'} | "

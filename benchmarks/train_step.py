@@ -46,7 +46,7 @@ def main(argv):
         "\n|---|---|---|---|---|---|---|---|", flush=True)
   for length in map(int, _LENGTHS.value):
     reference = None
-    for name in _METHODS.value or positions.names():
+    for name in _METHODS.value or positions.encoder_names():
       for kernel, shown in common.kernel_rows(name, _KERNELS.value):
         step, args, config, masked = common.bert_train_step(name, length, _BATCH.value, _DTYPE.value, kernel)
         seconds, _, _ = common.compile_and_time(step, args, True, _REPEATS.value)

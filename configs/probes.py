@@ -2,7 +2,8 @@
 trained at ``train_len`` and evaluated at 1×, 2×, 4× that length. See :mod:`posjax.experiments.probes` (the experiment) and :mod:`posjax.tasks.probe` (the task).
 
 Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
-  methods: ``+``-separated registry names; default all.
+  methods: ``+``-separated registry names; default all (with ``decoder``; otherwise those with an encoder's form:
+    not ``cope`` or ``stick_breaking``).
   steps: training steps per (method, task).
   size: ``tiny`` (2×64, the CPU demo) or ``small`` (4×256, for an accelerator).
   tasks: ``+``-separated probe tasks (:mod:`posjax.tasks.probe`); default ``copy_left+reverse+index``, the demo's
@@ -40,9 +41,12 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.job = "probes"
   config.seed = 0
-  config.methods = tuple(arg.methods.split("+")) if arg.methods else tuple(positions.names())
+  default = positions.names() if arg.decoder else positions.encoder_names()
+  config.methods = tuple(arg.methods.split("+")) if arg.methods else tuple(default)
   for method in config.methods:
-    positions.get(method)
+    if positions.get(method).decoder_only and not arg.decoder:
+      raise ValueError(f"position method {method!r} exists in a decoder's form only: add decoder to the probes' "
+                       "options (configs/probes.py:decoder,...)")
   config.tasks = tuple(arg.tasks.split("+")) if arg.tasks else ()
   config.symbols = 16
   config.shift = 2  # copy_left: copy the symbol this many places to the left

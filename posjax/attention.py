@@ -5,8 +5,9 @@ terms; add the shared bias the encoder computed once; mask padding and cross-seg
 float32; dropout on the weights. Kernels (``kernel=``):
 
 - ``xla``: the dense path; computes every method; the default and the CPU path. Its position bias and softmax are
-  :mod:`posjax.kernels.xla`'s (``position_bias``, ``softmax_weights``), the reference every kernel is tested
-  against; only the multiplicative Methods 1-3 and Shaw's value term add their own dense forms
+  :mod:`posjax.kernels.xla`'s (``position_bias``, ``attention_weights``: the softmax, or the terms that read the
+  masked logits: CoPE's term, stick-breaking's weights), the reference every kernel is tested against; only the
+  multiplicative Methods 1-3 and Shaw's value term add their own dense forms
   (:class:`posjax.positions.base.DenseLayerTerms`).
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU in bf16/fp16. It takes q/k transforms and
   an additive bias (segments are folded into it) and padding as sequence lengths where every row is right-padded, else
@@ -28,7 +29,8 @@ float32; dropout on the weights. Kernels (``kernel=``):
   ``pallas``: its GPU speed has not been measured yet).
 
 When the ``intermediates`` collection is mutable, every layer sows ``attention_logits``
-``[B, H, L, L]``: scaled, with every position term, before masking.
+``[B, H, L, L]``: scaled, with every position term, before masking (CoPE's term, which reads the masked logits, is
+not in them).
 """
 
 from __future__ import annotations
@@ -91,8 +93,8 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
   if kernel in ("cudnn", "pallas") and not spec.fusable:
     raise ValueError(
         f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
-        f"{spec.options}: the fused kernels do not build its terms (multiplicative terms and Shaw's value term "
-        f"need the full logits or the weights); use kernel "
+        f"{spec.options}: the fused kernels do not build its terms (multiplicative terms, Shaw's value term, "
+        f"CoPE and stick-breaking need the full logits or the weights); use kernel "
         f"'xla' (or 'auto', which falls back to it)")
 
 
@@ -297,8 +299,9 @@ class SelfAttention(nn.Module):
       logits = add_biases(terms.content_logits(spec.scale), layer_bias(terms, state, spec.scale))
       self.sow("intermediates", "attention_logits", logits)
     if kernel == "xla":
-      weights = nn.Dropout(self.dropout_rate)(kernels.xla.softmax_weights(logits, mask.pairs(x_BxLxD.shape[1])),
-                                              deterministic=not dropout)
+      weights = kernels.xla.attention_weights(logits, mask.pairs(x_BxLxD.shape[1]),
+                                              kernels.merge(state.terms, terms.terms), terms.q)
+      weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
       out = kernels.xla.weighted_values(weights, v)
       value = terms.value_term(weights)
       out = out if value is None else out + value.astype(out.dtype)
@@ -371,7 +374,7 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   formulas (``[B, H, Q, T]`` logits; a logged line says why where ``pallas`` was asked for)."""
   if not mask.causal:
     raise ValueError("decoding with a cache needs a causal model (Mask.causal=True)")
-  if isinstance(terms, base.DenseLayerTerms):
+  if isinstance(terms, base.DenseLayerTerms) and (terms.logits is not None or terms.value_fn is not None):
     raise ValueError(f"position method {spec.name!r} computes dense logits from q and k of equal length (or a value "
                      "term), which a decode step's few queries against the cache cannot; decode on the full forward")
   merged = kernels.merge(state.terms, terms.terms)

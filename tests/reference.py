@@ -276,6 +276,48 @@ def shaw_value_output(P, x, pos, weights, max_len, opts):
   return z
 
 
+def weight_rule_output(name, opts, P, x, pos, segments):
+  """``[B, L, H, V]`` before the output projection: one causal layer of ``cope`` or ``stick_breaking``, in loops.
+  Keys allowed to query i: j <= i in i's segment (query head h reads k/v head h // (H / G)).
+
+  CoPE (the paper's code): z_ij = q_i·k_j / sqrt(K); gates g_it = sigmoid(z_it) over the allowed t; p_ij = Σ_{t=j..i}
+  g_it clamped at npos_max - 1; logit z_ij + (1 - w) q_i·e[floor p] + w q_i·e[ceil p], w = p - floor p; a softmax
+  over the allowed keys. Stick-breaking (the authors' ``sb_attn``): over the allowed keys, the query's own left out
+  unless ``attend_current``, A_ij = σ(z_ij) Π_{j<k} (1 - σ(z_ik)); with ``remainder`` the query's own value also
+  gets 1 - Σ_j A_ij."""
+  A = P["attn"]
+  q, k, v = project(x, A["query"]), project(x, A["key"]), project(x, A["value"])
+  B, L, H, K = q.shape
+  group = H // k.shape[2]
+  sigmoid = lambda t: 1.0 / (1.0 + math.exp(-t))
+  out = np.zeros((B, L, H, v.shape[-1]))
+  for b in range(B):
+    for h in range(H):
+      for i in range(L):
+        keys = [j for j in range(i + 1) if segments[b, j] == segments[b, i]]
+        z = {j: q[b, i, h] @ k[b, j, h // group] / math.sqrt(K) for j in keys}
+        weight = {}
+        if name == "cope":
+          table = A["position"]["pos_emb"]
+          for j in keys:
+            p = min(sum(sigmoid(z[t]) for t in keys if t >= j), table.shape[1] - 1)
+            lo, hi = math.floor(p), math.ceil(p)
+            z_j = z[j] + (1 - (p - lo)) * (q[b, i, h] @ table[:, lo]) + (p - lo) * (q[b, i, h] @ table[:, hi])
+            weight[j] = z_j
+          top = max(weight.values())
+          total = sum(math.exp(e - top) for e in weight.values())
+          weight = {j: math.exp(e - top) / total for j, e in weight.items()}
+        else:
+          attend_current, remainder = opts.get("attend_current", False), opts.get("remainder", True)
+          keys = [j for j in keys if attend_current or j != i]
+          for j in keys:
+            weight[j] = sigmoid(z[j]) * math.prod(1 - sigmoid(z[t]) for t in keys if t > j)
+          if remainder:
+            weight[i] = weight.get(i, 0.0) + 1 - sum(weight.values())
+        for j, w in weight.items():
+          out[b, i, h] += w * v[b, j, h // group]
+  return out
+
 
 class FusedAttention:
   """The fused op (``posjax.kernels.relative_attention``) in float64, from the terms' formulas (the table in

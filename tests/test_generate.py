@@ -20,7 +20,7 @@ from posjax.train import sharding
 # one layer per method (a position schedule): the decoder forms the decode kernels do not build, on the dense
 # formulas (ALiBi, T5, KERPLE and FIRE decode there too: tests/test_decode.py checks both implementations against the
 # float64 reference, and the model test below decodes them on the kernels)
-SCHEDULE = "rope,sandwich,xpos,shaw,none,fox"
+SCHEDULE = "rope,sandwich,xpos,shaw,none,fox,cope,stick_breaking"
 
 
 def decoder(**fields):

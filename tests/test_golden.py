@@ -39,7 +39,8 @@ def one_batch(tokenizer):
 
 def measure(method: str) -> dict:
   tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
-  model = BertModel(BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32), head="mlm")
+  model = BertModel(BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32,
+                                    causal=positions.get(method).decoder_only), head="mlm")
   params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
   optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(
       learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,

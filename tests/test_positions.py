@@ -12,7 +12,7 @@ from flax.linen import unbox as nn_unbox
 from posjax import attention, positions
 from posjax.kernels.xla import position_bias
 from posjax.positions import absolute, alibi, relative, t5
-from conftest import PACKED_POSITIONS, OneLayer, randomize
+from conftest import PACKED_POSITIONS, PACKED_SEGMENTS, OneLayer, randomize
 import reference
 
 NUM_HEADS, HIDDEN, MAX_LEN = 4, 32, 16
@@ -231,7 +231,7 @@ def reference_output(name, params, x, positions_BxL):
   return np.einsum("bihk,hkd->bid", z, params["attn"]["out"]["kernel"]) + params["attn"]["out"]["bias"]
 
 
-@pytest.mark.parametrize("name", positions.names())
+@pytest.mark.parametrize("name", positions.encoder_names())  # the decoder-only ones: their weight rules' test
 def test_bfloat16_compute_errs_no_more_than_a_small_multiple_of_rounding_its_inputs(name):
   """One layer in bfloat16 (float32 parameters, under jit) against the float64 loop reference: its error stays within
   a small multiple (3x; 1.3-2.3x measured) of the error that rounding the input and the parameters to bfloat16 alone
@@ -300,3 +300,38 @@ def test_fire_starts_as_the_official_modules_torch_linear_layers():
     x = np.asarray(params["fire"][name]).ravel()
     assert np.abs(x).max() <= bound and np.abs(x).max() > 0.9 * bound, name
     np.testing.assert_allclose(x.var(), bound ** 2 / 3, rtol=0.1, err_msg=name)
+
+
+WEIGHT_RULES = [("cope", {}), ("cope", {"npos_max": 3}), ("stick_breaking", {}),
+                ("stick_breaking", {"attend_current": True, "remainder": False})]
+
+
+@pytest.mark.parametrize("name,options", WEIGHT_RULES, ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                                                            for n, o in WEIGHT_RULES])
+def test_weight_rules_and_their_gradients_match_loop_reference(name, options):
+  # CoPE and stick-breaking read the masked logits: the layer's output (packed, causal, grouped k/v) against the
+  # loops, and a directional derivative of a loss against the loops' central difference in float64
+  spec = positions.make(name, options, num_heads=NUM_HEADS, hidden_size=HIDDEN, max_len=MAX_LEN, causal=True,
+                        num_kv_heads=2)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(*PACKED_POSITIONS.shape, HIDDEN)).astype(np.float32)
+  model = OneLayer(spec)
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), x, PACKED_POSITIONS)["params"], 0)
+  mask = attention.Mask(segment_ids=PACKED_SEGMENTS, causal=True)
+  weights_BxLxD = rng.normal(size=x.shape)
+  direction = jax.tree.map(lambda p: rng.normal(size=p.shape), params)
+
+  def reference_loss(p):
+    out = reference.weight_rule_output(name, options, p, x.astype(np.float64), PACKED_POSITIONS, PACKED_SEGMENTS)
+    out = np.einsum("blhk,hkd->bld", out, p["attn"]["out"]["kernel"]) + p["attn"]["out"]["bias"]
+    return out, np.sum(out * weights_BxLxD)
+
+  numpy_params = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
+  want, _ = reference_loss(numpy_params)
+  loss = lambda p: jnp.sum(model.apply({"params": p}, x, PACKED_POSITIONS, mask) * weights_BxLxD)
+  np.testing.assert_allclose(model.apply({"params": params}, x, PACKED_POSITIONS, mask), want, rtol=2e-4, atol=2e-4)
+  grads = jax.grad(loss)(params)
+  got = sum(np.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+  eps = 1e-5
+  shifted = lambda sign: reference_loss(jax.tree.map(lambda p, d: p + sign * eps * d, numpy_params, direction))[1]
+  np.testing.assert_allclose(got, (shifted(1) - shifted(-1)) / (2 * eps), rtol=2e-3)

@@ -38,13 +38,13 @@ from posjax.kernels.decode import decode_attention
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import (Alibi, Buckets, Fire, Forget, Kerple, Relative, Sandwich, Terms, Untied, check_rows,
-                                  kv_group, merge)
+from posjax.kernels.terms import (WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
+                                  StickBreaking, Terms, Untied, check_rows, kv_group, merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = tile.PLATFORMS
 __all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
-           "Forget", "merge",
+           "Forget", "Cope", "StickBreaking", "merge",
            "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
@@ -145,6 +145,10 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     return xla.attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
+  rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
+  if rules:
+    raise ValueError(f"the Pallas kernels do not compute the {'/'.join(rules)} term, which reads the masked logits; "
+                     "use implementation='xla'")
   tpu, interpret = tile.backend(interpret, platform)
   block_sizes = block_sizes or (mosaic if tpu else triton).default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)

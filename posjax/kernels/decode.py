@@ -101,7 +101,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
     k_BxTxGxK, v_BxTxGxV = jnp.swapaxes(k_BxGxTxK, 1, 2), jnp.swapaxes(v_BxGxTxV, 1, 2)
     s_BxHxQxT = xla.logits(q_BxQxHxK, k_BxTxGxK, terms, positions_BxT, scale, rows_Q)
     allowed_Bx1xQxT = xla.allowed_pairs(valid_BxT, jnp.zeros_like(positions_BxT), True, rows_Q, sliding_window)
-    return xla.weighted_values(xla.softmax_weights(s_BxHxQxT, allowed_Bx1xQxT), v_BxTxGxV)
+    weights_BxHxQxT = xla.attention_weights(s_BxHxQxT, allowed_Bx1xQxT, terms, q_BxQxHxK, rows_Q)
+    return xla.weighted_values(weights_BxHxQxT, v_BxTxGxV)
   refusal = kernel_refusal(terms)
   if refusal:
     raise ValueError(f"decode_attention(implementation='pallas'): {refusal}; use implementation='xla'")

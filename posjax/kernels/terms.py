@@ -17,8 +17,13 @@ the batch's positions (so packed rows are exact):
 | ``Sandwich``   | ratios ``ρ [H]`` (constant)               | ``λ (Σ_f cos(r ω_f / ρ_h) - F)`` (Sandwich)        |
 | ``Forget``     | ``c [B, H, L]`` (per token, float32)      | ``c_i - c_j``, ``j <= i`` (the Forgetting Transformer) |
 
-The dense ``xla`` path and the Pallas kernels compute every term; the learned scalars of KERPLE and FIRE get their
+The dense ``xla`` path and the Pallas kernels compute these terms; the learned scalars of KERPLE and FIRE get their
 gradients as per-tile partial sums (:data:`SCALARS`).
+
+Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`; on the dense
+``xla`` path only, for now): ``Cope`` (Contextual Position Encoding: positions counted by gates over the allowed
+keys, a term interpolated from a learned table) and ``StickBreaking`` (the weights themselves: stick-breaking
+instead of the softmax).
 
 ``scale`` is the op's content scale (the factor on ``q·k``); the other terms come scaled as the model adds
 them. [CLS] tokens are those at position 0 (the first token of each packed segment), as in TUPE's position
@@ -38,7 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 RESETS = ("official", "paper", "none")
-NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget")  # every field of Terms
+NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
+         "stick_breaking")  # every field of Terms
+WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask, which only the xla path computes
 SCALARS = ("kerple", "fire")  # terms whose learned scalars the kernels differentiate per tile (scalar_columns)
 KERPLES = ("log", "power")
 
@@ -423,6 +430,71 @@ class Forget:
     return jnp.where(jnp.arange(length)[None, :] > rows_Q[:, None], -difference_BxHxQxL, difference_BxHxQxL)
 
 
+def suffix_sums(x_BxHxQxL, inclusive: bool):
+  """``Σ_{t >= j}`` (``inclusive``) or ``Σ_{t > j}`` of ``x`` along the keys, summed from the last key back (no
+  difference of two long sums: an exclusive sum is the next key's inclusive one)."""
+  sums_BxHxQxL = jax.lax.cumsum(x_BxHxQxL, axis=x_BxHxQxL.ndim - 1, reverse=True)
+  if inclusive:
+    return sums_BxHxQxL
+  return jnp.concatenate([sums_BxHxQxL[..., 1:], jnp.zeros_like(sums_BxHxQxL[..., :1])], axis=-1)
+
+
+@flax.struct.dataclass
+class Cope:
+  """Contextual Position Encoding (Golovneva, Wang, Weston, Sukhbaatar 2024, "Contextual Position Encoding:
+  Learning to Count What's Important"), as the paper's code computes it: gates ``g_it = sigmoid(z_it)`` of the
+  masked logits (0 at a masked key), a key's position the gates from it to the row's end, ``p_ij = Σ_{t >= j}
+  g_it`` (with a causal mask: from ``j`` to the query ``i``), clamped at ``P - 1``, and the logit term ``q_i · e(p_ij)``
+  interpolated linearly between the table's integer rows ``e(floor p)`` and ``e(ceil p)``: ``q`` unscaled, as in the
+  paper's code. ``table``: ``[K, P]`` (the paper's ``pos_emb``, ``P = npos_max``), shared by the heads."""
+
+  table: jax.Array  # [K, P]
+
+  def term(self, s_BxHxQxL, allowed_Bx1xQxL, q_BxQxHxK):
+    """``[B, H, Q, L]`` float32, added to the logits ``s`` (before the softmax) at the queries ``q``'s rows."""
+    s_BxHxQxL = s_BxHxQxL.astype(jnp.float32)
+    gates_BxHxQxL = jax.nn.sigmoid(s_BxHxQxL)
+    if allowed_Bx1xQxL is not None:
+      gates_BxHxQxL = jnp.where(allowed_Bx1xQxL, gates_BxHxQxL, 0.0)
+    p_BxHxQxL = jnp.minimum(suffix_sums(gates_BxHxQxL, inclusive=True), self.table.shape[1] - 1)
+    qe_BxHxQxP = jnp.einsum("bqhk,kp->bhqp", q_BxQxHxK.astype(jnp.float32), self.table.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+    floor_BxHxQxL = jnp.floor(p_BxHxQxL)
+    row = lambda index_BxHxQxL: jnp.take_along_axis(qe_BxHxQxP, index_BxHxQxL.astype(jnp.int32), axis=-1)
+    w_BxHxQxL = p_BxHxQxL - floor_BxHxQxL
+    return row(jnp.ceil(p_BxHxQxL)) * w_BxHxQxL + row(floor_BxHxQxL) * (1.0 - w_BxHxQxL)
+
+
+@flax.struct.dataclass
+class StickBreaking:
+  """Stick-breaking attention (Tan, Yang, Courville, Panda, Shen; ICLR 2025): the weights are not a softmax but
+  ``A_ij = β_ij Π_{j<k} (1 - β_ik)``, ``β = sigmoid(z)``, the product over the allowed keys after ``j`` (with a
+  causal mask: up to the query), computed in log space; the closest key takes its share of the stick first. As the
+  authors' ``sb_attn`` (shawntan/stickbreaking-attention): ``attend_current=False`` leaves the query's own key out,
+  and ``remainder`` (their model's ``sb_remainder``, on by default in IBM's dolomite-engine config) gives what is
+  left of the stick, ``1 - Σ_j A_ij``, to the query's own value."""
+
+  attend_current: bool = flax.struct.field(pytree_node=False, default=False)
+  remainder: bool = flax.struct.field(pytree_node=False, default=True)
+
+  def weights(self, s_BxHxQxL, allowed_Bx1xQxL, rows_Q=None):
+    """``[B, H, Q, L]`` float32 weights from the logits ``s`` at query rows ``rows_Q`` (default all)."""
+    s_BxHxQxL = s_BxHxQxL.astype(jnp.float32)
+    length = s_BxHxQxL.shape[-1]
+    rows_Q = jnp.arange(length) if rows_Q is None else rows_Q
+    own_QxL = jnp.arange(length)[None, :] == rows_Q[:, None]
+    allowed_BxHxQxL = jnp.ones(s_BxHxQxL.shape, bool) if allowed_Bx1xQxL is None else jnp.broadcast_to(
+        allowed_Bx1xQxL, s_BxHxQxL.shape)
+    if not self.attend_current:
+      allowed_BxHxQxL = allowed_BxHxQxL & ~own_QxL
+    rest_BxHxQxL = jnp.where(allowed_BxHxQxL, jax.nn.log_sigmoid(-s_BxHxQxL), 0.0)
+    log_a_BxHxQxL = jax.nn.log_sigmoid(s_BxHxQxL) + suffix_sums(rest_BxHxQxL, inclusive=False)
+    a_BxHxQxL = jnp.where(allowed_BxHxQxL, jnp.exp(log_a_BxHxQxL), 0.0)
+    if self.remainder:
+      a_BxHxQxL = a_BxHxQxL + jnp.where(own_QxL, 1.0 - jnp.sum(a_BxHxQxL, axis=-1, keepdims=True), 0.0)
+    return a_BxHxQxL
+
+
 @flax.struct.dataclass
 class Terms:
   """All position terms of one attention call (each None when absent)."""
@@ -435,6 +507,8 @@ class Terms:
   fire: Fire | None = None
   sandwich: Sandwich | None = None
   forget: Forget | None = None
+  cope: Cope | None = None
+  stick_breaking: StickBreaking | None = None
 
   def empty(self) -> bool:
     """Whether no term is given."""
@@ -502,6 +576,11 @@ class Terms:
                                     or jnp.shape(self.forget.c)[0] not in (1, batch)):
       raise ValueError(f"Forget.c has shape {jnp.shape(self.forget.c)}; expected ({batch} or 1, {num_heads}, {length}) "
                        "(one cumulative log gate per query head and token)")
+    if self.cope is not None and (jnp.ndim(self.cope.table) != 2 or jnp.shape(self.cope.table)[0] != head_dim):
+      raise ValueError(f"Cope.table has shape {jnp.shape(self.cope.table)}; expected ({head_dim}, npos_max)")
+    if self.stick_breaking is not None and not all(isinstance(getattr(self.stick_breaking, name), bool)
+                                                   for name in ("attend_current", "remainder")):
+      raise ValueError(f"StickBreaking's attend_current and remainder must be bools, got {self.stick_breaking}")
     if self.untied is not None:
       u = self.untied
       if u.reset not in RESETS:

@@ -92,6 +92,19 @@ def softmax_weights(s_BxHxQxL, allowed_Bx1xQxL=None):
   return jax.nn.softmax(s_BxHxQxL.astype(jnp.float32), axis=-1)
 
 
+def attention_weights(s_BxHxQxL, allowed_Bx1xQxL=None, terms: Terms | None = None, q_BxQxHxK=None, rows_Q=None):
+  """The attention weights in float32 from the logits: the terms that read the masked logits first (CoPE's, from
+  the rows' queries ``q_BxQxHxK``), then the terms' weight rule (stick-breaking) or the softmax
+  (:func:`softmax_weights`); ``rows_Q``: the queries' sequence rows (default all)."""
+  if terms is not None and terms.cope is not None:
+    if q_BxQxHxK is None:
+      raise ValueError("CoPE's term is q_i·e(p_ij): give the queries to build it")
+    s_BxHxQxL = s_BxHxQxL + terms.cope.term(s_BxHxQxL, allowed_Bx1xQxL, q_BxQxHxK)
+  if terms is not None and terms.stick_breaking is not None:
+    return terms.stick_breaking.weights(s_BxHxQxL, allowed_Bx1xQxL, rows_Q)
+  return softmax_weights(s_BxHxQxL, allowed_Bx1xQxL)
+
+
 def weighted_values(weights_BxHxQxL, v_BxLxGxV):
   """``[B, Q, H, V]``: the weighted sum of the values, in the values' dtype; ``G`` dividing ``H`` (grouped values):
   query head h reads value head ``h // (H / G)``, with no repeated copy of the values."""
@@ -122,7 +135,8 @@ def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None, sliding
 def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, segment_ids_BxL, valid_BxL,
               scale: float, causal: bool, dropout_rate: float = 0.0, salts_BxH=None, query_block: int | None = None,
               sliding_window: int = 0):
-  """``[B, L, H, V]``; a masked logit is the most negative float32, so a fully masked row averages all keys.
+  """``[B, L, H, V]``; a masked logit is the most negative float32, so a fully masked row averages all keys (a
+  softmax's; stick-breaking gives it no weight, or its own value with the remainder).
   Dropout: the mask of :mod:`posjax.kernels.dropout`, the kernels' own. ``query_block``: compute ``query_block``
   query rows at a time (a loop whose blocks the backward recomputes), so no more than ``[B, H, query_block, L]``
   is alive at once; default all rows at once."""
@@ -130,8 +144,8 @@ def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, s
 
   def rows(rows_Q, q_BxQxHxK):
     s_BxHxQxL = logits(q_BxQxHxK, k_BxLxHxK, terms, positions_BxL, scale, rows_Q)
-    weights_BxHxQxL = softmax_weights(s_BxHxQxL, allowed_pairs(valid_BxL, segment_ids_BxL, causal, rows_Q,
-                                                                   sliding_window))
+    allowed_Bx1xQxL = allowed_pairs(valid_BxL, segment_ids_BxL, causal, rows_Q, sliding_window)
+    weights_BxHxQxL = attention_weights(s_BxHxQxL, allowed_Bx1xQxL, terms, q_BxQxHxK, rows_Q)
     if dropout_rate:
       i_Q = jnp.arange(length, dtype=jnp.int32) if rows_Q is None else rows_Q.astype(jnp.int32)
       weights_BxHxQxL = dropout.apply(weights_BxHxQxL, salts_BxH[:, :, None, None], i_Q[:, None],

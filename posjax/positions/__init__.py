@@ -11,7 +11,10 @@ from posjax.positions import kerple  # noqa: F401  kerple_log, kerple_power
 from posjax.positions import fire  # noqa: F401  fire
 from posjax.positions import sandwich  # noqa: F401  sandwich
 from posjax.positions import fox  # noqa: F401  fox
-from posjax.positions.base import (LayerTerms, Method, PositionSpec, PositionState, get, make, names,
+from posjax.positions import cope  # noqa: F401  cope
+from posjax.positions import stick_breaking  # noqa: F401  stick_breaking
+from posjax.positions.base import (LayerTerms, Method, PositionSpec, PositionState, encoder_names, get, make, names,
                                    register)
 
-__all__ = ["LayerTerms", "Method", "PositionSpec", "PositionState", "get", "make", "names", "register"]
+__all__ = ["LayerTerms", "Method", "PositionSpec", "PositionState", "encoder_names", "get", "make", "names",
+           "register"]

@@ -197,6 +197,8 @@ class Method:
       TUPE's): ELECTRA's two models on one table, each with its own projections.
     reads_input: whether its layer also reads the attention layer's input ``x`` ``[B, L, D]``, called as ``(q, k,
       state, scale, x)`` (the Forgetting Transformer's gate, computed from the tokens).
+    decoder_only: whether the method exists in a decoder's (causal) form only: its state runs from a key to the
+      query (CoPE's counted positions, stick-breaking's product), so :func:`make` refuses it without ``causal``.
     summary: one line for listings and error messages.
   """
 
@@ -210,6 +212,7 @@ class Method:
   input_embedding: bool = False
   table_shareable: bool = False
   reads_input: bool = False
+  decoder_only: bool = False
   summary: str = ""
 
   @property
@@ -236,6 +239,11 @@ def register(method: Method, *aliases: str) -> Method:
 def names() -> list[str]:
   """Registered method names (aliases excluded), in registration order."""
   return list(_REGISTRY)
+
+
+def encoder_names() -> list[str]:
+  """The registered methods that have an encoder's form (all but the decoder-only ones), in registration order."""
+  return [name for name in _REGISTRY if not _REGISTRY[name].decoder_only]
 
 
 def get(name: str) -> Method:
@@ -350,6 +358,9 @@ def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int,
     raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (0: num_heads)")
   if max_len <= 0:
     raise ValueError(f"max_len must be positive, got {max_len}")
+  if method.decoder_only and not causal:
+    raise ValueError(f"position method {method.name!r} exists in a decoder's form only (causal attention: "
+                     "model.causal=True, or a decoder preset such as configs/lm.py's)")
   head_dim = head_dim or hidden_size // num_heads
   return PositionSpec(method, parse_options(method, options), num_heads, head_dim, max_len,
                       dtype, param_dtype, 0 if embedding_size == hidden_size else embedding_size, bool(causal),
