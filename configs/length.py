@@ -5,7 +5,8 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
   methods: ``+``-separated registry names, trained here; default ``rope+alibi+fire+kerple_log``; ``methods=``: none.
     Named sets expand in place: ``huang`` (Huang et al. 2020's inductive rows: absolute, shaw, huang_m1-m4; their
     models are encoders, so ``model=mlm``), ``extrapolation`` (the length-generalisation methods: none (NoPE), rope,
-    xpos, alibi, t5, kerple_log, kerple_power, fire, sandwich, fox).
+    xpos, alibi, t5, kerple_log, kerple_power, fire, sandwich, fox, cope, stick_breaking; with ``model=mlm`` those
+    with an encoder's form).
   runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/lm.py:... --workdir=DIR``,
     ``configs/clm.py`` for ``model=clm``, ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
     config and the harness's evaluators, as the row of its position method (a second run of the same method, e.g.
@@ -58,7 +59,7 @@ from posjax.experiments.tables import HUANG_METHODS
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
                "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire",
-                                 "sandwich", "fox")}
+                                 "sandwich", "fox", "cope", "stick_breaking")}
 
 
 
@@ -73,9 +74,13 @@ def get_config(arg=None):
   config.seeds = arg.seeds  # runs per trained row (seeds seed .. seed + seeds - 1): tables show mean ± std
   config.stride = arg.stride  # > 0: sliding-window perplexity too (windows of each length every `stride` tokens)
   names = arg.methods.split("+") if arg.methods else []
-  config.methods = tuple(dict.fromkeys(m for name in names for m in METHOD_SETS.get(name, (name,))))
+  # a named set gives an encoder (model=mlm) its methods with an encoder's form; a method named alone must have one
+  encoder = arg.model == "mlm"
+  config.methods = tuple(dict.fromkeys(m for name in names for m in METHOD_SETS.get(name, (name,))
+                                       if not (encoder and name in METHOD_SETS and positions.get(m).decoder_only)))
   for method in config.methods:
-    positions.get(method)
+    if encoder and positions.get(method).decoder_only:
+      raise ValueError(f"position method {method!r} exists in a decoder's form only: use model=lm or model=clm")
   config.model = arg.model
   default_size = "125m" if arg.model == "lm" else "base"
   config.size = arg.size if "size" in given else "tiny" if arg.runlocal else default_size

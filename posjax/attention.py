@@ -96,6 +96,9 @@ def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
         f"{spec.options}: the fused kernels do not build its terms (multiplicative terms, Shaw's value term, "
         f"CoPE and stick-breaking need the full logits or the weights); use kernel "
         f"'xla' (or 'auto', which falls back to it)")
+  if kernel == "cudnn" and not spec.method.softmax:
+    raise ValueError(f"attention kernel 'cudnn' computes softmax attention; position method {spec.name!r} reads the "
+                     "masked logits (its own weights or term): use kernel 'pallas' or 'xla'")
 
 
 def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool, platform: str | None = None) -> str:
@@ -109,6 +112,8 @@ def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool
   reasons = []
   if not spec.fusable:
     reasons.append(f"position method {spec.name!r} needs the full logits or the weights")
+  elif not spec.method.softmax:
+    reasons.append(f"position method {spec.name!r} reads the masked logits, which cuDNN does not")
   if dropout:
     reasons.append("dropout on attention weights is on")
   if jnp.dtype(dtype) not in FUSED_DTYPES:

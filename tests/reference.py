@@ -276,6 +276,16 @@ def shaw_value_output(P, x, pos, weights, max_len, opts):
   return z
 
 
+def stick_breaking_row(z, keys, i, remainder):
+  """``{j: A_ij}``: query i's stick-breaking weights over ``keys`` (ascending), ``A_ij = σ(z_j) Π_{k in keys, k > j}
+  (1 - σ(z_k))``; with ``remainder``, ``1 - Σ_j A_ij`` more on the query's own key."""
+  sigmoid = lambda t: 1.0 / (1.0 + math.exp(-t))
+  weight = {j: sigmoid(z[j]) * math.prod(1 - sigmoid(z[t]) for t in keys if t > j) for j in keys}
+  if remainder:
+    weight[i] = weight.get(i, 0.0) + 1 - sum(weight.values())
+  return weight
+
+
 def weight_rule_output(name, opts, P, x, pos, segments):
   """``[B, L, H, V]`` before the output projection: one causal layer of ``cope`` or ``stick_breaking``, in loops.
   Keys allowed to query i: j <= i in i's segment (query head h reads k/v head h // (H / G)).
@@ -308,12 +318,8 @@ def weight_rule_output(name, opts, P, x, pos, segments):
           total = sum(math.exp(e - top) for e in weight.values())
           weight = {j: math.exp(e - top) / total for j, e in weight.items()}
         else:
-          attend_current, remainder = opts.get("attend_current", False), opts.get("remainder", True)
-          keys = [j for j in keys if attend_current or j != i]
-          for j in keys:
-            weight[j] = sigmoid(z[j]) * math.prod(1 - sigmoid(z[t]) for t in keys if t > j)
-          if remainder:
-            weight[i] = weight.get(i, 0.0) + 1 - sum(weight.values())
+          keys = [j for j in keys if opts.get("attend_current", False) or j != i]
+          weight = stick_breaking_row(z, keys, i, opts.get("remainder", True))
         for j, w in weight.items():
           out[b, i, h] += w * v[b, j, h // group]
   return out
@@ -366,12 +372,14 @@ class FusedAttention:
   def __call__(self, q, k, v, *, scale, alibi=None, bucket_table=None, relative_table=None, relative_query=False,
                relative_key=False, u_q=None, u_k=None, theta=None, reset="none", kerple_r1=None, kerple_r2=None,
                kerple_kind="log", fire_w1=None, fire_b1=None, fire_w2=None, fire_b2=None, fire_c=None,
-               fire_threshold=None, fire_eps=1e-6, sandwich=None, forget_c=None):
+               fire_threshold=None, fire_eps=1e-6, sandwich=None, forget_c=None, stick_breaking=None):
     """``[B, L, H, V]`` float64. ``alibi`` ``[H]``, ``bucket_table`` ``[N, H]``, ``relative_table`` ``[2k+1, K]``,
     ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none; ``kerple_r1``,
     ``kerple_r2`` ``[H]``; FIRE's ``w1``, ``b1`` ``[W]``, ``w2`` ``[W, H]``, ``b2`` ``[H]``, ``c``, ``threshold``;
     ``sandwich``: ``dict(ratios [H], dim, base, scale, divide, first)``; ``forget_c`` ``[1 or B, H, L]``: the
-    Forgetting Transformer's cumulative log gates, ``c_i - c_j`` (``c_j - c_i`` for a later key)."""
+    Forgetting Transformer's cumulative log gates, ``c_i - c_j`` (``c_j - c_i`` for a later key);
+    ``stick_breaking``: ``dict(attend_current, remainder)``, the weights of stick-breaking attention instead of the
+    softmax (:func:`stick_breaking_row`)."""
     f64 = lambda x: np.asarray(x, np.float64)
     q, k, v = f64(q), f64(k), f64(v)
     B, L, H, _ = q.shape
@@ -423,6 +431,15 @@ class FusedAttention:
     if reset == "paper":
       positional = untie(positional)
     logits = logits + positional
+    if stick_breaking is not None:
+      out = np.zeros(q.shape[:3] + v.shape[-1:])
+      for b in range(B):
+        for h in range(H):
+          for i in range(L):
+            keys = [j for j in range(L) if self.allowed[b, i, j] and (stick_breaking["attend_current"] or j != i)]
+            weights = stick_breaking_row(logits[b, h, i], keys, i, stick_breaking["remainder"])
+            out[b, i, h] = sum(w * v[b, j, h] for j, w in weights.items())
+      return out
     logits = np.where(self.allowed[:, None], logits, -np.inf)
     logits = np.where(self.allowed.any(-1)[:, None, :, None], logits, 0.0)  # a row with no key: every key alike
     return np.einsum("bhij,bjhd->bihd", softmax(logits), v)

@@ -14,7 +14,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from posjax import kernels
+from posjax import attention, kernels
 from posjax.kernels import mosaic
 from posjax.models import BertConfig, BertModel
 import reference
@@ -117,6 +117,9 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
     sw = terms.sandwich
     fixed["sandwich"] = dict(ratios=np.asarray(sw.ratios), dim=sw.dim, base=sw.base, scale=sw.scale, divide=sw.divide,
                              first=sw.first)
+  if terms.stick_breaking is not None:
+    fixed["stick_breaking"] = dict(attend_current=terms.stick_breaking.attend_current,
+                                   remainder=terms.stick_breaking.remainder)
   weights = np.asarray(weights, np.float64)
   loss = lambda **x: float(np.sum(fused(**fixed, **{**inputs, **x}) * weights))
   np.testing.assert_allclose(out, fused(**fixed, **inputs), rtol=2e-5, atol=2e-5)
@@ -429,6 +432,33 @@ def test_the_forget_term_matches_the_reference_with_its_gradient():
   assert float(jnp.max(jnp.abs(got[3].forget.c))) > 1e-2 * float(jnp.max(jnp.abs(got[0])))
 
 
+@pytest.mark.parametrize("rule", [dict(), dict(attend_current=True, remainder=False)])
+def test_stick_breaking_matches_the_reference_with_its_gradients(rule):
+  """Stick-breaking's weights on the GPU kernels (interpreted): each query tile's key tiles walked from the diagonal
+  back, the dq kernel's carries read by the dk/dv kernel; the output and every gradient against the float64
+  reference's loops (central differences), on packed, padded, causal rows with grouped k/v heads, tiles smaller than
+  a document and a sliding window; the query's own key left out and the remainder on its value (the authors'
+  defaults), or neither."""
+  rng = np.random.default_rng(12)
+  batch, length, heads, kv_heads, head_dim = 2, 21, 4, 2, 8
+  positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
+  segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
+  terms = kernels.Terms(stick_breaking=kernels.StickBreaking(**rule))
+  q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), jnp.float32) for _ in range(2))
+  weights = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
+
+  def loss(implementation, q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
+                                     lengths=np.array([21, 17]), causal=True, sliding_window=10,
+                                     implementation=implementation, block_sizes=(8, 4), interpret=True)
+    return jnp.sum(out * weights), out
+
+  got, out = compiled_grad(loss, "pallas")(q, k, v, terms)
+  assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
+                           lengths=np.array([21, 17]), causal=True, sliding_window=10)
+
+
 MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}),
           ("tupe_a", {"cls_reset": "paper", "share_across_layers": False}),
           ("tupe_r", {"relative_distance": "clip", "max_distance": 6, "cls_reset": "none"}),
@@ -475,6 +505,7 @@ LOWERED = {
         sandwich=kernels.Sandwich(jnp.ones(2)), forget=kernels.Forget(f32(1, 2, 40))),
     # 259 bucket entries and 257 gathered distances: the backward scatters them in pieces (a one-hot of
     # [64, 64, 512] is over Triton's 2^20 elements)
+    "stick_breaking": lambda f32: kernels.Terms(stick_breaking=kernels.StickBreaking()),  # GPU only, so far
     "wide tables": lambda f32: kernels.Terms(
         buckets=kernels.Buckets(f32(259, 2), kind="clip", max_distance=128, cls_row=257, cls_col=258),
         relative=kernels.Relative(f32(257, 24), 128, query=True, key=True, window=False)),
@@ -501,6 +532,10 @@ def test_the_kernels_lower_for_gpu_and_tpu(name, platform, monkeypatch):
     return jnp.sum(out.astype(jnp.float32))
 
   terms = LOWERED[name](f32)
+  if platform == "tpu" and name == "stick_breaking":
+    with pytest.raises(ValueError, match="do not compute stick-breaking on the TPU kernels; use implementation='xla'"):
+      loss(q, k, v, terms)
+    return
   if platform == "tpu" and terms is not None and terms.relative is not None:
     terms = terms.replace(relative=terms.relative.replace(window=None))  # always windowed there
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=(platform,))
@@ -522,6 +557,7 @@ def test_tpu_blocks_mosaic_cannot_tile_are_an_error(monkeypatch):
 @pytest.mark.parametrize("config,message", [
     (dict(position="huang_m1"), "attention kernel 'pallas' cannot compute position method 'huang_m1'"),
     (dict(position="shaw", position_options={"value_term": True}), "cannot compute position method 'shaw'"),
+    (dict(position="cope", causal=True), "attention kernel 'pallas' cannot compute position method 'cope'"),
 ])
 def test_methods_the_kernel_cannot_compute_are_errors(config, message):
   with pytest.raises(ValueError, match=message):
@@ -637,3 +673,11 @@ def test_unknown_implementation_or_interpreter_is_an_error():
     kernels.relative_attention(x, x, x, implementation="triton")
   with pytest.raises(ValueError, match=r"interpret='gpu'; allowed: None, True, False, 'tpu'"):
     kernels.relative_attention(x, x, x, interpret="gpu")
+
+
+def test_cudnn_refuses_a_weight_rule_and_auto_leaves_it_to_xla():
+  with pytest.raises(ValueError, match="attention kernel 'cudnn' computes softmax attention; position method "
+                                       "'stick_breaking' reads the masked logits"):
+    BertConfig.tiny(position="stick_breaking", causal=True, attention_kernel="cudnn")
+  spec = BertConfig.tiny(position="stick_breaking", causal=True).position_spec
+  assert attention.resolve_kernel("auto", spec, dtype=jnp.bfloat16, dropout=False, platform="gpu") == "xla"

@@ -38,7 +38,7 @@ from posjax.kernels.decode import decode_attention
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import (WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
+from posjax.kernels.terms import (NAMES, WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
                                   StickBreaking, Terms, Untied, check_rows, kv_group, merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -46,6 +46,20 @@ PLATFORMS = tile.PLATFORMS
 __all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
            "Forget", "Cope", "StickBreaking", "merge",
            "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
+
+
+def check_weight_rules(terms: Terms, tpu: bool, dropout_rate: float) -> None:
+  """Raises unless the Pallas kernels compute the terms that read the masked logits (:data:`WEIGHT_RULES`): of them,
+  stick-breaking alone, on the GPU kernels, without dropout and without other terms."""
+  rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
+  if not rules:
+    return
+  others = [name for name in NAMES if getattr(terms, name) is not None and name != "stick_breaking"]
+  if rules != ["stick_breaking"] or tpu or others or dropout_rate:
+    why = (f"the {'/'.join(r for r in rules if r != 'stick_breaking')} term" if rules != ["stick_breaking"] else
+           "stick-breaking on the TPU kernels" if tpu else f"stick-breaking with the {'/'.join(others)} term"
+           if others else "dropout on stick-breaking weights")
+    raise ValueError(f"the Pallas kernels do not compute {why}; use implementation='xla'")
 
 
 def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None = None, positions=None,
@@ -145,11 +159,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     return xla.attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, terms, positions_BxL=positions_BxL,
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
-  rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
-  if rules:
-    raise ValueError(f"the Pallas kernels do not compute the {'/'.join(rules)} term, which reads the masked logits; "
-                     "use implementation='xla'")
   tpu, interpret = tile.backend(interpret, platform)
+  check_weight_rules(terms, tpu, dropout_rate)
   block_sizes = block_sizes or (mosaic if tpu else triton).default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)
   if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):

@@ -452,6 +452,52 @@ def _fire_term_grads(fire, d_HxX):
   return fire.replace(**summed, w2=columns["w2"].T.astype(fire.w2.dtype), b2=columns["b2"][:, 0].astype(fire.b2.dtype))
 
 
+def suffix_matrix(size: int, inclusive: bool):
+  """``[T, T]`` float32 ``M[t, j] = 1`` where ``t > j`` (``inclusive``: ``t >= j``): ``x @ M`` sums each row of ``x``
+  over the keys after ``j`` (from ``j`` on) within a tile."""
+  t_TxT = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+  j_TxT = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+  return jnp.where((t_TxT >= j_TxT) if inclusive else (t_TxT > j_TxT), 1.0, 0.0).astype(jnp.float32)
+
+
+def stick_breaking_tile(tile: TileBase, later_Q, precision):
+  """One tile of stick-breaking attention (:class:`posjax.kernels.StickBreaking`) given ``later_Q``, each row's
+  ``Σ log(1 - β)`` over the allowed keys of the key tiles after this one: ``(allowed_QxT, rest_QxT, a_QxT)``, the
+  keys that take a share (the query's own left out unless ``attend_current``), their ``log(1 - β)`` (0 elsewhere)
+  and their weights ``β_ij Π_{k > j} (1 - β_ik)``, summed in log space (the tile's part a product with
+  :func:`suffix_matrix` at ``precision``)."""
+  allowed_QxT = tile.allowed_QxT
+  if not tile.terms.stick_breaking.attend_current:
+    allowed_QxT = allowed_QxT & (tile.index_i_QxT != tile.index_j_QxT)
+  z_QxT = tile.s_QxT
+  rest_QxT = jnp.where(allowed_QxT, jax.nn.log_sigmoid(-z_QxT), 0.0)
+  later_QxT = dot(rest_QxT, suffix_matrix(z_QxT.shape[1], inclusive=False), precision) + later_Q[:, None]
+  a_QxT = jnp.where(allowed_QxT, jnp.exp(jax.nn.log_sigmoid(z_QxT) + later_QxT), 0.0)
+  return allowed_QxT, rest_QxT, a_QxT
+
+
+def stick_breaking_grads(tile: TileBase, allowed_QxT, a_QxT, da_QxT, before_Q, precision):
+  """The logits' gradient of a stick-breaking tile from its weights' ``da``: ``dz_ij = da_ij a_ij (1 - β_ij) - β_ij
+  Σ_{k < j} da_ik a_ik``, the sum over the row's earlier keys ``before_Q - Σ_{k >= j in the tile}`` (``before_Q``:
+  the row's ``Σ_k da a`` less the key tiles after this one); and ``da a`` (its row sums carry to the earlier
+  tiles)."""
+  z_QxT = tile.s_QxT
+  gain_QxT = da_QxT * a_QxT
+  earlier_QxT = before_Q[:, None] - dot(gain_QxT, suffix_matrix(z_QxT.shape[1], inclusive=True), precision)
+  dz_QxT = gain_QxT * jax.nn.sigmoid(-z_QxT) - jax.nn.sigmoid(z_QxT) * earlier_QxT
+  return jnp.where(allowed_QxT, dz_QxT, 0.0), gain_QxT
+
+
+def stick_breaking_rows(d_out_BxHxLxV, out_BxHxLxV, v_BxGxLxV, remainder: bool):
+  """``(dov, w)`` ``[B, H, L]``: ``d_out·v_i`` (the query's own value, its group's under grouped k/v) and ``w_i = Σ_j
+  da_ij a_ij = d_out·out - d_out·v_i`` (``- d_out·v_i`` with the remainder only), the rows' totals the backward
+  of stick-breaking starts from (``da_ij = d_out_i·v_j - d_out_i·v_i`` with the remainder)."""
+  group = d_out_BxHxLxV.shape[1] // v_BxGxLxV.shape[1]
+  v_BxHxLxV = jnp.repeat(v_BxGxLxV, group, axis=1)
+  dov_BxHxL = row_delta(d_out_BxHxLxV, v_BxHxLxV) if remainder else jnp.zeros(d_out_BxHxLxV.shape[:3], jnp.float32)
+  return dov_BxHxL, row_delta(d_out_BxHxLxV, out_BxHxLxV) - dov_BxHxL
+
+
 def row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims: bool = False):
   """``Σ_k d_out·out`` per row (the softmax backward's correction), counting nothing where ``d_out`` is 0: a NaN
   row (a windowed table's flag) whose output the loss ignores must not poison every other gradient."""

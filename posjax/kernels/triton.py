@@ -58,8 +58,9 @@ from jax.experimental.pallas import triton as pltriton
 from posjax.kernels.terms import NAMES, Terms
 from posjax.kernels.tile import (Plan, fold_window_table, forget_term_grads, group_sum, kv_head, next_power_of_two,
                                  overlap_add, row_delta, sandwich_embeddings, scalar_count, scalar_rows,
-                                 scalar_term_grads, tile_ranges, untied_grads, window_table)
-from posjax.kernels.triton_kernels import decode_kernel, dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
+                                 scalar_term_grads, stick_breaking_rows, tile_ranges, untied_grads, window_table)
+from posjax.kernels.triton_kernels import (decode_kernel, dkv_kernel, dq_kernel, forward_kernel, stick_dkv_kernel,
+                                           stick_dq_kernel, stick_forward_kernel, window_grad_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -191,6 +192,13 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
                           valid_BxL, salts_BxH, extra)
   ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
   inputs["tiles"], specs["tiles"] = ranges[0], _range_spec()
+  row_spec = pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))
+  if terms.stick_breaking is not None:  # each row's weight sum, no maximum: nothing is normalised
+    out = _call(stick_forward_kernel, plan, terms, inputs, specs,
+                {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
+                 "row_sum": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
+                {"out": _row_spec(v_BxHxLxV, plan.block_q), "row_sum": row_spec}, l // plan.block_q)
+    return out["out"], ((None, out["row_sum"]), extra, ranges)
   out = _call(forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
                "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
@@ -206,8 +214,12 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
   """The (query, key) tile when the caller gives none, from ptxas for H100 (bf16, K=64, L=512 and 2048): 128x64
   without position terms (no spills, at most 43% of the shared memory), 64x64 with any (at 128x64 ALiBi + T5's
   dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory). Sandwich embeddings
-  wider than 128 (``dim > 128``) take smaller tiles: their float32 operands pass the shared memory at 64x64."""
+  wider than 128 (``dim > 128``) take smaller tiles: their float32 operands pass the shared memory at 64x64.
+  Stick-breaking takes 32x32: at 64x64 its float32 ``[bq, bk]`` tiles (weights, their logs, the in-tile suffix sums)
+  spill 0.8-2.3 KB per thread, at 32x32 none."""
   del length, head_dim
+  if terms.stick_breaking is not None:
+    return (32, 32)
   plain = all(getattr(terms, name) is None for name in NAMES)
   if terms.sandwich is not None and terms.sandwich.dim > 128:
     return (32, 32) if terms.sandwich.dim <= 256 else (16, 16)
@@ -237,6 +249,13 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   terms = plan.terms(leaves)
   b, h, l, d = q_BxHxLxK.shape
   n_q, n_k = l // plan.block_q, l // plan.block_k
+  if terms.stick_breaking is not None:
+    inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
+                            valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
+    grads = _stick_breaking_bwd(plan, terms, inputs, specs, row_sum_BxHxL, out_BxHxLxV, v_BxHxLxV, d_out_BxHxLxV,
+                                key_tiles_BxNx2, query_tiles_BxMx2)
+    return ([jnp.zeros_like(x) for x in leaves],
+            *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
   delta_BxHxL = row_delta(d_out_BxHxLxV, out_BxHxLxV)
   inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
@@ -332,6 +351,30 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _stick_breaking_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, row_sum_BxHxL, out_BxHxLxV, v_BxGxLxV,
+                        d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2):
+  """``(dq, dk, dv)`` of stick-breaking attention: the dq kernel walks each query tile's key tiles from the last back
+  and writes the rows' two carries at every key tile (``[B, H, N, L]`` float32 each: ``O(L² / block_k)``), which the
+  dk/dv kernel reads for its pairs; no atomics."""
+  b, h, l, d = inputs["q"].shape
+  n_q, n_k = l // plan.block_q, l // plan.block_k
+  dov_BxHxL, w_BxHxL = stick_breaking_rows(d_out_BxHxLxV, out_BxHxLxV, v_BxGxLxV, terms.stick_breaking.remainder)
+  inputs = {**inputs, "row_sum": row_sum_BxHxL, "dov": dov_BxHxL, "w": w_BxHxL}
+  specs = {**specs, **{name: pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0)) for name in ("row_sum", "dov", "w")}}
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  carry_tile = pl.BlockSpec((1, 1, n_k, plan.block_q), lambda b, h, i: (b, h, 0, i))
+  dq_res = _call(stick_dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
+                 {"dq": f32(b, h, l, d), "later": f32(b, h, n_k, l), "gain": f32(b, h, n_k, l)},
+                 {"dq": _row_spec(inputs["q"], plan.block_q), "later": carry_tile, "gain": carry_tile}, n_q)
+  carry_rows = pl.BlockSpec((1, 1, n_k, l), lambda b, h, i: (b, h, 0, 0))
+  dkv_res = _call(stick_dkv_kernel, plan, terms,
+                  {**inputs, "later": dq_res["later"], "gain": dq_res["gain"], "tiles": query_tiles_BxMx2},
+                  {**specs, "later": carry_rows, "gain": carry_rows, "tiles": _range_spec()},
+                  {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxGxLxV.shape[-1])},
+                  {"dk": _row_spec(inputs["q"], plan.block_k), "dv": _row_spec(out_BxHxLxV, plan.block_k)}, n_k)
+  return dq_res["dq"], group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group)
 
 
 def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ, q_slots_BxQ, positions_BxT, valid_BxT,

@@ -17,7 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, t_dot
+from posjax.kernels.tile import (Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, stick_breaking_grads,
+                                 stick_breaking_tile, t_dot)
 
 
 def _one_hot(index_QxT, size: int):
@@ -393,6 +394,91 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
   acc_WxK = jax.lax.fori_loop(0, steps, body,
                               jnp.zeros((2 * block, r["q"].shape[-1]), jnp.float32))
   r["d_window"][0, 0, 0, :, :] = plan.scale * acc_WxK
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stick-breaking attention (a weight rule in place of the softmax): each query tile walks its key tiles from the
+# diagonal back, carrying each row's Σ log(1 - β) over the later keys; nothing to normalise.
+
+
+def stick_forward_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One query tile's output rows, its key tiles from the last back, and each row's weight sum ``Σ_j a_ij`` (the
+  remainder's share, ``1 -`` it, goes to the query's own value)."""
+  r = dict(zip(names, refs))
+  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
+  lo, hi = _tiles(r)
+
+  def body(step, carry):
+    later_Q, mass_Q, acc_QxV = carry
+    tile = Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k)
+    _, rest_QxT, a_QxT = stick_breaking_tile(tile, later_Q, tile._exact())
+    v_TxV = r["v"][0, 0, tile.cols, :]
+    return (later_Q + jnp.sum(rest_QxT, axis=1), mass_Q + jnp.sum(a_QxT, axis=1),
+            acc_QxV + dot(a_QxT.astype(v_TxV.dtype), v_TxV))
+
+  init = (jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, r["v"].shape[-1]), jnp.float32))
+  _, mass_Q, acc_QxV = jax.lax.fori_loop(0, hi - lo, body, init)
+  if terms.stick_breaking.remainder:
+    acc_QxV = acc_QxV + (1.0 - mass_Q)[:, None] * r["v"][0, 0, pl.ds(i0, bq), :].astype(jnp.float32)
+  r["out"][0, 0, :, :] = acc_QxV.astype(r["out"].dtype)
+  r["row_sum"][0, 0, :] = mass_Q
+
+
+def _stick_tile(plan: Plan, terms: Terms, r: dict, tile: Tile, later_Q, before_Q):
+  """A stick-breaking tile's weights, logits' gradient and ``da a`` (:func:`posjax.kernels.tile.stick_breaking_grads`)
+  from its rows' carries."""
+  allowed_QxT, rest_QxT, a_QxT = stick_breaking_tile(tile, later_Q, tile._exact())
+  da_QxT = dot_t(r["d_out"][0, 0, tile.rows, :], r["v"][0, 0, tile.cols, :]) - r["dov"][0, 0, tile.rows][:, None]
+  dz_QxT, gain_QxT = stick_breaking_grads(tile, allowed_QxT, a_QxT, da_QxT, before_Q, tile._exact())
+  return rest_QxT, a_QxT, dz_QxT, gain_QxT
+
+
+def stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One query tile's ``dq``, its key tiles from the last back, and the two carries each of them starts from
+  (``later``: Σ log(1 - β) over the later keys; ``gain``: Σ da·a over them), which the dk/dv kernel reads."""
+  r = dict(zip(names, refs))
+  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
+  lo, hi = _tiles(r)
+  w_Q = r["w"][0, 0, pl.ds(i0, bq)]
+
+  def body(step, carry):
+    later_Q, gain_Q, dq_QxK = carry
+    t = hi - 1 - step
+    r["later"][0, 0, t, :] = later_Q
+    r["gain"][0, 0, t, :] = gain_Q
+    tile = Tile(plan, terms, r, i0, t * plan.block_k)
+    rest_QxT, _, dz_QxT, gain_QxT = _stick_tile(plan, terms, r, tile, later_Q, w_Q - gain_Q)
+    return (later_Q + jnp.sum(rest_QxT, axis=1), gain_Q + jnp.sum(gain_QxT, axis=1),
+            dq_QxK + plan.scale * _dot_in(dot, dz_QxT, tile.k_TxK))
+
+  init = (jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, r["q"].shape[-1]), jnp.float32))
+  _, _, dq_QxK = jax.lax.fori_loop(0, hi - lo, body, init)
+  r["dq"][0, 0, :, :] = dq_QxK
+
+
+def stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One key tile's ``dk`` and ``dv`` from the query tiles that visit it, each row's carries at this key tile as the
+  dq kernel wrote them; with the remainder, ``dv_j`` also takes ``(1 - Σ_k a_jk) d_out_j`` (query j's own value)."""
+  r = dict(zip(names, refs))
+  n = pl.program_id(2)
+  bk, j0 = plan.block_k, n * plan.block_k
+
+  def body(t, acc):
+    dk_TxK, dv_TxV = acc
+    tile = Tile(plan, terms, r, t * plan.block_q, j0)
+    later_Q, gain_Q = r["later"][0, 0, n, tile.rows], r["gain"][0, 0, n, tile.rows]
+    _, a_QxT, dz_QxT, _ = _stick_tile(plan, terms, r, tile, later_Q, r["w"][0, 0, tile.rows] - gain_Q)
+    do_QxV = r["d_out"][0, 0, tile.rows, :]
+    return (dk_TxK + plan.scale * _dot_in(t_dot, dz_QxT, tile.q_QxK), dv_TxV + _dot_in(t_dot, a_QxT, do_QxV))
+
+  init = (jnp.zeros((bk, r["k"].shape[-1]), jnp.float32), jnp.zeros((bk, r["v"].shape[-1]), jnp.float32))
+  dk_TxK, dv_TxV = jax.lax.fori_loop(*_tiles(r), body, init)
+  if terms.stick_breaking.remainder:
+    cols = pl.ds(j0, bk)
+    dv_TxV = dv_TxV + (1.0 - r["row_sum"][0, 0, cols])[:, None] * r["d_out"][0, 0, cols, :].astype(jnp.float32)
+  r["dk"][0, 0, :, :] = dk_TxK
+  r["dv"][0, 0, :, :] = dv_TxV
 
 
 def _dot_in(product, gradient_MxX, operand_XxN):

@@ -197,6 +197,9 @@ class Method:
       TUPE's): ELECTRA's two models on one table, each with its own projections.
     reads_input: whether its layer also reads the attention layer's input ``x`` ``[B, L, D]``, called as ``(q, k,
       state, scale, x)`` (the Forgetting Transformer's gate, computed from the tokens).
+    softmax: whether its weights are the softmax of the logits plus additive terms (cuDNN's flash attention then
+      computes it where it is ``fusable``); False for a rule that reads the masked logits (CoPE, stick-breaking),
+      which only posjax's own kernels compute.
     decoder_only: whether the method exists in a decoder's (causal) form only: its state runs from a key to the
       query (CoPE's counted positions, stick-breaking's product), so :func:`make` refuses it without ``causal``.
     summary: one line for listings and error messages.
@@ -212,6 +215,7 @@ class Method:
   input_embedding: bool = False
   table_shareable: bool = False
   reads_input: bool = False
+  softmax: bool = True
   decoder_only: bool = False
   summary: str = ""
 

@@ -50,6 +50,7 @@ class CopeLayer(nn.Module):
     return base.DenseLayerTerms(q, k, terms=kernels.Terms(cope=kernels.Cope(table_KxP)))
 
 
-base.register(base.Method("cope", CopeOptions, layer=CopeLayer, fusable=lambda options: False, decoder_only=True,
+base.register(base.Method("cope", CopeOptions, layer=CopeLayer, fusable=lambda options: False, softmax=False,
+                          decoder_only=True,
                           summary="Contextual Position Encoding: positions counted by gates on the logits, a learned "
                                   "table interpolated (Golovneva et al. 2024)"))

@@ -12,7 +12,10 @@ Options, as the authors' kernel and model:
 
 A decoder's method only (:func:`posjax.positions.make` refuses it without ``causal``). Packed documents: the mask
 keeps each product inside its document. It is a :class:`posjax.kernels.StickBreaking` weight rule beside the logit
-terms: the dense ``xla`` path computes it (training and decoding); the fused kernels do not yet.
+terms: the dense ``xla`` path computes it (training and decoding) and so do the GPU (Triton) kernels (each query
+tile walks its key tiles from the diagonal back, carrying each row's ``Σ log(1 - β)``; the backward's carries at every
+key tile, ``O(L² / block)`` float32, pass from the dq kernel to the dk/dv kernel: no atomics); not yet the TPU
+kernels, the decode kernels (decoding runs on the dense formulas) or cuDNN.
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ class StickBreakingLayer(nn.Module):
   def __call__(self, q, k, state: base.PositionState, scale):
     o = self.spec.options
     rule = kernels.StickBreaking(attend_current=o.attend_current, remainder=o.remainder)
-    return base.DenseLayerTerms(q, k, terms=kernels.Terms(stick_breaking=rule))
+    return base.LayerTerms(q, k, terms=kernels.Terms(stick_breaking=rule))
 
 
 base.register(base.Method("stick_breaking", StickBreakingOptions, layer=StickBreakingLayer,
-                          fusable=lambda options: False, decoder_only=True,
+                          softmax=False, decoder_only=True,
                           summary="stick-breaking attention: each key takes a sigmoid's share of what closer keys "
                                   "left, no softmax (Tan et al. 2025)"))
