@@ -34,19 +34,22 @@ _MODEL_TIME_MAX_LEN = flags.DEFINE_integer(
 _LAYER_TIME_MAX_LEN = flags.DEFINE_integer(
     "layer_time_max_len", 1 << 30, "Longer layers are compiled for memory but not timed (e.g. Pallas interpret mode).")
 _SKIP_MODEL = flags.DEFINE_bool("skip_model", False, "Only the single-layer measurements.")
+_CAUSAL = flags.DEFINE_bool("causal", False, "Decoder layers (a causal mask, the methods' decoder forms; the "
+                            "decoder-only methods need it); single-layer measurements only.")
 
 HIDDEN, HEADS, FFN = 768, 12, 3072
 
 
 def layer_measurement(name: str, length: int, batch: int, dtype, kernel: str, repeats: int, run: bool = True):
-  spec = positions.make(name, num_heads=HEADS, hidden_size=HIDDEN, max_len=max(512, length), dtype=dtype)
+  spec = positions.make(name, num_heads=HEADS, hidden_size=HIDDEN, max_len=max(512, length), dtype=dtype,
+                        causal=_CAUSAL.value)
   kernel = common.kernel_for(name, kernel)
 
   class Layer(nn.Module):
     @nn.compact
     def __call__(self, x, pos):
       state = spec.method.encoder(spec=spec, name="pos")(pos)
-      return attention.SelfAttention(spec, kernel, name="attn")(x, state)
+      return attention.SelfAttention(spec, kernel, name="attn")(x, state, attention.Mask(causal=_CAUSAL.value))
 
   x = jnp.asarray(np.random.default_rng(0).normal(size=(batch, length, HIDDEN)), dtype)
   pos = jnp.arange(length)[None]
@@ -69,7 +72,9 @@ def fmt(seconds=None, nbytes=None):
 
 def main(argv):
   del argv
-  methods = _METHODS.value or positions.encoder_names()
+  if _CAUSAL.value and not _SKIP_MODEL.value:
+    raise app.UsageError("--causal measures single layers: add --skip_model (the model step is BERT's, an encoder)")
+  methods = _METHODS.value or (positions.names() if _CAUSAL.value else positions.encoder_names())
   dtype = DTYPES[_DTYPE.value]
   print(f"device: {common.describe_device()}; batch {_BATCH.value}, dtype {_DTYPE.value}, kernels "
         f"{','.join(_KERNELS.value)}, model {_LAYERS.value}×{HIDDEN}, dropout off\n")

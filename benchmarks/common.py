@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from posjax import positions
 from posjax.models import BertConfig, BertModel
 
 
@@ -42,8 +43,11 @@ def describe_device() -> str:
 
 
 def kernel_for(name: str, kernel: str) -> str:
-  """The kernel a method runs on when ``kernel`` is asked for: ``xla`` where a fused kernel cannot compute it."""
-  return kernel if kernel in ("xla", "auto") or BertConfig(position=name).position_spec.fusable else "xla"
+  """The kernel a method runs on when ``kernel`` is asked for: ``xla`` where a fused kernel cannot compute it (cuDNN:
+  softmax attention only)."""
+  spec = BertConfig(position=name, causal=positions.get(name).decoder_only).position_spec
+  runs = spec.fusable and (kernel != "cudnn" or spec.method.softmax)
+  return kernel if kernel in ("xla", "auto") or runs else "xla"
 
 
 def kernel_rows(name: str, kernels: list[str]) -> list[tuple[str, str]]:

@@ -15,6 +15,9 @@ if [ "$MODE" = kernels ]; then
   $PY benchmarks/attention.py --methods=absolute,alibi,t5,bert_r,tupe_a,tupe_r,shaw,huang_m4,rope,kerple_log,fire,sandwich,fox \
       --lengths=512,2048 --batch=32 --dtype=bfloat16 --kernels=cudnn,pallas,xla --model_time_max_len=2048 \
       | tee "$OUT/kernels.md"
+  # decoder layers: the causal tile skipping, and the data-dependent methods (stick-breaking's own kernels)
+  $PY benchmarks/attention.py --methods=none,alibi,fox,stick_breaking,cope --causal --skip_model \
+      --lengths=512,2048,8192 --batch=8 --dtype=bfloat16 --kernels=pallas,xla | tee "$OUT/kernels_causal.md"
   exit 0
 fi
 $PY benchmarks/attention.py --lengths=128,512,2048 --batch=32 --dtype=bfloat16 --kernels=auto \
