@@ -432,13 +432,14 @@ def test_the_forget_term_matches_the_reference_with_its_gradient():
   assert float(jnp.max(jnp.abs(got[3].forget.c))) > 1e-2 * float(jnp.max(jnp.abs(got[0])))
 
 
-@pytest.mark.parametrize("rule", [dict(), dict(attend_current=True, remainder=False)])
-def test_stick_breaking_matches_the_reference_with_its_gradients(rule):
-  """Stick-breaking's weights on the GPU kernels (interpreted): each query tile's key tiles walked from the diagonal
-  back, the dq kernel's carries read by the dk/dv kernel; the output and every gradient against the float64
-  reference's loops (central differences), on packed, padded, causal rows with grouped k/v heads, tiles smaller than
-  a document and a sliding window; the query's own key left out and the remainder on its value (the authors'
-  defaults), or neither."""
+@pytest.mark.parametrize("interpreter,rule", [(True, dict()), ("tpu", dict()),
+                                              ("tpu", dict(attend_current=True, remainder=False))])
+def test_stick_breaking_matches_the_reference_with_its_gradients(interpreter, rule):
+  """Stick-breaking's weights on the GPU kernels and on the TPU kernels' key-major tiles (interpreted): each query
+  tile's key tiles walked from the diagonal back, the dq kernel's carries read by the dk/dv kernel; the output and
+  every gradient against the float64 reference's loops (central differences), on packed, padded, causal rows with
+  grouped k/v heads, tiles smaller than a document and a sliding window; the query's own key left out and the
+  remainder on its value (the authors' defaults), or neither."""
   rng = np.random.default_rng(12)
   batch, length, heads, kv_heads, head_dim = 2, 21, 4, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
@@ -451,7 +452,8 @@ def test_stick_breaking_matches_the_reference_with_its_gradients(rule):
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=np.array([21, 17]), causal=True, sliding_window=10,
-                                     implementation=implementation, block_sizes=(8, 4), interpret=True)
+                                     implementation=implementation, block_sizes=(8, 4) if interpreter is True else (8, 8),
+                                     interpret=interpreter)
     return jnp.sum(out * weights), out
 
   got, out = compiled_grad(loss, "pallas")(q, k, v, terms)
@@ -505,7 +507,7 @@ LOWERED = {
         sandwich=kernels.Sandwich(jnp.ones(2)), forget=kernels.Forget(f32(1, 2, 40))),
     # 259 bucket entries and 257 gathered distances: the backward scatters them in pieces (a one-hot of
     # [64, 64, 512] is over Triton's 2^20 elements)
-    "stick_breaking": lambda f32: kernels.Terms(stick_breaking=kernels.StickBreaking()),  # GPU only, so far
+    "stick_breaking": lambda f32: kernels.Terms(stick_breaking=kernels.StickBreaking()),
     "wide tables": lambda f32: kernels.Terms(
         buckets=kernels.Buckets(f32(259, 2), kind="clip", max_distance=128, cls_row=257, cls_col=258),
         relative=kernels.Relative(f32(257, 24), 128, query=True, key=True, window=False)),
@@ -532,10 +534,6 @@ def test_the_kernels_lower_for_gpu_and_tpu(name, platform, monkeypatch):
     return jnp.sum(out.astype(jnp.float32))
 
   terms = LOWERED[name](f32)
-  if platform == "tpu" and name == "stick_breaking":
-    with pytest.raises(ValueError, match="do not compute stick-breaking on the TPU kernels; use implementation='xla'"):
-      loss(q, k, v, terms)
-    return
   if platform == "tpu" and terms is not None and terms.relative is not None:
     terms = terms.replace(relative=terms.relative.replace(window=None))  # always windowed there
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=(platform,))

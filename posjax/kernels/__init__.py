@@ -50,15 +50,15 @@ __all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets"
 
 def check_weight_rules(terms: Terms, tpu: bool, dropout_rate: float) -> None:
   """Raises unless the Pallas kernels compute the terms that read the masked logits (:data:`WEIGHT_RULES`): of them,
-  stick-breaking alone, on the GPU kernels, without dropout and without other terms."""
+  stick-breaking alone, without dropout and without other terms."""
   rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
   if not rules:
     return
   others = [name for name in NAMES if getattr(terms, name) is not None and name != "stick_breaking"]
-  if rules != ["stick_breaking"] or tpu or others or dropout_rate:
+  del tpu
+  if rules != ["stick_breaking"] or others or dropout_rate:
     why = (f"the {'/'.join(r for r in rules if r != 'stick_breaking')} term" if rules != ["stick_breaking"] else
-           "stick-breaking on the TPU kernels" if tpu else f"stick-breaking with the {'/'.join(others)} term"
-           if others else "dropout on stick-breaking weights")
+           f"stick-breaking with the {'/'.join(others)} term" if others else "dropout on stick-breaking weights")
     raise ValueError(f"the Pallas kernels do not compute {why}; use implementation='xla'")
 
 

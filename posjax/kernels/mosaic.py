@@ -44,7 +44,8 @@ from jax.experimental.pallas import tpu as pltpu
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, forget_term_grads, group_sum, kv_head,
                                  overlap_add, diagonal_may_hold_pairs, row_delta, sandwich_embeddings, scalar_count,
-                                 scalar_rows, scalar_term_grads, t_dot, tile_ranges, untied_grads, window_table)
+                                 scalar_rows, scalar_term_grads, stick_breaking_rows, suffix_matrix, t_dot,
+                                 tile_ranges, untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -327,6 +328,168 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Stick-breaking attention (a weight rule in place of the softmax), in key-major tiles: keys on the sublanes, queries
+# on the lanes, so every per-query statistic (the carries, the weights' sums, the backward's row totals) is a
+# lane-major row ``[1, Q]`` that broadcasts over a tile and is stored as it is: no relayout. Each query tile walks
+# its key tiles from the diagonal back (the grid's sequential axis reversed).
+
+_HIGHEST = jax.lax.Precision.HIGHEST  # the in-tile suffix sums in float32 (a TPU's default float32 dot is bf16)
+
+
+def _stick_tile(plan: Plan, terms: Terms, r: dict, i, j, later_1xQ):
+  """Key tile j against query tile i, transposed: ``(z, allowed, rest, a)`` ``[T, Q]``: the logits, the keys that
+  take a share, their ``log(1 - β)`` and their weights given each query's ``Σ log(1 - β)`` over the later key tiles."""
+  bq, bk = plan.block_q, plan.block_k
+  z_TxQ = plan.scale * dot_t(r["k"][0, 0], r["q"][0, 0])
+  key_TxQ = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
+  query_TxQ = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
+  allowed_TxQ = (r["kt_valid"][0] > 0) & (r["kt_segments"][0] == r["qt_segments"][0])
+  if plan.causal:
+    allowed_TxQ = allowed_TxQ & (key_TxQ <= query_TxQ)
+  if plan.sliding_window:
+    allowed_TxQ = allowed_TxQ & (query_TxQ - key_TxQ < plan.sliding_window)
+  if not terms.stick_breaking.attend_current:
+    allowed_TxQ = allowed_TxQ & (key_TxQ != query_TxQ)
+  rest_TxQ = jnp.where(allowed_TxQ, jax.nn.log_sigmoid(-z_TxQ), 0.0)
+  later_TxQ = dot(suffix_matrix(bk, inclusive=False).T, rest_TxQ, _HIGHEST) + later_1xQ
+  a_TxQ = jnp.where(allowed_TxQ, jnp.exp(jax.nn.log_sigmoid(z_TxQ) + later_TxQ), 0.0)
+  return z_TxQ, allowed_TxQ, rest_TxQ, a_TxQ
+
+
+def _stick_grads(plan: Plan, r: dict, z_TxQ, allowed_TxQ, a_TxQ, before_1xQ):
+  """The tile's logits' gradient ``dz`` and ``da a`` (:func:`posjax.kernels.tile.stick_breaking_grads`, transposed),
+  ``before``: each query's ``Σ da a`` less the later key tiles'."""
+  da_TxQ = dot_t(r["v"][0, 0], r["d_out"][0, 0]) - r["dov_t"][0, 0]
+  gain_TxQ = da_TxQ * a_TxQ
+  earlier_TxQ = before_1xQ - dot(suffix_matrix(a_TxQ.shape[0], inclusive=True).T, gain_TxQ, _HIGHEST)
+  dz_TxQ = gain_TxQ * jax.nn.sigmoid(-z_TxQ) - jax.nn.sigmoid(z_TxQ) * earlier_TxQ
+  return jnp.where(allowed_TxQ, dz_TxQ, 0.0), gain_TxQ
+
+
+def _diagonal_rows(x_1xN, rows_NxX):
+  """``diag(x) @ rows``: each row scaled by a lane-major row's entry (a product, not a relayout)."""
+  n = x_1xN.shape[1]
+  eye_NxN = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return dot(jnp.where(eye_NxN, x_1xN, 0.0), rows_NxX.astype(jnp.float32), _HIGHEST)
+
+
+def _walked_back(names, refs):
+  """``(refs by name, b, i, j, step)`` of a query-major grid point whose step ``step`` visits key tile ``j``, the
+  key tiles from the last back."""
+  step = pl.program_id(3)
+  return dict(zip(names, refs)), pl.program_id(0), pl.program_id(2), pl.num_programs(3) - 1 - step, step
+
+
+def _stick_forward_kernel(plan: Plan, terms: Terms, names, *refs):
+  r, b, i, j, step = _walked_back(names, refs)
+  _zero_on_first_step(r, ("later", "mass", "out"), step)
+
+  @pl.when(_visits(r, b, i, j))
+  def _():
+    _, _, rest_TxQ, a_TxQ = _stick_tile(plan, terms, r, i, j, r["acc_later"][...])
+    v_TxV = r["v"][0, 0]
+    r["acc_later"][...] += jnp.sum(rest_TxQ, axis=0, keepdims=True)
+    r["acc_mass"][...] += jnp.sum(a_TxQ, axis=0, keepdims=True)
+    r["acc_out"][...] += t_dot(a_TxQ.astype(v_TxV.dtype), v_TxV)
+
+  @pl.when(step == pl.num_programs(3) - 1)
+  def _():
+    out_QxV = r["acc_out"][...]
+    if terms.stick_breaking.remainder:  # what is left of the stick, on the query's own value
+      out_QxV = out_QxV + _diagonal_rows(1.0 - r["acc_mass"][...], r["v_q"][0, 0])
+    r["out"][0, 0] = out_QxV.astype(r["out"].dtype)
+    r["row_sum_t"][0, 0] = r["acc_mass"][...]
+
+
+def _stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  """dq, and each query's two carries at every key tile it visits, for the dk/dv kernel."""
+  r, b, i, j, step = _walked_back(names, refs)
+  _zero_on_first_step(r, ("later", "gain", "dq"), step)
+
+  @pl.when(_visits(r, b, i, j))
+  def _():
+    later_1xQ, gain_1xQ = r["acc_later"][...], r["acc_gain"][...]
+    r["later_t"][0, 0, 0] = later_1xQ
+    r["gain_t"][0, 0, 0] = gain_1xQ
+    z_TxQ, allowed_TxQ, rest_TxQ, a_TxQ = _stick_tile(plan, terms, r, i, j, later_1xQ)
+    dz_TxQ, gain_TxQ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, r["w_t"][0, 0] - gain_1xQ)
+    k_TxK = r["k"][0, 0]
+    r["acc_later"][...] += jnp.sum(rest_TxQ, axis=0, keepdims=True)
+    r["acc_gain"][...] += jnp.sum(gain_TxQ, axis=0, keepdims=True)
+    r["acc_dq"][...] += plan.scale * t_dot(dz_TxQ.astype(k_TxK.dtype), k_TxK)
+
+  _write_on_last_step(r, ["dq"], step)
+
+
+def _stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  r = dict(zip(names, refs))
+  b, h, j, i = (pl.program_id(a) for a in range(4))
+  _zero_on_first_step(r, ("dk", "dv"), i)
+
+  @pl.when(_visits(r, b, j, i))
+  def _():
+    later_1xQ, gain_1xQ = r["later_t"][0, 0, 0], r["gain_t"][0, 0, 0]
+    z_TxQ, allowed_TxQ, _, a_TxQ = _stick_tile(plan, terms, r, i, j, later_1xQ)
+    dz_TxQ, _ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, r["w_t"][0, 0] - gain_1xQ)
+    do_QxV, q_QxK = r["d_out"][0, 0], r["q"][0, 0]
+    r["acc_dv"][...] += dot(a_TxQ.astype(do_QxV.dtype), do_QxV)
+    r["acc_dk"][...] += plan.scale * dot(dz_TxQ.astype(q_QxK.dtype), q_QxK)
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _():
+    dv_TxV = r["acc_dv"][...]
+    if terms.stick_breaking.remainder:  # the key's own query's remainder, on its value
+      dv_TxV = dv_TxV + _diagonal_rows(1.0 - r["row_sum_k"][0, 0], r["d_out_k"][0, 0])
+    r["dv"][0, 0] = dv_TxV
+    r["dk"][0, 0] = r["acc_dk"][...]
+
+
+def _stick_inputs(plan: Plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL) -> dict:
+  """The stick-breaking kernels' arrays: the key side's integers replicated across a query tile's lanes
+  (``[B, L, Q]``), the query side's as rows (``[B, 1, L]``)."""
+  replicate = lambda x_BxL: jnp.broadcast_to(x_BxL[:, :, None], (*x_BxL.shape, plan.block_q))
+  return {"q": q_BxHxLxK, "k": k_BxHxLxK, "v": v_BxHxLxV, "v_q": v_BxHxLxV,
+          "kt_segments": replicate(segment_ids_BxL), "kt_valid": replicate(valid_BxL),
+          "qt_segments": segment_ids_BxL[:, None]}
+
+
+def _stick_forward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, ranges):
+  b, h, l, _ = q_BxHxLxK.shape
+  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
+  arrays = _stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL)
+  out = _call(_stick_forward_kernel, plan, terms, arrays,
+              {"out": _rows((b, h, l, value_dim), bq, v_BxHxLxV.dtype), "row_sum_t": _lane_rows((b, h, 1, l), bq)},
+              (b, h, l // bq, l // bk), _query_major(l // bq, reverse=l // bk),
+              {"acc_later": (1, bq), "acc_mass": (1, bq), "acc_out": (bq, value_dim)}, ranges[0])
+  return out["out"], out["row_sum_t"]
+
+
+def _stick_backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, out_BxHxLxV,
+                    row_sum_BxHx1xL, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2):
+  """``(dq, dk, dv)``; the dq kernel's carries (``[B, H, N, 1, L]`` float32 each, ``O(L² / block_k)``) pass to the
+  dk/dv kernel."""
+  b, h, l, d = q_BxHxLxK.shape
+  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
+  n_q, n_k = l // bq, l // bk
+  dov_BxHxL, w_BxHxL = stick_breaking_rows(d_out_BxHxLxV, out_BxHxLxV, v_BxHxLxV, terms.stick_breaking.remainder)
+  arrays = {**_stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL),
+            "d_out": d_out_BxHxLxV, "dov_t": dov_BxHxL[:, :, None], "w_t": w_BxHxL[:, :, None]}
+  carry = lambda: (jax.ShapeDtypeStruct((b, h, n_k, 1, l), jnp.float32),
+                   pl.BlockSpec((1, 1, 1, 1, bq), lambda b_, h_, i, step, ranges: (
+                       b_, h_, _clamped(ranges, n_q, b_, i, n_k - 1 - step), 0, i)))
+  dq_res = _call(_stick_dq_kernel, plan, terms, arrays,
+                 {"dq": _rows((b, h, l, d), bq), "later_t": carry(), "gain_t": carry()},
+                 (b, h, n_q, n_k), _query_major(n_q, reverse=n_k),
+                 {"acc_later": (1, bq), "acc_gain": (1, bq), "acc_dq": (bq, d)}, key_tiles_BxNx2)
+  arrays.update(later_t=dq_res["later_t"], gain_t=dq_res["gain_t"], row_sum_k=row_sum_BxHx1xL, d_out_k=d_out_BxHxLxV)
+  dkv_res = _call(_stick_dkv_kernel, plan, terms, arrays,
+                  {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, value_dim), bk)},
+                  (b, h, n_k, n_q), _key_major(n_k), {"acc_dk": (bk, d), "acc_dv": (bk, value_dim)},
+                  query_tiles_BxMx2)
+  return dq_res["dq"], group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # pallas_call plumbing. A kernel's ``tiles(b, h, x, y, ranges)`` maps its grid to (query tile i, key tile j); ``ranges``:
 # the flattened tile ranges in SMEM (scalar prefetch), which the index maps clamp the inner tile into.
 
@@ -358,6 +521,20 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
     elif name in ("slopes", "theta", "bucket_table", "salts", "kerple", "fire"):
       specs[name] = smem
+    elif name == "v_q":  # the values at the query rows (stick-breaking's remainder)
+      specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, kv_head(h, plan.group), i, 0))
+    elif name == "d_out_k":  # d_out at the key rows (stick-breaking's remainder)
+      specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, h, j, 0))
+    elif name in ("kt_segments", "kt_valid"):  # key-major tiles: the key side replicated across the lanes
+      specs[name] = at((1, bk, bq), lambda b, h, i, j: (b, j, 0))
+    elif name == "qt_segments":
+      specs[name] = at((1, 1, bq), lambda b, h, i, j: (b, 0, i))
+    elif name in ("dov_t", "w_t"):  # per query, lane-major
+      specs[name] = at((1, 1, 1, bq), lambda b, h, i, j: (b, h, 0, i))
+    elif name == "row_sum_k":  # per key row, lane-major
+      specs[name] = at((1, 1, 1, bk), lambda b, h, i, j: (b, h, 0, j))
+    elif name in ("later_t", "gain_t"):  # the carries of query tile i at key tile j
+      specs[name] = at((1, 1, 1, 1, bq), lambda b, h, i, j: (b, h, j, 0, i))
     elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
       shift = name == "window_hi"
       specs[name] = at((bq, a.shape[-1]), lambda b, h, i, j, shift=shift: (j - i - 1 + n + shift, 0))
@@ -442,9 +619,18 @@ def _clamped(ranges, outers: int, b, outer, inner):
   return jnp.minimum(jnp.maximum(inner, lo), hi - 1)
 
 
-def _query_major(n_q: int):
-  """Grid (b, h, query tile i, key tile j): the key tile clamped into i's range."""
+def _query_major(n_q: int, reverse: int = 0):
+  """Grid (b, h, query tile i, key tile j): the key tile clamped into i's range (``reverse=N``: step s visits key tile
+  ``N - 1 - s``, the key tiles from the last back)."""
+  if reverse:
+    return lambda b, h, i, step, ranges: (i, _clamped(ranges, n_q, b, i, reverse - 1 - step))
   return lambda b, h, i, j, ranges: (i, _clamped(ranges, n_q, b, i, j))
+
+
+def _lane_rows(shape, block: int):
+  """A ``[B, H, 1, L]`` float32 output of lane-major rows, a tile of ``block`` at a time (grid axis 2)."""
+  return (jax.ShapeDtypeStruct(shape, jnp.float32),
+          pl.BlockSpec((1, 1, 1, block), lambda b, h, x, y, ranges: (b, h, 0, x)))
 
 
 def _key_major(n_k: int):
@@ -457,9 +643,13 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   terms = plan.terms(leaves)
   b, h, l, _ = q_BxHxLxK.shape
   bq, bk = plan.block_q, plan.block_k
+  ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
+  if terms.stick_breaking is not None:
+    out_BxHxLxV, row_sum_BxHx1xL = _stick_forward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL,
+                                                  valid_BxL, ranges)
+    return out_BxHxLxV, ((None, row_sum_BxHx1xL), ranges)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {})
-  ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
   out = _call(_forward_kernel, plan, terms, arrays,
               {"out": _rows((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype), "row_max": _rows((b, h, l, bk), bq),
                "row_sum": _rows((b, h, l, bk), bq)},
@@ -501,6 +691,11 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   b, h, l, d = q_BxHxLxK.shape
   bq, bk = plan.block_q, plan.block_k
   n_q, n_k = l // bq, l // bk
+  if terms.stick_breaking is not None:
+    grads = _stick_backward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, out_BxHxLxV,
+                            row_sum_BxHxLxT, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2)
+    return ([jnp.zeros_like(x) for x in leaves],
+            *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
   delta_BxHxLx1 = row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims=True)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {"d_out": d_out_BxHxLxV, "row_max": row_max_BxHxLxT, "row_sum": row_sum_BxHxLxT,

@@ -20,10 +20,10 @@ the batch's positions (so packed rows are exact):
 The dense ``xla`` path and the Pallas kernels compute these terms; the learned scalars of KERPLE and FIRE get their
 gradients as per-tile partial sums (:data:`SCALARS`).
 
-Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`; on the dense
-``xla`` path only, for now): ``Cope`` (Contextual Position Encoding: positions counted by gates over the allowed
-keys, a term interpolated from a learned table) and ``StickBreaking`` (the weights themselves: stick-breaking
-instead of the softmax).
+Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
+(Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
+table; the dense ``xla`` path only, for now) and ``StickBreaking`` (the weights themselves: stick-breaking instead of
+the softmax; ``xla`` and both Pallas backends, alone in a call).
 
 ``scale`` is the op's content scale (the factor on ``q·k``); the other terms come scaled as the model adds
 them. [CLS] tokens are those at position 0 (the first token of each packed segment), as in TUPE's position
@@ -45,7 +45,7 @@ import numpy as np
 RESETS = ("official", "paper", "none")
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
-WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask, which only the xla path computes
+WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: stick-breaking alone)
 SCALARS = ("kerple", "fire")  # terms whose learned scalars the kernels differentiate per tile (scalar_columns)
 KERPLES = ("log", "power")
 

@@ -12,10 +12,10 @@ Options, as the authors' kernel and model:
 
 A decoder's method only (:func:`posjax.positions.make` refuses it without ``causal``). Packed documents: the mask
 keeps each product inside its document. It is a :class:`posjax.kernels.StickBreaking` weight rule beside the logit
-terms: the dense ``xla`` path computes it (training and decoding) and so do the GPU (Triton) kernels (each query
-tile walks its key tiles from the diagonal back, carrying each row's ``Σ log(1 - β)``; the backward's carries at every
-key tile, ``O(L² / block)`` float32, pass from the dq kernel to the dk/dv kernel: no atomics); not yet the TPU
-kernels, the decode kernels (decoding runs on the dense formulas) or cuDNN.
+terms: the dense ``xla`` path computes it (training and decoding) and so do both Pallas backends (each query tile
+walks its key tiles from the diagonal back, carrying each row's ``Σ log(1 - β)``; the backward's carries at every key
+tile, ``O(L² / block)`` float32, pass from the dq kernel to the dk/dv kernel: no atomics); not yet the decode kernels
+(decoding runs on the dense formulas), and not cuDNN.
 """
 
 from __future__ import annotations
