@@ -32,9 +32,10 @@ from posjax.aot import compile as aot
 from posjax.aot import resources, targets
 
 CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide", "kerple_log",
-         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512", "forget", "stick_breaking")
+         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512", "forget", "stick_breaking", "cope")
 KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
-FOUND = KERNELS + ("decode_kernel", "stick_forward_kernel", "stick_dq_kernel", "stick_dkv_kernel")
+FOUND = KERNELS + ("decode_kernel",) + tuple(f"{rule}_{name}" for rule in ("stick", "cope")
+                                             for name in ("forward_kernel", "dq_kernel", "dkv_kernel"))
 
 
 def terms_for(case: str, length: int, heads: int, head_dim: int):
@@ -63,6 +64,7 @@ def terms_for(case: str, length: int, heads: int, head_dim: int):
       "sandwich_512": lambda: kernels.Terms(sandwich=kernels.Sandwich(f32(heads) + 1.0, dim=512)),
       "forget": lambda: kernels.Terms(forget=kernels.Forget(f32(1, heads, length))),
       "stick_breaking": lambda: kernels.Terms(stick_breaking=kernels.StickBreaking()),
+      "cope": lambda: kernels.Terms(cope=kernels.Cope(f32(head_dim, 64))),
       "wide": lambda: kernels.Terms(buckets=kernels.Buckets(f32(259, heads), kind="clip", max_distance=128,
                                                             cls_row=257, cls_col=258),
                                     relative=kernels.Relative(f32(257, head_dim), 128, query=True, key=True,
@@ -193,8 +195,8 @@ def main():
         r = run_case(case, target, length, blocks, args.timeout, args.mask)
         k = r.get("kernels", {})
         seconds = f"{r['seconds']:.0f}" if "seconds" in r else ""
-        for name in ("forward_kernel", "dq_kernel", "dkv_kernel"):  # stick-breaking's own kernels, same columns
-          k.setdefault(name, k.get(f"stick_{name}"))
+        for name in ("forward_kernel", "dq_kernel", "dkv_kernel"):  # the weight rules' own kernels, same columns
+          k.setdefault(name, k.get(f"stick_{name}") or k.get(f"cope_{name}"))
         k["forward_kernel"] = k["forward_kernel"] or k.get("decode_kernel")
         print(f"| {case} | {length} | {target} | {r.get('tiles', blocks)} | {r['result']} | {seconds} | "
               + " | ".join(cell(k.get(name)) for name in KERNELS) + " |", flush=True)

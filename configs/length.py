@@ -79,7 +79,7 @@ def get_config(arg=None):
   config.methods = tuple(dict.fromkeys(m for name in names for m in METHOD_SETS.get(name, (name,))
                                        if not (encoder and name in METHOD_SETS and positions.get(m).decoder_only)))
   for method in config.methods:
-    if encoder and positions.get(method).decoder_only:
+    if positions.get(method).decoder_only and encoder:
       raise ValueError(f"position method {method!r} exists in a decoder's form only: use model=lm or model=clm")
   config.model = arg.model
   default_size = "125m" if arg.model == "lm" else "base"

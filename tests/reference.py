@@ -276,6 +276,19 @@ def shaw_value_output(P, x, pos, weights, max_len, opts):
   return z
 
 
+def cope_row(z, keys, qe):
+  """``[(j, term)]``: CoPE's term of a query's allowed ``keys`` from its logits ``z`` and ``q·e[n]`` ``qe`` ``[P]``
+  (the paper's code): p_j = Σ_{t in keys, t >= j} σ(z_t) clamped at P - 1, the term interpolated between the
+  entries floor(p) and ceil(p)."""
+  sigmoid = lambda t: 1.0 / (1.0 + math.exp(-t))
+  out = []
+  for j in keys:
+    p = min(sum(sigmoid(z[t]) for t in keys if t >= j), len(qe) - 1)
+    lo, w = math.floor(p), p - math.floor(p)
+    out.append((j, (1 - w) * qe[lo] + w * qe[math.ceil(p)]))
+  return out
+
+
 def stick_breaking_row(z, keys, i, remainder):
   """``{j: A_ij}``: query i's stick-breaking weights over ``keys`` (ascending), ``A_ij = σ(z_j) Π_{k in keys, k > j}
   (1 - σ(z_k))``; with ``remainder``, ``1 - Σ_j A_ij`` more on the query's own key."""
@@ -308,12 +321,7 @@ def weight_rule_output(name, opts, P, x, pos, segments):
         z = {j: q[b, i, h] @ k[b, j, h // group] / math.sqrt(K) for j in keys}
         weight = {}
         if name == "cope":
-          table = A["position"]["pos_emb"]
-          for j in keys:
-            p = min(sum(sigmoid(z[t]) for t in keys if t >= j), table.shape[1] - 1)
-            lo, hi = math.floor(p), math.ceil(p)
-            z_j = z[j] + (1 - (p - lo)) * (q[b, i, h] @ table[:, lo]) + (p - lo) * (q[b, i, h] @ table[:, hi])
-            weight[j] = z_j
+          weight = {j: z[j] + e for j, e in cope_row(z, keys, q[b, i, h] @ A["position"]["pos_emb"])}
           top = max(weight.values())
           total = sum(math.exp(e - top) for e in weight.values())
           weight = {j: math.exp(e - top) / total for j, e in weight.items()}
@@ -372,14 +380,16 @@ class FusedAttention:
   def __call__(self, q, k, v, *, scale, alibi=None, bucket_table=None, relative_table=None, relative_query=False,
                relative_key=False, u_q=None, u_k=None, theta=None, reset="none", kerple_r1=None, kerple_r2=None,
                kerple_kind="log", fire_w1=None, fire_b1=None, fire_w2=None, fire_b2=None, fire_c=None,
-               fire_threshold=None, fire_eps=1e-6, sandwich=None, forget_c=None, stick_breaking=None):
+               fire_threshold=None, fire_eps=1e-6, sandwich=None, forget_c=None, stick_breaking=None,
+               cope_table=None):
     """``[B, L, H, V]`` float64. ``alibi`` ``[H]``, ``bucket_table`` ``[N, H]``, ``relative_table`` ``[2k+1, K]``,
     ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none; ``kerple_r1``,
     ``kerple_r2`` ``[H]``; FIRE's ``w1``, ``b1`` ``[W]``, ``w2`` ``[W, H]``, ``b2`` ``[H]``, ``c``, ``threshold``;
     ``sandwich``: ``dict(ratios [H], dim, base, scale, divide, first)``; ``forget_c`` ``[1 or B, H, L]``: the
     Forgetting Transformer's cumulative log gates, ``c_i - c_j`` (``c_j - c_i`` for a later key);
     ``stick_breaking``: ``dict(attend_current, remainder)``, the weights of stick-breaking attention instead of the
-    softmax (:func:`stick_breaking_row`)."""
+    softmax (:func:`stick_breaking_row`); ``cope_table`` ``[K, P]``: CoPE's term on the masked logits
+    (:func:`cope_row`)."""
     f64 = lambda x: np.asarray(x, np.float64)
     q, k, v = f64(q), f64(k), f64(v)
     B, L, H, _ = q.shape
@@ -431,6 +441,13 @@ class FusedAttention:
     if reset == "paper":
       positional = untie(positional)
     logits = logits + positional
+    if cope_table is not None:
+      qe = np.einsum("bihd,dp->bhip", q, f64(cope_table))
+      for b in range(B):
+        for h in range(H):
+          for i in range(L):
+            keys = [j for j in range(L) if self.allowed[b, i, j]]
+            logits[b, h, i, keys] = [logits[b, h, i, j] + e for j, e in cope_row(logits[b, h, i], keys, qe[b, h, i])]
     if stick_breaking is not None:
       out = np.zeros(q.shape[:3] + v.shape[-1:])
       for b in range(B):

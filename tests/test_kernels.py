@@ -100,6 +100,8 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
       inputs[name], grad_of[name] = getattr(untied, name), getattr(grads[3].untied, name)
   if terms.forget is not None:
     inputs["forget_c"], grad_of["forget_c"] = terms.forget.c, grads[3].forget.c
+  if terms.cope is not None:
+    inputs["cope_table"], grad_of["cope_table"] = terms.cope.table, grads[3].cope.table
   for term, names in (("kerple", ("r1", "r2")), ("fire", ("w1", "b1", "w2", "b2", "c", "threshold"))):
     if getattr(terms, term) is not None:
       for name in names:
@@ -432,19 +434,28 @@ def test_the_forget_term_matches_the_reference_with_its_gradient():
   assert float(jnp.max(jnp.abs(got[3].forget.c))) > 1e-2 * float(jnp.max(jnp.abs(got[0])))
 
 
-@pytest.mark.parametrize("interpreter,rule", [(True, dict()), ("tpu", dict()),
-                                              ("tpu", dict(attend_current=True, remainder=False))])
-def test_stick_breaking_matches_the_reference_with_its_gradients(interpreter, rule):
-  """Stick-breaking's weights on the GPU kernels and on the TPU kernels' key-major tiles (interpreted): each query
-  tile's key tiles walked from the diagonal back, the dq kernel's carries read by the dk/dv kernel; the output and
-  every gradient against the float64 reference's loops (central differences), on packed, padded, causal rows with
-  grouped k/v heads, tiles smaller than a document and a sliding window; the query's own key left out and the
-  remainder on its value (the authors' defaults), or neither."""
+WEIGHT_RULES = {
+    "stick_breaking": lambda rng: kernels.Terms(stick_breaking=kernels.StickBreaking()),
+    "stick_breaking_current": lambda rng: kernels.Terms(stick_breaking=kernels.StickBreaking(attend_current=True,
+                                                                                             remainder=False)),
+    "cope": lambda rng: kernels.Terms(cope=kernels.Cope(jnp.asarray(rng.normal(size=(8, 6)), jnp.float32))),
+}
+
+
+@pytest.mark.parametrize("interpreter,rule", [(True, "stick_breaking"), ("tpu", "stick_breaking"),
+                                              ("tpu", "stick_breaking_current"), (True, "cope")])
+def test_weight_rules_match_the_reference_with_their_gradients(interpreter, rule):
+  """The rules on the masked logits, each query tile walking its key tiles from the diagonal back and the dq
+  kernel's carries read by the dk/dv kernel (interpreted): the output and every gradient against the float64
+  reference's loops (central differences), on packed, padded, causal rows with grouped k/v heads, tiles smaller than
+  a document and a sliding window. Stick-breaking on both backends (the TPU's key-major tiles), the query's own key
+  left out and the remainder on its value (the authors' defaults) or neither; CoPE on the GPU kernels (the table's
+  entries gathered per pair, the backward's two walks), a table of 6 entries (counts past 5 clamped)."""
   rng = np.random.default_rng(12)
   batch, length, heads, kv_heads, head_dim = 2, 21, 4, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
   segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
-  terms = kernels.Terms(stick_breaking=kernels.StickBreaking(**rule))
+  terms = WEIGHT_RULES[rule](rng)
   q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), jnp.float32) for _ in range(2))
   weights = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
@@ -452,8 +463,8 @@ def test_stick_breaking_matches_the_reference_with_its_gradients(interpreter, ru
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=np.array([21, 17]), causal=True, sliding_window=10,
-                                     implementation=implementation, block_sizes=(8, 4) if interpreter is True else (8, 8),
-                                     interpret=interpreter)
+                                     implementation=implementation, interpret=interpreter,
+                                     block_sizes=(8, 4) if interpreter is True else (8, 8))
     return jnp.sum(out * weights), out
 
   got, out = compiled_grad(loss, "pallas")(q, k, v, terms)
@@ -470,14 +481,22 @@ MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}),
 
 @pytest.mark.parametrize("position,options", MODELS, ids=[f"{m}-{'-'.join(map(str, o.values()))}" for m, o in MODELS])
 def test_a_model_on_pallas_matches_it_on_xla(position, options):
+  pallas_matches_xla(dict(position=position, position_options=options, num_layers=1))
+
+
+def test_a_decoder_of_the_data_dependent_methods_on_pallas_matches_it_on_xla():
+  # CoPE and stick-breaking, a layer each (the masked-logit rules on the kernels, through the attention layer)
+  pallas_matches_xla(dict(causal=True, num_layers=2, position_schedule="cope,stick_breaking", num_kv_heads=2))
+
+
+def pallas_matches_xla(fields):
   rng = np.random.default_rng(1)
   batch, length = 2, 20
   ids = jnp.asarray(rng.integers(5, 128, (batch, length)))
   positions = jnp.asarray(np.concatenate([np.arange(12), np.arange(8)])[None].repeat(batch, 0))
   segments = jnp.asarray(np.repeat([[1] * 12 + [2] * 8], batch, 0))
   padding = jnp.asarray(np.arange(length)[None] < np.array([[20], [15]]))
-  configs = {kernel: BertConfig.tiny(position=position, position_options=options, attention_kernel=kernel,
-                                     num_layers=1, dropout_rate=0.0, attention_dropout_rate=0.0)
+  configs = {kernel: BertConfig.tiny(attention_kernel=kernel, dropout_rate=0.0, attention_dropout_rate=0.0, **fields)
              for kernel in ("xla", "pallas")}
   params = BertModel(configs["xla"]).init(jax.random.key(0), ids)["params"]
 
@@ -508,6 +527,7 @@ LOWERED = {
     # 259 bucket entries and 257 gathered distances: the backward scatters them in pieces (a one-hot of
     # [64, 64, 512] is over Triton's 2^20 elements)
     "stick_breaking": lambda f32: kernels.Terms(stick_breaking=kernels.StickBreaking()),
+    "cope": lambda f32: kernels.Terms(cope=kernels.Cope(f32(24, 16))),
     "wide tables": lambda f32: kernels.Terms(
         buckets=kernels.Buckets(f32(259, 2), kind="clip", max_distance=128, cls_row=257, cls_col=258),
         relative=kernels.Relative(f32(257, 24), 128, query=True, key=True, window=False)),
@@ -534,6 +554,10 @@ def test_the_kernels_lower_for_gpu_and_tpu(name, platform, monkeypatch):
     return jnp.sum(out.astype(jnp.float32))
 
   terms = LOWERED[name](f32)
+  if platform == "tpu" and name == "cope":
+    with pytest.raises(ValueError, match="do not compute cope on the TPU kernels; use implementation='xla'"):
+      loss(q, k, v, terms)
+    return
   if platform == "tpu" and terms is not None and terms.relative is not None:
     terms = terms.replace(relative=terms.relative.replace(window=None))  # always windowed there
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=(platform,))
@@ -555,7 +579,6 @@ def test_tpu_blocks_mosaic_cannot_tile_are_an_error(monkeypatch):
 @pytest.mark.parametrize("config,message", [
     (dict(position="huang_m1"), "attention kernel 'pallas' cannot compute position method 'huang_m1'"),
     (dict(position="shaw", position_options={"value_term": True}), "cannot compute position method 'shaw'"),
-    (dict(position="cope", causal=True), "attention kernel 'pallas' cannot compute position method 'cope'"),
 ])
 def test_methods_the_kernel_cannot_compute_are_errors(config, message):
   with pytest.raises(ValueError, match=message):
@@ -673,9 +696,10 @@ def test_unknown_implementation_or_interpreter_is_an_error():
     kernels.relative_attention(x, x, x, interpret="gpu")
 
 
-def test_cudnn_refuses_a_weight_rule_and_auto_leaves_it_to_xla():
-  with pytest.raises(ValueError, match="attention kernel 'cudnn' computes softmax attention; position method "
-                                       "'stick_breaking' reads the masked logits"):
-    BertConfig.tiny(position="stick_breaking", causal=True, attention_kernel="cudnn")
-  spec = BertConfig.tiny(position="stick_breaking", causal=True).position_spec
+@pytest.mark.parametrize("name", ["cope", "stick_breaking"])
+def test_cudnn_refuses_a_weight_rule_and_auto_leaves_it_to_xla(name):
+  with pytest.raises(ValueError, match=f"attention kernel 'cudnn' computes softmax attention; position method "
+                                       f"'{name}' reads the masked logits"):
+    BertConfig.tiny(position=name, causal=True, attention_kernel="cudnn")
+  spec = BertConfig.tiny(position=name, causal=True).position_spec
   assert attention.resolve_kernel("auto", spec, dtype=jnp.bfloat16, dropout=False, platform="gpu") == "xla"

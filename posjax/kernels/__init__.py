@@ -49,16 +49,15 @@ __all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets"
 
 
 def check_weight_rules(terms: Terms, tpu: bool, dropout_rate: float) -> None:
-  """Raises unless the Pallas kernels compute the terms that read the masked logits (:data:`WEIGHT_RULES`): of them,
-  stick-breaking alone, without dropout and without other terms."""
+  """Raises unless the Pallas kernels compute the terms that read the masked logits (:data:`WEIGHT_RULES`): each
+  alone in a call, without dropout; CoPE on the GPU kernels only."""
   rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
   if not rules:
     return
-  others = [name for name in NAMES if getattr(terms, name) is not None and name != "stick_breaking"]
-  del tpu
-  if rules != ["stick_breaking"] or others or dropout_rate:
-    why = (f"the {'/'.join(r for r in rules if r != 'stick_breaking')} term" if rules != ["stick_breaking"] else
-           f"stick-breaking with the {'/'.join(others)} term" if others else "dropout on stick-breaking weights")
+  others = [name for name in NAMES if getattr(terms, name) is not None and name != rules[0]]
+  why = (f"{rules[0]} with the {'/'.join(others)} term" if others else f"dropout with {rules[0]}" if dropout_rate
+         else "cope on the TPU kernels" if tpu and rules[0] == "cope" else None)
+  if why:
     raise ValueError(f"the Pallas kernels do not compute {why}; use implementation='xla'")
 
 
@@ -190,6 +189,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                                              window=bool(window)))
   if terms.forget is not None:
     terms = terms.replace(forget=terms.forget.replace(c=pad(terms.forget.c, 2, padded)))
+  if terms.cope is not None:  # rows of the padded head dim (zeros: q's padding reads nothing)
+    terms = terms.replace(cope=terms.cope.replace(table=pad(terms.cope.table, 0, head_dim)))
   if terms.buckets is not None and not tpu:  # the TPU kernels select per entry: no padded entries
     terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
                                                                   pow2(terms.buckets.table.shape[0]))))

@@ -22,7 +22,7 @@ gradients as per-tile partial sums (:data:`SCALARS`).
 
 Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
 (Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
-table; the dense ``xla`` path only, for now) and ``StickBreaking`` (the weights themselves: stick-breaking instead of
+table; ``xla`` and the GPU kernels) and ``StickBreaking`` (the weights themselves: stick-breaking instead of
 the softmax; ``xla`` and both Pallas backends, alone in a call).
 
 ``scale`` is the op's content scale (the factor on ``q·k``); the other terms come scaled as the model adds
@@ -45,7 +45,7 @@ import numpy as np
 RESETS = ("official", "paper", "none")
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
-WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: stick-breaking alone)
+WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: each alone in a call)
 SCALARS = ("kerple", "fire")  # terms whose learned scalars the kernels differentiate per tile (scalar_columns)
 KERPLES = ("log", "power")
 

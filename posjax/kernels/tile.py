@@ -210,7 +210,8 @@ class TileBase:
   ``_untied_factors``, ``_bucket_values``, ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head,
   :func:`scalar_rows`), ``_exact`` (a float32-accurate product's precision), ``_sandwich_embeddings`` (the
   tile's rows of :func:`sandwich_embeddings`) and ``_forget_sums`` (the query rows' and key rows' ``c`` of the
-  Forget term, ``[Q, 1]`` and ``[1, T]``): the position terms and the [CLS] reset, the mask and the logits,
+  Forget term, ``[Q, 1]`` and ``[1, T]``) and ``_cope_rows`` (CoPE's ``q·e[n]`` of the tile's rows at entries
+  ``n``): the position terms and the [CLS] reset, the mask and the logits,
   dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
   subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT``, the query positions
   ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``) and the pairs' indices ``index_i_QxT`` / ``index_j_QxT``, then calls
@@ -486,6 +487,34 @@ def stick_breaking_grads(tile: TileBase, allowed_QxT, a_QxT, da_QxT, before_Q, p
   earlier_QxT = before_Q[:, None] - dot(gain_QxT, suffix_matrix(z_QxT.shape[1], inclusive=True), precision)
   dz_QxT = gain_QxT * jax.nn.sigmoid(-z_QxT) - jax.nn.sigmoid(z_QxT) * earlier_QxT
   return jnp.where(allowed_QxT, dz_QxT, 0.0), gain_QxT
+
+
+def cope_tile(tile: TileBase, counted_Qx1, precision):
+  """One tile of CoPE (:class:`posjax.kernels.Cope`) given ``counted_Qx1``, each row's gates summed over the allowed
+  keys of the key tiles after this one: ``(g, p, unclamped, f, c, w, slope, logits)``: the gates ``sigmoid(z)`` (0 at
+  a masked key), the counted positions ``p`` (clamped at ``P - 1``; ``unclamped``: where they are not), their floor
+  ``f``, ceiling ``c`` and fraction ``w``, the slope ``q·e[c] - q·e[f]`` and the logits with the interpolated term
+  (masked ones left masked). ``q·e[n]`` of the tile's rows comes from the hook ``_cope_rows(index_QxT)``."""
+  allowed_QxT, s_QxT = tile.allowed_QxT, tile.s_QxT
+  g_QxT = jnp.where(allowed_QxT, jax.nn.sigmoid(s_QxT), 0.0)
+  top = tile.terms.cope.table.shape[1] - 1
+  counted_QxT = counted_Qx1 + dot(g_QxT, suffix_matrix(s_QxT.shape[1], inclusive=True), precision)
+  p_QxT = jnp.minimum(counted_QxT, float(top))
+  f_QxT = jnp.floor(p_QxT)
+  w_QxT = p_QxT - f_QxT
+  f_QxT, c_QxT = f_QxT.astype(jnp.int32), jnp.ceil(p_QxT).astype(jnp.int32)
+  low_QxT = tile._cope_rows(f_QxT)
+  slope_QxT = tile._cope_rows(c_QxT) - low_QxT
+  logits_QxT = jnp.where(allowed_QxT, s_QxT + low_QxT + w_QxT * slope_QxT, s_QxT)
+  return g_QxT, counted_QxT < top, f_QxT, c_QxT, w_QxT, slope_QxT, logits_QxT
+
+
+def cope_logit_grads(tile: TileBase, g_QxT, ds_QxT, dp_QxT, before_Qx1, precision):
+  """A CoPE tile's ``dz`` from the logits' gradient ``ds`` and the positions' ``dp = ds·slope`` (0 where clamped):
+  ``dz_it = ds_it + g_it (1 - g_it) Σ_{j <= t} dp_ij`` (a key's gate counts for every key at or before it), the sum
+  ``before_Qx1 - Σ_{j > t in the tile} dp`` (``before``: the row's ``Σ_j dp`` less the later key tiles')."""
+  counted_dp_QxT = before_Qx1 - dot(dp_QxT, suffix_matrix(ds_QxT.shape[1], inclusive=False), precision)
+  return jnp.where(tile.allowed_QxT, ds_QxT + counted_dp_QxT * g_QxT * (1.0 - g_QxT), 0.0)
 
 
 def stick_breaking_rows(d_out_BxHxLxV, out_BxHxLxV, v_BxGxLxV, remainder: bool):

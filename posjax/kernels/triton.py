@@ -59,8 +59,9 @@ from posjax.kernels.terms import NAMES, Terms
 from posjax.kernels.tile import (Plan, fold_window_table, forget_term_grads, group_sum, kv_head, next_power_of_two,
                                  overlap_add, row_delta, sandwich_embeddings, scalar_count, scalar_rows,
                                  scalar_term_grads, stick_breaking_rows, tile_ranges, untied_grads, window_table)
-from posjax.kernels.triton_kernels import (decode_kernel, dkv_kernel, dq_kernel, forward_kernel, stick_dkv_kernel,
-                                           stick_dq_kernel, stick_forward_kernel, window_grad_kernel)
+from posjax.kernels.triton_kernels import (cope_dkv_kernel, cope_dq_kernel, cope_forward_kernel, decode_kernel,
+                                           dkv_kernel, dq_kernel, forward_kernel, stick_dkv_kernel, stick_dq_kernel,
+                                           stick_forward_kernel, window_grad_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -180,6 +181,11 @@ def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int)
     for name in ("u_q", "u_k"):
       u_BpxHxLxK = getattr(terms.untied, name).transpose(0, 2, 1, 3)
       extra[name] = jnp.broadcast_to(u_BpxHxLxK, (batch, *u_BpxHxLxK.shape[1:]))
+  if terms.cope is not None:  # q·e[n] of every row and table entry (unscaled, as the paper's code), gathered per pair
+    qe_BxHxLxP = jnp.einsum("bhlk,kp->bhlp", q_BxHxLxK.astype(jnp.float32), terms.cope.table.astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+    entries = qe_BxHxLxP.shape[-1]
+    extra["qe"] = jnp.pad(qe_BxHxLxP, [(0, 0)] * 3 + [(0, next_power_of_two(entries) - entries)])
   return extra
 
 
@@ -199,7 +205,7 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
                  "row_sum": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
                 {"out": _row_spec(v_BxHxLxV, plan.block_q), "row_sum": row_spec}, l // plan.block_q)
     return out["out"], ((None, out["row_sum"]), extra, ranges)
-  out = _call(forward_kernel, plan, terms, inputs, specs,
+  out = _call(cope_forward_kernel if terms.cope is not None else forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
                "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
                "row_sum": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
@@ -218,7 +224,7 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
   Stick-breaking takes 32x32: at 64x64 its float32 ``[bq, bk]`` tiles (weights, their logs, the in-tile suffix sums)
   spill 0.8-2.3 KB per thread, at 32x32 none."""
   del length, head_dim
-  if terms.stick_breaking is not None:
+  if terms.stick_breaking is not None or terms.cope is not None:
     return (32, 32)
   plain = all(getattr(terms, name) is None for name in NAMES)
   if terms.sandwich is not None and terms.sandwich.dim > 128:
@@ -262,6 +268,13 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   inputs.update(row_max=row_max_BxHxL, row_sum=row_sum_BxHxL, delta=delta_BxHxL)
   for name in ("row_max", "row_sum", "delta"):
     specs[name] = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
+  if terms.cope is not None:
+    grads = _cope_bwd(plan, terms, inputs, specs, key_tiles_BxNx2, query_tiles_BxMx2)
+    d_table_KxP, grads = grads[0], grads[1:]
+    d_leaves = jax.tree_util.tree_leaves(jax.tree.map(jnp.zeros_like, terms).replace(
+        cope=terms.cope.replace(table=d_table_KxP.astype(terms.cope.table.dtype))))
+    return (d_leaves, *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))),
+            None, None, None, None)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   partial_spec = lambda n: pl.BlockSpec((1, 1, 1, n), lambda b, h, i: (b, h, i, 0))
 
@@ -351,6 +364,37 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _cope_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, key_tiles_BxNx2, query_tiles_BxMx2):
+  """``(d table, dq, dk, dv)`` of CoPE: the dq kernel's ``dqe`` rows (``q·e``'s gradient) give the table's gradient
+  and their share of ``dq`` outside the kernels; its carries at every key tile (``[B, H, L / block_k, L]`` float32
+  each) and each row's ``Σ dp`` pass to the dk/dv kernel."""
+  q_BxHxLxK, qe_BxHxLxP = inputs["q"], inputs["qe"]
+  b, h, l, d = q_BxHxLxK.shape
+  n_q, n_k = l // plan.block_q, l // plan.block_k
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  carry_tile = pl.BlockSpec((1, 1, n_k, plan.block_q), lambda b, h, i: (b, h, 0, i))
+  dq_res = _call(cope_dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
+                 {"dq": f32(b, h, l, d), "dqe": f32(*qe_BxHxLxP.shape), "counted": f32(b, h, n_k, l),
+                  "later_dp": f32(b, h, n_k, l), "total_dp": f32(b, h, l)},
+                 {"dq": _row_spec(q_BxHxLxK, plan.block_q), "dqe": _row_spec(qe_BxHxLxP, plan.block_q),
+                  "counted": carry_tile, "later_dp": carry_tile,
+                  "total_dp": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))}, n_q)
+  carry_rows = pl.BlockSpec((1, 1, n_k, l), lambda b, h, i: (b, h, 0, 0))
+  dkv_res = _call(cope_dkv_kernel, plan, terms,
+                  {**inputs, "counted": dq_res["counted"], "later_dp": dq_res["later_dp"],
+                   "total_dp": dq_res["total_dp"], "tiles": query_tiles_BxMx2},
+                  {**specs, "counted": carry_rows, "later_dp": carry_rows,
+                   "total_dp": pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0)), "tiles": _range_spec()},
+                  {"dk": f32(b, h, l, d), "dv": f32(b, h, l, inputs["v"].shape[-1])},
+                  {"dk": _row_spec(q_BxHxLxK, plan.block_k), "dv": _row_spec(inputs["d_out"], plan.block_k)}, n_k)
+  table_KxP = terms.cope.table.astype(jnp.float32)
+  dqe_BxHxLxP = dq_res["dqe"][..., :table_KxP.shape[1]]
+  dq_BxHxLxK = dq_res["dq"] + jnp.einsum("bhlp,kp->bhlk", dqe_BxHxLxP, table_KxP, precision=jax.lax.Precision.HIGHEST)
+  d_table_KxP = jnp.einsum("bhlk,bhlp->kp", q_BxHxLxK.astype(jnp.float32), dqe_BxHxLxP,
+                           precision=jax.lax.Precision.HIGHEST)
+  return (d_table_KxP, dq_BxHxLxK, group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group))
 
 
 def _stick_breaking_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, row_sum_BxHxL, out_BxHxLxV, v_BxGxLxV,

@@ -17,8 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, stick_breaking_grads,
-                                 stick_breaking_tile, t_dot)
+from posjax.kernels.tile import (Plan, TileBase, cope_logit_grads, cope_tile, diagonal_may_hold_pairs, dot, dot_t,
+                                 stick_breaking_grads, stick_breaking_tile, t_dot)
 
 
 def _one_hot(index_QxT, size: int):
@@ -77,6 +77,9 @@ class Tile(TileBase):
 
   def _sandwich_embeddings(self):
     return self.refs["sandwich"][0, 0, self.rows, :], self.refs["sandwich"][0, 0, self.cols, :]
+
+  def _cope_rows(self, index_QxT):
+    return self._gather("qe", self.index_i_QxT, index_QxT)
 
   def _forget_sums(self):
     queries = self.refs["forget_q" if "forget_q" in self.refs else "forget"]  # decoding: the queries' own
@@ -434,49 +437,159 @@ def _stick_tile(plan: Plan, terms: Terms, r: dict, tile: Tile, later_Q, before_Q
   return rest_QxT, a_QxT, dz_QxT, gain_QxT
 
 
+def _carried_dq(plan: Plan, terms: Terms, r: dict, carries: tuple[str, ...], tile_grads):
+  """``dq`` of one query tile for the rules whose rows carry sums across key tiles: the key tiles walked from the last
+  back, each row's carries (outputs ``carries``, ``[B, H, N, L]``) written at every key tile before it is added to,
+  for the dk/dv kernel; ``tile_grads(tile, *sums_Q) -> (dz, (row sums to add to the carries))``."""
+  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
+  lo, hi = _tiles(r)
+
+  def body(step, carry):
+    *sums_Q, dq_QxK = carry
+    t = hi - 1 - step
+    for name, sum_Q in zip(carries, sums_Q):
+      r[name][0, 0, t, :] = sum_Q
+    tile = Tile(plan, terms, r, i0, t * plan.block_k)
+    dz_QxT, added_Q = tile_grads(tile, *sums_Q)
+    return (*(x + y for x, y in zip(sums_Q, added_Q)), dq_QxK + plan.scale * _dot_in(dot, dz_QxT, tile.k_TxK))
+
+  init = (*(jnp.zeros((bq,), jnp.float32) for _ in carries), jnp.zeros((bq, r["q"].shape[-1]), jnp.float32))
+  return jax.lax.fori_loop(0, hi - lo, body, init)[-1]
+
+
 def stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
   """One query tile's ``dq``, its key tiles from the last back, and the two carries each of them starts from
   (``later``: Σ log(1 - β) over the later keys; ``gain``: Σ da·a over them), which the dk/dv kernel reads."""
   r = dict(zip(names, refs))
-  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
-  lo, hi = _tiles(r)
-  w_Q = r["w"][0, 0, pl.ds(i0, bq)]
+  w_Q = r["w"][0, 0, pl.ds(pl.program_id(2) * plan.block_q, plan.block_q)]
 
-  def body(step, carry):
-    later_Q, gain_Q, dq_QxK = carry
-    t = hi - 1 - step
-    r["later"][0, 0, t, :] = later_Q
-    r["gain"][0, 0, t, :] = gain_Q
-    tile = Tile(plan, terms, r, i0, t * plan.block_k)
+  def tile_grads(tile, later_Q, gain_Q):
     rest_QxT, _, dz_QxT, gain_QxT = _stick_tile(plan, terms, r, tile, later_Q, w_Q - gain_Q)
-    return (later_Q + jnp.sum(rest_QxT, axis=1), gain_Q + jnp.sum(gain_QxT, axis=1),
-            dq_QxK + plan.scale * _dot_in(dot, dz_QxT, tile.k_TxK))
+    return dz_QxT, (jnp.sum(rest_QxT, axis=1), jnp.sum(gain_QxT, axis=1))
 
-  init = (jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, r["q"].shape[-1]), jnp.float32))
-  _, _, dq_QxK = jax.lax.fori_loop(0, hi - lo, body, init)
-  r["dq"][0, 0, :, :] = dq_QxK
+  r["dq"][0, 0, :, :] = _carried_dq(plan, terms, r, ("later", "gain"), tile_grads)
 
 
-def stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One key tile's ``dk`` and ``dv`` from the query tiles that visit it, each row's carries at this key tile as the
-  dq kernel wrote them; with the remainder, ``dv_j`` also takes ``(1 - Σ_k a_jk) d_out_j`` (query j's own value)."""
-  r = dict(zip(names, refs))
+def _carried_dkv(plan: Plan, terms: Terms, r: dict, tile_grads):
+  """``(dk, dv)`` of one key tile for the rules whose rows carry sums across key tiles (the dq kernel wrote each
+  row's carries at every key tile): ``tile_grads(tile, n) -> (dz, weights)`` of a tile at key tile ``n``."""
   n = pl.program_id(2)
   bk, j0 = plan.block_k, n * plan.block_k
 
   def body(t, acc):
     dk_TxK, dv_TxV = acc
     tile = Tile(plan, terms, r, t * plan.block_q, j0)
-    later_Q, gain_Q = r["later"][0, 0, n, tile.rows], r["gain"][0, 0, n, tile.rows]
-    _, a_QxT, dz_QxT, _ = _stick_tile(plan, terms, r, tile, later_Q, r["w"][0, 0, tile.rows] - gain_Q)
+    dz_QxT, weights_QxT = tile_grads(tile, n)
     do_QxV = r["d_out"][0, 0, tile.rows, :]
-    return (dk_TxK + plan.scale * _dot_in(t_dot, dz_QxT, tile.q_QxK), dv_TxV + _dot_in(t_dot, a_QxT, do_QxV))
+    return (dk_TxK + plan.scale * _dot_in(t_dot, dz_QxT, tile.q_QxK), dv_TxV + _dot_in(t_dot, weights_QxT, do_QxV))
 
   init = (jnp.zeros((bk, r["k"].shape[-1]), jnp.float32), jnp.zeros((bk, r["v"].shape[-1]), jnp.float32))
-  dk_TxK, dv_TxV = jax.lax.fori_loop(*_tiles(r), body, init)
+  return jax.lax.fori_loop(*_tiles(r), body, init)
+
+
+def stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One key tile's ``dk`` and ``dv`` from the query tiles that visit it, each row's carries at this key tile as the
+  dq kernel wrote them; with the remainder, ``dv_j`` also takes ``(1 - Σ_k a_jk) d_out_j`` (query j's own value)."""
+  r = dict(zip(names, refs))
+
+  def tile_grads(tile, n):
+    later_Q, gain_Q = r["later"][0, 0, n, tile.rows], r["gain"][0, 0, n, tile.rows]
+    _, a_QxT, dz_QxT, _ = _stick_tile(plan, terms, r, tile, later_Q, r["w"][0, 0, tile.rows] - gain_Q)
+    return dz_QxT, a_QxT
+
+  dk_TxK, dv_TxV = _carried_dkv(plan, terms, r, tile_grads)
   if terms.stick_breaking.remainder:
-    cols = pl.ds(j0, bk)
+    cols = pl.ds(pl.program_id(2) * plan.block_k, plan.block_k)
     dv_TxV = dv_TxV + (1.0 - r["row_sum"][0, 0, cols])[:, None] * r["d_out"][0, 0, cols, :].astype(jnp.float32)
+  r["dk"][0, 0, :, :] = dk_TxK
+  r["dv"][0, 0, :, :] = dv_TxV
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CoPE (a term from the masked logits): each query tile walks its key tiles from the diagonal back, carrying each
+# row's gates summed over the later keys (the counted positions), with an online softmax over the logits it makes.
+
+
+def cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One query tile's output rows and each row's softmax maximum and sum."""
+  r = dict(zip(names, refs))
+  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
+  lo, hi = _tiles(r)
+
+  def body(step, carry):
+    counted_Q, row_max_Q, row_sum_Q, acc_QxV = carry
+    tile = Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k)
+    g_QxT, *_, logits_QxT = cope_tile(tile, counted_Q[:, None], tile._exact())
+    new_max_Q = jnp.maximum(row_max_Q, jnp.max(logits_QxT, axis=1))
+    alpha_Q = jnp.exp(row_max_Q - new_max_Q)
+    p_QxT = jnp.exp(logits_QxT - new_max_Q[:, None])
+    v_TxV = r["v"][0, 0, tile.cols, :]
+    return (counted_Q + jnp.sum(g_QxT, axis=1), new_max_Q, alpha_Q * row_sum_Q + jnp.sum(p_QxT, axis=1),
+            alpha_Q[:, None] * acc_QxV + dot(p_QxT.astype(v_TxV.dtype), v_TxV))
+
+  init = (jnp.zeros((bq,), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, r["v"].shape[-1]), jnp.float32))
+  _, row_max_Q, row_sum_Q, acc_QxV = jax.lax.fori_loop(0, hi - lo, body, init)
+  r["out"][0, 0, :, :] = (acc_QxV / row_sum_Q[:, None]).astype(r["out"].dtype)
+  r["row_max"][0, 0, :] = row_max_Q
+  r["row_sum"][0, 0, :] = row_sum_Q
+
+
+def _cope_tile_grads(plan: Plan, terms: Terms, r: dict, tile: Tile, counted_Q):
+  """A CoPE tile's softmax weights, the logits' gradient ``ds``, the positions' ``dp`` and what CoPE's table
+  gradient reads (the gates, floor, ceiling and fraction)."""
+  g_QxT, unclamped_QxT, f_QxT, c_QxT, w_QxT, slope_QxT, logits_QxT = cope_tile(tile, counted_Q[:, None],
+                                                                            tile._exact())
+  rows = tile.rows
+  p_QxT = jnp.exp(logits_QxT - r["row_max"][0, 0, rows][:, None]) / r["row_sum"][0, 0, rows][:, None]
+  dp_QxT = dot_t(r["d_out"][0, 0, rows, :], r["v"][0, 0, tile.cols, :])
+  ds_QxT = jnp.where(tile.allowed_QxT, p_QxT * (dp_QxT - r["delta"][0, 0, rows][:, None]), 0.0)
+  d_position_QxT = jnp.where(unclamped_QxT, ds_QxT * slope_QxT, 0.0)
+  return g_QxT, p_QxT, ds_QxT, d_position_QxT, (f_QxT, c_QxT, w_QxT)
+
+
+def cope_dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One query tile's ``dq`` and ``dqe`` rows (the gradient of its ``q·e[n]``), in two walks from the last key tile
+  back: the first sums each row's ``dp`` (a gate counts for every key at or before it, so its gradient needs the
+  whole row's), the second computes the gradients and writes each row's two carries at every key tile (the gates
+  and the ``dp`` of the later keys), which the dk/dv kernel reads."""
+  r = dict(zip(names, refs))
+  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
+  lo, hi = _tiles(r)
+  zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
+  _zero(plan, r["dqe"], rows=True)
+
+  def total(step, carry):
+    counted_Q, total_Q = carry
+    tile = Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k)
+    g_QxT, _, _, d_position_QxT, _ = _cope_tile_grads(plan, terms, r, tile, counted_Q)
+    return counted_Q + jnp.sum(g_QxT, axis=1), total_Q + jnp.sum(d_position_QxT, axis=1)
+
+  _, total_Q = jax.lax.fori_loop(0, hi - lo, total, (zeros(bq), zeros(bq)))
+
+  def tile_grads(tile, counted_Q, later_Q):
+    g_QxT, _, ds_QxT, d_position_QxT, (f_QxT, c_QxT, w_QxT) = _cope_tile_grads(plan, terms, r, tile, counted_Q)
+    _scatter_add(plan, r["dqe"], ds_QxT * (1.0 - w_QxT), f_QxT, tile.allowed_QxT, 1)
+    _scatter_add(plan, r["dqe"], ds_QxT * w_QxT, c_QxT, tile.allowed_QxT, 1)
+    dz_QxT = cope_logit_grads(tile, g_QxT, ds_QxT, d_position_QxT, (total_Q - later_Q)[:, None], tile._exact())
+    return dz_QxT, (jnp.sum(g_QxT, axis=1), jnp.sum(d_position_QxT, axis=1))
+
+  r["dq"][0, 0, :, :] = _carried_dq(plan, terms, r, ("counted", "later_dp"), tile_grads)
+  r["total_dp"][0, 0, :] = total_Q
+
+
+def cope_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  """One key tile's ``dk`` and ``dv`` from the query tiles that visit it, each row's carries at this key tile and
+  its ``Σ dp`` as the dq kernel wrote them."""
+  r = dict(zip(names, refs))
+
+  def tile_grads(tile, n):
+    counted_Q, later_Q = r["counted"][0, 0, n, tile.rows], r["later_dp"][0, 0, n, tile.rows]
+    g_QxT, p_QxT, ds_QxT, d_position_QxT, _ = _cope_tile_grads(plan, terms, r, tile, counted_Q)
+    before_Qx1 = (r["total_dp"][0, 0, tile.rows] - later_Q)[:, None]
+    return cope_logit_grads(tile, g_QxT, ds_QxT, d_position_QxT, before_Qx1, tile._exact()), p_QxT
+
+  dk_TxK, dv_TxV = _carried_dkv(plan, terms, r, tile_grads)
   r["dk"][0, 0, :, :] = dk_TxK
   r["dv"][0, 0, :, :] = dv_TxV
 

@@ -12,8 +12,10 @@ an argument, and 64 covers a tiny model's training lengths; a long-context run m
 
 A decoder's method only (:func:`posjax.positions.make` refuses it without ``causal``). Packed documents: the mask
 keeps each count inside its document. It is a :class:`posjax.kernels.Cope` term, which reads the masked logits: the
-dense ``xla`` path computes it (training and decoding, where the cache's keys give each new query its counts);
-the fused kernels do not yet.
+dense ``xla`` path computes it (training and decoding, where the cache's keys give each new query its counts), and
+so do the GPU (Triton) kernels (each query tile walks its key tiles from the diagonal back, carrying each row's
+count; the table's entries gathered per pair; the backward walks twice, its carries passed to the dk/dv kernel);
+not yet the TPU kernels, the decode kernels (decoding runs on the dense formulas) or cuDNN.
 """
 
 from __future__ import annotations
@@ -47,10 +49,9 @@ class CopeLayer(nn.Module):
     spec = self.spec
     table_KxP = self.param("pos_emb", base.zeros_init((base.KV, base.POSITION)),
                            (spec.head_dim, spec.options.npos_max), spec.param_dtype)
-    return base.DenseLayerTerms(q, k, terms=kernels.Terms(cope=kernels.Cope(table_KxP)))
+    return base.LayerTerms(q, k, terms=kernels.Terms(cope=kernels.Cope(table_KxP)))
 
 
-base.register(base.Method("cope", CopeOptions, layer=CopeLayer, fusable=lambda options: False, softmax=False,
-                          decoder_only=True,
+base.register(base.Method("cope", CopeOptions, layer=CopeLayer, softmax=False, decoder_only=True,
                           summary="Contextual Position Encoding: positions counted by gates on the logits, a learned "
                                   "table interpolated (Golovneva et al. 2024)"))
