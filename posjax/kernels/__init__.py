@@ -50,13 +50,14 @@ __all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets"
 
 def check_weight_rules(terms: Terms, tpu: bool, dropout_rate: float) -> None:
   """Raises unless the Pallas kernels compute the terms that read the masked logits (:data:`WEIGHT_RULES`): each
-  alone in a call, without dropout; CoPE on the GPU kernels only."""
+  alone in a call, without dropout."""
   rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
   if not rules:
     return
   others = [name for name in NAMES if getattr(terms, name) is not None and name != rules[0]]
+  del tpu
   why = (f"{rules[0]} with the {'/'.join(others)} term" if others else f"dropout with {rules[0]}" if dropout_rate
-         else "cope on the TPU kernels" if tpu and rules[0] == "cope" else None)
+         else None)
   if why:
     raise ValueError(f"the Pallas kernels do not compute {why}; use implementation='xla'")
 

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (Plan, TileBase, dot, dot_t, fold_window_table, forget_term_grads, group_sum, kv_head,
+from posjax.kernels.tile import (MASKED, Plan, TileBase, dot, dot_t, fold_window_table, forget_term_grads, group_sum, kv_head,
                                  overlap_add, diagonal_may_hold_pairs, row_delta, sandwich_embeddings, scalar_count,
                                  scalar_rows, scalar_term_grads, stick_breaking_rows, suffix_matrix, t_dot,
                                  tile_ranges, untied_grads, window_table)
@@ -336,9 +336,9 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
 _HIGHEST = jax.lax.Precision.HIGHEST  # the in-tile suffix sums in float32 (a TPU's default float32 dot is bf16)
 
 
-def _stick_tile(plan: Plan, terms: Terms, r: dict, i, j, later_1xQ):
-  """Key tile j against query tile i, transposed: ``(z, allowed, rest, a)`` ``[T, Q]``: the logits, the keys that
-  take a share, their ``log(1 - β)`` and their weights given each query's ``Σ log(1 - β)`` over the later key tiles."""
+def _key_major_tile(plan: Plan, r: dict, i, j):
+  """Key tile j against query tile i, transposed: ``(z, allowed, key, query)`` ``[T, Q]``: the scaled logits, the
+  mask (padding, documents, causal, sliding window) and the pairs' sequence indices."""
   bq, bk = plan.block_q, plan.block_k
   z_TxQ = plan.scale * dot_t(r["k"][0, 0], r["q"][0, 0])
   key_TxQ = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
@@ -348,6 +348,14 @@ def _stick_tile(plan: Plan, terms: Terms, r: dict, i, j, later_1xQ):
     allowed_TxQ = allowed_TxQ & (key_TxQ <= query_TxQ)
   if plan.sliding_window:
     allowed_TxQ = allowed_TxQ & (query_TxQ - key_TxQ < plan.sliding_window)
+  return z_TxQ, allowed_TxQ, key_TxQ, query_TxQ
+
+
+def _stick_tile(plan: Plan, terms: Terms, r: dict, i, j, later_1xQ):
+  """Key tile j against query tile i, transposed: ``(z, allowed, rest, a)`` ``[T, Q]``: the logits, the keys that
+  take a share, their ``log(1 - β)`` and their weights given each query's ``Σ log(1 - β)`` over the later key tiles."""
+  bk = plan.block_k
+  z_TxQ, allowed_TxQ, key_TxQ, query_TxQ = _key_major_tile(plan, r, i, j)
   if not terms.stick_breaking.attend_current:
     allowed_TxQ = allowed_TxQ & (key_TxQ != query_TxQ)
   rest_TxQ = jnp.where(allowed_TxQ, jax.nn.log_sigmoid(-z_TxQ), 0.0)
@@ -421,19 +429,32 @@ def _stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
   _write_on_last_step(r, ["dq"], step)
 
 
-def _stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+def _carried_dkv(plan: Plan, names, refs, tile_grads):
+  """The dk/dv kernels of the rules whose queries carry sums across key tiles (grid (b, h, key tile j, query tile
+  i), the carries the dq kernel wrote): ``tile_grads(r, i, j) -> (dz, weights)`` ``[T, Q]``, summed into ``acc_dk``
+  and ``acc_dv``; returns the refs by name and ``i``, for the kernel's last step."""
   r = dict(zip(names, refs))
-  b, h, j, i = (pl.program_id(a) for a in range(4))
+  b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   _zero_on_first_step(r, ("dk", "dv"), i)
 
   @pl.when(_visits(r, b, j, i))
   def _():
+    dz_TxQ, weights_TxQ = tile_grads(r, i, j)
+    do_QxV, q_QxK = r["d_out"][0, 0], r["q"][0, 0]
+    r["acc_dv"][...] += dot(weights_TxQ.astype(do_QxV.dtype), do_QxV)
+    r["acc_dk"][...] += plan.scale * dot(dz_TxQ.astype(q_QxK.dtype), q_QxK)
+
+  return r, i
+
+
+def _stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  def tile_grads(r, i, j):
     later_1xQ, gain_1xQ = r["later_t"][0, 0, 0], r["gain_t"][0, 0, 0]
     z_TxQ, allowed_TxQ, _, a_TxQ = _stick_tile(plan, terms, r, i, j, later_1xQ)
     dz_TxQ, _ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, r["w_t"][0, 0] - gain_1xQ)
-    do_QxV, q_QxK = r["d_out"][0, 0], r["q"][0, 0]
-    r["acc_dv"][...] += dot(a_TxQ.astype(do_QxV.dtype), do_QxV)
-    r["acc_dk"][...] += plan.scale * dot(dz_TxQ.astype(q_QxK.dtype), q_QxK)
+    return dz_TxQ, a_TxQ
+
+  r, i = _carried_dkv(plan, names, refs, tile_grads)
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _():
@@ -442,6 +463,195 @@ def _stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
       dv_TxV = dv_TxV + _diagonal_rows(1.0 - r["row_sum_k"][0, 0], r["d_out_k"][0, 0])
     r["dv"][0, 0] = dv_TxV
     r["dk"][0, 0] = r["acc_dk"][...]
+
+
+def _cope_tile(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
+  """CoPE's key tile j against query tile i, transposed (:func:`posjax.kernels.tile.cope_tile`): ``(allowed, g,
+  unclamped, f, c, w, slope, logits)`` ``[T, Q]``, the entries ``q·e[n]`` selected one entry at a time from the
+  queries' lane-major rows (Mosaic has no gather); the logits masked as :meth:`TileBase.mask_logits` masks them."""
+  bk = plan.block_k
+  z_TxQ, allowed_TxQ, key_TxQ, _ = _key_major_tile(plan, r, i, j)
+  g_TxQ = jnp.where(allowed_TxQ, jax.nn.sigmoid(z_TxQ), 0.0)
+  entries = r["qe_t"].shape[2]
+  counted_TxQ = counted_1xQ + dot(suffix_matrix(bk, inclusive=True).T, g_TxQ, _HIGHEST)
+  p_TxQ = jnp.minimum(counted_TxQ, float(entries - 1))
+  f_TxQ = jnp.floor(p_TxQ)
+  w_TxQ = p_TxQ - f_TxQ
+  f_TxQ, c_TxQ = f_TxQ.astype(jnp.int32), jnp.ceil(p_TxQ).astype(jnp.int32)
+  low_TxQ = high_TxQ = jnp.zeros_like(z_TxQ)
+  for n in range(entries):
+    qe_1xQ = r["qe_t"][0, 0, n:n + 1, :]
+    low_TxQ = jnp.where(f_TxQ == n, qe_1xQ, low_TxQ)
+    high_TxQ = jnp.where(c_TxQ == n, qe_1xQ, high_TxQ)
+  logits_TxQ = jnp.where(allowed_TxQ, z_TxQ + low_TxQ + w_TxQ * (high_TxQ - low_TxQ), MASKED)
+  logits_TxQ = jnp.where(key_TxQ < plan.length, logits_TxQ, -jnp.inf)
+  return allowed_TxQ, g_TxQ, counted_TxQ < entries - 1, f_TxQ, c_TxQ, w_TxQ, high_TxQ - low_TxQ, logits_TxQ
+
+
+def _cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
+  r, b, i, j, step = _walked_back(names, refs)
+
+  @pl.when(step == 0)
+  def _():
+    r["acc_m"][...] = jnp.full(r["acc_m"].shape, -jnp.inf, jnp.float32)
+    for name in ("counted", "l", "out"):
+      r["acc_" + name][...] = jnp.zeros(r["acc_" + name].shape, jnp.float32)
+
+  @pl.when(_visits(r, b, i, j))
+  def _():
+    _, g_TxQ, *_, logits_TxQ = _cope_tile(plan, terms, r, i, j, r["acc_counted"][...])
+    m_1xQ = r["acc_m"][...]
+    new_max_1xQ = jnp.maximum(m_1xQ, jnp.max(logits_TxQ, axis=0, keepdims=True))
+    alpha_1xQ = jnp.exp(m_1xQ - new_max_1xQ)
+    p_TxQ = jnp.exp(logits_TxQ - new_max_1xQ)
+    v_TxV = r["v"][0, 0]
+    r["acc_m"][...] = new_max_1xQ
+    r["acc_l"][...] = alpha_1xQ * r["acc_l"][...] + jnp.sum(p_TxQ, axis=0, keepdims=True)
+    r["acc_out"][...] = alpha_1xQ * r["acc_out"][...] + t_dot(v_TxV, p_TxQ.astype(v_TxV.dtype))  # [V, Q]
+    r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
+
+  @pl.when(step == pl.num_programs(3) - 1)
+  def _():
+    r["out"][0, 0] = (r["acc_out"][...] / r["acc_l"][...]).T.astype(r["out"].dtype)
+    r["row_max_t"][0, 0] = r["acc_m"][...]
+    r["row_sum_t"][0, 0] = r["acc_l"][...]
+
+
+def _cope_tile_grads(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
+  """A CoPE tile's softmax weights, logits' gradient ``ds``, positions' gradient ``dp`` and the gates, floor,
+  ceiling and fraction (transposed, :func:`posjax.kernels.triton_kernels._cope_tile_grads`' counterpart)."""
+  allowed_TxQ, g_TxQ, unclamped_TxQ, f_TxQ, c_TxQ, w_TxQ, slope_TxQ, logits_TxQ = _cope_tile(plan, terms, r, i, j,
+                                                                                          counted_1xQ)
+  p_TxQ = jnp.exp(logits_TxQ - r["row_max_t"][0, 0]) / r["row_sum_t"][0, 0]
+  dp_TxQ = dot_t(r["v"][0, 0], r["d_out"][0, 0])
+  ds_TxQ = jnp.where(allowed_TxQ, p_TxQ * (dp_TxQ - r["delta_t"][0, 0]), 0.0)
+  d_position_TxQ = jnp.where(unclamped_TxQ, ds_TxQ * slope_TxQ, 0.0)
+  return allowed_TxQ, g_TxQ, p_TxQ, ds_TxQ, d_position_TxQ, (f_TxQ, c_TxQ, w_TxQ)
+
+
+def _cope_dz(plan: Plan, allowed_TxQ, g_TxQ, ds_TxQ, d_position_TxQ, before_1xQ):
+  """``dz`` of a transposed CoPE tile (:func:`posjax.kernels.tile.cope_logit_grads`)."""
+  counted_dp_TxQ = before_1xQ - dot(suffix_matrix(plan.block_k, inclusive=False).T, d_position_TxQ, _HIGHEST)
+  return jnp.where(allowed_TxQ, ds_TxQ + counted_dp_TxQ * g_TxQ * (1.0 - g_TxQ), 0.0)
+
+
+def _cope_dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  """Grid (b, h, query tile i, step s) of two walks over the key tiles from the last back (steps ``0 .. N - 1``
+  and ``N .. 2N - 1``): the first sums each query's ``dp``, the second computes ``dq`` and ``dqe`` (rows ``[P, Q]``,
+  one entry a sublane) and writes each query's carries at every key tile for the dk/dv kernel."""
+  r = dict(zip(names, refs))
+  b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  n_k = pl.num_programs(3) // 2
+  j = n_k - 1 - s % n_k
+  second = s >= n_k
+
+  @pl.when((s == 0) | (s == n_k))
+  def _():
+    r["acc_counted"][...] = jnp.zeros(r["acc_counted"].shape, jnp.float32)
+
+  @pl.when(s == 0)
+  def _():
+    for name in ("total", "later", "dq", "dqe"):
+      r["acc_" + name][...] = jnp.zeros(r["acc_" + name].shape, jnp.float32)
+
+  @pl.when(_visits(r, b, i, j) & ~second)
+  def _():
+    _, g_TxQ, _, _, d_position_TxQ, _ = _cope_tile_grads(plan, terms, r, i, j, r["acc_counted"][...])
+    r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
+    r["acc_total"][...] += jnp.sum(d_position_TxQ, axis=0, keepdims=True)
+
+  @pl.when(_visits(r, b, i, j) & second)
+  def _():
+    counted_1xQ, later_1xQ = r["acc_counted"][...], r["acc_later"][...]
+    r["counted_t"][0, 0, 0] = counted_1xQ
+    r["later_dp_t"][0, 0, 0] = later_1xQ
+    allowed_TxQ, g_TxQ, _, ds_TxQ, d_position_TxQ, (f_TxQ, c_TxQ, w_TxQ) = _cope_tile_grads(
+        plan, terms, r, i, j, counted_1xQ)
+    dz_TxQ = _cope_dz(plan, allowed_TxQ, g_TxQ, ds_TxQ, d_position_TxQ, r["acc_total"][...] - later_1xQ)
+    k_TxK = r["k"][0, 0]
+    r["acc_dq"][...] += plan.scale * t_dot(dz_TxQ.astype(k_TxK.dtype), k_TxK)
+    low_TxQ, high_TxQ = ds_TxQ * (1.0 - w_TxQ), ds_TxQ * w_TxQ
+    for n in range(r["acc_dqe"].shape[0]):
+      part_TxQ = jnp.where(f_TxQ == n, low_TxQ, 0.0) + jnp.where(c_TxQ == n, high_TxQ, 0.0)
+      r["acc_dqe"][n:n + 1, :] += jnp.sum(part_TxQ, axis=0, keepdims=True)
+    r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
+    r["acc_later"][...] += jnp.sum(d_position_TxQ, axis=0, keepdims=True)
+
+  @pl.when(s == pl.num_programs(3) - 1)
+  def _():
+    r["dq"][0, 0] = r["acc_dq"][...]
+    r["dqe_t"][0, 0] = r["acc_dqe"][...]
+    r["total_dp_t"][0, 0] = r["acc_total"][...]
+
+
+def _cope_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
+  def tile_grads(r, i, j):
+    allowed_TxQ, g_TxQ, p_TxQ, ds_TxQ, d_position_TxQ, _ = _cope_tile_grads(plan, terms, r, i, j,
+                                                                             r["counted_t"][0, 0, 0])
+    before_1xQ = r["total_dp_t"][0, 0] - r["later_dp_t"][0, 0, 0]
+    return _cope_dz(plan, allowed_TxQ, g_TxQ, ds_TxQ, d_position_TxQ, before_1xQ), p_TxQ
+
+  r, i = _carried_dkv(plan, names, refs, tile_grads)
+  _write_on_last_step(r, ("dk", "dv"), i)
+
+
+def _cope_rows_t(terms: Terms, q_BxHxLxK):
+  """``[B, H, P, L]``: ``q·e[n]`` of every query and entry (unscaled, as the paper's code), entries on the
+  sublanes."""
+  return jnp.einsum("bhlk,kp->bhpl", q_BxHxLxK.astype(jnp.float32), terms.cope.table.astype(jnp.float32),
+                    precision=_HIGHEST)
+
+
+def _cope_forward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, ranges):
+  b, h, l, _ = q_BxHxLxK.shape
+  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
+  arrays = {**_stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL),
+            "qe_t": _cope_rows_t(terms, q_BxHxLxK)}
+  del arrays["v_q"]
+  out = _call(_cope_forward_kernel, plan, terms, arrays,
+              {"out": _rows((b, h, l, value_dim), bq, v_BxHxLxV.dtype), "row_max_t": _lane_rows((b, h, 1, l), bq),
+               "row_sum_t": _lane_rows((b, h, 1, l), bq)},
+              (b, h, l // bq, l // bk), _query_major(l // bq, reverse=l // bk),
+              {"acc_counted": (1, bq), "acc_m": (1, bq), "acc_l": (1, bq), "acc_out": (value_dim, bq)}, ranges[0])
+  return out["out"], (out["row_max_t"], out["row_sum_t"])
+
+
+def _cope_backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, out_BxHxLxV,
+                   stats, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2):
+  """``(d table, dq, dk, dv)``: the dq kernel's ``dqe`` rows give the table's gradient and their share of ``dq``
+  after the kernels; its carries (``[B, H, N, 1, L]`` each) and each query's ``Σ dp`` pass to the dk/dv kernel."""
+  b, h, l, d = q_BxHxLxK.shape
+  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
+  n_q, n_k = l // bq, l // bk
+  qe_BxHxPxL = _cope_rows_t(terms, q_BxHxLxK)
+  entries = qe_BxHxPxL.shape[2]
+  arrays = {**_stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL), "qe_t": qe_BxHxPxL,
+            "d_out": d_out_BxHxLxV, "row_max_t": stats[0], "row_sum_t": stats[1],
+            "delta_t": row_delta(d_out_BxHxLxV, out_BxHxLxV)[:, :, None]}
+  del arrays["v_q"]
+  step_tile = lambda ranges, b_, i, s: _clamped(ranges, n_q, b_, i, n_k - 1 - jnp.maximum(s - n_k, 0))
+  carry = lambda: (jax.ShapeDtypeStruct((b, h, n_k, 1, l), jnp.float32),
+                   pl.BlockSpec((1, 1, 1, 1, bq), lambda b_, h_, i, s, ranges: (b_, h_, step_tile(ranges, b_, i, s),
+                                                                                0, i)))
+  dq_res = _call(_cope_dq_kernel, plan, terms, arrays,
+                 {"dq": _rows((b, h, l, d), bq), "dqe_t": (jax.ShapeDtypeStruct((b, h, entries, l), jnp.float32),
+                                                          pl.BlockSpec((1, 1, entries, bq),
+                                                                       lambda b_, h_, i, s, ranges: (b_, h_, 0, i))),
+                  "total_dp_t": _lane_rows((b, h, 1, l), bq), "counted_t": carry(), "later_dp_t": carry()},
+                 (b, h, n_q, 2 * n_k), lambda b_, h_, i, s, ranges: (i, _clamped(ranges, n_q, b_, i,
+                                                                                n_k - 1 - s % n_k)),
+                 {"acc_counted": (1, bq), "acc_total": (1, bq), "acc_later": (1, bq), "acc_dq": (bq, d),
+                  "acc_dqe": (entries, bq)}, key_tiles_BxNx2)
+  arrays.update(counted_t=dq_res["counted_t"], later_dp_t=dq_res["later_dp_t"], total_dp_t=dq_res["total_dp_t"])
+  dkv_res = _call(_cope_dkv_kernel, plan, terms, arrays,
+                  {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, value_dim), bk)},
+                  (b, h, n_k, n_q), _key_major(n_k), {"acc_dk": (bk, d), "acc_dv": (bk, value_dim)},
+                  query_tiles_BxMx2)
+  table_KxP = terms.cope.table.astype(jnp.float32)
+  dqe_BxHxPxL = dq_res["dqe_t"]
+  dq_BxHxLxK = dq_res["dq"] + jnp.einsum("bhpl,kp->bhlk", dqe_BxHxPxL, table_KxP, precision=_HIGHEST)
+  d_table_KxP = jnp.einsum("bhlk,bhpl->kp", q_BxHxLxK.astype(jnp.float32), dqe_BxHxPxL, precision=_HIGHEST)
+  return d_table_KxP, dq_BxHxLxK, group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group)
 
 
 def _stick_inputs(plan: Plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL) -> dict:
@@ -529,11 +739,13 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at((1, bk, bq), lambda b, h, i, j: (b, j, 0))
     elif name == "qt_segments":
       specs[name] = at((1, 1, bq), lambda b, h, i, j: (b, 0, i))
-    elif name in ("dov_t", "w_t"):  # per query, lane-major
+    elif name in ("dov_t", "w_t", "row_max_t", "row_sum_t", "delta_t", "total_dp_t"):  # per query, lane-major
       specs[name] = at((1, 1, 1, bq), lambda b, h, i, j: (b, h, 0, i))
     elif name == "row_sum_k":  # per key row, lane-major
       specs[name] = at((1, 1, 1, bk), lambda b, h, i, j: (b, h, 0, j))
-    elif name in ("later_t", "gain_t"):  # the carries of query tile i at key tile j
+    elif name == "qe_t":  # CoPE's q·e[n] of the query tile, one entry a sublane
+      specs[name] = at((1, 1, a.shape[2], bq), lambda b, h, i, j: (b, h, 0, i))
+    elif name in ("later_t", "gain_t", "counted_t", "later_dp_t"):  # the carries of query tile i at key tile j
       specs[name] = at((1, 1, 1, 1, bq), lambda b, h, i, j: (b, h, j, 0, i))
     elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
       shift = name == "window_hi"
@@ -648,6 +860,10 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
     out_BxHxLxV, row_sum_BxHx1xL = _stick_forward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL,
                                                   valid_BxL, ranges)
     return out_BxHxLxV, ((None, row_sum_BxHx1xL), ranges)
+  if terms.cope is not None:
+    out_BxHxLxV, stats = _cope_forward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
+                                       ranges)
+    return out_BxHxLxV, (stats, ranges)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {})
   out = _call(_forward_kernel, plan, terms, arrays,
@@ -695,6 +911,14 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     grads = _stick_backward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, out_BxHxLxV,
                             row_sum_BxHxLxT, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2)
     return ([jnp.zeros_like(x) for x in leaves],
+            *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
+  if terms.cope is not None:
+    d_table_KxP, *grads = _cope_backward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
+                                         out_BxHxLxV, (row_max_BxHxLxT, row_sum_BxHxLxT), d_out_BxHxLxV,
+                                         key_tiles_BxNx2, query_tiles_BxMx2)
+    d_terms = jax.tree.map(jnp.zeros_like, terms).replace(
+        cope=terms.cope.replace(table=d_table_KxP.astype(terms.cope.table.dtype)))
+    return (jax.tree_util.tree_leaves(d_terms),
             *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
   delta_BxHxLx1 = row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims=True)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,

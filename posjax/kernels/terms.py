@@ -22,8 +22,8 @@ gradients as per-tile partial sums (:data:`SCALARS`).
 
 Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
 (Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
-table; ``xla`` and the GPU kernels) and ``StickBreaking`` (the weights themselves: stick-breaking instead of
-the softmax; ``xla`` and both Pallas backends, alone in a call).
+table) and ``StickBreaking`` (the weights themselves: stick-breaking instead of the softmax); ``xla`` and both Pallas
+backends compute each (the kernels: alone in a call).
 
 ``scale`` is the op's content scale (the factor on ``q·k``); the other terms come scaled as the model adds
 them. [CLS] tokens are those at position 0 (the first token of each packed segment), as in TUPE's position

@@ -13,9 +13,9 @@ an argument, and 64 covers a tiny model's training lengths; a long-context run m
 A decoder's method only (:func:`posjax.positions.make` refuses it without ``causal``). Packed documents: the mask
 keeps each count inside its document. It is a :class:`posjax.kernels.Cope` term, which reads the masked logits: the
 dense ``xla`` path computes it (training and decoding, where the cache's keys give each new query its counts), and
-so do the GPU (Triton) kernels (each query tile walks its key tiles from the diagonal back, carrying each row's
-count; the table's entries gathered per pair; the backward walks twice, its carries passed to the dk/dv kernel);
-not yet the TPU kernels, the decode kernels (decoding runs on the dense formulas) or cuDNN.
+so do both Pallas backends (each query tile walks its key tiles from the diagonal back, carrying each row's count;
+the table's entries gathered per pair on GPU, selected per entry on TPU; the backward walks twice, its carries passed
+to the dk/dv kernel); not yet the decode kernels (decoding runs on the dense formulas), and not cuDNN.
 """
 
 from __future__ import annotations
