@@ -442,15 +442,16 @@ WEIGHT_RULES = {
 }
 
 
-@pytest.mark.parametrize("interpreter,rule", [(True, "stick_breaking"), ("tpu", "stick_breaking"),
-                                              ("tpu", "stick_breaking_current"), (True, "cope"), ("tpu", "cope")])
+@pytest.mark.parametrize("interpreter,rule", [(True, "stick_breaking_current"), ("tpu", "stick_breaking"),
+                                              (True, "cope"), ("tpu", "cope")])
 def test_weight_rules_match_the_reference_with_their_gradients(interpreter, rule):
   """The rules on the masked logits, each query tile walking its key tiles from the diagonal back and the dq
   kernel's carries read by the dk/dv kernel (interpreted): the output and every gradient against the float64
   reference's loops (central differences), on packed, padded, causal rows with grouped k/v heads, tiles smaller than
-  a document and a sliding window. Stick-breaking on both backends (the TPU's key-major tiles), the query's own key
-  left out and the remainder on its value (the authors' defaults) or neither; CoPE on the GPU kernels (the table's
-  entries gathered per pair, the backward's two walks), a table of 6 entries (counts past 5 clamped)."""
+  a document and a sliding window, on both backends (the TPU's key-major tiles). Stick-breaking with the query's own
+  key left out and the remainder on its value (the authors' defaults; TPU) or neither (GPU); CoPE with a table of 6
+  entries (counts past 5 clamped), gathered per pair on GPU and selected per entry on TPU, the backward's two
+  walks."""
   rng = np.random.default_rng(12)
   batch, length, heads, kv_heads, head_dim = 2, 21, 4, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
