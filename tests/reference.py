@@ -303,9 +303,10 @@ def weight_rule_output(name, opts, P, x, pos, segments):
   """``[B, L, H, V]`` before the output projection: one causal layer of ``cope`` or ``stick_breaking``, in loops.
   Keys allowed to query i: j <= i in i's segment (query head h reads k/v head h // (H / G)).
 
-  CoPE (the paper's code): z_ij = q_i·k_j / sqrt(K); gates g_it = sigmoid(z_it) over the allowed t; p_ij = Σ_{t=j..i}
-  g_it clamped at npos_max - 1; logit z_ij + (1 - w) q_i·e[floor p] + w q_i·e[ceil p], w = p - floor p; a softmax
-  over the allowed keys. Stick-breaking (the authors' ``sb_attn``): over the allowed keys, the query's own left out
+  CoPE (the official layer, facebookresearch/RAM): z_ij = q_i·k_j / sqrt(K); gates g_it = sigmoid(z_it) over the
+  allowed t; p_ij = Σ_{t=j..i} g_it clamped at npos - 1; logit z_ij + ((1 - w) q_i·e[floor p] + w q_i·e[ceil p]) /
+  sqrt(K) (not divided with ``scaled=False``, the official cope_nodiv), w = p - floor p; a softmax over the allowed
+  keys. Stick-breaking (the authors' ``sb_attn``): over the allowed keys, the query's own left out
   unless ``attend_current``, A_ij = σ(z_ij) Π_{j<k} (1 - σ(z_ik)); with ``remainder`` the query's own value also
   gets 1 - Σ_j A_ij."""
   A = P["attn"]
@@ -321,7 +322,8 @@ def weight_rule_output(name, opts, P, x, pos, segments):
         z = {j: q[b, i, h] @ k[b, j, h // group] / math.sqrt(K) for j in keys}
         weight = {}
         if name == "cope":
-          weight = {j: z[j] + e for j, e in cope_row(z, keys, q[b, i, h] @ A["position"]["pos_emb"])}
+          divide = math.sqrt(K) if opts.get("scaled", True) else 1.0
+          weight = {j: z[j] + e / divide for j, e in cope_row(z, keys, q[b, i, h] @ A["position"]["pos_emb"])}
           top = max(weight.values())
           total = sum(math.exp(e - top) for e in weight.values())
           weight = {j: math.exp(e - top) / total for j, e in weight.items()}

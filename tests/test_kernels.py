@@ -453,7 +453,7 @@ def test_weight_rules_match_the_reference_with_their_gradients(interpreter, rule
   entries (counts past 5 clamped), gathered per pair on GPU and selected per entry on TPU, the backward's two
   walks."""
   rng = np.random.default_rng(12)
-  batch, length, heads, kv_heads, head_dim = 2, 21, 4, 2, 8
+  batch, length, heads, kv_heads, head_dim = 2, 21, 2, 1, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
   segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
   terms = WEIGHT_RULES[rule](rng)

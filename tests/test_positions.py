@@ -302,7 +302,7 @@ def test_fire_starts_as_the_official_modules_torch_linear_layers():
     np.testing.assert_allclose(x.var(), bound ** 2 / 3, rtol=0.1, err_msg=name)
 
 
-WEIGHT_RULES = [("cope", {}), ("cope", {"npos_max": 3}), ("stick_breaking", {}),
+WEIGHT_RULES = [("cope", {}), ("cope", {"npos_max": 3, "scaled": False}), ("stick_breaking", {}),
                 ("stick_breaking", {"attend_current": True, "remainder": False})]
 
 

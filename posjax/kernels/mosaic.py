@@ -478,14 +478,24 @@ def _cope_tile(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
   f_TxQ = jnp.floor(p_TxQ)
   w_TxQ = p_TxQ - f_TxQ
   f_TxQ, c_TxQ = f_TxQ.astype(jnp.int32), jnp.ceil(p_TxQ).astype(jnp.int32)
-  low_TxQ = high_TxQ = jnp.zeros_like(z_TxQ)
-  for n in range(entries):
-    qe_1xQ = r["qe_t"][0, 0, n:n + 1, :]
-    low_TxQ = jnp.where(f_TxQ == n, qe_1xQ, low_TxQ)
-    high_TxQ = jnp.where(c_TxQ == n, qe_1xQ, high_TxQ)
+
+  def select(n, carry):
+    low_TxQ, high_TxQ = carry
+    qe_1xQ = r["qe_t"][0, 0, pl.ds(n, 1), :]
+    return jnp.where(f_TxQ == n, qe_1xQ, low_TxQ), jnp.where(c_TxQ == n, qe_1xQ, high_TxQ)
+
+  low_TxQ, high_TxQ = jax.lax.fori_loop(*_entries_reached(allowed_TxQ, f_TxQ, c_TxQ, entries), select,
+                                        (jnp.zeros_like(z_TxQ), jnp.zeros_like(z_TxQ)))
   logits_TxQ = jnp.where(allowed_TxQ, z_TxQ + low_TxQ + w_TxQ * (high_TxQ - low_TxQ), MASKED)
   logits_TxQ = jnp.where(key_TxQ < plan.length, logits_TxQ, -jnp.inf)
   return allowed_TxQ, g_TxQ, counted_TxQ < entries - 1, f_TxQ, c_TxQ, w_TxQ, high_TxQ - low_TxQ, logits_TxQ
+
+
+def _entries_reached(allowed_TxQ, f_TxQ, c_TxQ, entries: int):
+  """``[lo, hi)``: the table entries a CoPE tile's allowed pairs read (a loop over them selects or accumulates an
+  entry at a time: a tile's counts span far fewer entries than the table has, near the diagonal)."""
+  lo = jnp.min(jnp.where(allowed_TxQ, f_TxQ, entries - 1))
+  return lo, jnp.maximum(jnp.max(jnp.where(allowed_TxQ, c_TxQ, 0)) + 1, lo)
 
 
 def _cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -571,9 +581,13 @@ def _cope_dq_kernel(plan: Plan, terms: Terms, names, *refs):
     k_TxK = r["k"][0, 0]
     r["acc_dq"][...] += plan.scale * t_dot(dz_TxQ.astype(k_TxK.dtype), k_TxK)
     low_TxQ, high_TxQ = ds_TxQ * (1.0 - w_TxQ), ds_TxQ * w_TxQ
-    for n in range(r["acc_dqe"].shape[0]):
+
+    def scatter(n, carry):
       part_TxQ = jnp.where(f_TxQ == n, low_TxQ, 0.0) + jnp.where(c_TxQ == n, high_TxQ, 0.0)
-      r["acc_dqe"][n:n + 1, :] += jnp.sum(part_TxQ, axis=0, keepdims=True)
+      r["acc_dqe"][pl.ds(n, 1), :] += jnp.sum(part_TxQ, axis=0, keepdims=True)
+      return carry
+
+    jax.lax.fori_loop(*_entries_reached(allowed_TxQ, f_TxQ, c_TxQ, r["acc_dqe"].shape[0]), scatter, 0)
     r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
     r["acc_later"][...] += jnp.sum(d_position_TxQ, axis=0, keepdims=True)
 
@@ -596,8 +610,8 @@ def _cope_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
 
 
 def _cope_rows_t(terms: Terms, q_BxHxLxK):
-  """``[B, H, P, L]``: ``q·e[n]`` of every query and entry (unscaled, as the paper's code), entries on the
-  sublanes."""
+  """``[B, H, P, L]``: ``q·e[n]`` of every query and entry (the table scaled as the method adds the term), entries
+  on the sublanes."""
   return jnp.einsum("bhlk,kp->bhpl", q_BxHxLxK.astype(jnp.float32), terms.cope.table.astype(jnp.float32),
                     precision=_HIGHEST)
 

@@ -181,7 +181,7 @@ def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int)
     for name in ("u_q", "u_k"):
       u_BpxHxLxK = getattr(terms.untied, name).transpose(0, 2, 1, 3)
       extra[name] = jnp.broadcast_to(u_BpxHxLxK, (batch, *u_BpxHxLxK.shape[1:]))
-  if terms.cope is not None:  # q·e[n] of every row and table entry (unscaled, as the paper's code), gathered per pair
+  if terms.cope is not None:  # q·e[n] of every row and table entry (the table scaled as the method adds it), per pair
     qe_BxHxLxP = jnp.einsum("bhlk,kp->bhlp", q_BxHxLxK.astype(jnp.float32), terms.cope.table.astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST)
     entries = qe_BxHxLxP.shape[-1]
