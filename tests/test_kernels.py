@@ -448,14 +448,14 @@ def test_weight_rules_match_the_reference_with_their_gradients(interpreter, rule
   """The rules on the masked logits, each query tile walking its key tiles from the diagonal back and the dq
   kernel's carries read by the dk/dv kernel (interpreted): the output and every gradient against the float64
   reference's loops (central differences), on packed, padded, causal rows with grouped k/v heads, tiles smaller than
-  a document and a sliding window, on both backends (the TPU's key-major tiles). Stick-breaking with the query's own
-  key left out and the remainder on its value (the authors' defaults; TPU) or neither (GPU); CoPE with a table of 6
-  entries (counts past 5 clamped), gathered per pair on GPU and selected per entry on TPU, the backward's two
-  walks."""
+  a document, a last key tile past the sequence (which a query tile walking back meets first) and a sliding window,
+  on both backends (the TPU's key-major tiles). Stick-breaking with the query's own key left out and the remainder on
+  its value (the authors' defaults; TPU) or neither (GPU); CoPE with a table of 6 entries (counts past 5 clamped),
+  gathered per pair on GPU and selected per entry on TPU, the backward's two walks."""
   rng = np.random.default_rng(12)
-  batch, length, heads, kv_heads, head_dim = 2, 21, 2, 1, 8
-  positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
-  segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
+  batch, length, heads, kv_heads, head_dim = 2, 19, 2, 1, 8
+  positions = np.tile(np.concatenate([np.arange(12), np.arange(7)]), (batch, 1))
+  segments = np.tile(np.array([1] * 12 + [2] * 7), (batch, 1))
   terms = WEIGHT_RULES[rule](rng)
   q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), jnp.float32) for _ in range(2))
@@ -463,14 +463,14 @@ def test_weight_rules_match_the_reference_with_their_gradients(interpreter, rule
 
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
-                                     lengths=np.array([21, 17]), causal=True, sliding_window=10,
+                                     lengths=np.array([19, 15]), causal=True, sliding_window=10,
                                      implementation=implementation, interpret=interpreter,
-                                     block_sizes=(8, 4) if interpreter is True else (8, 8))
+                                     block_sizes=(8, 4) if interpreter is True else (16, 8))
     return jnp.sum(out * weights), out
 
   got, out = compiled_grad(loss, "pallas")(q, k, v, terms)
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
-                           lengths=np.array([21, 17]), causal=True, sliding_window=10)
+                           lengths=np.array([19, 15]), causal=True, sliding_window=10)
 
 
 MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}),

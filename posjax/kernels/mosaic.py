@@ -512,8 +512,10 @@ def _cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
     _, g_TxQ, *_, logits_TxQ = _cope_tile(plan, terms, r, i, j, r["acc_counted"][...])
     m_1xQ = r["acc_m"][...]
     new_max_1xQ = jnp.maximum(m_1xQ, jnp.max(logits_TxQ, axis=0, keepdims=True))
-    alpha_1xQ = jnp.exp(m_1xQ - new_max_1xQ)
-    p_TxQ = jnp.exp(logits_TxQ - new_max_1xQ)
+    # walked from the last key tile, a query may first meet only keys past the sequence (-inf): no weight, not NaN
+    safe_1xQ = jnp.where(new_max_1xQ == -jnp.inf, 0.0, new_max_1xQ)
+    alpha_1xQ = jnp.exp(m_1xQ - safe_1xQ)
+    p_TxQ = jnp.exp(logits_TxQ - safe_1xQ)
     v_TxV = r["v"][0, 0]
     r["acc_m"][...] = new_max_1xQ
     r["acc_l"][...] = alpha_1xQ * r["acc_l"][...] + jnp.sum(p_TxQ, axis=0, keepdims=True)

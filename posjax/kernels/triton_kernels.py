@@ -521,8 +521,10 @@ def cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
     tile = Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k)
     g_QxT, *_, logits_QxT = cope_tile(tile, counted_Q[:, None], tile._exact())
     new_max_Q = jnp.maximum(row_max_Q, jnp.max(logits_QxT, axis=1))
-    alpha_Q = jnp.exp(row_max_Q - new_max_Q)
-    p_QxT = jnp.exp(logits_QxT - new_max_Q[:, None])
+    # walked from the last key tile, a row may first meet only keys past the sequence (-inf): no weight, not NaN
+    safe_Q = jnp.where(new_max_Q == -jnp.inf, 0.0, new_max_Q)
+    alpha_Q = jnp.exp(row_max_Q - safe_Q)
+    p_QxT = jnp.exp(logits_QxT - safe_Q[:, None])
     v_TxV = r["v"][0, 0, tile.cols, :]
     return (counted_Q + jnp.sum(g_QxT, axis=1), new_max_Q, alpha_Q * row_sum_Q + jnp.sum(p_QxT, axis=1),
             alpha_Q[:, None] * acc_QxV + dot(p_QxT.astype(v_TxV.dtype), v_TxV))
