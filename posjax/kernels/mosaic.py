@@ -409,24 +409,66 @@ def _stick_forward_kernel(plan: Plan, terms: Terms, names, *refs):
     r["row_sum_t"][0, 0] = r["acc_mass"][...]
 
 
-def _stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """dq, and each query's two carries at every key tile it visits, for the dk/dv kernel."""
-  r, b, i, j, step = _walked_back(names, refs)
-  _zero_on_first_step(r, ("later", "gain", "dq"), step)
+def _two_walks(names, refs, carry: str, zeroed):
+  """A dq kernel's grid point (b, h, query tile i, step s) of two walks over the key tiles from the last back
+  (steps ``0 .. N - 1``, then ``N .. 2N - 1``): ``(refs by name, b, i, key tile j, s, the first walk's mask, the
+  second's)``. The accumulators ``zeroed`` start at zero, and ``carry`` again at the second walk."""
+  r = dict(zip(names, refs))
+  b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  n_k = pl.num_programs(3) // 2
+  j = n_k - 1 - s % n_k
+  _zero_on_first_step(r, zeroed, s)
 
-  @pl.when(_visits(r, b, i, j))
+  @pl.when(s == n_k)
+  def _():
+    r["acc_" + carry][...] = jnp.zeros(r["acc_" + carry].shape, jnp.float32)
+
+  visits = _visits(r, b, i, j)
+  return r, b, i, j, s, visits & (s < n_k), visits & (s >= n_k)
+
+
+def _two_walk_tiles(n_q: int, n_k: int):
+  """The (query tile, key tile) of a :func:`_two_walks` grid point, the key tile clamped into i's range."""
+  return lambda b, h, i, s, ranges: (i, _clamped(ranges, n_q, b, i, n_k - 1 - s % n_k))
+
+
+def _two_walk_carry(shape_BxHxNx1xL, n_q: int, block: int):
+  """An output of each query's carry at every key tile, written in the second walk (the first walk's steps keep the
+  block the second walk writes first: nothing unwritten goes back to memory)."""
+  n_k = shape_BxHxNx1xL[2]
+  first = lambda ranges, b, i, s: _clamped(ranges, n_q, b, i, n_k - 1 - jnp.maximum(s - n_k, 0))
+  return (jax.ShapeDtypeStruct(shape_BxHxNx1xL, jnp.float32),
+          pl.BlockSpec((1, 1, 1, 1, block), lambda b, h, i, s, ranges: (b, h, first(ranges, b, i, s), 0, i)))
+
+
+def _stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
+  """dq and each query's ``w = Σ_j da_ij a_ij`` (the first walk), and each query's two carries at every key tile
+  it visits (the second), for the dk/dv kernel."""
+  r, b, i, j, s, first, second = _two_walks(names, refs, "later", ("later", "w", "gain", "dq"))
+
+  @pl.when(first)
+  def _():
+    z_TxQ, allowed_TxQ, rest_TxQ, a_TxQ = _stick_tile(plan, terms, r, i, j, r["acc_later"][...])
+    _, gain_TxQ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, jnp.zeros_like(r["acc_w"][...]))
+    r["acc_later"][...] += jnp.sum(rest_TxQ, axis=0, keepdims=True)
+    r["acc_w"][...] += jnp.sum(gain_TxQ, axis=0, keepdims=True)
+
+  @pl.when(second)
   def _():
     later_1xQ, gain_1xQ = r["acc_later"][...], r["acc_gain"][...]
     r["later_t"][0, 0, 0] = later_1xQ
     r["gain_t"][0, 0, 0] = gain_1xQ
     z_TxQ, allowed_TxQ, rest_TxQ, a_TxQ = _stick_tile(plan, terms, r, i, j, later_1xQ)
-    dz_TxQ, gain_TxQ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, r["w_t"][0, 0] - gain_1xQ)
+    dz_TxQ, gain_TxQ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, r["acc_w"][...] - gain_1xQ)
     k_TxK = r["k"][0, 0]
     r["acc_later"][...] += jnp.sum(rest_TxQ, axis=0, keepdims=True)
     r["acc_gain"][...] += jnp.sum(gain_TxQ, axis=0, keepdims=True)
     r["acc_dq"][...] += plan.scale * t_dot(dz_TxQ.astype(k_TxK.dtype), k_TxK)
 
-  _write_on_last_step(r, ["dq"], step)
+  @pl.when(s == pl.num_programs(3) - 1)
+  def _():
+    r["dq"][0, 0] = r["acc_dq"][...]
+    r["w_t"][0, 0] = r["acc_w"][...]
 
 
 def _carried_dkv(plan: Plan, names, refs, tile_grads):
@@ -551,28 +593,15 @@ def _cope_dq_kernel(plan: Plan, terms: Terms, names, *refs):
   """Grid (b, h, query tile i, step s) of two walks over the key tiles from the last back (steps ``0 .. N - 1``
   and ``N .. 2N - 1``): the first sums each query's ``dp``, the second computes ``dq`` and ``dqe`` (rows ``[P, Q]``,
   one entry a sublane) and writes each query's carries at every key tile for the dk/dv kernel."""
-  r = dict(zip(names, refs))
-  b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  n_k = pl.num_programs(3) // 2
-  j = n_k - 1 - s % n_k
-  second = s >= n_k
+  r, b, i, j, s, first, second = _two_walks(names, refs, "counted", ("counted", "total", "later", "dq", "dqe"))
 
-  @pl.when((s == 0) | (s == n_k))
-  def _():
-    r["acc_counted"][...] = jnp.zeros(r["acc_counted"].shape, jnp.float32)
-
-  @pl.when(s == 0)
-  def _():
-    for name in ("total", "later", "dq", "dqe"):
-      r["acc_" + name][...] = jnp.zeros(r["acc_" + name].shape, jnp.float32)
-
-  @pl.when(_visits(r, b, i, j) & ~second)
+  @pl.when(first)
   def _():
     _, g_TxQ, _, _, d_position_TxQ, _ = _cope_tile_grads(plan, terms, r, i, j, r["acc_counted"][...])
     r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
     r["acc_total"][...] += jnp.sum(d_position_TxQ, axis=0, keepdims=True)
 
-  @pl.when(_visits(r, b, i, j) & second)
+  @pl.when(second)
   def _():
     counted_1xQ, later_1xQ = r["acc_counted"][...], r["acc_later"][...]
     r["counted_t"][0, 0, 0] = counted_1xQ
@@ -645,17 +674,13 @@ def _cope_backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, se
             "d_out": d_out_BxHxLxV, "row_max_t": stats[0], "row_sum_t": stats[1],
             "delta_t": row_delta(d_out_BxHxLxV, out_BxHxLxV)[:, :, None]}
   del arrays["v_q"]
-  step_tile = lambda ranges, b_, i, s: _clamped(ranges, n_q, b_, i, n_k - 1 - jnp.maximum(s - n_k, 0))
-  carry = lambda: (jax.ShapeDtypeStruct((b, h, n_k, 1, l), jnp.float32),
-                   pl.BlockSpec((1, 1, 1, 1, bq), lambda b_, h_, i, s, ranges: (b_, h_, step_tile(ranges, b_, i, s),
-                                                                                0, i)))
+  carry = lambda: _two_walk_carry((b, h, n_k, 1, l), n_q, bq)
   dq_res = _call(_cope_dq_kernel, plan, terms, arrays,
                  {"dq": _rows((b, h, l, d), bq), "dqe_t": (jax.ShapeDtypeStruct((b, h, entries, l), jnp.float32),
                                                           pl.BlockSpec((1, 1, entries, bq),
                                                                        lambda b_, h_, i, s, ranges: (b_, h_, 0, i))),
                   "total_dp_t": _lane_rows((b, h, 1, l), bq), "counted_t": carry(), "later_dp_t": carry()},
-                 (b, h, n_q, 2 * n_k), lambda b_, h_, i, s, ranges: (i, _clamped(ranges, n_q, b_, i,
-                                                                                n_k - 1 - s % n_k)),
+                 (b, h, n_q, 2 * n_k), _two_walk_tiles(n_q, n_k),
                  {"acc_counted": (1, bq), "acc_total": (1, bq), "acc_later": (1, bq), "acc_dq": (bq, d),
                   "acc_dqe": (entries, bq)}, key_tiles_BxNx2)
   arrays.update(counted_t=dq_res["counted_t"], later_dp_t=dq_res["later_dp_t"], total_dp_t=dq_res["total_dp_t"])
@@ -690,24 +715,24 @@ def _stick_forward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, se
   return out["out"], out["row_sum_t"]
 
 
-def _stick_backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, out_BxHxLxV,
+def _stick_backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
                     row_sum_BxHx1xL, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2):
-  """``(dq, dk, dv)``; the dq kernel's carries (``[B, H, N, 1, L]`` float32 each, ``O(L² / block_k)``) pass to the
-  dk/dv kernel."""
+  """``(dq, dk, dv)``; the dq kernel's two walks (each query's ``Σ_j da a``, then the gradients) and its carries
+  (``[B, H, N, 1, L]`` float32 each, ``O(L² / block_k)``), which pass to the dk/dv kernel."""
   b, h, l, d = q_BxHxLxK.shape
   bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
   n_q, n_k = l // bq, l // bk
-  dov_BxHxL, w_BxHxL = stick_breaking_rows(d_out_BxHxLxV, out_BxHxLxV, v_BxHxLxV, terms.stick_breaking.remainder)
+  dov_BxHxL = stick_breaking_rows(d_out_BxHxLxV, v_BxHxLxV, terms.stick_breaking.remainder)
   arrays = {**_stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL),
-            "d_out": d_out_BxHxLxV, "dov_t": dov_BxHxL[:, :, None], "w_t": w_BxHxL[:, :, None]}
-  carry = lambda: (jax.ShapeDtypeStruct((b, h, n_k, 1, l), jnp.float32),
-                   pl.BlockSpec((1, 1, 1, 1, bq), lambda b_, h_, i, step, ranges: (
-                       b_, h_, _clamped(ranges, n_q, b_, i, n_k - 1 - step), 0, i)))
+            "d_out": d_out_BxHxLxV, "dov_t": dov_BxHxL[:, :, None]}
+  carry = lambda: _two_walk_carry((b, h, n_k, 1, l), n_q, bq)
   dq_res = _call(_stick_dq_kernel, plan, terms, arrays,
-                 {"dq": _rows((b, h, l, d), bq), "later_t": carry(), "gain_t": carry()},
-                 (b, h, n_q, n_k), _query_major(n_q, reverse=n_k),
-                 {"acc_later": (1, bq), "acc_gain": (1, bq), "acc_dq": (bq, d)}, key_tiles_BxNx2)
-  arrays.update(later_t=dq_res["later_t"], gain_t=dq_res["gain_t"], row_sum_k=row_sum_BxHx1xL, d_out_k=d_out_BxHxLxV)
+                 {"dq": _rows((b, h, l, d), bq), "w_t": _lane_rows((b, h, 1, l), bq), "later_t": carry(),
+                  "gain_t": carry()},
+                 (b, h, n_q, 2 * n_k), _two_walk_tiles(n_q, n_k),
+                 {"acc_later": (1, bq), "acc_w": (1, bq), "acc_gain": (1, bq), "acc_dq": (bq, d)}, key_tiles_BxNx2)
+  arrays.update(later_t=dq_res["later_t"], gain_t=dq_res["gain_t"], w_t=dq_res["w_t"], row_sum_k=row_sum_BxHx1xL,
+                d_out_k=d_out_BxHxLxV)
   dkv_res = _call(_stick_dkv_kernel, plan, terms, arrays,
                   {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, value_dim), bk)},
                   (b, h, n_k, n_q), _key_major(n_k), {"acc_dk": (bk, d), "acc_dv": (bk, value_dim)},
@@ -924,7 +949,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   bq, bk = plan.block_q, plan.block_k
   n_q, n_k = l // bq, l // bk
   if terms.stick_breaking is not None:
-    grads = _stick_backward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, out_BxHxLxV,
+    grads = _stick_backward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
                             row_sum_BxHxLxT, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2)
     return ([jnp.zeros_like(x) for x in leaves],
             *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)

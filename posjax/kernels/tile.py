@@ -517,14 +517,15 @@ def cope_logit_grads(tile: TileBase, g_QxT, ds_QxT, dp_QxT, before_Qx1, precisio
   return jnp.where(tile.allowed_QxT, ds_QxT + counted_dp_QxT * g_QxT * (1.0 - g_QxT), 0.0)
 
 
-def stick_breaking_rows(d_out_BxHxLxV, out_BxHxLxV, v_BxGxLxV, remainder: bool):
-  """``(dov, w)`` ``[B, H, L]``: ``d_out·v_i`` (the query's own value, its group's under grouped k/v) and ``w_i = Σ_j
-  da_ij a_ij = d_out·out - d_out·v_i`` (``- d_out·v_i`` with the remainder only), the rows' totals the backward
-  of stick-breaking starts from (``da_ij = d_out_i·v_j - d_out_i·v_i`` with the remainder)."""
+def stick_breaking_rows(d_out_BxHxLxV, v_BxGxLxV, remainder: bool):
+  """``[B, H, L]``: ``d_out·v_i`` with the remainder (the query's own value, its group's under grouped k/v; 0
+  without), the part of the weights' gradient ``da_ij = d_out_i·v_j - d_out_i·v_i`` that is the row's own. The
+  backward's row totals ``Σ_j da_ij a_ij`` are summed by its dq kernel from the weights it recomputes (a total from
+  the rounded output would differ from them, and the difference reaches every key's gradient unnormalised)."""
+  if not remainder:
+    return jnp.zeros(d_out_BxHxLxV.shape[:3], jnp.float32)
   group = d_out_BxHxLxV.shape[1] // v_BxGxLxV.shape[1]
-  v_BxHxLxV = jnp.repeat(v_BxGxLxV, group, axis=1)
-  dov_BxHxL = row_delta(d_out_BxHxLxV, v_BxHxLxV) if remainder else jnp.zeros(d_out_BxHxLxV.shape[:3], jnp.float32)
-  return dov_BxHxL, row_delta(d_out_BxHxLxV, out_BxHxLxV) - dov_BxHxL
+  return row_delta(d_out_BxHxLxV, jnp.repeat(v_BxGxLxV, group, axis=1))
 
 
 def row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims: bool = False):

@@ -258,8 +258,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   if terms.stick_breaking is not None:
     inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                             valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
-    grads = _stick_breaking_bwd(plan, terms, inputs, specs, row_sum_BxHxL, out_BxHxLxV, v_BxHxLxV, d_out_BxHxLxV,
-                                key_tiles_BxNx2, query_tiles_BxMx2)
+    grads = _stick_breaking_bwd(plan, terms, inputs, specs, row_sum_BxHxL, v_BxHxLxV, d_out_BxHxLxV, key_tiles_BxNx2,
+                                query_tiles_BxMx2)
     return ([jnp.zeros_like(x) for x in leaves],
             *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
   delta_BxHxL = row_delta(d_out_BxHxLxV, out_BxHxLxV)
@@ -397,27 +397,30 @@ def _cope_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, key_tiles_BxN
   return (d_table_KxP, dq_BxHxLxK, group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group))
 
 
-def _stick_breaking_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, row_sum_BxHxL, out_BxHxLxV, v_BxGxLxV,
-                        d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2):
+def _stick_breaking_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, row_sum_BxHxL, v_BxGxLxV, d_out_BxHxLxV,
+                        key_tiles_BxNx2, query_tiles_BxMx2):
   """``(dq, dk, dv)`` of stick-breaking attention: the dq kernel walks each query tile's key tiles from the last back
   and writes the rows' two carries at every key tile (``[B, H, N, L]`` float32 each: ``O(L² / block_k)``), which the
   dk/dv kernel reads for its pairs; no atomics."""
   b, h, l, d = inputs["q"].shape
   n_q, n_k = l // plan.block_q, l // plan.block_k
-  dov_BxHxL, w_BxHxL = stick_breaking_rows(d_out_BxHxLxV, out_BxHxLxV, v_BxGxLxV, terms.stick_breaking.remainder)
-  inputs = {**inputs, "row_sum": row_sum_BxHxL, "dov": dov_BxHxL, "w": w_BxHxL}
-  specs = {**specs, **{name: pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0)) for name in ("row_sum", "dov", "w")}}
+  inputs = {**inputs, "row_sum": row_sum_BxHxL,
+            "dov": stick_breaking_rows(d_out_BxHxLxV, v_BxGxLxV, terms.stick_breaking.remainder)}
+  row = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
+  specs = {**specs, "row_sum": row, "dov": row}
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   carry_tile = pl.BlockSpec((1, 1, n_k, plan.block_q), lambda b, h, i: (b, h, 0, i))
   dq_res = _call(stick_dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
-                 {"dq": f32(b, h, l, d), "later": f32(b, h, n_k, l), "gain": f32(b, h, n_k, l)},
-                 {"dq": _row_spec(inputs["q"], plan.block_q), "later": carry_tile, "gain": carry_tile}, n_q)
+                 {"dq": f32(b, h, l, d), "later": f32(b, h, n_k, l), "gain": f32(b, h, n_k, l), "w": f32(b, h, l)},
+                 {"dq": _row_spec(inputs["q"], plan.block_q), "later": carry_tile, "gain": carry_tile,
+                  "w": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))}, n_q)
   carry_rows = pl.BlockSpec((1, 1, n_k, l), lambda b, h, i: (b, h, 0, 0))
   dkv_res = _call(stick_dkv_kernel, plan, terms,
-                  {**inputs, "later": dq_res["later"], "gain": dq_res["gain"], "tiles": query_tiles_BxMx2},
-                  {**specs, "later": carry_rows, "gain": carry_rows, "tiles": _range_spec()},
+                  {**inputs, "later": dq_res["later"], "gain": dq_res["gain"], "w": dq_res["w"],
+                   "tiles": query_tiles_BxMx2},
+                  {**specs, "later": carry_rows, "gain": carry_rows, "w": row, "tiles": _range_spec()},
                   {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxGxLxV.shape[-1])},
-                  {"dk": _row_spec(inputs["q"], plan.block_k), "dv": _row_spec(out_BxHxLxV, plan.block_k)}, n_k)
+                  {"dk": _row_spec(inputs["q"], plan.block_k), "dv": _row_spec(inputs["d_out"], plan.block_k)}, n_k)
   return dq_res["dq"], group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group)
 
 

@@ -457,17 +457,39 @@ def _carried_dq(plan: Plan, terms: Terms, r: dict, carries: tuple[str, ...], til
   return jax.lax.fori_loop(0, hi - lo, body, init)[-1]
 
 
+def _row_totals(plan: Plan, terms: Terms, r: dict, tile_sums):
+  """A first walk over one query tile's key tiles from the last back: each row's total of a per-pair quantity the
+  backward needs whole (``tile_sums(tile, carry_Q) -> (the carry's row sums, the total's)``), the row's carry
+  recomputed on the way."""
+  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
+  lo, hi = _tiles(r)
+
+  def body(step, carry):
+    carry_Q, total_Q = carry
+    added_Q, part_Q = tile_sums(Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k), carry_Q)
+    return carry_Q + added_Q, total_Q + part_Q
+
+  return jax.lax.fori_loop(0, hi - lo, body, (jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32)))[1]
+
+
 def stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile's ``dq``, its key tiles from the last back, and the two carries each of them starts from
-  (``later``: Σ log(1 - β) over the later keys; ``gain``: Σ da·a over them), which the dk/dv kernel reads."""
+  """One query tile's ``dq`` and each row's ``w = Σ_j da_ij a_ij`` (a first walk), its key tiles from the last back,
+  and the two carries each of them starts from (``later``: Σ log(1 - β) over the later keys; ``gain``: Σ da·a over
+  them), which the dk/dv kernel reads with ``w``."""
   r = dict(zip(names, refs))
-  w_Q = r["w"][0, 0, pl.ds(pl.program_id(2) * plan.block_q, plan.block_q)]
+
+  def tile_sums(tile, later_Q):
+    rest_QxT, _, _, gain_QxT = _stick_tile(plan, terms, r, tile, later_Q, jnp.zeros_like(later_Q))
+    return jnp.sum(rest_QxT, axis=1), jnp.sum(gain_QxT, axis=1)
+
+  w_Q = _row_totals(plan, terms, r, tile_sums)
 
   def tile_grads(tile, later_Q, gain_Q):
     rest_QxT, _, dz_QxT, gain_QxT = _stick_tile(plan, terms, r, tile, later_Q, w_Q - gain_Q)
     return dz_QxT, (jnp.sum(rest_QxT, axis=1), jnp.sum(gain_QxT, axis=1))
 
   r["dq"][0, 0, :, :] = _carried_dq(plan, terms, r, ("later", "gain"), tile_grads)
+  r["w"][0, 0, :] = w_Q
 
 
 def _carried_dkv(plan: Plan, terms: Terms, r: dict, tile_grads):
@@ -556,18 +578,13 @@ def cope_dq_kernel(plan: Plan, terms: Terms, names, *refs):
   whole row's), the second computes the gradients and writes each row's two carries at every key tile (the gates
   and the ``dp`` of the later keys), which the dk/dv kernel reads."""
   r = dict(zip(names, refs))
-  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
-  lo, hi = _tiles(r)
-  zeros = lambda *shape: jnp.zeros(shape, jnp.float32)
   _zero(plan, r["dqe"], rows=True)
 
-  def total(step, carry):
-    counted_Q, total_Q = carry
-    tile = Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k)
+  def tile_sums(tile, counted_Q):
     g_QxT, _, _, d_position_QxT, _ = _cope_tile_grads(plan, terms, r, tile, counted_Q)
-    return counted_Q + jnp.sum(g_QxT, axis=1), total_Q + jnp.sum(d_position_QxT, axis=1)
+    return jnp.sum(g_QxT, axis=1), jnp.sum(d_position_QxT, axis=1)
 
-  _, total_Q = jax.lax.fori_loop(0, hi - lo, total, (zeros(bq), zeros(bq)))
+  total_Q = _row_totals(plan, terms, r, tile_sums)
 
   def tile_grads(tile, counted_Q, later_Q):
     g_QxT, _, ds_QxT, d_position_QxT, (f_QxT, c_QxT, w_QxT) = _cope_tile_grads(plan, terms, r, tile, counted_Q)
