@@ -576,6 +576,8 @@ def test_tpu_blocks_mosaic_cannot_tile_are_an_error(monkeypatch):
 @pytest.mark.parametrize("config,message", [
     (dict(position="huang_m1"), "attention kernel 'pallas' cannot compute position method 'huang_m1'"),
     (dict(position="shaw", position_options={"value_term": True}), "cannot compute position method 'shaw'"),
+    (dict(position="stick_breaking", causal=True), "the pallas kernels drop no weights of position method "
+                                                   "'stick_breaking'"),
 ])
 def test_methods_the_kernel_cannot_compute_are_errors(config, message):
   with pytest.raises(ValueError, match=message):

@@ -188,6 +188,11 @@ class BertConfig:
           raise ValueError(f"position_schedule: {spec.name!r} adds an input embedding, not a per-layer term; a "
                            "schedule takes methods that act inside attention")
         attention.check_kernel(self.attention_kernel, spec)
+    for spec in (self.method_specs.values() if self.position_schedule else [self.position_spec]):
+      if self.attention_kernel == "pallas" and self.attention_dropout_rate and not spec.method.softmax:
+        raise ValueError(f"attention_dropout_rate={self.attention_dropout_rate}: the pallas kernels drop no weights "
+                         f"of position method {spec.name!r} (a rule on the masked logits); set "
+                         "attention_dropout_rate=0 or attention_kernel='xla'")
 
   def to_dict(self) -> dict:
     """The fields as plain JSON values (what ``model_config.json`` holds)."""
