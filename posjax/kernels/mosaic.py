@@ -42,10 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (MASKED, Plan, TileBase, dot, dot_t, fold_window_table, forget_term_grads, group_sum, kv_head,
-                                 overlap_add, diagonal_may_hold_pairs, row_delta, sandwich_embeddings, scalar_count,
-                                 scalar_rows, scalar_term_grads, stick_breaking_rows, suffix_matrix, t_dot,
-                                 tile_ranges, untied_grads, window_table)
+from posjax.kernels.tile import (MASKED, Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
+                                 forget_term_grads, group_sum, kv_head, overlap_add, row_delta, sandwich_embeddings,
+                                 scalar_count, scalar_rows, scalar_term_grads, stick_breaking_rows, suffix_matrix,
+                                 t_dot, tile_ranges, untied_grads, window_table)
 
 
 class _Tile(TileBase):
@@ -353,7 +353,8 @@ def _key_major_tile(plan: Plan, r: dict, i, j):
 
 def _stick_tile(plan: Plan, terms: Terms, r: dict, i, j, later_1xQ):
   """Key tile j against query tile i, transposed: ``(z, allowed, rest, a)`` ``[T, Q]``: the logits, the keys that
-  take a share, their ``log(1 - β)`` and their weights given each query's ``Σ log(1 - β)`` over the later key tiles."""
+  take a share, their ``log(1 - β)`` and their weights given each query's ``Σ log(1 - β)`` over the later key
+  tiles."""
   bk = plan.block_k
   z_TxQ, allowed_TxQ, key_TxQ, query_TxQ = _key_major_tile(plan, r, i, j)
   if not terms.stick_breaking.attend_current:

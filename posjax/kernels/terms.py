@@ -442,11 +442,11 @@ def suffix_sums(x_BxHxQxL, inclusive: bool):
 @flax.struct.dataclass
 class Cope:
   """Contextual Position Encoding (Golovneva, Wang, Weston, Sukhbaatar 2024, "Contextual Position Encoding:
-  Learning to Count What's Important"), as the official layer computes it (facebookresearch/RAM): gates ``g_it = sigmoid(z_it)`` of the
-  masked logits (0 at a masked key), a key's position the gates from it to the row's end, ``p_ij = Σ_{t >= j}
-  g_it`` (with a causal mask: from ``j`` to the query ``i``), clamped at ``P - 1``, and the logit term ``q_i · e(p_ij)``
-  interpolated linearly between the table's integer rows ``e(floor p)`` and ``e(ceil p)``. ``table``: ``[K, P]`` (the
-  official ``pos_emb``, scaled as the method adds the term), shared by the heads."""
+  Learning to Count What's Important"), as the official layer computes it (facebookresearch/RAM): gates ``g_it =
+  sigmoid(z_it)`` of the masked logits (0 at a masked key), a key's position the gates from it to the row's end,
+  ``p_ij = Σ_{t >= j} g_it`` (with a causal mask: from ``j`` to the query ``i``), clamped at ``P - 1``, and the logit
+  term ``q_i · e(p_ij)`` interpolated linearly between the table's integer rows ``e(floor p)`` and ``e(ceil p)``.
+  ``table``: ``[K, P]`` (the official ``pos_emb``, scaled as the method adds the term), shared by the heads."""
 
   table: jax.Array  # [K, P]
 
