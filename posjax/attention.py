@@ -379,7 +379,7 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   formulas (``[B, H, Q, T]`` logits; a logged line says why where ``pallas`` was asked for)."""
   if not mask.causal:
     raise ValueError("decoding with a cache needs a causal model (Mask.causal=True)")
-  if isinstance(terms, base.DenseLayerTerms) and (terms.logits is not None or terms.value_fn is not None):
+  if isinstance(terms, base.DenseLayerTerms):
     raise ValueError(f"position method {spec.name!r} computes dense logits from q and k of equal length (or a value "
                      "term), which a decode step's few queries against the cache cannot; decode on the full forward")
   merged = kernels.merge(state.terms, terms.terms)

@@ -50,14 +50,13 @@ __all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets"
            "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
-def check_weight_rules(terms: Terms, tpu: bool, dropout_rate: float) -> None:
+def check_weight_rules(terms: Terms, dropout_rate: float) -> None:
   """Raises unless the Pallas kernels compute the terms that read the masked logits (:data:`WEIGHT_RULES`): each
   alone in a call, without dropout."""
   rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
   if not rules:
     return
   others = [name for name in NAMES if getattr(terms, name) is not None and name != rules[0]]
-  del tpu
   why = (f"{rules[0]} with the {'/'.join(others)} term" if others else f"dropout with {rules[0]}" if dropout_rate
          else None)
   if why:
@@ -162,7 +161,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
   tpu, interpret = tile.backend(interpret, platform)
-  check_weight_rules(terms, tpu, dropout_rate)
+  check_weight_rules(terms, dropout_rate)
   block_sizes = block_sizes or (mosaic if tpu else triton).default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)
   if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):
