@@ -119,6 +119,7 @@ def get_config(arg=None):
       eval_source="",  # with source="prepared": where evaluation streams its split from (text or tfds)
       workers=0,  # source="prepared": grain reader processes (0: a reader thread in the training process)
       random_positions=0,  # > 0: training rows' positions a sorted draw from [0, N) (Ruoss et al. 2023)
+      random_positions_first="drawn",  # the first token's position: "drawn" as the others (the paper's), "zero"
       examples_per_epoch=ml_collections.config_dict.placeholder(int)))  # packed sequences per epoch
 
   if arg.runlocal:

@@ -84,10 +84,13 @@ class Evaluation(NamedTuple):
   length: int
 
 
-def check_random_positions(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> int:
-  """``data.random_positions``, checked: at least ``max_len``, and within a learned position table's rows (of any
-  method the model's layers use)."""
+def check_random_positions(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> tuple[int, str]:
+  """``data.random_positions`` and ``data.random_positions_first``, checked: at least ``max_len``, within a learned
+  position table's rows (of any method the model's layers use), and the first token kept at 0 for a method that
+  reads position 0 as [CLS] (TUPE's ``cls_reset``: a drawn first position would untie no token or another one).
+  Returns ``(limit, first)``."""
   limit = int(config.data.random_positions)
+  first = random_positions.check_first(config.data.get("random_positions_first", "drawn"))
   if limit < config.max_len:
     raise ValueError(f"data.random_positions={limit} must be at least max_len={config.max_len}, the most positions a "
                      "row draws (0: off)")
@@ -97,7 +100,13 @@ def check_random_positions(config: ml_collections.ConfigDict, tokenizer: Tokeniz
     raise ValueError(f"data.random_positions={limit}: position method {bound[0]!r} has a learned table of "
                      f"model.max_len={model.max_len} rows; draw from at most {model.max_len} positions or raise "
                      "model.max_len")
-  return limit
+  reset = [(name, spec.options.cls_reset) for name, spec in model.method_specs.items()
+           if getattr(spec.options, "cls_reset", "none") != "none"]
+  if reset and first == "drawn":
+    raise ValueError(f"data.random_positions_first='drawn': position method {reset[0][0]!r} resets the [CLS] at "
+                     f"position 0 (cls_reset={reset[0][1]!r}); set data.random_positions_first='zero' or "
+                     "model.position_options.cls_reset='none'")
+  return limit, first
 
 
 def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, local_batch: int, masked: bool = True,
@@ -113,9 +122,11 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
   ``same_text``: a masked-LM evaluation of the same masked text at every length, :func:`same_text`). What the
   pre-training tasks (``mlm``, ``electra``; ``clm`` unmasked) read. ``kinds``: only the evaluators of these kinds
   read the corpus (default all). ``data.random_positions=N``: the training batches' positions drawn from ``[0, N)``
-  (:mod:`posjax.data.random_positions`); evaluation keeps the ordinary ones."""
+  (:mod:`posjax.data.random_positions`; ``data.random_positions_first``: the first token's drawn or 0); evaluation
+  keeps the ordinary ones."""
   data = config.data
   masking = mlm_data.Masking.from_config(data) if masked else None
+  random_positions.check_first(data.get("random_positions_first", "drawn"))  # named even where the draw is off
   evals = dict(config.evals) if config.eval_every_steps > 0 else {}
   evals = {name: spec for name, spec in evals.items() if kinds is None or spec.get("kind") in kinds}
   eval_splits = tuple({spec.get("split", "eval") for spec in evals.values()})
@@ -135,7 +146,8 @@ def corpus_batches(config: ml_collections.ConfigDict, tokenizer: Tokenizer, loca
     corpus.check(data, ("train", *eval_splits), train_shards=[s.shard for s in batches.streams],
                  num_shards=data.num_shards or jax.process_count())
   if data.get("random_positions", 0):
-    batches = random_positions.RandomPositions(batches, check_random_positions(config, tokenizer), config.seed)
+    limit, first = check_random_positions(config, tokenizer)
+    batches = random_positions.RandomPositions(batches, limit, config.seed, first)
   evaluations = {}
   for name, spec in evals.items():
     length = spec.get("max_len", 0) or config.max_len * spec.get("length_multiple", 1)
