@@ -131,19 +131,26 @@ def test_bad_options_are_errors():
       generate.generate(module, variables, np.zeros((1, 4), np.int32), **options)
 
 
-def test_a_converted_llama_generates_hugging_faces_tokens_and_from_the_command_line(tmp_path, capsys):
+def random_llama(directory, **fields):
+  """A Hugging Face Llama on random weights (every one moved from its initial value), saved in ``directory``."""
   transformers = pytest.importorskip("transformers")
   torch = pytest.importorskip("torch")
-  from posjax import convert
-  from posjax.convert import __main__ as cli
   torch.manual_seed(0)
-  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager"))
+  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+      **dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager"), **fields}))
   with torch.no_grad():
     for parameter in hf.parameters():
       parameter.add_(0.2 * torch.randn_like(parameter))
-  hf.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
+  hf.eval().save_pretrained(directory, safe_serialization=True)
+  return hf
+
+
+def test_a_converted_llama_generates_hugging_faces_tokens_and_from_the_command_line(tmp_path, capsys):
+  torch = pytest.importorskip("torch")
+  from posjax import convert
+  from posjax.convert import __main__ as cli
+  hf = random_llama(tmp_path / "hf")
   prompt = np.random.default_rng(3).integers(0, 97, (2, 7))
   with torch.no_grad():
     want = hf.generate(torch.from_numpy(prompt), max_new_tokens=10, do_sample=False, min_new_tokens=10,
@@ -160,3 +167,46 @@ def test_a_converted_llama_generates_hugging_faces_tokens_and_from_the_command_l
   ids = [pieces.index(p) for p in ("w3", "w7", "w1")]
   expected = np.asarray(generate.generate(module, variables, np.asarray([ids]), max_new_tokens=4))[0]
   assert capsys.readouterr().out.split() == [pieces[i] for i in expected]
+
+
+LENGTH_DEPENDENT = {  # each crosses its original length while decoding: a prompt of 5 (LongRoPE) or 12 (dynamic)
+    "longrope": (5, dict(max_position_embeddings=32, original_max_position_embeddings=8, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 4.0], long_factor=[2.0, 3.0, 6.0, 9.0]))),
+    "dynamic": (12, dict(max_position_embeddings=16, rope_scaling=dict(rope_type="dynamic", factor=2.0))),
+}
+
+
+@pytest.mark.parametrize("name", LENGTH_DEPENDENT)
+def test_length_dependent_scalings_generate_hugging_faces_step_logits_and_tokens(name, tmp_path):
+  """LongRoPE and dynamic NTK choose their frequencies from the largest position + 1 in every forward pass, the
+  prefill and each decode step (each cached key keeps its own step's): Hugging Face's ``generate``, step by step."""
+  torch = pytest.importorskip("torch")
+  from posjax import convert
+  length, fields = LENGTH_DEPENDENT[name]
+  hf = random_llama(tmp_path / "hf", bos_token_id=None, eos_token_id=None, **fields)  # no token stops either
+  prompt = np.random.default_rng(4).integers(0, 97, (2, length))
+  with torch.no_grad():
+    out = hf.generate(torch.from_numpy(prompt), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                      output_logits=True, return_dict_in_generate=True)
+  want = np.stack([x.numpy() for x in out.logits], axis=1)
+  module, variables = convert.from_hf(tmp_path / "hf")
+  tokens, logits = generate.generate(module, variables, prompt, max_new_tokens=12, return_logits=True)
+  np.testing.assert_allclose(np.asarray(logits), want, atol=2e-4 * np.abs(want).max(), rtol=0)
+  np.testing.assert_array_equal(np.asarray(tokens), out.sequences.numpy())
+
+
+def test_longrope_on_a_packed_row_reads_each_documents_length_as_hugging_face_on_each_document():
+  """Two documents of 6 tokens packed in a row of 12, LongRoPE's original length 8: each document is below it (the
+  short factors), as Hugging Face's forward on the document alone, though the row is longer."""
+  torch = pytest.importorskip("torch")
+  import tempfile
+  from posjax import convert
+  with tempfile.TemporaryDirectory() as directory:
+    hf = random_llama(directory, **LENGTH_DEPENDENT["longrope"][1])
+    module, variables = convert.from_hf(directory)
+  ids = np.random.default_rng(5).integers(0, 97, (1, 12))
+  with torch.no_grad():
+    want = np.concatenate([hf(torch.from_numpy(ids[:, i:i + 6])).logits.numpy() for i in (0, 6)], axis=1)
+  got = module.apply(variables, jnp.asarray(ids), positions=jnp.asarray(np.tile(np.arange(6), 2))[None],
+                     segment_ids=jnp.asarray(np.repeat([1, 2], 6))[None]).logits
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-4 * np.abs(want).max(), rtol=0)

@@ -21,6 +21,7 @@ from posjax.positions import base
 
 SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3", "longrope")
 LAYOUTS = ("half", "interleaved")
+LENGTH_DEPENDENT = ("dynamic", "longrope")  # scalings that read the forward pass's length (row_frequencies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ class RopeOptions:
 
   max_timescale: the rotation base, ``rope_theta`` (10,000 in the paper).
   scaling: ``none`` (default) | ``linear`` (position interpolation, Chen et al. 2023: frequencies / factor) |
-    ``dynamic`` (NTK-aware: the base grows with the batch's length L past ``original_max_len``) | ``yarn`` (Peng et al.
+    ``dynamic`` (NTK-aware: the base grows with the length, a row's largest position + 1, past ``max_len``) | ``yarn`` (Peng et al.
     2023: per-frequency ramp between interpolation and extrapolation, cos/sin times an attention factor) | ``llama3``
     (Llama 3.1: long wavelengths / factor, short ones kept, a smooth ramp between).
   factor: the extension factor (1 with ``none``).
@@ -41,7 +42,7 @@ class RopeOptions:
     None: from the factor, True).
   low_freq_factor, high_freq_factor: Llama 3.1's keys (its defaults 1 and 4).
   short_factor, long_factor: LongRoPE's per-frequency divisors (Ding et al. 2024; Hugging Face's ``longrope``, Phi-3):
-    ``d_r/2`` each, the long ones where the batch's length passes ``original_max_len`` (default the model's
+    ``d_r/2`` each, the long ones where the length (below) passes ``original_max_len`` (default the model's
     ``max_len``); the attention factor is ``attention_factor`` or ``sqrt(1 + log(factor) / log(original_max_len))``
     (1 at ``factor`` 1), as Hugging Face's.
   rotary_fraction: the fraction of each head's features that rotate, the first ``d_r = int(d_h * fraction)`` (even;
@@ -51,8 +52,13 @@ class RopeOptions:
   frequency_fraction: p-RoPE (Barbero et al. 2024, "Round and Round We Go"): only the highest ``int(p · d_r/2)``
     frequencies rotate, the lowest are set to 0 (those features carry no position); 1: every frequency.
 
-  ``dynamic`` reads the batch's length L (static under jit); Hugging Face reads ``max(position_ids) + 1``, the same
-  for positions ``0..L-1``.
+  ``dynamic`` and ``longrope`` depend on the length: as Hugging Face's (``dynamic_rope_update``), the length of a
+  forward pass is its largest position + 1, so the longest document of a packed row, a left-padded prompt's last
+  position + 1 and, in a decode step, the new token's position + 1. [choice] posjax takes it per row (Hugging Face
+  over the whole batch: the same for one row or rows of equal length), so no row's numbers depend on the rows beside
+  it. Decoding caches keys already rotated, so each key keeps the frequencies of the step that wrote it: with
+  ``dynamic`` past ``max_len`` (and ``longrope`` when a prompt shorter than ``original_max_len`` grows past it)
+  generation is not the full forward over the same tokens, exactly as Hugging Face's ``generate``.
   """
 
   max_timescale: float = 10_000.0
@@ -166,9 +172,26 @@ def frequencies(options: RopeOptions, head_dim: int, max_len: int, length: int) 
   return inv_freq.astype(np.float32), float(factor)
 
 
+def row_frequencies(options: RopeOptions, dim: int, max_len: int, positions_BxL):
+  """``[B, 1, 1, d/2]`` float32: each row's inverse frequencies under a length-dependent scaling (``dynamic``,
+  ``longrope``) at Hugging Face's length, the row's largest position + 1 (traced: one program for every length).
+  ``dynamic`` in float32 in Hugging Face's order of operations; ``longrope``: :func:`frequencies`' short or long."""
+  length_Bx1 = jnp.max(positions_BxL, axis=-1, keepdims=True).astype(jnp.int32) + 1
+  o, original = options, options.original_max_len or max_len
+  if o.scaling == "longrope":
+    short_F, long_F = (frequencies(o, dim, max_len, n)[0] for n in (original, original + 1))
+    inv_freq_BxF = jnp.where(length_Bx1 > original, long_F, short_F)
+  else:
+    length_Bx1 = jnp.maximum(length_Bx1, original).astype(jnp.float32)
+    grown_Bx1 = o.max_timescale * (o.factor * length_Bx1 / original - (o.factor - 1)) ** (dim / (dim - 2))
+    inv_freq_BxF = 1.0 / grown_Bx1 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+  return inv_freq_BxF[:, None, None, :]
+
+
 def rotation(positions_BxL, head_dim: int, options: RopeOptions = RopeOptions(), max_len: int | None = None):
   """``(sin, cos)``, each ``[B, L, 1, d_r/2]``: the angles ``p · inv_freq`` (:func:`frequencies` of the ``d_r``
-  rotated features), times the attention factor of YaRN and LongRoPE; p-RoPE's lowest frequencies 0."""
+  rotated features; :func:`row_frequencies` per row for ``dynamic`` and ``longrope``), times the attention factor of
+  YaRN and LongRoPE; p-RoPE's lowest frequencies 0."""
   base.check_rows("positions", positions_BxL)
   length = positions_BxL.shape[-1]
   dim = rotary_dim(options, head_dim) if options.rotary_fraction != 1.0 else head_dim
@@ -176,6 +199,9 @@ def rotation(positions_BxL, head_dim: int, options: RopeOptions = RopeOptions(),
     if dim % 2:
       raise ValueError(f"rope needs an even head dimension, got head_dim={head_dim}")
     inv_freq, factor = options.max_timescale ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim), 1.0
+  elif options.scaling in LENGTH_DEPENDENT:
+    inv_freq, factor = row_frequencies(options, dim, max_len or length, positions_BxL), frequencies(
+        options, dim, max_len or length, 1)[1]
   else:
     inv_freq, factor = frequencies(options, dim, max_len or length, length)
   if options.frequency_fraction != 1.0:  # p-RoPE: the highest frequencies come first
