@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from posjax import config_args, positions
+from posjax import config_args
 from posjax.experiments import figures, plots, probes, protocol
 from posjax.experiments import length as length_harness
 from posjax.main import train
@@ -121,14 +121,19 @@ def styles_of(ax) -> list[tuple]:
           if line.get_label() and not line.get_label().startswith("_")]
 
 
-def test_every_method_keeps_one_style_of_its_own_in_every_figure(tmp_path):
-  names = positions.names()
-  styles = plots.method_styles(names)
-  assert len({(s["color"], s["marker"]) for s in styles.values()}) == len(names)  # points alone: colour and marker
-  assert len({(s["color"], s["linestyle"]) for s in styles.values()}) == len(names)
-  assert plots.method_styles(["rope", "TUPE-R", "alibi"])["alibi"] == styles["alibi"]  # the same in any figure
+def labelled_ticks(ax) -> list[float]:
+  """The y values of the labelled ticks inside the axes' range."""
+  low, high = ax.get_ylim()
+  return [t.get_position()[1] for t in ax.get_yticklabels() if t.get_text() and low <= t.get_position()[1] <= high]
 
-  # The probes' plot (make demo): 20 methods, four of them a learned table (points only) that stop at length 16.
+
+def test_every_row_of_a_figure_has_a_colour_and_a_marker_of_its_own_and_the_control_a_panel_of_its_own(tmp_path):
+  styles = plots.method_styles([f"row {i}" for i in range(20)])
+  assert len({s["color"] for s in styles.values()}) == 20
+  assert len({s["marker"] for s in list(styles.values())[:15]}) == 15
+  assert plots.method_styles(["rope", "TUPE-R", "alibi"]) == plots.method_styles(["rope", "TUPE-R", "alibi"])
+
+  # The probes' plot (make demo): 21 methods, four of them a learned table (points only) that stop at length 16.
   config = config_args.load_config("configs/probes.py")
   short = {"absolute", "bert_r", "tupe_a", "tupe_r"}
   results = {m: {t: {str(l): "unsupported" if m in short and l > 16 else 0.5 for l in (16, 32, 64)}
@@ -136,16 +141,32 @@ def test_every_method_keeps_one_style_of_its_own_in_every_figure(tmp_path):
   fig = probes.plot_accuracy(results, config, str(tmp_path / "probes.png"))
   for ax in fig.axes:
     drawn = styles_of(ax)
-    assert len(drawn) == len(config.methods) and len({(c, m) for c, m, _ in drawn}) == len(drawn)
+    assert len(drawn) == len(config.methods) == 21 and len({(c, m) for c, m, _ in drawn}) == len(drawn)
+    assert len({c for c, _, _ in drawn[:20]}) == 20
     assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "32", "64"]
 
-  # The length harness's plot: ticks at the lengths, not 3x10^1.
+  # The length harness's plot: the thirteen rows of methods=extrapolation+absolute (RoPE and T5 once both red
+  # triangles) in one panel, a colour and a marker each, ticks at the lengths (32, not 3x10^1) and at least four
+  # labelled perplexities within 11 to 14.5; the positive control (26 to 40) in a panel of its own.
   config = config_args.load_config("configs/length.py:methods=extrapolation+absolute,runlocal")
   lengths = [config.train_len * m for m in config.eval_multiples]
-  results = {m: {"perplexity": {str(l): 10.0 + i + l / 100 for l in lengths}} for i, m in enumerate(config.methods)}
-  (ax,) = length_harness.plot(results, config, config.methods, str(tmp_path / "length.png")).axes
-  assert len(set(styles_of(ax))) == len(config.methods)
-  assert [t.get_text() for t in ax.get_xticklabels()] == [str(l) for l in lengths] == ["32", "64", "128", "256", "512"]
+  rows = list(config.methods) + [length_harness.control_name(config)]
+  results = {m: {"perplexity": {str(l): 11.0 + 0.25 * i + l / 150 for l in lengths}} for i, m in enumerate(rows)}
+  results["none+keys"] = {"perplexity": {str(l): 26.0 + l / 36 for l in lengths}}
+  methods_ax, control_ax = length_harness.plot(results, config, rows, str(tmp_path / "length.png")).axes
+  drawn = styles_of(methods_ax) + styles_of(control_ax)
+  assert [line.get_label() for line in methods_ax.get_lines() if not line.get_label().startswith("_")] == rows[:-1]
+  assert [line.get_label() for line in control_ax.get_lines() if not line.get_label().startswith("_")] == ["none+keys"]
+  assert len({c for c, _, _ in drawn}) == len({m for _, m, _ in drawn}) == len(rows)
+  assert methods_ax.get_ylim()[1] < 20 < control_ax.get_ylim()[0]  # the control stretches no axis
+  assert len(labelled_ticks(methods_ax)) >= 4 and len(labelled_ticks(control_ax)) >= 4
+  assert [t.get_text() for t in methods_ax.get_xticklabels()] == [str(l) for l in lengths] == [
+      "32", "64", "128", "256", "512"]
+  # a row that spans more than three times: a log axis, still a labelled tick at least every factor of 2.5
+  results["none"]["perplexity"]["512"] = 130.0
+  methods_ax, _ = length_harness.plot(results, config, rows, str(tmp_path / "length.png")).axes
+  ticks = labelled_ticks(methods_ax)
+  assert methods_ax.get_yscale() == "log" and len(ticks) >= 4 and max(np.diff(np.log(ticks))) <= np.log(2.5)
 
 
 @pytest.mark.xdist_group("figures_sweep")

@@ -7,9 +7,10 @@ source, workdir)`` (:mod:`posjax.main` composes both).
 
 It writes ``length.md`` (a table per measure, method x length: perplexity, next-token or masked-token, token accuracy
 and, for a decoder with ``config.passkey``, passkey retrieval of whole keys and of key tokens,
-:mod:`posjax.tasks.passkey`), ``length.json`` and ``length.png`` (perplexity against length, one line per method) in
-the workdir. A method with a learned position table reports ``unsupported`` past it, never clamped. Each method runs
-in ``workdir/runs/<method>``; a restarted harness skips finished methods (and a killed run resumes).
+:mod:`posjax.tasks.passkey`), ``length.json`` and ``length.png`` (perplexity against length, one line per row, the
+positive control in a panel of its own) in the workdir. A method with a learned position table reports
+``unsupported`` past it, never clamped. Each method runs in ``workdir/runs/<method>``; a restarted harness skips
+finished methods (and a killed run resumes).
 
 ``config.probes`` (probe tasks, :mod:`posjax.tasks.probe`) runs the position probes too
 (:func:`posjax.experiments.probes.run` in ``workdir/probes``: a tiny probe model per method and task, a decoder for
@@ -470,6 +471,10 @@ def needle_plot(results: dict, config, rows, path: str):
     values = [[grid.get(l, {}).get(f) for l in lengths] for f in fractions]
     image = ax.imshow([[v if isinstance(v, float) else math.nan for v in line] for line in values], vmin=0.0,
                       vmax=1.0, cmap="viridis", aspect="auto")
+    for y, line in enumerate(values):  # each cell's percentage written on it, light on the dark end of the scale
+      for x, v in enumerate(line):
+        if isinstance(v, float):
+          ax.text(x, y, f"{100 * v:.0f}", ha="center", va="center", fontsize=6, color="black" if v > 0.6 else "white")
     ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
     ax.set_yticks(range(len(fractions)), fractions if i % columns == 0 else [], fontsize=7)
     ax.set_title(name, fontsize=8)
@@ -483,66 +488,103 @@ def needle_plot(results: dict, config, rows, path: str):
   return fig
 
 
+def panels(config, rows) -> list[tuple[str, list[str]]]:
+  """The plots' panels: ``(title, rows)``, the methods' rows first, then, where there is one, the positive control with
+  the context extensions of it (trained on passkey prompts too, its perplexity is on another scale: beside the
+  methods it would stretch their axis)."""
+  control = set()
+  if config.get("control"):
+    control.add(control_name(config))
+    ext = config.get("extension")
+    if ext is not None and ext.variants and ext.base == control_name(config):
+      control.update(name for variant in ext.variants for name in extension_names(config, variant, True) if name)
+  found = [("methods", [name for name in rows if name not in control])]
+  if any(name in control for name in rows):
+    found.append((f"positive control ({config.control}, {config.control_steps:,} steps with passkey prompts)"
+                  + ("\nand its context extensions" if len(control) > 1 else ""),
+                  [name for name in rows if name in control]))
+  return [(title, names) for title, names in found if names]
+
+
+def _panel_plot(config, rows, path: str, title: str, draw, axes_set):
+  """A figure of a panel per group of :func:`panels` side by side (the control's narrower), every row a style of its
+  own across them (:func:`posjax.experiments.plots.method_styles`), each panel's legend right of it, written to
+  ``path`` and closed. ``draw(ax, name, style)`` draws a row and returns the values it drew (the value axis spans
+  them); ``axes_set(ax)`` sets the x axis and the labels."""
+  plt = plots.pyplot()
+  styles = plots.method_styles(rows)
+  groups = panels(config, rows)
+  widths = [1.0] + [0.7] * (len(groups) - 1)
+  fig, axes = plt.subplots(1, len(groups), figsize=(7.2 * sum(widths), 4.4), squeeze=False, layout="constrained",
+                           gridspec_kw={"width_ratios": widths})
+  for ax, (panel, names) in zip(axes[0], groups):
+    plots.value_axis(ax, [v for name in names for v in draw(ax, name, styles[name])])
+    axes_set(ax)
+    ax.set_title(panel)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+  fig.suptitle(title)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return fig
+
+
 def position_plot(results: dict, config, rows, path: str):
   """The loss by context length at the longest length every row measures (each token index's mean over the rows of
   the held-out text, averaged over doubling spans of the index: past the training length a token sees more context
-  than any trained), a line per row. None where no row reports it."""
+  than any trained), a line per row; the positive control in a panel of its own (:func:`panels`). None where no row
+  reports it."""
   lengths = [str(config.train_len * m) for m in config.eval_multiples]
   found = {name: results.get(name, {}).get("loss_by_position", {}) for name in rows}
   shared = [l for l in lengths if all(isinstance(found[name].get(l), list) for name in rows)]
   if not shared:
     return None
   length = shared[-1]
-  plt = plots.pyplot()
-  styles = plots.method_styles(rows)
-  fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for name in rows:
+
+  def draw(ax, name, style):
     # averaged over doubling spans of context (1, 2-3, 4-7, ...): a few rows per length leave each index noisy
     values = found[name][length]
     spans = [(lo, min(2 * lo, len(values) + 1)) for lo in (2 ** k for k in range(len(values).bit_length()))]
     points = [(np.sqrt(lo * (hi - 1)), np.mean(kept)) for lo, hi in spans
               if (kept := [v for v in values[lo - 1:hi - 1] if v is not None])]
-    ax.plot(*zip(*points), label=name, **styles[name])
-  ax.set_xscale("log", base=2)
-  ax.axvline(config.train_len, color="0.6", linestyle=":", linewidth=1)
-  ax.set(xlabel="context (tokens before the predicted one)", ylabel="next-token loss",
-         title=f"loss by position in rows of {length} tokens, trained at {config.train_len} (dotted line)")
-  return _saved(plt, fig, ax, path)
+    ax.plot(*zip(*points), label=name, **style)
+    return [v for _, v in points]
+
+  def axes_set(ax):
+    ax.set_xscale("log", base=2)
+    ticks = [2 ** k for k in range(int(length).bit_length())]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_locator(plots.pyplot().NullLocator())
+    ax.axvline(config.train_len, color="0.6", linestyle=":", linewidth=1)
+    ax.set(xlabel="context (tokens before the predicted one)", ylabel="next-token loss")
+
+  return _panel_plot(config, rows, path, f"loss by position in rows of {length} tokens, trained at "
+                     f"{config.train_len} (dotted line)", draw, axes_set)
 
 
-def _saved(plt, fig, ax, path: str):
-  """The figure with its legend right of the axes, written to ``path`` and closed."""
-  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return fig
-
-
-def plot(results: dict, config, methods, path: str):
-  """Perplexity against evaluation length (both log scale), one line per method (the mean over its seeds, shaded
-  between the lowest and the highest seed); a method that runs at the training length alone is a point. Returns the
-  figure (closed)."""
-  plt = plots.pyplot()
+def plot(results: dict, config, rows, path: str):
+  """Perplexity against evaluation length (log 2 lengths; :func:`posjax.experiments.plots.value_axis`), one line per
+  row (the mean over its seeds, shaded between the lowest and the highest seed), a style of its own each; a row that
+  runs at the training length alone is a point; the positive control in a panel of its own (:func:`panels`). Returns
+  the figure (closed)."""
   lengths = [config.train_len * m for m in config.eval_multiples]
-  styles = plots.method_styles(methods)
-  fig, ax = plt.subplots(figsize=(6.5, 4.2))
-  for method in methods:
-    values = results.get(method, {}).get("perplexity", {})
+
+  def draw(ax, name, style):
+    values = results.get(name, {}).get("perplexity", {})
     points = [(l, values[str(l)]) for l in lengths if isinstance(values.get(str(l)), float)]
     if points:
-      ax.plot(*zip(*points), label=method, **styles[method])
-    seeds = results.get(method, {}).get("seeds", {}).get("perplexity", {})
+      ax.plot(*zip(*points), label=name, **style)
+    seeds = results.get(name, {}).get("seeds", {}).get("perplexity", {})
     band = [(l, min(seeds[str(l)]), max(seeds[str(l)])) for l, _ in points if str(l) in seeds]
     if band:  # every seed's run inside the band
-      ax.fill_between(*zip(*band), color=styles[method].get("color"), alpha=0.15, linewidth=0)
-  ax.set_yscale("log")
-  plots.length_axis(ax, lengths, config.train_len)
-  ax.yaxis.set_major_formatter(plt.FormatStrFormatter("%g"))
-  ax.yaxis.set_minor_formatter(plt.FormatStrFormatter("%g"))
-  ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model in DECODERS else 'masked'}-token perplexity",
-         title=f"{config.model}, trained at length {config.train_len} (dotted line), {config.steps} steps")
-  return _saved(plt, fig, ax, path)
+      ax.fill_between(*zip(*band), color=style.get("color"), alpha=0.15, linewidth=0)
+    return [v for _, v in points] + [v for _, low, high in band for v in (low, high)]
+
+  def axes_set(ax):
+    plots.length_axis(ax, lengths, config.train_len)
+    ax.set(xlabel="evaluation length", ylabel=f"{'next' if config.model in DECODERS else 'masked'}-token perplexity")
+
+  return _panel_plot(config, rows, path, f"{config.model}: perplexity against evaluation length, trained at "
+                     f"{config.train_len} (dotted line)", draw, axes_set)
 
 
 def validate(config) -> None:

@@ -1,5 +1,5 @@
-"""What the figures and the probe plots share: matplotlib on its file-only backend, one style per method, a length
-axis, and one heat map per head."""
+"""What the figures and the probe plots share: matplotlib on its file-only backend, one style per method of a figure,
+a length axis, a value axis, and one heat map per head."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from posjax import positions
-
-# tab10's colours; a name's place picks its colour, and each further ten names take the next line style and shift
-# the markers, so that no two of the first forty share a colour and a line style, or a colour and a marker.
+# A figure's i-th name takes the i-th colour and marker: tab10's colours with solid lines for the first ten names, ten
+# darker ones with dashed lines for the next ten, so that no two of a figure's first twenty share a colour and no two
+# of its first fifteen a marker (a colour and a marker together: sixty).
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf")
-MARKERS = "osD^vP*Xhp"
+          "#17becf", "#000000", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#1b9e77", "#e6ab02",
+          "#6a3d9a", "#b15928")
+MARKERS = "osD^vP*Xhp<>dH8"
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -26,19 +26,15 @@ def pyplot():
 
 
 def method_styles(names: Sequence[str]) -> dict[str, dict]:
-  """A matplotlib style (``color``, ``marker``, ``linestyle``) per name, distinct within the call. A registered
-  position method's style is fixed by its place in the registry, so it is the same in every figure; other names
-  (a table's rows) take the places after them, in the order given."""
-  known = positions.names()
-  others = [name for name in dict.fromkeys(names) if name not in known]
-  index = {name: i for i, name in enumerate(known)} | {name: len(known) + i for i, name in enumerate(others)}
-  return {name: _style(index[name]) for name in names}
+  """A matplotlib style (``color``, ``marker``, ``linestyle``) per name, by its place among ``names`` (repeats
+  dropped): distinct colours for up to twenty names, distinct markers for up to fifteen, so a figure's legend reads
+  in the order of its colours. Draw every name of a figure from one call, so that all its panels agree."""
+  return {name: _style(i) for i, name in enumerate(dict.fromkeys(names))}
 
 
 def _style(i: int) -> dict:
-  cycle = i // len(COLORS)
-  return dict(color=COLORS[i % len(COLORS)], marker=MARKERS[(i + cycle) % len(MARKERS)],
-              linestyle=LINESTYLES[cycle % len(LINESTYLES)])
+  return dict(color=COLORS[i % len(COLORS)], marker=MARKERS[i % len(MARKERS)],
+              linestyle=LINESTYLES[(i // 10) % len(LINESTYLES)])
 
 
 def length_axis(ax, lengths: Sequence[int], train_len: int | None = None) -> None:
@@ -50,6 +46,31 @@ def length_axis(ax, lengths: Sequence[int], train_len: int | None = None) -> Non
   ax.xaxis.set_minor_locator(pyplot().NullLocator())
   if train_len:
     ax.axvline(train_len, color="grey", linestyle=":")
+
+
+def value_axis(ax, values: Sequence[float]) -> None:
+  """A y axis that the values can be read off: linear over a range of less than 3x (perplexities 11 to 14.5: ticks
+  every 0.5), else log with a labelled tick at 1, 2, 3, ... 9 times each power of ten (2, 5 over more than a
+  decade and a half; powers of ten alone over more than three), the numbers written plainly (20, not 2x10^1);
+  a light grid line at each."""
+  ticker = pyplot().matplotlib.ticker
+  values = [float(v) for v in values if np.isfinite(v)]
+  if not values:
+    return
+  low, high = min(values), max(values)
+  ax.grid(True, axis="y", which="major", color="0.92", linewidth=0.8)
+  ax.set_axisbelow(True)
+  if low <= 0 or high / low < 3:
+    ax.yaxis.set_major_locator(ticker.MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10]))
+    ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    return
+  decades = np.log10(high / low)
+  subs = tuple(range(1, 10)) if decades < 1.5 else (1, 2, 5) if decades < 3 else (1,)
+  ax.set_yscale("log")
+  ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
+  ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+  ax.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs=tuple(range(1, 10))))
+  ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 def head_maps(maps_HxLxL: np.ndarray, path: str, title: str, *, panel: tuple[float, float] = (2.6, 2.8),
