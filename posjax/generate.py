@@ -68,11 +68,12 @@ def sample(logits_BxV, key, temperature: float, top_k: int, top_p: float):
 
 
 def generate(module: BertModel, variables, prompt_ids, *, max_new_tokens: int, attention_mask=None,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
-             return_logits: bool = False):
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             eos_id: int | list[int] | None = None, return_logits: bool = False):
   """``[B, P + max_new_tokens]`` int32: the prompts ``[B, P]`` and their continuations (see the module docstring);
   with ``return_logits`` also the float32 logits each new token was drawn from, ``[B, max_new_tokens, V]`` (before
-  temperature and filtering; Hugging Face's ``output_logits``)."""
+  temperature and filtering; Hugging Face's ``output_logits``). ``eos_id``: one id or several (Hugging Face's
+  ``eos_token_id`` list) that end a row."""
   check_options(module, max_new_tokens, temperature, top_k, top_p)
   prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
   if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
@@ -85,15 +86,25 @@ def generate(module: BertModel, variables, prompt_ids, *, max_new_tokens: int, a
     raise ValueError(f"attention_mask has shape {mask_BxP.shape}; expected the prompt's {(b, p)}")
   tokens, logits = _generate(module, {"params": variables["params"]}, prompt_ids, mask_BxP, max_new_tokens,
                              float(temperature), top_k, float(top_p), jnp.uint32(seed),
-                             -1 if eos_id is None else int(eos_id))
+                             eos_ids(eos_id))
   return (tokens, logits) if return_logits else tokens
+
+
+def eos_ids(eos_id) -> tuple[int, ...]:
+  """``eos_id`` (None, one id or several) as a tuple of ints (a static argument of the compiled loop)."""
+  if eos_id is None:
+    return ()
+  ids = tuple(eos_id) if isinstance(eos_id, (list, tuple)) else (eos_id,)
+  if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise ValueError(f"eos_id={eos_id!r} must be a token id >= 0, a list of them, or None")
+  return tuple(int(i) for i in ids)
 
 
 def greedy(module: BertModel, variables, prompt_BxP, steps: int):
   """``[B, P + steps]``: :func:`generate` at temperature 0 for full prompts, without its checks (traceable: what an
   evaluator calls inside its compiled program)."""
   return _generate(module, variables, prompt_BxP, jnp.ones(prompt_BxP.shape, bool), steps, 0.0, 0, 1.0,
-                   jnp.uint32(0), -1)[0]
+                   jnp.uint32(0), ())[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9))
@@ -120,8 +131,8 @@ def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k
                                 decode=True, mutable=["cache"])
     logits_BxV = out.logits[:, -1].astype(jnp.float32)
     next_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
-    done_B = done_B | (token_B == eos_id)
-    next_B = jnp.where(done_B, eos_id, next_B)
+    done_B = done_B | jnp.isin(token_B, jnp.asarray(eos_id or (-1,), jnp.int32))
+    next_B = jnp.where(done_B, token_B, next_B)  # a finished row repeats the eos it ended with
     return (tokens_BxN.at[:, t].set(next_B), logits_BxNxV.at[:, t].set(logits_BxV), mutated["cache"],
             position_B + 1, done_B)
 
@@ -163,12 +174,15 @@ def main(argv=None) -> int:
     ids = tokenizer.encode(args.prompt)
     if not ids:
       raise ValueError(f"--prompt={args.prompt!r} encodes to no tokens")
+    eos = eos_ids(checkpoint.special_token_ids(args.workdir)["eos_token_id"])  # the run's end of document
     tokens = generate(module, variables, np.asarray([ids]), max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos)
   except (ValueError, FileNotFoundError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
   new = [int(t) for t in np.asarray(tokens)[0, len(ids):]]
+  ends = [i for i, t in enumerate(new) if t in eos]
+  new = new[:ends[0] + 1] if ends else new  # up to the end-of-document token, where Hugging Face's generate stops
   print(tokenizer.backend.decode(ids + new, skip_special_tokens=False))
   return 0
 

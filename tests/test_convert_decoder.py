@@ -4,6 +4,10 @@ sequential residuals), Llama with LongRoPE (past its original length) and GPT-2 
 weights) on random weights saved with ``save_pretrained``: posjax's logits equal Hugging Face's, and the model
 exported back gives them again."""
 
+import json
+import os
+
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +127,58 @@ def test_a_converted_decoder_continues_pre_training_in_the_loop(tmp_path):
   want = checkpoint.load_params(str(tmp_path / "converted"))
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=jax.tree_util.keystr(path))
+
+
+def test_an_exported_decoder_names_its_runs_special_tokens_and_hugging_faces_generate_stops_where_posjaxs_does(
+    tmp_path, capsys):
+  """A decoder run on a WordPiece vocabulary with stream packing (no [CLS]; [SEP] ends a document): the export's
+  config and generation config say eos [SEP], pad [PAD], no bos; its tokenizer encodes a prompt without specials,
+  as the run did; AutoTokenizer + generate on the export give posjax's tokens and stop at the same [SEP]. An --out
+  that is the run, or that holds other files, is refused before anything is written; an earlier export is not."""
+  from posjax import generate
+  from posjax.convert import __main__ as cli
+  from posjax.data.tokenizer import Tokenizer
+  from posjax.models import BertConfig, BertModel
+
+  pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "vocab.txt").write_text("\n".join(pieces) + "\n")
+  (run / "config.json").write_text(json.dumps({"data": {"packing": "stream"}}))
+  config = BertConfig.decoder(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=48, max_len=64)
+  module = BertModel(config, head="lm")
+  variables = flax.core.meta.unbox(module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+  variables = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(1), x.shape), variables)
+  tokenizer = Tokenizer.load(str(run / "vocab.txt"))
+  prompt = tokenizer.encode("w3 w7 w1")
+  free = np.asarray(generate.generate(module, variables, np.asarray([prompt]), max_new_tokens=8))[0, 3:]
+  kernel = variables["params"]["encoder"]["lm_head"]["kernel"]  # [SEP] wins where the 4th new token would have
+  variables["params"]["encoder"]["lm_head"]["kernel"] = kernel.at[:, tokenizer.sep_id].set(
+      2.0 * kernel[:, free[3]])
+  cli.write_run(module, variables, str(run), "test")
+  config_bytes = (run / "config.json").read_bytes()
+
+  assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(run)]) == 2
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "notes.txt").write_text("mine")
+  assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(tmp_path / "other")]) == 2
+  assert "holds notes.txt, which no export writes" in capsys.readouterr().err
+  assert (run / "config.json").read_bytes() == config_bytes and os.listdir(tmp_path / "other") == ["notes.txt"]
+  for _ in range(2):  # the second replaces the first export
+    assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+
+  ids = {"bos_token_id": None, "eos_token_id": tokenizer.sep_id, "pad_token_id": tokenizer.pad_id}
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  assert {k: getattr(hf.config, k) for k in ids} == ids == {k: getattr(hf.generation_config, k) for k in ids}
+  hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+  assert hf_tokenizer("w3 w7 w1").input_ids == prompt
+  with torch.no_grad():
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0].tolist()
+  got = np.asarray(generate.generate(module, variables, np.asarray([prompt]), max_new_tokens=8,
+                                     eos_id=tokenizer.sep_id))[0].tolist()
+  assert want[-1] == tokenizer.sep_id and len(want) < len(prompt) + 8  # it stopped at [SEP]
+  assert got[:len(want)] == want and set(got[len(want):]) <= {tokenizer.sep_id}
+  capsys.readouterr()
+  assert generate.main(["--workdir", str(run), "--prompt", "w3 w7 w1", "--max_new_tokens", "8"]) == 0
+  assert capsys.readouterr().out.split() == hf_tokenizer.convert_ids_to_tokens(want)

@@ -34,6 +34,7 @@ from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
 
+from posjax.data.tokenizer import Tokenizer
 from posjax.models import layout
 from posjax.train import sharding
 
@@ -362,6 +363,33 @@ def vocab_file_of(workdir: str) -> str:
     with open(config) as f:
       return json.load(f).get("data", {}).get("vocab_file", "")
   return ""
+
+
+SPECIAL_TOKENS = "special_tokens.json"  # a converted decoder's bos / eos / pad ids (its source's), when it has them
+CLS_PACKINGS = ("full_sentence", "documents")  # the packings whose rows start with [CLS]
+
+
+def special_token_ids(workdir: str) -> dict:
+  """A decoder run's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (Hugging Face's names; None where it
+  has none): a converted model's own (:data:`SPECIAL_TOKENS`, recorded from its source), else those its data put in
+  its rows with its tokenizer (:func:`vocab_file_of`): the end-of-document token ([SEP]) as eos, [PAD] as pad, and
+  [CLS] as bos only where the run's packing starts rows with it (``full_sentence``, ``documents``; the decoders'
+  ``stream`` packings have none)."""
+  recorded = os.path.join(workdir, SPECIAL_TOKENS)
+  if os.path.isfile(recorded):
+    with open(recorded) as f:
+      return json.load(f)
+  vocab = vocab_file_of(workdir)
+  if not vocab:
+    return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+  tokenizer = Tokenizer.load(vocab)
+  packing = "stream"
+  config = os.path.join(workdir, "config.json")
+  if os.path.isfile(config):
+    with open(config) as f:
+      packing = json.load(f).get("data", {}).get("packing", packing)
+  return {"bos_token_id": tokenizer.cls_id if packing in CLS_PACKINGS else None, "eos_token_id": tokenizer.sep_id,
+          "pad_token_id": tokenizer.pad_id}
 
 
 def latest_step(directory: str) -> int:
