@@ -4,6 +4,7 @@ its last checkpoint), status 130. Imports nothing of posjax, so every command, w
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -33,6 +34,17 @@ def error_message(error: BaseException) -> str:
   root = flag_error or chain[-1]  # absl's own text names the flag: "flag --config.batch_size=abc: ..."
   text = root.args[0] if len(root.args) == 1 and isinstance(root.args[0], str) else str(root)
   return " ".join(text.split())
+
+
+def check_directory(path: str, flag: str, allowed: str) -> None:
+  """``path``, a directory the command writes (``flag``'s value), can be one: neither it nor a parent up to the
+  first that exists is a file; else a ``ValueError`` naming the file and ``allowed``, before anything is written."""
+  existing = os.path.normpath(path)
+  while existing and not os.path.exists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  if existing and os.path.exists(existing) and not os.path.isdir(existing):
+    where = "is a file" if existing == os.path.normpath(path) else f"is under the file {existing}"
+    raise ValueError(f"{flag}={path} {where}; {flag} names a directory: {allowed}")
 
 
 def run_user_errors(fn, argv) -> None:

@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from posjax import config_args, tasks
 from posjax.aot import compile as aot
-from posjax.cli import error_message, run_user_errors
+from posjax.cli import check_directory, error_message, run_user_errors
 from posjax.experiments import length, probes, sweep
 from posjax.train import checkpoint, evaluate, loop, peers
 
@@ -81,6 +81,7 @@ def main(argv):
     return
   if config is None or not value["workdir"]:
     raise app.UsageError("--config and --workdir are required")
+  check_directory(value["workdir"], "--workdir", "a new one, or a run's to resume")
   checkpoint.silence_abandoned_io()  # for the process: orbax's abandoned writes may report as it exits
   peer_timeout = int(config.get("peer_timeout_seconds", 60))
   if value["num_processes"] > 1 or value["distributed"]:

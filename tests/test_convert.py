@@ -3,6 +3,7 @@ head, with padding and token types), exact round trips, the command line, and cl
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -224,6 +225,57 @@ def test_command_line_round_trip_and_runs_that_start_from_a_converted_model(tmp_
   assert tokenizer.convert_tokens_to_ids("[CLS]") == Tokenizer.load(VOCAB).cls_id
   assert cli.main(["posjax-to-hf", "--workdir", str(tmp_path / "posjax"), "--step", "3", "--out",
                    str(tmp_path / "x")]) == 2
+
+
+def broken_source(tmp_path, case):
+  """A Hugging Face directory with one fault (``case``), and the line hf-to-posjax answers it with."""
+  from safetensors.numpy import save_file
+
+  source = tmp_path / "hf"
+  source.mkdir()
+  (source / "config.json").write_text(json.dumps({"model_type": "bert"}))
+  if case == "truncated safetensors":
+    save_file({"weight": np.zeros((8, 8), np.float32)}, source / "model.safetensors")
+    name = "model.safetensors"
+  elif case == "truncated bin":
+    torch.save({"weight": torch.zeros(8, 8)}, source / "pytorch_model.bin")
+    name = "pytorch_model.bin"
+  else:
+    (source / "config.json").write_text('{"model_type": "bert",')
+    return source, rf"{source}/config.json is not valid JSON \(Expecting property name enclosed in double quotes: " \
+                   r"line 1 column 23 \(char 22\)\); a Hugging Face config.json is the JSON object of the model's " \
+                   r"fields that save_pretrained writes"
+  data = (source / name).read_bytes()
+  (source / name).write_bytes(data[:len(data) // 2])
+  return source, rf"{source}/{name} cannot be read as weights \(.+\); the converters read the whole file " \
+                 r"save_pretrained writes \(a truncated copy or an interrupted download: copy or download it again\)"
+
+
+@pytest.mark.parametrize("case", ["truncated safetensors", "truncated bin", "broken config.json", "workdir is a file",
+                                  "workdir under a file", "no torch", "no safetensors"])
+def test_a_broken_source_workdir_or_install_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys,
+                                                                                  case):
+  source, message = broken_source(tmp_path, "truncated safetensors" if case.startswith(("workdir", "no ")) else case)
+  target = tmp_path / "out"
+  command = ["hf-to-posjax", "--from", str(source), "--workdir", str(target)]
+  if case.startswith("workdir"):
+    (tmp_path / "file").write_text("mine")
+    target = tmp_path / "file" / ("run" if "under" in case else "")
+    command[-1] = str(target).rstrip("/")
+    where = "is a file" if "under" not in case else f"is under the file {tmp_path}/file"
+    message = rf"--workdir={command[-1]} {where}; --workdir names a directory: a new one, or one without checkpoints"
+  elif case.startswith("no "):
+    module = case.removeprefix("no ")
+    monkeypatch.setitem(sys.modules, module, None)
+    monkeypatch.delitem(sys.modules, "safetensors.numpy", raising=False)
+    if module == "torch":
+      command = ["posjax-to-hf", "--workdir", str(tmp_path / "run"), "--out", str(target)]
+    message = rf"{command[0]} needs the convert extra \(PyTorch, transformers, safetensors\): no module named " \
+              rf"'{module}'; install it with pip install -e '\.\[convert\]'"
+  assert cli.main(command) == 2
+  lines = capsys.readouterr().err.splitlines()
+  assert len(lines) == 1 and re.fullmatch(f"error: {message}", lines[0]), lines
+  assert not target.exists() or target.read_text() == "mine"
 
 
 def test_drop_in_pretraining_switches_a_converted_absolute_bert_to_method_4(tmp_path, caplog):

@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from posjax.data import corpus, mlm, synthetic
+from posjax.data import corpus, mlm, synthetic, vocab
 from posjax.data.tokenizer import Tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "configs", "data")
@@ -190,6 +190,9 @@ def test_an_unprepared_tfds_data_set_says_how_to_prepare_it(tmp_path):
     (bytes(range(256)) * 4, "vocab.txt", r"vocabulary file .*vocab.txt cannot be read as a WordPiece vocab.txt"),
     (b'{"not": "a tokenizer"}', "vocab.json", r"vocabulary file .*vocab.json cannot be read as a tokenizers JSON"),
     (b"", "empty.txt", r"vocabulary file .*empty.txt: the vocabulary has no pad token"),
+    (b"[PAD]\n[UNK]\nthe\n[CLS]\n[SEP]\n[MASK]\nthe \r\nriver\n", "vocab.txt",
+     r"vocabulary file .*vocab.txt: line 7 repeats line 3 \('the'\); a WordPiece vocab.txt holds each piece once, "
+     r"one a line \(the piece's id is its line number - 1\)$"),
 ])
 def test_a_file_that_is_not_a_vocabulary_is_named(tmp_path, content, name, message):
   (tmp_path / name).write_bytes(content)
@@ -214,6 +217,16 @@ def test_vocab_command_refuses_what_cannot_make_a_vocabulary_in_one_line(tmp_pat
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and re.fullmatch(f"error: {message}.*", lines[0]), lines
     assert not (tmp_path / "vocab.txt").exists()
+
+
+@pytest.mark.parametrize("model", ["wordpiece", "bpe"])
+def test_the_vocab_command_names_the_file_that_is_not_utf8_and_its_first_bad_byte(tmp_path, model):
+  (tmp_path / "a.txt").write_text("one sentence .\n")
+  (tmp_path / "b.txt").write_bytes(b"another sentence .\n\nthe end \xe9t\xe9 .\n")  # Latin-1
+  with pytest.raises(ValueError, match=rf"^text file {tmp_path}/b.txt \(--files\) is not UTF-8 text \(invalid "
+                                       r"continuation byte at byte 28\); text files are read as UTF-8: convert it "
+                                       r"first$"):
+    vocab.train(str(tmp_path / "*.txt"), 100, model)
 
 
 def test_vocab_command_says_when_the_corpus_caps_the_size(tmp_path):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import flax.linen as nn
 import jax
@@ -291,6 +292,21 @@ def test_bad_configs_are_errors_before_the_workdir_is_written(tmp_path, override
   with pytest.raises(FileNotFoundError if "vocab" in message or "init_from" in message else ValueError, match=message):
     train(pretrain_config("runlocal,position=tupe_a", **override), str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("workdir", ["file", "file/run"])
+def test_a_workdir_that_is_or_is_under_a_file_is_refused_before_anything_is_written(tmp_path, monkeypatch, workdir):
+  from posjax import main as main_lib
+
+  (tmp_path / "file").write_text("mine")
+  values = dict(config=pretrain_config(), workdir=str(tmp_path / workdir), target=None, aot_data="synthetic",
+                coordinator=None, num_processes=1, process_id=0, distributed=False)
+  monkeypatch.setattr(main_lib, "_FLAGS", {name: types.SimpleNamespace(value=value) for name, value in values.items()})
+  where = "is a file" if workdir == "file" else f"is under the file {tmp_path}/file"
+  with pytest.raises(ValueError, match=rf"^--workdir={tmp_path}/{workdir} {where}; --workdir names a directory: a "
+                                       r"new one, or a run's to resume$"):
+    main_lib.main(["posjax.main"])
+  assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path):

@@ -10,7 +10,7 @@ posjax ``Electra``'s generator and discriminator), and the official TUPE code's 
 ``transformers`` and ``torch`` (the ``convert`` extra) are imported only by the functions that need them.
 """
 
-from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, read_source, to_hf_bert
+from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, read_config, read_source, to_hf_bert
 from posjax.convert.hf_decoder import from_hf_decoder, to_hf_decoder
 from posjax.convert.hf_electra import electra_to_hf, from_hf_electra, to_hf_electra
 from posjax.convert.tupe_fairseq import from_tupe_fairseq
@@ -40,13 +40,11 @@ def to_hf(config, variables, model_type: str | None = None):
 
 
 def _model_type(source) -> str:
-  import json
   import os
 
   if isinstance(source, (str, os.PathLike)):
     path = os.path.join(os.fspath(source), "config.json")
     if not os.path.isfile(path):
       return read_source(source)[0].get("model_type", "bert")  # its error: what a model directory holds
-    with open(path) as f:
-      return json.load(f).get("model_type", "bert")
+    return read_config(path).get("model_type", "bert")
   return source.config.model_type

@@ -199,23 +199,49 @@ def check_shapes(module: BertModel, flat: dict[str, np.ndarray], source: str) ->
       {k: jnp.asarray(v, expected[k].dtype) for k, v in flat.items()}, sep="/")
 
 
+def read_config(path: str) -> dict:
+  """A Hugging Face ``config.json`` as a dict; a file that is not a JSON object is a ``ValueError`` naming it."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      hf_config = json.load(f)
+  except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError
+    raise ValueError(f"{path} is not valid JSON ({error}); a Hugging Face config.json is the JSON object of the "
+                     "model's fields that save_pretrained writes") from None
+  if not isinstance(hf_config, dict):
+    raise ValueError(f"{path} holds a JSON {type(hf_config).__name__}; a Hugging Face config.json is the JSON object "
+                     "of the model's fields that save_pretrained writes")
+  return hf_config
+
+
 def read_directory(directory: str) -> tuple[dict, dict[str, np.ndarray]]:
-  """``(config.json as a dict, state dict as numpy)`` of a Hugging Face model directory."""
+  """``(config.json as a dict, state dict as numpy)`` of a Hugging Face model directory; a weights file that
+  cannot be read (a truncated download) is a ``ValueError`` naming it."""
   path = os.path.join(directory, "config.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{directory} has no config.json (a Hugging Face model directory has config.json "
                             "and model.safetensors or pytorch_model.bin)")
-  with open(path) as f:
-    hf_config = json.load(f)
+  hf_config = read_config(path)
   safetensors_path = os.path.join(directory, "model.safetensors")
   torch_path = os.path.join(directory, "pytorch_model.bin")
+  unreadable = ("{} cannot be read as weights ({}); the converters read the whole file save_pretrained writes (a "
+                "truncated copy or an interrupted download: copy or download it again)")
   if os.path.isfile(safetensors_path):
-    from safetensors.numpy import load_file  # imported here: an optional dependency (the convert extra)
-    return hf_config, load_file(safetensors_path)
+    from safetensors import SafetensorError  # imported here: an optional dependency (the convert extra)
+    from safetensors.numpy import load_file
+
+    try:
+      return hf_config, load_file(safetensors_path)
+    except SafetensorError as error:
+      raise ValueError(unreadable.format(safetensors_path, error)) from None
   if os.path.isfile(torch_path):
+    import pickle
+
     import torch  # imported here: only .bin files need it
 
-    state = torch.load(torch_path, map_location="cpu", weights_only=True)
+    try:
+      state = torch.load(torch_path, map_location="cpu", weights_only=True)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as error:
+      raise ValueError(unreadable.format(torch_path, " ".join(str(error).split()))) from None
     return hf_config, {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
   raise FileNotFoundError(f"{directory} has no weights: expected model.safetensors or pytorch_model.bin; it has "
                           f"{sorted(os.listdir(directory))}")

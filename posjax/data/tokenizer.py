@@ -27,6 +27,22 @@ def wordpiece(vocab: dict[str, int] | str, lowercase: bool = True) -> tokenizers
   return tok
 
 
+def _check_unique_lines(path: str) -> None:
+  """A WordPiece ``vocab.txt`` names each piece once: a piece's id is its line's index, so a repeated line (as
+  ``tokenizers`` reads it: without trailing whitespace) would leave an id without a piece."""
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  if lines[-1] == "":
+    lines.pop()
+  first = {}
+  for number, line in enumerate(lines, 1):
+    piece = line.rstrip()
+    if piece in first:
+      raise ValueError(f"vocabulary file {path}: line {number} repeats line {first[piece]} ({piece!r}); a WordPiece "
+                       "vocab.txt holds each piece once, one a line (the piece's id is its line number - 1)")
+    first[piece] = number
+
+
 @dataclasses.dataclass
 class Tokenizer:
   """Text -> ids without special tokens, plus the ids of [CLS], [SEP], [PAD], [MASK], [UNK]."""
@@ -58,6 +74,8 @@ class Tokenizer:
       backend = tokenizers.Tokenizer.from_file(path) if path.endswith(".json") else wordpiece(path)
     except Exception as error:  # noqa: BLE001  (tokenizers raises a bare Exception)
       raise ValueError(f"vocabulary file {path} cannot be read as {kind}: {error}") from None
+    if not path.endswith(".json"):
+      _check_unique_lines(path)
     try:
       return cls(backend)
     except ValueError as error:

@@ -15,7 +15,7 @@ from absl import app, flags
 from tokenizers import models, trainers
 
 from posjax.data import tokenizer as tokenizer_lib
-from posjax.data.files import text_files
+from posjax.data.files import check_utf8, text_files
 
 def train_wordpiece(files: list[str], size: int, lowercase: bool = True) -> tokenizers.Tokenizer:
   """A BERT WordPiece vocabulary of ``size`` pieces (BERT's special tokens included) trained on ``files``;
@@ -62,7 +62,14 @@ def train(pattern: str, size: int, model: str = "wordpiece", lowercase: bool = T
   if model not in ("wordpiece", "bpe"):
     raise ValueError(f"unknown --model={model!r}; allowed: wordpiece, bpe")
   files = text_files(pattern, "--files")
-  tok = train_bpe(files, size) if model == "bpe" else train_wordpiece(files, size, lowercase)
+  try:
+    tok = train_bpe(files, size) if model == "bpe" else train_wordpiece(files, size, lowercase)
+  except Exception as error:  # tokenizers raises a bare Exception, "stream did not contain valid UTF-8", naming no file
+    if "UTF-8" not in str(error):
+      raise
+    for path in files:
+      check_utf8(path, "--files")
+    raise
   if tok.get_vocab_size() <= len(tokenizer_lib.SPECIAL):
     raise ValueError(f"the files matching {pattern!r} ({len(files)}) hold no text to learn pieces from: the "
                      f"vocabulary would be the {tok.get_vocab_size()} special tokens alone")
