@@ -23,7 +23,7 @@ from absl import logging as absl_logging
 from posjax import config_args, tasks
 from posjax.data import mlm as mlm_data
 from posjax.main import train
-from posjax.models import layout
+from posjax.models import BertConfig, layout
 from posjax.train import checkpoint, metrics, peers, sharding, validate
 from posjax.train.step import make_optimizer, step_rng
 from conftest import ROOT, devices_env, load_config, override
@@ -639,6 +639,11 @@ def test_a_warm_start_at_a_longer_length_extends_from_the_base_runs_length(tmp_p
     assert carry_training_length(config).model.position_options.original_max_len == original, options
   fire = pretrain_config("runlocal,position=fire", init_from=str(tmp_path / "base"), max_len=128)
   assert carry_training_length(fire).model.position_options.original_max_len == 32  # FIRE keeps its threshold
+  # configs/lm.py's warm start takes the base run's model, max_len included: the run's own length is config.max_len
+  (tmp_path / "base" / "model_config.json").write_text(json.dumps(BertConfig.decoder(max_len=32).to_dict()))
+  lm = override(load_config("lm", f"runlocal,init_from={tmp_path / 'base'}"), max_len=128,
+                **{"model.position_options.scaling": "yarn", "model.position_options.factor": 4.0})
+  assert lm.model.max_len == 32 and carry_training_length(lm).model.position_options.original_max_len == 32
 
 
 @pytest.mark.parametrize("change, message", [

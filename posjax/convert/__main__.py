@@ -32,18 +32,37 @@ import sys
 
 import jax
 
+from posjax.cli import check_directory
 from posjax.convert import hf_bert, hf_decoder, hf_electra, tupe_fairseq
+from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig
 from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
 
 CONVERTED_FROM = "converted_from.json"  # the Hugging Face model type of a run hf-to-posjax wrote, when not BERT
+# What an export writes (save_pretrained's files, the tokenizer's, an ELECTRA run's two models): an --out holding
+# only these is an earlier export, which a new one may replace.
+EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "added_tokens.json",
+                "generator", "discriminator")
+# A converted model's tokenizer settings beside its tokenizer file: kept in the run, written back unchanged.
+TOKENIZER_SETTINGS = ("tokenizer_config.json", "special_tokens_map.json")
+# What the converters need beyond posjax's own dependencies: the convert extra's modules, and how to install them.
+CONVERT_EXTRA = ("torch", "transformers", "safetensors")
+INSTALL_CONVERT = "pip install -e '.[convert]'"
+
+
+def check_new_workdir(workdir: str) -> None:
+  """``workdir`` can take a converted run: a new directory, or one without checkpoints (checked before the
+  source is read)."""
+  check_directory(workdir, "--workdir", "a new one, or one without checkpoints")
+  if os.path.exists(os.path.join(workdir, "checkpoints")):
+    raise ValueError(f"{workdir} already holds checkpoints; convert into a new directory")
 
 
 def write_run(module, variables, workdir: str, source: str) -> str:
   """A converted model as a posjax run in ``workdir``: ``checkpoints/0`` and ``model_config.json``."""
-  if os.path.exists(os.path.join(workdir, "checkpoints")):
-    raise ValueError(f"{workdir} already holds checkpoints; convert into a new directory")
+  check_new_workdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, async_save=False)
   checkpointer.save(0, {"step": jax.numpy.zeros((), jax.numpy.int32), "params": variables["params"]},
@@ -61,17 +80,32 @@ def hf_model_type(source: str) -> str:
   path = os.path.join(source, "config.json")
   if not os.path.isfile(path):
     return "bert"
-  with open(path) as f:
-    model_type = json.load(f).get("model_type", "bert")
+  model_type = hf_bert.read_config(path).get("model_type", "bert")
   if model_type not in ("bert", "electra", *hf_decoder.MODEL_TYPES):
     raise ValueError(f"{path} has model_type={model_type!r}; hf-to-posjax converts BERT ('bert'), ELECTRA "
                      f"('electra') and the decoders {list(hf_decoder.MODEL_TYPES)}")
   return model_type
 
 
+def hf_special_ids(source: str) -> dict:
+  """A Hugging Face decoder's bos / eos / pad ids: its generation config's where it names them, else its config's
+  (None where neither does; a list of eos ids stays a list)."""
+  ids = {name: None for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+  for name in ("config.json", "generation_config.json"):  # the generation config's win
+    if os.path.isfile(os.path.join(source, name)):
+      found = hf_bert.read_config(os.path.join(source, name))
+      ids.update({k: found[k] for k in ids if found.get(k) is not None})
+  return ids
+
+
 def hf_to_posjax(source: str, workdir: str) -> str:
   """Writes the converted model (BERT, ELECTRA or a decoder) as a posjax run in ``workdir``, with the tokenizer's
   files; returns its checkpoint directory."""
+  check_new_workdir(workdir)
+  if os.path.realpath(workdir) == os.path.realpath(source) or os.path.realpath(workdir).startswith(
+      os.path.join(os.path.realpath(source), "")):
+    raise ValueError(f"--workdir={workdir} is --from={source} or inside it; the converted run goes to a new "
+                     "directory (a converter never writes into what it reads)")
   model_type = hf_model_type(source)
   convert = {"electra": hf_electra.from_hf_electra, "bert": hf_bert.from_hf_bert}.get(model_type,
                                                                                       hf_decoder.from_hf_decoder)
@@ -80,7 +114,11 @@ def hf_to_posjax(source: str, workdir: str) -> str:
   if model_type != "bert":
     with open(os.path.join(workdir, CONVERTED_FROM), "w") as f:
       json.dump({"model_type": model_type, "source": os.path.abspath(source)}, f, indent=1)
-  copied = [name for name in checkpoint_lib.TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+  if model_type in hf_decoder.MODEL_TYPES:
+    with open(os.path.join(workdir, checkpoint_lib.SPECIAL_TOKENS), "w") as f:
+      json.dump(hf_special_ids(source), f, indent=1)
+  copied = [name for name in (*checkpoint_lib.TOKENIZER_FILES, *TOKENIZER_SETTINGS)
+            if os.path.isfile(os.path.join(source, name))]
   for name in copied:
     shutil.copy(os.path.join(source, name), os.path.join(workdir, name))
   print(f"{source} ({module.config.position}, head {module.head}) -> {workdir}: checkpoints/0, model_config.json"
@@ -91,6 +129,7 @@ def hf_to_posjax(source: str, workdir: str) -> str:
 def tupe_to_posjax(source: str, workdir: str, classification_head: str | None = None) -> str:
   """Writes an official TUPE (fairseq) checkpoint as a posjax run in ``workdir``, without its vocabulary
   (``classification_head``: which one, if it has several); returns its checkpoint directory."""
+  check_new_workdir(workdir)
   module, variables = tupe_fairseq.from_tupe_fairseq(source, classification_head)
   directory = write_run(module, variables, workdir, source)
   print(f"{source} ({module.config.position}, head {module.head}) -> {workdir}: checkpoints/0, model_config.json "
@@ -107,16 +146,73 @@ def converted_from(run: str) -> str:
     return json.load(f)["model_type"]
 
 
-def save_hf(model, run: str, out: str) -> str:
-  """Saves a Hugging Face model in ``out`` with ``run``'s vocabulary as its tokenizer; returns that vocabulary
-  ("" when the run has none)."""
-  model.save_pretrained(out, safe_serialization=True)
-  vocab = checkpoint_lib.vocab_file_of(run)
-  if vocab.endswith(".txt") and os.path.isfile(vocab):
-    import transformers
+def _foreign(directory: str) -> list[str]:
+  """The entries of ``directory`` (and of its ELECTRA subdirectories) that no export writes."""
+  found = []
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    sharded = name.startswith("model-") and name.endswith(".safetensors")
+    if name in ("generator", "discriminator") and os.path.isdir(path):
+      found += [os.path.join(name, inner) for inner in _foreign(path)]
+    elif not (sharded or name in EXPORT_NAMES) or os.path.isdir(path) != (name in ("generator", "discriminator")):
+      found.append(name)
+  return found
 
-    transformers.BertTokenizerFast(vocab_file=vocab).save_pretrained(out)
-  elif vocab and os.path.isfile(vocab):
+
+def check_export_directory(out: str, run: str) -> None:
+  """``out`` can take the export of ``run``: new, empty, or an earlier export (only what an export writes); never
+  the run's own directory or one inside it, nor one holding a run or other files. Checked before anything is read
+  or written: an export never overwrites a run's ``config.json``."""
+  check_directory(out, "--out", "a new or empty directory, or an earlier export's")
+  out_real, run_real = os.path.realpath(out), os.path.realpath(run)
+  if out_real == run_real or out_real.startswith(run_real + os.sep):
+    raise ValueError(f"--out={out} is --workdir={run} or inside it; an export goes to another directory (it would "
+                     "write Hugging Face's config.json over the run's)")
+  foreign = _foreign(out) if os.path.isdir(out) else []
+  if foreign:
+    shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+    raise ValueError(f"--out={out} holds {shown}, which no export writes (a posjax run, or other files); give a new "
+                     "or empty directory, or an earlier export's")
+
+
+def hf_tokenizer(vocab: str, special_ids: dict | None):
+  """``vocab`` (a WordPiece vocab.txt, or a decoder's ``tokenizers`` JSON) as a ``transformers`` fast tokenizer.
+  An encoder's adds [CLS] ... [SEP] as BERT's; a decoder's (``special_ids``: its bos / eos / pad ids) adds nothing, as the run
+  encoded its text, and names its own special tokens."""
+  import transformers
+
+  if special_ids is None:
+    return transformers.BertTokenizerFast(vocab_file=vocab)
+  tokenizer = Tokenizer.load(vocab)
+  backend = tokenizer.backend
+  backend.post_processor = None  # a decoder's text is encoded without specials; its own are in the ids below
+  piece = lambda role: None if special_ids.get(f"{role}_token_id") is None else backend.id_to_token(
+      special_ids[f"{role}_token_id"])
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=piece("bos"),
+                                              eos_token=piece("eos"), pad_token=piece("pad"),
+                                              unk_token=backend.id_to_token(tokenizer.unk_id))
+
+
+def save_hf(model, run: str, out: str, decoder: bool = False) -> str:
+  """Saves a Hugging Face model in ``out`` with ``run``'s vocabulary as its tokenizer; returns that vocabulary
+  ("" when the run has none). A decoder's config and generation config name the run's own bos / eos / pad
+  (:func:`posjax.train.checkpoint.special_token_ids`); a converted model's tokenizer files go back unchanged."""
+  vocab = checkpoint_lib.vocab_file_of(run)
+  vocab = vocab if vocab and os.path.isfile(vocab) else ""
+  special_ids = None
+  if decoder:
+    special_ids = checkpoint_lib.special_token_ids(run)
+    for settings in (model.config, model.generation_config):
+      for name, value in special_ids.items():
+        setattr(settings, name, value)
+  model.save_pretrained(out, safe_serialization=True)
+  if os.path.isfile(os.path.join(run, CONVERTED_FROM)) and vocab.startswith(os.path.join(run, "")):
+    for name in (os.path.basename(vocab), *TOKENIZER_SETTINGS):  # the source's own tokenizer, as it came
+      if os.path.isfile(os.path.join(run, name)):
+        shutil.copy(os.path.join(run, name), os.path.join(out, name))
+  elif vocab.endswith(".txt") or (vocab and decoder):
+    hf_tokenizer(vocab, special_ids).save_pretrained(out)
+  elif vocab:
     shutil.copy(vocab, os.path.join(out, "tokenizer.json"))
   return vocab
 
@@ -125,6 +221,7 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
   """Writes the run's model (``step``: default its latest) as a Hugging Face model directory: BERT, ELECTRA,
   or an ELECTRA run's generator and discriminator in ``out/generator`` and ``out/discriminator`` (see the
   module docstring)."""
+  check_export_directory(out, run)
   fields = checkpoint_lib.read_model_config(run, "--workdir")
   params = checkpoint_lib.load_params(run, step)
   if "generator" in fields:
@@ -142,7 +239,7 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
       model = hf_bert.to_hf_bert(config, {"params": params})
     models = {out: model}
   for directory, model in models.items():
-    vocab = save_hf(model, run, directory)
+    vocab = save_hf(model, run, directory, decoder="generator" not in fields and config.lm_head == "linear")
     print(f"{run} ({config.position}) -> {directory}: {type(model).__name__}"
           + (f", tokenizer from {vocab}" if vocab else ", no tokenizer found"))
 
@@ -166,12 +263,21 @@ def main(argv=None) -> int:
   from_tupe.add_argument("--classification_head", default=None, help="which classification head, if several")
   args = parser.parse_args(argv)
   try:
+    if args.command == "posjax-to-hf":  # what the export needs; without it, an error before the run is read
+      import torch  # noqa: F401
+      import transformers  # noqa: F401
     if args.command == "hf-to-posjax":
       hf_to_posjax(args.source, args.workdir)
     elif args.command == "tupe-to-posjax":
       tupe_to_posjax(args.source, args.workdir, args.classification_head)
     else:
       posjax_to_hf(args.workdir, args.out, args.step)
+  except ModuleNotFoundError as error:
+    if (error.name or "").partition(".")[0] not in CONVERT_EXTRA:
+      raise
+    print(f"error: {args.command} needs the convert extra (PyTorch, transformers, safetensors): no module named "
+          f"{error.name!r}; install it with {INSTALL_CONVERT}", file=sys.stderr)
+    return 2
   except (ValueError, OSError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2

@@ -171,7 +171,8 @@ def carry_training_length(config: ml_collections.ConfigDict) -> ml_collections.C
     trained = checkpoint_lib.read_model_config(config.init_from, "config.init_from").get("max_len") or 0
   except FileNotFoundError:
     return config  # not a posjax run: the checkpoint check below says so
-  length = config.model.get("max_len") or config.get("max_len") or 0
+  length = config.get("max_len") or config.model.get("max_len") or 0  # this run's training length (init_from sets
+  # model.max_len to the base run's)
   if trained and length > trained:
     config = config.copy_and_resolve_references()
     with config.unlocked():
