@@ -9,9 +9,11 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
     with an encoder's form).
   runs: ``+``-separated workdirs of finished runs (``python -m posjax.main --config=configs/lm.py:... --workdir=DIR``,
     ``configs/clm.py`` for ``model=clm``, ``configs/pretrain.py`` for ``model=mlm``) to evaluate instead of training: each its last checkpoint, with its own
-    config and the harness's evaluators, as the row of its position method (a second run of the same method, e.g.
-    RoPE with other options: the row ``<method> (<its directory's name>)``; ``runs=DIR1+DIR2,methods=`` trains
-    nothing). A run must be trained at ``train_len`` (32 in runlocal, else 512).
+    config and the harness's evaluators, as the row of its position method and the options it changed from the
+    recipe's, ``<method> (<option>=<value>, ...)`` (a second run of the same: `` (<its directory's name>)`` after it;
+    ``runs=DIR1+DIR2,methods=`` trains nothing). A run is trained at ``train_len`` (32 in runlocal, else 512), or
+    fine-tuned at another length from a run trained at it (its ``init_from``): then two rows, ``<label> zero-shot``
+    (the run it started from, with its options) and ``<label> +<steps> steps at <length>``.
   model: ``lm`` (the Llama-family decoder of ``configs/lm.py``, next-token perplexity; default), ``clm`` (a causal
     BERT, ``configs/clm.py``) or ``mlm`` (an encoder, masked-token perplexity).
   size: the model's size (``lm``: ``tiny`` | ``125m`` | ``350m`` | ``1b``, default ``125m``; the others: ``tiny`` |

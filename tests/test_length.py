@@ -40,6 +40,8 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   assert results["absolute"]["passkey"]["64"] == "unsupported"
   assert all(isinstance(v, float) and 0 <= v <= 1 for v in results["alibi"]["passkey"].values())
   text = (tmp_path / "length.md").read_text()
+  assert text.startswith("- `alibi`, `absolute`: trained here, 4 steps at length 32 (lm: configs/lm.py, each "
+                         "method's default position options)\n\nEvaluated at 1x, 2x of length 32")
   assert "**next-token perplexity (lower is better)**" in text and "| `absolute` |" in text
   assert "**passkey retrieval (% of prompts whose whole key greedy decoding reproduces)**" in text
   assert "**passkey key tokens retrieved (%)**" in text
@@ -75,7 +77,8 @@ def test_the_harness_writes_a_table_per_measure_and_skips_finished_methods(tmp_p
   assert run.passkey_train.to_dict() == {"fraction": 0.5, **{k: v for k, v in control.passkey.to_dict().items()
                                                              if k in ("digits", "symbols", "intro", "filler",
                                                                       "key_line", "question")}}
-  assert row.note == "`alibi+keys`: the positive control, trained for 3 steps with passkey prompts in 50% of its rows"
+  assert row.note == ("`alibi+keys`: the positive control, trained for 3 steps at length 32 with passkey prompts in "
+                      "50% of its rows")
 
 
 def must_not_train(*args):
@@ -103,7 +106,8 @@ def test_the_harness_reads_a_finished_run_and_extends_it_zero_shot_and_fine_tune
   evaluated = json.loads((tmp_path / "harness" / "runs" / "rope" / "results.json").read_text())
   assert evaluated["evaluated_from"] == str(source) and evaluated["step"] == 3
   text = (tmp_path / "harness" / "length.md").read_text()
-  assert f"`rope`: read from {source} (its own recipe, 3 steps), not trained here" in text and "| `rope` |" in text
+  assert (f"- `rope`: read from {source}: 3 steps at length 32, position options the recipe's defaults; not trained "
+          "here") in text and "| `rope` |" in text and "trained here, 12 steps" not in text
   assert length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=must_not_train) == results
   # a second run of the same method (a variant) is a row of its own, named by its directory
   shutil.copytree(source, tmp_path / "rope_variant")
@@ -126,9 +130,24 @@ def test_the_harness_reads_a_finished_run_and_extends_it_zero_shot_and_fine_tune
   assert tuned["evals"]["x1"]["max_len"] == 32  # measured at the harness's lengths, not multiples of its own
   text = (tmp_path / "extended" / "length.md").read_text()
   assert f"`pi x2 +2 steps`: {source} with pi, trained 2 steps at length 64 at 0.1 of its learning rate" in text
+  # that fine-tune, finished at another length, read back: a zero-shot row (its base with its options) and a
+  # fine-tuned row, labelled by the options it changed, each saying how it was trained
+  tuned_dir = tmp_path / "extended" / "runs" / "pi_x2_2_steps"
+  extended.runs = (str(tuned_dir),)
+  read = length.run(extended, str(tmp_path / "extended"), must_not_train, evaluate=evaluate_checkpoint)
+  label = "rope (factor=2, scaling=linear)"
+  assert list(read)[2:] == [f"{label} zero-shot", f"{label} +2 steps at 64"]
+  for row, same in ((f"{label} zero-shot", "pi x2"), (f"{label} +2 steps at 64", "pi x2 +2 steps")):
+    assert read[row]["perplexity"] == pytest.approx(results[same]["perplexity"], rel=1e-5)
+  text = (tmp_path / "extended" / "length.md").read_text()
+  assert (f"- `{label} zero-shot`: {source} (3 steps at length 32) evaluated with the position options of "
+          f"{tuned_dir} (factor=2, scaling=linear") in text
+  assert (f"- `{label} +2 steps at 64`: read from {tuned_dir}: fine-tuned from {source} (3 steps at length 32), 2 "
+          "steps at length 64, position options factor=2, scaling=linear") in text
 
   with pytest.raises(ValueError, match=r"config.runs: .* was trained at length 32, the harness's config.train_len "
-                                       r"is 64; evaluate it with train_len=32"):
+                                       r"is 64; evaluate it with train_len=32, or read a fine-tune \(init_from\) of a "
+                                       r"run trained at 64$"):
     length.run(harness_config(methods="", runs=(str(source),), train_len=64), str(tmp_path / "other"), train)
   with pytest.raises(ValueError, match=r"config.extension.base=.* was trained at length 32, the harness's "
                                        r"config.train_len is 64; set train_len=32"):

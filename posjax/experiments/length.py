@@ -20,9 +20,9 @@ task to ``length.md`` (method x length, token accuracy).
 ``config.runs`` names finished runs (workdirs of ``python -m posjax.main --config=configs/lm.py ...``, ``clm.py``
 for ``model="clm"``, ``pretrain.py`` for ``model="mlm"``) to read instead of training: each run's last checkpoint is evaluated, with its
 own config (model, corpus, tokenizer) and the harness's evaluators, in ``workdir/runs/<row>`` (``<row>``: the
-run's position method, or for a second run of the same method ``<method> (<its directory's name>)``; a method in
-both ``methods`` and ``runs`` is read, not trained). A run must be of the harness's model and trained at
-``train_len``.
+run's position method and the options it changed, :func:`read_runs`; a row in both ``methods`` and ``runs`` is read,
+not trained). A run must be of the harness's model and trained at ``train_len``, or fine-tuned at another length from
+a run trained at it: a zero-shot and a fine-tuned row. ``length.md`` opens with how every row was trained.
 
 Rows beyond one per method (each in ``workdir/runs/<row>``, in the same tables and plot):
 
@@ -184,32 +184,76 @@ def probe_tables(results: dict, probe) -> str:
 
 
 class Finished(NamedTuple):
-  """A finished run of ``config.runs``: its position method and its workdir."""
+  """A row read from ``config.runs``: its position method, the run whose config it is evaluated with (``workdir``),
+  the checkpoint evaluated (``source``: that run's, or for a fine-tune's zero-shot row the run it started from) and
+  its line for ``length.md``, how it was trained."""
 
   method: str
   workdir: str
+  source: str
+  note: str
+
+
+def option_changes(config, method: str, options: dict) -> dict:
+  """The position options of a run of ``method`` that differ from the harness's recipe for it (``configs/lm.py`` /
+  ``clm.py`` / ``pretrain.py``), in the run's order."""
+  default = run_config(config, method).model.position_options.to_dict()
+  return {k: v for k, v in options.items() if k not in default or default[k] != v}
+
+
+def _options_text(changes: dict) -> str:
+  """``scaling=yarn, factor=4`` ("" for none)."""
+  return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changes.items())
 
 
 def read_runs(config) -> dict[str, Finished]:
   """``{row: Finished}`` of ``config.runs``: each a finished run (``config.json``, ``results.json``) of the
-  harness's model at its training length. A run is the row of its position method; a second run of the same method
-  (a variant: other options) is the row ``<method> (<its directory's name>)``."""
+  harness's model. A run trained at ``train_len`` is the row of its method and the options it changed from the
+  recipe's, ``<method> (<option>=<value>, ...)`` (a second run of the same: `` (<its directory's name>)`` after it);
+  a run fine-tuned at another length from a run trained at ``train_len`` (its ``init_from``) is two rows,
+  ``<label> zero-shot`` (the run it started from, evaluated with its options) and ``<label> +<steps> steps at
+  <length>`` (the fine-tune itself). Each row's note says how it was trained."""
   found = {}
   for source in config.runs:
     run = results_lib.read_json(os.path.join(source, "config.json"))
-    if run is None or not os.path.isfile(os.path.join(source, "results.json")):
+    finished = results_lib.read_json(os.path.join(source, "results.json"))
+    if run is None or finished is None:
       raise FileNotFoundError(f"config.runs: {source} is not a finished run (it has no config.json and results.json)")
     method, task = run["model"]["position"], run.get("task", "mlm")
     if task != TASKS[config.model]:
       raise ValueError(f"config.runs: {source} is a run of task {task!r}, not of the harness's model={config.model!r}")
-    if run["max_len"] != config.train_len:
+    changes = option_changes(config, method, run["model"].get("position_options", {}))
+    options = _options_text(changes) or "the recipe's defaults"
+    trained = f"{finished.get('step')} steps at length {run['max_len']}, position options {options}"
+    label = method + (f" ({text})" if (text := _options_text(
+        {k: v for k, v in changes.items() if not (k == "original_max_len" and v == config.train_len)})) else "")
+    if run["max_len"] == config.train_len:
+      name = label if label not in found else f"{label} ({os.path.basename(os.path.normpath(source))})"
+      if name in found:
+        raise ValueError(f"config.runs: {found[name].workdir} and {source} are both runs of {label!r} in directories "
+                         "of the same name; rename one (its name names the row)")
+      found[name] = Finished(method, source, source, f"`{name}`: read from {source}: {trained}; not trained here")
+      continue
+    base = run.get("init_from") or ""
+    base_config = results_lib.read_json(os.path.join(base, "config.json")) if base else None
+    base_len = (base_config or {}).get("max_len") or (
+        checkpoint_lib.read_model_config(base, f"config.runs: {source}'s init_from").get("max_len") if base else None)
+    if base_len != config.train_len:
       raise ValueError(f"config.runs: {source} was trained at length {run['max_len']}, the harness's "
-                       f"config.train_len is {config.train_len}; evaluate it with train_len={run['max_len']}")
-    name = method if method not in found else f"{method} ({os.path.basename(os.path.normpath(source))})"
-    if name in found:
-      raise ValueError(f"config.runs: {found[name].workdir} and {source} are both runs of {method!r} in directories "
-                       "of the same name; rename one (its name names the row)")
-    found[name] = Finished(method, source)
+                       f"config.train_len is {config.train_len}; evaluate it with train_len={run['max_len']}, or "
+                       f"read a fine-tune (init_from) of a run trained at {config.train_len}"
+                       + (f" (its init_from {base} was trained at length {base_len})" if base else ""))
+    base_steps = (results_lib.read_json(os.path.join(base, "results.json")) or {}).get("step")
+    before = f"{base} ({base_steps} steps at length {base_len})" if base_steps else f"{base} (at length {base_len})"
+    tuned = f"{label} +{finished.get('step')} steps at {run['max_len']}"
+    for name in (f"{label} zero-shot", tuned):
+      if name in found:
+        raise ValueError(f"config.runs: {found[name].workdir} and {source} both make the row {name!r}; read one")
+    found[f"{label} zero-shot"] = Finished(
+        method, source, base, f"`{label} zero-shot`: {before} evaluated with the position options of {source} "
+        f"({options}), without its fine-tuning")
+    found[tuned] = Finished(method, source, source, f"`{tuned}`: read from {source}: fine-tuned from {before}, "
+                            f"{trained}; not trained here")
   return found
 
 
@@ -256,7 +300,7 @@ def base_source(config, workdir: str, sources: dict) -> tuple[str, bool]:
   ``config.runs``, or its run here) or a directory."""
   base = config.extension.base
   if base in sources:
-    return sources[base].workdir, True
+    return sources[base].source, True
   if base in config.methods or (config.get("control") and base == control_name(config)):
     return run_dir(workdir, base), True
   return base, False
@@ -323,17 +367,16 @@ def plan(config, workdir: str) -> dict[str, Row]:
   rows = {}
   for method in table_methods(config, sources):
     if method in sources:
-      source = sources[method].workdir
-      steps = (results_lib.read_json(os.path.join(source, "results.json")) or {}).get("step")
-      rows[method] = Row(sources[method].method, "evaluate", lambda s=source: (source_config(config, s), s),
-                         f"`{method}`: read from {source} (its own recipe, {steps} steps), not trained here")
+      read = sources[method]
+      rows[method] = Row(read.method, "evaluate", lambda r=read: (source_config(config, r.workdir), r.source),
+                         read.note)
     else:
       rows[method] = Row(method, "train", lambda m=method: run_config(config, m))
   if config.get("control"):
     rows[control_name(config)] = Row(
         config.control, "train", lambda: control_config(config),
-        f"`{control_name(config)}`: the positive control, trained for {config.control_steps} steps with passkey "
-        f"prompts in {100 * config.control_fraction:g}% of its rows")
+        f"`{control_name(config)}`: the positive control, trained for {config.control_steps} steps at length "
+        f"{config.train_len} with passkey prompts in {100 * config.control_fraction:g}% of its rows")
   ext = config.get("extension")
   if ext is not None and ext.variants:
     _, is_row = base_source(config, workdir, sources)
@@ -342,11 +385,28 @@ def plan(config, workdir: str) -> dict[str, Row]:
       first, tuned = extension_names(config, variant, is_row)
       if first:
         rows[first] = Row("rope", "evaluate", lambda v=variant: zero_shot(config, workdir, v),
-                          f"`{first}`: {where}, {variant} zero-shot")
+                          f"`{first}`: {where} (trained at length {config.train_len}), {variant} "
+                          f"x{ext.factor:g} zero-shot")
       rows[tuned] = Row("rope", "train", lambda v=variant: finetuned(*base_run(config, workdir), v, config),
                         f"`{tuned}`: {where} with {variant}, trained {ext.finetune_steps} steps at length "
                         f"{int(config.train_len * ext.factor)} at {ext.lr_fraction:g} of its learning rate")
   return rows
+
+
+def header(config, rows: dict[str, Row], scored: dict) -> str:
+  """``length.md``'s first lines: how every row was trained (a list: the methods trained here by the harness's recipe
+  in one item, every other row in one of its own, its note), then how they are evaluated."""
+  here = [name for name, row in rows.items() if row.kind == "train" and not row.note]
+  overrides = ", ".join(f"{k}={v!r}" for k, v in dict(config.overrides).items())
+  lines = [f"{', '.join(f'`{name}`' for name in here)}: trained here, {config.steps} steps at length {config.train_len} "
+           f"({config.model}: {MODELS[config.model]}" + (f" with {overrides}" if overrides else "")
+           + ", each method's default position options)"] if here else []
+  lines += [row.note for row in rows.values() if row.note]
+  return "\n".join(f"- {line}" for line in lines) + (
+      f"\n\nEvaluated at {', '.join(f'{m}x' for m in config.eval_multiples)} of length {config.train_len}, each "
+      f"length on the first {eval_tokens(config)} tokens of the held-out text (the same text at every length, cut "
+      "into rows of its length, with a decoder's stream packing or an encoder's text masked once)"
+      + (f"; predictions scored: {', '.join(f'@{l} {n}' for l, n in scored.items())}" if scored else ""))
 
 
 def run_dir(workdir: str, name: str) -> str:
@@ -721,15 +781,9 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
       results[method]["probes"] = {task: found[method][task] for task in probe.tasks}
     results_lib.write_json(path, results, sort_keys=False)
     text += "\n\n" + probe_tables(found, probe)
-  notes = "".join(f"{row.note}\n" for row in rows.values() if row.note)
   with open(os.path.join(workdir, "length.md"), "w") as f:
     scored = next((results[name]["tokens"] for name in names if results.get(name, {}).get("tokens")), {})
-    f.write(f"Trained at length {config.train_len} for {config.steps} steps ({config.model}); evaluated at "
-            f"{', '.join(f'{m}x' for m in config.eval_multiples)}, each length on the first {eval_tokens(config)} "
-            "tokens of the held-out text (the same text at every length, cut into rows of its length, with a "
-            "decoder's stream packing or an encoder's text masked once)"
-            + (f"; predictions scored: {', '.join(f'@{l} {n}' for l, n in scored.items())}" if scored else "")
-            + f"\n{notes}\n{text}\n")
+    f.write(f"{header(config, rows, scored)}\n\n{text}\n")
   plot(results, config, names, os.path.join(workdir, "length.png"))
   by_position = position_plot(results, config, names, os.path.join(workdir, "position.png"))
   print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png"
