@@ -71,10 +71,31 @@ def test_local_run_logs_evaluates_and_checkpoints(tmp_path):
   assert logged[-1]["learning_rate"] < logged[1]["learning_rate"]  # linear decay after warm-up
 
 
-def test_restart_with_a_different_config_is_an_error(tmp_path):
-  train(pretrain_config(total_steps=1), str(tmp_path))
+def test_restart_with_a_different_config_or_tokenizer_is_an_error(tmp_path):
+  """Any changed field is named; a changed task leads; another tokenizer (here two pieces swapped: the same size) is
+  refused even where config changes are allowed, naming both files; the same tokenizer at another path is not."""
+  from posjax.train import validate
+  data = pretrain_config().data
+  own = {}
+  for field in ("train_files", "eval_files", "vocab_file"):  # the user's own files (copies of the built-in ones)
+    own[f"data.{field}"] = str(tmp_path / os.path.basename(data[field]))
+    shutil.copy(data[field], own[f"data.{field}"])
+  run = tmp_path / "run"
+  train(pretrain_config(total_steps=1, **own), str(run))
   with pytest.raises(ValueError, match=r"different config \(changed: \['learning_rate'\]\)"):
-    train(pretrain_config(total_steps=1, learning_rate=0.5), str(tmp_path))
+    train(pretrain_config(total_steps=1, learning_rate=0.5, **own), str(run))
+  with pytest.raises(ValueError, match=r"holds a 'mlm' run and this config is a 'clm' run \(\d+ fields differ: "):
+    validate.check_workdir_config(override(load_config("lm", "runlocal"), **own), str(run), write=False)
+  lines = open(data.vocab_file).read().split("\n")
+  lines[10], lines[11] = lines[11], lines[10]
+  for name, text in (("swapped.txt", "\n".join(lines)), ("moved.txt", open(data.vocab_file).read())):
+    (tmp_path / name).write_text(text)
+  changed = lambda name: pretrain_config(total_steps=2, allow_config_change=True,
+                                         **{**own, "data.vocab_file": str(tmp_path / name)})
+  with pytest.raises(ValueError, match=rf"{run} was trained with the tokenizer {own['data.vocab_file']} \(sha256 "
+                                       rf"\w{{12}}\); this config's {tmp_path / 'swapped.txt'} is another"):
+    train(changed("swapped.txt"), str(run))
+  validate.check_workdir_config(changed("moved.txt"), str(run), write=False)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

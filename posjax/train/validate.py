@@ -4,6 +4,7 @@ workdir's earlier config and ``init_from``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -47,10 +48,46 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore
     now = flax.traverse_util.flatten_dict(current, sep=".")
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ignore)
     if changed:
+      if "task" in changed:  # the change that explains the others comes first
+        raise ValueError(f"{workdir} holds a {before.get('task')!r} run and this config is a {now.get('task')!r} "
+                         f"run ({len(changed)} fields differ: {changed}); use another workdir")
       raise ValueError(f"{workdir} holds a run with a different config (changed: {changed}); use another workdir" + (
           " or set --config.allow_config_change=True" if "allow_config_change" in config else ""))
+  check_vocabulary(config, workdir, write)
   if write and jax.process_index() == 0:
     results_lib.write_json(path, current, indent=2)
+
+
+VOCABULARY = "vocabulary.json"  # a run's tokenizer file and its sha256, recorded when it starts
+
+
+def vocabulary_file(config: ml_collections.ConfigDict) -> str:
+  """The tokenizer file a run reads: ``data.vocab_file``, else (fine-tuning) its ``init`` run's ("" for none)."""
+  data = config.get("data") or {}
+  vocab = data.get("vocab_file", "") if hasattr(data, "get") else ""
+  if not vocab and config.get("init"):
+    vocab = checkpoint_lib.vocab_file_of(config.init)
+  return vocab
+
+
+def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: bool = True) -> None:
+  """A run records its tokenizer (:data:`VOCABULARY`: the file and its sha256); resuming it with another one is an
+  error naming both, ``allow_config_change`` or not: the same ids would name other pieces."""
+  vocab = vocabulary_file(config)
+  if not vocab or not os.path.isfile(vocab):
+    return
+  with open(vocab, "rb") as f:
+    digest = hashlib.sha256(f.read()).hexdigest()
+  path = os.path.join(workdir, VOCABULARY)
+  if os.path.isfile(path):
+    with open(path) as f:
+      recorded = json.load(f)
+    if recorded["sha256"] != digest:
+      raise ValueError(f"{workdir} was trained with the tokenizer {recorded['file']} (sha256 "
+                       f"{recorded['sha256'][:12]}); this config's {vocab} is another (sha256 {digest[:12]}), whose "
+                       "ids name other pieces: resume with the run's tokenizer, or train in another workdir")
+  elif write and jax.process_index() == 0:
+    results_lib.write_json(path, {"file": os.path.abspath(vocab), "sha256": digest}, indent=1)
 
 
 def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int | None = None
