@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax import results as results_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
 from posjax.train import checkpoint
@@ -147,6 +149,11 @@ def load(workdir: str, step: int | None = None):
   (``model_config.json``), the parameters of its last kept checkpoint (or ``step``) and its tokenizer (None where the
   run has none)."""
   values = checkpoint.read_model_config(workdir)
+  if "generator" in values or not values.get("causal"):  # before the checkpoint is read
+    task = "electra" if "generator" in values else (
+        (results_lib.read_json(os.path.join(workdir, "config.json")) or {}).get("task") or "mlm")
+    raise ValueError(f"{workdir}: this workdir holds an encoder ({task}) run; generate needs a decoder run "
+                     "(configs/lm.py)")
   config = BertConfig(**{**values, "attention_kernel": "xla", "kernel_platform": ""})
   params = checkpoint.load_params(workdir, step)
   vocab = checkpoint.vocab_file_of(workdir)
@@ -171,15 +178,25 @@ def main(argv=None) -> int:
     if tokenizer is None:
       raise ValueError(f"--workdir={args.workdir!r} has no tokenizer (vocab.txt or tokenizer.json beside it, or "
                        "data.vocab_file in its config.json)")
-    ids = tokenizer.encode(args.prompt)
+    encoded = tokenizer.backend.encode(args.prompt, add_special_tokens=False)
+    ids = encoded.ids
     if not ids:
       raise ValueError(f"--prompt={args.prompt!r} encodes to no tokens")
+    unknown = [args.prompt[a:b] for i, (a, b) in zip(ids, encoded.offsets) if i == tokenizer.unk_id]
+    if unknown:
+      print(f"warning: --prompt has {len(unknown)} piece(s) the run's vocabulary does not hold, each read as "
+            f"{tokenizer.backend.id_to_token(tokenizer.unk_id)}: {', '.join(map(repr, unknown))}", file=sys.stderr)
     eos = eos_ids(checkpoint.special_token_ids(args.workdir)["eos_token_id"])  # the run's end of document
     tokens = generate(module, variables, np.asarray([ids]), max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos)
   except (ValueError, FileNotFoundError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
+  total, trained = len(ids) + args.max_new_tokens, module.config.max_len
+  if total > trained:
+    print(f"warning: the prompt's {len(ids)} tokens and --max_new_tokens={args.max_new_tokens} reach position {total}, "
+          f"{total / trained:.1f}x the run's length {trained} (model_config.json max_len); past it the "
+          f"continuation rests on how {module.config.position} extrapolates", file=sys.stderr)
   new = [int(t) for t in np.asarray(tokens)[0, len(ids):]]
   ends = [i for i, t in enumerate(new) if t in eos]
   new = new[:ends[0] + 1] if ends else new  # up to the end-of-document token, where Hugging Face's generate stops

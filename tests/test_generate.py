@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from posjax import generate
 from posjax.models import BertConfig, BertModel
-from posjax.train import sharding
+from posjax.train import checkpoint, sharding
 
 # one layer per method (a position schedule): the decoder forms the decode kernels do not build, on the dense
 # formulas (ALiBi, T5, KERPLE and FIRE decode there too: tests/test_decode.py checks both implementations against the
@@ -210,3 +211,36 @@ def test_longrope_on_a_packed_row_reads_each_documents_length_as_hugging_face_on
   got = module.apply(variables, jnp.asarray(ids), positions=jnp.asarray(np.tile(np.arange(6), 2))[None],
                      segment_ids=jnp.asarray(np.repeat([1, 2], 6))[None]).logits
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-4 * np.abs(want).max(), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def decoder_run(tmp_path_factory):
+  """A decoder run's workdir as training leaves it, without the training: model_config.json (ALiBi, max_len 16), a
+  checkpoint of :func:`decoder`'s parameters and a vocab.txt of its 61 ids."""
+  workdir = tmp_path_factory.mktemp("decoder_run")
+  module, variables = decoder(position="alibi", max_len=16)
+  (workdir / "model_config.json").write_text(json.dumps(module.config.to_dict()))
+  saver = checkpoint.Checkpointer(str(workdir / "checkpoints"), keep=1, async_save=False)
+  saver.save(0, {"step": jnp.zeros((), jnp.int32), "params": nn.unbox(variables["params"])}, {})
+  saver.close()
+  (workdir / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                                               + [f"w{i}" for i in range(56)]) + "\n")
+  return workdir
+
+
+def test_the_command_line_warns_once_of_prompt_pieces_read_as_unk_and_once_of_positions_past_the_runs_length(
+    decoder_run, capsys):
+  prompt = " ".join(["w3 zq"] + ["w7"] * 78)  # 80 tokens, one of them [UNK], 5x the run's 16
+  assert generate.main(["--workdir", str(decoder_run), "--prompt", prompt, "--max_new_tokens", "2"]) == 0
+  assert capsys.readouterr().err.splitlines() == [
+      "warning: --prompt has 1 piece(s) the run's vocabulary does not hold, each read as [UNK]: 'zq'",
+      "warning: the prompt's 80 tokens and --max_new_tokens=2 reach position 82, 5.1x the run's length 16 "
+      "(model_config.json max_len); past it the continuation rests on how alibi extrapolates"]
+
+
+def test_generate_on_an_encoder_run_says_it_needs_a_decoder_run(tmp_path, capsys):
+  (tmp_path / "model_config.json").write_text(json.dumps(BertConfig.tiny().to_dict()))
+  (tmp_path / "config.json").write_text(json.dumps({"task": "mlm"}))
+  assert generate.main(["--workdir", str(tmp_path), "--prompt", "w3"]) == 2
+  assert capsys.readouterr().err == (f"error: {tmp_path}: this workdir holds an encoder (mlm) run; generate needs a "
+                                     "decoder run (configs/lm.py)\n")
