@@ -8,8 +8,8 @@ DEV_STAMP := $(VENV)/.posjax-dev-installed
 .PHONY: help install demo test aot bench clean
 
 help:
-	@echo "make demo     set up .venv (posjax alone, about 2.4 GB), then run the position probes (results in workdir/probes)"
-	@echo "make test     add the dev and convert extras to .venv (pytest, transformers, a CPU torch: about 1.5 GB more),"
+	@echo "make demo     set up .venv (posjax alone, about 2.6 GB), then run the position probes (results in workdir/probes)"
+	@echo "make test     add the dev and convert extras to .venv (pytest, transformers, a CPU torch: about 1.0 GB more),"
 	@echo "              and the aot compilers to .aot/ (about 1.3 GB), then run the test suite"
 	@echo "make aot      only the aot compilers, in .aot/, where --target finds them"
 	@echo "make bench    the attention benchmark (per-method time and memory)"

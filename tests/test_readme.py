@@ -48,11 +48,15 @@ def test_examples_run_each_on_its_own():
   assert len(leaves) > 8 and all(np.isfinite(g).all() for g in leaves) and any(np.abs(g).max() > 0 for g in leaves)
 
 
-def test_make_alone_lists_the_targets():
+def test_make_alone_lists_the_targets_with_the_readmes_sizes():
   result = subprocess.run(["make", "--no-print-directory"], cwd=README.parent, capture_output=True, text=True,
                           check=True)
   targets = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("make ")]
   assert {"demo", "test"} <= set(targets)
+  # .venv, the dev and convert extras, .aot: the same sizes, in the same order, as the README's Install section
+  sizes = lambda text: list(dict.fromkeys(re.findall(r"(\d+(?:\.\d+)?) GB", text)))
+  install = README.read_text().split("## Install")[1].split("\n## ")[0]
+  assert sizes(result.stdout) == sizes(install) == ["2.6", "1.0", "1.3"]
 
 
 def _anchor(heading: str) -> str:
