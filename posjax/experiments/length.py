@@ -580,7 +580,7 @@ def _panel_plot(config, rows, path: str, title: str, draw, axes_set):
   for ax, (panel, names) in zip(axes[0], groups):
     plots.value_axis(ax, [v for name in names for v in draw(ax, name, styles[name])])
     axes_set(ax)
-    ax.set_title(panel)
+    ax.set_title(panel if len(groups) > 1 else "")  # one panel: the figure's title says it all
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
   fig.suptitle(title)
   fig.savefig(path, dpi=110)
