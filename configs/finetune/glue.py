@@ -26,8 +26,10 @@ Evaluates twice an epoch and at the end (``evals_per_epoch``; ``recipe=electra``
 holds every evaluation and, as ``metrics``, the best one by the paper's metric (``select``, ``select_metric``:
 TUPE's protocol; ``select=last``, ELECTRA's, reports the last), the task's dev metrics in percent, MNLI matched and
 mismatched both. ``classifier_input``: ``pooler`` (BERT's and TUPE's dense -> tanh on [CLS]) or ``cls`` (the
-[CLS] state itself, ELECTRA's); ``regression_scale``: STS-B's scores times this in the loss (ELECTRA: 0.2), its
-predictions divided by it. MNLI's evaluators are
+[CLS] state itself, ELECTRA's); ``classifier_token``: which token that is, ``auto`` (default: [CLS], the first, of
+an encoder; the last real token of a causal model, as Hugging Face's ``LlamaForSequenceClassification``), ``first``
+(refused for a causal model, whose first token has seen only itself) or ``last``; ``regression_scale``: STS-B's
+scores times this in the loss (ELECTRA: 0.2), its predictions divided by it. MNLI's evaluators are
 ``mnli_matched`` and ``mnli_mismatched``; the others' the task name. Batches are padded to the bucket of their
 longest example (``data.batching=dynamic``; ``fixed``: to max_len; ``grouped``: sorted by length), and where a
 test split is there its predictions go to ``glue_test/<Task>.tsv`` (``data.test_predictions``).
@@ -69,6 +71,7 @@ def get_config(arg=None):
   chosen = dict(recipe.GLUE_RECIPES[arg.recipe])
   config.data.both_orders = chosen.pop("both_orders")
   config.update(chosen)
+  config.classifier_token = "auto"  # the first token ([CLS]) of an encoder, the last real one of a causal model
   config.select_metric = f"{names[0]}/{metrics.PAPER_METRIC[names[0]]}" if config.select == "best" else ""
   if arg.runlocal and "source" not in given:  # a named source keeps its data
     config.data.update(source="tsv", data_dir=recipe.DATA + "/glue")

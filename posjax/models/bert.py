@@ -519,23 +519,58 @@ def mlm_head(module: nn.Module, encoder: BertEncoder, h_BxMxD):
   return encoder.attend_words(h_BxMxE) + bias_V
 
 
-def pooler(config: BertConfig, h_BxLxD):
-  """The [CLS] token's state through dense -> tanh (parameters ``pooler``)."""
-  return jnp.tanh(_dense(config, config.hidden_size, (base.EMBED, MLP), "pooler")(h_BxLxD[:, 0]))
+# Which token a sequence head reads (``classifier_token``): ``first`` ([CLS], an encoder's: BERT, TUPE, ELECTRA),
+# ``last`` (the last real token, a decoder's: Hugging Face's ``LlamaForSequenceClassification`` takes each row's last
+# non-padding token, the only one that has seen the whole row) or ``auto``: ``last`` for a causal model, else ``first``.
+CLASSIFIER_TOKENS = ("auto", "first", "last")
 
 
-# What a sequence classifier reads: BERT's pooler (the [CLS] state through dense -> tanh; BERT's and TUPE's heads)
-# or the [CLS] state itself (ELECTRA's: its ``get_pooled_output`` is ``sequence_output[:, 0]``).
+def classifier_token(config: BertConfig, token: str = "auto") -> str:
+  """``token`` (:data:`CLASSIFIER_TOKENS`) resolved for ``config``: ``first`` or ``last``. A causal model read at
+  its first token is refused: that token has seen only itself."""
+  base.check_choice("classifier_token", token, CLASSIFIER_TOKENS)
+  if token == "auto":
+    return "last" if config.causal else "first"
+  if token == "first" and config.causal:
+    raise ValueError("classifier_token='first' reads a causal model at its first token, which has seen only itself; "
+                     "use 'last' (or 'auto')")
+  return token
+
+
+def pooled_token(h_BxLxD, attention_mask_BxL, token: str):
+  """``[B, D]``: each row's state at its first token (``first``) or at its last real one (``last``: the rightmost
+  position the attention mask keeps, as Hugging Face's decoder classifiers pick it; the first of a row with none)."""
+  if token == "first":
+    return h_BxLxD[:, 0]
+  length = h_BxLxD.shape[1]
+  if attention_mask_BxL is None:
+    return h_BxLxD[:, length - 1]
+  index_L = jnp.arange(length, dtype=jnp.int32)
+  last_B = jnp.argmax(jnp.where(jnp.asarray(attention_mask_BxL) > 0, index_L, -1), axis=-1)
+  return jnp.take_along_axis(h_BxLxD, last_B[:, None, None], axis=1)[:, 0]
+
+
+def pooler(config: BertConfig, x_BxD):
+  """The pooled token's state (:func:`pooled_token`: [CLS], or a decoder's last token) through dense -> tanh
+  (parameters ``pooler``)."""
+  return jnp.tanh(_dense(config, config.hidden_size, (base.EMBED, MLP), "pooler")(x_BxD))
+
+
+# What a sequence classifier reads of the pooled token (:data:`CLASSIFIER_TOKENS`): BERT's pooler (its state through
+# dense -> tanh; BERT's and TUPE's heads) or its state itself (ELECTRA's: its ``get_pooled_output`` is
+# ``sequence_output[:, 0]``; at a decoder's last token, Hugging Face's ``LlamaForSequenceClassification``'s ``score``).
 CLASSIFIER_INPUTS = ("pooler", "cls")
 
 
-def classification_head(config: BertConfig, num_labels: int, h_BxLxD, deterministic: bool,
+def classification_head(config: BertConfig, num_labels: int, x_BxD, deterministic: bool,
                         classifier_input: str = "pooler"):
-  """The [CLS] head: ``classifier_input`` (:data:`CLASSIFIER_INPUTS`) -> dropout -> ``num_labels`` outputs
-  (``classifier``). ``pooler``: TUPE's and BERT's; ``cls``: ELECTRA's, one dense layer on the [CLS] state (its
-  kernel drawn N(0, 0.02) as every posjax dense layer; the official code's ``tf.layers.dense`` draws Glorot)."""
+  """The sequence head on the pooled token's state ``x_BxD`` (:func:`pooled_token`): ``classifier_input``
+  (:data:`CLASSIFIER_INPUTS`) -> dropout -> ``num_labels`` outputs (``classifier``). ``pooler``: TUPE's and BERT's;
+  ``cls``: ELECTRA's, one dense layer on the state (its kernel drawn N(0, 0.02) as every posjax dense layer; the
+  official code's ``tf.layers.dense`` draws Glorot; Hugging Face's decoder ``score`` has no bias, which starts at 0
+  here)."""
   base.check_choice("classifier_input", classifier_input, CLASSIFIER_INPUTS)
-  x_BxD = pooler(config, h_BxLxD) if classifier_input == "pooler" else h_BxLxD[:, 0]
+  x_BxD = pooler(config, x_BxD) if classifier_input == "pooler" else x_BxD
   x_BxD = nn.Dropout(config.dropout_rate)(x_BxD, deterministic=deterministic)
   return _dense(config, num_labels, (base.EMBED, None), "classifier")(x_BxD).astype(jnp.float32)
 
@@ -576,14 +611,17 @@ class BertModel(nn.Module):
   those, ``[B, M, V]`` (an index outside the sequence gives NaN logits, never another token's). ``lm``: the
   language-model head ``config.lm_head`` names: BERT's (``mlm``) or the decoders' ``linear`` one (tied or
   ``encoder/lm_head``).
-  ``classification``: ``num_labels`` outputs (1: a regression, STS-B) on the [CLS] state, through BERT's pooler or,
-  ``classifier_input="cls"``, directly (ELECTRA's; :func:`classification_head`). ``span``: SQuAD's start and end
-  logits. ``rtd``: ELECTRA's replaced-token logits. ``pooler``: the pooled [CLS] state."""
+  ``classification``: ``num_labels`` outputs (1: a regression, STS-B) on the pooled token's state
+  (``classifier_token``, :func:`classifier_token`: [CLS] of an encoder, the last real token of a causal model),
+  through BERT's pooler or, ``classifier_input="cls"``, directly (ELECTRA's; :func:`classification_head`).
+  ``span``: SQuAD's start and end logits, per token (a decoder's as Hugging Face's ``LlamaForQuestionAnswering``).
+  ``rtd``: ELECTRA's replaced-token logits. ``pooler``: the pooled token's state through the pooler."""
 
   config: BertConfig
   head: str = "none"
   num_labels: int = 2
   classifier_input: str = "pooler"
+  classifier_token: str = "auto"
 
   @nn.compact
   def __call__(self, input_ids, *, masked_positions=None, deterministic: bool = True, **encoder_kwargs
@@ -591,8 +629,11 @@ class BertModel(nn.Module):
     base.check_choice("head", self.head, HEADS)
     encoder = BertEncoder(self.config, name="encoder")
     h = encoder(input_ids, deterministic=deterministic, **encoder_kwargs).last_hidden_state
+    if self.head in ("pooler", "classification"):
+      x_BxD = pooled_token(h, encoder_kwargs.get("attention_mask"), classifier_token(self.config,
+                                                                                     self.classifier_token))
     if self.head == "pooler":
-      return BertOutput(h, pooler_output=pooler(self.config, h))
+      return BertOutput(h, pooler_output=pooler(self.config, x_BxD))
     if self.head in ("mlm", "lm"):
       at = h if masked_positions is None else jnp.take_along_axis(h, masked_positions[..., None], axis=1,
                                                                   mode="fill", fill_value=jnp.nan)
@@ -600,7 +641,7 @@ class BertModel(nn.Module):
         return BertOutput(h, logits=encoder.attend_words(at))
       return BertOutput(h, logits=mlm_head(self, encoder, at))
     if self.head == "classification":
-      return BertOutput(h, logits=classification_head(self.config, self.num_labels, h, deterministic,
+      return BertOutput(h, logits=classification_head(self.config, self.num_labels, x_BxD, deterministic,
                                                       self.classifier_input))
     if self.head == "span":
       start, end = span_head(self.config, h)

@@ -1,4 +1,5 @@
-"""GLUE fine-tuning for the training loop: classification, and STS-B regression.
+"""GLUE fine-tuning for the training loop: classification, and STS-B regression. The head reads an encoder's
+[CLS] and a causal model's last real token (``classifier_token``, :func:`posjax.models.bert.classifier_token`).
 
 It builds its model from where the run starts (:mod:`posjax.finetune.init`), reads and encodes its data
 before anything is written (a bad file, label or question is an error that names it), and declares its
@@ -25,6 +26,7 @@ from posjax.data import features as features_lib
 from posjax.finetune import glue as glue_data
 from posjax.finetune import metrics as metrics_lib
 from posjax.models import BertModel
+from posjax.models.bert import classifier_token
 from posjax.tasks import common
 from posjax.train.task import Evaluator, Task
 
@@ -34,7 +36,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   data = config.data
   task = glue_data.get(data.glue_task)
   start, tokenizer, model_config, changed, vocab_file = common.start(config)
-  model = BertModel(model_config, "classification", task.num_labels, config.get("classifier_input", "pooler"))
+  token = classifier_token(model_config, config.get("classifier_token", "auto"))
+  model = BertModel(model_config, "classification", task.num_labels, config.get("classifier_input", "pooler"), token)
   use_types = model_config.type_vocab_size > 0
   regression = task.labels is None
   scale = config.get("regression_scale", 1.0)  # ELECTRA trains STS-B on its scores / 5
@@ -117,10 +120,13 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
         return {}
 
       predictors[f"{name}_test"] = Evaluator(eval_batches_of(test_rows), predict, submission)
+  causal_note = (("a causal model: the classifier reads each row's last real token, the one that has seen the "
+                  "whole row (Hugging Face's decoder classifiers'; classifier_token='last')",)
+                 if model_config.causal else ())
   batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
                                         pad_id=tokenizer.pad_id, seed=config.seed, group_size=data.get("group_size", 50),
                                         **common.batching(data))
   return Task(f"glue/{task.name}", model, model_config, common.init_inputs(config.max_len, use_types), loss_fn, batches,
               evaluators, examples_per_epoch=len(train), load_init=common.load_init(start, changed),
               info=common.info(config, start, model_config), predictors=predictors,
-              notes=common.notes(start, model_config, (data.get("data_dir"),)) + tuple(baselines))
+              notes=common.notes(start, model_config, (data.get("data_dir"),)) + tuple(baselines) + causal_note)

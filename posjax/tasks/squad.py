@@ -9,6 +9,10 @@ evaluators from ``config.evals``:
   ``predictions_<name>@<length>.json`` in the workdir (the official script's format), the n-best answers with
   their probabilities to ``nbest_predictions_<name>@<length>.json`` (BERT's). A length longer than a
   learned position table is reported ``unsupported``, never clamped.
+
+From a causal model (a decoder run) it works as Hugging Face's ``LlamaForQuestionAnswering``: the span head's start
+and end logits per token, each token's seeing the question and the context up to it; a window without the answer
+is labelled at its first token, whose logits are then the same in every window (docs/finetune.md).
 """
 
 from __future__ import annotations
@@ -126,10 +130,12 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
       evaluators[key] = Evaluator(
           features_lib.eval_batches([feature(w) for w in windows], global_batch=eval_batch, max_len=length,
                                     pad_id=tokenizer.pad_id, **common.batching(data, length)), predict, squad_metrics)
+  causal_note = (("a causal model: start and end logits per token, each seeing the question and the context up to "
+                  "it (Hugging Face's LlamaForQuestionAnswering)",) if model_config.causal else ())
   batches = features_lib.ExampleBatches(train, global_batch=config.batch_size, max_len=config.max_len,
                                         pad_id=tokenizer.pad_id, seed=config.seed, group_size=data.get("group_size", 50),
                                         **common.batching(data))
   return Task("squad", model, model_config, common.init_inputs(config.max_len, use_types), loss_fn, batches, evaluators,
               examples_per_epoch=len(train), load_init=common.load_init(start, changed),
               info=common.info(config, start, model_config),
-              notes=common.notes(start, model_config, (data.get("train_file"), data.get("dev_file"))))
+              notes=common.notes(start, model_config, (data.get("train_file"), data.get("dev_file"))) + causal_note)
