@@ -197,19 +197,24 @@ def test_length_dependent_scalings_generate_hugging_faces_step_logits_and_tokens
 
 
 def test_longrope_on_a_packed_row_reads_each_documents_length_as_hugging_face_on_each_document():
-  """Two documents of 6 tokens packed in a row of 12, LongRoPE's original length 8: each document is below it (the
-  short factors), as Hugging Face's forward on the document alone, though the row is longer."""
+  """Documents of 6, 10 and 4 tokens packed in a row of 20, LongRoPE's original length 8: the first and last below
+  it (the short factors), the second past it (the long ones), each as Hugging Face's forward on it alone."""
   torch = pytest.importorskip("torch")
   import tempfile
   from posjax import convert
   with tempfile.TemporaryDirectory() as directory:
     hf = random_llama(directory, **LENGTH_DEPENDENT["longrope"][1])
     module, variables = convert.from_hf(directory)
-  ids = np.random.default_rng(5).integers(0, 97, (1, 12))
+  lengths = (6, 10, 4)
+  ids = np.random.default_rng(5).integers(0, 97, (1, sum(lengths)))
+  starts = np.cumsum((0,) + lengths)
   with torch.no_grad():
-    want = np.concatenate([hf(torch.from_numpy(ids[:, i:i + 6])).logits.numpy() for i in (0, 6)], axis=1)
-  got = module.apply(variables, jnp.asarray(ids), positions=jnp.asarray(np.tile(np.arange(6), 2))[None],
-                     segment_ids=jnp.asarray(np.repeat([1, 2], 6))[None]).logits
+    want = np.concatenate([hf(torch.from_numpy(ids[:, a:b])).logits.numpy() for a, b in zip(starts, starts[1:])],
+                          axis=1)
+  positions = np.concatenate([np.arange(n) for n in lengths])[None]
+  segments = np.repeat(np.arange(1, len(lengths) + 1), lengths)[None]
+  got = module.apply(variables, jnp.asarray(ids), positions=jnp.asarray(positions),
+                     segment_ids=jnp.asarray(segments)).logits
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-4 * np.abs(want).max(), rtol=0)
 
 

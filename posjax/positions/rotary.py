@@ -21,7 +21,7 @@ from posjax.positions import base
 
 SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3", "longrope")
 LAYOUTS = ("half", "interleaved")
-LENGTH_DEPENDENT = ("dynamic", "longrope")  # scalings that read the forward pass's length (row_frequencies)
+LENGTH_DEPENDENT = ("dynamic", "longrope")  # scalings that read the length (token_frequencies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +53,14 @@ class RopeOptions:
     frequencies rotate, the lowest are set to 0 (those features carry no position); 1: every frequency.
 
   ``dynamic`` and ``longrope`` depend on the length: as Hugging Face's (``dynamic_rope_update``), the length of a
-  forward pass is its largest position + 1, so the longest document of a packed row, a left-padded prompt's last
-  position + 1 and, in a decode step, the new token's position + 1. [choice] posjax takes it per row (Hugging Face
-  over the whole batch: the same for one row or rows of equal length), so no row's numbers depend on the rows beside
-  it. Decoding caches keys already rotated, so each key keeps the frequencies of the step that wrote it: with
-  ``dynamic`` past ``max_len`` (and ``longrope`` when a prompt shorter than ``original_max_len`` grows past it)
-  generation is not the full forward over the same tokens, exactly as Hugging Face's ``generate``.
+  forward pass is its largest position + 1: a left-padded prompt's last position + 1 and, in a decode step, the new
+  token's position + 1. [choice] posjax takes it per run of positions (a row, or each packed document: a run starts
+  at each position 0), where Hugging Face takes it over the whole batch: the same for one row or rows of equal
+  length, and a packed document or a batched prompt then gets what it would alone, whatever is beside it. Decoding
+  caches keys already rotated, so each key keeps the frequencies of the step that wrote it: with ``dynamic`` past
+  ``max_len`` (and ``longrope`` when a prompt shorter than ``original_max_len`` grows past it) generation is not
+  the full forward over the same tokens, as in Hugging Face's Llama-family ``generate`` (Phi-3's recomputes the
+  cache when it crosses ``original_max_len``; posjax does not).
   """
 
   max_timescale: float = 10_000.0
@@ -172,25 +174,42 @@ def frequencies(options: RopeOptions, head_dim: int, max_len: int, length: int) 
   return inv_freq.astype(np.float32), float(factor)
 
 
-def row_frequencies(options: RopeOptions, dim: int, max_len: int, positions_BxL):
-  """``[B, 1, 1, d/2]`` float32: each row's inverse frequencies under a length-dependent scaling (``dynamic``,
-  ``longrope``) at Hugging Face's length, the row's largest position + 1 (traced: one program for every length).
-  ``dynamic`` in float32 in Hugging Face's order of operations; ``longrope``: :func:`frequencies`' short or long."""
-  length_Bx1 = jnp.max(positions_BxL, axis=-1, keepdims=True).astype(jnp.int32) + 1
+def run_lengths(positions_BxL):
+  """``[B, L]`` int32: each token's length as Hugging Face reads it, its run's largest position + 1, a run starting
+  at each position 0 (a packed document; a left-padded prompt, each pad at position 0 a run of its own): two
+  segmented max-scans, to the run's end and back to its start."""
+  p_BxL = jnp.asarray(positions_BxL).astype(jnp.int32)
+  start_BxL = p_BxL == 0
+  last_BxL = jnp.concatenate([start_BxL[:, 1:], jnp.ones_like(start_BxL[:, :1])], axis=1)
+
+  def segmented_max(a, b):  # b follows a in the scan's order; a segment starts where b's flag is set
+    return jnp.where(b[1], b[0], jnp.maximum(a[0], b[0])), a[1] | b[1]
+
+  to_end_BxL, _ = jax.lax.associative_scan(segmented_max, (p_BxL, last_BxL), reverse=True, axis=1)
+  run_BxL, _ = jax.lax.associative_scan(segmented_max, (to_end_BxL, start_BxL), axis=1)
+  return run_BxL + 1
+
+
+def token_frequencies(options: RopeOptions, dim: int, max_len: int, positions_BxL):
+  """``[B, L, 1, d/2]`` float32: each token's inverse frequencies under a length-dependent scaling (``dynamic``,
+  ``longrope``) at its :func:`run_lengths` (traced: one program for every length), so a packed document gets what it
+  would alone. ``dynamic`` in float32 in Hugging Face's order of operations; ``longrope``: :func:`frequencies`'
+  short or long factors."""
+  length_BxLx1 = run_lengths(positions_BxL)[..., None]
   o, original = options, options.original_max_len or max_len
   if o.scaling == "longrope":
     short_F, long_F = (frequencies(o, dim, max_len, n)[0] for n in (original, original + 1))
-    inv_freq_BxF = jnp.where(length_Bx1 > original, long_F, short_F)
+    inv_freq_BxLxF = jnp.where(length_BxLx1 > original, long_F, short_F)
   else:
-    length_Bx1 = jnp.maximum(length_Bx1, original).astype(jnp.float32)
-    grown_Bx1 = o.max_timescale * (o.factor * length_Bx1 / original - (o.factor - 1)) ** (dim / (dim - 2))
-    inv_freq_BxF = 1.0 / grown_Bx1 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-  return inv_freq_BxF[:, None, None, :]
+    length_BxLx1 = jnp.maximum(length_BxLx1, original).astype(jnp.float32)
+    grown_BxLx1 = o.max_timescale * (o.factor * length_BxLx1 / original - (o.factor - 1)) ** (dim / (dim - 2))
+    inv_freq_BxLxF = 1.0 / grown_BxLx1 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+  return inv_freq_BxLxF[:, :, None, :]
 
 
 def rotation(positions_BxL, head_dim: int, options: RopeOptions = RopeOptions(), max_len: int | None = None):
   """``(sin, cos)``, each ``[B, L, 1, d_r/2]``: the angles ``p · inv_freq`` (:func:`frequencies` of the ``d_r``
-  rotated features; :func:`row_frequencies` per row for ``dynamic`` and ``longrope``), times the attention factor of
+  rotated features; :func:`token_frequencies` per token for ``dynamic`` and ``longrope``), times the attention factor of
   YaRN and LongRoPE; p-RoPE's lowest frequencies 0."""
   base.check_rows("positions", positions_BxL)
   length = positions_BxL.shape[-1]
@@ -200,7 +219,7 @@ def rotation(positions_BxL, head_dim: int, options: RopeOptions = RopeOptions(),
       raise ValueError(f"rope needs an even head dimension, got head_dim={head_dim}")
     inv_freq, factor = options.max_timescale ** (-jnp.arange(0, dim, 2, dtype=jnp.float32) / dim), 1.0
   elif options.scaling in LENGTH_DEPENDENT:
-    inv_freq, factor = row_frequencies(options, dim, max_len or length, positions_BxL), frequencies(
+    inv_freq, factor = token_frequencies(options, dim, max_len or length, positions_BxL), frequencies(
         options, dim, max_len or length, 1)[1]
   else:
     inv_freq, factor = frequencies(options, dim, max_len or length, length)
