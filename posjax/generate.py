@@ -179,10 +179,10 @@ def main(argv=None) -> int:
       raise ValueError(f"--workdir={args.workdir!r} has no tokenizer (vocab.txt or tokenizer.json beside it, or "
                        "data.vocab_file in its config.json)")
     encoded = tokenizer.backend.encode(args.prompt, add_special_tokens=False)
-    ids = encoded.ids
-    if not ids:
+    if not encoded.ids:
       raise ValueError(f"--prompt={args.prompt!r} encodes to no tokens")
-    unknown = [args.prompt[a:b] for i, (a, b) in zip(ids, encoded.offsets) if i == tokenizer.unk_id]
+    unknown = [args.prompt[a:b] for i, (a, b) in zip(encoded.ids, encoded.offsets) if i == tokenizer.unk_id]
+    ids = checkpoint.prompt_prefix(args.workdir) + encoded.ids  # [CLS] first where the run's rows began with it
     if unknown:
       print(f"warning: --prompt has {len(unknown)} piece(s) the run's vocabulary does not hold, each read as "
             f"{tokenizer.backend.id_to_token(tokenizer.unk_id)}: {', '.join(map(repr, unknown))}", file=sys.stderr)

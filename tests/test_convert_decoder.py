@@ -129,6 +129,26 @@ def test_a_converted_decoder_continues_pre_training_in_the_loop(tmp_path):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=jax.tree_util.keystr(path))
 
 
+def saved_run(run, packing: str, config, adjust=lambda module, variables: variables):
+  """A causal run's workdir as training leaves it, without the training: a WordPiece vocab.txt (BERT's specials, 59
+  words w0..w58), config.json's packing, the model's parameters (every one moved from its initial value, then
+  ``adjust``-ed)."""
+  from posjax.convert import __main__ as cli
+  from posjax.models import BertModel
+
+  run.mkdir()
+  pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
+  (run / "vocab.txt").write_text("\n".join(pieces) + "\n")
+  (run / "config.json").write_text(json.dumps({"data": {"packing": packing}}))
+  module = BertModel(config, head="lm")
+  variables = flax.core.meta.unbox(module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
+  leaves, tree = jax.tree.flatten(variables)
+  variables = adjust(module, tree.unflatten([x + 0.5 * jax.random.normal(jax.random.key(i), x.shape)
+                                             for i, x in enumerate(leaves)]))
+  cli.write_run(module, variables, str(run), "test")
+  return module, variables
+
+
 def test_an_exported_decoder_names_its_runs_special_tokens_and_hugging_faces_generate_stops_where_posjaxs_does(
     tmp_path, capsys):
   """A decoder run on a WordPiece vocabulary with stream packing (no [CLS]; [SEP] ends a document): the export's
@@ -140,33 +160,42 @@ def test_an_exported_decoder_names_its_runs_special_tokens_and_hugging_faces_gen
   from posjax.data.tokenizer import Tokenizer
   from posjax.models import BertConfig, BertModel
 
-  pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
   run = tmp_path / "run"
-  run.mkdir()
-  (run / "vocab.txt").write_text("\n".join(pieces) + "\n")
-  (run / "config.json").write_text(json.dumps({"data": {"packing": "stream"}}))
-  config = BertConfig.decoder(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                              intermediate_size=48, max_len=64)
-  module = BertModel(config, head="lm")
-  variables = flax.core.meta.unbox(module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
-  variables = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.key(1), x.shape), variables)
+  prompt = [8, 12, 6]  # w3 w7 w1
+
+  def stop_early(module, variables):  # [SEP] wins where the 4th new token would have
+    free = np.asarray(generate.generate(module, variables, np.asarray([prompt]), max_new_tokens=8))[0, 3:]
+    kernel = variables["params"]["encoder"]["lm_head"]["kernel"]
+    variables["params"]["encoder"]["lm_head"]["kernel"] = kernel.at[:, 3].set(2.0 * kernel[:, free[3]])
+    return variables
+
+  module, variables = saved_run(run, "stream", BertConfig.decoder(
+      vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_len=64),
+      stop_early)
   tokenizer = Tokenizer.load(str(run / "vocab.txt"))
-  prompt = tokenizer.encode("w3 w7 w1")
-  free = np.asarray(generate.generate(module, variables, np.asarray([prompt]), max_new_tokens=8))[0, 3:]
-  kernel = variables["params"]["encoder"]["lm_head"]["kernel"]  # [SEP] wins where the 4th new token would have
-  variables["params"]["encoder"]["lm_head"]["kernel"] = kernel.at[:, tokenizer.sep_id].set(
-      2.0 * kernel[:, free[3]])
-  cli.write_run(module, variables, str(run), "test")
+  assert tokenizer.encode("w3 w7 w1") == prompt and tokenizer.sep_id == 3
   config_bytes = (run / "config.json").read_bytes()
 
   assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(run)]) == 2
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "notes.txt").write_text("mine")
-  assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(tmp_path / "other")]) == 2
-  assert "holds notes.txt, which no export writes" in capsys.readouterr().err
+  (tmp_path / "linked").mkdir()
+  (tmp_path / "linked" / "config.json").symlink_to(run / "config.json")
+  hf_model = random_model("qwen3-qknorm")
+  hf_model.save_pretrained(tmp_path / "hf_model")  # a Hugging Face model posjax did not write
+  before = {p: p.read_bytes() for p in (tmp_path / "hf_model").iterdir()}
+  for out, message in (("other", "holds notes.txt, which no export writes"),
+                       ("linked", "holds config.json (a link), which no export writes"),
+                       ("hf_model", "holds (no posjax_export.json) a model posjax did not export")):
+    assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(tmp_path / out)]) == 2
+    assert message in capsys.readouterr().err
   assert (run / "config.json").read_bytes() == config_bytes and os.listdir(tmp_path / "other") == ["notes.txt"]
-  for _ in range(2):  # the second replaces the first export
-    assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+  assert {p: p.read_bytes() for p in (tmp_path / "hf_model").iterdir()} == before
+  (tmp_path / "hf").mkdir()
+  (tmp_path / "hf" / "posjax_export.json").write_text("{}")
+  (tmp_path / "hf" / "added_tokens.json").write_text("{}")  # an earlier export's file this one does not write
+  assert cli.main(["posjax-to-hf", "--workdir", str(run), "--out", str(tmp_path / "hf")]) == 0
+  assert not (tmp_path / "hf" / "added_tokens.json").exists()
 
   ids = {"bos_token_id": None, "eos_token_id": tokenizer.sep_id, "pad_token_id": tokenizer.pad_id}
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -182,3 +211,25 @@ def test_an_exported_decoder_names_its_runs_special_tokens_and_hugging_faces_gen
   capsys.readouterr()
   assert generate.main(["--workdir", str(run), "--prompt", "w3 w7 w1", "--max_new_tokens", "8"]) == 0
   assert capsys.readouterr().out.split() == hf_tokenizer.convert_ids_to_tokens(want)
+
+
+def test_a_causal_bert_exports_as_bert_lm_head_model_with_its_rows_first_token_and_no_eos(tmp_path):
+  """A causal BERT (configs/clm.py: full_sentence packing, rows [CLS] s1 [SEP] s2 [SEP] ...): Hugging Face's
+  BertLMHeadModel (is_decoder) with posjax's logits, bos [CLS] and no eos ([SEP] ends a sentence), a tokenizer that
+  puts [CLS] first and nothing last; posjax's generate starts its prompt with the same [CLS]."""
+  from posjax.convert import __main__ as cli
+  from posjax.models import BertConfig
+  from posjax.train import checkpoint
+
+  module, variables = saved_run(tmp_path / "run", "full_sentence", BertConfig(
+      vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, max_len=32, causal=True,
+      type_vocab_size=0, position="absolute", dtype="float32"))
+  assert cli.main(["posjax-to-hf", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  assert type(hf).__name__ == "BertLMHeadModel" and hf.config.is_decoder
+  assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.generation_config.bos_token_id) == (2, None, 2)
+  tokens = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("w3 w7").input_ids
+  assert tokens == [2, 8, 12] == checkpoint.prompt_prefix(str(tmp_path / "run")) + [8, 12]
+  ids = np.asarray([tokens + [20, 30, 40]])
+  want = np.asarray(module.apply(variables, jnp.asarray(ids)).logits)
+  np.testing.assert_allclose(hf_logits(hf, ids), want, atol=2e-4 * np.abs(want).max(), rtol=0)

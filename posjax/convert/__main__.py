@@ -31,6 +31,7 @@ import shutil
 import sys
 
 import jax
+from tokenizers import processors
 
 from posjax.cli import check_directory
 from posjax.convert import hf_bert, hf_decoder, hf_electra, tupe_fairseq
@@ -40,11 +41,12 @@ from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
 
 CONVERTED_FROM = "converted_from.json"  # the Hugging Face model type of a run hf-to-posjax wrote, when not BERT
-# What an export writes (save_pretrained's files, the tokenizer's, an ELECTRA run's two models): an --out holding
-# only these is an earlier export, which a new one may replace.
+# What an export writes (save_pretrained's files, the tokenizer's, an ELECTRA run's two models) and the file that
+# marks a directory as posjax's export (written first): only such a directory may be replaced by a new export.
 EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "added_tokens.json",
                 "generator", "discriminator")
+EXPORT_MARKER = "posjax_export.json"
 # A converted model's tokenizer settings beside its tokenizer file: kept in the run, written back unchanged.
 TOKENIZER_SETTINGS = ("tokenizer_config.json", "special_tokens_map.json")
 # What the converters need beyond posjax's own dependencies: the convert extra's modules, and how to install them.
@@ -147,47 +149,70 @@ def converted_from(run: str) -> str:
 
 
 def _foreign(directory: str) -> list[str]:
-  """The entries of ``directory`` (and of its ELECTRA subdirectories) that no export writes."""
+  """The entries of ``directory`` (and of its ELECTRA subdirectories) that no export writes, links included (an
+  export never writes through one)."""
   found = []
   for name in sorted(os.listdir(directory)):
     path = os.path.join(directory, name)
     sharded = name.startswith("model-") and name.endswith(".safetensors")
-    if name in ("generator", "discriminator") and os.path.isdir(path):
-      found += [os.path.join(name, inner) for inner in _foreign(path)]
-    elif not (sharded or name in EXPORT_NAMES) or os.path.isdir(path) != (name in ("generator", "discriminator")):
-      found.append(name)
+    folder = name in ("generator", "discriminator")
+    if os.path.islink(path) or os.path.isdir(path) != folder or not (sharded or name in (*EXPORT_NAMES, EXPORT_MARKER)):
+      found.append(name + (" (a link)" if os.path.islink(path) else ""))
+    elif folder:
+      found += [os.path.join(name, inner) for inner in _foreign(path) if inner != EXPORT_MARKER]
   return found
 
 
 def check_export_directory(out: str, run: str) -> None:
-  """``out`` can take the export of ``run``: new, empty, or an earlier export (only what an export writes); never
-  the run's own directory or one inside it, nor one holding a run or other files. Checked before anything is read
-  or written: an export never overwrites a run's ``config.json``."""
+  """``out`` can take the export of ``run``: new, empty, or an earlier posjax export (:data:`EXPORT_MARKER`, and only
+  what an export writes); never the run's own directory or one inside it, nor a Hugging Face model of another
+  origin, one holding a run, links or other files. Checked before anything is read or written: an export never
+  overwrites a run's ``config.json`` or a model it did not write."""
   check_directory(out, "--out", "a new or empty directory, or an earlier export's")
   out_real, run_real = os.path.realpath(out), os.path.realpath(run)
   if out_real == run_real or out_real.startswith(run_real + os.sep):
     raise ValueError(f"--out={out} is --workdir={run} or inside it; an export goes to another directory (it would "
                      "write Hugging Face's config.json over the run's)")
-  foreign = _foreign(out) if os.path.isdir(out) else []
+  if not os.path.isdir(out) or not os.listdir(out):
+    return
+  foreign = _foreign(out)
   if foreign:
     shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
     raise ValueError(f"--out={out} holds {shown}, which no export writes (a posjax run, or other files); give a new "
                      "or empty directory, or an earlier export's")
+  if os.path.islink(out) or not os.path.isfile(os.path.join(out, EXPORT_MARKER)):
+    what = "is a link to" if os.path.islink(out) else f"holds (no {EXPORT_MARKER})"
+    raise ValueError(f"--out={out} {what} a model posjax did not export; give a new or empty directory, or an "
+                     "earlier export's")
+
+
+def start_export(out: str, run: str, step: int | None) -> None:
+  """``out`` marked as posjax's export (first, so a failed export is still recognised and replaced) and emptied of
+  an earlier export's files (:func:`check_export_directory` has checked they are nothing else)."""
+  os.makedirs(out, exist_ok=True)
+  for name in os.listdir(out):
+    path = os.path.join(out, name)
+    if name != EXPORT_MARKER:
+      shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+  with open(os.path.join(out, EXPORT_MARKER), "w") as f:
+    json.dump({"workdir": os.path.abspath(run), "step": step}, f, indent=1)
 
 
 def hf_tokenizer(vocab: str, special_ids: dict | None):
-  """``vocab`` (a WordPiece vocab.txt, or a decoder's ``tokenizers`` JSON) as a ``transformers`` fast tokenizer.
-  An encoder's adds [CLS] ... [SEP] as BERT's; a decoder's (``special_ids``: its bos / eos / pad ids) adds nothing, as the run
-  encoded its text, and names its own special tokens."""
+  """``vocab`` (a WordPiece vocab.txt, or a causal model's ``tokenizers`` JSON) as a ``transformers`` fast
+  tokenizer. An encoder's adds [CLS] ... [SEP] as BERT's; a causal model's (``special_ids``: its bos / eos / pad
+  ids) adds its bos alone, where it has one, as its rows began, and names its own special tokens."""
   import transformers
 
   if special_ids is None:
     return transformers.BertTokenizerFast(vocab_file=vocab)
   tokenizer = Tokenizer.load(vocab)
   backend = tokenizer.backend
-  backend.post_processor = None  # a decoder's text is encoded without specials; its own are in the ids below
   piece = lambda role: None if special_ids.get(f"{role}_token_id") is None else backend.id_to_token(
       special_ids[f"{role}_token_id"])
+  # the text as the run encoded it: specials only where its rows had them ([CLS] first under some packings)
+  backend.post_processor = None if piece("bos") is None else processors.TemplateProcessing(
+      single=f"{piece('bos')} $A", special_tokens=[(piece("bos"), special_ids["bos_token_id"])])
   return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=piece("bos"),
                                               eos_token=piece("eos"), pad_token=piece("pad"),
                                               unk_token=backend.id_to_token(tokenizer.unk_id))
@@ -224,6 +249,7 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
   check_export_directory(out, run)
   fields = checkpoint_lib.read_model_config(run, "--workdir")
   params = checkpoint_lib.load_params(run, step)
+  start_export(out, run, step)
   if "generator" in fields:
     config = ElectraConfig.from_dict(fields)
     models = dict(zip((os.path.join(out, "generator"), os.path.join(out, "discriminator")),
@@ -239,7 +265,7 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
       model = hf_bert.to_hf_bert(config, {"params": params})
     models = {out: model}
   for directory, model in models.items():
-    vocab = save_hf(model, run, directory, decoder="generator" not in fields and config.lm_head == "linear")
+    vocab = save_hf(model, run, directory, decoder="generator" not in fields and config.causal)
     print(f"{run} ({config.position}) -> {directory}: {type(model).__name__}"
           + (f", tokenizer from {vocab}" if vocab else ", no tokenizer found"))
 

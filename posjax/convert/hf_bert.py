@@ -36,7 +36,7 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "ge
                "relu": "relu"}
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 # Hugging Face config fields posjax has no counterpart for, with the values it can represent.
-UNSUPPORTED = {"is_decoder": False, "add_cross_attention": False}
+UNSUPPORTED = {"add_cross_attention": False}
 # Weights posjax has no place for and drops (with a log line): buffers, the NSP head, and the absolute table of
 # a relative model (Hugging Face keeps one it never reads).
 DROPPED = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.seq_relationship.weight",
@@ -65,7 +65,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       position_options={},  # relative: posjax's default clip distance, max_len - 1, is Hugging Face's
       dropout_rate=float(hf.get("hidden_dropout_prob", 0.1)),
       attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.1)),
-      layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)), activation=ACTIVATIONS[act])
+      layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)), activation=ACTIVATIONS[act],
+      causal=bool(hf.get("is_decoder", False)))
 
 
 def config_to_hf(config: BertConfig) -> dict:
@@ -92,7 +93,8 @@ def config_to_hf(config: BertConfig) -> dict:
       # Hugging Face always has token-type embeddings: a model without gets one row of zeros (adds nothing).
       "type_vocab_size": max(config.type_vocab_size, 1), "position_embedding_type": TO_HF_POSITIONS[config.position],
       "hidden_act": TO_HF_ACTIVATIONS[config.activation], "hidden_dropout_prob": config.dropout_rate,
-      "attention_probs_dropout_prob": config.attention_dropout_rate, "layer_norm_eps": config.layer_norm_eps}
+      "attention_probs_dropout_prob": config.attention_dropout_rate, "layer_norm_eps": config.layer_norm_eps,
+      "is_decoder": config.causal}
 
 
 def _strip(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -364,7 +366,8 @@ def model_params(variables: Mapping) -> dict:
 
 def to_hf_bert(config: BertConfig, variables: Mapping):
   """The Hugging Face model (``BertModel``, ``BertForMaskedLM``, ``BertForSequenceClassification`` or
-  ``BertForQuestionAnswering``, by the parameters' head) equal to a posjax model, in float32. ``variables`` as
+  ``BertForQuestionAnswering``, by the parameters' head; a causal model's LM head: ``BertLMHeadModel`` with
+  ``is_decoder``) equal to a posjax model, in float32. ``variables`` as
   :func:`model_params` takes them (a task model's or a ``BertEncoder``'s, boxed or not)."""
   import torch  # imported here: the convert extra
   import transformers
@@ -373,10 +376,15 @@ def to_hf_bert(config: BertConfig, variables: Mapping):
   head, num_labels = head_of(params)
   hf_config = transformers.BertConfig(**config_to_hf(config), num_labels=num_labels)
   model_class = getattr(transformers, HF_CLASSES[head])
+  if config.causal:  # a causal BERT (configs/clm.py): BertLMHeadModel, the one that masks as it does
+    if head != "mlm":
+      raise ValueError(f"a causal BERT exports as Hugging Face's BertLMHeadModel, an LM head's model; this one has "
+                       f"head {head!r}")
+    model_class = transformers.BertLMHeadModel
   model = model_class(hf_config, add_pooling_layer=head == "pooler") if head in ("none", "pooler") else model_class(hf_config)
   state = {k: torch.from_numpy(np.array(v)) for k, v in state_to_hf(config, params, head).items()}
   missing, unexpected = model.load_state_dict(state, strict=False)
   missing = [k for k in missing if not k.endswith(("position_ids", "token_type_ids"))]
   if missing or unexpected:
-    raise ValueError(f"posjax -> {HF_CLASSES[head]}: missing {missing}, unexpected {unexpected}")
+    raise ValueError(f"posjax -> {model_class.__name__}: missing {missing}, unexpected {unexpected}")
   return model.eval()

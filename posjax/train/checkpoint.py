@@ -369,12 +369,21 @@ SPECIAL_TOKENS = "special_tokens.json"  # a converted decoder's bos / eos / pad 
 CLS_PACKINGS = ("full_sentence", "documents")  # the packings whose rows start with [CLS]
 
 
+def _packing(workdir: str) -> str:
+  """The run's ``data.packing`` (its config.json's; ``stream``, the decoders', where it has none)."""
+  config = os.path.join(workdir, "config.json")
+  if os.path.isfile(config):
+    with open(config) as f:
+      return json.load(f).get("data", {}).get("packing", "stream")
+  return "stream"
+
+
 def special_token_ids(workdir: str) -> dict:
-  """A decoder run's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (Hugging Face's names; None where it
-  has none): a converted model's own (:data:`SPECIAL_TOKENS`, recorded from its source), else those its data put in
-  its rows with its tokenizer (:func:`vocab_file_of`): the end-of-document token ([SEP]) as eos, [PAD] as pad, and
-  [CLS] as bos only where the run's packing starts rows with it (``full_sentence``, ``documents``; the decoders'
-  ``stream`` packings have none)."""
+  """A causal run's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (Hugging Face's names; None where it
+  has none): a converted model's own (:data:`SPECIAL_TOKENS`, recorded from its source), else what its packing put in
+  its rows with its tokenizer (:func:`vocab_file_of`): [PAD] as pad; under the decoders' ``stream`` packings [SEP]
+  (each document's last token) as eos and no bos; under ``full_sentence`` / ``documents`` [CLS] (each row's first
+  token) as bos and no eos (there [SEP] ends a sentence, not the text)."""
   recorded = os.path.join(workdir, SPECIAL_TOKENS)
   if os.path.isfile(recorded):
     with open(recorded) as f:
@@ -383,13 +392,18 @@ def special_token_ids(workdir: str) -> dict:
   if not vocab:
     return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
   tokenizer = Tokenizer.load(vocab)
-  packing = "stream"
-  config = os.path.join(workdir, "config.json")
-  if os.path.isfile(config):
-    with open(config) as f:
-      packing = json.load(f).get("data", {}).get("packing", packing)
-  return {"bos_token_id": tokenizer.cls_id if packing in CLS_PACKINGS else None, "eos_token_id": tokenizer.sep_id,
+  starts = _packing(workdir) in CLS_PACKINGS
+  return {"bos_token_id": tokenizer.cls_id if starts else None, "eos_token_id": None if starts else tokenizer.sep_id,
           "pad_token_id": tokenizer.pad_id}
+
+
+def prompt_prefix(workdir: str) -> list[int]:
+  """The ids a prompt to a causal run starts with, as its training rows did: [CLS] under a packing that starts rows
+  with it, else none (a converted model's own tokenizer adds what it adds)."""
+  if os.path.isfile(os.path.join(workdir, SPECIAL_TOKENS)):
+    return []
+  bos = special_token_ids(workdir)["bos_token_id"]
+  return [] if bos is None else [bos]
 
 
 def latest_step(directory: str) -> int:
