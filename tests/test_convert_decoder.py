@@ -77,6 +77,9 @@ def test_hugging_face_decoders_convert_both_ways(name, tmp_path):
     (dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window=True"),
     (dict(model_type="gpt_neox", attention_bias=False), "attention_bias=False"),
     (dict(model_type="falcon"), "model_type='falcon'"),
+    (dict(model_type="llama", max_position_embeddings=32, rope_scaling={  # Hugging Face switches at 32, not 8
+        "rope_type": "longrope", "original_max_position_embeddings": 8, "short_factor": [1.0] * 4,
+        "long_factor": [2.0] * 4}), "original_max_position_embeddings=8 for longrope, which Hugging Face's"),
 ])
 def test_what_posjax_cannot_represent_is_an_error(fields, message):
   hf = {"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -96,6 +96,13 @@ def test_restart_with_a_different_config_or_tokenizer_is_an_error(tmp_path):
                                        rf"\w{{12}}\); this config's {tmp_path / 'swapped.txt'} is another"):
     train(changed("swapped.txt"), str(run))
   validate.check_workdir_config(changed("moved.txt"), str(run), write=False)
+  # a warm start from the run on another tokenizer; a run from before the record (its config.json names its file)
+  warm = override(changed("swapped.txt"), init_from=str(run))
+  with pytest.raises(ValueError, match=r"run \(config.init_from\) was trained with the tokenizer .*vocab.txt"):
+    validate.check_workdir_config(warm, str(tmp_path / "warm"), write=False)
+  os.remove(run / "vocabulary.json")
+  with pytest.raises(ValueError, match=r"run was trained with the tokenizer .*tiny_vocab.txt \(sha256"):
+    train(changed("swapped.txt"), str(run))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -665,6 +672,10 @@ def test_a_warm_start_at_a_longer_length_extends_from_the_base_runs_length(tmp_p
   lm = override(load_config("lm", f"runlocal,init_from={tmp_path / 'base'}"), max_len=128,
                 **{"model.position_options.scaling": "yarn", "model.position_options.factor": 4.0})
   assert lm.model.max_len == 32 and carry_training_length(lm).model.position_options.original_max_len == 32
+  # a warm start from that run (trained at 128; its model_config.json says its base's 32) extends from 128
+  (tmp_path / "base" / "config.json").write_text(json.dumps({"max_len": 128}))
+  lm.max_len = 512
+  assert carry_training_length(lm).model.position_options.original_max_len == 128
 
 
 @pytest.mark.parametrize("change, message", [

@@ -70,6 +70,12 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict:
     options.pop("original_max_len", None)  # Hugging Face's dynamic scaling grows from max_position_embeddings
   if kind == "longrope":  # Phi-3's: the original length beside max_position_embeddings, the factor their ratio
     original = hf.get("original_max_position_embeddings")
+    read = int(original or hf.get("max_position_embeddings", 2048))
+    if options.get("original_max_len") not in (None, read):
+      raise ValueError(f"config.json has rope_scaling original_max_position_embeddings={options['original_max_len']}"
+                       f" for longrope, which Hugging Face's longrope does not read (it switches at the top-level "
+                       f"original_max_position_embeddings, else max_position_embeddings: {read}); set the top-level "
+                       "key to the length the model was trained at")
     if original:
       options.update(original_max_len=int(original),
                      factor=float(hf.get("max_position_embeddings", 2048)) / int(original))

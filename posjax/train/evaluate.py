@@ -82,6 +82,7 @@ def checkpoint_results(config, source: str, workdir: str, build_task) -> dict:
     raise FileNotFoundError(f"{source} has no results.json and no checkpoints: not a finished run or a converted "
                             "model")
   step = int(finished["step"]) if finished else checkpoint_lib.latest_step(source)
+  validate.check_vocabulary(config, workdir, write=False, sources=(source,))
   prepared = validate.validate_everywhere(config, workdir, build_task)
   parallel, task = prepared.parallel, prepared.task
   is_main = jax.process_index() == 0

@@ -70,24 +70,45 @@ def vocabulary_file(config: ml_collections.ConfigDict) -> str:
   return vocab
 
 
-def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: bool = True) -> None:
-  """A run records its tokenizer (:data:`VOCABULARY`: the file and its sha256); resuming it with another one is an
-  error naming both, ``allow_config_change`` or not: the same ids would name other pieces."""
+def recorded_vocabulary(run: str) -> dict | None:
+  """``{"file", "sha256"}`` of the tokenizer ``run`` trained with: its :data:`VOCABULARY` record, else (a run from
+  before records) its config.json's ``data.vocab_file`` where that file is still there; None when neither."""
+  path = os.path.join(run, VOCABULARY)
+  if os.path.isfile(path):
+    with open(path) as f:
+      return json.load(f)
+  config = os.path.join(run, "config.json")
+  if not os.path.isfile(config):
+    return None
+  with open(config) as f:
+    vocab = (json.load(f).get("data") or {}).get("vocab_file", "")
+  return {"file": os.path.abspath(vocab), "sha256": _sha256(vocab)} if vocab and os.path.isfile(vocab) else None
+
+
+def _sha256(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: bool = True,
+                     sources: tuple[str, ...] = ()) -> None:
+  """A run records its tokenizer (:data:`VOCABULARY`: the file and its sha256). Resuming it with another one is an
+  error naming both, ``allow_config_change`` or not, and so is starting from a run (``init``, ``init_from``, an
+  evaluated run in ``sources``) that trained with another: the same ids would name other pieces."""
   vocab = vocabulary_file(config)
   if not vocab or not os.path.isfile(vocab):
     return
-  with open(vocab, "rb") as f:
-    digest = hashlib.sha256(f.read()).hexdigest()
-  path = os.path.join(workdir, VOCABULARY)
-  if os.path.isfile(path):
-    with open(path) as f:
-      recorded = json.load(f)
-    if recorded["sha256"] != digest:
-      raise ValueError(f"{workdir} was trained with the tokenizer {recorded['file']} (sha256 "
+  digest = _sha256(vocab)
+  runs = [(workdir, "")] + [(config[f], f" (config.{f})") for f in ("init", "init_from") if config.get(f)]
+  for run, role in runs + [(source, " (the evaluated run)") for source in sources]:
+    recorded = recorded_vocabulary(run) if os.path.isdir(run) else None
+    if recorded and recorded["sha256"] != digest:
+      raise ValueError(f"{run}{role} was trained with the tokenizer {recorded['file']} (sha256 "
                        f"{recorded['sha256'][:12]}); this config's {vocab} is another (sha256 {digest[:12]}), whose "
-                       "ids name other pieces: resume with the run's tokenizer, or train in another workdir")
-  elif write and jax.process_index() == 0:
-    results_lib.write_json(path, {"file": os.path.abspath(vocab), "sha256": digest}, indent=1)
+                       "ids name other pieces: use that run's tokenizer" + ("" if role else ", or another workdir"))
+  if write and jax.process_index() == 0 and not os.path.isfile(os.path.join(workdir, VOCABULARY)):
+    results_lib.write_json(os.path.join(workdir, VOCABULARY), {"file": os.path.abspath(vocab), "sha256": digest},
+                           indent=1)
 
 
 def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int | None = None
@@ -196,7 +217,8 @@ class Prepared(NamedTuple):
 
 def carry_training_length(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A warm start (``init_from``) at a longer ``max_len`` than its run's, with a position method whose
-  ``original_max_len`` the user left None: that run's ``max_len`` (the length it was trained at) becomes it, so a
+  ``original_max_len`` the user left None: the length that run trained at (its config.json's ``max_len``; a converted
+  model's ``model_config.json``'s) becomes it, so a
   YaRN / PI / LongRoPE fine-tune extends from the base run's length rather than from the new one, and FIRE keeps the
   threshold it was trained with. A value the user gives stays; RoPE without a scaling or with ``dynamic`` takes none
   (``dynamic`` grows from the model's ``max_len``, as Hugging Face's)."""
@@ -208,6 +230,10 @@ def carry_training_length(config: ml_collections.ConfigDict) -> ml_collections.C
     trained = checkpoint_lib.read_model_config(config.init_from, "config.init_from").get("max_len") or 0
   except FileNotFoundError:
     return config  # not a posjax run: the checkpoint check below says so
+  base_config = os.path.join(config.init_from, "config.json")  # the length it trained at (a warm start's own
+  if os.path.isfile(base_config):                                # model_config.json keeps its base's max_len)
+    with open(base_config) as f:
+      trained = json.load(f).get("max_len") or trained
   length = config.get("max_len") or config.model.get("max_len") or 0  # this run's training length (init_from sets
   # model.max_len to the base run's)
   if trained and length > trained:
