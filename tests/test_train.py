@@ -71,38 +71,13 @@ def test_local_run_logs_evaluates_and_checkpoints(tmp_path):
   assert logged[-1]["learning_rate"] < logged[1]["learning_rate"]  # linear decay after warm-up
 
 
-def test_restart_with_a_different_config_or_tokenizer_is_an_error(tmp_path):
-  """Any changed field is named; a changed task leads; another tokenizer (here two pieces swapped: the same size) is
-  refused even where config changes are allowed, naming both files; the same tokenizer at another path is not."""
+def test_restart_with_a_different_config_is_an_error_that_leads_with_a_changed_task(tmp_path):
   from posjax.train import validate
-  data = pretrain_config().data
-  own = {}
-  for field in ("train_files", "eval_files", "vocab_file"):  # the user's own files (copies of the built-in ones)
-    own[f"data.{field}"] = str(tmp_path / os.path.basename(data[field]))
-    shutil.copy(data[field], own[f"data.{field}"])
-  run = tmp_path / "run"
-  train(pretrain_config(total_steps=1, **own), str(run))
+  train(pretrain_config(total_steps=1), str(tmp_path))
   with pytest.raises(ValueError, match=r"different config \(changed: \['learning_rate'\]\)"):
-    train(pretrain_config(total_steps=1, learning_rate=0.5, **own), str(run))
+    train(pretrain_config(total_steps=1, learning_rate=0.5), str(tmp_path))
   with pytest.raises(ValueError, match=r"holds a 'mlm' run and this config is a 'clm' run \(\d+ fields differ: "):
-    validate.check_workdir_config(override(load_config("lm", "runlocal"), **own), str(run), write=False)
-  lines = open(data.vocab_file).read().split("\n")
-  lines[10], lines[11] = lines[11], lines[10]
-  for name, text in (("swapped.txt", "\n".join(lines)), ("moved.txt", open(data.vocab_file).read())):
-    (tmp_path / name).write_text(text)
-  changed = lambda name: pretrain_config(total_steps=2, allow_config_change=True,
-                                         **{**own, "data.vocab_file": str(tmp_path / name)})
-  with pytest.raises(ValueError, match=rf"{run} was trained with the tokenizer {own['data.vocab_file']} \(sha256 "
-                                       rf"\w{{12}}\); this config's {tmp_path / 'swapped.txt'} is another"):
-    train(changed("swapped.txt"), str(run))
-  validate.check_workdir_config(changed("moved.txt"), str(run), write=False)
-  # a warm start from the run on another tokenizer; a run from before the record (its config.json names its file)
-  warm = override(changed("swapped.txt"), init_from=str(run))
-  with pytest.raises(ValueError, match=r"run \(config.init_from\) was trained with the tokenizer .*vocab.txt"):
-    validate.check_workdir_config(warm, str(tmp_path / "warm"), write=False)
-  os.remove(run / "vocabulary.json")
-  with pytest.raises(ValueError, match=r"run was trained with the tokenizer .*tiny_vocab.txt \(sha256"):
-    train(changed("swapped.txt"), str(run))
+    validate.check_workdir_config(load_config("lm", "runlocal"), str(tmp_path), write=False)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -346,6 +321,7 @@ def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path):
 
 
 def test_a_failed_config_change_names_the_change_and_leaves_the_run_resumable(tmp_path):
+  from posjax.train import validate
   # One's own copy of the corpus, so that another vocabulary may read it.
   own = {}
   for split in ("train", "eval"):
@@ -363,11 +339,30 @@ def test_a_failed_config_change_names_the_change_and_leaves_the_run_resumable(tm
                                        rf"with, or start another workdir from it with init_from={run} "):
     train(pretrain_config(total_steps=2, eval_every_steps=0, allow_config_change=True,
                           **own, **{"model.intermediate_size": 32}), str(run))
-  with pytest.raises(ValueError, match=r"checkpoint 2 in \S+ was trained with a vocabulary of 200 pieces, this run's "
-                                       r"has 150 \(data.vocab_file\): a run resumes only with its own vocabulary"):
+  with pytest.raises(ValueError, match=r"run was trained with the tokenizer \S+vocab.txt \(sha256 \w+\); this "
+                                       r"config's \S+smaller.txt is another"):
     train(pretrain_config(total_steps=2, eval_every_steps=0, allow_config_change=True,
                           **{**own, "data.vocab_file": str(tmp_path / "smaller.txt")}), str(run))
   assert json.loads((run / "config.json").read_text())["model"]["intermediate_size"] == 128  # not overwritten
+  # another tokenizer of the same size (two pieces swapped) is refused too, allow_config_change or not, and so is a
+  # warm start from the run on it, or a run from before the record (its config.json names its file); the same
+  # tokenizer moved is not
+  lines = list(vocab)
+  lines[10], lines[11] = lines[11], lines[10]
+  (tmp_path / "swapped.txt").write_text("\n".join(lines) + "\n")
+  shutil.copy(tmp_path / "vocab.txt", tmp_path / "moved.txt")
+  changed = lambda name, **fields: override(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True,
+                                                            **{**own, "data.vocab_file": str(tmp_path / name)}), **fields)
+  swapped = rf"was trained with the tokenizer {tmp_path / 'vocab.txt'} \(sha256 \w{{12}}\); this config's \S+swapped"
+  with pytest.raises(ValueError, match=rf"{run} {swapped}"):
+    validate.check_workdir_config(changed("swapped.txt"), str(run), write=False)
+  with pytest.raises(ValueError, match=rf"{run} \(config.init_from\) {swapped}"):
+    validate.check_workdir_config(changed("swapped.txt", init_from=str(run)), str(tmp_path / "warm"), write=False)
+  validate.check_workdir_config(changed("moved.txt"), str(run), write=False)
+  os.rename(run / "vocabulary.json", tmp_path / "record.json")
+  with pytest.raises(ValueError, match=rf"{run} {swapped}"):
+    validate.check_workdir_config(changed("swapped.txt"), str(run), write=False)
+  os.rename(tmp_path / "record.json", run / "vocabulary.json")
   train(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True, **own), str(run))
   train(pretrain_config(total_steps=3, eval_every_steps=0, **own), str(run))  # allow_config_change is no change
 
