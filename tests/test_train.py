@@ -356,8 +356,9 @@ def test_a_failed_config_change_names_the_change_and_leaves_the_run_resumable(tm
   swapped = rf"was trained with the tokenizer {tmp_path / 'vocab.txt'} \(sha256 \w{{12}}\); this config's \S+swapped"
   with pytest.raises(ValueError, match=rf"{run} {swapped}"):
     validate.check_workdir_config(changed("swapped.txt"), str(run), write=False)
-  with pytest.raises(ValueError, match=rf"{run} \(config.init_from\) {swapped}"):
-    validate.check_workdir_config(changed("swapped.txt", init_from=str(run)), str(tmp_path / "warm"), write=False)
+  for field, source in (("init_from", run), ("init", run / "checkpoints")):  # init takes a checkpoint directory too
+    with pytest.raises(ValueError, match=rf"{run} \(config.{field}\) {swapped}"):
+      validate.check_workdir_config(changed("swapped.txt", **{field: str(source)}), str(tmp_path / "warm"), write=False)
   validate.check_workdir_config(changed("moved.txt"), str(run), write=False)
   os.rename(run / "vocabulary.json", tmp_path / "record.json")
   with pytest.raises(ValueError, match=rf"{run} {swapped}"):

@@ -66,8 +66,16 @@ def vocabulary_file(config: ml_collections.ConfigDict) -> str:
   data = config.get("data") or {}
   vocab = data.get("vocab_file", "") if hasattr(data, "get") else ""
   if not vocab and config.get("init"):
-    vocab = checkpoint_lib.vocab_file_of(config.init)
+    vocab = checkpoint_lib.vocab_file_of(run_directory(config.init))
   return vocab
+
+
+def run_directory(path: str) -> str:
+  """A run's workdir from ``path``, the workdir or its ``checkpoints`` directory (as ``config.init`` takes both)."""
+  path = os.path.normpath(path)
+  if not os.path.isdir(os.path.join(path, "checkpoints")) and os.path.basename(path) == "checkpoints":
+    return os.path.dirname(path)
+  return path
 
 
 def recorded_vocabulary(run: str) -> dict | None:
@@ -99,7 +107,8 @@ def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: boo
   if not vocab or not os.path.isfile(vocab):
     return
   digest = _sha256(vocab)
-  runs = [(workdir, "")] + [(config[f], f" (config.{f})") for f in ("init", "init_from") if config.get(f)]
+  runs = [(workdir, "")] + [(run_directory(config[f]), f" (config.{f})") for f in ("init", "init_from")
+                            if config.get(f)]
   for run, role in runs + [(source, " (the evaluated run)") for source in sources]:
     recorded = recorded_vocabulary(run) if os.path.isdir(run) else None
     if recorded and recorded["sha256"] != digest:
