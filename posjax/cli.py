@@ -39,12 +39,17 @@ def error_message(error: BaseException) -> str:
 def check_directory(path: str, flag: str, allowed: str) -> None:
   """``path``, a directory the command writes (``flag``'s value), can be one: neither it nor a parent up to the
   first that exists is a file; else a ``ValueError`` naming the file and ``allowed``, before anything is written."""
-  existing = os.path.normpath(path)
-  while existing and not os.path.exists(existing) and os.path.dirname(existing) != existing:
+  raw = (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).rstrip(os.sep) or os.sep
+  existing = raw  # not normalised: "a_file/../x" is under a file for the system, whatever its text says
+  while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
     existing = os.path.dirname(existing)
-  if existing and os.path.exists(existing) and not os.path.isdir(existing):
-    where = "is a file" if existing == os.path.normpath(path) else f"is under the file {existing}"
-    raise ValueError(f"{flag}={path} {where}; {flag} names a directory: {allowed}")
+  where = "is" if existing == raw else "is under"
+  if os.path.islink(existing) and not os.path.exists(existing):
+    raise ValueError(f"{flag}={path} {where} a link to nothing ({existing} -> {os.readlink(existing)}); {flag} names "
+                     f"a directory: {allowed}")
+  if not os.path.isdir(existing):
+    raise ValueError(f"{flag}={path} {where} {'a file' if where == 'is' else f'the file {existing}'}; {flag} names "
+                     f"a directory: {allowed}")
 
 
 def run_user_errors(fn, argv) -> None:

@@ -154,6 +154,10 @@ def load(workdir: str, step: int | None = None):
         (results_lib.read_json(os.path.join(workdir, "config.json")) or {}).get("task") or "mlm")
     raise ValueError(f"{workdir}: this workdir holds an encoder ({task}) run; generate needs a decoder run "
                      "(configs/lm.py)")
+  task = checkpoint.run_task(workdir)
+  if task not in (None, *checkpoint.LM_TASKS):
+    raise ValueError(f"{workdir}: this workdir holds a decoder fine-tuned for {task} (its head, not a language "
+                     "model's); generate needs a decoder run (configs/lm.py), such as the one it started from")
   config = BertConfig(**{**values, "attention_kernel": "xla", "kernel_platform": ""})
   params = checkpoint.load_params(workdir, step)
   vocab = checkpoint.vocab_file_of(workdir)
@@ -186,17 +190,19 @@ def main(argv=None) -> int:
     if unknown:
       print(f"warning: --prompt has {len(unknown)} piece(s) the run's vocabulary does not hold, each read as "
             f"{tokenizer.backend.id_to_token(tokenizer.unk_id)}: {', '.join(map(repr, unknown))}", file=sys.stderr)
+    read = len(ids) + args.max_new_tokens - 1  # the positions the model reads (the last new token is not fed)
+    trained = (results_lib.read_json(os.path.join(args.workdir, "config.json")) or {}).get("max_len") or (
+        module.config.max_len)  # the length it trained at (a warm start's model_config.json keeps its base's)
+    if read > trained:
+      print(f"warning: the prompt's {len(ids)} tokens and --max_new_tokens={args.max_new_tokens} read {read} "
+            f"positions, {read / trained:.1f}x the {trained} the run trained at; past them the continuation rests "
+            f"on how {module.config.position} extrapolates", file=sys.stderr)
     eos = eos_ids(checkpoint.special_token_ids(args.workdir)["eos_token_id"])  # the run's end of document
     tokens = generate(module, variables, np.asarray([ids]), max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos)
   except (ValueError, FileNotFoundError) as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
-  total, trained = len(ids) + args.max_new_tokens, module.config.max_len
-  if total > trained:
-    print(f"warning: the prompt's {len(ids)} tokens and --max_new_tokens={args.max_new_tokens} reach position {total}, "
-          f"{total / trained:.1f}x the run's length {trained} (model_config.json max_len); past it the "
-          f"continuation rests on how {module.config.position} extrapolates", file=sys.stderr)
   new = [int(t) for t in np.asarray(tokens)[0, len(ids):]]
   ends = [i for i, t in enumerate(new) if t in eos]
   new = new[:ends[0] + 1] if ends else new  # up to the end-of-document token, where Hugging Face's generate stops

@@ -252,13 +252,18 @@ def broken_source(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["truncated safetensors", "truncated bin", "broken config.json", "workdir is a file",
-                                  "workdir under a file", "no torch", "no safetensors"])
+                                  "workdir under a file", "workdir a dangling link", "no torch", "no safetensors"])
 def test_a_broken_source_workdir_or_install_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys,
                                                                                   case):
   source, message = broken_source(tmp_path, "truncated safetensors" if case.startswith(("workdir", "no ")) else case)
   target = tmp_path / "out"
   command = ["hf-to-posjax", "--from", str(source), "--workdir", str(target)]
-  if case.startswith("workdir"):
+  if case == "workdir a dangling link":
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    command[-1] = str(tmp_path / "link")
+    message = rf"--workdir={tmp_path}/link is a link to nothing \({tmp_path}/link -> {tmp_path}/nowhere\); " \
+              r"--workdir names a directory: a new one, or one without checkpoints"
+  elif case.startswith("workdir"):
     (tmp_path / "file").write_text("mine")
     target = tmp_path / "file" / ("run" if "under" in case else "")
     command[-1] = str(target).rstrip("/")

@@ -172,6 +172,10 @@ def test_a_checkpoint_file_with_fairseq_objects_reads_without_fairseq(tmp_path):
 def test_bad_checkpoints_are_clear_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="TUPE checkpoint .*missing.pt does not exist"):
     tupe_fairseq.from_tupe_fairseq(str(tmp_path / "missing.pt"))
+  torch.save({"args": official_args(False), "model": official_state(False)}, tmp_path / "whole.pt")
+  (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:1000])  # a truncated copy
+  with pytest.raises(ValueError, match=r"TUPE checkpoint .*cut.pt cannot be read \(.+\); the converter reads a whole"):
+    tupe_fairseq.from_tupe_fairseq(str(tmp_path / "cut.pt"))
   with pytest.raises(ValueError, match=r"no weights under decoder.sentence_encoder."):
     tupe_fairseq.from_tupe_fairseq({"args": official_args(False), "model": {"encoder.layers.0.fc1.weight": np.ones(2)}})
   state = official_state(False)

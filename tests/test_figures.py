@@ -131,7 +131,6 @@ def test_every_row_of_a_figure_has_a_colour_and_a_marker_of_its_own_and_the_cont
   styles = plots.method_styles([f"row {i}" for i in range(20)])
   assert len({s["color"] for s in styles.values()}) == 20
   assert len({s["marker"] for s in list(styles.values())[:15]}) == 15
-  assert plots.method_styles(["rope", "TUPE-R", "alibi"]) == plots.method_styles(["rope", "TUPE-R", "alibi"])
 
   # The probes' plot (make demo): 21 methods, four of them a learned table (points only) that stop at length 16.
   config = config_args.load_config("configs/probes.py")

@@ -239,8 +239,8 @@ def test_the_command_line_warns_once_of_prompt_pieces_read_as_unk_and_once_of_po
   assert generate.main(["--workdir", str(decoder_run), "--prompt", prompt, "--max_new_tokens", "2"]) == 0
   assert capsys.readouterr().err.splitlines() == [
       "warning: --prompt has 1 piece(s) the run's vocabulary does not hold, each read as [UNK]: 'zq'",
-      "warning: the prompt's 80 tokens and --max_new_tokens=2 reach position 82, 5.1x the run's length 16 "
-      "(model_config.json max_len); past it the continuation rests on how alibi extrapolates"]
+      "warning: the prompt's 80 tokens and --max_new_tokens=2 read 81 positions, 5.1x the 16 the run trained at; "
+      "past them the continuation rests on how alibi extrapolates"]
 
 
 def test_generate_on_an_encoder_run_says_it_needs_a_decoder_run(tmp_path, capsys):
@@ -249,3 +249,12 @@ def test_generate_on_an_encoder_run_says_it_needs_a_decoder_run(tmp_path, capsys
   assert generate.main(["--workdir", str(tmp_path), "--prompt", "w3"]) == 2
   assert capsys.readouterr().err == (f"error: {tmp_path}: this workdir holds an encoder (mlm) run; generate needs a "
                                      "decoder run (configs/lm.py)\n")
+  # a decoder fine-tuned for GLUE has a classifier, not a language model's head: for generate and for the export
+  from posjax.convert import __main__ as cli
+  (tmp_path / "model_config.json").write_text(json.dumps(BertConfig.decoder(num_layers=1).to_dict()))
+  (tmp_path / "config.json").write_text(json.dumps({"task": "glue"}))
+  assert generate.main(["--workdir", str(tmp_path), "--prompt", "w3"]) == 2
+  assert "holds a decoder fine-tuned for glue (its head, not a language model's)" in capsys.readouterr().err
+  out = tmp_path.parent / f"{tmp_path.name}_hf"
+  assert cli.main(["posjax-to-hf", "--workdir", str(tmp_path), "--out", str(out)]) == 2
+  assert "holds a causal model fine-tuned for glue" in capsys.readouterr().err and not out.exists()

@@ -120,3 +120,10 @@ def test_tupes_cls_reset_takes_the_first_position_kept_at_zero_and_refuses_the_d
   untied = changed(config, **{"model.position_options.cls_reset": "none"})
   batches, _ = mlm_task.corpus_batches(untied, tokenizer, 4)  # no [CLS] reset: the paper's draw
   next(batches)
+  # LongRoPE reads a packed document's length from its run of positions, which starts at position 0
+  longrope = override(load_config("lm", "runlocal"), batch_size=4, max_len=32, **{
+      "data.random_positions": 64, "data.packing": "stream_documents", "model.position_options.scaling": "longrope",
+      "model.position_options.short_factor": (1.0,) * 4, "model.position_options.long_factor": (2.0,) * 4})
+  with pytest.raises(ValueError, match=r"^data.random_positions_first='drawn' with data.packing='stream_documents': "
+                                       r"rope's longrope scaling reads each packed document's length"):
+    mlm_task.corpus_batches(longrope, tokenizer, 4, masked=False)

@@ -78,6 +78,19 @@ def test_restart_with_a_different_config_is_an_error_that_leads_with_a_changed_t
     train(pretrain_config(total_steps=1, learning_rate=0.5), str(tmp_path))
   with pytest.raises(ValueError, match=r"holds a 'mlm' run and this config is a 'clm' run \(\d+ fields differ: "):
     validate.check_workdir_config(load_config("lm", "runlocal"), str(tmp_path), write=False)
+  # a run from before data.random_positions_first resumes as it ran: the field's absence is the old draw (first at 0)
+  recorded = json.loads((tmp_path / "config.json").read_text())
+  del recorded["data"]["random_positions_first"]
+  (tmp_path / "config.json").write_text(json.dumps(recorded))
+  validate.check_workdir_config(pretrain_config(total_steps=1), str(tmp_path), write=False)  # no draw: no change
+  recorded["data"]["random_positions"] = 512
+  (tmp_path / "config.json").write_text(json.dumps(recorded))
+  with pytest.raises(ValueError, match=r"different config \(changed: \['data.random_positions_first'\]\)"):
+    validate.check_workdir_config(pretrain_config(total_steps=1, **{"data.random_positions": 512}), str(tmp_path),
+                                  write=False)
+  validate.check_workdir_config(pretrain_config(total_steps=1, **{"data.random_positions": 512,
+                                                                  "data.random_positions_first": "zero"}),
+                                str(tmp_path), write=False)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):

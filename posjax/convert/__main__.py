@@ -248,8 +248,11 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
   module docstring)."""
   check_export_directory(out, run)
   fields = checkpoint_lib.read_model_config(run, "--workdir")
+  task = checkpoint_lib.run_task(run)
+  if fields.get("causal") and task not in (None, *checkpoint_lib.LM_TASKS):
+    raise ValueError(f"--workdir={run} holds a causal model fine-tuned for {task} (its head, not a language model's),"
+                     " which Hugging Face's causal LMs cannot hold; export the run it started from")
   params = checkpoint_lib.load_params(run, step)
-  start_export(out, run, step)
   if "generator" in fields:
     config = ElectraConfig.from_dict(fields)
     models = dict(zip((os.path.join(out, "generator"), os.path.join(out, "discriminator")),
@@ -264,6 +267,7 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
     else:
       model = hf_bert.to_hf_bert(config, {"params": params})
     models = {out: model}
+  start_export(out, run, step)
   for directory, model in models.items():
     vocab = save_hf(model, run, directory, decoder="generator" not in fields and config.causal)
     print(f"{run} ({config.position}) -> {directory}: {type(model).__name__}"

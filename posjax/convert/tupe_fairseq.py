@@ -65,7 +65,12 @@ def load_checkpoint(path: str) -> dict:
 
   if not os.path.isfile(path):
     raise FileNotFoundError(f"TUPE checkpoint {path} does not exist")
-  return torch.load(path, map_location="cpu", pickle_module=_PICKLE, weights_only=False)
+  try:
+    return torch.load(path, map_location="cpu", pickle_module=_PICKLE, weights_only=False)
+  except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+    raise ValueError(f"TUPE checkpoint {path} cannot be read ({' '.join(str(error).split()) or type(error).__name__}"
+                     "); the converter reads a whole checkpoint*.pt that fairseq saved (a truncated copy: copy it "
+                     "again)") from None
 
 
 def _args(checkpoint: Mapping) -> dict:

@@ -17,8 +17,10 @@ counting from 0 (a row, or a packed document under ``documents`` / ``stream_docu
   It is the draw for a method that reads position 0 as the run's [CLS] (TUPE's ``cls_reset``), which refuses
   ``drawn`` (:func:`posjax.tasks.mlm.check_random_positions`).
 
-What reads position 0 as a run's start: TUPE's [CLS] untying (refused with ``drawn``, above) and the Forgetting
-Transformer's cumulative gate sums, which restart at each position 0 (:func:`posjax.kernels.terms.forget_sums`).
+What reads position 0 as a run's start: TUPE's [CLS] untying (refused with ``drawn``, above), RoPE's ``dynamic`` and
+``longrope`` scalings, which read a packed document's length from its run of positions
+(:func:`posjax.positions.rotary.run_lengths`; ``drawn`` is refused with them under the packings that restart
+positions, ``documents`` and ``stream_documents``), and the Forgetting Transformer's cumulative gate sums, which restart at each position 0 (:func:`posjax.kernels.terms.forget_sums`).
 [choice] FoX takes ``drawn``: its sums then restart only where a run's first token drew 0 and otherwise run on
 from an earlier start of the row, which leaves every difference ``c_i - c_j`` within a document as it was (packed
 documents are kept apart by their segment ids, not by the positions), to float32 rounding over at most a row.

@@ -17,6 +17,7 @@ from posjax.data import corpus, prepared, random_positions
 from posjax.data import mlm as mlm_data
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
+from posjax.positions import rotary
 from posjax.train.task import Evaluator, Task, counted_metrics
 
 
@@ -106,6 +107,13 @@ def check_random_positions(config: ml_collections.ConfigDict, tokenizer: Tokeniz
     raise ValueError(f"data.random_positions_first='drawn': position method {reset[0][0]!r} resets the [CLS] at "
                      f"position 0 (cls_reset={reset[0][1]!r}); set data.random_positions_first='zero' or "
                      "model.position_options.cls_reset='none'")
+  by_length = [(name, spec.options.scaling) for name, spec in model.method_specs.items()
+               if getattr(spec.options, "scaling", "none") in rotary.LENGTH_DEPENDENT]
+  if by_length and first == "drawn" and config.data.get("packing") in ("documents", "stream_documents"):
+    raise ValueError(f"data.random_positions_first='drawn' with data.packing={config.data.packing!r}: "
+                     f"{by_length[0][0]}'s {by_length[0][1]} scaling reads each packed document's length from its "
+                     "run of positions, which starts at position 0; set data.random_positions_first='zero' or "
+                     "data.packing='stream'")
   return limit, first
 
 

@@ -369,6 +369,18 @@ SPECIAL_TOKENS = "special_tokens.json"  # a converted decoder's bos / eos / pad 
 CLS_PACKINGS = ("full_sentence", "documents")  # the packings whose rows start with [CLS]
 
 
+LM_TASKS = ("mlm", "clm", "electra")  # the pre-training tasks: a run of any other is a fine-tune with its own head
+
+
+def run_task(workdir: str) -> str | None:
+  """The task a run trained (its config.json's ``task``); None for a converted model, which has no config.json."""
+  config = os.path.join(workdir, "config.json")
+  if not os.path.isfile(config):
+    return None
+  with open(config) as f:
+    return json.load(f).get("task")
+
+
 def _packing(workdir: str) -> str:
   """The run's ``data.packing`` (its config.json's; ``stream``, the decoders', where it has none)."""
   config = os.path.join(workdir, "config.json")

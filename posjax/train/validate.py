@@ -34,6 +34,15 @@ RESUMABLE_CHANGES = ("allow_config_change", "progress", "device_prefetch", "data
                      "shutdown_timeout_seconds", "model.kernel_platform")
 
 
+# Fields added since runs began recording their config: what a run that has none of them did (given its flattened
+# config, and the one resuming it, where the field changed nothing). A missing field is that value, not a change.
+ADDED_FIELDS = {
+    "data.random_positions_first": lambda before, now: (
+        "zero" if before.get("data.random_positions") else now["data.random_positions_first"]),
+    "classifier_token": lambda before, now: "first" if before.get("model.causal") else "auto",
+}
+
+
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore: tuple[str, ...] = (),
                          write: bool = True) -> None:
   """Compares the config with ``workdir/config.json`` and (``write``) writes it there; a restart with a different
@@ -46,6 +55,8 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore
       previous = json.load(f)
     before = flax.traverse_util.flatten_dict(previous, sep=".")
     now = flax.traverse_util.flatten_dict(current, sep=".")
+    before = {**{k: implied(before, now) for k, implied in ADDED_FIELDS.items() if k in now and k not in before},
+              **before}
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k) and k not in ignore)
     if changed:
       if "task" in changed:  # the change that explains the others comes first
