@@ -96,7 +96,7 @@ def test_the_harness_reads_a_finished_run_and_extends_it_zero_shot_and_fine_tune
   train(run, str(source))
   before = files(source)
   # the longest length's 2 batches of tokens are 4 batches at 32: the run's own evaluation
-  config = harness_config(methods="", runs=(str(source),), eval_batches=2)
+  config = harness_config(methods="", runs=(str(source),), eval_batches=2, model="clm")
   results = length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=evaluate_checkpoint)
   assert files(source) == before  # only read
   own = json.loads((source / "results.json").read_text())["metrics"]["eval"]
@@ -111,10 +111,17 @@ def test_the_harness_reads_a_finished_run_and_extends_it_zero_shot_and_fine_tune
   assert length.run(config, str(tmp_path / "harness"), must_not_train, evaluate=must_not_train) == results
   # a second run of the same method (a variant) is a row of its own, named by its directory
   shutil.copytree(source, tmp_path / "rope_variant")
-  both = harness_config(methods="", runs=(str(source), str(tmp_path / "rope_variant")))
+  both = harness_config(methods="", runs=(str(source), str(tmp_path / "rope_variant")), model="clm")
   rows = length.plan(both, str(tmp_path / "harness"))
   assert list(rows) == ["rope", "rope (rope_variant)"] and rows["rope (rope_variant)"].method == "rope"
   assert rows["rope (rope_variant)"].make()[1] == str(tmp_path / "rope_variant")
+  # a run that differs from the recipe elsewhere says so in its name; a row trained here is never replaced
+  changed = json.loads((tmp_path / "rope_variant" / "config.json").read_text())
+  changed["data"]["random_positions"] = 512
+  (tmp_path / "rope_variant" / "config.json").write_text(json.dumps(changed))
+  mixed = harness_config(methods="rope", runs=(str(source), str(tmp_path / "rope_variant")), model="clm")
+  assert list(length.plan(mixed, str(tmp_path / "mixed"))) == ["rope", "rope (clm_rope)",
+                                                               "rope [data.random_positions=512]"]
 
   # context extension of the finished run: PI zero-shot (its checkpoint, interpolated) and fine-tuned at 2x
   extended = harness_config(methods="", passkey=None, model="clm", extension={

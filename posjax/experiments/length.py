@@ -202,8 +202,31 @@ def option_changes(config, method: str, options: dict) -> dict:
 
 
 def _options_text(changes: dict) -> str:
-  """``scaling=yarn, factor=4`` ("" for none)."""
-  return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changes.items())
+  """``scaling=yarn, factor=4`` ("" for none; a list of values as its length: LongRoPE's factors)."""
+  shown = lambda v: (f"{v:g}" if isinstance(v, float) else f"[{len(v)} values]" if isinstance(v, (list, tuple))
+                     else str(v))
+  return ", ".join(f"{k}={shown(v)}" for k, v in changes.items())
+
+
+# A read run's fields that say how long and where it ran, not what it trained (the note says its steps and length).
+BOOKKEEPING = ("total_steps", "max_len", "eval_every_steps", "checkpoint_every_steps", "log_every_steps", "evals",
+               "progress", "keep_checkpoints", "keep_steps", "allow_config_change", "init_from", "warmup_steps",
+               "device_prefetch", "data.workers", "peer_timeout_seconds", "shutdown_timeout_seconds")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  return {k: v for key, value in tree.items()
+          for k, v in (_flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
+                       else [(f"{prefix}{key}", value)])}
+
+
+def recipe_changes(config, method: str, run: dict) -> dict:
+  """The fields of a read run's config, besides its position options and :data:`BOOKKEEPING`, that differ from the
+  harness's recipe for its method (data, optimiser, size, ...: what else made it another experiment)."""
+  recipe, mine = _flat(json.loads(run_config(config, method).to_json_best_effort())), _flat(run)
+  return {k: mine.get(k) for k in sorted(set(recipe) | set(mine))
+          if mine.get(k) != recipe.get(k) and not k.startswith(("model.position_options.", "evals."))
+          and k not in BOOKKEEPING}
 
 
 def read_runs(config) -> dict[str, Finished]:
@@ -224,11 +247,20 @@ def read_runs(config) -> dict[str, Finished]:
       raise ValueError(f"config.runs: {source} is a run of task {task!r}, not of the harness's model={config.model!r}")
     changes = option_changes(config, method, run["model"].get("position_options", {}))
     options = _options_text(changes) or "the recipe's defaults"
-    trained = f"{finished.get('step')} steps at length {run['max_len']}, position options {options}"
+    other = recipe_changes(config, method, run)
+    trained = (f"{finished.get('step')} steps at length {run['max_len']}, position options {options}"
+               + (f", and beside the recipe {_options_text(other)}" if other else ""))
     label = method + (f" ({text})" if (text := _options_text(
         {k: v for k, v in changes.items() if not (k == "original_max_len" and v == config.train_len)})) else "")
+    if run["max_len"] != config.train_len:  # a fine-tune's own schedule is in its note, not its name
+      other_named = {k: v for k, v in other.items() if k not in ("learning_rate", "lr_schedule", "lr_end_fraction")}
+    else:
+      other_named = other
+    if other_named:  # another experiment than the harness's recipe: its first difference in the row's name
+      label += f" [{_options_text(dict(list(other_named.items())[:1]))}{', ...' if len(other_named) > 1 else ''}]"
     if run["max_len"] == config.train_len:
-      name = label if label not in found else f"{label} ({os.path.basename(os.path.normpath(source))})"
+      taken = label in found or label in config.methods  # a row of its own, never one trained here
+      name = label if not taken else f"{label} ({os.path.basename(os.path.normpath(source))})"
       if name in found:
         raise ValueError(f"config.runs: {found[name].workdir} and {source} are both runs of {label!r} in directories "
                          "of the same name; rename one (its name names the row)")
