@@ -42,6 +42,8 @@ def test_a_causal_classifier_reads_each_rows_last_real_token_and_refuses_its_fir
   with pytest.raises(ValueError, match=r"classifier_token='middle' is not allowed; choose one of \['auto', 'first', "
                                        r"'last'\]"):
     BertModel(causal, "classification", 3, "cls", "middle").init(jax.random.PRNGKey(0), ids)
+  with pytest.raises(ValueError, match=r"rows of packed documents \(segment_ids\) would be read at their last"):
+    model.apply({"params": params}, ids, attention_mask=mask, segment_ids=np.ones_like(ids))
 
 
 def test_glue_and_squad_from_a_converted_llama_give_hugging_faces_classifier_and_question_answering_logits(tmp_path):

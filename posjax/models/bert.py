@@ -539,7 +539,9 @@ def classifier_token(config: BertConfig, token: str = "auto") -> str:
 
 def pooled_token(h_BxLxD, attention_mask_BxL, token: str):
   """``[B, D]``: each row's state at its first token (``first``) or at its last real one (``last``: the rightmost
-  position the attention mask keeps, as Hugging Face's decoder classifiers pick it; the first of a row with none)."""
+  position the attention mask keeps, as Hugging Face's decoder classifiers pick it; the first of a row with none;
+  without a mask the row's last token, so a padded batch needs its ``attention_mask``: Hugging Face finds the last
+  token from ``pad_token_id`` instead, which the model does not know)."""
   if token == "first":
     return h_BxLxD[:, 0]
   length = h_BxLxD.shape[1]
@@ -630,8 +632,11 @@ class BertModel(nn.Module):
     encoder = BertEncoder(self.config, name="encoder")
     h = encoder(input_ids, deterministic=deterministic, **encoder_kwargs).last_hidden_state
     if self.head in ("pooler", "classification"):
-      x_BxD = pooled_token(h, encoder_kwargs.get("attention_mask"), classifier_token(self.config,
-                                                                                     self.classifier_token))
+      token = classifier_token(self.config, self.classifier_token)
+      if token == "last" and encoder_kwargs.get("segment_ids") is not None:
+        raise ValueError(f"head {self.head!r} reads each row's last real token, one per row; rows of packed "
+                         "documents (segment_ids) would be read at their last document only: give one sequence a row")
+      x_BxD = pooled_token(h, encoder_kwargs.get("attention_mask"), token)
     if self.head == "pooler":
       return BertOutput(h, pooler_output=pooler(self.config, x_BxD))
     if self.head in ("mlm", "lm"):
