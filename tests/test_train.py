@@ -359,11 +359,11 @@ def test_a_failed_config_change_names_the_change_and_leaves_the_run_resumable(tm
   assert json.loads((run / "config.json").read_text())["model"]["intermediate_size"] == 128  # not overwritten
   # another tokenizer of the same size (two pieces swapped) is refused too, allow_config_change or not, and so is a
   # warm start from the run on it, or a run from before the record (its config.json names its file); the same
-  # tokenizer moved is not
+  # tokenizer moved and saved with CRLF line ends is not
   lines = list(vocab)
   lines[10], lines[11] = lines[11], lines[10]
   (tmp_path / "swapped.txt").write_text("\n".join(lines) + "\n")
-  shutil.copy(tmp_path / "vocab.txt", tmp_path / "moved.txt")
+  (tmp_path / "moved.txt").write_bytes((tmp_path / "vocab.txt").read_bytes().replace(b"\n", b"\r\n"))  # CRLF
   changed = lambda name, **fields: override(pretrain_config(total_steps=3, eval_every_steps=0, allow_config_change=True,
                                                             **{**own, "data.vocab_file": str(tmp_path / name)}), **fields)
   swapped = rf"was trained with the tokenizer {tmp_path / 'vocab.txt'} \(sha256 \w{{12}}\); this config's \S+swapped"

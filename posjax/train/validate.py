@@ -69,7 +69,7 @@ def check_workdir_config(config: ml_collections.ConfigDict, workdir: str, ignore
     results_lib.write_json(path, current, indent=2)
 
 
-VOCABULARY = "vocabulary.json"  # a run's tokenizer file and its sha256, recorded when it starts
+VOCABULARY = "vocabulary.json"  # a run's tokenizer file and its sha256 (_sha256), recorded when it starts
 
 
 def vocabulary_file(config: ml_collections.ConfigDict) -> str:
@@ -105,8 +105,13 @@ def recorded_vocabulary(run: str) -> dict | None:
 
 
 def _sha256(path: str) -> str:
+  """The sha256 of a tokenizer file as its reader sees it: a WordPiece vocab.txt by its pieces, one a line without
+  trailing whitespace (a copy with CRLF line ends is the same vocabulary), any other file by its bytes."""
   with open(path, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()
+    data = f.read()
+  if path.endswith(".txt"):
+    data = b"\n".join(line.rstrip() for line in data.rstrip(b"\r\n").split(b"\n"))
+  return hashlib.sha256(data).hexdigest()
 
 
 def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: bool = True,
