@@ -80,14 +80,15 @@ def test_predictions_map_back_to_the_original_characters(tokenizer):
   assert squad.predictions({"q": example}, [feature], start, end, max_answer_len=2)["q"] != "Müller's"
 
 
-def reference_max_context(spans, index, position):
-  """BERT's ``_check_is_max_context``, as written in its run_squad.py (spans as (start, length))."""
+def reference_max_context(spans, index, position, causal=False):
+  """BERT's ``_check_is_max_context``, as written in its run_squad.py (spans as (start, length)); ``causal``: the
+  context left of the token only, all a causal model reads."""
   best_score, best_index = None, None
   for span_index, (start, length) in enumerate(spans):
     end = start + length - 1
     if position < start or position > end:
       continue
-    score = min(position - start, end - position) + 0.01 * length
+    score = (position - start if causal else min(position - start, end - position)) + 0.01 * length
     if best_score is None or score > best_score:
       best_score, best_index = score, span_index
   return index == best_index
@@ -99,12 +100,13 @@ def one_token_words(tokenizer, n):
   return (whole * (n // len(whole) + 1))[:n]
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("words, room, stride", [(18, 8, 5), (40, 8, 3), (23, 9, 4), (30, 16, 16)])
-def test_each_context_token_is_scored_only_in_its_window_of_most_context(tokenizer, words, room, stride):
+def test_each_context_token_is_scored_only_in_its_window_of_most_context(tokenizer, words, room, stride, causal):
   context = " ".join(one_token_words(tokenizer, words))
   example = squad.Example("q", "what ?", context, (), ())
   question = tokenizer.encode(example.question)
-  features = squad.windows(tokenizer, example, max_len=len(question) + 3 + room, doc_stride=stride)
+  features = squad.windows(tokenizer, example, max_len=len(question) + 3 + room, doc_stride=stride, causal=causal)
   first = len(question) + 2
   spans = []
   for f in features:
@@ -112,7 +114,8 @@ def test_each_context_token_is_scored_only_in_its_window_of_most_context(tokeniz
     spans.append((context[:offsets[0][0]].count(" "), len(offsets)))
   for index, (f, (start, length)) in enumerate(zip(features, spans)):
     assert f.max_context[:first] == [False] * first
-    assert f.max_context[first:first + length] == [reference_max_context(spans, index, start + i) for i in range(length)]
+    assert f.max_context[first:first + length] == [reference_max_context(spans, index, start + i, causal)
+                                                   for i in range(length)]
 
 
 def test_a_start_outside_its_window_of_most_context_is_not_an_answer(tokenizer):

@@ -73,8 +73,10 @@ def tfds_examples(split: str, data_dir: str | None = None) -> Iterator[Example]:
 
 
 def windows(tokenizer: Tokenizer, example: Example, *, max_len: int, doc_stride: int = 128,
-            max_query_len: int = 64) -> list[Window]:
-  """The example's features; labels from its first answer (SQuAD's training answers are single)."""
+            max_query_len: int = 64, causal: bool = False) -> list[Window]:
+  """The example's features; labels from its first answer (SQuAD's training answers are single). ``causal``: each
+  context token is predicted from the window where it has the most context to its left, the only side a causal
+  model reads (:func:`_max_context_windows`)."""
   question = tokenizer.encode(example.question)[:max_query_len]
   room = max_len - len(question) - 3
   if room <= 0:
@@ -91,7 +93,7 @@ def windows(tokenizer: Tokenizer, example: Example, *, max_len: int, doc_stride:
   while starts[-1] + room < len(context):
     starts.append(starts[-1] + min(doc_stride, room))
   spans = [range(start, min(start + room, len(context))) for start in starts]
-  best = _max_context_windows(spans, len(context))
+  best = _max_context_windows(spans, len(context), causal)
   features = []
   for number, span in enumerate(spans):
     ids = [tokenizer.cls_id, *question, tokenizer.sep_id, *(context[i] for i in span), tokenizer.sep_id]
@@ -112,13 +114,15 @@ def windows(tokenizer: Tokenizer, example: Example, *, max_len: int, doc_stride:
   return features
 
 
-def _max_context_windows(spans: Sequence[range], tokens: int) -> list[int]:
+def _max_context_windows(spans: Sequence[range], tokens: int, causal: bool = False) -> list[int]:
   """Per context token, the window where it has the most context: the highest min(tokens left of it, tokens right
-  of it) + 0.01 x window length, the first on a tie (BERT's ``_check_is_max_context``)."""
+  of it) + 0.01 x window length, the first on a tie (BERT's ``_check_is_max_context``); ``causal``: the most tokens
+  left of it (a causal model reads no others)."""
   best, scores = [0] * tokens, [-1.0] * tokens
   for number, span in enumerate(spans):
     for i in span:
-      score = min(i - span.start, span.stop - 1 - i) + 0.01 * len(span)
+      left = i - span.start
+      score = (left if causal else min(left, span.stop - 1 - i)) + 0.01 * len(span)
       if score > scores[i]:
         best[i], scores[i] = number, score
   return best

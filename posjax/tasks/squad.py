@@ -59,7 +59,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   model = BertModel(model_config, head="span")
   use_types = model_config.type_vocab_size > 0
   window = functools.partial(squad_data.windows, tokenizer, doc_stride=data.doc_stride,
-                             max_query_len=data.max_query_len)
+                             max_query_len=data.max_query_len, causal=model_config.causal)
 
   def feature(w: squad_data.Window, **labels) -> dict:
     n = int(w.attention_mask.sum())
