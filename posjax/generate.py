@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax import results as results_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
 from posjax.train import checkpoint
@@ -150,11 +148,10 @@ def load(workdir: str, step: int | None = None):
   run has none)."""
   values = checkpoint.read_model_config(workdir)
   if "generator" in values or not values.get("causal"):  # before the checkpoint is read
-    task = "electra" if "generator" in values else (
-        (results_lib.read_json(os.path.join(workdir, "config.json")) or {}).get("task") or "mlm")
+    task = "electra" if "generator" in values else checkpoint.run_config(workdir).get("task") or "mlm"
     raise ValueError(f"{workdir}: this workdir holds an encoder ({task}) run; generate needs a decoder run "
                      "(configs/lm.py)")
-  task = checkpoint.run_task(workdir)
+  task = checkpoint.run_config(workdir).get("task")
   if task not in (None, *checkpoint.LM_TASKS):
     raise ValueError(f"{workdir}: this workdir holds a decoder fine-tuned for {task} (its head, not a language "
                      "model's); generate needs a decoder run (configs/lm.py), such as the one it started from")
@@ -186,18 +183,19 @@ def main(argv=None) -> int:
     if not encoded.ids:
       raise ValueError(f"--prompt={args.prompt!r} encodes to no tokens")
     unknown = [args.prompt[a:b] for i, (a, b) in zip(encoded.ids, encoded.offsets) if i == tokenizer.unk_id]
-    ids = checkpoint.prompt_prefix(args.workdir) + encoded.ids  # [CLS] first where the run's rows began with it
+    special = checkpoint.special_token_ids(args.workdir)
+    ids = checkpoint.prompt_prefix(args.workdir, special) + encoded.ids  # [CLS] first where its rows began with it
     if unknown:
       print(f"warning: --prompt has {len(unknown)} piece(s) the run's vocabulary does not hold, each read as "
             f"{tokenizer.backend.id_to_token(tokenizer.unk_id)}: {', '.join(map(repr, unknown))}", file=sys.stderr)
     read = len(ids) + args.max_new_tokens - 1  # the positions the model reads (the last new token is not fed)
-    trained = (results_lib.read_json(os.path.join(args.workdir, "config.json")) or {}).get("max_len") or (
-        module.config.max_len)  # the length it trained at (a warm start's model_config.json keeps its base's)
+    trained = checkpoint.run_config(args.workdir).get("max_len") or module.config.max_len  # the length it trained
+    # at (a warm start's model_config.json keeps its base's)
     if read > trained:
       print(f"warning: the prompt's {len(ids)} tokens and --max_new_tokens={args.max_new_tokens} read {read} "
             f"positions, {read / trained:.1f}x the {trained} the run trained at; past them the continuation rests "
             f"on how {module.config.position} extrapolates", file=sys.stderr)
-    eos = eos_ids(checkpoint.special_token_ids(args.workdir)["eos_token_id"])  # the run's end of document
+    eos = eos_ids(special["eos_token_id"])  # the run's end of document
     tokens = generate(module, variables, np.asarray([ids]), max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos)
   except (ValueError, FileNotFoundError) as error:

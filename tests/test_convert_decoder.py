@@ -232,7 +232,8 @@ def test_a_causal_bert_exports_as_bert_lm_head_model_with_its_rows_first_token_a
   assert type(hf).__name__ == "BertLMHeadModel" and hf.config.is_decoder
   assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.generation_config.bos_token_id) == (2, None, 2)
   tokens = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("w3 w7").input_ids
-  assert tokens == [2, 8, 12] == checkpoint.prompt_prefix(str(tmp_path / "run")) + [8, 12]
+  assert tokens == [2, 8, 12] == checkpoint.prompt_prefix(str(tmp_path / "run"),
+                                                          checkpoint.special_token_ids(str(tmp_path / "run"))) + [8, 12]
   ids = np.asarray([tokens + [20, 30, 40]])
   want = np.asarray(module.apply(variables, jnp.asarray(ids)).logits)
   np.testing.assert_allclose(hf_logits(hf, ids), want, atol=2e-4 * np.abs(want).max(), rtol=0)

@@ -104,8 +104,7 @@ def hf_to_posjax(source: str, workdir: str) -> str:
   """Writes the converted model (BERT, ELECTRA or a decoder) as a posjax run in ``workdir``, with the tokenizer's
   files; returns its checkpoint directory."""
   check_new_workdir(workdir)
-  if os.path.realpath(workdir) == os.path.realpath(source) or os.path.realpath(workdir).startswith(
-      os.path.join(os.path.realpath(source), "")):
+  if _within(workdir, source):
     raise ValueError(f"--workdir={workdir} is --from={source} or inside it; the converted run goes to a new "
                      "directory (a converter never writes into what it reads)")
   model_type = hf_model_type(source)
@@ -148,6 +147,12 @@ def converted_from(run: str) -> str:
     return json.load(f)["model_type"]
 
 
+def _within(path: str, directory: str) -> bool:
+  """Whether ``path`` is ``directory`` or inside it, links resolved (where a converter must never write)."""
+  path, directory = os.path.realpath(path), os.path.realpath(directory)
+  return path == directory or path.startswith(os.path.join(directory, ""))
+
+
 def _foreign(directory: str) -> list[str]:
   """The entries of ``directory`` (and of its ELECTRA subdirectories) that no export writes, links included (an
   export never writes through one)."""
@@ -169,8 +174,7 @@ def check_export_directory(out: str, run: str) -> None:
   origin, one holding a run, links or other files. Checked before anything is read or written: an export never
   overwrites a run's ``config.json`` or a model it did not write."""
   check_directory(out, "--out", "a new or empty directory, or an earlier export's")
-  out_real, run_real = os.path.realpath(out), os.path.realpath(run)
-  if out_real == run_real or out_real.startswith(run_real + os.sep):
+  if _within(out, run):
     raise ValueError(f"--out={out} is --workdir={run} or inside it; an export goes to another directory (it would "
                      "write Hugging Face's config.json over the run's)")
   if not os.path.isdir(out) or not os.listdir(out):
@@ -248,7 +252,7 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
   module docstring)."""
   check_export_directory(out, run)
   fields = checkpoint_lib.read_model_config(run, "--workdir")
-  task = checkpoint_lib.run_task(run)
+  task = checkpoint_lib.run_config(run).get("task")
   if fields.get("causal") and task not in (None, *checkpoint_lib.LM_TASKS):
     raise ValueError(f"--workdir={run} holds a causal model fine-tuned for {task} (its head, not a language model's),"
                      " which Hugging Face's causal LMs cannot hold; export the run it started from")

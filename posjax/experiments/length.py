@@ -49,6 +49,7 @@ import time
 
 from typing import Callable, NamedTuple
 
+import flax.traverse_util
 import jax
 import ml_collections
 import numpy as np
@@ -214,16 +215,11 @@ BOOKKEEPING = ("total_steps", "max_len", "eval_every_steps", "checkpoint_every_s
                "device_prefetch", "data.workers", "peer_timeout_seconds", "shutdown_timeout_seconds")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-  return {k: v for key, value in tree.items()
-          for k, v in (_flat(value, f"{prefix}{key}.").items() if isinstance(value, dict)
-                       else [(f"{prefix}{key}", value)])}
-
-
 def recipe_changes(config, method: str, run: dict) -> dict:
   """The fields of a read run's config, besides its position options and :data:`BOOKKEEPING`, that differ from the
   harness's recipe for its method (data, optimiser, size, ...: what else made it another experiment)."""
-  recipe, mine = _flat(json.loads(run_config(config, method).to_json_best_effort())), _flat(run)
+  recipe, mine = (flax.traverse_util.flatten_dict(tree, sep=".")
+                  for tree in (json.loads(run_config(config, method).to_json_best_effort()), run))
   return {k: mine.get(k) for k in sorted(set(recipe) | set(mine))
           if mine.get(k) != recipe.get(k) and not k.startswith(("model.position_options.", "evals."))
           and k not in BOOKKEEPING}

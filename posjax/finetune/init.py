@@ -53,9 +53,10 @@ def find(config: ml_collections.ConfigDict) -> Start | None:
     if config.get("init_step") is not None:
       raise ValueError(f"config.init_step={config.init_step} needs config.init (the run to start from)")
     return None
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(checkpoints) and os.path.basename(os.path.normpath(workdir)) == "checkpoints":
-    workdir, checkpoints = os.path.dirname(os.path.normpath(workdir)), workdir
+  if checkpoint_lib.run_directory(workdir) != os.path.normpath(workdir):  # given its checkpoints directory
+    workdir, checkpoints = checkpoint_lib.run_directory(workdir), workdir
+  else:
+    checkpoints = os.path.join(workdir, "checkpoints")
   steps = kept_steps(checkpoints)
   if not steps:
     raise FileNotFoundError(f"config.init={config.init!r} holds no checkpoint (expected {checkpoints}/<step>)")

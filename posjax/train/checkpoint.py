@@ -34,6 +34,7 @@ from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
 
+from posjax import results as results_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import layout
 from posjax.train import sharding
@@ -352,17 +353,26 @@ def read_model_config(workdir: str, field: str = "workdir") -> dict:
     return json.load(f)
 
 
+def run_config(workdir: str) -> dict:
+  """A run's ``config.json`` (the config it trained with); ``{}`` for a converted model, which has none."""
+  return results_lib.read_json(os.path.join(workdir, "config.json")) or {}
+
+
+def run_directory(path: str) -> str:
+  """A run's workdir from ``path``, the workdir or its ``checkpoints`` directory (``config.init`` takes both)."""
+  path = os.path.normpath(path)
+  if not os.path.isdir(os.path.join(path, "checkpoints")) and os.path.basename(path) == "checkpoints":
+    return os.path.dirname(path)
+  return path
+
+
 def vocab_file_of(workdir: str) -> str:
   """A run's vocabulary: ``vocab.txt`` or ``tokenizer.json`` beside it, else its config's ``data.vocab_file``
   ("" when neither)."""
   for name in TOKENIZER_FILES:
     if os.path.isfile(os.path.join(workdir, name)):
       return os.path.join(workdir, name)
-  config = os.path.join(workdir, "config.json")
-  if os.path.isfile(config):
-    with open(config) as f:
-      return json.load(f).get("data", {}).get("vocab_file", "")
-  return ""
+  return (run_config(workdir).get("data") or {}).get("vocab_file", "")
 
 
 SPECIAL_TOKENS = "special_tokens.json"  # a converted decoder's bos / eos / pad ids (its source's), when it has them
@@ -370,24 +380,6 @@ CLS_PACKINGS = ("full_sentence", "documents")  # the packings whose rows start w
 
 
 LM_TASKS = ("mlm", "clm", "electra")  # the pre-training tasks: a run of any other is a fine-tune with its own head
-
-
-def run_task(workdir: str) -> str | None:
-  """The task a run trained (its config.json's ``task``); None for a converted model, which has no config.json."""
-  config = os.path.join(workdir, "config.json")
-  if not os.path.isfile(config):
-    return None
-  with open(config) as f:
-    return json.load(f).get("task")
-
-
-def _packing(workdir: str) -> str:
-  """The run's ``data.packing`` (its config.json's; ``stream``, the decoders', where it has none)."""
-  config = os.path.join(workdir, "config.json")
-  if os.path.isfile(config):
-    with open(config) as f:
-      return json.load(f).get("data", {}).get("packing", "stream")
-  return "stream"
 
 
 def special_token_ids(workdir: str) -> dict:
@@ -404,18 +396,18 @@ def special_token_ids(workdir: str) -> dict:
   if not vocab:
     return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
   tokenizer = Tokenizer.load(vocab)
-  starts = _packing(workdir) in CLS_PACKINGS
+  starts = (run_config(workdir).get("data") or {}).get("packing", "stream") in CLS_PACKINGS
   return {"bos_token_id": tokenizer.cls_id if starts else None, "eos_token_id": None if starts else tokenizer.sep_id,
           "pad_token_id": tokenizer.pad_id}
 
 
-def prompt_prefix(workdir: str) -> list[int]:
-  """The ids a prompt to a causal run starts with, as its training rows did: [CLS] under a packing that starts rows
-  with it, else none (a converted model's own tokenizer adds what it adds)."""
-  if os.path.isfile(os.path.join(workdir, SPECIAL_TOKENS)):
+def prompt_prefix(workdir: str, special_ids: dict) -> list[int]:
+  """The ids a prompt to a causal run starts with, as its training rows did (``special_ids``: its
+  :func:`special_token_ids`): [CLS] under a packing that starts rows with it, else none (a converted model's own
+  tokenizer adds what it adds)."""
+  if os.path.isfile(os.path.join(workdir, SPECIAL_TOKENS)) or special_ids["bos_token_id"] is None:
     return []
-  bos = special_token_ids(workdir)["bos_token_id"]
-  return [] if bos is None else [bos]
+  return [special_ids["bos_token_id"]]
 
 
 def latest_step(directory: str) -> int:

@@ -77,16 +77,8 @@ def vocabulary_file(config: ml_collections.ConfigDict) -> str:
   data = config.get("data") or {}
   vocab = data.get("vocab_file", "") if hasattr(data, "get") else ""
   if not vocab and config.get("init"):
-    vocab = checkpoint_lib.vocab_file_of(run_directory(config.init))
+    vocab = checkpoint_lib.vocab_file_of(checkpoint_lib.run_directory(config.init))
   return vocab
-
-
-def run_directory(path: str) -> str:
-  """A run's workdir from ``path``, the workdir or its ``checkpoints`` directory (as ``config.init`` takes both)."""
-  path = os.path.normpath(path)
-  if not os.path.isdir(os.path.join(path, "checkpoints")) and os.path.basename(path) == "checkpoints":
-    return os.path.dirname(path)
-  return path
 
 
 def recorded_vocabulary(run: str) -> dict | None:
@@ -96,11 +88,7 @@ def recorded_vocabulary(run: str) -> dict | None:
   if os.path.isfile(path):
     with open(path) as f:
       return json.load(f)
-  config = os.path.join(run, "config.json")
-  if not os.path.isfile(config):
-    return None
-  with open(config) as f:
-    vocab = (json.load(f).get("data") or {}).get("vocab_file", "")
+  vocab = (checkpoint_lib.run_config(run).get("data") or {}).get("vocab_file", "")
   return {"file": os.path.abspath(vocab), "sha256": _sha256(vocab)} if vocab and os.path.isfile(vocab) else None
 
 
@@ -123,7 +111,7 @@ def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: boo
   if not vocab or not os.path.isfile(vocab):
     return
   digest = _sha256(vocab)
-  runs = [(workdir, "")] + [(run_directory(config[f]), f" (config.{f})") for f in ("init", "init_from")
+  runs = [(workdir, "")] + [(checkpoint_lib.run_directory(config[f]), f" (config.{f})") for f in ("init", "init_from")
                             if config.get(f)]
   for run, role in runs + [(source, " (the evaluated run)") for source in sources]:
     recorded = recorded_vocabulary(run) if os.path.isdir(run) else None
@@ -255,10 +243,8 @@ def carry_training_length(config: ml_collections.ConfigDict) -> ml_collections.C
     trained = checkpoint_lib.read_model_config(config.init_from, "config.init_from").get("max_len") or 0
   except FileNotFoundError:
     return config  # not a posjax run: the checkpoint check below says so
-  base_config = os.path.join(config.init_from, "config.json")  # the length it trained at (a warm start's own
-  if os.path.isfile(base_config):                                # model_config.json keeps its base's max_len)
-    with open(base_config) as f:
-      trained = json.load(f).get("max_len") or trained
+  # the length it trained at (a warm start's own model_config.json keeps its base's max_len)
+  trained = checkpoint_lib.run_config(config.init_from).get("max_len") or trained
   length = config.get("max_len") or config.model.get("max_len") or 0  # this run's training length (init_from sets
   # model.max_len to the base run's)
   if trained and length > trained:
