@@ -36,16 +36,19 @@ import jax.numpy as jnp
 
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import decode, exact, fold, mosaic, tile, triton, xla
+from posjax.kernels import term as term_lib
+from posjax.kernels.term import EMBEDDINGS, HEAD, KINDS, ROWS, TABLE, Term, View
 from posjax.kernels.decode import decode_attention
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
 from posjax.kernels.terms import (NAMES, WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
-                                  StickBreaking, Terms, Untied, check_rows, kv_group, merge)
+                                  StickBreaking, Terms, Untied, as_terms, check_rows, kv_group,
+                                  merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = tile.PLATFORMS
-__all__ = ["relative_attention", "decode_attention", "Terms", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
+__all__ = ["relative_attention", "decode_attention", "Terms", "Term", "View", "HEAD", "ROWS", "TABLE", "EMBEDDINGS", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
            "Forget", "Cope", "StickBreaking", "merge",
            "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
@@ -57,6 +60,7 @@ def check_weight_rules(terms: Terms, dropout_rate: float) -> None:
   if not rules:
     return
   others = [name for name in NAMES if getattr(terms, name) is not None and name != rules[0]]
+  others += ["open"] if terms.open else []
   why = (f"{rules[0]} with the {'/'.join(others)} term" if others else f"dropout with {rules[0]}" if dropout_rate
          else None)
   if why:
@@ -115,7 +119,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     raise ValueError(f"unknown implementation {implementation!r}; allowed: {list(IMPLEMENTATIONS)}")
   if lengths is not None and padding is not None:
     raise ValueError("give the key padding as lengths (right padding) or as a padding mask, not both")
-  terms = terms or Terms()
+  terms = as_terms(terms)
   if sliding_window and (not causal or not isinstance(sliding_window, int) or sliding_window < 0):
     raise ValueError(f"sliding_window={sliding_window!r} needs causal=True and an int >= 1 (0: none)")
   if q_BxLxHxK.ndim != 4:
@@ -140,6 +144,10 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions_BxL = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
                    else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
+  terms = terms.replace(open=tuple(term_lib.bind(t, positions_BxL, b, h, length) for t in terms.open))
+  if terms.open and untied == "fold":
+    raise ValueError("untied='fold' folds TUPE's term into q·k, which the open terms would then read as the content "
+                     "score; use untied='tile' with open terms")
   if untied == "fold" and group > 1:
     raise ValueError(f"untied='fold' folds TUPE's per-head term into k, which has {k_BxLxGxK.shape[2]} heads "
                      f"for q's {h} (grouped-query attention); use untied='tile'")
@@ -196,6 +204,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   if terms.buckets is not None and not tpu:  # the TPU kernels select per entry: no padded entries
     terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
                                                                   pow2(terms.buckets.table.shape[0]))))
+  terms = terms.replace(open=tile.pad_open(terms.open, b, padded, tpu))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
                    interpret=interpret, treedef=treedef, dropout=dropout_rate, group=group,

@@ -34,7 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from posjax.kernels import mosaic, tile, triton, xla
 from posjax.kernels.shard import per_shard
-from posjax.kernels.terms import NAMES, Terms, check_rows, kv_group
+from posjax.kernels import term as term_lib
+from posjax.kernels.terms import NAMES, Terms, as_terms, check_rows, kv_group
 
 IMPLEMENTATIONS = ("pallas", "xla")
 KERNEL_TERMS = ("alibi", "buckets", "kerple", "fire", "forget")  # the terms the decode kernels build per tile
@@ -63,7 +64,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
     start: the first query's slot (an int32 scalar, traced).
     key_positions: ``[B, T]`` int, each slot's position (the queries' too: theirs are read at their slots).
     key_valid: ``[B, T]``, True at slots holding a real token (not padding, not yet written).
-    terms: the position terms (:class:`~posjax.kernels.terms.Terms`).
+    terms: the position terms (:class:`~posjax.kernels.terms.Terms`, an open term or a sequence of either; an open
+      term's rows and embeddings span the cache's slots).
     scale: the factor on ``q·k`` (default ``1/sqrt(K)``).
     sliding_window: key slot j only for queries at slots ``j <= i < j + sliding_window`` (0: every earlier slot).
     implementation: ``pallas`` (the decode kernels: :data:`KERNEL_TERMS` only) or ``xla`` (every term).
@@ -77,7 +79,7 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; allowed: {list(IMPLEMENTATIONS)}")
-  terms = terms or Terms()
+  terms = as_terms(terms)
   if q_BxQxHxK.ndim != 4 or k_BxGxTxK.ndim != 4 or v_BxGxTxV.shape[:3] != k_BxGxTxK.shape[:3]:
     raise ValueError(f"q {q_BxQxHxK.shape}, k {k_BxGxTxK.shape} and v {v_BxGxTxV.shape}: expected q [B, Q, H, K] and "
                      "a cache k [B, G, T, K], v [B, G, T, V] (heads first)")
@@ -96,6 +98,7 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   positions_BxT = jnp.broadcast_to(jnp.asarray(key_positions, jnp.int32), (b, t))
   valid_BxT = jnp.broadcast_to(jnp.asarray(key_valid, bool), (b, t))
   start = jnp.asarray(start, jnp.int32)
+  terms = terms.replace(open=tuple(term_lib.bind(x, positions_BxT, b, h, t) for x in terms.open))
   if implementation == "xla":
     rows_Q = start + jnp.arange(q, dtype=jnp.int32)
     k_BxTxGxK, v_BxTxGxV = jnp.swapaxes(k_BxGxTxK, 1, 2), jnp.swapaxes(v_BxGxTxV, 1, 2)
@@ -129,6 +132,7 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
         terms.buckets.table.shape[0]))))
   if terms.forget is not None:  # the cache's slots' c, padded like the cache (the queries read theirs at their slots)
     terms = terms.replace(forget=terms.forget.replace(c=pad(terms.forget.c, 2, padded_t)))
+  terms = terms.replace(open=tile.pad_open(terms.open, b, padded_t, tpu))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=True, block_q=bq, block_k=bk, length=t, interpret=interpret, treedef=treedef,
                    group=group, sliding_window=sliding_window, splits=splits)

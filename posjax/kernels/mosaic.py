@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (MASKED, Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
                                  forget_term_grads, group_sum, kv_head, overlap_add, row_delta, sandwich_embeddings,
@@ -64,12 +65,37 @@ class _Tile(TileBase):
     # decoding (:func:`decode`): the queries' cache slots; self-attention: their rows of the sequence
     self.index_i_QxT = r["q_slots"][0] if "q_slots" in r else i * bq + self.row_QxT
     self.index_j_QxT = j * bk + self.col_QxT
-    s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), pos_j_1xT - pos_i_QxT)
+    self.open_q_positions, self.open_k_positions = pos_i_QxT, pos_j_1xT
+    self.open_q_index, self.open_k_index = self.index_i_QxT, self.index_j_QxT
+    s_QxT = self.add_position_terms(self.open_logits(plan.scale * dot_t(self.q_QxK, self.k_TxK)),
+                                    pos_j_1xT - pos_i_QxT)
     allowed_QxT = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
     self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
 
   def _slope(self):
     return self.r["slopes"][self.h]
+
+  def open_load(self, key: str, kind: str, side):
+    """An open term's input (:mod:`posjax.kernels.term`): a head's scalar from SMEM as a ``[Q, 1]`` column (so its
+    gradient is per-row sums, as the other scalars'), the query rows (replicated across lanes: the first) or the
+    key rows."""
+    if kind == term_lib.HEAD:
+      return jnp.full((self.plan.block_q, 1), self.r[key][self.h, side], jnp.float32)
+    value = self.r[f"{key}@{side}"][0, 0]
+    if kind == term_lib.ROWS and side == "q":
+      value = value[:, :1]
+    return value.astype(jnp.float32)
+
+  def open_gather(self, key: str, index_QxT):
+    """``table[h, index]``: one select per entry the tile's index reaches (Mosaic has no gather), the entry read
+    from SMEM; an index outside the table reads its nearest end, as the dense path's clamp."""
+    index_QxT = jnp.clip(index_QxT, 0, self.r[key].shape[1] - 1)
+    select = lambda n, value_QxT: jnp.where(index_QxT == n, self.r[key][self.h, n], value_QxT)
+    return jax.lax.fori_loop(jnp.min(index_QxT), jnp.max(index_QxT) + 1, select,
+                             jnp.zeros(index_QxT.shape, jnp.float32))
+
+  def open_inner(self, a_QxE, b_TxE):
+    return dot_t(a_QxE, b_TxE, jax.lax.Precision.HIGHEST)
 
   def _untied_factors(self):
     return self.r["u_q"][0, 0], self.r["u_k"][0, 0]
@@ -191,14 +217,20 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
 def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   b, h, i, j = (pl.program_id(a) for a in range(4))
-  accumulators = [n for n in ("dq", "du_q", "dpos") if n in r]
+  accumulators = [n for n in r if n in ("dq", "du_q", "dpos", "dopen") or n.endswith("@q") and "acc_" + n in r]
   _zero_on_first_step(r, accumulators, j)
 
   @pl.when(_visits(r, b, i, j))
   def _():
     tile = _Tile(plan, terms, r, b, h, i, j)
     _, ds_QxT = _ds(plan, r, tile)
-    dq_QxK = plan.scale * dot(ds_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
+    d_content_QxT, d_values, d_lookups = tile.open_grads(ds_QxT)
+    dq_QxK = plan.scale * dot(d_content_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
+    if "dopen" in r:
+      r["acc_dopen"][...] += _open_columns(terms, d_values, d_lookups, r["acc_dopen"].shape)
+    for (key, side), d_value in d_values.items():  # the query side of embeddings
+      if side == "q" and "acc_d" + key + "@q" in r:
+        r["acc_d" + key + "@q"][...] += d_value
     rel = terms.relative
     if rel is not None and rel.query:
       dq_QxK = dq_QxK + plan.scale * dot(tile.unskew_query(ds_QxT), tile.window_WxK.astype(jnp.float32))
@@ -210,6 +242,39 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
       r["acc_dpos"][...] += _position_columns(terms, tile, ds_QxT, d_bucket_QxT, r["acc_dpos"].shape)
 
   _write_on_last_step(r, accumulators, j)
+
+
+def open_layout(terms: Terms) -> dict:
+  """``{key: (first column, columns)}`` of the open terms' per-row gradient columns in the dq kernel's ``dopen``:
+  a head's scalars (``X``), the query side of rows (1), a table's entries (``N``); embeddings have their own."""
+  layout, start = {}, 0
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
+    width = {term_lib.HEAD: x.shape[-1], term_lib.ROWS: 1, term_lib.TABLE: x.shape[-1]}.get(kind, 0)
+    if width:
+      layout[key], start = (start, width), start + width
+  return layout
+
+
+def _open_columns(terms: Terms, d_values: dict, d_lookups: list, shape):
+  """``[bq, C]``: a tile's share of the open terms' columns (:func:`open_layout`): row sums, a lookup's per entry
+  (one entry at a time over the entries its index reaches)."""
+  layout = open_layout(terms)
+  lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  out_QxC = jnp.zeros(shape, jnp.float32)
+  for (key, side), d_value in d_values.items():
+    if key in layout and side != "k":
+      column = layout[key][0] + (side if isinstance(side, int) else 0)
+      out_QxC = out_QxC + jnp.where(lane_QxC == column, jnp.sum(d_value, axis=1, keepdims=True), 0.0)
+  for key, index_QxT, d_QxT in d_lookups:
+    first, entries = layout[key]
+    index_QxT = jnp.clip(index_QxT, 0, entries - 1)
+
+    def entry(n, out_QxC, index_QxT=index_QxT, d_QxT=d_QxT, first=first):
+      part_Qx1 = jnp.sum(jnp.where(index_QxT == n, d_QxT, 0.0), axis=1, keepdims=True)
+      return out_QxC + jnp.where(lane_QxC == first + n, part_Qx1, 0.0)
+
+    out_QxC = jax.lax.fori_loop(jnp.min(index_QxT), jnp.max(index_QxT) + 1, entry, out_QxC)
+  return out_QxC
 
 
 def _range(ranges, outers, b, outer):
@@ -281,7 +346,7 @@ def _column_count(terms: Terms) -> int:
 def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   b, h, j, i = (pl.program_id(a) for a in range(4))
-  accumulators = [n for n in ("dk", "dv", "du_k", "dc_k") if n in r]
+  accumulators = [n for n in r if n in ("dk", "dv", "du_k", "dc_k") or n.endswith("@k") and "acc_" + n in r]
   _zero_on_first_step(r, accumulators, i)
 
   @pl.when(_visits(r, b, j, i))
@@ -290,7 +355,11 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     p_QxT, ds_QxT = _ds(plan, r, tile)
     do_QxV = r["d_out"][0, 0]
     r["acc_dv"][...] += t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
-    dk_TxK = plan.scale * t_dot(ds_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
+    d_content_QxT, d_values, _ = tile.open_grads(ds_QxT)
+    dk_TxK = plan.scale * t_dot(d_content_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
+    for (key, side), d_value in d_values.items():  # the key side of rows (column sums) and embeddings
+      if side == "k":
+        r["acc_d" + key + "@k"][...] += d_value  # [1, T] (rows) or [T, E] (embeddings)
     if terms.relative is not None and terms.relative.key:
       dk_TxK = dk_TxK + plan.scale * t_dot(tile.unskew_key(ds_QxT), tile.reversed_WxK.astype(jnp.float32))
     r["acc_dk"][...] += dk_TxK
@@ -754,8 +823,20 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
   at = lambda shape, where: pl.BlockSpec(shape, lambda *g: where(*g[:2], *tiles(*g[:4], g[4])))
   row_block = lambda a_BxHxLxX, size: (1, 1, size, a_BxHxLxX.shape[-1])
   specs = {}
+  open_kinds = {key: kind for key, (kind, _) in term_lib.kernel_arrays(terms.open).items()}
   for name, a in arrays.items():
-    if name in ("q", "d_out", "u_q", "sandwich_q"):
+    key, _, side = name.partition("@")
+    if key in open_kinds:  # an open term's input, by kind
+      kind = open_kinds[key]
+      if kind in (term_lib.HEAD, term_lib.TABLE):
+        specs[name] = smem
+      elif side == "q":
+        specs[name] = at((1, 1, bq, a.shape[-1]), lambda b, h, i, j: (b, h, i, 0))
+      elif kind == term_lib.ROWS:
+        specs[name] = at((1, 1, 1, bk), lambda b, h, i, j: (b, h, 0, j))
+      else:
+        specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, h, j, 0))
+    elif name in ("q", "d_out", "u_q", "sandwich_q"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
     elif name in ("k", "v"):  # a head per plan.group query heads (grouped-query attention)
       specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, kv_head(h, plan.group), j, 0))
@@ -826,6 +907,14 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
     c_BxHxL = terms.forget.c.astype(jnp.float32)
     arrays["forget_q"] = jnp.broadcast_to(c_BxHxL[..., None], (*c_BxHxL.shape, min(bk, 128)))
     arrays["forget_k"] = c_BxHxL[:, :, None, :]
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
+    if kind in (term_lib.HEAD, term_lib.TABLE):  # SMEM, a row per head
+      arrays[key] = x
+    elif kind == term_lib.ROWS:  # the query rows across min(bk, 128) lanes, the key rows as one row
+      arrays[key + "@q"] = jnp.broadcast_to(x[..., None], (*x.shape, min(bk, 128)))
+      arrays[key + "@k"] = x[:, :, None, :]
+    else:
+      arrays[key + "@q"] = arrays[key + "@k"] = x
   rel = terms.relative
   if rel is not None:
     table_RxK = window_table(rel, q_BxHxLxK.shape[2])
@@ -973,6 +1062,13 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   columns = _column_count(terms)
   if columns:
     dq_out["dpos"], dq_scratch["acc_dpos"] = _rows((b, h, l, columns), bq), (bq, columns)
+  open_columns = sum(width for _, width in open_layout(terms).values())
+  if open_columns:
+    dq_out["dopen"], dq_scratch["acc_dopen"] = _rows((b, h, l, open_columns), bq), (bq, open_columns)
+  open_arrays = term_lib.kernel_arrays(terms.open)
+  for key, (kind, x) in open_arrays.items():
+    if kind == term_lib.EMBEDDINGS:
+      dq_out["d" + key + "@q"], dq_scratch["acc_d" + key + "@q"] = _rows(x.shape, bq), (bq, x.shape[-1])
   dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _query_major(n_q), dq_scratch, key_tiles_BxNx2)
 
   dkv_out = {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, v_BxHxLxV.shape[-1]), bk)}  # per query head
@@ -983,6 +1079,13 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     dkv_out["dc_k"] = (jax.ShapeDtypeStruct((b, h, 1, l), jnp.float32),
                        pl.BlockSpec((1, 1, 1, bk), lambda b, h, j, i, ranges: (b, h, 0, j)))
     dkv_scratch["acc_dc_k"] = (1, bk)
+  for key, (kind, x) in open_arrays.items():
+    if kind == term_lib.ROWS:
+      dkv_out["d" + key + "@k"] = (jax.ShapeDtypeStruct((b, h, 1, l), jnp.float32),
+                                   pl.BlockSpec((1, 1, 1, bk), lambda b, h, j, i, ranges: (b, h, 0, j)))
+      dkv_scratch["acc_d" + key + "@k"] = (1, bk)
+    elif kind == term_lib.EMBEDDINGS:
+      dkv_out["d" + key + "@k"], dkv_scratch["acc_d" + key + "@k"] = _rows(x.shape, bk), (bk, x.shape[-1])
   dkv_res = _call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), _key_major(n_k), dkv_scratch,
                   query_tiles_BxMx2)
 
@@ -1026,6 +1129,19 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       d_terms = d_terms.replace(forget=forget_term_grads(terms.forget, dq_res["dpos"][..., column]
                                                          + dkv_res["dc_k"][:, :, 0, :]))
     d_terms = d_terms.replace(**scalar_term_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
+  if terms.open:  # the columns and rows in the layout both backends give term.gradients
+    sums = {**dq_res, **{name: x_BxHx1xL[:, :, 0] for name, x_BxHx1xL in dkv_res.items()
+                         if name.endswith("@k") and x_BxHx1xL.ndim == 4 and x_BxHx1xL.shape[2] == 1}}
+    for key, (first, width) in open_layout(terms).items():
+      part_BxHxLxX = dq_res["dopen"][..., first:first + width]
+      if open_arrays[key][0] == term_lib.ROWS:
+        sums["d" + key + "@q"] = part_BxHxLxX[..., 0]
+      else:
+        sums["d" + key] = part_BxHxLxX
+    for key, (kind, _) in open_arrays.items():
+      if kind == term_lib.EMBEDDINGS:
+        sums["d" + key + "@k"] = dkv_res["d" + key + "@k"]
+    d_terms = d_terms.replace(open=term_lib.gradients(terms.open, sums))
   dq_BxHxLxK = dq_res["dq"]
   dk_BxHxLxK, dv_BxHxLxV = (group_sum(dkv_res[name], plan.group) for name in ("dk", "dv"))  # over each group
   return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
@@ -1049,6 +1165,9 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   replicate = lambda x_BxQ: jnp.broadcast_to(x_BxQ[:, :, None], (*x_BxQ.shape, bk))
   arrays.update(q_positions=replicate(q_positions_BxQ), q_segments=replicate(jnp.zeros_like(q_positions_BxQ)),
                 q_slots=replicate(q_slots_BxQ))
+  for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
+    arrays[key] = (jnp.broadcast_to(x_BxHxQxX[..., None], (*x_BxHxQxX.shape, arrays[key].shape[-1]))
+                   if x_BxHxQxX.ndim == 3 else x_BxHxQxX)
   if terms.forget is not None:  # the queries' c at their slots (a per-row constant under the causal mask: it cancels)
     c_BxHxT = jnp.broadcast_to(terms.forget.c.astype(jnp.float32), (b, h, t))
     c_BxHxQ = jnp.take_along_axis(c_BxHxT, jnp.broadcast_to(q_slots_BxQ[:, None, :], (b, h, q)), axis=2)

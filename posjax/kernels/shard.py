@@ -12,6 +12,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from posjax import partitioning
+from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
 
 
@@ -38,6 +39,10 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
     rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)
     specs["untied"] = u.replace(u_q=rows(u.u_q), u_k=rows(u.u_k),
                                 theta=None if u.theta is None else P(None, heads))
+  by_kind = {term_lib.HEAD: P(heads, None), term_lib.TABLE: P(heads, None), term_lib.ROWS: P(batch, heads, None),
+             term_lib.EMBEDDINGS: P(batch, heads, None, None)}  # rows and embeddings: broadcast to the batch
+  specs["open"] = tuple(bound.replace(arrays={name: by_kind[kind] for name, kind in bound.kinds})
+                        for bound in terms.open)
   return terms.replace(**specs)
 
 

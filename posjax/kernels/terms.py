@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax.kernels import term
+
 RESETS = ("official", "paper", "none")
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
@@ -509,9 +511,14 @@ class Terms:
   forget: Forget | None = None
   cope: Cope | None = None
   stick_breaking: StickBreaking | None = None
+  open: tuple = ()  # open terms (posjax.kernels.term.Term, or bound to their inputs: term.Bound), applied in order
 
   def empty(self) -> bool:
     """Whether no term is given."""
+    return self.builtin_empty() and not self.open
+
+  def builtin_empty(self) -> bool:
+    """Whether no built-in term (a field of :data:`NAMES`) is given."""
     return all(getattr(self, name) is None for name in NAMES)
 
   def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
@@ -594,15 +601,31 @@ class Terms:
 
 
 def merge(*parts: Terms | None) -> Terms:
-  """One :class:`Terms` from an encoder's and a layer's (each term may come from one of them only)."""
-  fields = {}
+  """One :class:`Terms` from an encoder's and a layer's (each built-in term may come from one of them only; the open
+  terms of each, in order)."""
+  fields, open_terms = {}, ()
   for part in parts:
     if part is None:
       continue
+    open_terms = open_terms + tuple(part.open)
     for name in NAMES:
       value = getattr(part, name)
       if value is not None:
         if name in fields:
           raise ValueError(f"two {name} terms given to one attention call")
         fields[name] = value
-  return Terms(**fields)
+  return Terms(**fields, open=open_terms)
+
+
+def as_terms(terms) -> Terms:
+  """A call's :class:`Terms` from ``terms``: Terms, an open term (:class:`posjax.kernels.term.Term`), a sequence of
+  either (merged in order), or None."""
+  if terms is None:
+    return Terms()
+  if isinstance(terms, Terms):
+    return terms
+  if isinstance(terms, (term.Term, term.Bound)):
+    return Terms(open=(terms,))
+  if isinstance(terms, (tuple, list)):
+    return merge(*(as_terms(t) for t in terms))
+  raise TypeError(f"terms={terms!r}; expected posjax.kernels.Terms, a posjax.kernels.Term, a sequence of them, or None")

@@ -36,6 +36,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
+from posjax.kernels import term as term_lib
 from posjax.kernels.terms import SCALARS, Forget, Relative, Terms, Untied
 
 MASKED = float(jnp.finfo(jnp.float32).min)
@@ -101,6 +102,29 @@ def group_sum(d_BxHxLxX, group: int):
 def next_power_of_two(n: int) -> int:
   """The least power of two ``>= n`` (1 for ``n <= 1``): Triton's arrays must have power-of-two sizes."""
   return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pad_open(bounds, batch: int, padded: int, tpu: bool) -> tuple:
+  """The bound open terms' arrays as the kernels read them: rows and embeddings broadcast to the batch and padded to
+  the tiles (zeros: padded keys are masked); on GPU (Triton's arrays are powers of two) a head's scalars and
+  embeddings padded with zeros, a table with its last entry (an index past the table reads it, as the dense path's
+  clamp, and its gradient reaches the last entry)."""
+  pow2 = next_power_of_two
+  out = []
+  for bound in bounds:
+    arrays = {}
+    for name, kind in bound.kinds:
+      x = bound.arrays[name]
+      if kind in (term_lib.ROWS, term_lib.EMBEDDINGS):
+        x = jnp.broadcast_to(x, (batch, *x.shape[1:]))
+        x = jnp.pad(x, [(0, padded - x.shape[2]) if a == 2 else (0, 0) for a in range(x.ndim)])
+      if not tpu and kind != term_lib.ROWS:
+        width = max(16, pow2(x.shape[-1])) if kind == term_lib.EMBEDDINGS else pow2(x.shape[-1])
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])],
+                    mode="edge" if kind == term_lib.TABLE else "constant")
+      arrays[name] = x
+    out.append(bound.replace(arrays=arrays))
+  return tuple(out)
 
 
 def block_sizes(length: int, block_q: int, block_k: int) -> tuple[int, int, int]:
@@ -221,6 +245,22 @@ class TileBase:
 
   plan: Plan
   terms: Terms
+
+  def open_logits(self, s_QxT):
+    """The content score ``s`` after the open terms (:func:`posjax.kernels.term.tile_logits`), through the backend's
+    hooks ``open_load(key, kind, side)``, ``open_gather(key, index)`` and ``open_inner(a, b)`` and the pairs the
+    subclass sets (``open_q_positions``, ``open_k_positions``, ``open_q_index``, ``open_k_index``)."""
+    if not self.terms.open:
+      return s_QxT
+    self.open_shape = s_QxT.shape
+    return term_lib.tile_logits(self, self.terms.open, s_QxT)
+
+  def open_grads(self, ds_QxT):
+    """``(d content, {(key, side): d value}, [(key, index, d value)])`` of the open terms from the logits'
+    gradient (:func:`posjax.kernels.term.tile_grads`); ``(ds, {}, [])`` without them."""
+    if not self.terms.open:
+      return ds_QxT, {}, []
+    return term_lib.tile_grads(self, self.terms.open, ds_QxT)
 
   def add_position_terms(self, s_QxT, rel_QxT):
     """``s`` plus every position term of the pairs at relative positions ``rel``."""

@@ -55,7 +55,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from posjax.kernels.terms import NAMES, Terms
+from posjax.kernels import term as term_lib
+from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, fold_window_table, forget_term_grads, group_sum, kv_head, next_power_of_two,
                                  overlap_add, row_delta, sandwich_embeddings, scalar_count, scalar_rows,
                                  scalar_term_grads, stick_breaking_rows, tile_ranges, untied_grads, window_table)
@@ -123,6 +124,10 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   for name in ("slopes", "bucket_table", "theta_row", "theta_col", "kerple", "fire"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():  # by kind: a head's row, or whole rows
+    inputs[key] = x
+    specs[key] = (_head_spec(x) if kind in (term_lib.HEAD, term_lib.TABLE) else _row_spec(x) if x.ndim == 4
+                  else pl.BlockSpec((1, 1, x.shape[2]), lambda b, h, i: (b, h, 0)))
   return inputs, specs
 
 
@@ -160,8 +165,7 @@ def compiler_params(plan: Plan, terms: Terms) -> dict:
   after storing it, which a software-pipelined (prefetched) load would read stale, and two stages of the
   window's operands fill 85-100% of the shared memory; so do two stages of Sandwich's float32 embeddings (88-92%
   at 64x64, ``dim=128``)."""
-  plain = (all(getattr(terms, name) is None for name in NAMES)
-           and plan.block_q * plan.block_k <= 64 * 64)
+  plain = terms.empty() and plan.block_q * plan.block_k <= 64 * 64
   window = terms.relative is not None and bool(terms.relative.window)
   return {"num_warps": 4 if plain else 8, "num_stages": 1 if window or terms.sandwich is not None else 2}
 
@@ -226,7 +230,7 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
   del length, head_dim
   if terms.stick_breaking is not None or terms.cope is not None:
     return (32, 32)
-  plain = all(getattr(terms, name) is None for name in NAMES)
+  plain = terms.empty()
   if terms.sandwich is not None and terms.sandwich.dim > 128:
     return (32, 32) if terms.sandwich.dim <= 256 else (16, 16)
   return (128, 64) if plain else (64, 64)
@@ -298,6 +302,13 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   rows_spec = lambda block: pl.BlockSpec((1, 1, block), lambda b, h, i: (b, h, i))
   if terms.forget is not None:
     dq_out["dc_q"], dq_specs["dc_q"] = f32(b, h, l), rows_spec(plan.block_q)
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
+    if kind in (term_lib.HEAD, term_lib.TABLE):  # partial sums per query tile
+      dq_out["d" + key], dq_specs["d" + key] = f32(b, h, n_q, x.shape[-1]), partial_spec(x.shape[-1])
+    elif kind == term_lib.ROWS:
+      dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(b, h, l), rows_spec(plan.block_q)
+    else:
+      dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(*x.shape), _row_spec(x, plan.block_q)
   dq_res = _call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
                  dq_out, dq_specs, n_q)
 
@@ -310,6 +321,11 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k_BxHxLxK, plan.block_k)
   if terms.forget is not None:
     dkv_out["dc_k"], dkv_specs["dc_k"] = f32(b, h, l), rows_spec(plan.block_k)
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
+    if kind == term_lib.ROWS:
+      dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(b, h, l), rows_spec(plan.block_k)
+    elif kind == term_lib.EMBEDDINGS:
+      dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(*x.shape), _row_spec(x, plan.block_k)
   dkv_res = _call(dkv_kernel, plan, terms, {**inputs, "tiles": query_tiles_BxMx2}, {**specs, "tiles": _range_spec()},
                   dkv_out, dkv_specs, n_k)
 
@@ -358,6 +374,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     d_terms = d_terms.replace(**scalar_term_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
   if terms.forget is not None:
     d_terms = d_terms.replace(forget=forget_term_grads(terms.forget, dq_res["dc_q"] + dkv_res["dc_k"]))
+  d_terms = d_terms.replace(open=term_lib.gradients(terms.open, {**dq_res, **dkv_res}))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)
@@ -440,6 +457,9 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   if terms.forget is not None:  # the queries' c at their slots (a per-row constant under the causal mask: it cancels)
     c_BxHxQ = jnp.take_along_axis(inputs["forget"], jnp.broadcast_to(q_slots_BxQ[:, None, :], (b, h, q)), axis=2)
     inputs["forget_q"], specs["forget_q"] = c_BxHxQ, pl.BlockSpec((1, 1, q), lambda b, h, x: (b, h, 0))
+  for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
+    inputs[key], specs[key] = x_BxHxQxX, pl.BlockSpec((1, 1, *x_BxHxQxX.shape[2:]),
+                                                       lambda b, h, x, n=x_BxHxQxX.ndim: (b, h) + (0,) * (n - 2))
   inputs["tiles"], specs["tiles"] = ranges_BxNx2, pl.BlockSpec((1, 1, 2), lambda b, h, x: (b, x // splits, 0))
   value_dim = v_BxGxTxV.shape[-1]
   stats = lambda: (jax.ShapeDtypeStruct((b, h, splits, q), jnp.float32),

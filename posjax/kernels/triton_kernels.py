@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, TileBase, cope_logit_grads, cope_tile, diagonal_may_hold_pairs, dot, dot_t,
                                  stick_breaking_grads, stick_breaking_tile, t_dot)
@@ -50,11 +51,36 @@ class Tile(TileBase):
     rel_QxT = pos_j_T[None, :] - pos_i_Q[:, None]
     self.cls_i_QxT, self.cls_j_QxT = (pos_i_Q == 0)[:, None], (pos_j_T == 0)[None, :]
     self.index_i_QxT, self.index_j_QxT = index_i_QxT, j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    s_QxT = self.add_position_terms(plan.scale * dot_t(self.q_QxK, self.k_TxK), rel_QxT)
+    self.open_q_positions, self.open_k_positions = pos_i_Q[:, None], pos_j_T[None, :]
+    self.open_q_index, self.open_k_index = self.index_i_QxT, self.index_j_QxT
+    s_QxT = self.add_position_terms(self.open_logits(plan.scale * dot_t(self.q_QxK, self.k_TxK)), rel_QxT)
     self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
 
   def _slope(self):
     return self.refs["slopes"][0, 0]
+
+  def open_load(self, key: str, kind: str, side):
+    """An open term's input (:mod:`posjax.kernels.term`): a head's scalar, or the tile's query / key rows (decoding:
+    the queries' own, ``<key>@q``, read at their slots)."""
+    if kind == term_lib.HEAD:
+      return self.refs[key][0, side].astype(jnp.float32)
+    if side == "q":
+      ref = self.refs[key + "@q"] if key + "@q" in self.refs else self.refs[key]
+      value = ref[0, 0, self.rows]
+    else:
+      value = self.refs[key][0, 0, self.cols]
+    if kind == term_lib.ROWS:
+      return (value[:, None] if side == "q" else value[None, :]).astype(jnp.float32)
+    return value.astype(jnp.float32)
+
+  def open_gather(self, key: str, index_QxT):
+    """``table[h, index]``: a gather load of this head's row (its entries edge-padded: an index past them reads the
+    last, as the dense path's clamp)."""
+    entries = self.refs[key].shape[-1]
+    return self._gather(key, None, jnp.clip(index_QxT, 0, entries - 1))
+
+  def open_inner(self, a_QxE, b_TxE):
+    return dot_t(a_QxE, b_TxE, self._exact())
 
   def _untied_factors(self):
     return self.refs["u_q"][0, 0, self.rows, :], self.refs["u_k"][0, 0, self.cols, :]
@@ -301,6 +327,14 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dscalars"] = jnp.zeros((r["dscalars"].shape[-1],), jnp.float32)
   if terms.forget is not None:
     acc["dc_q"] = jnp.zeros((bq,), jnp.float32)
+  open_kinds = _open_kinds(terms)
+  for key, kind in open_kinds.items():
+    if kind == term_lib.TABLE:  # its entries' partial sums, scattered into (_scatter_add)
+      _zero(plan, r["d" + key], rows=False)
+    elif kind == term_lib.HEAD:  # a partial sum per column
+      acc["d" + key] = jnp.zeros(r["d" + key].shape[-1:], jnp.float32)
+    else:  # the query rows'
+      acc["d" + key + "@q"] = jnp.zeros(r["d" + key + "@q"].shape[2:], jnp.float32)
   scattered = [name for name in ("dqe", "dbucket") if name in r]
   for name in scattered:
     _zero(plan, r[name], rows=name == "dqe")
@@ -309,7 +343,18 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     tile = Tile(plan, terms, r, i0, t * plan.block_k)
     _, ds_QxT = _ds(plan, r, tile)
     acc = dict(acc)
-    acc["dq"] = acc["dq"] + plan.scale * _dot_in(dot, ds_QxT, tile.k_TxK)
+    d_content_QxT, d_values, d_lookups = tile.open_grads(ds_QxT)
+    acc["dq"] = acc["dq"] + plan.scale * _dot_in(dot, d_content_QxT, tile.k_TxK)
+    for (key, side), d_value in d_values.items():  # the query side's and the heads' shares
+      if open_kinds[key] == term_lib.HEAD:
+        column_X = jax.lax.broadcasted_iota(jnp.int32, acc["d" + key].shape, 0)
+        acc["d" + key] = acc["d" + key] + jnp.where(column_X == side, jnp.sum(d_value), 0.0)
+      elif side == "q":
+        acc["d" + key + "@q"] = acc["d" + key + "@q"] + (jnp.sum(d_value, axis=1) if open_kinds[key] == term_lib.ROWS
+                                                         else d_value)
+    for key, index_QxT, d_QxT in d_lookups:
+      _scatter_add(plan, r["d" + key], d_QxT, jnp.clip(index_QxT, 0, r["d" + key].shape[-1] - 1), tile.allowed_QxT,
+                   (0, 1))
     if "dqe" in r:
       _scatter_add(plan, r["dqe"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 1)
     if window and terms.relative.query:
@@ -334,7 +379,8 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
 
   acc = jax.lax.fori_loop(*_tiles(r), body, acc)
   for name, value in acc.items():
-    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dslope", "dscalars"))
+    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dslope", "dscalars")
+           and open_kinds.get(name[1:]) != term_lib.HEAD)
 
 
 def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -350,6 +396,10 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dc_k"] = jnp.zeros((bk,), jnp.float32)
   if "dke" in r:
     _zero(plan, r["dke"], rows=True)
+  open_kinds = _open_kinds(terms)
+  for key, kind in open_kinds.items():
+    if kind in (term_lib.ROWS, term_lib.EMBEDDINGS):
+      acc["d" + key + "@k"] = jnp.zeros(r["d" + key + "@k"].shape[2:], jnp.float32)
 
   def body(t, acc):
     tile = Tile(plan, terms, r, t * plan.block_q, j0)
@@ -357,7 +407,12 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     acc = dict(acc)
     do_QxV = r["d_out"][0, 0, tile.rows, :]
     acc["dv"] = acc["dv"] + _dot_in(t_dot, p_QxT, do_QxV)
-    acc["dk"] = acc["dk"] + plan.scale * _dot_in(t_dot, ds_QxT, tile.q_QxK)
+    d_content_QxT, d_values, _ = tile.open_grads(ds_QxT)
+    acc["dk"] = acc["dk"] + plan.scale * _dot_in(t_dot, d_content_QxT, tile.q_QxK)
+    for (key, side), d_value in d_values.items():  # the key side's shares
+      if side == "k":
+        acc["d" + key + "@k"] = acc["d" + key + "@k"] + (jnp.sum(d_value, axis=0) if open_kinds[key] == term_lib.ROWS
+                                                         else d_value)
     if "dke" in r:
       _scatter_add(plan, r["dke"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 0)
     if window and terms.relative.key:
@@ -611,6 +666,11 @@ def cope_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   dk_TxK, dv_TxV = _carried_dkv(plan, terms, r, tile_grads)
   r["dk"][0, 0, :, :] = dk_TxK
   r["dv"][0, 0, :, :] = dv_TxV
+
+
+def _open_kinds(terms: Terms) -> dict:
+  """``{key: kind}`` of the call's open-term inputs (:func:`posjax.kernels.term.kernel_arrays`)."""
+  return {key: kind for key, (kind, _) in term_lib.kernel_arrays(terms.open).items()}
 
 
 def _dot_in(product, gradient_MxX, operand_XxN):

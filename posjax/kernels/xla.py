@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from posjax.kernels import dropout
+from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms, dot_heads, expand_heads, key_term, kv_group, query_term, untie_cls
 
 
@@ -24,7 +25,7 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
   ``Q = L``), None without terms. ``Bp`` is the batch of the positions (or of the terms' rows, where larger).
   Relative vectors read q and k (``q_BxQxHxK``: the rows' queries); the other terms need positions only, so an
   encoder computes them once for every layer."""
-  if terms.empty():
+  if terms.builtin_empty():
     return None
   take = lambda x_BxLxS: x_BxLxS if rows_Q is None else jnp.take(x_BxLxS, rows_Q, axis=1)
   positions_BxL = jnp.asarray(positions_BxL, jnp.int32)
@@ -77,9 +78,12 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
 
 
 def logits(q_BxQxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float, rows_Q=None):
-  """``[B, H, Q, L]`` float32: ``scale q·k`` plus every position term (:func:`position_bias`); ``rows_Q``: the
-  queries' sequence rows (default all: ``Q = L``)."""
+  """``[B, H, Q, L]`` float32: ``scale q·k`` after the open terms (:func:`posjax.kernels.term.dense_logits`, bound:
+  :class:`posjax.kernels.term.Bound`), plus every built-in term (:func:`position_bias`); ``rows_Q``: the queries'
+  sequence rows (default all: ``Q = L``)."""
   s_BxHxQxL = scale * dot_heads(q_BxQxHxK, k_BxLxHxK)
+  if terms.open:
+    s_BxHxQxL = term_lib.dense_logits(terms.open, positions_BxL, s_BxHxQxL, rows_Q)
   bias_BxHxQxL = position_bias(terms, positions_BxL, scale, q_BxQxHxK, k_BxLxHxK, rows_Q)
   return s_BxHxQxL if bias_BxHxQxL is None else s_BxHxQxL + bias_BxHxQxL
 

@@ -1,0 +1,334 @@
+"""Open position terms: a term written once, as its logits per tile, that every kernel computes fused.
+
+A :class:`Term` is a ``flax.struct.dataclass`` that declares its inputs by kind (:data:`KINDS`) and gives its logits
+as a function of a *view* (:class:`View`): the pairs' positions and indices, and accessors for its inputs. The same
+function runs on a kernel's ``[Q, T]`` tile (both Pallas backends, training and decoding) and on the dense ``xla``
+path's ``[B, H, Q, L]`` logits, so a term is written elementwise over the last two axes (queries, keys)::
+
+    @flax.struct.dataclass
+    class Temperature(kernels.Term):
+      beta: jax.Array  # [H]
+      KINDS = {"beta": kernels.HEAD}
+
+      def logits(self, tile, s):
+        return s * (1.0 + tile.head("beta") * jnp.log1p(tile.q_positions.astype(jnp.float32)))
+
+A term receives the score so far (``scale q·k`` for the first, then each term's result in turn) and returns the new
+one: it may add to it (a bias) or modify it (a temperature, a soft cap). Its gradient per tile is derived inside the
+kernels (``jax.vjp`` of the same function on the tile's values; its author writes none), and each input kind
+accumulates its own share without atomics, so the result is deterministic:
+
+| kind          | array                | in the tile                                   | its gradient, per program          |
+|---------------|----------------------|-----------------------------------------------|------------------------------------|
+| :data:`HEAD`  | ``[H]`` or ``[H, X]``| ``head(name, x)``: this head's scalar         | partial sums per query tile        |
+| :data:`ROWS`  | ``[B or 1, H, L]``   | ``rows_q(name)`` ``[Q, 1]``, ``rows_k`` ``[1, T]`` | rows of the dq and the dk/dv kernel |
+| :data:`TABLE` | ``[H, N]``           | ``lookup(name, index)``: ``table[h, index]``  | partial sums per entry (the lookup's own transpose) |
+| :data:`EMBEDDINGS` | ``[B or 1, H, L, E]`` | ``embed_q(name)`` ``[Q, E]``, ``embed_k`` ``[T, E]``; ``inner(a, b)`` | rows, like dq and dk |
+
+``rows`` and ``embeddings`` of a decoding cache span its slots: the queries read theirs at their own slots.
+A table index outside ``[0, N)`` is clamped into it (as XLA's gather clamps). A term may compute its kernel
+inputs from its fields (:meth:`Term.kernel_inputs`: Sandwich's embeddings from its ratios); their gradients reach
+the fields by JAX's own autodiff outside the kernels.
+
+Shapes: B batch, H heads, L length, Q/T query/key rows, X a head's scalars, N table entries, E embedding width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import flax.struct
+
+HEAD, ROWS, TABLE, EMBEDDINGS = "head", "rows", "table", "embeddings"
+KINDS = (HEAD, ROWS, TABLE, EMBEDDINGS)
+
+
+class Term:
+  """The base of an open term (subclasses are ``flax.struct.dataclass``\\ es): ``KINDS`` maps each kernel input's
+  name to its kind, :meth:`logits` gives the new score from the view and the score so far."""
+
+  KINDS: ClassVar[dict] = {}
+
+  def logits(self, tile: "View", s):
+    """The score after this term, elementwise over the last two axes (queries, keys) of ``s``."""
+    raise NotImplementedError(f"{type(self).__name__} defines no logits(tile, s)")
+
+  def kernel_inputs(self, positions_BxL) -> dict:
+    """``{name: array}`` of every input in ``KINDS`` (default: the fields of those names), float32."""
+    del positions_BxL
+    return {name: getattr(self, name) for name in self.KINDS}
+
+
+def input_shapes(kind: str, batch: int, heads: int, length: int) -> str:
+  """The shape a kind's array must have, in words."""
+  return {HEAD: f"({heads},) or ({heads}, X)", ROWS: f"({batch} or 1, {heads}, {length})",
+          TABLE: f"({heads}, N)", EMBEDDINGS: f"({batch} or 1, {heads}, {length}, E)"}[kind]
+
+
+def _fits(kind: str, shape, batch: int, heads: int, length: int) -> bool:
+  if kind == HEAD:
+    return len(shape) in (1, 2) and shape[0] == heads
+  if kind == TABLE:
+    return len(shape) == 2 and shape[0] == heads and shape[1] >= 1
+  if kind == ROWS:
+    return len(shape) == 3 and shape[0] in (1, batch) and shape[1:] == (heads, length)
+  return len(shape) == 4 and shape[0] in (1, batch) and shape[1:3] == (heads, length) and shape[3] >= 1
+
+
+@flax.struct.dataclass
+class Bound:
+  """An open term bound to its kernel inputs: ``arrays`` (float32, in :data:`KINDS` layouts) and the term's static
+  part (``term``: its arrays removed, so the pair is hashable inside a kernel's static plan)."""
+
+  term: Any = flax.struct.field(pytree_node=False)
+  kinds: tuple = flax.struct.field(pytree_node=False)  # ((name, kind), ...)
+  arrays: dict
+
+
+def skeleton(term: Term):
+  """The term with its arrays set to None: its static options and its logits, hashable."""
+  return jax.tree.map(lambda _: None, term)
+
+
+def bind(term, positions_BxL, batch: int, heads: int, length: int) -> Bound:
+  """A :class:`Bound` of ``term`` (a :class:`Term`; a :class:`Bound` passes through), its inputs checked: a kind
+  outside :data:`KINDS` or an array of another shape is a one-line error that names the term and the input."""
+  if isinstance(term, Bound):
+    return term
+  if not isinstance(term, Term):
+    raise TypeError(f"{term!r} is not a posjax.kernels.Term (a flax.struct.dataclass with KINDS and logits)")
+  name_of = type(term).__name__
+  arrays = term.kernel_inputs(positions_BxL)
+  if set(arrays) != set(term.KINDS):
+    raise ValueError(f"{name_of}.kernel_inputs gave {sorted(arrays)}; its KINDS declare {sorted(term.KINDS)}")
+  for name, kind in term.KINDS.items():
+    if kind not in KINDS:
+      raise ValueError(f"{name_of}.KINDS[{name!r}]={kind!r}; allowed: {list(KINDS)}")
+    shape = tuple(jnp.shape(arrays[name]))
+    if not _fits(kind, shape, batch, heads, length):
+      raise ValueError(f"{name_of}.{name} ({kind}) has shape {shape}; expected "
+                       f"{input_shapes(kind, batch, heads, length)}")
+  arrays = {name: jnp.asarray(x, jnp.float32) for name, x in arrays.items()}
+  arrays = {name: x[:, None] if term.KINDS[name] == HEAD and x.ndim == 1 else x for name, x in arrays.items()}
+  return Bound(skeleton(term), tuple(sorted(term.KINDS.items())), arrays)
+
+
+class View:
+  """What a term's :meth:`Term.logits` reads: ``q_positions`` / ``k_positions`` (int32, the pairs' positions),
+  ``q_index`` / ``k_index`` (their sequence indices, or cache slots in decoding), each broadcastable to the
+  score's last two axes; and its inputs by name: ``head``, ``rows_q``, ``rows_k``, ``lookup``, ``embed_q``,
+  ``embed_k``, with ``inner(a_q, b_k)`` the per-pair inner product of two embeddings."""
+
+  q_positions: Any
+  k_positions: Any
+  q_index: Any
+  k_index: Any
+
+  def head(self, name: str, column: int = 0):
+    raise NotImplementedError
+
+  def rows_q(self, name: str):
+    raise NotImplementedError
+
+  def rows_k(self, name: str):
+    raise NotImplementedError
+
+  def lookup(self, name: str, index):
+    raise NotImplementedError
+
+  def embed_q(self, name: str):
+    raise NotImplementedError
+
+  def embed_k(self, name: str):
+    raise NotImplementedError
+
+  def inner(self, a_QxE, b_TxE):
+    raise NotImplementedError
+
+
+def apply(bounds, view_of: Callable[[int], View], s):
+  """The score after every open term in order (``view_of(i)``: term ``i``'s view)."""
+  for i, bound in enumerate(bounds):
+    s = bound.term.logits(view_of(i), s)
+  return s
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The dense view (the ``xla`` path: ``[B, H, Q, L]`` logits).
+
+
+@dataclasses.dataclass
+class DenseView(View):
+  """A term's view over ``[B, H, Q, L]`` logits (query rows ``rows_Q`` of ``L`` keys)."""
+
+  bound: Bound
+  positions_BxL: Any
+  rows_Q: Any
+
+  def __post_init__(self):
+    length = self.positions_BxL.shape[1]
+    rows_Q = jnp.arange(length) if self.rows_Q is None else self.rows_Q
+    self._rows_Q = rows_Q
+    self.q_positions = jnp.take(self.positions_BxL, rows_Q, axis=1)[:, None, :, None]
+    self.k_positions = self.positions_BxL[:, None, None, :]
+    self.q_index = rows_Q.astype(jnp.int32)[None, None, :, None]
+    self.k_index = jnp.arange(length, dtype=jnp.int32)[None, None, None, :]
+
+  def _array(self, name: str, kind: str):
+    kinds = dict(self.bound.kinds)
+    if kinds.get(name) != kind:
+      raise ValueError(f"{type(self.bound.term).__name__} reads {name!r} as {kind}; its KINDS say "
+                       f"{kinds.get(name, 'nothing')}")
+    return self.bound.arrays[name]
+
+  def head(self, name: str, column: int = 0):
+    return self._array(name, HEAD)[:, column][None, :, None, None]
+
+  def rows_q(self, name: str):
+    return jnp.take(self._array(name, ROWS), self._rows_Q, axis=2)[..., None]
+
+  def rows_k(self, name: str):
+    return self._array(name, ROWS)[:, :, None, :]
+
+  def lookup(self, name: str, index):
+    table_HxN = self._array(name, TABLE)
+    heads, entries = table_HxN.shape
+    head_1xHx1x1 = jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]
+    return jnp.take(table_HxN.reshape(-1), head_1xHx1x1 * entries + jnp.clip(index, 0, entries - 1))
+
+  def embed_q(self, name: str):
+    return jnp.take(self._array(name, EMBEDDINGS), self._rows_Q, axis=2)
+
+  def embed_k(self, name: str):
+    return self._array(name, EMBEDDINGS)
+
+  def inner(self, a_QxE, b_TxE):
+    return jnp.einsum("...qe,...ke->...qk", a_QxE, b_TxE, precision=jax.lax.Precision.HIGHEST)
+
+
+def dense_logits(bounds, positions_BxL, s_BxHxQxL, rows_Q=None):
+  """``s`` after the open terms on the dense path (``rows_Q``: the query rows, default all)."""
+  positions_BxL = jnp.asarray(positions_BxL, jnp.int32)
+  return apply(bounds, lambda i: DenseView(bounds[i], positions_BxL, rows_Q), s_BxHxQxL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The tile view (the kernels': one (query tile, key tile) pair of one (batch, head)).
+
+
+class TileView(View):
+  """A term's view of one tile. The backend's tile gives the pairs (``q_positions`` ``[Q, 1]`` or ``[Q, T]``,
+  ``k_positions`` ``[1, T]``, indices likewise) and loads inputs by kind (``load(key, kind, side)``,
+  ``gather(key, index)``, ``inner``); the values read are kept (``values``: the primal of the derived gradient) and
+  the lookups recorded (``lookups``: ``(key, index, value)``), or, replaying, read back from ``replay``."""
+
+  def __init__(self, tile, prefix: str, kinds: dict, values: dict, lookups: list, replay=None):
+    self.tile, self.prefix, self.kinds, self.values, self.lookups, self.replay = tile, prefix, kinds, values, lookups, replay
+    self.q_positions, self.k_positions = tile.open_q_positions, tile.open_k_positions
+    self.q_index, self.k_index = tile.open_q_index, tile.open_k_index
+
+  def _key(self, name: str, kind: str) -> str:
+    if self.kinds.get(name) != kind:
+      raise ValueError(f"a term reads {name!r} as {kind}; its KINDS say {self.kinds.get(name, 'nothing')}")
+    return self.prefix + name
+
+  def _value(self, key: str, kind: str, side):
+    slot = (key, side)
+    if slot not in self.values:
+      self.values[slot] = self.tile.open_load(key, kind, side)
+    return self.values[slot]
+
+  def head(self, name: str, column: int = 0):
+    return self._value(self._key(name, HEAD), HEAD, column)
+
+  def rows_q(self, name: str):
+    return self._value(self._key(name, ROWS), ROWS, "q")
+
+  def rows_k(self, name: str):
+    return self._value(self._key(name, ROWS), ROWS, "k")
+
+  def embed_q(self, name: str):
+    return self._value(self._key(name, EMBEDDINGS), EMBEDDINGS, "q")
+
+  def embed_k(self, name: str):
+    return self._value(self._key(name, EMBEDDINGS), EMBEDDINGS, "k")
+
+  def lookup(self, name: str, index):
+    key = self._key(name, TABLE)
+    index = jnp.broadcast_to(index, self.tile.open_shape).astype(jnp.int32)
+    if self.replay is not None:  # the k-th lookup of the replayed logits reads the k-th recorded value
+      self.lookups.append(None)
+      return self.replay[len(self.lookups) - 1]
+    value = self.tile.open_gather(key, index)
+    self.lookups.append((key, index, value))
+    return value
+
+  def inner(self, a_QxE, b_TxE):
+    return self.tile.open_inner(a_QxE, b_TxE)
+
+
+def prefix(i: int) -> str:
+  """Term ``i``'s namespace among a call's kernel inputs."""
+  return f"open{i}_"
+
+
+def kernel_arrays(bounds) -> dict:
+  """``{key: (kind, array)}`` of every bound term's inputs, namespaced by :func:`prefix`."""
+  return {prefix(i) + name: (kind, bound.arrays[name]) for i, bound in enumerate(bounds)
+          for name, kind in bound.kinds}
+
+
+def tile_logits(tile, bounds, s_QxT):
+  """A tile's score after the open terms, keeping what :func:`tile_grads` differentiates."""
+  tile.open_values, tile.open_lookups = {}, []
+  tile.open_content_QxT = s_QxT
+  views = lambda i: TileView(tile, prefix(i), dict(bounds[i].kinds), tile.open_values, tile.open_lookups)
+  return apply(bounds, views, s_QxT)
+
+
+def tile_grads(tile, bounds, ds_QxT):
+  """``(d content, {(key, side): d value}, [(key, index, d value)])``: the open terms' derived gradient on one tile,
+  from the final score's ``ds`` (``jax.vjp`` of the same logits, the lookups' values as primals: each backend
+  transposes a lookup its own way)."""
+  slots = list(tile.open_values)
+  looked = [value for _, _, value in tile.open_lookups]
+
+  def replayed(values, looked_values, s_QxT):
+    store, read = dict(zip(slots, values)), []
+    views = lambda i: TileView(tile, prefix(i), dict(bounds[i].kinds), store, read, replay=looked_values)
+    return apply(bounds, views, s_QxT)
+
+  _, pullback = jax.vjp(replayed, [tile.open_values[slot] for slot in slots], looked, tile.open_content_QxT)
+  d_values, d_looked, d_content_QxT = pullback(ds_QxT)
+  return (d_content_QxT, dict(zip(slots, d_values)),
+          [(key, index, d) for (key, index, _), d in zip(tile.open_lookups, d_looked)])
+
+
+def gradients(bounds, d: dict) -> tuple:
+  """The bound terms' gradients from a backend's sums, one layout for both: ``d<key>`` ``[B, H, N, X]`` partial sums
+  of a :data:`HEAD` or :data:`TABLE` input (over the batch and the query tiles or rows), ``d<key>@q`` and
+  ``d<key>@k``, the query and the key side of :data:`ROWS` and :data:`EMBEDDINGS` inputs."""
+  out = []
+  for i, bound in enumerate(bounds):
+    arrays = {}
+    for name, kind in bound.kinds:
+      key = "d" + prefix(i) + name
+      grad = (jnp.sum(d[key], axis=(0, 2)) if kind in (HEAD, TABLE) else d[key + "@q"] + d[key + "@k"])
+      arrays[name] = grad.astype(bound.arrays[name].dtype)
+    out.append(bound.replace(arrays=arrays))
+  return tuple(out)
+
+
+def query_rows(bounds, q_slots_BxQ) -> dict:
+  """Decoding: ``{key@q: rows}`` of each :data:`ROWS` (``[B, H, Q]``) and :data:`EMBEDDINGS` (``[B, H, Q, E]``) input
+  at the queries' cache slots."""
+  out = {}
+  for key, (kind, x) in kernel_arrays(bounds).items():
+    if kind in (ROWS, EMBEDDINGS):
+      slots = q_slots_BxQ[:, None, :] if kind == ROWS else q_slots_BxQ[:, None, :, None]
+      out[key + "@q"] = jnp.take_along_axis(x, jnp.broadcast_to(slots, (*x.shape[:2], q_slots_BxQ.shape[1],
+                                                                         *x.shape[3:])), axis=2)
+  return out
