@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -32,10 +33,26 @@ from posjax.aot import compile as aot
 from posjax.aot import resources, targets
 
 CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide", "kerple_log",
-         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512", "forget", "stick_breaking", "cope")
+         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512", "forget", "stick_breaking", "cope", "open")
 KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
 FOUND = KERNELS + ("decode_kernel",) + tuple(f"{rule}_{name}" for rule in ("stick", "cope")
                                              for name in ("forward_kernel", "dq_kernel", "dkv_kernel"))
+
+
+@flax.struct.dataclass
+class TableTemperature(kernels.Term):
+  """An open term as a user writes it (:mod:`posjax.kernels.term`): the content score scaled per query by ``1 + b_h
+  log(1 + p_i)``, plus a per-head table read at the bit length of the distance (4 per direction)."""
+
+  b: jax.Array  # [H]
+  table: jax.Array  # [H, 8]
+  KINDS = {"b": kernels.HEAD, "table": kernels.TABLE}
+
+  def logits(self, tile, s):
+    r = tile.k_positions - tile.q_positions
+    bits = sum((jnp.abs(r) >= 2 ** t).astype(jnp.int32) for t in range(3))
+    scaled = s * (1.0 + tile.head("b") * jnp.log1p(tile.q_positions.astype(jnp.float32)))
+    return scaled + tile.lookup("table", bits + 4 * (r > 0))
 
 
 def terms_for(case: str, length: int, heads: int, head_dim: int):
@@ -65,6 +82,7 @@ def terms_for(case: str, length: int, heads: int, head_dim: int):
       "forget": lambda: kernels.Terms(forget=kernels.Forget(f32(1, heads, length))),
       "stick_breaking": lambda: kernels.Terms(stick_breaking=kernels.StickBreaking()),
       "cope": lambda: kernels.Terms(cope=kernels.Cope(f32(head_dim, 64))),
+      "open": lambda: kernels.Terms(open=(TableTemperature(f32(heads), f32(heads, 8)),)),
       "wide": lambda: kernels.Terms(buckets=kernels.Buckets(f32(259, heads), kind="clip", max_distance=128,
                                                             cls_row=257, cls_col=258),
                                     relative=kernels.Relative(f32(257, head_dim), 128, query=True, key=True,

@@ -26,7 +26,7 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
   valid = np.stack([np.ones(written, bool), np.arange(written) >= 4])
   learned = learned_terms(rng, heads, "log")
   c = np.cumsum(np.log(rng.uniform(0.5, 1.0, (batch, heads, written))), axis=-1)  # the Forgetting Transformer's
-  terms = learned.replace(sandwich=None, alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 0.5, heads), jnp.float32)),
+  terms = learned.replace(alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 0.5, heads), jnp.float32)),
                           buckets=kernels.Buckets(f32(32, heads), num_buckets=32, max_distance=40, bidirectional=False),
                           forget=kernels.Forget(jnp.asarray(np.pad(c, ((0, 0), (0, 0), (0, slots - written))),
                                                             jnp.float32)))
@@ -35,13 +35,14 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
   fused = reference.FusedAttention(positions, np.zeros_like(positions), valid, causal=True, sliding_window=window,
                                    buckets=dict(kind="buckets", num_buckets=32, max_distance=40, bidirectional=False,
                                                 cls_row=None, cls_col=None))
-  fire, kerple = terms.fire, terms.kerple
+  fire, kerple, sw = terms.fire, terms.kerple, terms.sandwich
   expected = fused(q, k, v, scale=head_dim ** -0.5, alibi=np.asarray(terms.alibi.slopes),
                    bucket_table=np.asarray(terms.buckets.table), kerple_r1=np.asarray(kerple.r1),
                    kerple_r2=np.asarray(kerple.r2), kerple_kind="log", fire_w1=np.asarray(fire.w1),
                    fire_b1=np.asarray(fire.b1), fire_w2=np.asarray(fire.w2), fire_b2=np.asarray(fire.b2),
                    fire_c=float(fire.c), fire_threshold=float(fire.threshold), fire_eps=fire.eps,
-                   forget_c=c)[:, -queries:]
+                   forget_c=c, sandwich=dict(ratios=np.asarray(sw.ratios), dim=sw.dim, base=sw.base, scale=sw.scale,
+                                             divide=sw.divide, first=sw.first))[:, -queries:]
   # the cache: heads first, slots past the written ones zero and invalid
   cache = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, slots - written), (0, 0)))
   out = kernels.decode_attention(
@@ -55,10 +56,10 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
 def test_what_the_decode_kernels_cannot_compute_is_an_error():
   q, cache = jnp.zeros((1, 1, 2, 8)), jnp.zeros((1, 2, 16, 8))
   rows = dict(start=3, key_positions=np.zeros((1, 16), np.int32), key_valid=np.ones((1, 16), bool))
-  sandwich = kernels.Terms(sandwich=kernels.Sandwich(jnp.ones(2), dim=8))
-  with pytest.raises(ValueError, match=r"implementation='pallas'\): the decode kernels do not build the sandwich "
+  shaw = kernels.Terms(relative=kernels.Relative(jnp.ones((5, 8)), 2, query=True))
+  with pytest.raises(ValueError, match=r"implementation='pallas'\): the decode kernels do not build the relative "
                                        r"term; use implementation='xla'"):
-    kernels.decode_attention(q, cache, cache, terms=sandwich, **rows)
+    kernels.decode_attention(q, cache, cache, terms=shaw, **rows)
   with pytest.raises(ValueError, match=r"cache k \[B, G, T, K\], v \[B, G, T, V\] \(heads first\)"):
     kernels.decode_attention(q, cache[0], cache, **rows)
   with pytest.raises(ValueError, match=r"the query tile 12 must be a power of two on GPU"):

@@ -196,3 +196,30 @@ def test_a_term_whose_input_does_not_fit_its_kind_is_a_one_line_error():
   q = jnp.zeros((1, 4, 2, 8))
   with pytest.raises(ValueError, match=r"LogBucketTable.table \(table\) has shape \(3, 8\); expected \(2, N\)"):
     kernels.relative_attention(q, q, q, terms=LogBucketTable(jnp.zeros((3, 8))), implementation="xla")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_user_terms_lower_for_gpu_and_tpu(platform, monkeypatch):
+  """Forward and backward lower from this CPU for CUDA (Triton) and TPU (Mosaic) with every input kind and a
+  modified content score: the derived per-tile gradients use only what both compilers take."""
+  if platform == "tpu":
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 40, 2, 24)), jnp.bfloat16) for _ in range(3))
+  terms = make_terms(rng, ("temperature", "table", "gated"), 2, 2, 40)
+
+  def loss(q, k, v, terms):
+    out = kernels.relative_attention(q, k, v, terms=terms, lengths=np.array([40, 31]), causal=True, interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  call = "xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, terms).lower(lowering_platforms=(platform,))
+  assert lowered.as_text().count(call) == 3  # forward, dq, dk/dv
+
+  def step(q_BxQxHxK, cache_BxGxTxK):
+    return kernels.decode_attention(q_BxQxHxK, cache_BxGxTxK, cache_BxGxTxK, start=jnp.int32(30), terms=terms,
+                                    key_positions=np.tile(np.arange(40), (2, 1)), key_valid=np.ones((2, 40), bool),
+                                    interpret=False)
+
+  decode = jax.jit(step).trace(q[:, :1], k.swapaxes(1, 2)).lower(lowering_platforms=(platform,))
+  assert decode.as_text().count(call) == 1

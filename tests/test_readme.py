@@ -24,7 +24,7 @@ def test_the_readme_is_a_front_page():
 
 def test_examples_run_each_on_its_own():
   blocks = [(path, block) for path in MARKDOWN for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)]
-  assert [path.name for path, _ in blocks] == ["api.md", "api.md", "api.md", "kernels.md"]
+  assert [path.name for path, _ in blocks] == ["api.md", "api.md", "api.md", "kernels.md", "kernels.md"]
   previous = flax.config.flax_always_shard_variable
   namespaces = [{} for _ in blocks]
   try:
@@ -32,13 +32,17 @@ def test_examples_run_each_on_its_own():
       exec(compile(block, str(path), "exec"), namespace)
   finally:
     flax.config.update("flax_always_shard_variable", previous)
-  linen, bridged, bert, fused = namespaces
+  linen, bridged, bert, fused, own = namespaces
   assert linen["y"].shape == (2, 16, 64) and np.isfinite(linen["y"]).all()
   assert bridged["y"].shape == (2, 16, 64) and np.isfinite(bridged["y"]).all()
   assert bert["out"].last_hidden_state.shape == (2, 16, 32)
   assert bert["state"]["intermediates"]["position_bias"][0].shape == (1, 4, 16, 16)
   np.testing.assert_allclose(fused["out"], fused["reference"], rtol=1e-5, atol=1e-5)
   assert fused["dq"].shape == (2, 48, 4, 16) and np.isfinite(fused["dq"]).all()
+  # the user's own terms: the table's and the temperature's gradients reach them
+  d_table = np.asarray(own["d_terms"][1].table)  # causal: the entries of later keys are never read
+  assert d_table.shape == (4, 8) and np.abs(d_table[:, :4]).min() > 0 and not d_table[:, 4:].any()
+  assert own["d_terms"][0].beta.shape == (4,) and np.isfinite(own["dq"]).all()
   namespace = bridged
   # The NNX block trains: gradients reach the bridged linen parameters.
   from flax import nnx

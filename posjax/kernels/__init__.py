@@ -1,5 +1,9 @@
 """Fused attention with the position terms computed inside the kernel: :func:`relative_attention`.
 
+A term is its logits per tile (:class:`Term`, :mod:`posjax.kernels.term`): a researcher's own term runs fused on both
+Pallas backends, with its gradient derived per tile, and so do the built-in ALiBi, buckets, KERPLE, Sandwich and
+forget gate (:mod:`posjax.kernels.terms`).
+
 One op for every method a kernel can compute: ALiBi, T5 buckets (and TUPE-R's bucket term), TUPE's untied
 term with its [CLS] reset, Shaw / Method 4 relative vectors, KERPLE, FIRE, Sandwich, the Forgetting Transformer's
 gate, and the rules on the masked logits (CoPE's term, stick-breaking's weights: their kernels walk each query
@@ -144,10 +148,12 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions_BxL = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)) if positions is None
                    else jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, length)))
-  terms = terms.replace(open=tuple(term_lib.bind(t, positions_BxL, b, h, length) for t in terms.open))
   if terms.open and untied == "fold":
     raise ValueError("untied='fold' folds TUPE's term into q·k, which the open terms would then read as the content "
                      "score; use untied='tile' with open terms")
+  if implementation == "pallas":  # the built-in terms the kernels compute as open terms
+    terms = terms.kernel_form()
+  terms = terms.replace(open=tuple(term_lib.bind(t, positions_BxL, b, h, length) for t in terms.open))
   if untied == "fold" and group > 1:
     raise ValueError(f"untied='fold' folds TUPE's per-head term into k, which has {k_BxLxGxK.shape[2]} heads "
                      f"for q's {h} (grouped-query attention); use untied='tile'")
@@ -197,13 +203,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                        f"{bq}x{bk} (block_sizes={tuple(block_sizes)} for length {length})")
     terms = terms.replace(relative=r.replace(table=pad(pad(r.table, 0, pow2(r.table.shape[0])), 1, head_dim),
                                              window=bool(window)))
-  if terms.forget is not None:
-    terms = terms.replace(forget=terms.forget.replace(c=pad(terms.forget.c, 2, padded)))
   if terms.cope is not None:  # rows of the padded head dim (zeros: q's padding reads nothing)
     terms = terms.replace(cope=terms.cope.replace(table=pad(terms.cope.table, 0, head_dim)))
-  if terms.buckets is not None and not tpu:  # the TPU kernels select per entry: no padded entries
-    terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0,
-                                                                  pow2(terms.buckets.table.shape[0]))))
   terms = terms.replace(open=tile.pad_open(terms.open, b, padded, tpu))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,

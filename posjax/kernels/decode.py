@@ -38,7 +38,7 @@ from posjax.kernels import term as term_lib
 from posjax.kernels.terms import NAMES, Terms, as_terms, check_rows, kv_group
 
 IMPLEMENTATIONS = ("pallas", "xla")
-KERNEL_TERMS = ("alibi", "buckets", "kerple", "fire", "forget")  # the terms the decode kernels build per tile
+KERNEL_TERMS = ("alibi", "buckets", "kerple", "fire", "sandwich", "forget")  # built-in terms the decode kernels build
 
 
 def kernel_refusal(terms: Terms | None) -> str | None:
@@ -98,8 +98,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   positions_BxT = jnp.broadcast_to(jnp.asarray(key_positions, jnp.int32), (b, t))
   valid_BxT = jnp.broadcast_to(jnp.asarray(key_valid, bool), (b, t))
   start = jnp.asarray(start, jnp.int32)
-  terms = terms.replace(open=tuple(term_lib.bind(x, positions_BxT, b, h, t) for x in terms.open))
   if implementation == "xla":
+    terms = terms.replace(open=tuple(term_lib.bind(x, positions_BxT, b, h, t) for x in terms.open))
     rows_Q = start + jnp.arange(q, dtype=jnp.int32)
     k_BxTxGxK, v_BxTxGxV = jnp.swapaxes(k_BxGxTxK, 1, 2), jnp.swapaxes(v_BxGxTxV, 1, 2)
     s_BxHxQxT = xla.logits(q_BxQxHxK, k_BxTxGxK, terms, positions_BxT, scale, rows_Q)
@@ -109,6 +109,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   refusal = kernel_refusal(terms)
   if refusal:
     raise ValueError(f"decode_attention(implementation='pallas'): {refusal}; use implementation='xla'")
+  terms = terms.kernel_form()
+  terms = terms.replace(open=tuple(term_lib.bind(x, positions_BxT, b, h, t) for x in terms.open))
   tpu, interpret = tile.backend(interpret, platform)
   bq, bk = block_sizes or default_block_sizes(terms, q, d, tpu)
   for name, block, multiple in (("query", bq, 8 if tpu else 1), ("key", bk, 128 if tpu else 1)):
@@ -127,11 +129,6 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
       x_S, [(0, size - x_S.shape[a] if a == axis else 0) for a in range(x_S.ndim)])  # the cache in place when it fits
   head_dim, value_dim = (d, v_BxGxTxV.shape[-1]) if tpu else (tile.next_power_of_two(d),
                                                               tile.next_power_of_two(v_BxGxTxV.shape[-1]))
-  if terms.buckets is not None and not tpu:  # Triton's gathers read a power-of-two table
-    terms = terms.replace(buckets=terms.buckets.replace(table=pad(terms.buckets.table, 0, tile.next_power_of_two(
-        terms.buckets.table.shape[0]))))
-  if terms.forget is not None:  # the cache's slots' c, padded like the cache (the queries read theirs at their slots)
-    terms = terms.replace(forget=terms.forget.replace(c=pad(terms.forget.c, 2, padded_t)))
   terms = terms.replace(open=tile.pad_open(terms.open, b, padded_t, tpu))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=True, block_q=bq, block_k=bk, length=t, interpret=interpret, treedef=treedef,

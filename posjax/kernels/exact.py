@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posjax.kernels import term as term_lib
 from posjax.kernels import xla
 from posjax.kernels.tile import Plan
 
@@ -62,6 +63,9 @@ def dense(plan: Plan, leaves, q_BxHxPxK, k_BxHxPxK, v_BxHxPxV, positions_BxP, se
   if terms.untied is not None:
     u = terms.untied
     terms = terms.replace(untied=u.replace(u_q=u.u_q[:, :n], u_k=u.u_k[:, :n]))
+  terms = terms.replace(open=tuple(bound.replace(arrays={
+      name: bound.arrays[name][:, :, :n] if kind in (term_lib.ROWS, term_lib.EMBEDDINGS) else bound.arrays[name]
+      for name, kind in bound.kinds}) for bound in terms.open))  # the open terms' rows cut like the sequence
   out_BxLxHxV = xla.attention(rows(q_BxHxPxK), rows(k_BxHxPxK), rows(v_BxHxPxV), terms,
                               positions_BxL=positions_BxP[:, :n], segment_ids_BxL=segment_ids_BxP[:, :n],
                               valid_BxL=valid_BxP[:, :n] > 0, scale=plan.scale, causal=plan.causal,

@@ -15,16 +15,19 @@ diagonal, outside the sliding window, in another packed document; computed at ru
 SMEM) are skipped: their grid steps compute nothing and their index maps repeat the last visited block, so no copy
 is issued (as JAX's splash attention does):
 
-- the bucket table and the per-head scalars (ALiBi slopes, θ) sit in SMEM; a pair's bucket value is a select
-  per table entry;
+- the open terms' inputs (:mod:`posjax.kernels.term`) by kind: a head's scalars and tables in SMEM (a table lookup
+  is a select per entry the tile's index reaches: Mosaic has no gather), rows as the query rows replicated across
+  the lanes and the key rows as one row, embeddings as query and key row blocks; their per-tile gradient derived
+  (:func:`posjax.kernels.term.tile_grads`): a head's scalars, the query side of rows and a table's entries as
+  per-row columns of the ``dq`` kernel's ``dopen`` output (:func:`open_layout`), the key side of rows and
+  embeddings as outputs of the ``dk/dv`` kernel;
 - relative vectors are always windowed (``Relative.window``): a tile's ``2·block`` table rows arrive as two
   blocks of a distance-ordered ``[2L, K]`` table (and of its reverse, for the key side) and the products are
   skewed by :func:`_skew` (static rolls and selects: Mosaic's strided rotate exists only along lanes, with a
   small positive stride, and only from v5 on); the table's gradient is summed along tile diagonals in an output block
   that stays resident across the sequential axis (no atomics);
-- the gradients of the bucket table, slopes, θ and KERPLE's and FIRE's learned scalars (in SMEM, one row per
-  head) are per-row partial sums (columns of one ``[B, H, L, C]`` output of the ``dq`` kernel), summed after it;
-- Sandwich's embeddings come as query and key row blocks, multiplied per tile at float32 precision.
+- the gradients of θ and FIRE's learned scalars (in SMEM, one row per head) are per-row partial sums (columns of
+  one ``[B, H, L, C]`` output of the ``dq`` kernel), summed after it.
 
 Query-side integers (positions, segment ids) come replicated across the key tile's lanes (``[B, L, block]``) and
 the row statistics are kept ``[B, H, L, block]``, as in JAX's own TPU flash attention: no vector relayouts.
@@ -44,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (MASKED, Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
-                                 forget_term_grads, group_sum, kv_head, overlap_add, row_delta, sandwich_embeddings,
+                                 group_sum, kv_head, overlap_add, row_delta,
                                  scalar_count, scalar_rows, scalar_term_grads, stick_breaking_rows, suffix_matrix,
                                  t_dot, tile_ranges, untied_grads, window_table)
 
@@ -72,9 +75,6 @@ class _Tile(TileBase):
     allowed_QxT = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
     self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
 
-  def _slope(self):
-    return self.r["slopes"][self.h]
-
   def open_load(self, key: str, kind: str, side):
     """An open term's input (:mod:`posjax.kernels.term`): a head's scalar from SMEM as a ``[Q, 1]`` column (so its
     gradient is per-row sums, as the other scalars'), the query rows (replicated across lanes: the first) or the
@@ -100,13 +100,6 @@ class _Tile(TileBase):
   def _untied_factors(self):
     return self.r["u_q"][0, 0], self.r["u_k"][0, 0]
 
-  def _bucket_values(self, index_QxT):
-    """One select per table entry (Mosaic has no gather), the entry's value read from SMEM."""
-    value_QxT = jnp.zeros(index_QxT.shape, jnp.float32)
-    for n in range(self.terms.buckets.table.shape[0]):
-      value_QxT = jnp.where(index_QxT == n, self.r["bucket_table"][self.h, n], value_QxT)
-    return value_QxT
-
   def _theta(self):
     return self.r["theta"][0, self.h], self.r["theta"][1, self.h]
 
@@ -115,12 +108,6 @@ class _Tile(TileBase):
 
   def _scalar(self, name: str, index):
     return self.r[name][self.h, index]
-
-  def _sandwich_embeddings(self):
-    return self.r["sandwich_q"][0, 0], self.r["sandwich_k"][0, 0]
-
-  def _forget_sums(self):
-    return self.r["forget_q"][0, 0][:, :1], self.r["forget_k"][0, 0]
 
   def _relative_term(self, rel_QxT):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
@@ -235,11 +222,10 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     if rel is not None and rel.query:
       dq_QxK = dq_QxK + plan.scale * dot(tile.unskew_query(ds_QxT), tile.window_WxK.astype(jnp.float32))
     r["acc_dq"][...] += dq_QxK
-    d_untied_QxT, d_bucket_QxT = tile.position_grads(ds_QxT)
     if "du_q" in r:
-      r["acc_du_q"][...] += dot(d_untied_QxT, tile.u_k_TxK.astype(jnp.float32))
+      r["acc_du_q"][...] += dot(tile.untied_grads(ds_QxT), tile.u_k_TxK.astype(jnp.float32))
     if "dpos" in r:
-      r["acc_dpos"][...] += _position_columns(terms, tile, ds_QxT, d_bucket_QxT, r["acc_dpos"].shape)
+      r["acc_dpos"][...] += _position_columns(terms, tile, ds_QxT, r["acc_dpos"].shape)
 
   _write_on_last_step(r, accumulators, j)
 
@@ -248,7 +234,7 @@ def open_layout(terms: Terms) -> dict:
   """``{key: (first column, columns)}`` of the open terms' per-row gradient columns in the dq kernel's ``dopen``:
   a head's scalars (``X``), the query side of rows (1), a table's entries (``N``); embeddings have their own."""
   layout, start = {}, 0
-  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open, trainable=True).items():
     width = {term_lib.HEAD: x.shape[-1], term_lib.ROWS: 1, term_lib.TABLE: x.shape[-1]}.get(kind, 0)
     if width:
       layout[key], start = (start, width), start + width
@@ -307,46 +293,36 @@ def _write_on_last_step(r: dict, names, step):
       r[name][0, 0] = r["acc_" + name][...].astype(r[name].dtype)
 
 
-def _position_columns(terms: Terms, tile: _Tile, ds_QxT, d_bucket_QxT, shape):
-  """``[bq, C]`` row sums of the tile's gradient per scalar input: one column per bucket entry, then the ALiBi
-  slope and θ1, θ2 (:func:`_columns`), then KERPLE's and FIRE's (:func:`posjax.kernels.tile.scalar_columns`)."""
+def _position_columns(terms: Terms, tile: _Tile, ds_QxT, shape):
+  """``[bq, C]`` row sums of the tile's gradient per scalar input: θ1, θ2 (:func:`_columns`), then FIRE's
+  (:func:`posjax.kernels.tile.scalar_columns`)."""
   lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
   out_QxC = jnp.zeros(shape, jnp.float32)
-  for column, part_QxT in _columns(terms, tile, ds_QxT, d_bucket_QxT):
+  for column, part_QxT in _columns(terms, tile, ds_QxT):
     out_QxC = jnp.where(lane_QxC == column, jnp.sum(part_QxT, axis=1, keepdims=True), out_QxC)
   add = lambda acc_QxC, column, part_QxT: acc_QxC + jnp.where(lane_QxC == column,
                                                               jnp.sum(part_QxT, axis=1, keepdims=True), 0.0)
   return tile.add_scalar_grads(ds_QxT, add, out_QxC, offset=_column_count(terms) - scalar_count(terms))
 
 
-def _columns(terms: Terms, tile, ds_QxT, d_bucket_QxT):
+def _columns(terms: Terms, tile, ds_QxT):
   """``(column, gradient part [bq, bk])`` of each scalar input, in :func:`_position_columns`' order."""
   column = 0
-  if terms.buckets is not None:
-    for n in range(terms.buckets.table.shape[0]):
-      yield column + n, jnp.where(tile.bucket_QxT == n, d_bucket_QxT, 0.0)
-    column += terms.buckets.table.shape[0]
-  if terms.alibi is not None:
-    yield column, -ds_QxT * tile.distance_QxT
-    column += 1
   if terms.untied is not None and terms.untied.reset != "none":
     yield column, jnp.where(tile.cls_i_QxT, ds_QxT, 0.0)
     yield column + 1, jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0)
     column += 2
-  if terms.forget is not None:  # per row, not summed: c_i's gradient (the negation of c_j's share, forget_grads)
-    yield column, -tile.forget_grads(ds_QxT)
 
 
 def _column_count(terms: Terms) -> int:
-  count = terms.buckets.table.shape[0] if terms.buckets is not None else 0
-  count += (terms.alibi is not None) + (terms.forget is not None)
+  count = 0
   return count + 2 * (terms.untied is not None and terms.untied.reset != "none") + scalar_count(terms)
 
 
 def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   b, h, j, i = (pl.program_id(a) for a in range(4))
-  accumulators = [n for n in r if n in ("dk", "dv", "du_k", "dc_k") or n.endswith("@k") and "acc_" + n in r]
+  accumulators = [n for n in r if n in ("dk", "dv", "du_k") or n.endswith("@k") and "acc_" + n in r]
   _zero_on_first_step(r, accumulators, i)
 
   @pl.when(_visits(r, b, j, i))
@@ -364,10 +340,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
       dk_TxK = dk_TxK + plan.scale * t_dot(tile.unskew_key(ds_QxT), tile.reversed_WxK.astype(jnp.float32))
     r["acc_dk"][...] += dk_TxK
     if "du_k" in r:
-      d_untied_QxT, _ = tile.position_grads(ds_QxT)
-      r["acc_du_k"][...] += t_dot(d_untied_QxT, tile.u_q_QxK.astype(jnp.float32))
-    if "dc_k" in r:  # c_j's gradient: column sums of its share (forget_grads)
-      r["acc_dc_k"][...] += jnp.sum(tile.forget_grads(ds_QxT), axis=0, keepdims=True)
+      r["acc_du_k"][...] += t_dot(tile.untied_grads(ds_QxT), tile.u_q_QxK.astype(jnp.float32))
 
   _write_on_last_step(r, accumulators, i)
 
@@ -836,23 +809,19 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
         specs[name] = at((1, 1, 1, bk), lambda b, h, i, j: (b, h, 0, j))
       else:
         specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, h, j, 0))
-    elif name in ("q", "d_out", "u_q", "sandwich_q"):
+    elif name in ("q", "d_out", "u_q"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
     elif name in ("k", "v"):  # a head per plan.group query heads (grouped-query attention)
       specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, kv_head(h, plan.group), j, 0))
-    elif name in ("u_k", "sandwich_k"):
+    elif name == "u_k":
       specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
-    elif name == "forget_q":  # c of the query rows, replicated across up to 128 lanes
-      specs[name] = at((1, 1, bq, a.shape[-1]), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
-    elif name == "forget_k":  # c of the key rows, one row
-      specs[name] = at((1, 1, 1, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, 0, j))
     elif name in ("row_max", "row_sum", "delta"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, h, i, 0))
     elif name in ("q_positions", "q_segments", "q_slots"):
       specs[name] = at((1, bq, bk), lambda b, h, i, j: (b, i, 0))
     elif name in ("k_positions", "k_segments", "k_valid"):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
-    elif name in ("slopes", "theta", "bucket_table", "salts", "kerple", "fire"):
+    elif name in ("theta", "salts", "fire"):
       specs[name] = smem
     elif name == "v_q":  # the values at the query rows (stick-breaking's remainder)
       specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, kv_head(h, plan.group), i, 0))
@@ -892,21 +861,11 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
             "k_valid": valid_BxL[:, None]}
   if plan.dropout:
     arrays["salts"] = salts_BxH
-  if terms.alibi is not None:
-    arrays["slopes"] = terms.alibi.slopes.astype(jnp.float32)
-  if terms.buckets is not None:
-    arrays["bucket_table"] = terms.buckets.table.T.astype(jnp.float32)
   if terms.untied is not None:
     arrays["u_q"], arrays["u_k"] = (getattr(terms.untied, n).transpose(0, 2, 1, 3) for n in ("u_q", "u_k"))
     if terms.untied.reset != "none":
       arrays["theta"] = terms.untied.theta.astype(jnp.float32)
   arrays.update(scalar_rows(terms))
-  if terms.sandwich is not None:
-    arrays["sandwich_q"] = arrays["sandwich_k"] = sandwich_embeddings(terms, positions_BxL)
-  if terms.forget is not None:  # the query rows' c across min(bk, 128) lanes (a column pads to 128 lanes anyway)
-    c_BxHxL = terms.forget.c.astype(jnp.float32)
-    arrays["forget_q"] = jnp.broadcast_to(c_BxHxL[..., None], (*c_BxHxL.shape, min(bk, 128)))
-    arrays["forget_k"] = c_BxHxL[:, :, None, :]
   for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
     if kind in (term_lib.HEAD, term_lib.TABLE):  # SMEM, a row per head
       arrays[key] = x
@@ -1065,7 +1024,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   open_columns = sum(width for _, width in open_layout(terms).values())
   if open_columns:
     dq_out["dopen"], dq_scratch["acc_dopen"] = _rows((b, h, l, open_columns), bq), (bq, open_columns)
-  open_arrays = term_lib.kernel_arrays(terms.open)
+  open_arrays = term_lib.kernel_arrays(terms.open, trainable=True)
   for key, (kind, x) in open_arrays.items():
     if kind == term_lib.EMBEDDINGS:
       dq_out["d" + key + "@q"], dq_scratch["acc_d" + key + "@q"] = _rows(x.shape, bq), (bq, x.shape[-1])
@@ -1075,10 +1034,6 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
   if terms.untied is not None:
     dkv_out["du_k"], dkv_scratch["acc_du_k"] = _rows((b, h, l, d), bk), (bk, d)
-  if terms.forget is not None:
-    dkv_out["dc_k"] = (jax.ShapeDtypeStruct((b, h, 1, l), jnp.float32),
-                       pl.BlockSpec((1, 1, 1, bk), lambda b, h, j, i, ranges: (b, h, 0, j)))
-    dkv_scratch["acc_dc_k"] = (1, bk)
   for key, (kind, x) in open_arrays.items():
     if kind == term_lib.ROWS:
       dkv_out["d" + key + "@k"] = (jax.ShapeDtypeStruct((b, h, 1, l), jnp.float32),
@@ -1112,22 +1067,10 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   if columns:
     d_columns_HxC = jnp.sum(dq_res["dpos"], axis=(0, 2))
     column = 0
-    if terms.buckets is not None:
-      n = terms.buckets.table.shape[0]
-      d_terms = d_terms.replace(buckets=d_terms.buckets.replace(
-          table=d_columns_HxC[:, :n].T.astype(terms.buckets.table.dtype)))
-      column = n
-    if terms.alibi is not None:
-      d_terms = d_terms.replace(alibi=d_terms.alibi.replace(
-          slopes=d_columns_HxC[:, column].astype(terms.alibi.slopes.dtype)))
-      column += 1
     if terms.untied is not None and terms.untied.reset != "none":
       d_terms = d_terms.replace(untied=d_terms.untied.replace(
           theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
       column += 2
-    if terms.forget is not None:  # one value per row: c's gradient from the queries' side, plus the keys'
-      d_terms = d_terms.replace(forget=forget_term_grads(terms.forget, dq_res["dpos"][..., column]
-                                                         + dkv_res["dc_k"][:, :, 0, :]))
     d_terms = d_terms.replace(**scalar_term_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
   if terms.open:  # the columns and rows in the layout both backends give term.gradients
     sums = {**dq_res, **{name: x_BxHx1xL[:, :, 0] for name, x_BxHx1xL in dkv_res.items()
@@ -1168,10 +1111,6 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
     arrays[key] = (jnp.broadcast_to(x_BxHxQxX[..., None], (*x_BxHxQxX.shape, arrays[key].shape[-1]))
                    if x_BxHxQxX.ndim == 3 else x_BxHxQxX)
-  if terms.forget is not None:  # the queries' c at their slots (a per-row constant under the causal mask: it cancels)
-    c_BxHxT = jnp.broadcast_to(terms.forget.c.astype(jnp.float32), (b, h, t))
-    c_BxHxQ = jnp.take_along_axis(c_BxHxT, jnp.broadcast_to(q_slots_BxQ[:, None, :], (b, h, q)), axis=2)
-    arrays["forget_q"] = jnp.broadcast_to(c_BxHxQ[..., None], (b, h, q, arrays["forget_q"].shape[-1]))
   out = _call(_forward_kernel, plan, terms, arrays,
               {"out": _rows((b, h, q, v_BxGxTxV.shape[-1]), bq, jnp.float32), "row_max": _rows((b, h, q, bk), bq),
                "row_sum": _rows((b, h, q, bk), bq)},

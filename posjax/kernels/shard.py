@@ -20,20 +20,10 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
   """Each term array's ``PartitionSpec`` when rows split over mesh axes ``batch`` and heads over ``heads`` (a
   table shared by the whole batch, such as the relative vectors or a ``[1, ...]`` untied term, is replicated)."""
   specs = {}
-  if terms.alibi is not None:
-    specs["alibi"] = terms.alibi.replace(slopes=P(heads))
-  if terms.buckets is not None:
-    specs["buckets"] = terms.buckets.replace(table=P(None, heads))
   if terms.relative is not None:
     specs["relative"] = terms.relative.replace(table=P())
-  if terms.kerple is not None:
-    specs["kerple"] = terms.kerple.replace(r1=P(heads), r2=P(heads))
   if terms.fire is not None:
     specs["fire"] = terms.fire.replace(w1=P(), b1=P(), w2=P(None, heads), b2=P(heads), c=P(), threshold=P())
-  if terms.sandwich is not None:
-    specs["sandwich"] = terms.sandwich.replace(ratios=P(heads))
-  if terms.forget is not None:
-    specs["forget"] = terms.forget.replace(c=P(batch if terms.forget.c.shape[0] > 1 else None, heads, None))
   if terms.untied is not None:
     u = terms.untied
     rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)

@@ -51,6 +51,7 @@ class Term:
   name to its kind, :meth:`logits` gives the new score from the view and the score so far."""
 
   KINDS: ClassVar[dict] = {}
+  CONSTANTS: ClassVar[frozenset] = frozenset()  # inputs that take no gradient (the kernels accumulate none)
 
   def logits(self, tile: "View", s):
     """The score after this term, elementwise over the last two axes (queries, keys) of ``s``."""
@@ -86,6 +87,7 @@ class Bound:
   term: Any = flax.struct.field(pytree_node=False)
   kinds: tuple = flax.struct.field(pytree_node=False)  # ((name, kind), ...)
   arrays: dict
+  constants: tuple = flax.struct.field(pytree_node=False, default=())  # names that take no gradient
 
 
 def skeleton(term: Term):
@@ -113,7 +115,11 @@ def bind(term, positions_BxL, batch: int, heads: int, length: int) -> Bound:
                        f"{input_shapes(kind, batch, heads, length)}")
   arrays = {name: jnp.asarray(x, jnp.float32) for name, x in arrays.items()}
   arrays = {name: x[:, None] if term.KINDS[name] == HEAD and x.ndim == 1 else x for name, x in arrays.items()}
-  return Bound(skeleton(term), tuple(sorted(term.KINDS.items())), arrays)
+  unknown = sorted(set(term.CONSTANTS) - set(term.KINDS))
+  if unknown:
+    raise ValueError(f"{name_of}.CONSTANTS names {unknown}, which its KINDS do not declare")
+  arrays = {name: jax.lax.stop_gradient(x) if name in term.CONSTANTS else x for name, x in arrays.items()}
+  return Bound(skeleton(term), tuple(sorted(term.KINDS.items())), arrays, tuple(sorted(term.CONSTANTS)))
 
 
 class View:
@@ -275,10 +281,16 @@ def prefix(i: int) -> str:
   return f"open{i}_"
 
 
-def kernel_arrays(bounds) -> dict:
-  """``{key: (kind, array)}`` of every bound term's inputs, namespaced by :func:`prefix`."""
+def kernel_arrays(bounds, trainable: bool = False) -> dict:
+  """``{key: (kind, array)}`` of every bound term's inputs, namespaced by :func:`prefix` (``trainable``: only those
+  that take a gradient)."""
   return {prefix(i) + name: (kind, bound.arrays[name]) for i, bound in enumerate(bounds)
-          for name, kind in bound.kinds}
+          for name, kind in bound.kinds if not (trainable and name in bound.constants)}
+
+
+def constant_keys(bounds) -> set:
+  """The keys of the inputs that take no gradient."""
+  return {prefix(i) + name for i, bound in enumerate(bounds) for name in bound.constants}
 
 
 def tile_logits(tile, bounds, s_QxT):
@@ -293,11 +305,13 @@ def tile_grads(tile, bounds, ds_QxT):
   """``(d content, {(key, side): d value}, [(key, index, d value)])``: the open terms' derived gradient on one tile,
   from the final score's ``ds`` (``jax.vjp`` of the same logits, the lookups' values as primals: each backend
   transposes a lookup its own way)."""
-  slots = list(tile.open_values)
+  constants = constant_keys(bounds)
+  slots = [slot for slot in tile.open_values if slot[0] not in constants]
+  fixed = {slot: value for slot, value in tile.open_values.items() if slot[0] in constants}
   looked = [value for _, _, value in tile.open_lookups]
 
   def replayed(values, looked_values, s_QxT):
-    store, read = dict(zip(slots, values)), []
+    store, read = {**fixed, **dict(zip(slots, values))}, []
     views = lambda i: TileView(tile, prefix(i), dict(bounds[i].kinds), store, read, replay=looked_values)
     return apply(bounds, views, s_QxT)
 
@@ -316,7 +330,10 @@ def gradients(bounds, d: dict) -> tuple:
     arrays = {}
     for name, kind in bound.kinds:
       key = "d" + prefix(i) + name
-      grad = (jnp.sum(d[key], axis=(0, 2)) if kind in (HEAD, TABLE) else d[key + "@q"] + d[key + "@k"])
+      if name in bound.constants:
+        grad = jnp.zeros_like(bound.arrays[name])
+      else:
+        grad = jnp.sum(d[key], axis=(0, 2)) if kind in (HEAD, TABLE) else d[key + "@q"] + d[key + "@k"]
       arrays[name] = grad.astype(bound.arrays[name].dtype)
     out.append(bound.replace(arrays=arrays))
   return tuple(out)
@@ -332,3 +349,16 @@ def query_rows(bounds, q_slots_BxQ) -> dict:
       out[key + "@q"] = jnp.take_along_axis(x, jnp.broadcast_to(slots, (*x.shape[:2], q_slots_BxQ.shape[1],
                                                                          *x.shape[3:])), axis=2)
   return out
+
+
+def embedding_width(terms_open, length: int = 1) -> int:
+  """The widest :data:`EMBEDDINGS` input of ``terms_open`` (bound or not: an unbound term's from the shapes its
+  :meth:`Term.kernel_inputs` would give), 0 without one: the tiles' float32 operands that bound the GPU's tiles."""
+  widths = [0]
+  for t in terms_open:
+    if isinstance(t, Bound):
+      widths += [t.arrays[name].shape[-1] for name, kind in t.kinds if kind == EMBEDDINGS]
+    elif any(kind == EMBEDDINGS for kind in t.KINDS.values()):
+      shapes = jax.eval_shape(lambda: t.kernel_inputs(jnp.zeros((1, length), jnp.int32)))
+      widths += [shapes[name].shape[-1] for name, kind in t.KINDS.items() if kind == EMBEDDINGS]
+  return max(widths)

@@ -16,7 +16,6 @@ diagonals, M/N/C a matrix's rows/columns/contracted axis. A tile's ``_QxT`` flag
 - :func:`scalar_columns`, :func:`scalar_count`, :func:`scalar_rows`, :func:`fire_slot`,
   :func:`scalar_term_grads`: those scalars' per-head input rows and the layout of their gradient columns (a kernel
   writes per-tile partial sums of each column, no atomics; :meth:`TileBase.add_scalar_grads` computes a tile's);
-- :func:`sandwich_embeddings`: Sandwich's per-call embeddings, which the tiles multiply;
 - the relative vectors' distance-ordered layout (:func:`window_table`) and the folding of its gradient back
   into the table (:func:`overlap_add`, :func:`fold_window_table`); :func:`row_delta` and
   :func:`untied_grads`, the backward's steps outside the kernels.
@@ -37,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import term as term_lib
-from posjax.kernels.terms import SCALARS, Forget, Relative, Terms, Untied
+from posjax.kernels.terms import SCALARS, Relative, Terms, Untied
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -230,16 +229,15 @@ def t_dot(a_CxM, b_CxN):
 class TileBase:
   """One (query tile, key tile) pair: its logits, mask and what the backward needs to route gradients.
 
-  Both backends' tiles share it, given their own loads through the hooks ``_slope``, ``_relative_term``,
-  ``_untied_factors``, ``_bucket_values``, ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head,
-  :func:`scalar_rows`), ``_exact`` (a float32-accurate product's precision), ``_sandwich_embeddings`` (the
-  tile's rows of :func:`sandwich_embeddings`) and ``_forget_sums`` (the query rows' and key rows' ``c`` of the
-  Forget term, ``[Q, 1]`` and ``[1, T]``) and ``_cope_rows`` (CoPE's ``q·e[n]`` of the tile's rows at entries
-  ``n``): the position terms and the [CLS] reset, the mask and the logits,
-  dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned scalars. A
+  Both backends' tiles share it, given their own loads through the hooks ``_relative_term``, ``_untied_factors``,
+  ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head, :func:`scalar_rows`),
+  ``_exact`` (a float32-accurate product's precision) and ``_cope_rows`` (CoPE's ``q·e[n]`` of the tile's rows at
+  entries ``n``), and the open terms' (:meth:`open_logits`): the position terms and the [CLS] reset, the mask and
+  the logits, dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned
+  scalars. A
   subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT``, the query positions
   ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``) and the pairs' indices ``index_i_QxT`` / ``index_j_QxT``, then calls
-  :meth:`add_position_terms` and :meth:`mask_logits`, which set the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``bucket_QxT``, ``u_q_QxK``,
+  :meth:`add_position_terms` and :meth:`mask_logits`, which set the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``u_q_QxK``,
   ``u_k_TxK``, ...).
   """
 
@@ -265,59 +263,23 @@ class TileBase:
   def add_position_terms(self, s_QxT, rel_QxT):
     """``s`` plus every position term of the pairs at relative positions ``rel``."""
     terms = self.terms
-    if terms.alibi is not None or terms.kerple is not None or terms.fire is not None:
+    if terms.fire is not None:
       self.distance_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
-    if terms.alibi is not None:
-      s_QxT = s_QxT - self._slope() * self.distance_QxT
     if terms.relative is not None:
       s_QxT = s_QxT + self._relative_term(rel_QxT)
-    if terms.kerple is not None:
-      s_QxT = s_QxT + self._kerple_bias()
     if terms.fire is not None:
       s_QxT = s_QxT + self._fire_bias()
-    if terms.sandwich is not None:
-      q_QxE, k_TxE = self._sandwich_embeddings()
-      s_QxT = s_QxT + terms.sandwich.scale * (dot_t(q_QxE, k_TxE, self._exact()) - terms.sandwich.dim // 2)
-    if terms.forget is not None:  # c_i - c_j for a key at or before the query, c_j - c_i after it
-      c_i_Qx1, c_j_1xT = self._forget_sums()
-      self.forget_later_QxT = self.index_j_QxT > self.index_i_QxT
-      difference_QxT = c_i_Qx1 - c_j_1xT
-      s_QxT = s_QxT + jnp.where(self.forget_later_QxT, -difference_QxT, difference_QxT)
     self.reset = terms.untied.reset if terms.untied is not None else "none"
     self.neither_QxT = ~self.cls_i_QxT & ~self.cls_j_QxT
-    positional_QxT = jnp.zeros_like(s_QxT)
-    if terms.untied is not None:
-      self.u_q_QxK, self.u_k_TxK = self._untied_factors()
-      positional_QxT = dot_t(self.u_q_QxK, self.u_k_TxK)
-    if self.reset == "official":
-      positional_QxT = self._untie(positional_QxT)
-    if terms.buckets is not None:
-      self.bucket_QxT = terms.buckets.entries(rel_QxT, self.cls_i_QxT, self.cls_j_QxT)
-      positional_QxT = positional_QxT + self._bucket_values(self.bucket_QxT)
-    if self.reset == "paper":
-      positional_QxT = self._untie(positional_QxT)
-    return s_QxT + positional_QxT
-
-  def forget_grads(self, ds_QxT):
-    """The Forget term's share of the logits' gradient on ``c_j`` (its negation on ``c_i``): ``-ds`` for a key at
-    or before the query, ``ds`` after it."""
-    return jnp.where(self.forget_later_QxT, ds_QxT, -ds_QxT)
+    if terms.untied is None:
+      return s_QxT
+    self.u_q_QxK, self.u_k_TxK = self._untied_factors()
+    positional_QxT = dot_t(self.u_q_QxK, self.u_k_TxK)
+    return s_QxT + (positional_QxT if self.reset == "none" else self._untie(positional_QxT))
 
   def _exact(self):
     """The precision of a float32 product that needs float32 accuracy (Sandwich's inner products reach ``F``)."""
     return jax.lax.Precision.HIGHEST
-
-  def _kerple_bias(self):
-    """KERPLE's kernel (:class:`~posjax.kernels.terms.Kerple`) from this head's ``r1``, ``r2``."""
-    d_QxT = self.distance_QxT
-    r1, r2 = self._scalar("kerple", 0), self._scalar("kerple", 1)
-    if self.terms.kerple.kind == "log":
-      self.kerple_f_QxT = jnp.log1p(r2 * d_QxT)
-    else:  # |r|^r2, 0 at r = 0
-      positive_QxT = d_QxT > 0
-      self.kerple_log_d_QxT = jnp.log(jnp.where(positive_QxT, d_QxT, 1.0))
-      self.kerple_f_QxT = jnp.where(positive_QxT, jnp.exp(r2 * self.kerple_log_d_QxT), 0.0)
-    return -r1 * self.kerple_f_QxT
 
   def _fire_bias(self):
     """FIRE's MLP (:class:`~posjax.kernels.terms.Fire`), one hidden unit at a time (no ``[Q, T, W]`` array)."""
@@ -339,14 +301,6 @@ class TileBase:
     """``acc`` with every learned scalar's share of the logits' gradient added: ``add(acc, column, part_QxT)`` per
     column of :func:`scalar_columns` (shifted by ``offset``; the backend sums ``part`` its own way)."""
     columns = scalar_columns(self.terms)
-    if "kerple" in columns:
-      start = offset + columns["kerple"][0]
-      r1, r2 = self._scalar("kerple", 0), self._scalar("kerple", 1)
-      acc = add(acc, start, -ds_QxT * self.kerple_f_QxT)
-      if self.terms.kerple.kind == "log":
-        acc = add(acc, start + 1, -ds_QxT * r1 * self.distance_QxT / (1.0 + r2 * self.distance_QxT))
-      else:
-        acc = add(acc, start + 1, -ds_QxT * r1 * self.kerple_f_QxT * self.kerple_log_d_QxT)
     if "fire" in columns:
       acc = self._fire_grads(ds_QxT, add, acc, offset + columns["fire"][0])
     return acc
@@ -405,12 +359,10 @@ class TileBase:
       return x_QxT
     return dropout_lib.apply(x_QxT, self._salt(), self.index_i_QxT, self.index_j_QxT, self.plan.dropout)
 
-  def position_grads(self, ds_QxT):
-    """``ds``'s share for the untied and bucket terms: ``(d corr, d bucket term)`` (the [CLS] reset replaces
-    the untied term, and with ``paper`` the bucket term too, on the [CLS] rows and columns)."""
-    untied_QxT = ds_QxT if self.reset == "none" else jnp.where(self.neither_QxT, ds_QxT, 0.0)
-    bucket_QxT = jnp.where(self.neither_QxT, ds_QxT, 0.0) if self.reset == "paper" else ds_QxT
-    return untied_QxT, bucket_QxT
+  def untied_grads(self, ds_QxT):
+    """``ds``'s share for the untied term (the [CLS] reset replaces it on the [CLS] rows and columns; with
+    ``paper`` the bucket term too, which :meth:`posjax.kernels.terms.Terms.kernel_form` reads as zero there)."""
+    return ds_QxT if self.reset == "none" else jnp.where(self.neither_QxT, ds_QxT, 0.0)
 
 
 def _sign(x):
@@ -436,17 +388,9 @@ def scalar_columns(terms: Terms) -> dict:
   for name in SCALARS:
     term = getattr(terms, name)
     if term is not None:
-      size = 2 if name == "kerple" else fire_slot(term.w1.shape[0], "threshold") + 1
+      size = fire_slot(term.w1.shape[0], "threshold") + 1
       columns[name], start = (start, size), start + size
   return columns
-
-
-def sandwich_embeddings(terms: Terms, positions_BxL):
-  """``[B, H, L, E]`` float32 Sandwich embeddings (:meth:`~posjax.kernels.terms.Sandwich.embeddings`), E padded to a
-  power of two of at least 16 with zeros (Triton's arrays and dots), for the kernels' ``sandwich`` input."""
-  e_BxHxLxE = terms.sandwich.embeddings(positions_BxL)
-  width = max(16, next_power_of_two(e_BxHxLxE.shape[-1]))
-  return jnp.pad(e_BxHxLxE, ((0, 0), (0, 0), (0, 0), (0, width - e_BxHxLxE.shape[-1])))
 
 
 def scalar_count(terms: Terms) -> int:
@@ -458,8 +402,6 @@ def scalar_rows(terms: Terms) -> dict:
   """``{term: [H, X] float32}``: each head's learned scalars in :func:`scalar_columns`' order, the row a tile reads
   them from (``_scalar(term, index)``)."""
   rows = {}
-  if terms.kerple is not None:
-    rows["kerple"] = jnp.stack([terms.kerple.r1, terms.kerple.r2], axis=1).astype(jnp.float32)
   if terms.fire is not None:
     f = terms.fire
     heads = f.b2.shape[0]
@@ -476,9 +418,6 @@ def scalar_term_grads(terms: Terms, d_HxC) -> dict:
   for name, (start, size) in scalar_columns(terms).items():
     d_HxX = d_HxC[:, start:start + size]
     term = getattr(terms, name)
-    if name == "kerple":
-      out[name] = term.replace(r1=d_HxX[:, 0].astype(term.r1.dtype), r2=d_HxX[:, 1].astype(term.r2.dtype))
-      continue
     out[name] = _fire_term_grads(term, d_HxX)
   return out
 
@@ -602,14 +541,6 @@ def fold_window_table(d_RxK, relative: Relative, padded: int):
   if k < padded:
     grad_DxK = grad_DxK.at[2 * k].set(jnp.sum(d_RxK[padded + k:], axis=0))
   return grad_DxK
-
-
-def forget_term_grads(forget: Forget, d_c_BxHxL) -> Forget:
-  """The Forget term's gradient from the kernels' ``[B, H, L]`` rows (the queries' side plus the keys'), summed over
-  the batch where ``c`` was shared by it."""
-  if forget.c.shape[0] == 1 and d_c_BxHxL.shape[0] != 1:
-    d_c_BxHxL = jnp.sum(d_c_BxHxL, axis=0, keepdims=True)
-  return forget.replace(c=d_c_BxHxL.astype(forget.c.dtype))
 
 
 def untied_grads(untied: Untied, du_q_BxHxLxK, du_k_BxHxLxK) -> Untied:

@@ -20,9 +20,12 @@ recomputes its logits from the tile's positions, segment ids and the terms' smal
 
 Gradients of the position inputs, all without atomics (deterministic):
 
-- bucket table, θ and ALiBi slopes (a scalar per head: cheap, and exact should one learn them), KERPLE's
-  ``r1, r2`` and FIRE's MLP, ``c`` and threshold (:func:`posjax.kernels.tile.scalar_columns`): the ``dq`` kernel
-  writes per-(batch, head, query tile) partial sums, summed after it;
+- the open terms' inputs (:mod:`posjax.kernels.term`: ALiBi's slopes, the bucket table, KERPLE's ``r1, r2``, the
+  forget gate's ``c``, a user's own), by kind, from the per-tile gradient derived by ``jax.vjp`` of the term's logits:
+  a head's scalars and a table's entries as per-(batch, head, query tile) partial sums of the ``dq`` kernel (a
+  lookup's entries scattered as below), the query and key sides of rows and embeddings as rows of the ``dq`` and
+  ``dk/dv`` kernels; θ and FIRE's MLP, ``c`` and threshold (:func:`posjax.kernels.tile.scalar_columns`): per-tile
+  partial sums too, by hand;
 - TUPE's ``u_q`` / ``u_k``: rows of the ``dq`` / ``dk`` kernel, like ``dq`` / ``dk`` themselves;
 - relative vectors, gathered (``Relative.window=False``): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
   (``[B, H, L, 2k+1]``) are computed outside the kernel and gathered per tile; their gradients are rows of the
@@ -35,10 +38,10 @@ Gradients of the position inputs, all without atomics (deterministic):
   tiles share a window), sums the window's gradient along the diagonal: per-(batch, head, diagonal) partials
   added by halves into the ``[2L, K]`` layout and folded back into the table (clipped ends summed).
 
-Per-pair lookups (``qe``, ``ke``, the bucket table, the window's skew through a per-program scratch block) are
+Per-pair lookups (``qe``, ``ke``, an open term's table, the window's skew through a per-program scratch block) are
 gather loads from refs (Triton lowers integer-array indexers to pointer gathers); the backward's scatter of a
-pair's gradient to its distance or bucket adds into the program's own output block (``dqe`` / ``dke`` rows, the
-bucket table's partial sum) a chunk of entries at a time, looping only over the chunks the tile's entries reach:
+pair's gradient to its distance or table entry adds into the program's own output block (``dqe`` / ``dke`` rows, the
+table's partial sum) a chunk of entries at a time, looping only over the chunks the tile's entries reach:
 a ``[bq, bk, chunk]`` one-hot summed per step (deterministic, exact for any positions; no batched matmul or
 atomics), so registers, PTX and compile time do not grow with the table.
 
@@ -57,8 +60,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (Plan, fold_window_table, forget_term_grads, group_sum, kv_head, next_power_of_two,
-                                 overlap_add, row_delta, sandwich_embeddings, scalar_count, scalar_rows,
+from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two,
+                                 overlap_add, row_delta, scalar_count, scalar_rows,
                                  scalar_term_grads, stick_breaking_rows, tile_ranges, untied_grads, window_table)
 from posjax.kernels.triton_kernels import (cope_dkv_kernel, cope_dq_kernel, cope_forward_kernel, decode_kernel,
                                            dkv_kernel, dq_kernel, forward_kernel, stick_dkv_kernel, stick_dq_kernel,
@@ -103,25 +106,14 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
     inputs["salts"], specs["salts"] = salts_BxH, pl.BlockSpec((1, 1), lambda b, h, i: (b, h))
   for name, x_BxL in (("positions", positions_BxL), ("segment_ids", segment_ids_BxL), ("valid", valid_BxL)):
     inputs[name], specs[name] = x_BxL, _batch_spec(x_BxL)
-  if terms.alibi is not None:
-    inputs["slopes"] = terms.alibi.slopes.astype(jnp.float32)[:, None]
-  if terms.buckets is not None:
-    inputs["bucket_table"] = terms.buckets.table.T
   if terms.untied is not None and terms.untied.reset != "none":
     inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
   for name, row_HxX in scalar_rows(terms).items():
     inputs[name] = _pad_columns(row_HxX, next_power_of_two(row_HxX.shape[1]))
-  if terms.sandwich is not None:
-    inputs["sandwich"] = sandwich_embeddings(terms, positions_BxL)
-    specs["sandwich"] = _row_spec(inputs["sandwich"])
-  if terms.forget is not None:  # c [B, H, L] of the keys: the program's (batch, head) row
-    length = k_BxHxLxK.shape[2]
-    inputs["forget"] = jnp.broadcast_to(terms.forget.c.astype(jnp.float32), (*q_BxHxLxK.shape[:2], length))
-    specs["forget"] = pl.BlockSpec((1, 1, length), lambda b, h, i: (b, h, 0))
   if terms.relative is not None and terms.relative.window:
     inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
     specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
-  for name in ("slopes", "bucket_table", "theta_row", "theta_col", "kerple", "fire"):
+  for name in ("theta_row", "theta_col", "fire"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
   for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():  # by kind: a head's row, or whole rows
@@ -163,11 +155,12 @@ def compiler_params(plan: Plan, terms: Terms) -> dict:
   tile builds position terms or is larger than 64x64 (at 4 their ``[bq, bk]`` index and value tensors spill),
   4 otherwise. Windowed relative vectors take one stage: their tiles gather this program's scratch block right
   after storing it, which a software-pipelined (prefetched) load would read stale, and two stages of the
-  window's operands fill 85-100% of the shared memory; so do two stages of Sandwich's float32 embeddings (88-92%
-  at 64x64, ``dim=128``)."""
+  window's operands fill 85-100% of the shared memory; so do two stages of float32 embeddings (an open term's
+  :data:`~posjax.kernels.term.EMBEDDINGS`: Sandwich's, 88-92% at 64x64, ``dim=128``)."""
   plain = terms.empty() and plan.block_q * plan.block_k <= 64 * 64
   window = terms.relative is not None and bool(terms.relative.window)
-  return {"num_warps": 4 if plain else 8, "num_stages": 1 if window or terms.sandwich is not None else 2}
+  return {"num_warps": 4 if plain else 8,
+          "num_stages": 1 if window or term_lib.embedding_width(terms.open) else 2}
 
 
 def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int) -> dict:
@@ -223,17 +216,17 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
 def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
   """The (query, key) tile when the caller gives none, from ptxas for H100 (bf16, K=64, L=512 and 2048): 128x64
   without position terms (no spills, at most 43% of the shared memory), 64x64 with any (at 128x64 ALiBi + T5's
-  dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory). Sandwich embeddings
-  wider than 128 (``dim > 128``) take smaller tiles: their float32 operands pass the shared memory at 64x64.
+  dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory). Embeddings (an open
+  term's: Sandwich's) wider than 128 take smaller tiles: their float32 operands pass the shared memory at 64x64.
   Stick-breaking takes 32x32: at 64x64 its float32 ``[bq, bk]`` tiles (weights, their logs, the in-tile suffix sums)
   spill 0.8-2.3 KB per thread, at 32x32 none."""
-  del length, head_dim
+  del head_dim
   if terms.stick_breaking is not None or terms.cope is not None:
     return (32, 32)
-  plain = terms.empty()
-  if terms.sandwich is not None and terms.sandwich.dim > 128:
-    return (32, 32) if terms.sandwich.dim <= 256 else (16, 16)
-  return (128, 64) if plain else (64, 64)
+  width = term_lib.embedding_width(terms.kernel_form().open, length)
+  if width > 128:
+    return (32, 32) if width <= 256 else (16, 16)
+  return (128, 64) if terms.empty() else (64, 64)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -290,19 +283,12 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     if terms.untied.reset != "none":
       for name in ("dtheta_row", "dtheta_col"):
         dq_out[name], dq_specs[name] = f32(b, h, n_q, 1), partial_spec(1)
-  if terms.buckets is not None:
-    n = terms.buckets.table.shape[0]
-    dq_out["dbucket"], dq_specs["dbucket"] = f32(b, h, n_q, n), partial_spec(n)
-  if terms.alibi is not None:
-    dq_out["dslope"], dq_specs["dslope"] = f32(b, h, n_q, 1), partial_spec(1)
   columns = scalar_count(terms)
   if columns:
     n = next_power_of_two(columns)
     dq_out["dscalars"], dq_specs["dscalars"] = f32(b, h, n_q, n), partial_spec(n)
   rows_spec = lambda block: pl.BlockSpec((1, 1, block), lambda b, h, i: (b, h, i))
-  if terms.forget is not None:
-    dq_out["dc_q"], dq_specs["dc_q"] = f32(b, h, l), rows_spec(plan.block_q)
-  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open, trainable=True).items():
     if kind in (term_lib.HEAD, term_lib.TABLE):  # partial sums per query tile
       dq_out["d" + key], dq_specs["d" + key] = f32(b, h, n_q, x.shape[-1]), partial_spec(x.shape[-1])
     elif kind == term_lib.ROWS:
@@ -319,9 +305,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     dkv_specs["dke"] = _row_spec(dkv_out["dke"], plan.block_k)
   if terms.untied is not None:
     dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k_BxHxLxK, plan.block_k)
-  if terms.forget is not None:
-    dkv_out["dc_k"], dkv_specs["dc_k"] = f32(b, h, l), rows_spec(plan.block_k)
-  for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
+  for key, (kind, x) in term_lib.kernel_arrays(terms.open, trainable=True).items():
     if kind == term_lib.ROWS:
       dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(b, h, l), rows_spec(plan.block_k)
     elif kind == term_lib.EMBEDDINGS:
@@ -364,16 +348,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       d_theta_2xH = jnp.stack([jnp.sum(dq_res[name], axis=(0, 2, 3)) for name in ("dtheta_row", "dtheta_col")])
       untied = untied.replace(theta=d_theta_2xH.astype(terms.untied.theta.dtype))
     d_terms = d_terms.replace(untied=untied)
-  if terms.buckets is not None:
-    d_bucket_NxH = jnp.sum(dq_res["dbucket"], axis=(0, 2)).T.astype(terms.buckets.table.dtype)
-    d_terms = d_terms.replace(buckets=d_terms.buckets.replace(table=d_bucket_NxH))
-  if terms.alibi is not None:
-    d_slopes_H = jnp.sum(dq_res["dslope"], axis=(0, 2, 3)).astype(terms.alibi.slopes.dtype)
-    d_terms = d_terms.replace(alibi=d_terms.alibi.replace(slopes=d_slopes_H))
   if columns:
     d_terms = d_terms.replace(**scalar_term_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
-  if terms.forget is not None:
-    d_terms = d_terms.replace(forget=forget_term_grads(terms.forget, dq_res["dc_q"] + dkv_res["dc_k"]))
   d_terms = d_terms.replace(open=term_lib.gradients(terms.open, {**dq_res, **dkv_res}))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
@@ -454,9 +430,6 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
                           valid_BxT, None, {})
   for name, x_BxQ in (("q_positions", q_positions_BxQ), ("q_slots", q_slots_BxQ)):
     inputs[name], specs[name] = x_BxQ, _batch_spec(x_BxQ)
-  if terms.forget is not None:  # the queries' c at their slots (a per-row constant under the causal mask: it cancels)
-    c_BxHxQ = jnp.take_along_axis(inputs["forget"], jnp.broadcast_to(q_slots_BxQ[:, None, :], (b, h, q)), axis=2)
-    inputs["forget_q"], specs["forget_q"] = c_BxHxQ, pl.BlockSpec((1, 1, q), lambda b, h, x: (b, h, 0))
   for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
     inputs[key], specs[key] = x_BxHxQxX, pl.BlockSpec((1, 1, *x_BxHxQxX.shape[2:]),
                                                        lambda b, h, x, n=x_BxHxQxX.ndim: (b, h) + (0,) * (n - 2))

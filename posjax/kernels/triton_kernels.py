@@ -56,9 +56,6 @@ class Tile(TileBase):
     s_QxT = self.add_position_terms(self.open_logits(plan.scale * dot_t(self.q_QxK, self.k_TxK)), rel_QxT)
     self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
 
-  def _slope(self):
-    return self.refs["slopes"][0, 0]
-
   def open_load(self, key: str, kind: str, side):
     """An open term's input (:mod:`posjax.kernels.term`): a head's scalar, or the tile's query / key rows (decoding:
     the queries' own, ``<key>@q``, read at their slots)."""
@@ -85,9 +82,6 @@ class Tile(TileBase):
   def _untied_factors(self):
     return self.refs["u_q"][0, 0, self.rows, :], self.refs["u_k"][0, 0, self.cols, :]
 
-  def _bucket_values(self, index_QxT):
-    return self._gather("bucket_table", None, index_QxT)
-
   def _theta(self):
     return (self.refs["theta_row"][0, 0].astype(jnp.float32), self.refs["theta_col"][0, 0].astype(jnp.float32))
 
@@ -101,15 +95,8 @@ class Tile(TileBase):
     """Compiled: three TF32 passes on the tensor cores (IEEE float32 dots spill on sm_90); interpreted: float32."""
     return jax.lax.Precision.HIGHEST if self.plan.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
-  def _sandwich_embeddings(self):
-    return self.refs["sandwich"][0, 0, self.rows, :], self.refs["sandwich"][0, 0, self.cols, :]
-
   def _cope_rows(self, index_QxT):
     return self._gather("qe", self.index_i_QxT, index_QxT)
-
-  def _forget_sums(self):
-    queries = self.refs["forget_q" if "forget_q" in self.refs else "forget"]  # decoding: the queries' own
-    return queries[0, 0, self.rows][:, None], self.refs["forget"][0, 0, self.cols][None, :]
 
   def _relative_term(self, rel_QxT):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
@@ -311,7 +298,7 @@ def _write(out, value, rows: bool):
 
 def dq_kernel(plan: Plan, terms: Terms, names, *refs):
   """One query tile against the key tiles it visits: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile
-  partial sums of the scalar inputs' gradients (bucket table, θ, ALiBi slopes, KERPLE's and FIRE's scalars)."""
+  partial sums of the scalar inputs' gradients (bucket table, θ, FIRE's scalars, the open terms' heads and tables)."""
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
   bq, head_dim = plan.block_q, r["q"].shape[-1]
@@ -321,12 +308,8 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
     if terms.untied.reset != "none":
       acc["dtheta_row"] = acc["dtheta_col"] = jnp.zeros((1,), jnp.float32)
-  if terms.alibi is not None:
-    acc["dslope"] = jnp.zeros((1,), jnp.float32)
   if "dscalars" in r:
     acc["dscalars"] = jnp.zeros((r["dscalars"].shape[-1],), jnp.float32)
-  if terms.forget is not None:
-    acc["dc_q"] = jnp.zeros((bq,), jnp.float32)
   open_kinds = _open_kinds(terms)
   for key, kind in open_kinds.items():
     if kind == term_lib.TABLE:  # its entries' partial sums, scattered into (_scatter_add)
@@ -335,9 +318,8 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       acc["d" + key] = jnp.zeros(r["d" + key].shape[-1:], jnp.float32)
     else:  # the query rows'
       acc["d" + key + "@q"] = jnp.zeros(r["d" + key + "@q"].shape[2:], jnp.float32)
-  scattered = [name for name in ("dqe", "dbucket") if name in r]
-  for name in scattered:
-    _zero(plan, r[name], rows=name == "dqe")
+  if "dqe" in r:
+    _zero(plan, r["dqe"], rows=True)
 
   def body(t, acc):
     tile = Tile(plan, terms, r, i0, t * plan.block_k)
@@ -359,18 +341,11 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       _scatter_add(plan, r["dqe"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 1)
     if window and terms.relative.query:
       acc["dq"] = acc["dq"] + plan.scale * _dot_in(dot, tile.unskew(ds_QxT, key=False), tile.window_WxK)
-    d_untied_QxT, d_bucket_QxT = tile.position_grads(ds_QxT)
     if "du_q" in acc:
-      acc["du_q"] = acc["du_q"] + _dot_in(dot, d_untied_QxT, tile.u_k_TxK)
+      acc["du_q"] = acc["du_q"] + _dot_in(dot, tile.untied_grads(ds_QxT), tile.u_k_TxK)
     if "dtheta_row" in acc:
       acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i_QxT, ds_QxT, 0.0))
       acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0))
-    if "dbucket" in r:
-      _scatter_add(plan, r["dbucket"], d_bucket_QxT, tile.bucket_QxT, tile.allowed_QxT, (0, 1))
-    if "dslope" in acc:
-      acc["dslope"] = acc["dslope"] - jnp.sum(ds_QxT * tile.distance_QxT)
-    if "dc_q" in acc:  # c_i's gradient: row sums of the negation of c_j's share (forget_grads)
-      acc["dc_q"] = acc["dc_q"] - jnp.sum(tile.forget_grads(ds_QxT), axis=1)
     if "dscalars" in acc:
       column_C = jax.lax.broadcasted_iota(jnp.int32, acc["dscalars"].shape, 0)
       add = lambda acc_C, column, part_QxT: acc_C + jnp.where(column_C == column, jnp.sum(part_QxT), 0.0)
@@ -379,7 +354,7 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
 
   acc = jax.lax.fori_loop(*_tiles(r), body, acc)
   for name, value in acc.items():
-    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dslope", "dscalars")
+    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dscalars")
            and open_kinds.get(name[1:]) != term_lib.HEAD)
 
 
@@ -392,8 +367,6 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   window = terms.relative is not None and terms.relative.window
   if terms.untied is not None:
     acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
-  if terms.forget is not None:
-    acc["dc_k"] = jnp.zeros((bk,), jnp.float32)
   if "dke" in r:
     _zero(plan, r["dke"], rows=True)
   open_kinds = _open_kinds(terms)
@@ -418,10 +391,7 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     if window and terms.relative.key:
       acc["dk"] = acc["dk"] + plan.scale * _dot_in(dot, tile.unskew(ds_QxT, key=True), tile.window_WxK)
     if "du_k" in acc:
-      d_untied_QxT, _ = tile.position_grads(ds_QxT)
-      acc["du_k"] = acc["du_k"] + _dot_in(t_dot, d_untied_QxT, tile.u_q_QxK)
-    if "dc_k" in acc:  # c_j's gradient: column sums of its share (forget_grads)
-      acc["dc_k"] = acc["dc_k"] + jnp.sum(tile.forget_grads(ds_QxT), axis=0)
+      acc["du_k"] = acc["du_k"] + _dot_in(t_dot, tile.untied_grads(ds_QxT), tile.u_q_QxK)
     return acc
 
   acc = jax.lax.fori_loop(*_tiles(r), body, acc)
@@ -670,7 +640,7 @@ def cope_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
 
 def _open_kinds(terms: Terms) -> dict:
   """``{key: kind}`` of the call's open-term inputs (:func:`posjax.kernels.term.kernel_arrays`)."""
-  return {key: kind for key, (kind, _) in term_lib.kernel_arrays(terms.open).items()}
+  return {key: kind for key, (kind, _) in term_lib.kernel_arrays(terms.open, trainable=True).items()}
 
 
 def _dot_in(product, gradient_MxX, operand_XxN):

@@ -17,8 +17,12 @@ the batch's positions (so packed rows are exact):
 | ``Sandwich``   | ratios ``ρ [H]`` (constant)               | ``λ (Σ_f cos(r ω_f / ρ_h) - F)`` (Sandwich)        |
 | ``Forget``     | ``c [B, H, L]`` (per token, float32)      | ``c_i - c_j``, ``j <= i`` (the Forgetting Transformer) |
 
-The dense ``xla`` path and the Pallas kernels compute these terms; the learned scalars of KERPLE and FIRE get their
-gradients as per-tile partial sums (:data:`SCALARS`).
+The dense ``xla`` path and the Pallas kernels compute these terms. ALiBi, the buckets, KERPLE, Sandwich and the
+forget gate are open terms (:mod:`posjax.kernels.term`), each in its own file here (``alibi.py``, ``buckets.py``,
+``kerple.py``, ``sandwich.py``, ``forget.py``): its formula, dense form and logits per tile, whose gradient the
+kernels derive; :meth:`Terms.kernel_form` hands them to the kernels as open terms, after the call's own. FIRE's
+learned scalars get a hand-written gradient as per-tile partial sums (:data:`SCALARS`); the untied term, the
+relative vectors and the two rules below keep their own kernel code.
 
 Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
 (Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
@@ -43,13 +47,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.kernels import term
+from posjax.kernels.terms.alibi import Alibi
+from posjax.kernels.terms.buckets import Buckets, bucket, check_buckets, clipped_index
+from posjax.kernels.terms.forget import Forget, forget_sums
+from posjax.kernels.terms.kerple import KERPLES, Kerple
+from posjax.kernels.terms.sandwich import Sandwich
 
 RESETS = ("official", "paper", "none")
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
+OPEN_BUILTINS = ("alibi", "buckets", "kerple", "sandwich", "forget")  # fields the kernels compute as open terms (kernel_form)
 WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: each alone in a call)
-SCALARS = ("kerple", "fire")  # terms whose learned scalars the kernels differentiate per tile (scalar_columns)
-KERPLES = ("log", "power")
+SCALARS = ("fire",)  # terms whose learned scalars the kernels differentiate by hand per tile (scalar_columns)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -106,46 +115,6 @@ def dot_heads(a_BxQxHxK, b_BxTxGxK):
 def expand_heads(x_BxGxQxT, heads: int):
   """``[B, G, Q, T] -> [B, H, Q, T]``: a per-key-head term read by each of its group's query heads."""
   return jnp.repeat(x_BxGxQxT, kv_group(heads, x_BxGxQxT.shape[1]), axis=1)
-
-
-def clipped_index(rel_S, k: int):
-  """Row of ``r = clip(rel, -k, k)`` in a ``[2k+1, ..]`` table (Shaw's, Method 4's, TUPE-R's ``clip``):
-  distances past ±k share the end rows."""
-  return jnp.clip(rel_S, -k, k) + k
-
-
-def bucket(rel_S, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True):
-  """T5's log-spaced bucket of the relative distance ``rel = j - i`` (key minus query), int32 of its shape.
-
-  Bidirectional with 32 buckets: half the buckets per direction, distances below 8 get a bucket of their
-  own, 8..127 share log-spaced buckets, everything at or past ``max_distance`` the last one; keys after
-  the query (``j > i``) add ``num_buckets // 2``. Unidirectional: keys after the query all get bucket 0.
-  """
-  rel_S = jnp.asarray(rel_S, jnp.int32)
-  n_S = -rel_S
-  ret_S = jnp.zeros_like(rel_S)
-  if bidirectional:
-    num_buckets //= 2
-    ret_S = ret_S + (n_S < 0).astype(jnp.int32) * num_buckets
-    n_S = jnp.abs(n_S)
-  else:
-    n_S = jnp.maximum(n_S, 0)
-  max_exact = num_buckets // 2
-  large_S = max_exact + (
-      jnp.log(jnp.maximum(n_S, 1).astype(jnp.float32) / max_exact) / jnp.log(max_distance / max_exact)
-      * (num_buckets - max_exact)).astype(jnp.int32)
-  large_S = jnp.minimum(large_S, num_buckets - 1)
-  return ret_S + jnp.where(n_S < max_exact, n_S, large_S)
-
-
-def check_buckets(num_buckets: int, max_distance: int, bidirectional: bool) -> None:
-  """Raises unless :func:`bucket`'s options make sense (T5's options and :class:`Buckets` alike): at least 4
-  buckets (even when bidirectional) and a ``max_distance`` past the exact buckets."""
-  if num_buckets < 4 or (bidirectional and num_buckets % 2):
-    raise ValueError(f"num_buckets={num_buckets} must be >= 4 (and even when bidirectional)")
-  exact = num_buckets // (4 if bidirectional else 2)
-  if max_distance <= exact:
-    raise ValueError(f"max_distance={max_distance} must exceed the {exact} exact buckets")
 
 
 def choose_impl(impl: str, batch_heads: int, head_dim: int, index_BpxLxL) -> str:
@@ -209,44 +178,6 @@ def untie_cls(corr_BxHxQxL, is_cls_BxL, theta_row_H, theta_col_H, is_cls_i_BxQ=N
 
 
 @flax.struct.dataclass
-class Alibi:
-  """ALiBi's fixed slopes, one per head (no gradient: they are constants)."""
-
-  slopes: jax.Array  # [H]
-
-
-@flax.struct.dataclass
-class Buckets:
-  """One learned scalar per (table entry, head), the entry chosen from the relative distance.
-
-  ``kind="buckets"``: T5's log buckets (``num_buckets``, ``max_distance``, ``bidirectional``); ``"clip"``:
-  ``clip(r, -max_distance, max_distance) + max_distance``. ``cls_row`` / ``cls_col``: entries that a [CLS]
-  query's row / a [CLS] key's column read instead (TUPE-R's official reset; the row wins), or None.
-  """
-
-  table: jax.Array  # [N, H]
-  kind: str = flax.struct.field(pytree_node=False, default="buckets")
-  num_buckets: int = flax.struct.field(pytree_node=False, default=32)
-  max_distance: int = flax.struct.field(pytree_node=False, default=128)
-  bidirectional: bool = flax.struct.field(pytree_node=False, default=True)
-  cls_row: int | None = flax.struct.field(pytree_node=False, default=None)
-  cls_col: int | None = flax.struct.field(pytree_node=False, default=None)
-
-  def entries(self, rel_S, is_cls_i_S, is_cls_j_S):
-    """Table entry of each pair; ``rel`` ``[..., Q, T]``, the [CLS] flags of the query and the key, each
-    broadcastable to it (``[..., Q, 1]``, ``[..., 1, T]``)."""
-    if self.kind == "buckets":
-      index_S = bucket(rel_S, self.num_buckets, self.max_distance, self.bidirectional)
-    else:
-      index_S = clipped_index(rel_S, self.max_distance)
-    if self.cls_col is not None:
-      index_S = jnp.where(is_cls_j_S, self.cls_col, index_S)
-    if self.cls_row is not None:
-      index_S = jnp.where(is_cls_i_S, self.cls_row, index_S)
-    return index_S
-
-
-@flax.struct.dataclass
 class Relative:
   """Shaw's / Method 4's relative vectors ``a_r``, ``r = clip(p_j - p_i, -k, k)``; ``query``: the
   ``q_i·a_r`` term, ``key``: the ``a_r·k_j`` term (Shaw: query only; Method 4: both).
@@ -294,25 +225,6 @@ class Untied:
 
 
 @flax.struct.dataclass
-class Kerple:
-  """KERPLE's kernels (Chi et al. 2022), ``r1, r2 > 0`` per head: ``log``: ``-r1 log(1 + r2 |r|)``; ``power``:
-  ``-r1 |r|^r2`` (``0 < r2 <= 2``)."""
-
-  r1: jax.Array  # [H]
-  r2: jax.Array  # [H]
-  kind: str = flax.struct.field(pytree_node=False, default="log")
-
-  def bias(self, rel_S):
-    """``[S..., H]`` float32: the kernel at each distance."""
-    distance_Sx1 = jnp.abs(rel_S).astype(jnp.float32)[..., None]
-    r1_H, r2_H = self.r1.astype(jnp.float32), self.r2.astype(jnp.float32)
-    if self.kind == "log":
-      return -r1_H * jnp.log1p(r2_H * distance_Sx1)
-    positive_Sx1 = distance_Sx1 > 0  # |r|^r2 at r = 0 is 0, with a finite gradient for r2
-    return -r1_H * jnp.where(positive_Sx1, jnp.where(positive_Sx1, distance_Sx1, 1.0) ** r2_H, 0.0)
-
-
-@flax.struct.dataclass
 class Fire:
   """FIRE (Li et al. 2023): ``f(ψ(|r|) / (ψ(max(|L|, p_i)) + eps))``, ``ψ(x) = log(|c| x + 1)``, ``f`` a ReLU MLP
   ``1 -> W -> H``; ``p_i`` the query's position (so beyond ``L`` the distances are interpolated into ``[0, 1]``).
@@ -347,89 +259,6 @@ class Fire:
     bias_SxH, _ = jax.lax.scan(unit, bias_SxH, (self.w1.astype(jnp.float32), self.b1.astype(jnp.float32),
                                                 self.w2.astype(jnp.float32)))
     return bias_SxH
-
-
-@flax.struct.dataclass
-class Sandwich:
-  """Sandwich (Chi, Fan, Rudnicky, Ramadge; ACL 2023): the inner product of the two positions' sinusoidal embeddings
-  of dimension ``dim`` as a bias, ``λ (pe(p_i)·pe(p_j) - F) = λ (Σ_f cos(r ω_f / ρ_h) - F)``, ``ω_f =
-  base^(-2(f + first)/dim)``, ``f < F = dim / 2`` (the offset makes the bias 0 at ``r = 0`` and changes no attention
-  weight), with each head's positions compressed by its ratio ``ρ_h > 0`` (``divide="positions"``) or, as NVIDIA
-  NeMo's implementation does, its bias divided by it (``divide="bias"``: ``λ (Σ_f cos(r ω_f) - F) / ρ_h``; the
-  kernels add it less the per-head constant ``λ F (1 - 1/ρ_h)``, which changes no attention weight). Computed as that
-  inner product (rank ``dim`` per head, float32-accurate: HIGHEST, three TF32 passes in the compiled GPU kernels), as
-  the paper states it: the kernels take the embeddings (:meth:`embeddings`, ``[B, H, L, dim]`` float32, rebuilt for
-  the backward) and multiply them per tile. Float32 sinusoids of large positions round: the bias errs by about 3e-5
-  at positions below 64, 3e-4 near 1,000, 1e-3 near 5,000 (dim 128, against float64)."""
-
-  ratios: jax.Array  # [H] ρ (constants: no gradient)
-  dim: int = flax.struct.field(pytree_node=False, default=128)
-  base: float = flax.struct.field(pytree_node=False, default=10_000.0)
-  scale: float = flax.struct.field(pytree_node=False, default=1.0)
-  divide: str = flax.struct.field(pytree_node=False, default="positions")  # or "bias"
-  first: int = flax.struct.field(pytree_node=False, default=0)  # the first frequency's index f (NeMo's: 1)
-
-  def _ratios(self):
-    return jax.lax.stop_gradient(self.ratios.astype(jnp.float32))
-
-  def frequencies(self):
-    """``[H, F]`` float32: ``ω_f / ρ_h`` (``ω_f`` when the bias is divided)."""
-    f_F = jnp.arange(self.first, self.first + self.dim // 2, dtype=jnp.float32)
-    omega_F = self.base ** (-2.0 * f_F / self.dim)
-    if self.divide == "bias":
-      return jnp.broadcast_to(omega_F[None, :], (self.ratios.shape[0], self.dim // 2))
-    return omega_F[None, :] / self._ratios()[:, None]
-
-  def embeddings(self, positions_BxL):
-    """``[B, H, L, 2F]`` float32: each head's ``[cos, sin](p ω_f / ρ_h)`` (``[cos, sin](p ω_f) / sqrt(ρ_h)`` when the
-    bias is divided), whose inner products are the bias (plus ``F``)."""
-    angle_BxHxLxF = (positions_BxL.astype(jnp.float32)[:, None, :, None] * self.frequencies()[None, :, None, :])
-    e_BxHxLxE = jnp.concatenate([jnp.cos(angle_BxHxLxF), jnp.sin(angle_BxHxLxF)], axis=-1)
-    if self.divide == "bias":
-      e_BxHxLxE = e_BxHxLxE * jax.lax.rsqrt(self._ratios())[None, :, None, None]
-    return e_BxHxLxE
-
-  def bias(self, positions_BxQ, positions_BxL):
-    """``[B, H, Q, L]`` float32 between query positions and key positions."""
-    inner_BxHxQxL = jnp.einsum("bhqf,bhkf->bhqk", self.embeddings(positions_BxQ), self.embeddings(positions_BxL),
-                               precision=jax.lax.Precision.HIGHEST)
-    offset_H = self.dim // 2 / (self._ratios() if self.divide == "bias" else jnp.ones_like(self._ratios()))
-    return self.scale * (inner_BxHxQxL - offset_H[None, :, None, None])
-
-
-def forget_sums(log_f_BxHxL, positions_BxL):
-  """``[B, H, L]`` float32 ``c_i = Σ log f_t`` over the tokens ``t <= i`` of ``i``'s run of positions (a run starts
-  at each position 0: a packed document's state restarts at its first token), so ``c_i - c_j`` is the sum over
-  ``j < t <= i`` for any pair of one document, and the sums stay as short as the documents."""
-  log_f_BxHxL = log_f_BxHxL.astype(jnp.float32)
-  sums_BxHxL = jnp.cumsum(log_f_BxHxL, axis=-1)
-  index_L = jnp.arange(log_f_BxHxL.shape[-1], dtype=jnp.int32)
-  starts_BxL = jax.lax.cummax(jnp.where(jnp.asarray(positions_BxL) == 0, index_L, 0), axis=1)
-  before_BxHxL = jnp.take_along_axis(sums_BxHxL - log_f_BxHxL,
-                                     jnp.broadcast_to(starts_BxL[:, None, :], sums_BxHxL.shape), axis=-1)
-  return sums_BxHxL - before_BxHxL
-
-
-@flax.struct.dataclass
-class Forget:
-  """The Forgetting Transformer's forget gate (Lin, Nikishin, He, Courville; ICLR 2025): ``c_i - c_j`` added to the
-  logits for a key ``j`` at or before the query ``i`` (in index order), ``c`` the cumulative log forget gates of each
-  query head (:func:`forget_sums`), so a key's weight decays by the product of the gates after it: ``exp(c_i - c_j)
-  = Π_{j<t<=i} f_t``, the paper's (causal) form. [unconfirmed] Past the causal mask (an encoder), ``c_j - c_i``: the
-  gates between the two tokens either way. (Not ``-|c_i - c_j|``: equal where ``c`` does not increase, but its
-  gradient at a tie, where a gate rounds to 1, would be the wrong one.) One ``c`` serves the queries and the keys
-  (the queries' rows of it); a decoding cache holds the keys' ``c`` beside their k and v."""
-
-  c: jax.Array  # [B, H, L] float32
-
-  def bias(self, rows_Q=None):
-    """``[B, H, Q, L]`` float32 at query rows ``rows_Q`` (default all): ``c_i - c_j``, or ``c_j - c_i`` for a key
-    after the query."""
-    c_BxHxL = self.c.astype(jnp.float32)
-    length = c_BxHxL.shape[-1]
-    rows_Q = jnp.arange(length) if rows_Q is None else rows_Q
-    difference_BxHxQxL = jnp.take(c_BxHxL, rows_Q, axis=2)[..., :, None] - c_BxHxL[..., None, :]
-    return jnp.where(jnp.arange(length)[None, :] > rows_Q[:, None], -difference_BxHxQxL, difference_BxHxQxL)
 
 
 def suffix_sums(x_BxHxQxL, inclusive: bool):
@@ -512,6 +341,20 @@ class Terms:
   cope: Cope | None = None
   stick_breaking: StickBreaking | None = None
   open: tuple = ()  # open terms (posjax.kernels.term.Term, or bound to their inputs: term.Bound), applied in order
+
+  def kernel_form(self) -> "Terms":
+    """The terms as the kernels take them: the built-in terms that are open terms (:data:`OPEN_BUILTINS`) moved into
+    ``open``, after the given ones (each adds to the score: their order among themselves changes nothing)."""
+    terms = self
+    if self.buckets is not None and self.untied is not None and self.untied.reset == "paper":
+      # θ replaces the bucket term too on the [CLS] rows and columns: they read two appended zero entries
+      table_NxH = self.buckets.table
+      entries = table_NxH.shape[0]
+      terms = terms.replace(buckets=self.buckets.replace(
+          table=jnp.concatenate([table_NxH, jnp.zeros((2, table_NxH.shape[1]), table_NxH.dtype)]),
+          cls_row=entries, cls_col=entries + 1))
+    moved = tuple(getattr(terms, name) for name in OPEN_BUILTINS if getattr(terms, name) is not None)
+    return terms.replace(**{name: None for name in OPEN_BUILTINS}, open=tuple(self.open) + moved)
 
   def empty(self) -> bool:
     """Whether no term is given."""

@@ -1,0 +1,22 @@
+"""ALiBi (Press, Smith, Lewis; ICLR 2022): ``-m_h |p_j - p_i|``, one fixed slope per head, as an open term
+(:mod:`posjax.kernels.term`): the kernels derive its slopes' gradient per tile (kept: cheap, and exact should one
+learn them)."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from posjax.kernels.term import HEAD, Term
+
+
+@flax.struct.dataclass
+class Alibi(Term):
+  """ALiBi's fixed slopes, one per head (constants in the paper)."""
+
+  slopes: jax.Array  # [H]
+  KINDS = {"slopes": HEAD}
+
+  def logits(self, tile, s):
+    return s - tile.head("slopes") * jnp.abs(tile.k_positions - tile.q_positions).astype(jnp.float32)
