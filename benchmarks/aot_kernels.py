@@ -159,8 +159,7 @@ def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | N
   found = resources.merge(resources.parse_ptxas(log[0]), resources.read_dump(dump)) if not error else {}
   tiles = blocks or (kernels.decode.default_block_sizes(terms, 1, head_dim, target.platform == "tpu")
                      if mask.startswith("decode") else
-                     (kernels.mosaic if target.platform == "tpu" else kernels.triton).default_block_sizes(
-                         terms, length, head_dim))
+                     kernels.default_block_sizes(terms, length, head_dim, target.platform == "tpu"))
   return {"result": error or "compiles", "seconds": seconds, "tiles": "x".join(map(str, tiles)),
           "kernels": {name: vars(found[name]) for name in FOUND if name in found}}
 

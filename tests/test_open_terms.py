@@ -223,3 +223,14 @@ def test_user_terms_lower_for_gpu_and_tpu(platform, monkeypatch):
 
   decode = jax.jit(step).trace(q[:, :1], k.swapaxes(1, 2)).lower(lowering_platforms=(platform,))
   assert decode.as_text().count(call) == 1
+
+
+def test_a_rule_is_its_own_argument():
+  """``rule=`` gives the same call as the ``Terms`` field of the rule's name; a second rule is an error."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 12, 2, 8)), jnp.float32) for _ in range(3))
+  rule = kernels.StickBreaking()
+  attend = functools.partial(kernels.relative_attention, q, k, v, causal=True, block_sizes=(8, 8), interpret=True)
+  np.testing.assert_array_equal(attend(rule=rule), attend(terms=kernels.Terms(stick_breaking=rule)))
+  with pytest.raises(ValueError, match="rule=StickBreaking given with terms that hold the cope rule; give one rule"):
+    attend(rule=rule, terms=kernels.Terms(cope=kernels.Cope(jnp.zeros((8, 4)))))

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import decode, exact, fold, mosaic, tile, triton, xla
+from posjax.kernels.rules import cope_gpu, cope_tpu, stick_breaking_gpu, stick_breaking_tpu
 from posjax.kernels import term as term_lib
 from posjax.kernels.term import EMBEDDINGS, HEAD, KINDS, ROWS, TABLE, Term, View
 from posjax.kernels.decode import decode_attention
@@ -52,9 +53,40 @@ from posjax.kernels.terms import (NAMES, WEIGHT_RULES, Alibi, Buckets, Cope, Fir
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = tile.PLATFORMS
-__all__ = ["relative_attention", "decode_attention", "Terms", "Term", "View", "HEAD", "ROWS", "TABLE", "EMBEDDINGS", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich",
-           "Forget", "Cope", "StickBreaking", "merge",
-           "fold_untied", "fall_back_where", "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
+__all__ = ["relative_attention", "decode_attention", "Terms", "Term", "View", "HEAD", "ROWS", "TABLE", "EMBEDDINGS",
+           "KINDS", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich", "Forget", "Cope",
+           "StickBreaking", "merge", "fold_untied", "fall_back_where", "default_block_sizes", "IMPLEMENTATIONS",
+           "PLATFORMS", "UNTIED"]
+
+
+RULE_KERNELS = {"cope": (cope_gpu, cope_tpu), "stick_breaking": (stick_breaking_gpu, stick_breaking_tpu)}
+
+
+def with_rule(terms: Terms, rule) -> Terms:
+  """``terms`` with ``rule`` (None: the softmax) in its field; a second rule is an error."""
+  if rule is None:
+    return terms
+  if not isinstance(rule, (Cope, StickBreaking)):
+    raise TypeError(f"rule={rule!r}; allowed: None (the softmax), posjax.kernels.Cope(...), "
+                    "posjax.kernels.StickBreaking(...)")
+  given = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
+  if given:
+    raise ValueError(f"rule={type(rule).__name__} given with terms that hold the {given[0]} rule; give one rule")
+  return terms.replace(**{rule.FIELD: rule})
+
+
+def backend_of(terms: Terms, tpu: bool):
+  """The module whose ``attention`` and ``default_block_sizes`` compute ``terms``: a rule's own kernels
+  (:data:`RULE_KERNELS`), else the softmax kernels (Mosaic on TPU, Triton on GPU)."""
+  for name, (gpu, tpu_kernels) in RULE_KERNELS.items():
+    if getattr(terms, name) is not None:
+      return tpu_kernels if tpu else gpu
+  return mosaic if tpu else triton
+
+
+def default_block_sizes(terms: Terms, length: int, head_dim: int, tpu: bool) -> tuple[int, int]:
+  """The Pallas kernels' (query, key) tile for ``terms`` when the caller gives none (:func:`backend_of`'s)."""
+  return backend_of(as_terms(terms), tpu).default_block_sizes(as_terms(terms), length, head_dim)
 
 
 def check_weight_rules(terms: Terms, dropout_rate: float) -> None:
@@ -72,7 +104,7 @@ def check_weight_rules(terms: Terms, dropout_rate: float) -> None:
 
 
 def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None = None, positions=None,
-                       segment_ids=None, lengths=None, padding=None, scale: float | None = None,
+                       segment_ids=None, lengths=None, padding=None, scale: float | None = None, rule=None,
                        causal: bool = False, sliding_window: int = 0, implementation: str = "pallas",
                        block_sizes: tuple[int, int] | None = None,
                        interpret: bool | str | None = None, platform: str | None = None,
@@ -86,6 +118,9 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     lengths: ``[B]`` int, right padding: keys at or past it are masked. Or ``padding``: ``[B, L]``, True at real
       tokens (any layout). A query with no key to attend to averages all keys, as the ``xla`` path does.
     scale: the factor on ``q·k`` and on the relative-vector terms (default ``1/sqrt(K)``).
+    rule: what turns the masked logits into weights: None (the softmax), :class:`Cope` or :class:`StickBreaking`
+      (:mod:`posjax.kernels.rules`, each with its own kernels; the same as giving it as the ``Terms`` field of its
+      name).
     causal: key j only for queries i >= j (token order).
     sliding_window: with ``causal``, key j only for queries ``j <= i < j + sliding_window`` (Mistral's window, in
       token order); 0: none. The kernels skip the tiles it rules out, as they skip those above the causal diagonal
@@ -123,7 +158,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     raise ValueError(f"unknown implementation {implementation!r}; allowed: {list(IMPLEMENTATIONS)}")
   if lengths is not None and padding is not None:
     raise ValueError("give the key padding as lengths (right padding) or as a padding mask, not both")
-  terms = as_terms(terms)
+  terms = with_rule(as_terms(terms), rule)
   if sliding_window and (not causal or not isinstance(sliding_window, int) or sliding_window < 0):
     raise ValueError(f"sliding_window={sliding_window!r} needs causal=True and an int >= 1 (0: none)")
   if q_BxLxHxK.ndim != 4:
@@ -176,7 +211,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
   tpu, interpret = tile.backend(interpret, platform)
   check_weight_rules(terms, dropout_rate)
-  block_sizes = block_sizes or (mosaic if tpu else triton).default_block_sizes(terms, length, d)
+  kernels = backend_of(terms, tpu)
+  block_sizes = block_sizes or kernels.default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)
   if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):
     raise ValueError(f"the TPU kernels need a query block that is a multiple of 8 and a key block that is a "
@@ -211,7 +247,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                    interpret=interpret, treedef=treedef, dropout=dropout_rate, group=group,
                    sliding_window=sliding_window)
   heads_first = lambda x_BxLxHxX, dim: pad(pad(x_BxLxHxX, 1, padded), 3, dim).transpose(0, 2, 1, 3)
-  backend = functools.partial((mosaic if tpu else triton).attention, plan)
+  backend = functools.partial(kernels.attention, plan)
   if terms.relative is not None and terms.relative.window:
     backend = exact.windowed(plan, backend, functools.partial(exact.dense, plan))
   out_BxHxPxV = per_shard(backend, terms, b, h, batch_axes, head_axes, kv_heads=h // group)(

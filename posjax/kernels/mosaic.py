@@ -46,9 +46,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (MASKED, Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
+from posjax.kernels.tile import (Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
                                  group_sum, kv_head, overlap_add, row_delta,
-                                 scalar_count, scalar_rows, scalar_term_grads, stick_breaking_rows, suffix_matrix,
+                                 scalar_count, scalar_rows, scalar_term_grads,
                                  t_dot, tile_ranges, untied_grads, window_table)
 
 
@@ -86,10 +86,12 @@ class _Tile(TileBase):
       value = value[:, :1]
     return value.astype(jnp.float32)
 
+  def open_entries(self, key: str) -> int:
+    return self.r[key].shape[1]
+
   def open_gather(self, key: str, index_QxT):
     """``table[h, index]``: one select per entry the tile's index reaches (Mosaic has no gather), the entry read
-    from SMEM; an index outside the table reads its nearest end, as the dense path's clamp."""
-    index_QxT = jnp.clip(index_QxT, 0, self.r[key].shape[1] - 1)
+    from SMEM."""
     select = lambda n, value_QxT: jnp.where(index_QxT == n, self.r[key][self.h, n], value_QxT)
     return jax.lax.fori_loop(jnp.min(index_QxT), jnp.max(index_QxT) + 1, select,
                              jnp.zeros(index_QxT.shape, jnp.float32))
@@ -177,7 +179,7 @@ def _forward_kernel(plan: Plan, terms: Terms, names, *refs):
     r["acc"][...] = jnp.zeros(r["acc"].shape, jnp.float32)
     r["misplaced"][...] = jnp.zeros(r["misplaced"].shape, jnp.float32)
 
-  @pl.when(_visits(r, b, i, j))
+  @pl.when(visits_tile(r, b, i, j))
   def _():
     tile = _Tile(plan, terms, r, b, h, i, j)
     m_QxT = r["m"][...]  # the row maximum, replicated across the lanes
@@ -205,9 +207,9 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   b, h, i, j = (pl.program_id(a) for a in range(4))
   accumulators = [n for n in r if n in ("dq", "du_q", "dpos", "dopen") or n.endswith("@q") and "acc_" + n in r]
-  _zero_on_first_step(r, accumulators, j)
+  zero_on_first_step(r, accumulators, j)
 
-  @pl.when(_visits(r, b, i, j))
+  @pl.when(visits_tile(r, b, i, j))
   def _():
     tile = _Tile(plan, terms, r, b, h, i, j)
     _, ds_QxT = _ds(plan, r, tile)
@@ -227,7 +229,7 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     if "dpos" in r:
       r["acc_dpos"][...] += _position_columns(terms, tile, ds_QxT, r["acc_dpos"].shape)
 
-  _write_on_last_step(r, accumulators, j)
+  write_on_last_step(r, accumulators, j)
 
 
 def open_layout(terms: Terms) -> dict:
@@ -252,8 +254,7 @@ def _open_columns(terms: Terms, d_values: dict, d_lookups: list, shape):
       column = layout[key][0] + (side if isinstance(side, int) else 0)
       out_QxC = out_QxC + jnp.where(lane_QxC == column, jnp.sum(d_value, axis=1, keepdims=True), 0.0)
   for key, index_QxT, d_QxT in d_lookups:
-    first, entries = layout[key]
-    index_QxT = jnp.clip(index_QxT, 0, entries - 1)
+    first, _ = layout[key]
 
     def entry(n, out_QxC, index_QxT=index_QxT, d_QxT=d_QxT, first=first):
       part_Qx1 = jnp.sum(jnp.where(index_QxT == n, d_QxT, 0.0), axis=1, keepdims=True)
@@ -263,21 +264,21 @@ def _open_columns(terms: Terms, d_values: dict, d_lookups: list, shape):
   return out_QxC
 
 
-def _range(ranges, outers, b, outer):
+def tile_range(ranges, outers, b, outer):
   """The inner tiles ``[lo, hi)`` grid row (b, outer) visits (:func:`posjax.kernels.tile.tile_ranges`, flattened
   ``[B, N, 2]`` in SMEM, ``outers = N`` outer tiles per batch row): the rest hold no allowed pair."""
   at = (b * outers + outer) * 2
   return ranges[at], ranges[at + 1]
 
 
-def _visits(r: dict, b, outer, inner):
+def visits_tile(r: dict, b, outer, inner):
   """Whether grid point (b, outer, inner) computes its tile (the skipped ones keep the previous blocks: their
   index maps clamp the inner tile into the range, so no copy is issued)."""
-  lo, hi = _range(r["tiles"], pl.num_programs(2), b, outer)
+  lo, hi = tile_range(r["tiles"], pl.num_programs(2), b, outer)
   return (inner >= lo) & (inner < hi)
 
 
-def _zero_on_first_step(r: dict, names, step):
+def zero_on_first_step(r: dict, names, step):
   """Zeroes the VMEM accumulators ``acc_<name>`` when the sequential axis starts."""
   @pl.when(step == 0)
   def _():
@@ -285,7 +286,7 @@ def _zero_on_first_step(r: dict, names, step):
       r["acc_" + name][...] = jnp.zeros(r["acc_" + name].shape, jnp.float32)
 
 
-def _write_on_last_step(r: dict, names, step):
+def write_on_last_step(r: dict, names, step):
   """Writes each accumulator to its output block when the sequential axis ends."""
   @pl.when(step == pl.num_programs(3) - 1)
   def _():
@@ -323,9 +324,9 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   b, h, j, i = (pl.program_id(a) for a in range(4))
   accumulators = [n for n in r if n in ("dk", "dv", "du_k") or n.endswith("@k") and "acc_" + n in r]
-  _zero_on_first_step(r, accumulators, i)
+  zero_on_first_step(r, accumulators, i)
 
-  @pl.when(_visits(r, b, j, i))
+  @pl.when(visits_tile(r, b, j, i))
   def _():
     tile = _Tile(plan, terms, r, b, h, i, j)
     p_QxT, ds_QxT = _ds(plan, r, tile)
@@ -342,7 +343,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     if "du_k" in r:
       r["acc_du_k"][...] += t_dot(tile.untied_grads(ds_QxT), tile.u_q_QxK.astype(jnp.float32))
 
-  _write_on_last_step(r, accumulators, i)
+  write_on_last_step(r, accumulators, i)
 
 
 def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -369,427 +370,16 @@ def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
       r["d_reversed"][0, 0, 0] += plan.scale * dot(tile.unskew_key(ds_QxT), tile.k_TxK.astype(jnp.float32))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stick-breaking attention (a weight rule in place of the softmax), in key-major tiles: keys on the sublanes, queries
-# on the lanes, so every per-query statistic (the carries, the weights' sums, the backward's row totals) is a
-# lane-major row ``[1, Q]`` that broadcasts over a tile and is stored as it is: no relayout. Each query tile walks
-# its key tiles from the diagonal back (the grid's sequential axis reversed).
-
-_HIGHEST = jax.lax.Precision.HIGHEST  # the in-tile suffix sums in float32 (a TPU's default float32 dot is bf16)
-
-
-def _key_major_tile(plan: Plan, r: dict, i, j):
-  """Key tile j against query tile i, transposed: ``(z, allowed, key, query)`` ``[T, Q]``: the scaled logits, the
-  mask (padding, documents, causal, sliding window) and the pairs' sequence indices."""
-  bq, bk = plan.block_q, plan.block_k
-  z_TxQ = plan.scale * dot_t(r["k"][0, 0], r["q"][0, 0])
-  key_TxQ = j * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
-  query_TxQ = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
-  allowed_TxQ = (r["kt_valid"][0] > 0) & (r["kt_segments"][0] == r["qt_segments"][0])
-  if plan.causal:
-    allowed_TxQ = allowed_TxQ & (key_TxQ <= query_TxQ)
-  if plan.sliding_window:
-    allowed_TxQ = allowed_TxQ & (query_TxQ - key_TxQ < plan.sliding_window)
-  return z_TxQ, allowed_TxQ, key_TxQ, query_TxQ
-
-
-def _stick_tile(plan: Plan, terms: Terms, r: dict, i, j, later_1xQ):
-  """Key tile j against query tile i, transposed: ``(z, allowed, rest, a)`` ``[T, Q]``: the logits, the keys that
-  take a share, their ``log(1 - β)`` and their weights given each query's ``Σ log(1 - β)`` over the later key
-  tiles."""
-  bk = plan.block_k
-  z_TxQ, allowed_TxQ, key_TxQ, query_TxQ = _key_major_tile(plan, r, i, j)
-  if not terms.stick_breaking.attend_current:
-    allowed_TxQ = allowed_TxQ & (key_TxQ != query_TxQ)
-  rest_TxQ = jnp.where(allowed_TxQ, jax.nn.log_sigmoid(-z_TxQ), 0.0)
-  later_TxQ = dot(suffix_matrix(bk, inclusive=False).T, rest_TxQ, _HIGHEST) + later_1xQ
-  a_TxQ = jnp.where(allowed_TxQ, jnp.exp(jax.nn.log_sigmoid(z_TxQ) + later_TxQ), 0.0)
-  return z_TxQ, allowed_TxQ, rest_TxQ, a_TxQ
-
-
-def _stick_grads(plan: Plan, r: dict, z_TxQ, allowed_TxQ, a_TxQ, before_1xQ):
-  """The tile's logits' gradient ``dz`` and ``da a`` (:func:`posjax.kernels.tile.stick_breaking_grads`, transposed),
-  ``before``: each query's ``Σ da a`` less the later key tiles'."""
-  da_TxQ = dot_t(r["v"][0, 0], r["d_out"][0, 0]) - r["dov_t"][0, 0]
-  gain_TxQ = da_TxQ * a_TxQ
-  earlier_TxQ = before_1xQ - dot(suffix_matrix(a_TxQ.shape[0], inclusive=True).T, gain_TxQ, _HIGHEST)
-  dz_TxQ = gain_TxQ * jax.nn.sigmoid(-z_TxQ) - jax.nn.sigmoid(z_TxQ) * earlier_TxQ
-  return jnp.where(allowed_TxQ, dz_TxQ, 0.0), gain_TxQ
-
-
-def _diagonal_rows(x_1xN, rows_NxX):
-  """``diag(x) @ rows``: each row scaled by a lane-major row's entry (a product, not a relayout)."""
-  n = x_1xN.shape[1]
-  eye_NxN = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return dot(jnp.where(eye_NxN, x_1xN, 0.0), rows_NxX.astype(jnp.float32), _HIGHEST)
-
-
-def _walked_back(names, refs):
-  """``(refs by name, b, i, j, step)`` of a query-major grid point whose step ``step`` visits key tile ``j``, the
-  key tiles from the last back."""
-  step = pl.program_id(3)
-  return dict(zip(names, refs)), pl.program_id(0), pl.program_id(2), pl.num_programs(3) - 1 - step, step
-
-
-def _stick_forward_kernel(plan: Plan, terms: Terms, names, *refs):
-  r, b, i, j, step = _walked_back(names, refs)
-  _zero_on_first_step(r, ("later", "mass", "out"), step)
-
-  @pl.when(_visits(r, b, i, j))
-  def _():
-    _, _, rest_TxQ, a_TxQ = _stick_tile(plan, terms, r, i, j, r["acc_later"][...])
-    v_TxV = r["v"][0, 0]
-    r["acc_later"][...] += jnp.sum(rest_TxQ, axis=0, keepdims=True)
-    r["acc_mass"][...] += jnp.sum(a_TxQ, axis=0, keepdims=True)
-    r["acc_out"][...] += t_dot(a_TxQ.astype(v_TxV.dtype), v_TxV)
-
-  @pl.when(step == pl.num_programs(3) - 1)
-  def _():
-    out_QxV = r["acc_out"][...]
-    if terms.stick_breaking.remainder:  # what is left of the stick, on the query's own value
-      out_QxV = out_QxV + _diagonal_rows(1.0 - r["acc_mass"][...], r["v_q"][0, 0])
-    r["out"][0, 0] = out_QxV.astype(r["out"].dtype)
-    r["row_sum_t"][0, 0] = r["acc_mass"][...]
-
-
-def _two_walks(names, refs, carry: str, zeroed):
-  """A dq kernel's grid point (b, h, query tile i, step s) of two walks over the key tiles from the last back
-  (steps ``0 .. N - 1``, then ``N .. 2N - 1``): ``(refs by name, b, i, key tile j, s, the first walk's mask, the
-  second's)``. The accumulators ``zeroed`` start at zero, and ``carry`` again at the second walk."""
-  r = dict(zip(names, refs))
-  b, i, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  n_k = pl.num_programs(3) // 2
-  j = n_k - 1 - s % n_k
-  _zero_on_first_step(r, zeroed, s)
-
-  @pl.when(s == n_k)
-  def _():
-    r["acc_" + carry][...] = jnp.zeros(r["acc_" + carry].shape, jnp.float32)
-
-  visits = _visits(r, b, i, j)
-  return r, b, i, j, s, visits & (s < n_k), visits & (s >= n_k)
-
-
-def _two_walk_tiles(n_q: int, n_k: int):
-  """The (query tile, key tile) of a :func:`_two_walks` grid point, the key tile clamped into i's range."""
-  return lambda b, h, i, s, ranges: (i, _clamped(ranges, n_q, b, i, n_k - 1 - s % n_k))
-
-
-def _two_walk_carry(shape_BxHxNx1xL, n_q: int, block: int):
-  """An output of each query's carry at every key tile, written in the second walk (the first walk's steps keep the
-  block the second walk writes first: nothing unwritten goes back to memory)."""
-  n_k = shape_BxHxNx1xL[2]
-  first = lambda ranges, b, i, s: _clamped(ranges, n_q, b, i, n_k - 1 - jnp.maximum(s - n_k, 0))
-  return (jax.ShapeDtypeStruct(shape_BxHxNx1xL, jnp.float32),
-          pl.BlockSpec((1, 1, 1, 1, block), lambda b, h, i, s, ranges: (b, h, first(ranges, b, i, s), 0, i)))
-
-
-def _stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """dq and each query's ``w = Σ_j da_ij a_ij`` (the first walk), and each query's two carries at every key tile
-  it visits (the second), for the dk/dv kernel."""
-  r, b, i, j, s, first, second = _two_walks(names, refs, "later", ("later", "w", "gain", "dq"))
-
-  @pl.when(first)
-  def _():
-    z_TxQ, allowed_TxQ, rest_TxQ, a_TxQ = _stick_tile(plan, terms, r, i, j, r["acc_later"][...])
-    _, gain_TxQ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, jnp.zeros_like(r["acc_w"][...]))
-    r["acc_later"][...] += jnp.sum(rest_TxQ, axis=0, keepdims=True)
-    r["acc_w"][...] += jnp.sum(gain_TxQ, axis=0, keepdims=True)
-
-  @pl.when(second)
-  def _():
-    later_1xQ, gain_1xQ = r["acc_later"][...], r["acc_gain"][...]
-    r["later_t"][0, 0, 0] = later_1xQ
-    r["gain_t"][0, 0, 0] = gain_1xQ
-    z_TxQ, allowed_TxQ, rest_TxQ, a_TxQ = _stick_tile(plan, terms, r, i, j, later_1xQ)
-    dz_TxQ, gain_TxQ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, r["acc_w"][...] - gain_1xQ)
-    k_TxK = r["k"][0, 0]
-    r["acc_later"][...] += jnp.sum(rest_TxQ, axis=0, keepdims=True)
-    r["acc_gain"][...] += jnp.sum(gain_TxQ, axis=0, keepdims=True)
-    r["acc_dq"][...] += plan.scale * t_dot(dz_TxQ.astype(k_TxK.dtype), k_TxK)
-
-  @pl.when(s == pl.num_programs(3) - 1)
-  def _():
-    r["dq"][0, 0] = r["acc_dq"][...]
-    r["w_t"][0, 0] = r["acc_w"][...]
-
-
-def _carried_dkv(plan: Plan, names, refs, tile_grads):
-  """The dk/dv kernels of the rules whose queries carry sums across key tiles (grid (b, h, key tile j, query tile
-  i), the carries the dq kernel wrote): ``tile_grads(r, i, j) -> (dz, weights)`` ``[T, Q]``, summed into ``acc_dk``
-  and ``acc_dv``; returns the refs by name and ``i``, for the kernel's last step."""
-  r = dict(zip(names, refs))
-  b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  _zero_on_first_step(r, ("dk", "dv"), i)
-
-  @pl.when(_visits(r, b, j, i))
-  def _():
-    dz_TxQ, weights_TxQ = tile_grads(r, i, j)
-    do_QxV, q_QxK = r["d_out"][0, 0], r["q"][0, 0]
-    r["acc_dv"][...] += dot(weights_TxQ.astype(do_QxV.dtype), do_QxV)
-    r["acc_dk"][...] += plan.scale * dot(dz_TxQ.astype(q_QxK.dtype), q_QxK)
-
-  return r, i
-
-
-def _stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
-  def tile_grads(r, i, j):
-    later_1xQ, gain_1xQ = r["later_t"][0, 0, 0], r["gain_t"][0, 0, 0]
-    z_TxQ, allowed_TxQ, _, a_TxQ = _stick_tile(plan, terms, r, i, j, later_1xQ)
-    dz_TxQ, _ = _stick_grads(plan, r, z_TxQ, allowed_TxQ, a_TxQ, r["w_t"][0, 0] - gain_1xQ)
-    return dz_TxQ, a_TxQ
-
-  r, i = _carried_dkv(plan, names, refs, tile_grads)
-
-  @pl.when(i == pl.num_programs(3) - 1)
-  def _():
-    dv_TxV = r["acc_dv"][...]
-    if terms.stick_breaking.remainder:  # the key's own query's remainder, on its value
-      dv_TxV = dv_TxV + _diagonal_rows(1.0 - r["row_sum_k"][0, 0], r["d_out_k"][0, 0])
-    r["dv"][0, 0] = dv_TxV
-    r["dk"][0, 0] = r["acc_dk"][...]
-
-
-def _cope_tile(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
-  """CoPE's key tile j against query tile i, transposed (:func:`posjax.kernels.tile.cope_tile`): ``(allowed, g,
-  unclamped, f, c, w, slope, logits)`` ``[T, Q]``, the entries ``q·e[n]`` selected one entry at a time from the
-  queries' lane-major rows (Mosaic has no gather); the logits masked as :meth:`TileBase.mask_logits` masks them."""
-  bk = plan.block_k
-  z_TxQ, allowed_TxQ, key_TxQ, _ = _key_major_tile(plan, r, i, j)
-  g_TxQ = jnp.where(allowed_TxQ, jax.nn.sigmoid(z_TxQ), 0.0)
-  entries = r["qe_t"].shape[2]
-  counted_TxQ = counted_1xQ + dot(suffix_matrix(bk, inclusive=True).T, g_TxQ, _HIGHEST)
-  p_TxQ = jnp.minimum(counted_TxQ, float(entries - 1))
-  f_TxQ = jnp.floor(p_TxQ)
-  w_TxQ = p_TxQ - f_TxQ
-  f_TxQ, c_TxQ = f_TxQ.astype(jnp.int32), jnp.ceil(p_TxQ).astype(jnp.int32)
-
-  def select(n, carry):
-    low_TxQ, high_TxQ = carry
-    qe_1xQ = r["qe_t"][0, 0, pl.ds(n, 1), :]
-    return jnp.where(f_TxQ == n, qe_1xQ, low_TxQ), jnp.where(c_TxQ == n, qe_1xQ, high_TxQ)
-
-  low_TxQ, high_TxQ = jax.lax.fori_loop(*_entries_reached(allowed_TxQ, f_TxQ, c_TxQ, entries), select,
-                                        (jnp.zeros_like(z_TxQ), jnp.zeros_like(z_TxQ)))
-  logits_TxQ = jnp.where(allowed_TxQ, z_TxQ + low_TxQ + w_TxQ * (high_TxQ - low_TxQ), MASKED)
-  logits_TxQ = jnp.where(key_TxQ < plan.length, logits_TxQ, -jnp.inf)
-  return allowed_TxQ, g_TxQ, counted_TxQ < entries - 1, f_TxQ, c_TxQ, w_TxQ, high_TxQ - low_TxQ, logits_TxQ
-
-
-def _entries_reached(allowed_TxQ, f_TxQ, c_TxQ, entries: int):
-  """``[lo, hi)``: the table entries a CoPE tile's allowed pairs read (a loop over them selects or accumulates an
-  entry at a time: a tile's counts span far fewer entries than the table has, near the diagonal)."""
-  lo = jnp.min(jnp.where(allowed_TxQ, f_TxQ, entries - 1))
-  return lo, jnp.maximum(jnp.max(jnp.where(allowed_TxQ, c_TxQ, 0)) + 1, lo)
-
-
-def _cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
-  r, b, i, j, step = _walked_back(names, refs)
-
-  @pl.when(step == 0)
-  def _():
-    r["acc_m"][...] = jnp.full(r["acc_m"].shape, -jnp.inf, jnp.float32)
-    for name in ("counted", "l", "out"):
-      r["acc_" + name][...] = jnp.zeros(r["acc_" + name].shape, jnp.float32)
-
-  @pl.when(_visits(r, b, i, j))
-  def _():
-    _, g_TxQ, *_, logits_TxQ = _cope_tile(plan, terms, r, i, j, r["acc_counted"][...])
-    m_1xQ = r["acc_m"][...]
-    new_max_1xQ = jnp.maximum(m_1xQ, jnp.max(logits_TxQ, axis=0, keepdims=True))
-    # walked from the last key tile, a query may first meet only keys past the sequence (-inf): no weight, not NaN
-    safe_1xQ = jnp.where(new_max_1xQ == -jnp.inf, 0.0, new_max_1xQ)
-    alpha_1xQ = jnp.exp(m_1xQ - safe_1xQ)
-    p_TxQ = jnp.exp(logits_TxQ - safe_1xQ)
-    v_TxV = r["v"][0, 0]
-    r["acc_m"][...] = new_max_1xQ
-    r["acc_l"][...] = alpha_1xQ * r["acc_l"][...] + jnp.sum(p_TxQ, axis=0, keepdims=True)
-    r["acc_out"][...] = alpha_1xQ * r["acc_out"][...] + t_dot(v_TxV, p_TxQ.astype(v_TxV.dtype))  # [V, Q]
-    r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
-
-  @pl.when(step == pl.num_programs(3) - 1)
-  def _():
-    r["out"][0, 0] = (r["acc_out"][...] / r["acc_l"][...]).T.astype(r["out"].dtype)
-    r["row_max_t"][0, 0] = r["acc_m"][...]
-    r["row_sum_t"][0, 0] = r["acc_l"][...]
-
-
-def _cope_tile_grads(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
-  """A CoPE tile's softmax weights, logits' gradient ``ds``, positions' gradient ``dp`` and the gates, floor,
-  ceiling and fraction (transposed, :func:`posjax.kernels.triton_kernels._cope_tile_grads`' counterpart)."""
-  allowed_TxQ, g_TxQ, unclamped_TxQ, f_TxQ, c_TxQ, w_TxQ, slope_TxQ, logits_TxQ = _cope_tile(plan, terms, r, i, j,
-                                                                                          counted_1xQ)
-  p_TxQ = jnp.exp(logits_TxQ - r["row_max_t"][0, 0]) / r["row_sum_t"][0, 0]
-  dp_TxQ = dot_t(r["v"][0, 0], r["d_out"][0, 0])
-  ds_TxQ = jnp.where(allowed_TxQ, p_TxQ * (dp_TxQ - r["delta_t"][0, 0]), 0.0)
-  d_position_TxQ = jnp.where(unclamped_TxQ, ds_TxQ * slope_TxQ, 0.0)
-  return allowed_TxQ, g_TxQ, p_TxQ, ds_TxQ, d_position_TxQ, (f_TxQ, c_TxQ, w_TxQ)
-
-
-def _cope_dz(plan: Plan, allowed_TxQ, g_TxQ, ds_TxQ, d_position_TxQ, before_1xQ):
-  """``dz`` of a transposed CoPE tile (:func:`posjax.kernels.tile.cope_logit_grads`)."""
-  counted_dp_TxQ = before_1xQ - dot(suffix_matrix(plan.block_k, inclusive=False).T, d_position_TxQ, _HIGHEST)
-  return jnp.where(allowed_TxQ, ds_TxQ + counted_dp_TxQ * g_TxQ * (1.0 - g_TxQ), 0.0)
-
-
-def _cope_dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """Grid (b, h, query tile i, step s) of two walks over the key tiles from the last back (steps ``0 .. N - 1``
-  and ``N .. 2N - 1``): the first sums each query's ``dp``, the second computes ``dq`` and ``dqe`` (rows ``[P, Q]``,
-  one entry a sublane) and writes each query's carries at every key tile for the dk/dv kernel."""
-  r, b, i, j, s, first, second = _two_walks(names, refs, "counted", ("counted", "total", "later", "dq", "dqe"))
-
-  @pl.when(first)
-  def _():
-    _, g_TxQ, _, _, d_position_TxQ, _ = _cope_tile_grads(plan, terms, r, i, j, r["acc_counted"][...])
-    r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
-    r["acc_total"][...] += jnp.sum(d_position_TxQ, axis=0, keepdims=True)
-
-  @pl.when(second)
-  def _():
-    counted_1xQ, later_1xQ = r["acc_counted"][...], r["acc_later"][...]
-    r["counted_t"][0, 0, 0] = counted_1xQ
-    r["later_dp_t"][0, 0, 0] = later_1xQ
-    allowed_TxQ, g_TxQ, _, ds_TxQ, d_position_TxQ, (f_TxQ, c_TxQ, w_TxQ) = _cope_tile_grads(
-        plan, terms, r, i, j, counted_1xQ)
-    dz_TxQ = _cope_dz(plan, allowed_TxQ, g_TxQ, ds_TxQ, d_position_TxQ, r["acc_total"][...] - later_1xQ)
-    k_TxK = r["k"][0, 0]
-    r["acc_dq"][...] += plan.scale * t_dot(dz_TxQ.astype(k_TxK.dtype), k_TxK)
-    low_TxQ, high_TxQ = ds_TxQ * (1.0 - w_TxQ), ds_TxQ * w_TxQ
-
-    def scatter(n, carry):
-      part_TxQ = jnp.where(f_TxQ == n, low_TxQ, 0.0) + jnp.where(c_TxQ == n, high_TxQ, 0.0)
-      r["acc_dqe"][pl.ds(n, 1), :] += jnp.sum(part_TxQ, axis=0, keepdims=True)
-      return carry
-
-    jax.lax.fori_loop(*_entries_reached(allowed_TxQ, f_TxQ, c_TxQ, r["acc_dqe"].shape[0]), scatter, 0)
-    r["acc_counted"][...] += jnp.sum(g_TxQ, axis=0, keepdims=True)
-    r["acc_later"][...] += jnp.sum(d_position_TxQ, axis=0, keepdims=True)
-
-  @pl.when(s == pl.num_programs(3) - 1)
-  def _():
-    r["dq"][0, 0] = r["acc_dq"][...]
-    r["dqe_t"][0, 0] = r["acc_dqe"][...]
-    r["total_dp_t"][0, 0] = r["acc_total"][...]
-
-
-def _cope_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
-  def tile_grads(r, i, j):
-    allowed_TxQ, g_TxQ, p_TxQ, ds_TxQ, d_position_TxQ, _ = _cope_tile_grads(plan, terms, r, i, j,
-                                                                             r["counted_t"][0, 0, 0])
-    before_1xQ = r["total_dp_t"][0, 0] - r["later_dp_t"][0, 0, 0]
-    return _cope_dz(plan, allowed_TxQ, g_TxQ, ds_TxQ, d_position_TxQ, before_1xQ), p_TxQ
-
-  r, i = _carried_dkv(plan, names, refs, tile_grads)
-  _write_on_last_step(r, ("dk", "dv"), i)
-
-
-def _cope_rows_t(terms: Terms, q_BxHxLxK):
-  """``[B, H, P, L]``: ``q·e[n]`` of every query and entry (the table scaled as the method adds the term), entries
-  on the sublanes."""
-  return jnp.einsum("bhlk,kp->bhpl", q_BxHxLxK.astype(jnp.float32), terms.cope.table.astype(jnp.float32),
-                    precision=_HIGHEST)
-
-
-def _cope_forward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, ranges):
-  b, h, l, _ = q_BxHxLxK.shape
-  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
-  arrays = {**_stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL),
-            "qe_t": _cope_rows_t(terms, q_BxHxLxK)}
-  del arrays["v_q"]
-  out = _call(_cope_forward_kernel, plan, terms, arrays,
-              {"out": _rows((b, h, l, value_dim), bq, v_BxHxLxV.dtype), "row_max_t": _lane_rows((b, h, 1, l), bq),
-               "row_sum_t": _lane_rows((b, h, 1, l), bq)},
-              (b, h, l // bq, l // bk), _query_major(l // bq, reverse=l // bk),
-              {"acc_counted": (1, bq), "acc_m": (1, bq), "acc_l": (1, bq), "acc_out": (value_dim, bq)}, ranges[0])
-  return out["out"], (out["row_max_t"], out["row_sum_t"])
-
-
-def _cope_backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, out_BxHxLxV,
-                   stats, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2):
-  """``(d table, dq, dk, dv)``: the dq kernel's ``dqe`` rows give the table's gradient and their share of ``dq``
-  after the kernels; its carries (``[B, H, N, 1, L]`` each) and each query's ``Σ dp`` pass to the dk/dv kernel."""
-  b, h, l, d = q_BxHxLxK.shape
-  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
-  n_q, n_k = l // bq, l // bk
-  qe_BxHxPxL = _cope_rows_t(terms, q_BxHxLxK)
-  entries = qe_BxHxPxL.shape[2]
-  arrays = {**_stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL), "qe_t": qe_BxHxPxL,
-            "d_out": d_out_BxHxLxV, "row_max_t": stats[0], "row_sum_t": stats[1],
-            "delta_t": row_delta(d_out_BxHxLxV, out_BxHxLxV)[:, :, None]}
-  del arrays["v_q"]
-  carry = lambda: _two_walk_carry((b, h, n_k, 1, l), n_q, bq)
-  dq_res = _call(_cope_dq_kernel, plan, terms, arrays,
-                 {"dq": _rows((b, h, l, d), bq), "dqe_t": (jax.ShapeDtypeStruct((b, h, entries, l), jnp.float32),
-                                                          pl.BlockSpec((1, 1, entries, bq),
-                                                                       lambda b_, h_, i, s, ranges: (b_, h_, 0, i))),
-                  "total_dp_t": _lane_rows((b, h, 1, l), bq), "counted_t": carry(), "later_dp_t": carry()},
-                 (b, h, n_q, 2 * n_k), _two_walk_tiles(n_q, n_k),
-                 {"acc_counted": (1, bq), "acc_total": (1, bq), "acc_later": (1, bq), "acc_dq": (bq, d),
-                  "acc_dqe": (entries, bq)}, key_tiles_BxNx2)
-  arrays.update(counted_t=dq_res["counted_t"], later_dp_t=dq_res["later_dp_t"], total_dp_t=dq_res["total_dp_t"])
-  dkv_res = _call(_cope_dkv_kernel, plan, terms, arrays,
-                  {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, value_dim), bk)},
-                  (b, h, n_k, n_q), _key_major(n_k), {"acc_dk": (bk, d), "acc_dv": (bk, value_dim)},
-                  query_tiles_BxMx2)
-  table_KxP = terms.cope.table.astype(jnp.float32)
-  dqe_BxHxPxL = dq_res["dqe_t"]
-  dq_BxHxLxK = dq_res["dq"] + jnp.einsum("bhpl,kp->bhlk", dqe_BxHxPxL, table_KxP, precision=_HIGHEST)
-  d_table_KxP = jnp.einsum("bhlk,bhpl->kp", q_BxHxLxK.astype(jnp.float32), dqe_BxHxPxL, precision=_HIGHEST)
-  return d_table_KxP, dq_BxHxLxK, group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group)
-
-
-def _stick_inputs(plan: Plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL) -> dict:
-  """The stick-breaking kernels' arrays: the key side's integers replicated across a query tile's lanes
-  (``[B, L, Q]``), the query side's as rows (``[B, 1, L]``)."""
-  replicate = lambda x_BxL: jnp.broadcast_to(x_BxL[:, :, None], (*x_BxL.shape, plan.block_q))
-  return {"q": q_BxHxLxK, "k": k_BxHxLxK, "v": v_BxHxLxV, "v_q": v_BxHxLxV,
-          "kt_segments": replicate(segment_ids_BxL), "kt_valid": replicate(valid_BxL),
-          "qt_segments": segment_ids_BxL[:, None]}
-
-
-def _stick_forward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL, ranges):
-  b, h, l, _ = q_BxHxLxK.shape
-  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
-  arrays = _stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL)
-  out = _call(_stick_forward_kernel, plan, terms, arrays,
-              {"out": _rows((b, h, l, value_dim), bq, v_BxHxLxV.dtype), "row_sum_t": _lane_rows((b, h, 1, l), bq)},
-              (b, h, l // bq, l // bk), _query_major(l // bq, reverse=l // bk),
-              {"acc_later": (1, bq), "acc_mass": (1, bq), "acc_out": (bq, value_dim)}, ranges[0])
-  return out["out"], out["row_sum_t"]
-
-
-def _stick_backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
-                    row_sum_BxHx1xL, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2):
-  """``(dq, dk, dv)``; the dq kernel's two walks (each query's ``Σ_j da a``, then the gradients) and its carries
-  (``[B, H, N, 1, L]`` float32 each, ``O(L² / block_k)``), which pass to the dk/dv kernel."""
-  b, h, l, d = q_BxHxLxK.shape
-  bq, bk, value_dim = plan.block_q, plan.block_k, v_BxHxLxV.shape[-1]
-  n_q, n_k = l // bq, l // bk
-  dov_BxHxL = stick_breaking_rows(d_out_BxHxLxV, v_BxHxLxV, terms.stick_breaking.remainder)
-  arrays = {**_stick_inputs(plan, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL),
-            "d_out": d_out_BxHxLxV, "dov_t": dov_BxHxL[:, :, None]}
-  carry = lambda: _two_walk_carry((b, h, n_k, 1, l), n_q, bq)
-  dq_res = _call(_stick_dq_kernel, plan, terms, arrays,
-                 {"dq": _rows((b, h, l, d), bq), "w_t": _lane_rows((b, h, 1, l), bq), "later_t": carry(),
-                  "gain_t": carry()},
-                 (b, h, n_q, 2 * n_k), _two_walk_tiles(n_q, n_k),
-                 {"acc_later": (1, bq), "acc_w": (1, bq), "acc_gain": (1, bq), "acc_dq": (bq, d)}, key_tiles_BxNx2)
-  arrays.update(later_t=dq_res["later_t"], gain_t=dq_res["gain_t"], w_t=dq_res["w_t"], row_sum_k=row_sum_BxHx1xL,
-                d_out_k=d_out_BxHxLxV)
-  dkv_res = _call(_stick_dkv_kernel, plan, terms, arrays,
-                  {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, value_dim), bk)},
-                  (b, h, n_k, n_q), _key_major(n_k), {"acc_dk": (bk, d), "acc_dv": (bk, value_dim)},
-                  query_tiles_BxMx2)
-  return dq_res["dq"], group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # pallas_call plumbing. A kernel's ``tiles(b, h, x, y, ranges)`` maps its grid to (query tile i, key tile j); ``ranges``:
 # the flattened tile ranges in SMEM (scalar prefetch), which the index maps clamp the inner tile into.
 
 
-def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
-  """BlockSpecs of every input, each a function of the tile pair the grid point works on."""
+def _specs(plan: Plan, terms: Terms, arrays: dict, tiles, more_specs=None):
+  """BlockSpecs of every input, each a function of the tile pair the grid point works on; ``more_specs(at, name,
+  array)``: the spec of an array of a caller's own (:mod:`posjax.kernels.rules.walk_tpu`), ``at(block, index map)``
+  the spec maker, or None."""
   bq, bk = plan.block_q, plan.block_k
   n = arrays["q"].shape[2] // bq
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
@@ -823,22 +413,6 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
     elif name in ("theta", "salts", "fire"):
       specs[name] = smem
-    elif name == "v_q":  # the values at the query rows (stick-breaking's remainder)
-      specs[name] = at(row_block(a, bq), lambda b, h, i, j: (b, kv_head(h, plan.group), i, 0))
-    elif name == "d_out_k":  # d_out at the key rows (stick-breaking's remainder)
-      specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, h, j, 0))
-    elif name in ("kt_segments", "kt_valid"):  # key-major tiles: the key side replicated across the lanes
-      specs[name] = at((1, bk, bq), lambda b, h, i, j: (b, j, 0))
-    elif name == "qt_segments":
-      specs[name] = at((1, 1, bq), lambda b, h, i, j: (b, 0, i))
-    elif name in ("dov_t", "w_t", "row_max_t", "row_sum_t", "delta_t", "total_dp_t"):  # per query, lane-major
-      specs[name] = at((1, 1, 1, bq), lambda b, h, i, j: (b, h, 0, i))
-    elif name == "row_sum_k":  # per key row, lane-major
-      specs[name] = at((1, 1, 1, bk), lambda b, h, i, j: (b, h, 0, j))
-    elif name == "qe_t":  # CoPE's q·e[n] of the query tile, one entry a sublane
-      specs[name] = at((1, 1, a.shape[2], bq), lambda b, h, i, j: (b, h, 0, i))
-    elif name in ("later_t", "gain_t", "counted_t", "later_dp_t"):  # the carries of query tile i at key tile j
-      specs[name] = at((1, 1, 1, 1, bq), lambda b, h, i, j: (b, h, j, 0, i))
     elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
       shift = name == "window_hi"
       specs[name] = at((bq, a.shape[-1]), lambda b, h, i, j, shift=shift: (j - i - 1 + n + shift, 0))
@@ -846,7 +420,10 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles):
       shift = name == "reversed_hi"
       specs[name] = at((bq, a.shape[-1]), lambda b, h, i, j, shift=shift: (n - 1 - (j - i) + shift, 0))
     else:
-      raise AssertionError(name)
+      spec = more_specs(at, name, a) if more_specs is not None else None
+      if spec is None:
+        raise AssertionError(name)
+      specs[name] = spec
   return specs
 
 
@@ -884,15 +461,15 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
   return arrays
 
 
-def _call(kernel, plan: Plan, terms: Terms, arrays: dict, outputs: dict, grid, tiles, scratch: dict | None = None,
-          ranges_BxNx2=None):
+def call(kernel, plan: Plan, terms: Terms, arrays: dict, outputs: dict, grid, tiles, scratch: dict | None = None,
+         ranges_BxNx2=None, more_specs=None):
   """``outputs``: name → (ShapeDtypeStruct, BlockSpec); ``tiles(b, h, x, y, ranges)``: the grid point's (i, j);
   ``scratch``: name → shape of a float32 VMEM buffer; ``ranges``: the inner tiles each (b, outer tile) visits
-  (:func:`posjax.kernels.tile.tile_ranges`; None: all)."""
+  (:func:`posjax.kernels.tile.tile_ranges`; None: all); ``more_specs``: as :func:`_specs`'."""
   scratch = scratch or {}
   if ranges_BxNx2 is None:
     ranges_BxNx2 = jnp.broadcast_to(jnp.array([0, grid[3]], jnp.int32), (grid[0], grid[2], 2))
-  specs = _specs(plan, terms, arrays, tiles)
+  specs = _specs(plan, terms, arrays, tiles, more_specs)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=grid, in_specs=[specs[n] for n in arrays],
       out_specs=[spec for _, spec in outputs.values()],
@@ -908,36 +485,36 @@ def _call(kernel, plan: Plan, terms: Terms, arrays: dict, outputs: dict, grid, t
   return dict(zip(outputs, results))
 
 
-def _rows(shape, block: int, dtype=jnp.float32, *, axis: int = 2):
+def row_output(shape, block: int, dtype=jnp.float32, *, axis: int = 2):
   """A ``[B, H, L, X]`` output written a tile of ``block`` rows at a time (tile index: grid axis ``axis``)."""
   spec = pl.BlockSpec((1, 1, block, shape[-1]), lambda b, h, x, y, ranges: (b, h, (x, y)[axis - 2], 0))
   return jax.ShapeDtypeStruct(shape, dtype), spec
 
 
-def _clamped(ranges, outers: int, b, outer, inner):
-  """The inner tile, clamped into the range grid row (b, outer) visits (:func:`_range`): a skipped step keeps its
+def clamped(ranges, outers: int, b, outer, inner):
+  """The inner tile, clamped into the range grid row (b, outer) visits (:func:`tile_range`): a skipped step keeps its
   blocks."""
-  lo, hi = _range(ranges, outers, b, outer)
+  lo, hi = tile_range(ranges, outers, b, outer)
   return jnp.minimum(jnp.maximum(inner, lo), hi - 1)
 
 
-def _query_major(n_q: int, reverse: int = 0):
+def query_major(n_q: int, reverse: int = 0):
   """Grid (b, h, query tile i, key tile j): the key tile clamped into i's range (``reverse=N``: step s visits key tile
   ``N - 1 - s``, the key tiles from the last back)."""
   if reverse:
-    return lambda b, h, i, step, ranges: (i, _clamped(ranges, n_q, b, i, reverse - 1 - step))
-  return lambda b, h, i, j, ranges: (i, _clamped(ranges, n_q, b, i, j))
+    return lambda b, h, i, step, ranges: (i, clamped(ranges, n_q, b, i, reverse - 1 - step))
+  return lambda b, h, i, j, ranges: (i, clamped(ranges, n_q, b, i, j))
 
 
-def _lane_rows(shape, block: int):
+def lane_row_output(shape, block: int):
   """A ``[B, H, 1, L]`` float32 output of lane-major rows, a tile of ``block`` at a time (grid axis 2)."""
   return (jax.ShapeDtypeStruct(shape, jnp.float32),
           pl.BlockSpec((1, 1, 1, block), lambda b, h, x, y, ranges: (b, h, 0, x)))
 
 
-def _key_major(n_k: int):
+def key_major(n_k: int):
   """Grid (b, h, key tile j, query tile i): the query tile clamped into j's range."""
-  return lambda b, h, j, i, ranges: (_clamped(ranges, n_k, b, j, i), j)
+  return lambda b, h, j, i, ranges: (clamped(ranges, n_k, b, j, i), j)
 
 
 def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
@@ -946,20 +523,12 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   b, h, l, _ = q_BxHxLxK.shape
   bq, bk = plan.block_q, plan.block_k
   ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
-  if terms.stick_breaking is not None:
-    out_BxHxLxV, row_sum_BxHx1xL = _stick_forward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL,
-                                                  valid_BxL, ranges)
-    return out_BxHxLxV, ((None, row_sum_BxHx1xL), ranges)
-  if terms.cope is not None:
-    out_BxHxLxV, stats = _cope_forward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
-                                       ranges)
-    return out_BxHxLxV, (stats, ranges)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {})
-  out = _call(_forward_kernel, plan, terms, arrays,
-              {"out": _rows((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype), "row_max": _rows((b, h, l, bk), bq),
-               "row_sum": _rows((b, h, l, bk), bq)},
-              (b, h, l // bq, l // bk), _query_major(l // bq),
+  out = call(_forward_kernel, plan, terms, arrays,
+             {"out": row_output((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype),
+              "row_max": row_output((b, h, l, bk), bq), "row_sum": row_output((b, h, l, bk), bq)},
+              (b, h, l // bq, l // bk), query_major(l // bq),
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)},
               ranges[0])
   return out["out"], ((out["row_max"], out["row_sum"]), ranges)
@@ -997,51 +566,39 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   b, h, l, d = q_BxHxLxK.shape
   bq, bk = plan.block_q, plan.block_k
   n_q, n_k = l // bq, l // bk
-  if terms.stick_breaking is not None:
-    grads = _stick_backward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
-                            row_sum_BxHxLxT, d_out_BxHxLxV, key_tiles_BxNx2, query_tiles_BxMx2)
-    return ([jnp.zeros_like(x) for x in leaves],
-            *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
-  if terms.cope is not None:
-    d_table_KxP, *grads = _cope_backward(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, segment_ids_BxL, valid_BxL,
-                                         out_BxHxLxV, (row_max_BxHxLxT, row_sum_BxHxLxT), d_out_BxHxLxV,
-                                         key_tiles_BxNx2, query_tiles_BxMx2)
-    d_terms = jax.tree.map(jnp.zeros_like, terms).replace(
-        cope=terms.cope.replace(table=d_table_KxP.astype(terms.cope.table.dtype)))
-    return (jax.tree_util.tree_leaves(d_terms),
-            *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
   delta_BxHxLx1 = row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims=True)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {"d_out": d_out_BxHxLxV, "row_max": row_max_BxHxLxT, "row_sum": row_sum_BxHxLxT,
                                "delta": jnp.broadcast_to(delta_BxHxLx1, row_max_BxHxLxT.shape)})
 
-  dq_out, dq_scratch = {"dq": _rows(q_BxHxLxK.shape, bq)}, {"acc_dq": (bq, d)}
+  dq_out, dq_scratch = {"dq": row_output(q_BxHxLxK.shape, bq)}, {"acc_dq": (bq, d)}
   if terms.untied is not None:
-    dq_out["du_q"], dq_scratch["acc_du_q"] = _rows((b, h, l, d), bq), (bq, d)
+    dq_out["du_q"], dq_scratch["acc_du_q"] = row_output((b, h, l, d), bq), (bq, d)
   columns = _column_count(terms)
   if columns:
-    dq_out["dpos"], dq_scratch["acc_dpos"] = _rows((b, h, l, columns), bq), (bq, columns)
+    dq_out["dpos"], dq_scratch["acc_dpos"] = row_output((b, h, l, columns), bq), (bq, columns)
   open_columns = sum(width for _, width in open_layout(terms).values())
   if open_columns:
-    dq_out["dopen"], dq_scratch["acc_dopen"] = _rows((b, h, l, open_columns), bq), (bq, open_columns)
+    dq_out["dopen"], dq_scratch["acc_dopen"] = row_output((b, h, l, open_columns), bq), (bq, open_columns)
   open_arrays = term_lib.kernel_arrays(terms.open, trainable=True)
   for key, (kind, x) in open_arrays.items():
     if kind == term_lib.EMBEDDINGS:
-      dq_out["d" + key + "@q"], dq_scratch["acc_d" + key + "@q"] = _rows(x.shape, bq), (bq, x.shape[-1])
-  dq_res = _call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), _query_major(n_q), dq_scratch, key_tiles_BxNx2)
+      dq_out["d" + key + "@q"], dq_scratch["acc_d" + key + "@q"] = row_output(x.shape, bq), (bq, x.shape[-1])
+  dq_res = call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), query_major(n_q), dq_scratch,
+                key_tiles_BxNx2)
 
-  dkv_out = {"dk": _rows((b, h, l, d), bk), "dv": _rows((b, h, l, v_BxHxLxV.shape[-1]), bk)}  # per query head
+  dkv_out = {"dk": row_output((b, h, l, d), bk), "dv": row_output((b, h, l, v_BxHxLxV.shape[-1]), bk)}  # per query head
   dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
   if terms.untied is not None:
-    dkv_out["du_k"], dkv_scratch["acc_du_k"] = _rows((b, h, l, d), bk), (bk, d)
+    dkv_out["du_k"], dkv_scratch["acc_du_k"] = row_output((b, h, l, d), bk), (bk, d)
   for key, (kind, x) in open_arrays.items():
     if kind == term_lib.ROWS:
       dkv_out["d" + key + "@k"] = (jax.ShapeDtypeStruct((b, h, 1, l), jnp.float32),
                                    pl.BlockSpec((1, 1, 1, bk), lambda b, h, j, i, ranges: (b, h, 0, j)))
       dkv_scratch["acc_d" + key + "@k"] = (1, bk)
     elif kind == term_lib.EMBEDDINGS:
-      dkv_out["d" + key + "@k"], dkv_scratch["acc_d" + key + "@k"] = _rows(x.shape, bk), (bk, x.shape[-1])
-  dkv_res = _call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), _key_major(n_k), dkv_scratch,
+      dkv_out["d" + key + "@k"], dkv_scratch["acc_d" + key + "@k"] = row_output(x.shape, bk), (bk, x.shape[-1])
+  dkv_res = call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), key_major(n_k), dkv_scratch,
                   query_tiles_BxMx2)
 
   d_terms = jax.tree.map(jnp.zeros_like, terms)
@@ -1054,7 +611,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
         window_out[name] = jax.ShapeDtypeStruct((b, h, 2 * n_q - 1, 2 * bq, d), jnp.float32), spec
     # grid point (p, s) works on tile (s, s + p - (n - 1)), clamped into the sequence where it does not exist
     diagonal = lambda b, h, p, s, ranges: (s, jnp.clip(s + p - (n_q - 1), 0, n_q - 1))
-    res = _call(_window_grad_kernel, plan, terms, arrays, window_out, (b, h, 2 * n_q - 1, n_q), diagonal)
+    res = call(_window_grad_kernel, plan, terms, arrays, window_out, (b, h, 2 * n_q - 1, n_q), diagonal)
     d_RxK = jnp.zeros((2 * l, d), jnp.float32)
     if "d_window" in res:
       d_RxK = d_RxK + overlap_add(jnp.sum(res["d_window"], axis=(0, 1)), bq)
@@ -1111,9 +668,9 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
     arrays[key] = (jnp.broadcast_to(x_BxHxQxX[..., None], (*x_BxHxQxX.shape, arrays[key].shape[-1]))
                    if x_BxHxQxX.ndim == 3 else x_BxHxQxX)
-  out = _call(_forward_kernel, plan, terms, arrays,
-              {"out": _rows((b, h, q, v_BxGxTxV.shape[-1]), bq, jnp.float32), "row_max": _rows((b, h, q, bk), bq),
-               "row_sum": _rows((b, h, q, bk), bq)},
-              (b, h, q // bq, t // bk), _query_major(q // bq),
+  out = call(_forward_kernel, plan, terms, arrays,
+             {"out": row_output((b, h, q, v_BxGxTxV.shape[-1]), bq, jnp.float32),
+              "row_max": row_output((b, h, q, bk), bq), "row_sum": row_output((b, h, q, bk), bq)},
+              (b, h, q // bq, t // bk), query_major(q // bq),
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxGxTxV.shape[-1]), "misplaced": (bq, bk)}, ranges_BxNx2)
   return out["out"]

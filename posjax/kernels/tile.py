@@ -231,8 +231,7 @@ class TileBase:
 
   Both backends' tiles share it, given their own loads through the hooks ``_relative_term``, ``_untied_factors``,
   ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head, :func:`scalar_rows`),
-  ``_exact`` (a float32-accurate product's precision) and ``_cope_rows`` (CoPE's ``q·e[n]`` of the tile's rows at
-  entries ``n``), and the open terms' (:meth:`open_logits`): the position terms and the [CLS] reset, the mask and
+  ``_exact`` (a float32-accurate product's precision), and the open terms' (:meth:`open_logits`): the position terms and the [CLS] reset, the mask and
   the logits, dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned
   scalars. A
   subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT``, the query positions
@@ -246,8 +245,8 @@ class TileBase:
 
   def open_logits(self, s_QxT):
     """The content score ``s`` after the open terms (:func:`posjax.kernels.term.tile_logits`), through the backend's
-    hooks ``open_load(key, kind, side)``, ``open_gather(key, index)`` and ``open_inner(a, b)`` and the pairs the
-    subclass sets (``open_q_positions``, ``open_k_positions``, ``open_q_index``, ``open_k_index``)."""
+    hooks ``open_load(key, kind, side)``, ``open_gather(key, index)``, ``open_entries(key)`` and ``open_inner(a, b)``
+    and the pairs the subclass sets (``open_q_positions``, ``open_k_positions``, ``open_q_index``, ``open_k_index``)."""
     if not self.terms.open:
       return s_QxT
     self.open_shape = s_QxT.shape
@@ -430,81 +429,6 @@ def _fire_term_grads(fire, d_HxX):
   like = {part: getattr(fire, part) for part in ("w1", "b1", "c", "threshold")}
   summed = {part: jnp.sum(columns[part], axis=0).reshape(jnp.shape(x)).astype(x.dtype) for part, x in like.items()}
   return fire.replace(**summed, w2=columns["w2"].T.astype(fire.w2.dtype), b2=columns["b2"][:, 0].astype(fire.b2.dtype))
-
-
-def suffix_matrix(size: int, inclusive: bool):
-  """``[T, T]`` float32 ``M[t, j] = 1`` where ``t > j`` (``inclusive``: ``t >= j``): ``x @ M`` sums each row of ``x``
-  over the keys after ``j`` (from ``j`` on) within a tile."""
-  t_TxT = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
-  j_TxT = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
-  return jnp.where((t_TxT >= j_TxT) if inclusive else (t_TxT > j_TxT), 1.0, 0.0).astype(jnp.float32)
-
-
-def stick_breaking_tile(tile: TileBase, later_Q, precision):
-  """One tile of stick-breaking attention (:class:`posjax.kernels.StickBreaking`) given ``later_Q``, each row's
-  ``Σ log(1 - β)`` over the allowed keys of the key tiles after this one: ``(allowed_QxT, rest_QxT, a_QxT)``, the
-  keys that take a share (the query's own left out unless ``attend_current``), their ``log(1 - β)`` (0 elsewhere)
-  and their weights ``β_ij Π_{k > j} (1 - β_ik)``, summed in log space (the tile's part a product with
-  :func:`suffix_matrix` at ``precision``)."""
-  allowed_QxT = tile.allowed_QxT
-  if not tile.terms.stick_breaking.attend_current:
-    allowed_QxT = allowed_QxT & (tile.index_i_QxT != tile.index_j_QxT)
-  z_QxT = tile.s_QxT
-  rest_QxT = jnp.where(allowed_QxT, jax.nn.log_sigmoid(-z_QxT), 0.0)
-  later_QxT = dot(rest_QxT, suffix_matrix(z_QxT.shape[1], inclusive=False), precision) + later_Q[:, None]
-  a_QxT = jnp.where(allowed_QxT, jnp.exp(jax.nn.log_sigmoid(z_QxT) + later_QxT), 0.0)
-  return allowed_QxT, rest_QxT, a_QxT
-
-
-def stick_breaking_grads(tile: TileBase, allowed_QxT, a_QxT, da_QxT, before_Q, precision):
-  """The logits' gradient of a stick-breaking tile from its weights' ``da``: ``dz_ij = da_ij a_ij (1 - β_ij) - β_ij
-  Σ_{k < j} da_ik a_ik``, the sum over the row's earlier keys ``before_Q - Σ_{k >= j in the tile}`` (``before_Q``:
-  the row's ``Σ_k da a`` less the key tiles after this one); and ``da a`` (its row sums carry to the earlier
-  tiles)."""
-  z_QxT = tile.s_QxT
-  gain_QxT = da_QxT * a_QxT
-  earlier_QxT = before_Q[:, None] - dot(gain_QxT, suffix_matrix(z_QxT.shape[1], inclusive=True), precision)
-  dz_QxT = gain_QxT * jax.nn.sigmoid(-z_QxT) - jax.nn.sigmoid(z_QxT) * earlier_QxT
-  return jnp.where(allowed_QxT, dz_QxT, 0.0), gain_QxT
-
-
-def cope_tile(tile: TileBase, counted_Qx1, precision):
-  """One tile of CoPE (:class:`posjax.kernels.Cope`) given ``counted_Qx1``, each row's gates summed over the allowed
-  keys of the key tiles after this one: ``(g, p, unclamped, f, c, w, slope, logits)``: the gates ``sigmoid(z)`` (0 at
-  a masked key), the counted positions ``p`` (clamped at ``P - 1``; ``unclamped``: where they are not), their floor
-  ``f``, ceiling ``c`` and fraction ``w``, the slope ``q·e[c] - q·e[f]`` and the logits with the interpolated term
-  (masked ones left masked). ``q·e[n]`` of the tile's rows comes from the hook ``_cope_rows(index_QxT)``."""
-  allowed_QxT, s_QxT = tile.allowed_QxT, tile.s_QxT
-  g_QxT = jnp.where(allowed_QxT, jax.nn.sigmoid(s_QxT), 0.0)
-  top = tile.terms.cope.table.shape[1] - 1
-  counted_QxT = counted_Qx1 + dot(g_QxT, suffix_matrix(s_QxT.shape[1], inclusive=True), precision)
-  p_QxT = jnp.minimum(counted_QxT, float(top))
-  f_QxT = jnp.floor(p_QxT)
-  w_QxT = p_QxT - f_QxT
-  f_QxT, c_QxT = f_QxT.astype(jnp.int32), jnp.ceil(p_QxT).astype(jnp.int32)
-  low_QxT = tile._cope_rows(f_QxT)
-  slope_QxT = tile._cope_rows(c_QxT) - low_QxT
-  logits_QxT = jnp.where(allowed_QxT, s_QxT + low_QxT + w_QxT * slope_QxT, s_QxT)
-  return g_QxT, counted_QxT < top, f_QxT, c_QxT, w_QxT, slope_QxT, logits_QxT
-
-
-def cope_logit_grads(tile: TileBase, g_QxT, ds_QxT, dp_QxT, before_Qx1, precision):
-  """A CoPE tile's ``dz`` from the logits' gradient ``ds`` and the positions' ``dp = ds·slope`` (0 where clamped):
-  ``dz_it = ds_it + g_it (1 - g_it) Σ_{j <= t} dp_ij`` (a key's gate counts for every key at or before it), the sum
-  ``before_Qx1 - Σ_{j > t in the tile} dp`` (``before``: the row's ``Σ_j dp`` less the later key tiles')."""
-  counted_dp_QxT = before_Qx1 - dot(dp_QxT, suffix_matrix(ds_QxT.shape[1], inclusive=False), precision)
-  return jnp.where(tile.allowed_QxT, ds_QxT + counted_dp_QxT * g_QxT * (1.0 - g_QxT), 0.0)
-
-
-def stick_breaking_rows(d_out_BxHxLxV, v_BxGxLxV, remainder: bool):
-  """``[B, H, L]``: ``d_out·v_i`` with the remainder (the query's own value, its group's under grouped k/v; 0
-  without), the part of the weights' gradient ``da_ij = d_out_i·v_j - d_out_i·v_i`` that is the row's own. The
-  backward's row totals ``Σ_j da_ij a_ij`` are summed by its dq kernel from the weights it recomputes (a total from
-  the rounded output would differ from them, and the difference reaches every key's gradient unnormalised)."""
-  if not remainder:
-    return jnp.zeros(d_out_BxHxLxV.shape[:3], jnp.float32)
-  group = d_out_BxHxLxV.shape[1] // v_BxGxLxV.shape[1]
-  return row_delta(d_out_BxHxLxV, jnp.repeat(v_BxGxLxV, group, axis=1))
 
 
 def row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims: bool = False):

@@ -62,10 +62,8 @@ from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two,
                                  overlap_add, row_delta, scalar_count, scalar_rows,
-                                 scalar_term_grads, stick_breaking_rows, tile_ranges, untied_grads, window_table)
-from posjax.kernels.triton_kernels import (cope_dkv_kernel, cope_dq_kernel, cope_forward_kernel, decode_kernel,
-                                           dkv_kernel, dq_kernel, forward_kernel, stick_dkv_kernel, stick_dq_kernel,
-                                           stick_forward_kernel, window_grad_kernel)
+                                 scalar_term_grads, tile_ranges, untied_grads, window_table)
+from posjax.kernels.triton_kernels import decode_kernel, dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -74,7 +72,7 @@ from posjax.kernels.triton_kernels import (cope_dkv_kernel, cope_dq_kernel, cope
 GROUPED = ("k", "v", "ke")  # inputs with a head per key/value head: query head h reads head h // plan.group
 
 
-def _row_spec(array_BxHxLxX, block: int | None = None, group: int = 1):
+def row_spec(array_BxHxLxX, block: int | None = None, group: int = 1):
   """A ``[B, H, L, X]`` array: the program's (batch, head) rows, all of them or its tile of ``block``; ``group``:
   the array has a head per ``group`` query heads (grouped k/v), and query head h reads head ``h // group``."""
   if block is None:
@@ -83,7 +81,7 @@ def _row_spec(array_BxHxLxX, block: int | None = None, group: int = 1):
                       lambda b, h, i: (b, h, i, *[0] * (array_BxHxLxX.ndim - 3)))
 
 
-def _range_spec():
+def range_spec():
   """A ``[B, N, 2]`` tile range (:func:`posjax.kernels.tile.tile_ranges`): the program's tile's ``[lo, hi)``."""
   return pl.BlockSpec((1, 1, 2), lambda b, h, i: (b, i, 0))
 
@@ -96,11 +94,11 @@ def _head_spec(array_HxX):
   return pl.BlockSpec((1, array_HxX.shape[1]), lambda b, h, i: (h, 0))
 
 
-def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
+def kernel_inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
             salts_BxH, extra: dict):
   """Names, arrays and block specs of a kernel's inputs (whole rows; per-head parameter rows)."""
   inputs = {"q": q_BxHxLxK, "k": k_BxHxLxK, "v": v_BxHxLxV, **extra}
-  specs = {name: _row_spec(x_BxHxLxX, group=plan.group if name in GROUPED else 1)
+  specs = {name: row_spec(x_BxHxLxX, group=plan.group if name in GROUPED else 1)
            for name, x_BxHxLxX in inputs.items()}
   if plan.dropout:
     inputs["salts"], specs["salts"] = salts_BxH, pl.BlockSpec((1, 1), lambda b, h, i: (b, h))
@@ -118,7 +116,7 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
       specs[name] = _head_spec(inputs[name])
   for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():  # by kind: a head's row, or whole rows
     inputs[key] = x
-    specs[key] = (_head_spec(x) if kind in (term_lib.HEAD, term_lib.TABLE) else _row_spec(x) if x.ndim == 4
+    specs[key] = (_head_spec(x) if kind in (term_lib.HEAD, term_lib.TABLE) else row_spec(x) if x.ndim == 4
                   else pl.BlockSpec((1, 1, x.shape[2]), lambda b, h, i: (b, h, 0)))
   return inputs, specs
 
@@ -127,7 +125,10 @@ def _pad_columns(x_HxX, size: int):
   return jnp.pad(x_HxX, ((0, 0), (0, size - x_HxX.shape[1])))
 
 
-def _call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: dict, out_specs: dict, tiles: int):
+def call(kernel, plan: Plan, terms: Terms, inputs: dict, specs: dict, outputs: dict, out_specs: dict, tiles: int):
+  """``{name: array}`` of ``outputs`` (name → ShapeDtypeStruct, ``out_specs`` their BlockSpecs) from ``kernel``
+  over a ``(batch, head, tiles)`` grid, its inputs ``inputs`` read through ``specs`` (the windowed relative term's
+  scratch block added)."""
   b, h = inputs["q"].shape[:2]
   if terms.relative is not None and terms.relative.window:
     block = plan.block_q
@@ -178,11 +179,6 @@ def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int)
     for name in ("u_q", "u_k"):
       u_BpxHxLxK = getattr(terms.untied, name).transpose(0, 2, 1, 3)
       extra[name] = jnp.broadcast_to(u_BpxHxLxK, (batch, *u_BpxHxLxK.shape[1:]))
-  if terms.cope is not None:  # q·e[n] of every row and table entry (the table scaled as the method adds it), per pair
-    qe_BxHxLxP = jnp.einsum("bhlk,kp->bhlp", q_BxHxLxK.astype(jnp.float32), terms.cope.table.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST)
-    entries = qe_BxHxLxP.shape[-1]
-    extra["qe"] = jnp.pad(qe_BxHxLxP, [(0, 0)] * 3 + [(0, next_power_of_two(entries) - entries)])
   return extra
 
 
@@ -191,22 +187,15 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   terms = plan.terms(leaves)
   b, h, l, _ = q_BxHxLxK.shape
   extra = _per_head_rows(terms, q_BxHxLxK, k_BxHxLxK, plan.scale, b)
-  inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
+  inputs, specs = kernel_inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, extra)
   ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
-  inputs["tiles"], specs["tiles"] = ranges[0], _range_spec()
-  row_spec = pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))
-  if terms.stick_breaking is not None:  # each row's weight sum, no maximum: nothing is normalised
-    out = _call(stick_forward_kernel, plan, terms, inputs, specs,
-                {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
-                 "row_sum": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
-                {"out": _row_spec(v_BxHxLxV, plan.block_q), "row_sum": row_spec}, l // plan.block_q)
-    return out["out"], ((None, out["row_sum"]), extra, ranges)
-  out = _call(cope_forward_kernel if terms.cope is not None else forward_kernel, plan, terms, inputs, specs,
+  inputs["tiles"], specs["tiles"] = ranges[0], range_spec()
+  out = call(forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
                "row_max": jax.ShapeDtypeStruct((b, h, l), jnp.float32),
                "row_sum": jax.ShapeDtypeStruct((b, h, l), jnp.float32)},
-              {"out": _row_spec(v_BxHxLxV, plan.block_q),
+              {"out": row_spec(v_BxHxLxV, plan.block_q),
                "row_max": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i)),
                "row_sum": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))},
               l // plan.block_q)
@@ -218,11 +207,8 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
   without position terms (no spills, at most 43% of the shared memory), 64x64 with any (at 128x64 ALiBi + T5's
   dq spills; at 128x128 the window's kernels spill 3-5 KB at 78-85% of the shared memory). Embeddings (an open
   term's: Sandwich's) wider than 128 take smaller tiles: their float32 operands pass the shared memory at 64x64.
-  Stick-breaking takes 32x32: at 64x64 its float32 ``[bq, bk]`` tiles (weights, their logs, the in-tile suffix sums)
-  spill 0.8-2.3 KB per thread, at 32x32 none."""
+  The rules that replace the softmax choose their own (:mod:`posjax.kernels.rules`)."""
   del head_dim
-  if terms.stick_breaking is not None or terms.cope is not None:
-    return (32, 32)
   width = term_lib.embedding_width(terms.kernel_form().open, length)
   if width > 128:
     return (32, 32) if width <= 256 else (16, 16)
@@ -252,34 +238,20 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   terms = plan.terms(leaves)
   b, h, l, d = q_BxHxLxK.shape
   n_q, n_k = l // plan.block_q, l // plan.block_k
-  if terms.stick_breaking is not None:
-    inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
-                            valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
-    grads = _stick_breaking_bwd(plan, terms, inputs, specs, row_sum_BxHxL, v_BxHxLxV, d_out_BxHxLxV, key_tiles_BxNx2,
-                                query_tiles_BxMx2)
-    return ([jnp.zeros_like(x) for x in leaves],
-            *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))), None, None, None, None)
   delta_BxHxL = row_delta(d_out_BxHxLxV, out_BxHxLxV)
-  inputs, specs = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
+  inputs, specs = kernel_inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
   inputs.update(row_max=row_max_BxHxL, row_sum=row_sum_BxHxL, delta=delta_BxHxL)
   for name in ("row_max", "row_sum", "delta"):
     specs[name] = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
-  if terms.cope is not None:
-    grads = _cope_bwd(plan, terms, inputs, specs, key_tiles_BxNx2, query_tiles_BxMx2)
-    d_table_KxP, grads = grads[0], grads[1:]
-    d_leaves = jax.tree_util.tree_leaves(jax.tree.map(jnp.zeros_like, terms).replace(
-        cope=terms.cope.replace(table=d_table_KxP.astype(terms.cope.table.dtype))))
-    return (d_leaves, *(g.astype(x.dtype) for g, x in zip(grads, (q_BxHxLxK, k_BxHxLxK, v_BxHxLxV))),
-            None, None, None, None)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   partial_spec = lambda n: pl.BlockSpec((1, 1, 1, n), lambda b, h, i: (b, h, i, 0))
 
-  dq_out, dq_specs = {"dq": f32(b, h, l, d)}, {"dq": _row_spec(q_BxHxLxK, plan.block_q)}
+  dq_out, dq_specs = {"dq": f32(b, h, l, d)}, {"dq": row_spec(q_BxHxLxK, plan.block_q)}
   if "qe" in extra:
-    dq_out["dqe"], dq_specs["dqe"] = f32(*extra["qe"].shape), _row_spec(extra["qe"], plan.block_q)
+    dq_out["dqe"], dq_specs["dqe"] = f32(*extra["qe"].shape), row_spec(extra["qe"], plan.block_q)
   if terms.untied is not None:
-    dq_out["du_q"], dq_specs["du_q"] = f32(b, h, l, d), _row_spec(q_BxHxLxK, plan.block_q)
+    dq_out["du_q"], dq_specs["du_q"] = f32(b, h, l, d), row_spec(q_BxHxLxK, plan.block_q)
     if terms.untied.reset != "none":
       for name in ("dtheta_row", "dtheta_col"):
         dq_out[name], dq_specs[name] = f32(b, h, n_q, 1), partial_spec(1)
@@ -294,23 +266,23 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     elif kind == term_lib.ROWS:
       dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(b, h, l), rows_spec(plan.block_q)
     else:
-      dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(*x.shape), _row_spec(x, plan.block_q)
-  dq_res = _call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
+      dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(*x.shape), row_spec(x, plan.block_q)
+  dq_res = call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": range_spec()},
                  dq_out, dq_specs, n_q)
 
   dkv_out = {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxHxLxV.shape[-1])}
-  dkv_specs = {"dk": _row_spec(k_BxHxLxK, plan.block_k), "dv": _row_spec(v_BxHxLxV, plan.block_k)}
+  dkv_specs = {"dk": row_spec(k_BxHxLxK, plan.block_k), "dv": row_spec(v_BxHxLxV, plan.block_k)}
   if "ke" in extra:
     dkv_out["dke"] = f32(b, h, l, extra["ke"].shape[-1])
-    dkv_specs["dke"] = _row_spec(dkv_out["dke"], plan.block_k)
+    dkv_specs["dke"] = row_spec(dkv_out["dke"], plan.block_k)
   if terms.untied is not None:
-    dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), _row_spec(k_BxHxLxK, plan.block_k)
+    dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), row_spec(k_BxHxLxK, plan.block_k)
   for key, (kind, x) in term_lib.kernel_arrays(terms.open, trainable=True).items():
     if kind == term_lib.ROWS:
       dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(b, h, l), rows_spec(plan.block_k)
     elif kind == term_lib.EMBEDDINGS:
-      dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(*x.shape), _row_spec(x, plan.block_k)
-  dkv_res = _call(dkv_kernel, plan, terms, {**inputs, "tiles": query_tiles_BxMx2}, {**specs, "tiles": _range_spec()},
+      dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(*x.shape), row_spec(x, plan.block_k)
+  dkv_res = call(dkv_kernel, plan, terms, {**inputs, "tiles": query_tiles_BxMx2}, {**specs, "tiles": range_spec()},
                   dkv_out, dkv_specs, n_k)
 
   # written per query head; a shared key/value head's gradient is the sum over its group
@@ -318,7 +290,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
   d_terms = jax.tree.map(jnp.zeros_like, terms)
   if terms.relative is not None and terms.relative.window:
-    d_window_BxHxPxWxK = _call(
+    d_window_BxHxPxWxK = call(
         window_grad_kernel, plan, terms, inputs, specs,
         {"d_window": f32(b, h, n_q + n_k - 1, 2 * plan.block_q, d)},
         {"d_window": pl.BlockSpec((1, 1, 1, 2 * plan.block_q, d), lambda b, h, i: (b, h, i, 0, 0))},
@@ -359,64 +331,6 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
 attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _cope_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, key_tiles_BxNx2, query_tiles_BxMx2):
-  """``(d table, dq, dk, dv)`` of CoPE: the dq kernel's ``dqe`` rows (``q·e``'s gradient) give the table's gradient
-  and their share of ``dq`` outside the kernels; its carries at every key tile (``[B, H, L / block_k, L]`` float32
-  each) and each row's ``Σ dp`` pass to the dk/dv kernel."""
-  q_BxHxLxK, qe_BxHxLxP = inputs["q"], inputs["qe"]
-  b, h, l, d = q_BxHxLxK.shape
-  n_q, n_k = l // plan.block_q, l // plan.block_k
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  carry_tile = pl.BlockSpec((1, 1, n_k, plan.block_q), lambda b, h, i: (b, h, 0, i))
-  dq_res = _call(cope_dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
-                 {"dq": f32(b, h, l, d), "dqe": f32(*qe_BxHxLxP.shape), "counted": f32(b, h, n_k, l),
-                  "later_dp": f32(b, h, n_k, l), "total_dp": f32(b, h, l)},
-                 {"dq": _row_spec(q_BxHxLxK, plan.block_q), "dqe": _row_spec(qe_BxHxLxP, plan.block_q),
-                  "counted": carry_tile, "later_dp": carry_tile,
-                  "total_dp": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))}, n_q)
-  carry_rows = pl.BlockSpec((1, 1, n_k, l), lambda b, h, i: (b, h, 0, 0))
-  dkv_res = _call(cope_dkv_kernel, plan, terms,
-                  {**inputs, "counted": dq_res["counted"], "later_dp": dq_res["later_dp"],
-                   "total_dp": dq_res["total_dp"], "tiles": query_tiles_BxMx2},
-                  {**specs, "counted": carry_rows, "later_dp": carry_rows,
-                   "total_dp": pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0)), "tiles": _range_spec()},
-                  {"dk": f32(b, h, l, d), "dv": f32(b, h, l, inputs["v"].shape[-1])},
-                  {"dk": _row_spec(q_BxHxLxK, plan.block_k), "dv": _row_spec(inputs["d_out"], plan.block_k)}, n_k)
-  table_KxP = terms.cope.table.astype(jnp.float32)
-  dqe_BxHxLxP = dq_res["dqe"][..., :table_KxP.shape[1]]
-  dq_BxHxLxK = dq_res["dq"] + jnp.einsum("bhlp,kp->bhlk", dqe_BxHxLxP, table_KxP, precision=jax.lax.Precision.HIGHEST)
-  d_table_KxP = jnp.einsum("bhlk,bhlp->kp", q_BxHxLxK.astype(jnp.float32), dqe_BxHxLxP,
-                           precision=jax.lax.Precision.HIGHEST)
-  return (d_table_KxP, dq_BxHxLxK, group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group))
-
-
-def _stick_breaking_bwd(plan: Plan, terms: Terms, inputs: dict, specs: dict, row_sum_BxHxL, v_BxGxLxV, d_out_BxHxLxV,
-                        key_tiles_BxNx2, query_tiles_BxMx2):
-  """``(dq, dk, dv)`` of stick-breaking attention: the dq kernel walks each query tile's key tiles from the last back
-  and writes the rows' two carries at every key tile (``[B, H, N, L]`` float32 each: ``O(L² / block_k)``), which the
-  dk/dv kernel reads for its pairs; no atomics."""
-  b, h, l, d = inputs["q"].shape
-  n_q, n_k = l // plan.block_q, l // plan.block_k
-  inputs = {**inputs, "row_sum": row_sum_BxHxL,
-            "dov": stick_breaking_rows(d_out_BxHxLxV, v_BxGxLxV, terms.stick_breaking.remainder)}
-  row = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
-  specs = {**specs, "row_sum": row, "dov": row}
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  carry_tile = pl.BlockSpec((1, 1, n_k, plan.block_q), lambda b, h, i: (b, h, 0, i))
-  dq_res = _call(stick_dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": _range_spec()},
-                 {"dq": f32(b, h, l, d), "later": f32(b, h, n_k, l), "gain": f32(b, h, n_k, l), "w": f32(b, h, l)},
-                 {"dq": _row_spec(inputs["q"], plan.block_q), "later": carry_tile, "gain": carry_tile,
-                  "w": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))}, n_q)
-  carry_rows = pl.BlockSpec((1, 1, n_k, l), lambda b, h, i: (b, h, 0, 0))
-  dkv_res = _call(stick_dkv_kernel, plan, terms,
-                  {**inputs, "later": dq_res["later"], "gain": dq_res["gain"], "w": dq_res["w"],
-                   "tiles": query_tiles_BxMx2},
-                  {**specs, "later": carry_rows, "gain": carry_rows, "w": row, "tiles": _range_spec()},
-                  {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxGxLxV.shape[-1])},
-                  {"dk": _row_spec(inputs["q"], plan.block_k), "dv": _row_spec(inputs["d_out"], plan.block_k)}, n_k)
-  return dq_res["dq"], group_sum(dkv_res["dk"], plan.group), group_sum(dkv_res["dv"], plan.group)
-
-
 def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ, q_slots_BxQ, positions_BxT, valid_BxT,
            ranges_BxNx2):
   """Decoding on GPU (:func:`posjax.kernels.decode.decode_attention`): ``[B, H, Q, V]`` float32 for ``Q`` queries
@@ -426,8 +340,8 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   terms = plan.terms(leaves)
   b, h, q, _ = q_BxHxQxK.shape
   n_q, splits = q // plan.block_q, plan.splits
-  inputs, specs = _inputs(plan, terms, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, positions_BxT, jnp.zeros_like(positions_BxT),
-                          valid_BxT, None, {})
+  inputs, specs = kernel_inputs(plan, terms, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, positions_BxT,
+                                jnp.zeros_like(positions_BxT), valid_BxT, None, {})
   for name, x_BxQ in (("q_positions", q_positions_BxQ), ("q_slots", q_slots_BxQ)):
     inputs[name], specs[name] = x_BxQ, _batch_spec(x_BxQ)
   for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
@@ -441,7 +355,7 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
       (jax.ShapeDtypeStruct((b, h, splits, q, value_dim), jnp.float32),
        pl.BlockSpec((1, 1, 1, plan.block_q, value_dim), lambda b, h, x: (b, h, x % splits, x // splits, 0))),
       stats(), stats())
-  res = _call(decode_kernel, plan, terms, inputs, specs, {"out": out, "row_max": row_max, "row_sum": row_sum},
+  res = call(decode_kernel, plan, terms, inputs, specs, {"out": out, "row_max": row_max, "row_sum": row_sum},
               {"out": out_spec, "row_max": max_spec, "row_sum": sum_spec}, n_q * splits)
   # the splits combined: each split's rows rescaled to the overall maximum (a split without tiles weighs 0)
   overall_BxHx1xQ = jnp.max(res["row_max"], axis=2, keepdims=True)

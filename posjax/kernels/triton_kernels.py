@@ -18,8 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
-from posjax.kernels.tile import (Plan, TileBase, cope_logit_grads, cope_tile, diagonal_may_hold_pairs, dot, dot_t,
-                                 stick_breaking_grads, stick_breaking_tile, t_dot)
+from posjax.kernels.tile import Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, t_dot
 
 
 def _one_hot(index_QxT, size: int):
@@ -70,11 +69,13 @@ class Tile(TileBase):
       return (value[:, None] if side == "q" else value[None, :]).astype(jnp.float32)
     return value.astype(jnp.float32)
 
+  def open_entries(self, key: str) -> int:
+    return self.refs[key].shape[-1]
+
   def open_gather(self, key: str, index_QxT):
-    """``table[h, index]``: a gather load of this head's row (its entries edge-padded: an index past them reads the
-    last, as the dense path's clamp)."""
-    entries = self.refs[key].shape[-1]
-    return self._gather(key, None, jnp.clip(index_QxT, 0, entries - 1))
+    """``table[h, index]``: a gather load of this head's row (its entries edge-padded to a power of two, so clamping
+    to them reads the last real one, as the dense path's clamp)."""
+    return self.gather(key, None, index_QxT)
 
   def open_inner(self, a_QxE, b_TxE):
     return dot_t(a_QxE, b_TxE, self._exact())
@@ -95,9 +96,6 @@ class Tile(TileBase):
     """Compiled: three TF32 passes on the tensor cores (IEEE float32 dots spill on sm_90); interpreted: float32."""
     return jax.lax.Precision.HIGHEST if self.plan.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
-  def _cope_rows(self, index_QxT):
-    return self._gather("qe", self.index_i_QxT, index_QxT)
-
   def _relative_term(self, rel_QxT):
     """The relative-vector logits: gathered from ``qe`` / ``ke``, or (window) from the tile's products with the
     ``2·block`` table rows its index distances reach, skewed: pair (a, c) has distance ``j0 - i0 + c - a``,
@@ -110,9 +108,9 @@ class Tile(TileBase):
     if not r.window:
       self.rel_index_QxT = r.entries(rel_QxT)
       if r.query:
-        term_QxT = term_QxT + self._gather("qe", i0 + row_QxT, self.rel_index_QxT)
+        term_QxT = term_QxT + self.gather("qe", i0 + row_QxT, self.rel_index_QxT)
       if r.key:
-        term_QxT = term_QxT + self._gather("ke", j0 + col_QxT, self.rel_index_QxT)
+        term_QxT = term_QxT + self.gather("ke", j0 + col_QxT, self.rel_index_QxT)
       return term_QxT
     self.skew_QxT = col_QxT - row_QxT + bq
     self.misplaced_QxT = (rel_QxT != j0 - i0 + col_QxT - row_QxT) & (i0 + row_QxT < self.plan.length)
@@ -131,9 +129,9 @@ class Tile(TileBase):
     query side, c on the key side), through this program's scratch block in memory (a register array cannot be
     gathered from)."""
     scratch = self.refs["scratch"]
-    _barrier(self.plan)
+    barrier(self.plan)
     scratch[0, 0, 0, :, :] = x_QxW
-    _barrier(self.plan)
+    barrier(self.plan)
     source_QxT = jax.lax.broadcasted_iota(jnp.int32, self.skew_QxT.shape, 1 if key else 0)
     return scratch[0, 0, 0, source_QxT, self.skew_QxT]
 
@@ -142,9 +140,9 @@ class Tile(TileBase):
     gradients (row a: the query side; row c: the key side)."""
     bq = self.plan.block_q
     scratch = self.refs["scratch"]
-    _barrier(self.plan)
+    barrier(self.plan)
     scratch[0, 0, 0, :, pl.ds(0, bq)] = ds_QxT
-    _barrier(self.plan)
+    barrier(self.plan)
     row_QxW = jax.lax.broadcasted_iota(jnp.int32, (bq, 2 * bq), 0)
     window_row_QxW = jax.lax.broadcasted_iota(jnp.int32, (bq, 2 * bq), 1)
     # the pair's query (key side) or key
@@ -154,7 +152,7 @@ class Tile(TileBase):
     values_QxW = scratch[0, 0, 0, other_QxW, row_QxW] if key else scratch[0, 0, 0, row_QxW, other_QxW]
     return jnp.where(inside_QxW, values_QxW, 0.0)
 
-  def _gather(self, name: str, row_index_QxT, column_index_QxT):
+  def gather(self, name: str, row_index_QxT, column_index_QxT):
     """``ref[row, column]`` per pair (``[B, H, L, X]`` rows, or the ``[1, N]`` per-head table when ``row_index``
     is None): a gather load (Triton lowers integer-array indexers to pointer gathers)."""
     ref = self.refs[name]
@@ -171,7 +169,7 @@ def forward_kernel(plan: Plan, terms: Terms, names, *refs):
   """One query tile against the key tiles it visits (online softmax): the output rows, and each row's maximum and
   sum for the backward pass (a row that a windowed relative term misread comes out NaN)."""
   r = dict(zip(names, refs))
-  row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = _attend(plan, terms, r, pl.program_id(2) * plan.block_q, *_tiles(r))
+  row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = _attend(plan, terms, r, pl.program_id(2) * plan.block_q, *tile_range(r))
   # A windowed relative term read index distances: rows whose positions disagree with them are NaN, not wrong.
   out_QxV = jnp.where(misplaced_Q[:, None] > 0, jnp.nan, acc_QxV / row_sum_Q[:, None])
   r["out"][0, 0, :, :] = out_QxV.astype(r["out"].dtype)
@@ -188,7 +186,7 @@ def decode_kernel(plan: Plan, terms: Terms, names, *refs):
   r = dict(zip(names, refs))
   splits = plan.splits
   i, s = pl.program_id(2) // splits, pl.program_id(2) % splits
-  lo, hi = _tiles(r)
+  lo, hi = tile_range(r)
   per = (hi - lo + splits - 1) // splits
   start = jnp.minimum(lo + s * per, hi)
   row_max_Q, row_sum_Q, acc_QxV, _ = _attend(plan, terms, r, i * plan.block_q, start, jnp.minimum(start + per, hi))
@@ -222,7 +220,7 @@ def _attend(plan: Plan, terms: Terms, r: dict, i0, lo, hi):
   return jax.lax.fori_loop(lo, hi, body, init)
 
 
-def _tiles(r: dict):
+def tile_range(r: dict):
   """The other side's tiles ``[lo, hi)`` this program visits (:func:`posjax.kernels.tile.tile_ranges`): the rest hold
   no allowed pair."""
   return r["tiles"][0, 0, 0], r["tiles"][0, 0, 1]
@@ -251,8 +249,8 @@ def _block(start, size: int, rows: bool):
   return (0, 0, slice(None) if rows else 0, pl.ds(start, size))
 
 
-def _zero(plan: Plan, out, rows: bool):
-  """Zeroes a scatter's output block (:func:`_scatter_add` adds into it), a chunk at a time."""
+def zero_block(plan: Plan, out, rows: bool):
+  """Zeroes a scatter's output block (:func:`scatter_add` adds into it), a chunk at a time."""
   chunk = _chunk(plan, out.shape[-1])
   shape = (out.shape[2], chunk) if rows else (chunk,)
 
@@ -263,7 +261,7 @@ def _zero(plan: Plan, out, rows: bool):
   jax.lax.fori_loop(0, out.shape[-1] // chunk, body, 0)
 
 
-def _scatter_add(plan: Plan, out, values_QxT, index_QxT, allowed_QxT, axis):
+def scatter_add(plan: Plan, out, values_QxT, index_QxT, allowed_QxT, axis):
   """Adds each pair's gradient ``values`` (zero where not ``allowed``) to its table entry ``index`` in this
   program's output block (a partial sum, ``axis=(0, 1)``, or the tile's rows, ``axis`` the other side's),
   ``chunk`` entries a step over the entries the allowed pairs reach: a ``[bq, bk, chunk]`` one-hot summed per
@@ -277,7 +275,7 @@ def _scatter_add(plan: Plan, out, values_QxT, index_QxT, allowed_QxT, axis):
   def body(c, carry):
     start = pl.multiple_of(c * chunk, chunk)
     part_X = jnp.sum(values_QxT[:, :, None] * _one_hot(index_QxT - start, chunk), axis=axis)
-    _barrier(plan)
+    barrier(plan)
     at = _block(start, chunk, rows=axis != (0, 1))
     out[at] = out[at] + part_X
     return carry
@@ -312,21 +310,21 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dscalars"] = jnp.zeros((r["dscalars"].shape[-1],), jnp.float32)
   open_kinds = _open_kinds(terms)
   for key, kind in open_kinds.items():
-    if kind == term_lib.TABLE:  # its entries' partial sums, scattered into (_scatter_add)
-      _zero(plan, r["d" + key], rows=False)
+    if kind == term_lib.TABLE:  # its entries' partial sums, scattered into (scatter_add)
+      zero_block(plan, r["d" + key], rows=False)
     elif kind == term_lib.HEAD:  # a partial sum per column
       acc["d" + key] = jnp.zeros(r["d" + key].shape[-1:], jnp.float32)
     else:  # the query rows'
       acc["d" + key + "@q"] = jnp.zeros(r["d" + key + "@q"].shape[2:], jnp.float32)
   if "dqe" in r:
-    _zero(plan, r["dqe"], rows=True)
+    zero_block(plan, r["dqe"], rows=True)
 
   def body(t, acc):
     tile = Tile(plan, terms, r, i0, t * plan.block_k)
     _, ds_QxT = _ds(plan, r, tile)
     acc = dict(acc)
     d_content_QxT, d_values, d_lookups = tile.open_grads(ds_QxT)
-    acc["dq"] = acc["dq"] + plan.scale * _dot_in(dot, d_content_QxT, tile.k_TxK)
+    acc["dq"] = acc["dq"] + plan.scale * dot_in(dot, d_content_QxT, tile.k_TxK)
     for (key, side), d_value in d_values.items():  # the query side's and the heads' shares
       if open_kinds[key] == term_lib.HEAD:
         column_X = jax.lax.broadcasted_iota(jnp.int32, acc["d" + key].shape, 0)
@@ -335,14 +333,13 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
         acc["d" + key + "@q"] = acc["d" + key + "@q"] + (jnp.sum(d_value, axis=1) if open_kinds[key] == term_lib.ROWS
                                                          else d_value)
     for key, index_QxT, d_QxT in d_lookups:
-      _scatter_add(plan, r["d" + key], d_QxT, jnp.clip(index_QxT, 0, r["d" + key].shape[-1] - 1), tile.allowed_QxT,
-                   (0, 1))
+      scatter_add(plan, r["d" + key], d_QxT, index_QxT, tile.allowed_QxT, (0, 1))
     if "dqe" in r:
-      _scatter_add(plan, r["dqe"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 1)
+      scatter_add(plan, r["dqe"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 1)
     if window and terms.relative.query:
-      acc["dq"] = acc["dq"] + plan.scale * _dot_in(dot, tile.unskew(ds_QxT, key=False), tile.window_WxK)
+      acc["dq"] = acc["dq"] + plan.scale * dot_in(dot, tile.unskew(ds_QxT, key=False), tile.window_WxK)
     if "du_q" in acc:
-      acc["du_q"] = acc["du_q"] + _dot_in(dot, tile.untied_grads(ds_QxT), tile.u_k_TxK)
+      acc["du_q"] = acc["du_q"] + dot_in(dot, tile.untied_grads(ds_QxT), tile.u_k_TxK)
     if "dtheta_row" in acc:
       acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i_QxT, ds_QxT, 0.0))
       acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0))
@@ -352,7 +349,7 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
       acc["dscalars"] = tile.add_scalar_grads(ds_QxT, add, acc["dscalars"])
     return acc
 
-  acc = jax.lax.fori_loop(*_tiles(r), body, acc)
+  acc = jax.lax.fori_loop(*tile_range(r), body, acc)
   for name, value in acc.items():
     _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dscalars")
            and open_kinds.get(name[1:]) != term_lib.HEAD)
@@ -368,7 +365,7 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
   if terms.untied is not None:
     acc["du_k"] = jnp.zeros((bk, head_dim), jnp.float32)
   if "dke" in r:
-    _zero(plan, r["dke"], rows=True)
+    zero_block(plan, r["dke"], rows=True)
   open_kinds = _open_kinds(terms)
   for key, kind in open_kinds.items():
     if kind in (term_lib.ROWS, term_lib.EMBEDDINGS):
@@ -379,22 +376,22 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     p_QxT, ds_QxT = _ds(plan, r, tile)
     acc = dict(acc)
     do_QxV = r["d_out"][0, 0, tile.rows, :]
-    acc["dv"] = acc["dv"] + _dot_in(t_dot, p_QxT, do_QxV)
+    acc["dv"] = acc["dv"] + dot_in(t_dot, p_QxT, do_QxV)
     d_content_QxT, d_values, _ = tile.open_grads(ds_QxT)
-    acc["dk"] = acc["dk"] + plan.scale * _dot_in(t_dot, d_content_QxT, tile.q_QxK)
+    acc["dk"] = acc["dk"] + plan.scale * dot_in(t_dot, d_content_QxT, tile.q_QxK)
     for (key, side), d_value in d_values.items():  # the key side's shares
       if side == "k":
         acc["d" + key + "@k"] = acc["d" + key + "@k"] + (jnp.sum(d_value, axis=0) if open_kinds[key] == term_lib.ROWS
                                                          else d_value)
     if "dke" in r:
-      _scatter_add(plan, r["dke"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 0)
+      scatter_add(plan, r["dke"], ds_QxT, tile.rel_index_QxT, tile.allowed_QxT, 0)
     if window and terms.relative.key:
-      acc["dk"] = acc["dk"] + plan.scale * _dot_in(dot, tile.unskew(ds_QxT, key=True), tile.window_WxK)
+      acc["dk"] = acc["dk"] + plan.scale * dot_in(dot, tile.unskew(ds_QxT, key=True), tile.window_WxK)
     if "du_k" in acc:
-      acc["du_k"] = acc["du_k"] + _dot_in(t_dot, tile.untied_grads(ds_QxT), tile.u_q_QxK)
+      acc["du_k"] = acc["du_k"] + dot_in(t_dot, tile.untied_grads(ds_QxT), tile.u_q_QxK)
     return acc
 
-  acc = jax.lax.fori_loop(*_tiles(r), body, acc)
+  acc = jax.lax.fori_loop(*tile_range(r), body, acc)
   for name, value in acc.items():
     _write(r[name], value, rows=True)
 
@@ -413,9 +410,9 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
     tile = Tile(plan, terms, r, s * block, (s + diagonal) * block)
     _, ds_QxT = _ds(plan, r, tile)
     if terms.relative.query:
-      acc_WxK = acc_WxK + _dot_in(t_dot, tile.unskew(ds_QxT, key=False), tile.q_QxK)
+      acc_WxK = acc_WxK + dot_in(t_dot, tile.unskew(ds_QxT, key=False), tile.q_QxK)
     if terms.relative.key:
-      acc_WxK = acc_WxK + _dot_in(t_dot, tile.unskew(ds_QxT, key=True), tile.k_TxK)
+      acc_WxK = acc_WxK + dot_in(t_dot, tile.unskew(ds_QxT, key=True), tile.k_TxK)
     return acc_WxK
 
   steps = jnp.where(diagonal_may_hold_pairs(plan, diagonal), n - jnp.abs(diagonal), 0)
@@ -424,218 +421,8 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
   r["d_window"][0, 0, 0, :, :] = plan.scale * acc_WxK
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Stick-breaking attention (a weight rule in place of the softmax): each query tile walks its key tiles from the
-# diagonal back, carrying each row's Σ log(1 - β) over the later keys; nothing to normalise.
 
 
-def stick_forward_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile's output rows, its key tiles from the last back, and each row's weight sum ``Σ_j a_ij`` (the
-  remainder's share, ``1 -`` it, goes to the query's own value)."""
-  r = dict(zip(names, refs))
-  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
-  lo, hi = _tiles(r)
-
-  def body(step, carry):
-    later_Q, mass_Q, acc_QxV = carry
-    tile = Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k)
-    _, rest_QxT, a_QxT = stick_breaking_tile(tile, later_Q, tile._exact())
-    v_TxV = r["v"][0, 0, tile.cols, :]
-    return (later_Q + jnp.sum(rest_QxT, axis=1), mass_Q + jnp.sum(a_QxT, axis=1),
-            acc_QxV + dot(a_QxT.astype(v_TxV.dtype), v_TxV))
-
-  init = (jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, r["v"].shape[-1]), jnp.float32))
-  _, mass_Q, acc_QxV = jax.lax.fori_loop(0, hi - lo, body, init)
-  if terms.stick_breaking.remainder:
-    acc_QxV = acc_QxV + (1.0 - mass_Q)[:, None] * r["v"][0, 0, pl.ds(i0, bq), :].astype(jnp.float32)
-  r["out"][0, 0, :, :] = acc_QxV.astype(r["out"].dtype)
-  r["row_sum"][0, 0, :] = mass_Q
-
-
-def _stick_tile(plan: Plan, terms: Terms, r: dict, tile: Tile, later_Q, before_Q):
-  """A stick-breaking tile's weights, logits' gradient and ``da a`` (:func:`posjax.kernels.tile.stick_breaking_grads`)
-  from its rows' carries."""
-  allowed_QxT, rest_QxT, a_QxT = stick_breaking_tile(tile, later_Q, tile._exact())
-  da_QxT = dot_t(r["d_out"][0, 0, tile.rows, :], r["v"][0, 0, tile.cols, :]) - r["dov"][0, 0, tile.rows][:, None]
-  dz_QxT, gain_QxT = stick_breaking_grads(tile, allowed_QxT, a_QxT, da_QxT, before_Q, tile._exact())
-  return rest_QxT, a_QxT, dz_QxT, gain_QxT
-
-
-def _carried_dq(plan: Plan, terms: Terms, r: dict, carries: tuple[str, ...], tile_grads):
-  """``dq`` of one query tile for the rules whose rows carry sums across key tiles: the key tiles walked from the last
-  back, each row's carries (outputs ``carries``, ``[B, H, N, L]``) written at every key tile before it is added to,
-  for the dk/dv kernel; ``tile_grads(tile, *sums_Q) -> (dz, (row sums to add to the carries))``."""
-  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
-  lo, hi = _tiles(r)
-
-  def body(step, carry):
-    *sums_Q, dq_QxK = carry
-    t = hi - 1 - step
-    for name, sum_Q in zip(carries, sums_Q):
-      r[name][0, 0, t, :] = sum_Q
-    tile = Tile(plan, terms, r, i0, t * plan.block_k)
-    dz_QxT, added_Q = tile_grads(tile, *sums_Q)
-    return (*(x + y for x, y in zip(sums_Q, added_Q)), dq_QxK + plan.scale * _dot_in(dot, dz_QxT, tile.k_TxK))
-
-  init = (*(jnp.zeros((bq,), jnp.float32) for _ in carries), jnp.zeros((bq, r["q"].shape[-1]), jnp.float32))
-  return jax.lax.fori_loop(0, hi - lo, body, init)[-1]
-
-
-def _row_totals(plan: Plan, terms: Terms, r: dict, tile_sums):
-  """A first walk over one query tile's key tiles from the last back: each row's total of a per-pair quantity the
-  backward needs whole (``tile_sums(tile, carry_Q) -> (the carry's row sums, the total's)``), the row's carry
-  recomputed on the way."""
-  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
-  lo, hi = _tiles(r)
-
-  def body(step, carry):
-    carry_Q, total_Q = carry
-    added_Q, part_Q = tile_sums(Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k), carry_Q)
-    return carry_Q + added_Q, total_Q + part_Q
-
-  return jax.lax.fori_loop(0, hi - lo, body, (jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32)))[1]
-
-
-def stick_dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile's ``dq`` and each row's ``w = Σ_j da_ij a_ij`` (a first walk), its key tiles from the last back,
-  and the two carries each of them starts from (``later``: Σ log(1 - β) over the later keys; ``gain``: Σ da·a over
-  them), which the dk/dv kernel reads with ``w``."""
-  r = dict(zip(names, refs))
-
-  def tile_sums(tile, later_Q):
-    rest_QxT, _, _, gain_QxT = _stick_tile(plan, terms, r, tile, later_Q, jnp.zeros_like(later_Q))
-    return jnp.sum(rest_QxT, axis=1), jnp.sum(gain_QxT, axis=1)
-
-  w_Q = _row_totals(plan, terms, r, tile_sums)
-
-  def tile_grads(tile, later_Q, gain_Q):
-    rest_QxT, _, dz_QxT, gain_QxT = _stick_tile(plan, terms, r, tile, later_Q, w_Q - gain_Q)
-    return dz_QxT, (jnp.sum(rest_QxT, axis=1), jnp.sum(gain_QxT, axis=1))
-
-  r["dq"][0, 0, :, :] = _carried_dq(plan, terms, r, ("later", "gain"), tile_grads)
-  r["w"][0, 0, :] = w_Q
-
-
-def _carried_dkv(plan: Plan, terms: Terms, r: dict, tile_grads):
-  """``(dk, dv)`` of one key tile for the rules whose rows carry sums across key tiles (the dq kernel wrote each
-  row's carries at every key tile): ``tile_grads(tile, n) -> (dz, weights)`` of a tile at key tile ``n``."""
-  n = pl.program_id(2)
-  bk, j0 = plan.block_k, n * plan.block_k
-
-  def body(t, acc):
-    dk_TxK, dv_TxV = acc
-    tile = Tile(plan, terms, r, t * plan.block_q, j0)
-    dz_QxT, weights_QxT = tile_grads(tile, n)
-    do_QxV = r["d_out"][0, 0, tile.rows, :]
-    return (dk_TxK + plan.scale * _dot_in(t_dot, dz_QxT, tile.q_QxK), dv_TxV + _dot_in(t_dot, weights_QxT, do_QxV))
-
-  init = (jnp.zeros((bk, r["k"].shape[-1]), jnp.float32), jnp.zeros((bk, r["v"].shape[-1]), jnp.float32))
-  return jax.lax.fori_loop(*_tiles(r), body, init)
-
-
-def stick_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One key tile's ``dk`` and ``dv`` from the query tiles that visit it, each row's carries at this key tile as the
-  dq kernel wrote them; with the remainder, ``dv_j`` also takes ``(1 - Σ_k a_jk) d_out_j`` (query j's own value)."""
-  r = dict(zip(names, refs))
-
-  def tile_grads(tile, n):
-    later_Q, gain_Q = r["later"][0, 0, n, tile.rows], r["gain"][0, 0, n, tile.rows]
-    _, a_QxT, dz_QxT, _ = _stick_tile(plan, terms, r, tile, later_Q, r["w"][0, 0, tile.rows] - gain_Q)
-    return dz_QxT, a_QxT
-
-  dk_TxK, dv_TxV = _carried_dkv(plan, terms, r, tile_grads)
-  if terms.stick_breaking.remainder:
-    cols = pl.ds(pl.program_id(2) * plan.block_k, plan.block_k)
-    dv_TxV = dv_TxV + (1.0 - r["row_sum"][0, 0, cols])[:, None] * r["d_out"][0, 0, cols, :].astype(jnp.float32)
-  r["dk"][0, 0, :, :] = dk_TxK
-  r["dv"][0, 0, :, :] = dv_TxV
-
-
-# ----------------------------------------------------------------------------------------------------------
-# CoPE (a term from the masked logits): each query tile walks its key tiles from the diagonal back, carrying each
-# row's gates summed over the later keys (the counted positions), with an online softmax over the logits it makes.
-
-
-def cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile's output rows and each row's softmax maximum and sum."""
-  r = dict(zip(names, refs))
-  bq, i0 = plan.block_q, pl.program_id(2) * plan.block_q
-  lo, hi = _tiles(r)
-
-  def body(step, carry):
-    counted_Q, row_max_Q, row_sum_Q, acc_QxV = carry
-    tile = Tile(plan, terms, r, i0, (hi - 1 - step) * plan.block_k)
-    g_QxT, *_, logits_QxT = cope_tile(tile, counted_Q[:, None], tile._exact())
-    new_max_Q = jnp.maximum(row_max_Q, jnp.max(logits_QxT, axis=1))
-    # walked from the last key tile, a row may first meet only keys past the sequence (-inf): no weight, not NaN
-    safe_Q = jnp.where(new_max_Q == -jnp.inf, 0.0, new_max_Q)
-    alpha_Q = jnp.exp(row_max_Q - safe_Q)
-    p_QxT = jnp.exp(logits_QxT - safe_Q[:, None])
-    v_TxV = r["v"][0, 0, tile.cols, :]
-    return (counted_Q + jnp.sum(g_QxT, axis=1), new_max_Q, alpha_Q * row_sum_Q + jnp.sum(p_QxT, axis=1),
-            alpha_Q[:, None] * acc_QxV + dot(p_QxT.astype(v_TxV.dtype), v_TxV))
-
-  init = (jnp.zeros((bq,), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, r["v"].shape[-1]), jnp.float32))
-  _, row_max_Q, row_sum_Q, acc_QxV = jax.lax.fori_loop(0, hi - lo, body, init)
-  r["out"][0, 0, :, :] = (acc_QxV / row_sum_Q[:, None]).astype(r["out"].dtype)
-  r["row_max"][0, 0, :] = row_max_Q
-  r["row_sum"][0, 0, :] = row_sum_Q
-
-
-def _cope_tile_grads(plan: Plan, terms: Terms, r: dict, tile: Tile, counted_Q):
-  """A CoPE tile's softmax weights, the logits' gradient ``ds``, the positions' ``dp`` and what CoPE's table
-  gradient reads (the gates, floor, ceiling and fraction)."""
-  g_QxT, unclamped_QxT, f_QxT, c_QxT, w_QxT, slope_QxT, logits_QxT = cope_tile(tile, counted_Q[:, None],
-                                                                            tile._exact())
-  rows = tile.rows
-  p_QxT = jnp.exp(logits_QxT - r["row_max"][0, 0, rows][:, None]) / r["row_sum"][0, 0, rows][:, None]
-  dp_QxT = dot_t(r["d_out"][0, 0, rows, :], r["v"][0, 0, tile.cols, :])
-  ds_QxT = jnp.where(tile.allowed_QxT, p_QxT * (dp_QxT - r["delta"][0, 0, rows][:, None]), 0.0)
-  d_position_QxT = jnp.where(unclamped_QxT, ds_QxT * slope_QxT, 0.0)
-  return g_QxT, p_QxT, ds_QxT, d_position_QxT, (f_QxT, c_QxT, w_QxT)
-
-
-def cope_dq_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One query tile's ``dq`` and ``dqe`` rows (the gradient of its ``q·e[n]``), in two walks from the last key tile
-  back: the first sums each row's ``dp`` (a gate counts for every key at or before it, so its gradient needs the
-  whole row's), the second computes the gradients and writes each row's two carries at every key tile (the gates
-  and the ``dp`` of the later keys), which the dk/dv kernel reads."""
-  r = dict(zip(names, refs))
-  _zero(plan, r["dqe"], rows=True)
-
-  def tile_sums(tile, counted_Q):
-    g_QxT, _, _, d_position_QxT, _ = _cope_tile_grads(plan, terms, r, tile, counted_Q)
-    return jnp.sum(g_QxT, axis=1), jnp.sum(d_position_QxT, axis=1)
-
-  total_Q = _row_totals(plan, terms, r, tile_sums)
-
-  def tile_grads(tile, counted_Q, later_Q):
-    g_QxT, _, ds_QxT, d_position_QxT, (f_QxT, c_QxT, w_QxT) = _cope_tile_grads(plan, terms, r, tile, counted_Q)
-    _scatter_add(plan, r["dqe"], ds_QxT * (1.0 - w_QxT), f_QxT, tile.allowed_QxT, 1)
-    _scatter_add(plan, r["dqe"], ds_QxT * w_QxT, c_QxT, tile.allowed_QxT, 1)
-    dz_QxT = cope_logit_grads(tile, g_QxT, ds_QxT, d_position_QxT, (total_Q - later_Q)[:, None], tile._exact())
-    return dz_QxT, (jnp.sum(g_QxT, axis=1), jnp.sum(d_position_QxT, axis=1))
-
-  r["dq"][0, 0, :, :] = _carried_dq(plan, terms, r, ("counted", "later_dp"), tile_grads)
-  r["total_dp"][0, 0, :] = total_Q
-
-
-def cope_dkv_kernel(plan: Plan, terms: Terms, names, *refs):
-  """One key tile's ``dk`` and ``dv`` from the query tiles that visit it, each row's carries at this key tile and
-  its ``Σ dp`` as the dq kernel wrote them."""
-  r = dict(zip(names, refs))
-
-  def tile_grads(tile, n):
-    counted_Q, later_Q = r["counted"][0, 0, n, tile.rows], r["later_dp"][0, 0, n, tile.rows]
-    g_QxT, p_QxT, ds_QxT, d_position_QxT, _ = _cope_tile_grads(plan, terms, r, tile, counted_Q)
-    before_Qx1 = (r["total_dp"][0, 0, tile.rows] - later_Q)[:, None]
-    return cope_logit_grads(tile, g_QxT, ds_QxT, d_position_QxT, before_Qx1, tile._exact()), p_QxT
-
-  dk_TxK, dv_TxV = _carried_dkv(plan, terms, r, tile_grads)
-  r["dk"][0, 0, :, :] = dk_TxK
-  r["dv"][0, 0, :, :] = dv_TxV
 
 
 def _open_kinds(terms: Terms) -> dict:
@@ -643,13 +430,13 @@ def _open_kinds(terms: Terms) -> dict:
   return {key: kind for key, (kind, _) in term_lib.kernel_arrays(terms.open, trainable=True).items()}
 
 
-def _dot_in(product, gradient_MxX, operand_XxN):
+def dot_in(product, gradient_MxX, operand_XxN):
   """A backward product of a float32 gradient tile and an input tile, the gradient cast to the input's dtype (as
   flash attention's ``ds·k``): bf16 operands on the tensor cores, half the shared memory of float32 ones."""
   return product(gradient_MxX.astype(operand_XxN.dtype), operand_XxN)
 
 
-def _barrier(plan: Plan):
+def barrier(plan: Plan):
   """Orders a program's scratch stores before its loads on GPU (the interpreters run a program sequentially)."""
   if plan.interpret is False:
     pltriton.debug_barrier()

@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.kernels import term
+from posjax.kernels.rules.cope import Cope
+from posjax.kernels.rules.stick_breaking import StickBreaking
 from posjax.kernels.terms.alibi import Alibi
 from posjax.kernels.terms.buckets import Buckets, bucket, check_buckets, clipped_index
 from posjax.kernels.terms.forget import Forget, forget_sums
@@ -56,7 +58,7 @@ from posjax.kernels.terms.sandwich import Sandwich
 RESETS = ("official", "paper", "none")
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
-OPEN_BUILTINS = ("alibi", "buckets", "kerple", "sandwich", "forget")  # fields the kernels compute as open terms (kernel_form)
+OPEN_BUILTINS = ("alibi", "buckets", "kerple", "sandwich", "forget")  # computed as open terms (Terms.kernel_form)
 WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: each alone in a call)
 SCALARS = ("fire",)  # terms whose learned scalars the kernels differentiate by hand per tile (scalar_columns)
 
@@ -259,71 +261,6 @@ class Fire:
     bias_SxH, _ = jax.lax.scan(unit, bias_SxH, (self.w1.astype(jnp.float32), self.b1.astype(jnp.float32),
                                                 self.w2.astype(jnp.float32)))
     return bias_SxH
-
-
-def suffix_sums(x_BxHxQxL, inclusive: bool):
-  """``Σ_{t >= j}`` (``inclusive``) or ``Σ_{t > j}`` of ``x`` along the keys, summed from the last key back (no
-  difference of two long sums: an exclusive sum is the next key's inclusive one)."""
-  sums_BxHxQxL = jax.lax.cumsum(x_BxHxQxL, axis=x_BxHxQxL.ndim - 1, reverse=True)
-  if inclusive:
-    return sums_BxHxQxL
-  return jnp.concatenate([sums_BxHxQxL[..., 1:], jnp.zeros_like(sums_BxHxQxL[..., :1])], axis=-1)
-
-
-@flax.struct.dataclass
-class Cope:
-  """Contextual Position Encoding (Golovneva, Wang, Weston, Sukhbaatar 2024, "Contextual Position Encoding:
-  Learning to Count What's Important"), as the official layer computes it (facebookresearch/RAM): gates ``g_it =
-  sigmoid(z_it)`` of the masked logits (0 at a masked key), a key's position the gates from it to the row's end,
-  ``p_ij = Σ_{t >= j} g_it`` (with a causal mask: from ``j`` to the query ``i``), clamped at ``P - 1``, and the logit
-  term ``q_i · e(p_ij)`` interpolated linearly between the table's integer rows ``e(floor p)`` and ``e(ceil p)``.
-  ``table``: ``[K, P]`` (the official ``pos_emb``, scaled as the method adds the term), shared by the heads."""
-
-  table: jax.Array  # [K, P]
-
-  def term(self, s_BxHxQxL, allowed_Bx1xQxL, q_BxQxHxK):
-    """``[B, H, Q, L]`` float32, added to the logits ``s`` (before the softmax) at the queries ``q``'s rows."""
-    s_BxHxQxL = s_BxHxQxL.astype(jnp.float32)
-    gates_BxHxQxL = jax.nn.sigmoid(s_BxHxQxL)
-    if allowed_Bx1xQxL is not None:
-      gates_BxHxQxL = jnp.where(allowed_Bx1xQxL, gates_BxHxQxL, 0.0)
-    p_BxHxQxL = jnp.minimum(suffix_sums(gates_BxHxQxL, inclusive=True), self.table.shape[1] - 1)
-    qe_BxHxQxP = jnp.einsum("bqhk,kp->bhqp", q_BxQxHxK.astype(jnp.float32), self.table.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST)
-    floor_BxHxQxL = jnp.floor(p_BxHxQxL)
-    row = lambda index_BxHxQxL: jnp.take_along_axis(qe_BxHxQxP, index_BxHxQxL.astype(jnp.int32), axis=-1)
-    w_BxHxQxL = p_BxHxQxL - floor_BxHxQxL
-    return row(jnp.ceil(p_BxHxQxL)) * w_BxHxQxL + row(floor_BxHxQxL) * (1.0 - w_BxHxQxL)
-
-
-@flax.struct.dataclass
-class StickBreaking:
-  """Stick-breaking attention (Tan, Yang, Courville, Panda, Shen; ICLR 2025): the weights are not a softmax but
-  ``A_ij = β_ij Π_{j<k} (1 - β_ik)``, ``β = sigmoid(z)``, the product over the allowed keys after ``j`` (with a
-  causal mask: up to the query), computed in log space; the closest key takes its share of the stick first. As the
-  authors' ``sb_attn`` (shawntan/stickbreaking-attention): ``attend_current=False`` leaves the query's own key out,
-  and ``remainder`` (their model's ``sb_remainder``, on by default in IBM's dolomite-engine config) gives what is
-  left of the stick, ``1 - Σ_j A_ij``, to the query's own value."""
-
-  attend_current: bool = flax.struct.field(pytree_node=False, default=False)
-  remainder: bool = flax.struct.field(pytree_node=False, default=True)
-
-  def weights(self, s_BxHxQxL, allowed_Bx1xQxL, rows_Q=None):
-    """``[B, H, Q, L]`` float32 weights from the logits ``s`` at query rows ``rows_Q`` (default all)."""
-    s_BxHxQxL = s_BxHxQxL.astype(jnp.float32)
-    length = s_BxHxQxL.shape[-1]
-    rows_Q = jnp.arange(length) if rows_Q is None else rows_Q
-    own_QxL = jnp.arange(length)[None, :] == rows_Q[:, None]
-    allowed_BxHxQxL = jnp.ones(s_BxHxQxL.shape, bool) if allowed_Bx1xQxL is None else jnp.broadcast_to(
-        allowed_Bx1xQxL, s_BxHxQxL.shape)
-    if not self.attend_current:
-      allowed_BxHxQxL = allowed_BxHxQxL & ~own_QxL
-    rest_BxHxQxL = jnp.where(allowed_BxHxQxL, jax.nn.log_sigmoid(-s_BxHxQxL), 0.0)
-    log_a_BxHxQxL = jax.nn.log_sigmoid(s_BxHxQxL) + suffix_sums(rest_BxHxQxL, inclusive=False)
-    a_BxHxQxL = jnp.where(allowed_BxHxQxL, jnp.exp(log_a_BxHxQxL), 0.0)
-    if self.remainder:
-      a_BxHxQxL = a_BxHxQxL + jnp.where(own_QxL, 1.0 - jnp.sum(a_BxHxQxL, axis=-1, keepdims=True), 0.0)
-    return a_BxHxQxL
 
 
 @flax.struct.dataclass

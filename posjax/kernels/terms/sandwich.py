@@ -19,8 +19,8 @@ class Sandwich(Term):
   NeMo's implementation does, its bias divided by it (``divide="bias"``: ``λ (Σ_f cos(r ω_f) - F) / ρ_h``; the
   kernels add it less the per-head constant ``λ F (1 - 1/ρ_h)``, which changes no attention weight). Computed as that
   inner product (rank ``dim`` per head, float32-accurate: HIGHEST, three TF32 passes in the compiled GPU kernels), as
-  the paper states it: the kernels take the embeddings (:meth:`embeddings`, ``[B, H, L, dim]`` float32: an :data:`EMBEDDINGS`
-  input, rebuilt for the backward) and multiply them per tile. Float32 sinusoids of large positions round: the bias errs by about 3e-5
+  the paper states it: the kernels take the embeddings (:meth:`embeddings`, ``[B, H, L, dim]`` float32: an
+  :data:`EMBEDDINGS` input, rebuilt for the backward) and multiply them per tile. Float32 sinusoids of large positions round: the bias errs by about 3e-5
   at positions below 64, 3e-4 near 1,000, 1e-3 near 5,000 (dim 128, against float64)."""
 
   ratios: jax.Array  # [H] ρ (constants: no gradient)
