@@ -26,8 +26,8 @@ is issued (as JAX's splash attention does):
   skewed by :func:`_skew` (static rolls and selects: Mosaic's strided rotate exists only along lanes, with a
   small positive stride, and only from v5 on); the table's gradient is summed along tile diagonals in an output block
   that stays resident across the sequential axis (no atomics);
-- the gradients of θ and FIRE's learned scalars (in SMEM, one row per head) are per-row partial sums (columns of
-  one ``[B, H, L, C]`` output of the ``dq`` kernel), summed after it.
+- the gradients of θ (in SMEM) are per-row partial sums (columns of one ``[B, H, L, C]`` output of the ``dq``
+  kernel), summed after it.
 
 Query-side integers (positions, segment ids) come replicated across the key tile's lanes (``[B, L, block]``) and
 the row statistics are kept ``[B, H, L, block]``, as in JAX's own TPU flash attention: no vector relayouts.
@@ -48,7 +48,6 @@ from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
                                  group_sum, kv_head, overlap_add, row_delta,
-                                 scalar_count, scalar_rows, scalar_term_grads,
                                  t_dot, tile_ranges, untied_grads, window_table)
 
 
@@ -107,9 +106,6 @@ class _Tile(TileBase):
 
   def _salt(self):
     return self.r["salts"][self.b, self.h]
-
-  def _scalar(self, name: str, index):
-    return self.r[name][self.h, index]
 
   def _relative_term(self, rel_QxT):
     """``scale (q_i·a + a·k_j)`` from the windows: ``out[a, c] = qe[a, c - a + bq]`` is a roll of row a by
@@ -213,10 +209,15 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
   def _():
     tile = _Tile(plan, terms, r, b, h, i, j)
     _, ds_QxT = _ds(plan, r, tile)
-    d_content_QxT, d_values, d_lookups = tile.open_grads(ds_QxT)
+    shape = r["acc_dopen"].shape if "dopen" in r else (plan.block_q, 1)
+    lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    layout = open_layout(terms)
+    add = lambda acc_QxC, key, column, part_QxT: acc_QxC + jnp.where(
+        lane_QxC == layout[key][0] + column, jnp.sum(part_QxT, axis=1, keepdims=True), 0.0)
+    d_content_QxT, d_values, d_lookups, hand_QxC = tile.open_grads(ds_QxT, jnp.zeros(shape, jnp.float32), add)
     dq_QxK = plan.scale * dot(d_content_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
     if "dopen" in r:
-      r["acc_dopen"][...] += _open_columns(terms, d_values, d_lookups, r["acc_dopen"].shape)
+      r["acc_dopen"][...] += _open_columns(terms, d_values, d_lookups, hand_QxC)
     for (key, side), d_value in d_values.items():  # the query side of embeddings
       if side == "q" and "acc_d" + key + "@q" in r:
         r["acc_d" + key + "@q"][...] += d_value
@@ -243,12 +244,11 @@ def open_layout(terms: Terms) -> dict:
   return layout
 
 
-def _open_columns(terms: Terms, d_values: dict, d_lookups: list, shape):
-  """``[bq, C]``: a tile's share of the open terms' columns (:func:`open_layout`): row sums, a lookup's per entry
-  (one entry at a time over the entries its index reaches)."""
+def _open_columns(terms: Terms, d_values: dict, d_lookups: list, out_QxC):
+  """``[bq, C]``: a tile's share of the open terms' columns (:func:`open_layout`) added to ``out`` (the hand-written
+  gradients' shares): row sums, a lookup's per entry (one entry at a time over the entries its index reaches)."""
   layout = open_layout(terms)
-  lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  out_QxC = jnp.zeros(shape, jnp.float32)
+  lane_QxC = jax.lax.broadcasted_iota(jnp.int32, out_QxC.shape, 1)
   for (key, side), d_value in d_values.items():
     if key in layout and side != "k":
       column = layout[key][0] + (side if isinstance(side, int) else 0)
@@ -295,15 +295,12 @@ def write_on_last_step(r: dict, names, step):
 
 
 def _position_columns(terms: Terms, tile: _Tile, ds_QxT, shape):
-  """``[bq, C]`` row sums of the tile's gradient per scalar input: θ1, θ2 (:func:`_columns`), then FIRE's
-  (:func:`posjax.kernels.tile.scalar_columns`)."""
+  """``[bq, C]`` row sums of the tile's gradient per scalar input: θ1, θ2 (:func:`_columns`)."""
   lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
   out_QxC = jnp.zeros(shape, jnp.float32)
   for column, part_QxT in _columns(terms, tile, ds_QxT):
     out_QxC = jnp.where(lane_QxC == column, jnp.sum(part_QxT, axis=1, keepdims=True), out_QxC)
-  add = lambda acc_QxC, column, part_QxT: acc_QxC + jnp.where(lane_QxC == column,
-                                                              jnp.sum(part_QxT, axis=1, keepdims=True), 0.0)
-  return tile.add_scalar_grads(ds_QxT, add, out_QxC, offset=_column_count(terms) - scalar_count(terms))
+  return out_QxC
 
 
 def _columns(terms: Terms, tile, ds_QxT):
@@ -317,7 +314,7 @@ def _columns(terms: Terms, tile, ds_QxT):
 
 def _column_count(terms: Terms) -> int:
   count = 0
-  return count + 2 * (terms.untied is not None and terms.untied.reset != "none") + scalar_count(terms)
+  return count + 2 * (terms.untied is not None and terms.untied.reset != "none")
 
 
 def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -332,7 +329,7 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     p_QxT, ds_QxT = _ds(plan, r, tile)
     do_QxV = r["d_out"][0, 0]
     r["acc_dv"][...] += t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
-    d_content_QxT, d_values, _ = tile.open_grads(ds_QxT)
+    d_content_QxT, d_values, _, _ = tile.open_grads(ds_QxT)
     dk_TxK = plan.scale * t_dot(d_content_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
     for (key, side), d_value in d_values.items():  # the key side of rows (column sums) and embeddings
       if side == "k":
@@ -411,7 +408,7 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles, more_specs=None):
       specs[name] = at((1, bq, bk), lambda b, h, i, j: (b, i, 0))
     elif name in ("k_positions", "k_segments", "k_valid"):
       specs[name] = at((1, 1, bk), lambda b, h, i, j: (b, 0, j))
-    elif name in ("theta", "salts", "fire"):
+    elif name in ("theta", "salts"):
       specs[name] = smem
     elif name in ("window_lo", "window_hi"):  # window rows from (j - i - 1 + n) bq
       shift = name == "window_hi"
@@ -442,7 +439,6 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
     arrays["u_q"], arrays["u_k"] = (getattr(terms.untied, n).transpose(0, 2, 1, 3) for n in ("u_q", "u_k"))
     if terms.untied.reset != "none":
       arrays["theta"] = terms.untied.theta.astype(jnp.float32)
-  arrays.update(scalar_rows(terms))
   for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():
     if kind in (term_lib.HEAD, term_lib.TABLE):  # SMEM, a row per head
       arrays[key] = x
@@ -628,7 +624,6 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       d_terms = d_terms.replace(untied=d_terms.untied.replace(
           theta=d_columns_HxC[:, column:column + 2].T.astype(terms.untied.theta.dtype)))
       column += 2
-    d_terms = d_terms.replace(**scalar_term_grads(terms, d_columns_HxC[:, columns - scalar_count(terms):]))
   if terms.open:  # the columns and rows in the layout both backends give term.gradients
     sums = {**dq_res, **{name: x_BxHx1xL[:, :, 0] for name, x_BxHx1xL in dkv_res.items()
                          if name.endswith("@k") and x_BxHx1xL.ndim == 4 and x_BxHx1xL.shape[2] == 1}}

@@ -22,8 +22,6 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
   specs = {}
   if terms.relative is not None:
     specs["relative"] = terms.relative.replace(table=P())
-  if terms.fire is not None:
-    specs["fire"] = terms.fire.replace(w1=P(), b1=P(), w2=P(None, heads), b2=P(heads), c=P(), threshold=P())
   if terms.untied is not None:
     u = terms.untied
     rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)

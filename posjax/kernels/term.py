@@ -66,6 +66,12 @@ class Term:
     del positions_BxL
     return {name: getattr(self, name) for name in self.KINDS}
 
+  # A hand-written gradient per tile, where it is measurably better than the derived one (FIRE's MLP: one hidden unit
+  # at a time, no [W, Q, T] residuals): ``hand_grads(tile, s, ds, acc, add) -> (d s, acc)``, ``s`` the score the
+  # term was given, ``ds`` the gradient of the one it gave, ``add(acc, name, column, part_QxT) -> acc`` adding the
+  # sum of ``part`` to a HEAD input's column (traced or not); ``add`` None: skip them. None: derived by jax.vjp.
+  hand_grads = None
+
 
 def input_shapes(kind: str, batch: int, heads: int, length: int) -> str:
   """The shape a kind's array must have, in words."""
@@ -92,6 +98,7 @@ class Bound:
   kinds: tuple = flax.struct.field(pytree_node=False)  # ((name, kind), ...)
   arrays: dict
   constants: tuple = flax.struct.field(pytree_node=False, default=())  # names that take no gradient
+  columns: tuple = flax.struct.field(pytree_node=False, default=())  # ((name, X), ...) of the HEAD inputs
 
 
 def skeleton(term: Term):
@@ -123,7 +130,8 @@ def bind(term, positions_BxL, batch: int, heads: int, length: int) -> Bound:
   if unknown:
     raise ValueError(f"{name_of}.CONSTANTS names {unknown}, which its KINDS do not declare")
   arrays = {name: jax.lax.stop_gradient(x) if name in term.CONSTANTS else x for name, x in arrays.items()}
-  return Bound(skeleton(term), tuple(sorted(term.KINDS.items())), arrays, tuple(sorted(term.CONSTANTS)))
+  columns = tuple((name, arrays[name].shape[1]) for name in sorted(arrays) if term.KINDS[name] == HEAD)
+  return Bound(skeleton(term), tuple(sorted(term.KINDS.items())), arrays, tuple(sorted(term.CONSTANTS)), columns)
 
 
 class View:
@@ -137,7 +145,13 @@ class View:
   q_index: Any
   k_index: Any
 
-  def head(self, name: str, column: int = 0):
+  def head(self, name: str, column=0):
+    """This head's scalar at ``column`` of a :data:`HEAD` input (a traced column only in a term whose gradient is
+    written by hand: a derived gradient needs static ones)."""
+    raise NotImplementedError
+
+  def head_columns(self, name: str) -> int:
+    """``X``: the columns of a :data:`HEAD` input (static)."""
     raise NotImplementedError
 
   def rows_q(self, name: str):
@@ -196,8 +210,11 @@ class DenseView(View):
                        f"{kinds.get(name, 'nothing')}")
     return self.bound.arrays[name]
 
-  def head(self, name: str, column: int = 0):
+  def head(self, name: str, column=0):
     return self._array(name, HEAD)[:, column][None, :, None, None]
+
+  def head_columns(self, name: str) -> int:
+    return dict(self.bound.columns)[name]
 
   def rows_q(self, name: str):
     return jnp.take(self._array(name, ROWS), self._rows_Q, axis=2)[..., None]
@@ -238,8 +255,8 @@ class TileView(View):
   ``gather(key, index)``, ``inner``); the values read are kept (``values``: the primal of the derived gradient) and
   the lookups recorded (``lookups``: ``(key, index, value)``), or, replaying, read back from ``replay``."""
 
-  def __init__(self, tile, prefix: str, kinds: dict, values: dict, lookups: list, replay=None):
-    self.tile, self.prefix, self.kinds = tile, prefix, kinds
+  def __init__(self, tile, prefix: str, bound: Bound, values: dict, lookups: list, replay=None):
+    self.tile, self.prefix, self.kinds, self.columns = tile, prefix, dict(bound.kinds), dict(bound.columns)
     self.values, self.lookups, self.replay = values, lookups, replay
     self.q_positions, self.k_positions = tile.open_q_positions, tile.open_k_positions
     self.q_index, self.k_index = tile.open_q_index, tile.open_k_index
@@ -255,8 +272,15 @@ class TileView(View):
       self.values[slot] = self.tile.open_load(key, kind, side)
     return self.values[slot]
 
-  def head(self, name: str, column: int = 0):
-    return self._value(self._key(name, HEAD), HEAD, column)
+  def head(self, name: str, column=0):
+    key = self._key(name, HEAD)
+    if not isinstance(column, int):  # a traced column: read, not kept (only a hand-written gradient reaches it)
+      self.tile.open_dynamic.add(self.prefix)
+      return self.tile.open_load(key, HEAD, column)
+    return self._value(key, HEAD, column)
+
+  def head_columns(self, name: str) -> int:
+    return self.columns[name]
 
   def rows_q(self, name: str):
     return self._value(self._key(name, ROWS), ROWS, "q")
@@ -304,31 +328,49 @@ def constant_keys(bounds) -> set:
 
 
 def tile_logits(tile, bounds, s_QxT):
-  """A tile's score after the open terms, keeping what :func:`tile_grads` differentiates."""
-  tile.open_values, tile.open_lookups = {}, []
-  tile.open_content_QxT = s_QxT
-  views = lambda i: TileView(tile, prefix(i), dict(bounds[i].kinds), tile.open_values, tile.open_lookups)
-  return apply(bounds, views, s_QxT)
+  """A tile's score after the open terms, keeping what :func:`tile_grads` differentiates: each term's input score,
+  the values it read and its lookups."""
+  tile.open_values, tile.open_lookups, tile.open_inputs, tile.open_dynamic = {}, [], [], set()
+  for i, bound in enumerate(bounds):
+    tile.open_inputs.append(s_QxT)
+    s_QxT = bound.term.logits(TileView(tile, prefix(i), bound, tile.open_values, tile.open_lookups), s_QxT)
+  return s_QxT
 
 
-def tile_grads(tile, bounds, ds_QxT):
-  """``(d content, {(key, side): d value}, [(key, index, d value)])``: the open terms' derived gradient on one tile,
-  from the final score's ``ds`` (``jax.vjp`` of the same logits, the lookups' values as primals: each backend
-  transposes a lookup its own way)."""
+def tile_grads(tile, bounds, ds_QxT, acc=None, add=None):
+  """``(d content, {(key, side): d value}, [(key, index, d value)], acc)``: the open terms' gradient on one tile from
+  the final score's ``ds``, term by term from the last: a term's hand-written one (``term.hand_grads``, which adds
+  its heads' shares to ``acc`` through the backend's ``add(acc, key, column, part_QxT)``; None: it skips them), or
+  ``jax.vjp`` of its logits with its values and its lookups' values as primals (each backend transposes a lookup its
+  own way)."""
   constants = constant_keys(bounds)
-  slots = [slot for slot in tile.open_values if slot[0] not in constants]
-  fixed = {slot: value for slot, value in tile.open_values.items() if slot[0] in constants}
-  looked = [value for _, _, value in tile.open_lookups]
+  d_values, d_lookups = {}, []
+  for i in reversed(range(len(bounds))):
+    term, mine = bounds[i].term, prefix(i)
+    if term.hand_grads is not None:
+      term_add = None if add is None else lambda acc, name, column, part, mine=mine: add(acc, mine + name, column, part)
+      ds_QxT, acc = term.hand_grads(TileView(tile, mine, bounds[i], {}, []), tile.open_inputs[i], ds_QxT, acc,
+                                    term_add)
+      continue
+    if mine in tile.open_dynamic:
+      raise ValueError(f"{type(term).__name__} reads a head's column at a traced index, which a derived gradient "
+                       "cannot reach; read static columns, or give the term hand_grads")
+    slots = [slot for slot in tile.open_values if slot[0].startswith(mine) and slot[0] not in constants]
+    fixed = {slot: value for slot, value in tile.open_values.items()
+             if slot[0].startswith(mine) and slot[0] in constants}
+    lookups = [lookup for lookup in tile.open_lookups if lookup[0].startswith(mine)]
 
-  def replayed(values, looked_values, s_QxT):
-    store, read = {**fixed, **dict(zip(slots, values))}, []
-    views = lambda i: TileView(tile, prefix(i), dict(bounds[i].kinds), store, read, replay=looked_values)
-    return apply(bounds, views, s_QxT)
+    def replayed(values, looked_values, s_QxT, i=i, slots=slots, fixed=fixed):
+      store, read = {**fixed, **dict(zip(slots, values))}, []
+      view = TileView(tile, prefix(i), bounds[i], store, read, replay=looked_values)
+      return bounds[i].term.logits(view, s_QxT)
 
-  _, pullback = jax.vjp(replayed, [tile.open_values[slot] for slot in slots], looked, tile.open_content_QxT)
-  d_values, d_looked, d_content_QxT = pullback(ds_QxT)
-  return (d_content_QxT, dict(zip(slots, d_values)),
-          [(key, index, d) for (key, index, _), d in zip(tile.open_lookups, d_looked)])
+    _, pullback = jax.vjp(replayed, [tile.open_values[slot] for slot in slots], [v for _, _, v in lookups],
+                          tile.open_inputs[i])
+    d_mine, d_looked, ds_QxT = pullback(ds_QxT)
+    d_values.update(zip(slots, d_mine))
+    d_lookups += [(key, index, d) for (key, index, _), d in zip(lookups, d_looked)]
+  return ds_QxT, d_values, d_lookups, acc
 
 
 def gradients(bounds, d: dict) -> tuple:

@@ -11,11 +11,8 @@ diagonals, M/N/C a matrix's rows/columns/contracted axis. A tile's ``_QxT`` flag
 - :func:`dot`, :func:`dot_t`, :func:`t_dot`: a tile's matrix products, accumulated in float32;
 - :class:`TileBase`: the logits of one (query tile, key tile) pair from the tile's positions and the terms'
   small inputs (:mod:`posjax.kernels.terms`), its mask, dropout and how the logits' gradient reaches the
-  untied and bucket terms and the learned scalars of KERPLE and FIRE; each backend loads its inputs its own way
+  untied term and the open terms' inputs (:mod:`posjax.kernels.term`); each backend loads its inputs its own way
   through the hooks;
-- :func:`scalar_columns`, :func:`scalar_count`, :func:`scalar_rows`, :func:`fire_slot`,
-  :func:`scalar_term_grads`: those scalars' per-head input rows and the layout of their gradient columns (a kernel
-  writes per-tile partial sums of each column, no atomics; :meth:`TileBase.add_scalar_grads` computes a tile's);
 - the relative vectors' distance-ordered layout (:func:`window_table`) and the folding of its gradient back
   into the table (:func:`overlap_add`, :func:`fold_window_table`); :func:`row_delta` and
   :func:`untied_grads`, the backward's steps outside the kernels.
@@ -36,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import term as term_lib
-from posjax.kernels.terms import SCALARS, Relative, Terms, Untied
+from posjax.kernels.terms import Relative, Terms, Untied
 
 MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -230,7 +227,7 @@ class TileBase:
   """One (query tile, key tile) pair: its logits, mask and what the backward needs to route gradients.
 
   Both backends' tiles share it, given their own loads through the hooks ``_relative_term``, ``_untied_factors``,
-  ``_theta``, ``_salt``, ``_scalar`` (one learned scalar of this head, :func:`scalar_rows`),
+  ``_theta``, ``_salt``,
   ``_exact`` (a float32-accurate product's precision), and the open terms' (:meth:`open_logits`): the position terms and the [CLS] reset, the mask and
   the logits, dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned
   scalars. A
@@ -252,22 +249,19 @@ class TileBase:
     self.open_shape = s_QxT.shape
     return term_lib.tile_logits(self, self.terms.open, s_QxT)
 
-  def open_grads(self, ds_QxT):
-    """``(d content, {(key, side): d value}, [(key, index, d value)])`` of the open terms from the logits'
-    gradient (:func:`posjax.kernels.term.tile_grads`); ``(ds, {}, [])`` without them."""
+  def open_grads(self, ds_QxT, acc=None, add=None):
+    """``(d content, {(key, side): d value}, [(key, index, d value)], acc)`` of the open terms from the logits'
+    gradient (:func:`posjax.kernels.term.tile_grads`; ``acc``, ``add``: where hand-written gradients add their heads'
+    shares); ``(ds, {}, [], acc)`` without them."""
     if not self.terms.open:
-      return ds_QxT, {}, []
-    return term_lib.tile_grads(self, self.terms.open, ds_QxT)
+      return ds_QxT, {}, [], acc
+    return term_lib.tile_grads(self, self.terms.open, ds_QxT, acc, add)
 
   def add_position_terms(self, s_QxT, rel_QxT):
     """``s`` plus every position term of the pairs at relative positions ``rel``."""
     terms = self.terms
-    if terms.fire is not None:
-      self.distance_QxT = jnp.abs(rel_QxT).astype(jnp.float32)
     if terms.relative is not None:
       s_QxT = s_QxT + self._relative_term(rel_QxT)
-    if terms.fire is not None:
-      s_QxT = s_QxT + self._fire_bias()
     self.reset = terms.untied.reset if terms.untied is not None else "none"
     self.neither_QxT = ~self.cls_i_QxT & ~self.cls_j_QxT
     if terms.untied is None:
@@ -279,61 +273,6 @@ class TileBase:
   def _exact(self):
     """The precision of a float32 product that needs float32 accuracy (Sandwich's inner products reach ``F``)."""
     return jax.lax.Precision.HIGHEST
-
-  def _fire_bias(self):
-    """FIRE's MLP (:class:`~posjax.kernels.terms.Fire`), one hidden unit at a time (no ``[Q, T, W]`` array)."""
-    width, eps = self.terms.fire.w1.shape[0], self.terms.fire.eps
-    c, threshold = (jnp.abs(self._scalar("fire", fire_slot(width, name))) for name in ("c", "threshold"))
-    self.fire_pos_i_QxT = self.pos_i_QxT.astype(jnp.float32)
-    self.fire_m_QxT = jnp.maximum(self.fire_pos_i_QxT, threshold)
-    self.fire_norm_QxT = jnp.log(c * self.fire_m_QxT + 1.0) + eps
-    self.fire_u_QxT = jnp.log(c * self.distance_QxT + 1.0) / self.fire_norm_QxT
-
-    def unit(w, bias_QxT):
-      w1, b1, w2 = (self._scalar("fire", fire_slot(width, name, w)) for name in ("w1", "b1", "w2"))
-      return bias_QxT + jnp.maximum(self.fire_u_QxT * w1 + b1, 0.0) * w2
-
-    bias_QxT = jnp.full(self.fire_u_QxT.shape, self._scalar("fire", fire_slot(width, "b2")), jnp.float32)
-    return jax.lax.fori_loop(0, width, unit, bias_QxT)
-
-  def add_scalar_grads(self, ds_QxT, add, acc, offset: int = 0):
-    """``acc`` with every learned scalar's share of the logits' gradient added: ``add(acc, column, part_QxT)`` per
-    column of :func:`scalar_columns` (shifted by ``offset``; the backend sums ``part`` its own way)."""
-    columns = scalar_columns(self.terms)
-    if "fire" in columns:
-      acc = self._fire_grads(ds_QxT, add, acc, offset + columns["fire"][0])
-    return acc
-
-  def _fire_grads(self, ds_QxT, add, acc, start: int):
-    """FIRE's columns (:func:`fire_slot`): ``w1``, ``b1``, this head's ``w2`` (``W`` each), then ``b2``, ``c``, the
-    threshold."""
-    width = self.terms.fire.w1.shape[0]
-    u_QxT = self.fire_u_QxT
-    column = lambda name, w=0: start + fire_slot(width, name, w)
-
-    def unit(w, carry):
-      acc, du_QxT = carry
-      w1, b1, w2 = (self._scalar("fire", fire_slot(width, name, w)) for name in ("w1", "b1", "w2"))
-      pre_QxT = u_QxT * w1 + b1
-      g_QxT = jnp.where(pre_QxT > 0, ds_QxT * w2, 0.0)
-      acc = add(acc, column("w1", w), g_QxT * u_QxT)
-      acc = add(acc, column("b1", w), g_QxT)
-      acc = add(acc, column("w2", w), ds_QxT * jnp.maximum(pre_QxT, 0.0))
-      return acc, du_QxT + g_QxT * w1
-
-    acc, du_QxT = jax.lax.fori_loop(0, width, unit, (acc, jnp.zeros_like(u_QxT)))
-    acc = add(acc, column("b2"), ds_QxT)
-    c_raw, threshold_raw = (self._scalar("fire", fire_slot(width, name)) for name in ("c", "threshold"))
-    c, threshold = jnp.abs(c_raw), jnp.abs(threshold_raw)
-    d_QxT, m_QxT, norm_QxT = self.distance_QxT, self.fire_m_QxT, self.fire_norm_QxT
-    psi_d_QxT = jnp.log(c * d_QxT + 1.0)
-    du_dc_QxT = (d_QxT / (c * d_QxT + 1.0)) / norm_QxT - psi_d_QxT / norm_QxT ** 2 * (m_QxT / (c * m_QxT + 1.0))
-    du_dm_QxT = -psi_d_QxT / norm_QxT ** 2 * (c / (c * m_QxT + 1.0))
-    # max(p_i, L)'s derivative in L: 1 past p_i, 1/2 at a tie (as jnp.maximum's)
-    pos_QxT = self.fire_pos_i_QxT
-    dm_dl_QxT = jnp.where(threshold > pos_QxT, 1.0, jnp.where(threshold == pos_QxT, 0.5, 0.0))
-    acc = add(acc, column("c"), du_QxT * du_dc_QxT * _sign(c_raw))
-    return add(acc, column("threshold"), du_QxT * du_dm_QxT * dm_dl_QxT * _sign(threshold_raw))
 
   def _untie(self, positional_QxT):
     """The tile's part of :func:`posjax.kernels.terms.untie_cls`: [CLS] column θ2, then [CLS] row θ1."""
@@ -362,73 +301,6 @@ class TileBase:
     """``ds``'s share for the untied term (the [CLS] reset replaces it on the [CLS] rows and columns; with
     ``paper`` the bucket term too, which :meth:`posjax.kernels.terms.Terms.kernel_form` reads as zero there)."""
     return ds_QxT if self.reset == "none" else jnp.where(self.neither_QxT, ds_QxT, 0.0)
-
-
-def _sign(x):
-  """``jnp.sign`` (|x|'s derivative, 0 at 0) from comparisons: Mosaic's own sign needs a TPU to ask about, and
-  Triton's lowering of a scalar select returns a bool."""
-  return (x > 0).astype(jnp.float32) - (x < 0).astype(jnp.float32)
-
-
-FIRE_PARTS = ("w1", "b1", "w2", "b2", "c", "threshold")
-
-
-def fire_slot(width: int, part: str, unit=0):
-  """Where FIRE's ``part`` (``unit`` of the ``W``-wide ones) sits in its per-head row and gradient columns:
-  ``w1``, ``b1``, the head's ``w2`` (``W`` each), then ``b2``, ``c``, the threshold."""
-  index = FIRE_PARTS.index(part)
-  return index * width + unit if index < 3 else 3 * width + index - 3
-
-
-def scalar_columns(terms: Terms) -> dict:
-  """``{term: (first column, columns)}``: where each learned scalar's gradient sits in a kernel's per-tile partial
-  sums (KERPLE: ``r1``, ``r2``; FIRE: ``w1``, ``b1``, ``w2[:, h]``, ``b2``, ``c``, threshold)."""
-  columns, start = {}, 0
-  for name in SCALARS:
-    term = getattr(terms, name)
-    if term is not None:
-      size = fire_slot(term.w1.shape[0], "threshold") + 1
-      columns[name], start = (start, size), start + size
-  return columns
-
-
-def scalar_count(terms: Terms) -> int:
-  """How many gradient columns :func:`scalar_columns` lays out."""
-  return sum(size for _, size in scalar_columns(terms).values())
-
-
-def scalar_rows(terms: Terms) -> dict:
-  """``{term: [H, X] float32}``: each head's learned scalars in :func:`scalar_columns`' order, the row a tile reads
-  them from (``_scalar(term, index)``)."""
-  rows = {}
-  if terms.fire is not None:
-    f = terms.fire
-    heads = f.b2.shape[0]
-    shared = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32).reshape(1, -1), (heads, jnp.size(x)))
-    rows["fire"] = jnp.concatenate([shared(f.w1), shared(f.b1), f.w2.T.astype(jnp.float32),  # FIRE_PARTS' order
-                                    f.b2.astype(jnp.float32)[:, None], shared(f.c), shared(f.threshold)], axis=1)
-  return rows
-
-
-def scalar_term_grads(terms: Terms, d_HxC) -> dict:
-  """The terms' gradients (``{name: term}``) from the per-head sums of their columns ``[H, C]``: shared inputs (FIRE's
-  ``w1``, ``b1``, ``c``, threshold) summed over the heads."""
-  out = {}
-  for name, (start, size) in scalar_columns(terms).items():
-    d_HxX = d_HxC[:, start:start + size]
-    term = getattr(terms, name)
-    out[name] = _fire_term_grads(term, d_HxX)
-  return out
-
-
-def _fire_term_grads(fire, d_HxX):
-  """FIRE's gradient from its columns' per-head sums (:func:`fire_slot`); the inputs shared by the heads summed."""
-  width = fire.w1.shape[0]
-  size = lambda part: width if part in ("w1", "b1", "w2") else 1
-  columns = {part: d_HxX[:, fire_slot(width, part):fire_slot(width, part) + size(part)] for part in FIRE_PARTS}
-  like = {part: getattr(fire, part) for part in ("w1", "b1", "c", "threshold")}
-  summed = {part: jnp.sum(columns[part], axis=0).reshape(jnp.shape(x)).astype(x.dtype) for part, x in like.items()}
-  return fire.replace(**summed, w2=columns["w2"].T.astype(fire.w2.dtype), b2=columns["b2"][:, 0].astype(fire.b2.dtype))
 
 
 def row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims: bool = False):

@@ -24,7 +24,7 @@ Gradients of the position inputs, all without atomics (deterministic):
   forget gate's ``c``, a user's own), by kind, from the per-tile gradient derived by ``jax.vjp`` of the term's logits:
   a head's scalars and a table's entries as per-(batch, head, query tile) partial sums of the ``dq`` kernel (a
   lookup's entries scattered as below), the query and key sides of rows and embeddings as rows of the ``dq`` and
-  ``dk/dv`` kernels; θ and FIRE's MLP, ``c`` and threshold (:func:`posjax.kernels.tile.scalar_columns`): per-tile
+  ``dk/dv`` kernels (FIRE's MLP, ``c`` and threshold by its hand-written gradient); θ: per-tile
   partial sums too, by hand;
 - TUPE's ``u_q`` / ``u_k``: rows of the ``dq`` / ``dk`` kernel, like ``dq`` / ``dk`` themselves;
 - relative vectors, gathered (``Relative.window=False``): ``qe = scale q·a_r`` and ``ke = scale k·a_r``
@@ -61,8 +61,7 @@ from jax.experimental.pallas import triton as pltriton
 from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms
 from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two,
-                                 overlap_add, row_delta, scalar_count, scalar_rows,
-                                 scalar_term_grads, tile_ranges, untied_grads, window_table)
+                                 overlap_add, row_delta, tile_ranges, untied_grads, window_table)
 from posjax.kernels.triton_kernels import decode_kernel, dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
@@ -106,12 +105,10 @@ def kernel_inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, pos
     inputs[name], specs[name] = x_BxL, _batch_spec(x_BxL)
   if terms.untied is not None and terms.untied.reset != "none":
     inputs["theta_row"], inputs["theta_col"] = terms.untied.theta[0][:, None], terms.untied.theta[1][:, None]
-  for name, row_HxX in scalar_rows(terms).items():
-    inputs[name] = _pad_columns(row_HxX, next_power_of_two(row_HxX.shape[1]))
   if terms.relative is not None and terms.relative.window:
     inputs["window_table"] = window_table(terms.relative, q_BxHxLxK.shape[2]).astype(q_BxHxLxK.dtype)
     specs["window_table"] = pl.BlockSpec(inputs["window_table"].shape, lambda b, h, i: (0, 0))
-  for name in ("theta_row", "theta_col", "fire"):
+  for name in ("theta_row", "theta_col"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
   for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():  # by kind: a head's row, or whole rows
@@ -255,10 +252,6 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     if terms.untied.reset != "none":
       for name in ("dtheta_row", "dtheta_col"):
         dq_out[name], dq_specs[name] = f32(b, h, n_q, 1), partial_spec(1)
-  columns = scalar_count(terms)
-  if columns:
-    n = next_power_of_two(columns)
-    dq_out["dscalars"], dq_specs["dscalars"] = f32(b, h, n_q, n), partial_spec(n)
   rows_spec = lambda block: pl.BlockSpec((1, 1, block), lambda b, h, i: (b, h, i))
   for key, (kind, x) in term_lib.kernel_arrays(terms.open, trainable=True).items():
     if kind in (term_lib.HEAD, term_lib.TABLE):  # partial sums per query tile
@@ -320,8 +313,6 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       d_theta_2xH = jnp.stack([jnp.sum(dq_res[name], axis=(0, 2, 3)) for name in ("dtheta_row", "dtheta_col")])
       untied = untied.replace(theta=d_theta_2xH.astype(terms.untied.theta.dtype))
     d_terms = d_terms.replace(untied=untied)
-  if columns:
-    d_terms = d_terms.replace(**scalar_term_grads(terms, jnp.sum(dq_res["dscalars"], axis=(0, 2))[:, :columns]))
   d_terms = d_terms.replace(open=term_lib.gradients(terms.open, {**dq_res, **dkv_res}))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),

@@ -89,9 +89,6 @@ class Tile(TileBase):
   def _salt(self):
     return self.refs["salts"][0, 0]
 
-  def _scalar(self, name: str, index):
-    return self.refs[name][0, index]
-
   def _exact(self):
     """Compiled: three TF32 passes on the tensor cores (IEEE float32 dots spill on sm_90); interpreted: float32."""
     return jax.lax.Precision.HIGHEST if self.plan.interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
@@ -296,7 +293,7 @@ def _write(out, value, rows: bool):
 
 def dq_kernel(plan: Plan, terms: Terms, names, *refs):
   """One query tile against the key tiles it visits: its ``dq`` (and ``dqe``, ``du_q`` rows) and the per-tile
-  partial sums of the scalar inputs' gradients (bucket table, θ, FIRE's scalars, the open terms' heads and tables)."""
+  partial sums of the scalar inputs' gradients (θ, the open terms' heads and tables)."""
   r = dict(zip(names, refs))
   i0 = pl.program_id(2) * plan.block_q
   bq, head_dim = plan.block_q, r["q"].shape[-1]
@@ -306,8 +303,6 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["du_q"] = jnp.zeros((bq, head_dim), jnp.float32)
     if terms.untied.reset != "none":
       acc["dtheta_row"] = acc["dtheta_col"] = jnp.zeros((1,), jnp.float32)
-  if "dscalars" in r:
-    acc["dscalars"] = jnp.zeros((r["dscalars"].shape[-1],), jnp.float32)
   open_kinds = _open_kinds(terms)
   for key, kind in open_kinds.items():
     if kind == term_lib.TABLE:  # its entries' partial sums, scattered into (scatter_add)
@@ -322,8 +317,7 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
   def body(t, acc):
     tile = Tile(plan, terms, r, i0, t * plan.block_k)
     _, ds_QxT = _ds(plan, r, tile)
-    acc = dict(acc)
-    d_content_QxT, d_values, d_lookups = tile.open_grads(ds_QxT)
+    d_content_QxT, d_values, d_lookups, acc = tile.open_grads(ds_QxT, dict(acc), _add_to_head)
     acc["dq"] = acc["dq"] + plan.scale * dot_in(dot, d_content_QxT, tile.k_TxK)
     for (key, side), d_value in d_values.items():  # the query side's and the heads' shares
       if open_kinds[key] == term_lib.HEAD:
@@ -343,15 +337,11 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     if "dtheta_row" in acc:
       acc["dtheta_row"] = acc["dtheta_row"] + jnp.sum(jnp.where(tile.cls_i_QxT, ds_QxT, 0.0))
       acc["dtheta_col"] = acc["dtheta_col"] + jnp.sum(jnp.where(~tile.cls_i_QxT & tile.cls_j_QxT, ds_QxT, 0.0))
-    if "dscalars" in acc:
-      column_C = jax.lax.broadcasted_iota(jnp.int32, acc["dscalars"].shape, 0)
-      add = lambda acc_C, column, part_QxT: acc_C + jnp.where(column_C == column, jnp.sum(part_QxT), 0.0)
-      acc["dscalars"] = tile.add_scalar_grads(ds_QxT, add, acc["dscalars"])
     return acc
 
   acc = jax.lax.fori_loop(*tile_range(r), body, acc)
   for name, value in acc.items():
-    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col", "dscalars")
+    _write(r[name], value, rows=name not in ("dtheta_row", "dtheta_col")
            and open_kinds.get(name[1:]) != term_lib.HEAD)
 
 
@@ -377,7 +367,7 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     acc = dict(acc)
     do_QxV = r["d_out"][0, 0, tile.rows, :]
     acc["dv"] = acc["dv"] + dot_in(t_dot, p_QxT, do_QxV)
-    d_content_QxT, d_values, _ = tile.open_grads(ds_QxT)
+    d_content_QxT, d_values, _, _ = tile.open_grads(ds_QxT)
     acc["dk"] = acc["dk"] + plan.scale * dot_in(t_dot, d_content_QxT, tile.q_QxK)
     for (key, side), d_value in d_values.items():  # the key side's shares
       if side == "k":
@@ -423,6 +413,13 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
 
 
 
+
+
+def _add_to_head(acc: dict, key: str, column, part_QxT) -> dict:
+  """A hand-written gradient's share of a :data:`~posjax.kernels.term.HEAD` input's ``column``: its sum, added to the
+  program's partial sums."""
+  column_X = jax.lax.broadcasted_iota(jnp.int32, acc["d" + key].shape, 0)
+  return {**acc, "d" + key: acc["d" + key] + jnp.where(column_X == column, jnp.sum(part_QxT), 0.0)}
 
 
 def _open_kinds(terms: Terms) -> dict:

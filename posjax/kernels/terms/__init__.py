@@ -17,12 +17,13 @@ the batch's positions (so packed rows are exact):
 | ``Sandwich``   | ratios ``ρ [H]`` (constant)               | ``λ (Σ_f cos(r ω_f / ρ_h) - F)`` (Sandwich)        |
 | ``Forget``     | ``c [B, H, L]`` (per token, float32)      | ``c_i - c_j``, ``j <= i`` (the Forgetting Transformer) |
 
-The dense ``xla`` path and the Pallas kernels compute these terms. ALiBi, the buckets, KERPLE, Sandwich and the
-forget gate are open terms (:mod:`posjax.kernels.term`), each in its own file here (``alibi.py``, ``buckets.py``,
-``kerple.py``, ``sandwich.py``, ``forget.py``): its formula, dense form and logits per tile, whose gradient the
-kernels derive; :meth:`Terms.kernel_form` hands them to the kernels as open terms, after the call's own. FIRE's
-learned scalars get a hand-written gradient as per-tile partial sums (:data:`SCALARS`); the untied term, the
-relative vectors and the two rules below keep their own kernel code.
+The dense ``xla`` path and the Pallas kernels compute these terms. ALiBi, the buckets, KERPLE, FIRE, Sandwich and
+the forget gate are open terms (:mod:`posjax.kernels.term`), each in its own file here (``alibi.py``,
+``buckets.py``, ``kerple.py``, ``fire.py``, ``sandwich.py``, ``forget.py``): its formula, dense form and logits per
+tile, whose gradient the kernels derive (FIRE's written by hand, one hidden unit at a time);
+:meth:`Terms.kernel_form` hands them to the kernels as open terms, after the call's own. The untied term (its
+[CLS] reset) and the relative vectors (the windowed table's skew and gradient kernel) keep their own kernel code;
+the two rules below have theirs (:mod:`posjax.kernels.rules`).
 
 Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
 (Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
@@ -50,6 +51,7 @@ from posjax.kernels import term
 from posjax.kernels.rules.cope import Cope
 from posjax.kernels.rules.stick_breaking import StickBreaking
 from posjax.kernels.terms.alibi import Alibi
+from posjax.kernels.terms.fire import Fire
 from posjax.kernels.terms.buckets import Buckets, bucket, check_buckets, clipped_index
 from posjax.kernels.terms.forget import Forget, forget_sums
 from posjax.kernels.terms.kerple import KERPLES, Kerple
@@ -58,9 +60,8 @@ from posjax.kernels.terms.sandwich import Sandwich
 RESETS = ("official", "paper", "none")
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
-OPEN_BUILTINS = ("alibi", "buckets", "kerple", "sandwich", "forget")  # computed as open terms (Terms.kernel_form)
+OPEN_BUILTINS = ("alibi", "buckets", "kerple", "fire", "sandwich", "forget")  # computed as open terms (Terms.kernel_form)
 WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: each alone in a call)
-SCALARS = ("fire",)  # terms whose learned scalars the kernels differentiate by hand per tile (scalar_columns)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -224,43 +225,6 @@ class Untied:
   u_k: jax.Array  # [Bp, L, H, K]
   theta: jax.Array | None = None  # [2, H]
   reset: str = flax.struct.field(pytree_node=False, default="official")
-
-
-@flax.struct.dataclass
-class Fire:
-  """FIRE (Li et al. 2023): ``f(ψ(|r|) / (ψ(max(|L|, p_i)) + eps))``, ``ψ(x) = log(|c| x + 1)``, ``f`` a ReLU MLP
-  ``1 -> W -> H``; ``p_i`` the query's position (so beyond ``L`` the distances are interpolated into ``[0, 1]``).
-
-  Where ``c·max(|L|, p_i)`` nears 0 (a threshold learned down to ~0, a query at position 0) the normaliser nears
-  ``eps`` and the bias ``1/eps``: the kernels' flash backward, whose softmax gradient is exact only to rounding,
-  then differs from the dense path's in the gradients of ``c`` and the MLP (20% at ``L = 0``, 1e-4 at ``L =
-  0.01``; the position method's threshold starts at 512)."""
-
-  w1: jax.Array  # [W]
-  b1: jax.Array  # [W]
-  w2: jax.Array  # [W, H]
-  b2: jax.Array  # [H]
-  c: jax.Array  # []
-  threshold: jax.Array  # [] L
-  eps: float = flax.struct.field(pytree_node=False, default=1e-6)
-
-  def bias(self, rel_S, query_positions_S):
-    """``[S..., H]`` float32 at each distance ``rel`` from a query at ``query_positions`` (broadcast)."""
-    c = jnp.abs(jnp.asarray(self.c, jnp.float32))
-    psi = lambda x_S: jnp.log(c * x_S + 1.0)
-    threshold = jnp.abs(jnp.asarray(self.threshold, jnp.float32))
-    normaliser_S = psi(jnp.maximum(query_positions_S.astype(jnp.float32), threshold)) + self.eps
-    u_S = psi(jnp.abs(rel_S).astype(jnp.float32)) / normaliser_S
-
-    @jax.checkpoint  # one hidden unit at a time, recomputed backward: no [..., W] tensor is kept
-    def unit(bias_SxH, w):
-      w1, b1, w2_H = w
-      return bias_SxH + jax.nn.relu(u_S * w1 + b1)[..., None] * w2_H, None
-
-    bias_SxH = jnp.broadcast_to(self.b2.astype(jnp.float32), (*u_S.shape, self.b2.shape[-1]))
-    bias_SxH, _ = jax.lax.scan(unit, bias_SxH, (self.w1.astype(jnp.float32), self.b1.astype(jnp.float32),
-                                                self.w2.astype(jnp.float32)))
-    return bias_SxH
 
 
 @flax.struct.dataclass
