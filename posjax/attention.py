@@ -293,8 +293,8 @@ class SelfAttention(nn.Module):
       return self._out(decode_step(self, spec, terms, state, v, mask, kernel))
     if decode:  # initialising: an empty cache of the input's length
       cache_variables(self, terms.k, v)
-      if terms.terms is not None and terms.terms.forget is not None:
-        forget_variable(self, terms.terms.forget.c.shape)
+      for name, term in decoding_states(terms.terms).items():
+        state_variable(self, name, term, terms.k.shape[1])
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
     if kernel not in terms.kernels:
@@ -346,24 +346,35 @@ def cache_variables(module: nn.Module, k_BxQxGxK, v_BxQxGxV):
           module.variable("cache", "cache_index", zeros, (), jnp.int32))
 
 
-def forget_variable(module: nn.Module, shape_BxHxT):
-  """The cache's cumulative log forget gates ``[B, H, T]`` float32 (the Forgetting Transformer's ``c`` of each
-  cached key)."""
-  return module.variable("cache", "cached_forget", jnp.zeros, tuple(shape_BxHxT), jnp.float32)
+def decoding_states(terms: kernels.Terms | None) -> dict:
+  """``{name: term}`` of the terms that keep a decoding state beside k and v (:meth:`posjax.kernels.Term.decode_state`:
+  the Forgetting Transformer's gates), named by their ``Terms`` field or ``open<i>``."""
+  if terms is None:
+    return {}
+  fields = {name: getattr(terms, name) for name in kernels.terms.NAMES}
+  fields.update({f"open{i}": term for i, term in enumerate(terms.open)})
+  return {name: term for name, term in fields.items()
+          if isinstance(term, kernels.Term) and term.decode_state(1) is not None}
 
 
-def continue_forget(module: nn.Module, forget: kernels.Forget, positions_BxQ, index, slots: int) -> kernels.Forget:
-  """The new tokens' ``c`` (summed over the new tokens alone) continued from the previous slot's, unless a token's
-  run restarted (a position 0) among them, written into the cache at ``index``: the term over every slot."""
-  c_BxHxQ = forget.c.astype(jnp.float32)
-  b, h, q = c_BxHxQ.shape
-  var = forget_variable(module, (b, h, slots))
-  previous_BxH = jnp.where(index > 0, jax.lax.dynamic_index_in_dim(var.value, jnp.maximum(index - 1, 0), axis=2,
-                                                                   keepdims=False), 0.0)
-  restarted_BxQ = jax.lax.cummax((jnp.broadcast_to(positions_BxQ, (b, q)) == 0).astype(jnp.int32), axis=1) > 0
-  c_BxHxQ = c_BxHxQ + jnp.where(restarted_BxQ[:, None, :], 0.0, previous_BxH[:, :, None])
-  var.value = jax.lax.dynamic_update_slice_in_dim(var.value, c_BxHxQ, index, axis=2)
-  return kernels.Forget(var.value)
+def state_variable(module: nn.Module, name: str, term, slots: int):
+  """The cache's variable ``cached_<name>`` of a term's decoding state (:func:`decoding_states`)."""
+  shape, dtype = term.decode_state(slots)
+  return module.variable("cache", f"cached_{name}", jnp.zeros, tuple(shape), dtype)
+
+
+def continue_states(module: nn.Module, terms: kernels.Terms, positions_BxQ, index, slots: int) -> kernels.Terms:
+  """``terms`` with each one that keeps a decoding state continued from the cache (:meth:`posjax.kernels.Term.
+  continued`), the cache written: every term over every slot."""
+  opened = list(terms.open)
+  for name, term in decoding_states(terms).items():
+    var = state_variable(module, name, term, slots)
+    term, var.value = term.continued(var.value, positions_BxQ, index)
+    if name.startswith("open"):
+      opened[int(name[4:])] = term
+    else:
+      terms = terms.replace(**{name: term})
+  return terms.replace(open=tuple(opened))
 
 
 def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTerms, state: base.PositionState,
@@ -387,9 +398,7 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
     raise ValueError(f"position method {spec.name!r} has TUPE's untied term, an encoder's, which decoding with a "
                      "cache does not compute")
   k_var, v_var, positions_var, valid_var, index_var = cache_variables(module, terms.k, v_BxQxGxV)
-  if merged.forget is not None:
-    merged = merged.replace(forget=continue_forget(module, merged.forget, state.positions, index_var.value,
-                                                   k_var.value.shape[2]))
+  merged = continue_states(module, merged, state.positions, index_var.value, k_var.value.shape[2])
   b, q = terms.q.shape[:2]
   index = index_var.value
   positions_BxQ = jnp.broadcast_to(state.positions, (b, q)).astype(jnp.int32)

@@ -234,3 +234,22 @@ def test_a_rule_is_its_own_argument():
   np.testing.assert_array_equal(attend(rule=rule), attend(terms=kernels.Terms(stick_breaking=rule)))
   with pytest.raises(ValueError, match="rule=StickBreaking given with terms that hold the cope rule; give one rule"):
     attend(rule=rule, terms=kernels.Terms(cope=kernels.Cope(jnp.zeros((8, 4)))))
+
+
+@pytest.mark.parametrize("kernel,terms,dropout,why", [
+    ("xla", kernels.Terms(cope=kernels.Cope(jnp.zeros((8, 4)))), True, None),
+    ("cudnn", kernels.Terms(stick_breaking=kernels.StickBreaking()), False, "the stick_breaking rule reads the masked"),
+    ("cudnn", kernels.Terms(open=(QueryTemperature(jnp.zeros(2)),)), False, "an open term may modify the score"),
+    ("cudnn", kernels.Terms(alibi=kernels.Alibi(jnp.zeros(2))), False, None),
+    ("pallas", kernels.Terms(stick_breaking=kernels.StickBreaking(), alibi=kernels.Alibi(jnp.zeros(2))), False,
+     "do not compute stick_breaking with the alibi term"),
+    ("pallas", kernels.Terms(cope=kernels.Cope(jnp.zeros((8, 4)))), True, "do not compute dropout with cope"),
+    ("pallas", kernels.Terms(open=(QueryTemperature(jnp.zeros(2)),)), True, None),
+    ("decode", kernels.Terms(relative=kernels.Relative(jnp.zeros((5, 8)), 2, query=True)), False,
+     "do not build the relative term"),
+    ("decode", kernels.Terms(fire=kernels.Fire(*(jnp.zeros(s) for s in ((3,), (3,), (3, 2), (2,), (), ())))), False,
+     None),
+])
+def test_one_table_says_which_kernel_computes_what(kernel, terms, dropout, why):
+  got = kernels.capability.refusal(kernel, terms, dropout=dropout)
+  assert (got is None) if why is None else (why in got), got

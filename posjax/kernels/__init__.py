@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from posjax.kernels import dropout as dropout_lib
-from posjax.kernels import decode, exact, fold, mosaic, tile, triton, xla
+from posjax.kernels import capability, decode, exact, fold, mosaic, tile, triton, xla
 from posjax.kernels.rules import cope_gpu, cope_tpu, stick_breaking_gpu, stick_breaking_tpu
 from posjax.kernels import term as term_lib
 from posjax.kernels.term import EMBEDDINGS, HEAD, KINDS, ROWS, TABLE, Term, View
@@ -87,20 +87,6 @@ def backend_of(terms: Terms, tpu: bool):
 def default_block_sizes(terms: Terms, length: int, head_dim: int, tpu: bool) -> tuple[int, int]:
   """The Pallas kernels' (query, key) tile for ``terms`` when the caller gives none (:func:`backend_of`'s)."""
   return backend_of(as_terms(terms), tpu).default_block_sizes(as_terms(terms), length, head_dim)
-
-
-def check_weight_rules(terms: Terms, dropout_rate: float) -> None:
-  """Raises unless the Pallas kernels compute the terms that read the masked logits (:data:`WEIGHT_RULES`): each
-  alone in a call, without dropout."""
-  rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
-  if not rules:
-    return
-  others = [name for name in NAMES if getattr(terms, name) is not None and name != rules[0]]
-  others += ["open"] if terms.open else []
-  why = (f"{rules[0]} with the {'/'.join(others)} term" if others else f"dropout with {rules[0]}" if dropout_rate
-         else None)
-  if why:
-    raise ValueError(f"the Pallas kernels do not compute {why}; use implementation='xla'")
 
 
 def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None = None, positions=None,
@@ -210,7 +196,9 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                          segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
                          dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
   tpu, interpret = tile.backend(interpret, platform)
-  check_weight_rules(terms, dropout_rate)
+  why = capability.refusal("pallas", terms, dropout=bool(dropout_rate))
+  if why:
+    raise ValueError(f"{why}; use implementation='xla'")
   kernels = backend_of(terms, tpu)
   block_sizes = block_sizes or kernels.default_block_sizes(terms, length, d)
   bq, bk, padded = tile.block_sizes(length, *block_sizes)

@@ -32,21 +32,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from posjax.kernels import mosaic, tile, triton, xla
+from posjax.kernels import capability, mosaic, tile, triton, xla
 from posjax.kernels.shard import per_shard
 from posjax.kernels import term as term_lib
-from posjax.kernels.terms import NAMES, Terms, as_terms, check_rows, kv_group
+from posjax.kernels.terms import Terms, as_terms, check_rows, kv_group
 
 IMPLEMENTATIONS = ("pallas", "xla")
-KERNEL_TERMS = ("alibi", "buckets", "kerple", "fire", "sandwich", "forget")  # built-in terms the decode kernels build
+KERNEL_TERMS = capability.DECODE_BUILT  # the built-in terms the decode kernels build per tile
 
 
 def kernel_refusal(terms: Terms | None) -> str | None:
-  """Why the decode kernels cannot compute ``terms`` (None: they can): Shaw's relative vectors, TUPE's untied term
-  and Sandwich's embeddings are not built per tile there."""
-  given = [name for name in NAMES if terms is not None and getattr(terms, name) is not None]
-  other = [name for name in given if name not in KERNEL_TERMS]
-  return f"the decode kernels do not build the {'/'.join(other)} term" if other else None
+  """Why the decode kernels cannot compute ``terms`` (None: they can): :func:`posjax.kernels.capability.refusal`."""
+  return capability.refusal("decode", terms)
 
 
 def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, key_valid, terms: Terms | None = None,

@@ -72,6 +72,16 @@ class Term:
   # sum of ``part`` to a HEAD input's column (traced or not); ``add`` None: skip them. None: derived by jax.vjp.
   hand_grads = None
 
+  def decode_state(self, slots: int):
+    """``(shape, dtype)`` of what a decoding cache of ``slots`` keeps for this term beside k and v (the Forgetting
+    Transformer's cumulative gates), or None: nothing."""
+    del slots
+
+  def continued(self, cache, positions_BxQ, index):
+    """``(term over every slot, new cache)``: this step's term (its new tokens only) continued from the cache
+    :meth:`decode_state` describes, written at slot ``index``."""
+    raise NotImplementedError(f"{type(self).__name__} keeps a decoding state but gives no continued()")
+
 
 def input_shapes(kind: str, batch: int, heads: int, length: int) -> str:
   """The shape a kind's array must have, in words."""

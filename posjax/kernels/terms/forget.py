@@ -45,6 +45,22 @@ class Forget(Term):
     difference_BxHxQxL = jnp.take(c_BxHxL, rows_Q, axis=2)[..., :, None] - c_BxHxL[..., None, :]
     return jnp.where(jnp.arange(length)[None, :] > rows_Q[:, None], -difference_BxHxQxL, difference_BxHxQxL)
 
+  def decode_state(self, slots: int):
+    """The cache's ``c`` of every slot, ``[B, H, slots]`` float32."""
+    return (*jnp.shape(self.c)[:2], slots), jnp.float32
+
+  def continued(self, cache_BxHxT, positions_BxQ, index):
+    """The new tokens' ``c`` (summed over the new tokens alone) continued from the previous slot's, unless a token's
+    run restarted (a position 0) among them, written into the cache at ``index``: the term over every slot."""
+    c_BxHxQ = self.c.astype(jnp.float32)
+    b, _, q = c_BxHxQ.shape
+    previous_BxH = jnp.where(index > 0, jax.lax.dynamic_index_in_dim(cache_BxHxT, jnp.maximum(index - 1, 0), axis=2,
+                                                                     keepdims=False), 0.0)
+    restarted_BxQ = jax.lax.cummax((jnp.broadcast_to(positions_BxQ, (b, q)) == 0).astype(jnp.int32), axis=1) > 0
+    c_BxHxQ = c_BxHxQ + jnp.where(restarted_BxQ[:, None, :], 0.0, previous_BxH[:, :, None])
+    cache_BxHxT = jax.lax.dynamic_update_slice_in_dim(cache_BxHxT, c_BxHxQ, index, axis=2)
+    return Forget(cache_BxHxT), cache_BxHxT
+
   def logits(self, tile, s):
     """``c_i - c_j`` for a key at or before the query (index order), ``c_j - c_i`` after it; in decoding the
     queries' ``c`` at their cache slots."""
