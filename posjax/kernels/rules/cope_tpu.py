@@ -22,9 +22,10 @@ from posjax.kernels.tile import MASKED, Plan, dot, dot_t, group_sum, row_delta, 
 
 
 def _cope_tile(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
-  """CoPE's key tile j against query tile i, transposed (:func:`posjax.kernels.tile.cope_tile`): ``(allowed, g,
-  unclamped, f, c, w, slope, logits)`` ``[T, Q]``, the entries ``q·e[n]`` selected one entry at a time from the
-  queries' lane-major rows (Mosaic has no gather); the logits masked as :meth:`TileBase.mask_logits` masks them."""
+  """CoPE's key tile j against query tile i, transposed (:func:`posjax.kernels.rules.cope_gpu.cope_tile`):
+  ``(allowed, g, unclamped, f, c, w, slope, logits)`` ``[T, Q]``, the entries ``q·e[n]`` selected one entry at a
+  time from the queries' lane-major rows (Mosaic has no gather); the logits masked as
+  :meth:`posjax.kernels.tile.TileBase.mask_logits` masks them."""
   bk = plan.block_k
   z_TxQ, allowed_TxQ, key_TxQ, _ = key_major_tile(plan, r, i, j)
   g_TxQ = jnp.where(allowed_TxQ, jax.nn.sigmoid(z_TxQ), 0.0)
@@ -87,7 +88,7 @@ def _cope_forward_kernel(plan: Plan, terms: Terms, names, *refs):
 
 def _cope_tile_grads(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
   """A CoPE tile's softmax weights, logits' gradient ``ds``, positions' gradient ``dp`` and the gates, floor,
-  ceiling and fraction (transposed, :func:`posjax.kernels.triton_kernels._cope_tile_grads`' counterpart)."""
+  ceiling and fraction (transposed, :func:`posjax.kernels.rules.cope_gpu._cope_tile_grads`' counterpart)."""
   allowed_TxQ, g_TxQ, unclamped_TxQ, f_TxQ, c_TxQ, w_TxQ, slope_TxQ, logits_TxQ = _cope_tile(plan, terms, r, i, j,
                                                                                           counted_1xQ)
   p_TxQ = jnp.exp(logits_TxQ - r["row_max_t"][0, 0]) / r["row_sum_t"][0, 0]
@@ -98,7 +99,7 @@ def _cope_tile_grads(plan: Plan, terms: Terms, r: dict, i, j, counted_1xQ):
 
 
 def _cope_dz(plan: Plan, allowed_TxQ, g_TxQ, ds_TxQ, d_position_TxQ, before_1xQ):
-  """``dz`` of a transposed CoPE tile (:func:`posjax.kernels.tile.cope_logit_grads`)."""
+  """``dz`` of a transposed CoPE tile (:func:`posjax.kernels.rules.cope_gpu.cope_logit_grads`)."""
   counted_dp_TxQ = before_1xQ - dot(suffix_matrix(plan.block_k, inclusive=False).T, d_position_TxQ, HIGHEST)
   return jnp.where(allowed_TxQ, ds_TxQ + counted_dp_TxQ * g_TxQ * (1.0 - g_TxQ), 0.0)
 

@@ -75,8 +75,8 @@ def stick_forward_kernel(plan: Plan, terms: Terms, names, *refs):
 
 
 def _stick_tile(plan: Plan, terms: Terms, r: dict, tile: Tile, later_Q, before_Q):
-  """A stick-breaking tile's weights, logits' gradient and ``da a`` (:func:`posjax.kernels.tile.stick_breaking_grads`)
-  from its rows' carries."""
+  """A stick-breaking tile's weights, logits' gradient and ``da a`` (:func:`stick_breaking_grads`) from its rows'
+  carries."""
   allowed_QxT, rest_QxT, a_QxT = stick_breaking_tile(tile, later_Q, tile._exact())
   da_QxT = dot_t(r["d_out"][0, 0, tile.rows, :], r["v"][0, 0, tile.cols, :]) - r["dov"][0, 0, tile.rows][:, None]
   dz_QxT, gain_QxT = stick_breaking_grads(tile, allowed_QxT, a_QxT, da_QxT, before_Q, tile._exact())

@@ -35,8 +35,9 @@ def _stick_tile(plan: Plan, terms: Terms, r: dict, i, j, later_1xQ):
 
 
 def _stick_grads(plan: Plan, r: dict, z_TxQ, allowed_TxQ, a_TxQ, before_1xQ):
-  """The tile's logits' gradient ``dz`` and ``da a`` (:func:`posjax.kernels.tile.stick_breaking_grads`, transposed),
-  ``before``: each query's ``Σ da a`` less the later key tiles'."""
+  """The tile's logits' gradient ``dz`` and ``da a`` (transposed
+  :func:`posjax.kernels.rules.stick_breaking_gpu.stick_breaking_grads`), ``before``: each query's ``Σ da a`` less
+  the later key tiles'."""
   da_TxQ = dot_t(r["v"][0, 0], r["d_out"][0, 0]) - r["dov_t"][0, 0]
   gain_TxQ = da_TxQ * a_TxQ
   earlier_TxQ = before_1xQ - dot(suffix_matrix(a_TxQ.shape[0], inclusive=True).T, gain_TxQ, HIGHEST)
@@ -163,5 +164,5 @@ def _backward(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positio
   return (jax.tree.map(jnp.zeros_like, terms), *grads)
 
 
-attention = rule_attention(_forward, _backward, "Stick-breaking attention ``[B, H, L, V]`` of ``[B, H, L, K]`` inputs on TPU (as "
-                           ":func:`posjax.kernels.mosaic.attention`).")
+attention = rule_attention(_forward, _backward, "Stick-breaking attention ``[B, H, L, V]`` of ``[B, H, L, K]`` "
+                           "inputs on TPU (as :func:`posjax.kernels.mosaic.attention`).")
