@@ -159,23 +159,18 @@ def cudnn_max_head_dim() -> int:
 
 def cudnn_inputs(terms: base.LayerTerms, state: base.PositionState, v_BxLxHxV, scale: float):
   """``(q, k, v, bias)`` for cuDNN at content scale ``scale``: TUPE's untied term folded into q and k
-  (:func:`posjax.kernels.fold.fold_untied`, widths padded to a multiple of 8, v to the same width since cuDNN
+  (:func:`posjax.kernels.fold.fold_for_bias`, widths padded to a multiple of 8, v to the same width since cuDNN
   takes one head dim), so the bias holds only what is left (TUPE-R's buckets; None for TUPE-A); without an
   untied term, past :func:`cudnn_max_head_dim` or beside relative vectors (their dense form needs q and k), the
   layer's dense bias (:func:`layer_bias`)."""
   sources = [terms_ for terms_ in (state.terms, terms.terms) if terms_ is not None]
-  untied = [terms_ for terms_ in sources if terms_.untied is not None]
-  dense = lambda: (terms.q, terms.k, v_BxLxHxV, layer_bias(terms, state, scale))
-  if not untied or terms.k.shape[2] != terms.q.shape[2]:  # grouped keys: the untied term is per query head
-    return dense()
-  width = max(kernels.fold.folded_width(terms.q.shape[-1], untied[0].untied.reset, 8),
-              -(-v_BxLxHxV.shape[-1] // 8) * 8)
-  if width > cudnn_max_head_dim() or untied[0].relative is not None:
-    return dense()
-  q, k, rest = kernels.fold_untied(terms.q, terms.k, untied[0], state.positions, scale, multiple=8)
+  folded = kernels.fold.fold_for_bias(terms.q, terms.k, v_BxLxHxV, sources, state.positions, scale,
+                                      cudnn_max_head_dim())
+  if folded is None:
+    return terms.q, terms.k, v_BxLxHxV, layer_bias(terms, state, scale)
+  q, k, v, rest = folded
   bias = lambda terms_: kernels.xla.position_bias(terms_, state.positions, scale, terms.q, terms.k)
-  widen = lambda x_BxLxHxX: jnp.pad(x_BxLxHxX, [(0, 0)] * 3 + [(0, width - x_BxLxHxX.shape[-1])])
-  return widen(q), widen(k), widen(v_BxLxHxV), add_biases(*(bias(rest if t is untied[0] else t) for t in sources))
+  return q, k, v, add_biases(*(bias(t) for t in rest))
 
 
 def right_padded(padding_BxL):

@@ -78,6 +78,24 @@ def fold_untied(q_BxLxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float,
   return fold(q_parts), fold(k_parts), rest
 
 
+def fold_for_bias(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, sources, positions_BxL, scale: float, max_width: int):
+  """``(q, k, v, rest)`` for a kernel that takes a bias and one head dim (cuDNN's flash attention): the untied term
+  of ``sources`` (a list of :class:`~posjax.kernels.terms.Terms`) folded into q and k (:func:`fold_untied`, widths
+  a multiple of 8), v padded to the same width, and ``sources`` with the untied term replaced by what is left; None
+  where it does not apply (no untied term, grouped keys: the untied term is per query head, beside relative
+  vectors: their dense form needs the unfolded q and k, or wider than ``max_width``)."""
+  untied = [terms for terms in sources if terms.untied is not None]
+  if not untied or k_BxLxHxK.shape[2] != q_BxLxHxK.shape[2] or untied[0].relative is not None:
+    return None
+  width = max(folded_width(q_BxLxHxK.shape[-1], untied[0].untied.reset, 8), -(-v_BxLxHxV.shape[-1] // 8) * 8)
+  if width > max_width:
+    return None
+  q_BxLxHxF, k_BxLxHxF, rest = fold_untied(q_BxLxHxK, k_BxLxHxK, untied[0], positions_BxL, scale, multiple=8)
+  widen = lambda x_BxLxHxX: jnp.pad(x_BxLxHxX, [(0, 0)] * 3 + [(0, width - x_BxLxHxX.shape[-1])])
+  return (widen(q_BxLxHxF), widen(k_BxLxHxF), widen(v_BxLxHxV),
+          [rest if terms is untied[0] else terms for terms in sources])
+
+
 def check_untied(untied: str) -> None:
   """Raises unless ``untied`` is a known way to compute the untied term."""
   if untied not in UNTIED:

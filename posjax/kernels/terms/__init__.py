@@ -55,9 +55,10 @@ from posjax.kernels.terms.fire import Fire
 from posjax.kernels.terms.buckets import Buckets, bucket, check_buckets, clipped_index
 from posjax.kernels.terms.forget import Forget, forget_sums
 from posjax.kernels.terms.kerple import KERPLES, Kerple
+from posjax.kernels.terms.relative import Relative
+from posjax.kernels.terms.untied import RESETS, Untied
 from posjax.kernels.terms.sandwich import Sandwich
 
-RESETS = ("official", "paper", "none")
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
 OPEN_BUILTINS = ("alibi", "buckets", "kerple", "fire", "sandwich", "forget")  # computed as open terms (Terms.kernel_form)
@@ -178,53 +179,6 @@ def untie_cls(corr_BxHxQxL, is_cls_BxL, theta_row_H, theta_col_H, is_cls_i_BxQ=N
 
 # ----------------------------------------------------------------------------------------------------------
 # The terms (what a kernel call is given).
-
-
-@flax.struct.dataclass
-class Relative:
-  """Shaw's / Method 4's relative vectors ``a_r``, ``r = clip(p_j - p_i, -k, k)``; ``query``: the
-  ``q_i·a_r`` term, ``key``: the ``a_r·k_j`` term (Shaw: query only; Method 4: both).
-
-  ``window`` chooses how the Pallas kernel reads the table (the ``xla`` path ignores it):
-
-  - False ("gather"): ``scale q·a_r`` and ``scale k·a_r`` for every row and every ``r`` (``[B, H, L, 2k+1]``)
-    are computed before the kernel and gathered per pair: exact for any positions, ``O(L·k)`` memory.
-  - True ("window"): each tile multiplies its queries and keys by the ``2·block`` table rows its distances can
-    reach and skews the product in the tile: ``O(L)`` memory for any ``k``. It takes ``r`` as the index
-    distance ``j - i``, which is right where positions rise by one inside each segment (as posjax's packing
-    makes them); the kernel marks a query row with an attended key where ``p_j - p_i != j - i`` NaN, and
-    :func:`posjax.kernels.relative_attention` then computes the call on the dense path instead
-    (:mod:`posjax.kernels.exact`): exact for any positions either way.
-    Needs equal query and key blocks.
-  - None (default): the window when the table is wider than a window (``2k+1 > 2·block``) and the blocks are
-    equal, else the gather.
-
-  ``impl`` is how the ``xla`` path contracts the table (:func:`query_term`): ``table`` (default), ``skew`` or
-  ``auto`` (by shape); the kernels ignore it.
-  """
-
-  table: jax.Array  # [2k+1, K]
-  max_distance: int = flax.struct.field(pytree_node=False, default=1)
-  query: bool = flax.struct.field(pytree_node=False, default=True)
-  key: bool = flax.struct.field(pytree_node=False, default=False)
-  window: bool | None = flax.struct.field(pytree_node=False, default=None)
-  impl: str = flax.struct.field(pytree_node=False, default="table")
-
-  def entries(self, rel_S):
-    """Table row of each pair's distance (:func:`clipped_index`)."""
-    return clipped_index(rel_S, self.max_distance)
-
-
-@flax.struct.dataclass
-class Untied:
-  """TUPE's untied positional term ``u_q,i · u_k,j`` (rank K per head, already scaled), with the [CLS]
-  reset: ``official`` (the row of a [CLS] query is θ1, the column of a [CLS] key θ2, added to any bucket
-  term), ``paper`` (θ replaces the whole positional term, bucket term included) or ``none``."""
-
-  u_q: jax.Array  # [Bp, L, H, K]
-  u_k: jax.Array  # [Bp, L, H, K]
-  theta: jax.Array | None = None  # [2, H]
-  reset: str = flax.struct.field(pytree_node=False, default="official")
 
 
 @flax.struct.dataclass
