@@ -249,3 +249,60 @@ def test_a_rule_is_its_own_argument():
 def test_one_table_says_which_kernel_computes_what(kernel, terms, dropout, why):
   got = kernels.capability.refusal(kernel, terms, dropout=dropout)
   assert (got is None) if why is None else (why in got), got
+
+
+@flax.struct.dataclass
+class Cap(kernels.Term):
+  """A soft cap on the score so far: ``5 tanh(s / 5)``."""
+
+  KINDS = {}
+
+  def logits(self, tile, s):
+    return 5.0 * jnp.tanh(s / 5.0)
+
+
+@flax.struct.dataclass
+class FixedTable(kernels.Term):
+  """A constant per-head table (no gradient) read at the distance."""
+
+  t: jax.Array  # [H, 4]
+  KINDS = {"t": kernels.TABLE}
+  CONSTANTS = frozenset({"t"})
+
+  def logits(self, tile, s):
+    return s + tile.lookup("t", jnp.abs(tile.k_positions - tile.q_positions))
+
+
+@pytest.mark.parametrize("interpreter", [True, "tpu"])
+def test_a_sequence_applies_in_its_order_and_a_constant_table_takes_no_gradient(interpreter):
+  """``(Terms(alibi=...), Cap())`` caps the ALiBi-biased score, as the float64 formula says; a TABLE among a term's
+  CONSTANTS gets no gradient and breaks nothing."""
+  rng = np.random.default_rng(5)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 13, 2, 8)), jnp.float32) for _ in range(3))
+  slopes = jnp.asarray([0.5, 0.25])
+  attend = lambda q, terms: kernels.relative_attention(q, k, v, terms=terms, causal=True, interpret=interpreter,
+                                                       block_sizes=(8, 8) if interpreter is True else (8, 128))
+  out = attend(q, (kernels.Terms(alibi=kernels.Alibi(slopes)), Cap()))
+  f64 = lambda x: np.asarray(x, np.float64)
+  s = np.einsum("bqhd,bkhd->bhqk", f64(q), f64(k)) / np.sqrt(8) - f64(slopes)[None, :, None, None] * np.abs(
+      np.arange(13)[None, :] - np.arange(13)[:, None])
+  s = np.where(np.tril(np.ones((13, 13), bool)), 5 * np.tanh(s / 5), -np.inf)
+  weights = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), f64(v))
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  d_terms = jax.grad(lambda terms: jnp.sum(attend(q, terms) ** 2))((FixedTable(jnp.ones((2, 4))), Cap()))
+  assert not np.asarray(d_terms[0].t).any()
+
+
+def test_an_undeclared_array_field_is_a_one_line_error():
+  @flax.struct.dataclass
+  class Forgot(kernels.Term):
+    scale: float = 2.0  # meant as an option, but a pytree node
+    KINDS = {}
+
+    def logits(self, tile, s):
+      return s * self.scale
+
+  q = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"Forgot's field\(s\) \['scale'\] are pytree nodes its KINDS do not declare"):
+    kernels.relative_attention(q, q, q, terms=Forgot(), implementation="xla")

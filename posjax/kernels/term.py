@@ -44,6 +44,7 @@ from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import flax.struct
 
 HEAD, ROWS, TABLE, EMBEDDINGS = "head", "rows", "table", "embeddings"
@@ -60,6 +61,11 @@ class Term:
   def logits(self, tile: "View", s):
     """The score after this term, elementwise over the last two axes (queries, keys) of ``s``."""
     raise NotImplementedError(f"{type(self).__name__} defines no logits(tile, s)")
+
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
+    """Raises, in one line, on options or arrays the term cannot take (default: nothing beyond :func:`bind`'s
+    shapes per kind)."""
+    del batch, num_heads, head_dim, length
 
   def kernel_inputs(self, positions_BxL) -> dict:
     """``{name: array}`` of every input in ``KINDS`` (default: the fields of those names), float32."""
@@ -109,6 +115,7 @@ class Bound:
   arrays: dict
   constants: tuple = flax.struct.field(pytree_node=False, default=())  # names that take no gradient
   columns: tuple = flax.struct.field(pytree_node=False, default=())  # ((name, X), ...) of the HEAD inputs
+  widths: tuple = flax.struct.field(pytree_node=False, default=())  # ((name, E), ...) of the EMBEDDINGS inputs
 
 
 def skeleton(term: Term):
@@ -124,6 +131,10 @@ def bind(term, positions_BxL, batch: int, heads: int, length: int) -> Bound:
   if not isinstance(term, Term):
     raise TypeError(f"{term!r} is not a posjax.kernels.Term (a flax.struct.dataclass with KINDS and logits)")
   name_of = type(term).__name__
+  if not dataclasses.is_dataclass(term):
+    raise TypeError(f"{name_of} must be a flax.struct.dataclass (its arrays pytree nodes, its options "
+                    "pytree_node=False)")
+  term.check(batch, heads, None, length)
   arrays = term.kernel_inputs(positions_BxL)
   if set(arrays) != set(term.KINDS):
     raise ValueError(f"{name_of}.kernel_inputs gave {sorted(arrays)}; its KINDS declare {sorted(term.KINDS)}")
@@ -136,12 +147,20 @@ def bind(term, positions_BxL, batch: int, heads: int, length: int) -> Bound:
                        f"{input_shapes(kind, batch, heads, length)}")
   arrays = {name: jnp.asarray(x, jnp.float32) for name, x in arrays.items()}
   arrays = {name: x[:, None] if term.KINDS[name] == HEAD and x.ndim == 1 else x for name, x in arrays.items()}
+  fields = {f.name for f in dataclasses.fields(term) if f.metadata.get("pytree_node", True)}
+  undeclared = sorted(name for name in fields if getattr(term, name) is not None and name not in term.KINDS
+                      and type(term).kernel_inputs is Term.kernel_inputs)
+  if undeclared:
+    raise ValueError(f"{name_of}'s field(s) {undeclared} are pytree nodes its KINDS do not declare: the kernels "
+                     "would read them as None; declare them in KINDS or mark them flax.struct.field(pytree_node=False)")
   unknown = sorted(set(term.CONSTANTS) - set(term.KINDS))
   if unknown:
     raise ValueError(f"{name_of}.CONSTANTS names {unknown}, which its KINDS do not declare")
   arrays = {name: jax.lax.stop_gradient(x) if name in term.CONSTANTS else x for name, x in arrays.items()}
   columns = tuple((name, arrays[name].shape[1]) for name in sorted(arrays) if term.KINDS[name] == HEAD)
-  return Bound(skeleton(term), tuple(sorted(term.KINDS.items())), arrays, tuple(sorted(term.CONSTANTS)), columns)
+  widths = tuple((name, arrays[name].shape[-1]) for name in sorted(arrays) if term.KINDS[name] == EMBEDDINGS)
+  return Bound(skeleton(term), tuple(sorted(term.KINDS.items())), arrays, tuple(sorted(term.CONSTANTS)), columns,
+               widths)
 
 
 class View:
@@ -164,6 +183,12 @@ class View:
     """``X``: the columns of a :data:`HEAD` input (static)."""
     raise NotImplementedError
 
+  def embedding_width(self, name: str) -> int:
+    """``E``: the width of an :data:`EMBEDDINGS` input as given (static). The GPU kernels read it zero-padded to a
+    power of two of at least 16 (Triton's arrays are powers of two): write a term that zero columns leave
+    unchanged (inner products, sums), or read this width rather than the array's."""
+    raise NotImplementedError
+
   def rows_q(self, name: str):
     raise NotImplementedError
 
@@ -171,8 +196,9 @@ class View:
     raise NotImplementedError
 
   def lookup(self, name: str, index, clamp: bool = True):
-    """``table[h, index]`` of this head; ``clamp=False`` where the index is in the table by construction (it saves
-    the kernels a clamp, and an index outside it is then undefined there)."""
+    """``table[h, index]`` of this head; ``clamp=False`` where the index is in the table by construction for every
+    pair of a tile, masked pairs included (it saves the kernels a clamp; an index outside it is then undefined
+    there)."""
     raise NotImplementedError
 
   def embed_q(self, name: str):
@@ -226,6 +252,9 @@ class DenseView(View):
   def head_columns(self, name: str) -> int:
     return dict(self.bound.columns)[name]
 
+  def embedding_width(self, name: str) -> int:
+    return dict(self.bound.widths)[name]
+
   def rows_q(self, name: str):
     return jnp.take(self._array(name, ROWS), self._rows_Q, axis=2)[..., None]
 
@@ -267,13 +296,14 @@ class TileView(View):
 
   def __init__(self, tile, prefix: str, bound: Bound, values: dict, lookups: list, replay=None):
     self.tile, self.prefix, self.kinds, self.columns = tile, prefix, dict(bound.kinds), dict(bound.columns)
+    self.name_of, self.widths = type(bound.term).__name__, dict(bound.widths)
     self.values, self.lookups, self.replay = values, lookups, replay
     self.q_positions, self.k_positions = tile.open_q_positions, tile.open_k_positions
     self.q_index, self.k_index = tile.open_q_index, tile.open_k_index
 
   def _key(self, name: str, kind: str) -> str:
     if self.kinds.get(name) != kind:
-      raise ValueError(f"a term reads {name!r} as {kind}; its KINDS say {self.kinds.get(name, 'nothing')}")
+      raise ValueError(f"{self.name_of} reads {name!r} as {kind}; its KINDS say {self.kinds.get(name, 'nothing')}")
     return self.prefix + name
 
   def _value(self, key: str, kind: str, side):
@@ -284,6 +314,8 @@ class TileView(View):
 
   def head(self, name: str, column=0):
     key = self._key(name, HEAD)
+    if isinstance(column, np.integer):
+      column = int(column)
     if not isinstance(column, int):  # a traced column: read, not kept (only a hand-written gradient reaches it)
       self.tile.open_dynamic.add(self.prefix)
       return self.tile.open_load(key, HEAD, column)
@@ -291,6 +323,9 @@ class TileView(View):
 
   def head_columns(self, name: str) -> int:
     return self.columns[name]
+
+  def embedding_width(self, name: str) -> int:
+    return self.widths[name]
 
   def rows_q(self, name: str):
     return self._value(self._key(name, ROWS), ROWS, "q")
@@ -379,7 +414,7 @@ def tile_grads(tile, bounds, ds_QxT, acc=None, add=None):
                           tile.open_inputs[i])
     d_mine, d_looked, ds_QxT = pullback(ds_QxT)
     d_values.update(zip(slots, d_mine))
-    d_lookups += [(key, index, d) for (key, index, _), d in zip(lookups, d_looked)]
+    d_lookups += [(key, index, d) for (key, index, _), d in zip(lookups, d_looked) if key not in constants]
   return ds_QxT, d_values, d_lookups, acc
 
 

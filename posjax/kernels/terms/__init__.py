@@ -221,26 +221,12 @@ class Terms:
 
   def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
     """Shapes and options, with errors that say what was given and what is allowed."""
-    if self.alibi is not None and self.alibi.slopes.shape != (num_heads,):
-      raise ValueError(f"ALiBi slopes have shape {self.alibi.slopes.shape}; expected ({num_heads},) (one per head)")
-    if self.buckets is not None:
-      b = self.buckets
-      if b.kind not in ("buckets", "clip"):
-        raise ValueError(f"Buckets.kind={b.kind!r}; allowed: ['buckets', 'clip']")
-      if b.table.ndim != 2 or b.table.shape[1] != num_heads:
-        raise ValueError(f"bucket table has shape {b.table.shape}; expected (entries, {num_heads})")
-      if b.kind == "buckets":
-        check_buckets(b.num_buckets, b.max_distance, b.bidirectional)  # its errors name the bad option
-      elif b.max_distance < 1:
-        raise ValueError(f"Buckets.max_distance={b.max_distance} must be >= 1 with kind='clip'")
-      for name in ("cls_row", "cls_col"):
-        entry = getattr(b, name)
-        if entry is not None and not 0 <= entry < b.table.shape[0]:
-          raise ValueError(f"Buckets.{name}={entry} is not an entry of the {b.table.shape[0]}-row table")
-      needed = (b.num_buckets if b.kind == "buckets" else 2 * b.max_distance + 1)
-      needed = max([needed - 1] + [e for e in (b.cls_row, b.cls_col) if e is not None]) + 1
-      if b.table.shape[0] < needed:
-        raise ValueError(f"bucket table has {b.table.shape[0]} entries; the options need {needed}")
+    for name in OPEN_BUILTINS:  # each checks itself (its own file)
+      if getattr(self, name) is not None:
+        getattr(self, name).check(batch, num_heads, head_dim, length)
+    for t in self.open:
+      if isinstance(t, term.Term):
+        t.check(batch, num_heads, head_dim, length)
     if self.relative is not None:
       r = self.relative
       if r.max_distance < 1:
@@ -254,33 +240,6 @@ class Terms:
         raise ValueError(f"Relative.window={r.window!r}; allowed: None (choose), True, False")
       if r.impl not in ("table", "skew", "auto"):
         raise ValueError(f"Relative.impl={r.impl!r}; allowed: 'table', 'skew', 'auto'")
-    if self.kerple is not None:
-      if self.kerple.kind not in KERPLES:
-        raise ValueError(f"Kerple.kind={self.kerple.kind!r}; allowed: {list(KERPLES)}")
-      for name in ("r1", "r2"):
-        if jnp.shape(getattr(self.kerple, name)) != (num_heads,):
-          raise ValueError(f"Kerple.{name} has shape {jnp.shape(getattr(self.kerple, name))}; expected ({num_heads},)")
-    if self.fire is not None:
-      f = self.fire
-      width = jnp.shape(f.w1)[0] if jnp.ndim(f.w1) == 1 else None
-      expected = {"w1": (width,), "b1": (width,), "w2": (width, num_heads), "b2": (num_heads,), "c": (),
-                  "threshold": ()}
-      for name, shape in expected.items():
-        if width is None or jnp.shape(getattr(f, name)) != shape:
-          raise ValueError(f"Fire.{name} has shape {jnp.shape(getattr(f, name))}; expected {shape} (w1: [W], "
-                           f"b1: [W], w2: [W, {num_heads}], b2: [{num_heads}], c and threshold scalars)")
-    if self.sandwich is not None:
-      sw = self.sandwich
-      if jnp.shape(sw.ratios) != (num_heads,):
-        raise ValueError(f"Sandwich.ratios has shape {jnp.shape(sw.ratios)}; expected ({num_heads},)")
-      if not (isinstance(sw.dim, (int, np.integer)) and sw.dim >= 2 and sw.dim % 2 == 0):
-        raise ValueError(f"Sandwich.dim={sw.dim!r} must be an even integer >= 2")
-      if sw.divide not in ("positions", "bias"):
-        raise ValueError(f"Sandwich.divide={sw.divide!r}; allowed: ['positions', 'bias']")
-    if self.forget is not None and (jnp.ndim(self.forget.c) != 3 or jnp.shape(self.forget.c)[1:] != (num_heads, length)
-                                    or jnp.shape(self.forget.c)[0] not in (1, batch)):
-      raise ValueError(f"Forget.c has shape {jnp.shape(self.forget.c)}; expected ({batch} or 1, {num_heads}, {length}) "
-                       "(one cumulative log gate per query head and token)")
     if self.cope is not None and (jnp.ndim(self.cope.table) != 2 or jnp.shape(self.cope.table)[0] != head_dim):
       raise ValueError(f"Cope.table has shape {jnp.shape(self.cope.table)}; expected ({head_dim}, npos_max)")
     if self.stick_breaking is not None and not all(isinstance(getattr(self.stick_breaking, name), bool)
@@ -317,7 +276,9 @@ def merge(*parts: Terms | None) -> Terms:
 
 def as_terms(terms) -> Terms:
   """A call's :class:`Terms` from ``terms``: Terms, an open term (:class:`posjax.kernels.term.Term`), a sequence of
-  either (merged in order), or None."""
+  either, or None. A sequence applies in its order: a ``Terms`` element's built-in terms that are open ones
+  (:data:`OPEN_BUILTINS`) at its place (its own open terms first); the relative vectors, the untied term and a rule
+  (one each) after every open term. Within one ``Terms``, its open terms come first, then its built-in ones."""
   if terms is None:
     return Terms()
   if isinstance(terms, Terms):
@@ -325,5 +286,8 @@ def as_terms(terms) -> Terms:
   if isinstance(terms, (term.Term, term.Bound)):
     return Terms(open=(terms,))
   if isinstance(terms, (tuple, list)):
-    return merge(*(as_terms(t) for t in terms))
+    parts = [as_terms(t) for t in terms]
+    if len(parts) > 1:  # each element's built-in open terms at its place
+      parts = [part.kernel_form() for part in parts]
+    return merge(*parts)
   raise TypeError(f"terms={terms!r}; expected posjax.kernels.Terms, a posjax.kernels.Term, a sequence of them, or None")

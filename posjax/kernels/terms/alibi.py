@@ -18,5 +18,11 @@ class Alibi(Term):
   slopes: jax.Array  # [H]
   KINDS = {"slopes": HEAD}
 
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
+    """Shapes and options, with errors that say what was given and what is allowed."""
+    del batch, head_dim, length
+    if jnp.shape(self.slopes) != (num_heads,):
+      raise ValueError(f"ALiBi slopes have shape {jnp.shape(self.slopes)}; expected ({num_heads},) (one per head)")
+
   def logits(self, tile, s):
     return s - tile.head("slopes") * jnp.abs(tile.k_positions - tile.q_positions).astype(jnp.float32)

@@ -85,6 +85,26 @@ class Buckets(Term):
       index_S = jnp.where(is_cls_i_S, self.cls_row, index_S)
     return index_S
 
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
+    """Shapes and options, with errors that say what was given and what is allowed."""
+    del batch, head_dim, length
+    if self.kind not in ("buckets", "clip"):
+      raise ValueError(f"Buckets.kind={self.kind!r}; allowed: ['buckets', 'clip']")
+    if self.table.ndim != 2 or self.table.shape[1] != num_heads:
+      raise ValueError(f"bucket table has shape {self.table.shape}; expected (entries, {num_heads})")
+    if self.kind == "buckets":
+      check_buckets(self.num_buckets, self.max_distance, self.bidirectional)  # its errors name the bad option
+    elif self.max_distance < 1:
+      raise ValueError(f"Buckets.max_distance={self.max_distance} must be >= 1 with kind='clip'")
+    for name in ("cls_row", "cls_col"):
+      entry = getattr(self, name)
+      if entry is not None and not 0 <= entry < self.table.shape[0]:
+        raise ValueError(f"Buckets.{name}={entry} is not an entry of the {self.table.shape[0]}-row table")
+    needed = (self.num_buckets if self.kind == "buckets" else 2 * self.max_distance + 1)
+    needed = max([needed - 1] + [e for e in (self.cls_row, self.cls_col) if e is not None]) + 1
+    if self.table.shape[0] < needed:
+      raise ValueError(f"bucket table has {self.table.shape[0]} entries; the options need {needed}")
+
   def kernel_inputs(self, positions_BxL) -> dict:
     return {"table": self.table.T}  # [H, N]: a row per head
 

@@ -70,6 +70,17 @@ class Fire(Term):
                                                 self.w2.astype(jnp.float32)))
     return bias_SxH
 
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
+    """Shapes and options, with errors that say what was given and what is allowed."""
+    del batch, head_dim, length
+    width = jnp.shape(self.w1)[0] if jnp.ndim(self.w1) == 1 else None
+    expected = {"w1": (width,), "b1": (width,), "w2": (width, num_heads), "b2": (num_heads,), "c": (),
+                "threshold": ()}
+    for name, shape in expected.items():
+      if width is None or jnp.shape(getattr(self, name)) != shape:
+        raise ValueError(f"Fire.{name} has shape {jnp.shape(getattr(self, name))}; expected {shape} (w1: [W], "
+                         f"b1: [W], w2: [W, {num_heads}], b2: [{num_heads}], c and threshold scalars)")
+
   def kernel_inputs(self, positions_BxL) -> dict:
     """``{"row": [H, 3W + 3]}``: ``w1``, ``b1``, the head's ``w2`` (``W`` each), then ``b2``, ``c``, the threshold
     (:func:`fire_slot`); the inputs the heads share broadcast to each (their gradients summed back by autodiff)."""

@@ -45,6 +45,13 @@ class Forget(Term):
     difference_BxHxQxL = jnp.take(c_BxHxL, rows_Q, axis=2)[..., :, None] - c_BxHxL[..., None, :]
     return jnp.where(jnp.arange(length)[None, :] > rows_Q[:, None], -difference_BxHxQxL, difference_BxHxQxL)
 
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
+    """Shapes and options, with errors that say what was given and what is allowed."""
+    del head_dim
+    if jnp.ndim(self.c) != 3 or jnp.shape(self.c)[1:] != (num_heads, length) or jnp.shape(self.c)[0] not in (1, batch):
+      raise ValueError(f"Forget.c has shape {jnp.shape(self.c)}; expected ({batch} or 1, {num_heads}, {length}) "
+                       "(one cumulative log gate per query head and token)")
+
   def decode_state(self, slots: int):
     """The cache's ``c`` of every slot, ``[B, H, slots]`` float32."""
     return (*jnp.shape(self.c)[:2], slots), jnp.float32

@@ -31,6 +31,15 @@ class Kerple(Term):
     positive_Sx1 = distance_Sx1 > 0  # |r|^r2 at r = 0 is 0, with a finite gradient for r2
     return -r1_H * jnp.where(positive_Sx1, jnp.where(positive_Sx1, distance_Sx1, 1.0) ** r2_H, 0.0)
 
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
+    """Shapes and options, with errors that say what was given and what is allowed."""
+    del batch, head_dim, length
+    if self.kind not in KERPLES:
+      raise ValueError(f"Kerple.kind={self.kind!r}; allowed: {list(KERPLES)}")
+    for name in ("r1", "r2"):
+      if jnp.shape(getattr(self, name)) != (num_heads,):
+        raise ValueError(f"Kerple.{name} has shape {jnp.shape(getattr(self, name))}; expected ({num_heads},)")
+
   def logits(self, tile, s):
     """The kernel per tile (its gradients in ``r1``, ``r2`` derived by the kernels); ``|r|^r2`` as ``exp(r2 log|r|)``,
     0 at ``r = 0`` with a finite gradient."""

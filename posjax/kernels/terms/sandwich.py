@@ -6,6 +6,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posjax.kernels.term import EMBEDDINGS, Term
 
@@ -58,6 +59,16 @@ class Sandwich(Term):
                                precision=jax.lax.Precision.HIGHEST)
     offset_H = self.dim // 2 / (self._ratios() if self.divide == "bias" else jnp.ones_like(self._ratios()))
     return self.scale * (inner_BxHxQxL - offset_H[None, :, None, None])
+
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
+    """Shapes and options, with errors that say what was given and what is allowed."""
+    del batch, head_dim, length
+    if jnp.shape(self.ratios) != (num_heads,):
+      raise ValueError(f"Sandwich.ratios has shape {jnp.shape(self.ratios)}; expected ({num_heads},)")
+    if not (isinstance(self.dim, (int, np.integer)) and self.dim >= 2 and self.dim % 2 == 0):
+      raise ValueError(f"Sandwich.dim={self.dim!r} must be an even integer >= 2")
+    if self.divide not in ("positions", "bias"):
+      raise ValueError(f"Sandwich.divide={self.divide!r}; allowed: ['positions', 'bias']")
 
   def kernel_inputs(self, positions_BxL) -> dict:
     return {"e": self.embeddings(positions_BxL)}
