@@ -41,14 +41,13 @@ import jax.numpy as jnp
 from posjax.kernels import dropout as dropout_lib
 from posjax.kernels import capability, decode, exact, fold, mosaic, tile, triton, xla
 from posjax.kernels.rules import cope_gpu, cope_tpu, stick_breaking_gpu, stick_breaking_tpu
-from posjax.kernels import term as term_lib
 from posjax.kernels.term import EMBEDDINGS, HEAD, KINDS, ROWS, TABLE, Term, View
 from posjax.kernels.decode import decode_attention
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import (NAMES, WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
-                                  StickBreaking, Terms, Untied, as_terms, check_rows, kv_group,
+from posjax.kernels.terms import (WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
+                                  StickBreaking, Terms, Untied, as_terms, bind_open, check_rows, kv_group,
                                   merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
@@ -174,7 +173,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                      "score; use untied='tile' with open terms")
   if implementation == "pallas":  # the built-in terms the kernels compute as open terms
     terms = terms.kernel_form()
-  terms = terms.replace(open=tuple(term_lib.bind(t, positions_BxL, b, h, length) for t in terms.open))
+  terms = bind_open(terms, positions_BxL, b, h, length)
   if untied == "fold" and group > 1:
     raise ValueError(f"untied='fold' folds TUPE's per-head term into k, which has {k_BxLxGxK.shape[2]} heads "
                      f"for q's {h} (grouped-query attention); use untied='tile'")

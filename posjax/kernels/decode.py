@@ -34,8 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from posjax.kernels import capability, mosaic, tile, triton, xla
 from posjax.kernels.shard import per_shard
-from posjax.kernels import term as term_lib
-from posjax.kernels.terms import Terms, as_terms, check_rows, kv_group
+from posjax.kernels.terms import Terms, as_terms, bind_open, check_rows, kv_group
 
 IMPLEMENTATIONS = ("pallas", "xla")
 KERNEL_TERMS = capability.DECODE_BUILT  # the built-in terms the decode kernels build per tile
@@ -96,7 +95,7 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   valid_BxT = jnp.broadcast_to(jnp.asarray(key_valid, bool), (b, t))
   start = jnp.asarray(start, jnp.int32)
   if implementation == "xla":
-    terms = terms.replace(open=tuple(term_lib.bind(x, positions_BxT, b, h, t) for x in terms.open))
+    terms = bind_open(terms, positions_BxT, b, h, t)
     rows_Q = start + jnp.arange(q, dtype=jnp.int32)
     k_BxTxGxK, v_BxTxGxV = jnp.swapaxes(k_BxGxTxK, 1, 2), jnp.swapaxes(v_BxGxTxV, 1, 2)
     s_BxHxQxT = xla.logits(q_BxQxHxK, k_BxTxGxK, terms, positions_BxT, scale, rows_Q)
@@ -107,7 +106,7 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   if refusal:
     raise ValueError(f"decode_attention(implementation='pallas'): {refusal}; use implementation='xla'")
   terms = terms.kernel_form()
-  terms = terms.replace(open=tuple(term_lib.bind(x, positions_BxT, b, h, t) for x in terms.open))
+  terms = bind_open(terms, positions_BxT, b, h, t)
   tpu, interpret = tile.backend(interpret, platform)
   bq, bk = block_sizes or default_block_sizes(terms, q, d, tpu)
   for name, block, multiple in (("query", bq, 8 if tpu else 1), ("key", bk, 128 if tpu else 1)):

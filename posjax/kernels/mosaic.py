@@ -60,7 +60,6 @@ class _Tile(TileBase):
     self.plan, self.terms, self.r, self.b, self.h, self.i, self.j = plan, terms, r, b, h, i, j
     self.q_QxK, self.k_TxK = r["q"][0, 0], r["k"][0, 0]
     pos_i_QxT, pos_j_1xT = r["q_positions"][0], r["k_positions"][0]
-    self.pos_i_QxT = pos_i_QxT
     self.cls_i_QxT, self.cls_j_QxT = pos_i_QxT == 0, pos_j_1xT == 0
     self.row_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     self.col_QxT = jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
@@ -210,14 +209,11 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     tile = _Tile(plan, terms, r, b, h, i, j)
     _, ds_QxT = _ds(plan, r, tile)
     shape = r["acc_dopen"].shape if "dopen" in r else (plan.block_q, 1)
-    lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    layout = open_layout(terms)
-    add = lambda acc_QxC, key, column, part_QxT: acc_QxC + jnp.where(
-        lane_QxC == layout[key][0] + column, jnp.sum(part_QxT, axis=1, keepdims=True), 0.0)
+    add = _column_adder(terms, shape)
     d_content_QxT, d_values, d_lookups, hand_QxC = tile.open_grads(ds_QxT, jnp.zeros(shape, jnp.float32), add)
     dq_QxK = plan.scale * dot(d_content_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
     if "dopen" in r:
-      r["acc_dopen"][...] += _open_columns(terms, d_values, d_lookups, hand_QxC)
+      r["acc_dopen"][...] += _open_columns(terms, d_values, d_lookups, hand_QxC, add)
     for (key, side), d_value in d_values.items():  # the query side of embeddings
       if side == "q" and "acc_d" + key + "@q" in r:
         r["acc_d" + key + "@q"][...] += d_value
@@ -244,21 +240,27 @@ def open_layout(terms: Terms) -> dict:
   return layout
 
 
-def _open_columns(terms: Terms, d_values: dict, d_lookups: list, out_QxC):
-  """``[bq, C]``: a tile's share of the open terms' columns (:func:`open_layout`) added to ``out`` (the hand-written
-  gradients' shares): row sums, a lookup's per entry (one entry at a time over the entries its index reaches)."""
+def _column_adder(terms: Terms, shape):
+  """``add(acc_QxC, key, column, part_QxT) -> acc_QxC``: ``part``'s row sums added to column ``column`` of input
+  ``key``'s columns (:func:`open_layout`) of a ``[bq, C]`` accumulator of shape ``shape``."""
   layout = open_layout(terms)
-  lane_QxC = jax.lax.broadcasted_iota(jnp.int32, out_QxC.shape, 1)
+  lane_QxC = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  return lambda acc_QxC, key, column, part_QxT: acc_QxC + jnp.where(
+      lane_QxC == layout[key][0] + column, jnp.sum(part_QxT, axis=1, keepdims=True), 0.0)
+
+
+def _open_columns(terms: Terms, d_values: dict, d_lookups: list, out_QxC, add):
+  """``[bq, C]``: a tile's share of the open terms' columns (:func:`open_layout`, through :func:`_column_adder`'s
+  ``add``) added to ``out`` (the hand-written gradients' shares): a head's scalars and the query rows, and a
+  lookup's per entry (one entry at a time over the entries its index reaches)."""
+  layout = open_layout(terms)
   for (key, side), d_value in d_values.items():
     if key in layout and side != "k":
-      column = layout[key][0] + (side if isinstance(side, int) else 0)
-      out_QxC = out_QxC + jnp.where(lane_QxC == column, jnp.sum(d_value, axis=1, keepdims=True), 0.0)
+      out_QxC = add(out_QxC, key, side if isinstance(side, int) else 0, d_value)
   for key, index_QxT, d_QxT in d_lookups:
-    first, _ = layout[key]
 
-    def entry(n, out_QxC, index_QxT=index_QxT, d_QxT=d_QxT, first=first):
-      part_Qx1 = jnp.sum(jnp.where(index_QxT == n, d_QxT, 0.0), axis=1, keepdims=True)
-      return out_QxC + jnp.where(lane_QxC == first + n, part_Qx1, 0.0)
+    def entry(n, out_QxC, key=key, index_QxT=index_QxT, d_QxT=d_QxT):
+      return add(out_QxC, key, n, jnp.where(index_QxT == n, d_QxT, 0.0))
 
     out_QxC = jax.lax.fori_loop(jnp.min(index_QxT), jnp.max(index_QxT) + 1, entry, out_QxC)
   return out_QxC

@@ -227,14 +227,12 @@ class TileBase:
   """One (query tile, key tile) pair: its logits, mask and what the backward needs to route gradients.
 
   Both backends' tiles share it, given their own loads through the hooks ``_relative_term``, ``_untied_factors``,
-  ``_theta``, ``_salt``,
-  ``_exact`` (a float32-accurate product's precision), and the open terms' (:meth:`open_logits`): the position terms and the [CLS] reset, the mask and
-  the logits, dropout, and the routing of the logits' gradient to the untied and bucket terms and the learned
-  scalars. A
-  subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` / ``cls_j_QxT``, the query positions
-  ``pos_i_QxT`` (``[Q, 1]`` or ``[Q, T]``) and the pairs' indices ``index_i_QxT`` / ``index_j_QxT``, then calls
-  :meth:`add_position_terms` and :meth:`mask_logits`, which set the attributes the kernels read (``s_QxT``, ``allowed_QxT``, ``distance_QxT``, ``u_q_QxK``,
-  ``u_k_TxK``, ...).
+  ``_theta``, ``_salt``, ``_exact`` (a float32-accurate product's precision) and the open terms' (:meth:`open_logits`):
+  the position terms and the [CLS] reset, the mask and the logits, dropout, and the routing of the logits' gradient
+  to the untied term and the open terms. A subclass sets ``plan``, ``terms``, the [CLS] flags ``cls_i_QxT`` /
+  ``cls_j_QxT``, the open terms' pairs (``open_q_positions``, ...) and the pairs' indices ``index_i_QxT`` /
+  ``index_j_QxT``, then calls :meth:`add_position_terms` and :meth:`mask_logits`, which set the attributes the
+  kernels read (``s_QxT``, ``allowed_QxT``, ``u_q_QxK``, ``u_k_TxK``, ...).
   """
 
   plan: Plan

@@ -46,7 +46,6 @@ class Tile(TileBase):
       pos_i_Q = refs["positions"][0, rows]
       allowed_QxT = allowed_QxT & (refs["segment_ids"][0, rows][:, None] == refs["segment_ids"][0, cols][None, :])
       index_i_QxT = i0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    self.pos_i_QxT = pos_i_Q[:, None]
     rel_QxT = pos_j_T[None, :] - pos_i_Q[:, None]
     self.cls_i_QxT, self.cls_j_QxT = (pos_i_Q == 0)[:, None], (pos_j_T == 0)[None, :]
     self.index_i_QxT, self.index_j_QxT = index_i_QxT, j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
@@ -321,8 +320,7 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     acc["dq"] = acc["dq"] + plan.scale * dot_in(dot, d_content_QxT, tile.k_TxK)
     for (key, side), d_value in d_values.items():  # the query side's and the heads' shares
       if open_kinds[key] == term_lib.HEAD:
-        column_X = jax.lax.broadcasted_iota(jnp.int32, acc["d" + key].shape, 0)
-        acc["d" + key] = acc["d" + key] + jnp.where(column_X == side, jnp.sum(d_value), 0.0)
+        acc = _add_to_head(acc, key, side, d_value)
       elif side == "q":
         acc["d" + key + "@q"] = acc["d" + key + "@q"] + (jnp.sum(d_value, axis=1) if open_kinds[key] == term_lib.ROWS
                                                          else d_value)
@@ -416,8 +414,8 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
 
 
 def _add_to_head(acc: dict, key: str, column, part_QxT) -> dict:
-  """A hand-written gradient's share of a :data:`~posjax.kernels.term.HEAD` input's ``column``: its sum, added to the
-  program's partial sums."""
+  """A share of a :data:`~posjax.kernels.term.HEAD` input's ``column`` (derived or hand-written): its sum, added to
+  the program's partial sums."""
   column_X = jax.lax.broadcasted_iota(jnp.int32, acc["d" + key].shape, 0)
   return {**acc, "d" + key: acc["d" + key] + jnp.where(column_X == column, jnp.sum(part_QxT), 0.0)}
 

@@ -275,6 +275,11 @@ def merge(*parts: Terms | None) -> Terms:
   return Terms(**fields, open=open_terms)
 
 
+def bind_open(terms: Terms, positions_BxL, batch: int, heads: int, length: int) -> Terms:
+  """``terms`` with each open term bound to its kernel inputs (:func:`posjax.kernels.term.bind`, checked)."""
+  return terms.replace(open=tuple(term.bind(t, positions_BxL, batch, heads, length) for t in terms.open))
+
+
 def as_terms(terms) -> Terms:
   """A call's :class:`Terms` from ``terms``: Terms, an open term (:class:`posjax.kernels.term.Term`), a sequence of
   either, or None. A sequence applies in its order: a ``Terms`` element's built-in terms that are open ones
