@@ -66,6 +66,8 @@ def test_the_lease_is_renewed_and_release_leaves_another_runs_lock(tmp_path, mon
   time.sleep(0.3)
   assert json.loads((tmp_path / lock.NAME).read_text())["renewed"] > first
   write_lock(str(tmp_path), host="elsewhere")  # taken over meanwhile (our lease had lapsed)
+  time.sleep(0.15)  # three renewal periods: the renewal leaves the other run's lock alone
+  assert json.loads((tmp_path / lock.NAME).read_text())["host"] == "elsewhere"
   held.release()
   assert json.loads((tmp_path / lock.NAME).read_text())["host"] == "elsewhere"
 

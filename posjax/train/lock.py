@@ -127,8 +127,16 @@ class WorkdirLock:
     except (OSError, ValueError):
       return None  # half written by a run killed while creating it, or removed meanwhile
 
+  def _ours(self, holder: dict | None) -> bool:
+    return holder is not None and all(holder.get(k) == self._record[k] for k in ("host", "pid", "started"))
+
   def _renew(self) -> None:
+    """Renews the lease until released; stops for good once another run holds the file (our lease had lapsed and
+    it took over), so that run's lock is never overwritten."""
     while not self._stop.wait(LEASE_SECONDS / 4):
+      holder = self._read()
+      if holder is not None and not self._ours(holder):
+        return
       self._record["renewed"] = time.time()
       temporary = f"{self.path}.{os.getpid()}.tmp"
       try:
@@ -145,8 +153,7 @@ class WorkdirLock:
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
-    holder = self._read()
-    if holder is not None and holder.get("pid") == self._record["pid"] and holder.get("host") == self._record["host"]:
+    if self._ours(self._read()):
       try:
         os.remove(self.path)
       except FileNotFoundError:
