@@ -43,11 +43,10 @@ def describe_device() -> str:
 
 
 def kernel_for(name: str, kernel: str) -> str:
-  """The kernel a method runs on when ``kernel`` is asked for: ``xla`` where a fused kernel cannot compute it (cuDNN:
-  softmax attention only)."""
+  """The kernel a method runs on when ``kernel`` is asked for: ``xla`` where a fused kernel cannot compute it
+  (:meth:`posjax.positions.PositionSpec.refusal`)."""
   spec = BertConfig(position=name, causal=positions.get(name).decoder_only).position_spec
-  runs = spec.fusable and (kernel != "cudnn" or spec.method.softmax)
-  return kernel if kernel in ("xla", "auto") or runs else "xla"
+  return kernel if kernel in ("xla", "auto") or spec.refusal(kernel) is None else "xla"
 
 
 def kernel_rows(name: str, kernels: list[str]) -> list[tuple[str, str]]:

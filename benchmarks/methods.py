@@ -75,7 +75,7 @@ def main(argv):
   for name in positions.encoder_names():
     spec = BertConfig.tiny(position=name).position_spec
     added = parameter_count(BertConfig.base(position=name)) - base
-    rows.append(f"| `{name}` | {contributions(name)} | {added:,} | {'yes' if spec.fusable else 'no'} | "
+    rows.append(f"| `{name}` | {contributions(name)} | {added:,} | {'no' if spec.refusal('pallas') else 'yes'} | "
                 f"{'yes' if shift_invariant(name, rng) else 'no'} | {runs_at_twice_max_len(name)} |")
     print(rows[-1], flush=True)
   table = "\n".join(rows)

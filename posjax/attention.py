@@ -86,36 +86,30 @@ class Mask:
     return allowed
 
 
-def check_kernel(kernel: str, spec: base.PositionSpec) -> None:
-  """Static check: the kernel exists and can compute the method."""
+def check_kernel(kernel: str, spec: base.PositionSpec, *, dropout: bool = False) -> None:
+  """Static check: the kernel exists and can compute the method with its options (and attention dropout where
+  ``dropout``), as :meth:`posjax.positions.PositionSpec.refusal` says: one table,
+  :func:`posjax.kernels.capability.refusal`, read from the method's own terms."""
   if kernel not in KERNELS:
     raise ValueError(f"unknown attention kernel {kernel!r}; allowed: {list(KERNELS)}")
-  if kernel in ("cudnn", "pallas") and not spec.fusable:
-    raise ValueError(
-        f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
-        f"{spec.options}: the fused kernels do not build its terms (multiplicative terms, Shaw's value term, "
-        f"CoPE and stick-breaking need the full logits or the weights); use kernel "
-        f"'xla' (or 'auto', which falls back to it)")
-  if kernel == "cudnn" and not spec.method.softmax:
-    raise ValueError(f"attention kernel 'cudnn' computes softmax attention; position method {spec.name!r} reads the "
-                     "masked logits (its own weights or term): use kernel 'pallas' or 'xla'")
+  why = spec.refusal(kernel, dropout=dropout) if kernel in ("cudnn", "pallas") else None
+  if why:
+    raise ValueError(f"attention kernel {kernel!r} cannot compute position method {spec.name!r} with options "
+                     f"{spec.options}: {why}; use kernel 'xla' (or 'auto', which falls back to it)")
 
 
 def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool, platform: str | None = None) -> str:
   """The kernel one call runs on: ``xla``, ``cudnn`` or ``pallas`` (``platform``: the device compiled for,
-  default the default backend's)."""
-  check_kernel(kernel, spec)
+  default the default backend's); ``auto`` takes cuDNN where it can compute the layer, else ``xla``."""
+  check_kernel(kernel, spec, dropout=dropout and kernel == "pallas")
   if kernel == "xla":
     return "xla"
   if kernel == "pallas":
     return "pallas"
   reasons = []
-  if not spec.fusable:
-    reasons.append(f"position method {spec.name!r} needs the full logits or the weights")
-  elif not spec.method.softmax:
-    reasons.append(f"position method {spec.name!r} reads the masked logits, which cuDNN does not")
-  if dropout:
-    reasons.append("dropout on attention weights is on")
+  why = spec.refusal("cudnn", dropout=dropout)
+  if why:
+    reasons.append(f"position method {spec.name!r}: {why}")
   if jnp.dtype(dtype) not in FUSED_DTYPES:
     reasons.append(f"compute dtype {jnp.dtype(dtype).name} is not bfloat16/float16")
   if kernel == "cudnn":
@@ -292,9 +286,6 @@ class SelfAttention(nn.Module):
         state_variable(self, name, term, terms.k.shape[1])
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
-    if kernel not in terms.kernels:
-      raise ValueError(f"position method {spec.name!r} returned {type(terms).__name__}, which only the "
-                       f"{'/'.join(terms.kernels)} kernel computes, but declares itself fusable")
     if kernel == "xla" or self.is_mutable_collection("intermediates"):
       logits = add_biases(terms.content_logits(spec.scale), layer_bias(terms, state, spec.scale))
       self.sow("intermediates", "attention_logits", logits)

@@ -13,7 +13,8 @@ from posjax.models import BertConfig, BertEncoder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
-FUSABLE = [n for n in positions.encoder_names() if positions.make(n, num_heads=4, hidden_size=256, max_len=128).fusable]
+FUSABLE = [n for n in positions.encoder_names()
+           if positions.make(n, num_heads=4, hidden_size=256, max_len=128).refusal("pallas") is None]
 
 
 def encoders(kernel: str, **fields):

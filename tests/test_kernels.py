@@ -576,8 +576,9 @@ def test_tpu_blocks_mosaic_cannot_tile_are_an_error(monkeypatch):
 @pytest.mark.parametrize("config,message", [
     (dict(position="huang_m1"), "attention kernel 'pallas' cannot compute position method 'huang_m1'"),
     (dict(position="shaw", position_options={"value_term": True}), "cannot compute position method 'shaw'"),
-    (dict(position="stick_breaking", causal=True), "the pallas kernels drop no weights of position method "
-                                                   "'stick_breaking'"),
+    (dict(position="stick_breaking", causal=True), "'pallas' cannot compute position method 'stick_breaking' with "
+                                                   r"options .*: the Pallas kernels drop no attention weights under "
+                                                   r"the stick_breaking rule \(attention dropout must be 0\)"),
 ])
 def test_methods_the_kernel_cannot_compute_are_errors(config, message):
   with pytest.raises(ValueError, match=message):
@@ -697,8 +698,9 @@ def test_unknown_implementation_or_interpreter_is_an_error():
 
 @pytest.mark.parametrize("name", ["cope", "stick_breaking"])
 def test_cudnn_refuses_a_weight_rule_and_auto_leaves_it_to_xla(name):
-  with pytest.raises(ValueError, match=f"attention kernel 'cudnn' computes softmax attention; position method "
-                                       f"'{name}' reads the masked logits"):
+  with pytest.raises(ValueError, match=f"attention kernel 'cudnn' cannot compute position method '{name}' with "
+                                       f"options .*: cuDNN computes softmax attention; the {name} rule reads the "
+                                       "masked logits"):
     BertConfig.tiny(position=name, causal=True, attention_kernel="cudnn")
   spec = BertConfig.tiny(position=name, causal=True).position_spec
   assert attention.resolve_kernel("auto", spec, dtype=jnp.bfloat16, dropout=False, platform="gpu") == "xla"

@@ -6,13 +6,14 @@ gradient (q, k, v and the terms' parameters) along random directions against cen
 import functools
 import math
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posjax import kernels
+from posjax import attention, kernels, positions
 
 HALF = 4  # log buckets per direction: distances 0, 1, 2-3, 4+
 
@@ -239,7 +240,8 @@ def test_a_rule_is_its_own_argument():
     ("cudnn", kernels.Terms(alibi=kernels.Alibi(jnp.zeros(2))), False, None),
     ("pallas", kernels.Terms(stick_breaking=kernels.StickBreaking(), alibi=kernels.Alibi(jnp.zeros(2))), False,
      "do not compute stick_breaking with the alibi term"),
-    ("pallas", kernels.Terms(cope=kernels.Cope(jnp.zeros((8, 4)))), True, "do not compute dropout with cope"),
+    ("pallas", kernels.Terms(cope=kernels.Cope(jnp.zeros((8, 4)))), True, "drop no attention weights under the cope"),
+    ("cudnn", kernels.Terms(alibi=kernels.Alibi(jnp.zeros(2))), True, "dropout on attention weights is on"),
     ("pallas", kernels.Terms(open=(QueryTemperature(jnp.zeros(2)),)), True, None),
     ("decode", kernels.Terms(relative=kernels.Relative(jnp.zeros((5, 8)), 2, query=True)), False,
      "do not build the relative term"),
@@ -249,6 +251,29 @@ def test_a_rule_is_its_own_argument():
 def test_one_table_says_which_kernel_computes_what(kernel, terms, dropout, why):
   got = kernels.capability.refusal(kernel, terms, dropout=dropout)
   assert (got is None) if why is None else (why in got), got
+
+
+class TemperatureLayer(nn.Module):
+  """A user's position method: its layer returns an open term, and its record declares nothing about kernels."""
+
+  spec: positions.PositionSpec
+
+  @nn.compact
+  def __call__(self, q, k, state, scale):
+    beta = self.param("beta", nn.initializers.zeros, (self.spec.num_heads,))
+    return positions.LayerTerms(q, k, terms=kernels.Terms(open=(QueryTemperature(beta),)))
+
+
+def test_which_kernel_computes_a_method_is_read_from_the_terms_its_modules_return():
+  temperature = positions.Method("query_temperature", positions.get("none").options, layer=TemperatureLayer)
+  spec = positions.PositionSpec(temperature, temperature.options(), num_heads=2, head_dim=8, max_len=16)
+  assert spec.refusal("pallas") is None and spec.refusal("decode") is None
+  with pytest.raises(ValueError, match=r"attention kernel 'cudnn' cannot compute position method 'query_temperature' "
+                                       r"with options .*: cuDNN adds a bias; an open term may modify the score"):
+    attention.check_kernel("cudnn", spec)
+  assert attention.resolve_kernel("auto", spec, dtype=jnp.bfloat16, dropout=False, platform="gpu") == "xla"
+  multiplicative = positions.make("huang_m2", num_heads=2, hidden_size=16, max_len=16)
+  assert "do not compute dense logits" in multiplicative.refusal("pallas")
 
 
 @flax.struct.dataclass

@@ -1,7 +1,7 @@
 """Which kernel computes what: one table, :func:`refusal`, that every refusal quotes.
 
 - ``xla``: everything (the dense reference).
-- ``cudnn``: a softmax of ``scale q·k`` plus an additive bias: not a rule that replaces the softmax, not an open
+- ``cudnn``: a softmax of ``scale q·k`` plus an additive bias, without attention dropout: not a rule that replaces the softmax, not an open
   term (it may modify the score, which a bias cannot), not dense logits (Methods 1-3, Shaw's value term).
 - ``pallas`` (:func:`posjax.kernels.relative_attention`): every term; not dense logits; a rule (CoPE,
   stick-breaking) alone in its call and without attention dropout (its kernels drop no weights).
@@ -15,6 +15,7 @@ from __future__ import annotations
 from posjax.kernels.terms import NAMES, OPEN_BUILTINS, WEIGHT_RULES, Terms
 
 KERNELS = ("xla", "cudnn", "pallas", "decode")
+WORDS = {"xla": "xla", "cudnn": "cuDNN", "pallas": "Pallas", "decode": "decode"}
 DECODE_BUILT = OPEN_BUILTINS  # the built-in terms the decode kernels build per tile (the open ones)
 
 
@@ -29,8 +30,10 @@ def refusal(kernel: str, terms: Terms | None = None, *, dropout: bool = False, d
   if kernel == "xla":
     return None
   if dense:
-    return f"the {kernel} kernels do not compute dense logits (logits that replace q·k, or a value term)"
+    return f"the {WORDS[kernel]} kernels do not compute dense logits (logits that replace q·k, or a value term)"
   if kernel == "cudnn":
+    if dropout:
+      return "dropout on attention weights is on (posjax runs cuDNN without it)"
     if rules:
       return f"cuDNN computes softmax attention; the {rules[0]} rule reads the masked logits"
     if terms.open:
@@ -41,7 +44,7 @@ def refusal(kernel: str, terms: Terms | None = None, *, dropout: bool = False, d
     if others:
       return f"the Pallas kernels do not compute {rules[0]} with the {'/'.join(others)} term"
     if rules and dropout:
-      return f"the Pallas kernels do not compute dropout with {rules[0]}"
+      return f"the Pallas kernels drop no attention weights under the {rules[0]} rule (attention dropout must be 0)"
     return None
   other = [name for name in given if name not in DECODE_BUILT + ("open",)]
   return f"the decode kernels do not build the {'/'.join(other)} term" if other else None

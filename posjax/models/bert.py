@@ -175,7 +175,7 @@ class BertConfig:
     for field in ("dropout_rate", "attention_dropout_rate"):
       if not 0.0 <= getattr(self, field) < 1.0:
         raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)}")
-    attention.check_kernel(self.attention_kernel, self.position_spec)
+    attention.check_kernel(self.attention_kernel, self.position_spec, dropout=self._kernel_dropout)
     if self.position_schedule:
       if not isinstance(self.position_schedule, str):
         raise ValueError(f"position_schedule must be a ','-separated string of method names, got "
@@ -187,12 +187,13 @@ class BertConfig:
         if spec.method.input_embedding:
           raise ValueError(f"position_schedule: {spec.name!r} adds an input embedding, not a per-layer term; a "
                            "schedule takes methods that act inside attention")
-        attention.check_kernel(self.attention_kernel, spec)
-    for spec in (self.method_specs.values() if self.position_schedule else [self.position_spec]):
-      if self.attention_kernel == "pallas" and self.attention_dropout_rate and not spec.method.softmax:
-        raise ValueError(f"attention_dropout_rate={self.attention_dropout_rate}: the pallas kernels drop no weights "
-                         f"of position method {spec.name!r} (a rule on the masked logits); set "
-                         "attention_dropout_rate=0 or attention_kernel='xla'")
+        attention.check_kernel(self.attention_kernel, spec, dropout=self._kernel_dropout)
+
+  @property
+  def _kernel_dropout(self) -> bool:
+    """Whether the configured kernel must drop attention weights in training (the Pallas kernels; cuDNN's layers
+    fall back at run time, where training with dropout is known)."""
+    return self.attention_kernel == "pallas" and bool(self.attention_dropout_rate)
 
   def to_dict(self) -> dict:
     """The fields as plain JSON values (what ``model_config.json`` holds)."""

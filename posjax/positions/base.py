@@ -8,10 +8,12 @@ A position method may contribute to three places, and each is a separate, explic
 | shared terms (:class:`~posjax.kernels.Terms`) | once per forward pass     | t5, bert_r, tupe_a/r, alibi      |
 | per-layer q/k transforms and terms        | in every attention layer      | shaw, huang_m1..m4, bert_ad, rope|
 
-Every bias is a :class:`posjax.kernels.Terms` (ALiBi, buckets, relative vectors, TUPE's untied term, KERPLE, FIRE):
-a fused kernel builds it per tile, the ``xla`` path adds its dense form from :mod:`posjax.kernels.xla`, the one
-reference. Only the multiplicative Methods 1-3 and Shaw's value term are not terms; they, and KERPLE's and FIRE's
-terms (not in the kernels yet), come as :class:`DenseLayerTerms`: the ``xla`` path alone.
+Every bias is a :class:`posjax.kernels.Terms` (ALiBi, buckets, relative vectors, TUPE's untied term, KERPLE, FIRE,
+Sandwich, the forget gate, the weight rules) or an open :class:`posjax.kernels.Term`: a fused kernel builds it per
+tile, the ``xla`` path adds its dense form from :mod:`posjax.kernels.xla`, the one reference. Only the
+multiplicative Methods 1-3 and Shaw's value term are not terms; they come as :class:`DenseLayerTerms`: the ``xla``
+path alone. A method declares nothing about kernels: which kernel computes it is read from the terms its modules
+return (:meth:`PositionSpec.refusal`).
 
 ``Bp`` is the batch size of the ``positions`` array: 1 when every row shares the default ``0..L-1``
 positions (the shared terms are then computed once for the whole batch), ``B`` for packed batches.
@@ -26,6 +28,7 @@ attention layer and the encoder are built from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -83,10 +86,7 @@ class LayerTerms:
     q, k: ``[B, L, H, K]`` queries and keys.
     terms: :class:`posjax.kernels.Terms` of this layer (Shaw's / Method 4's relative vectors, a TUPE layer's own
       untied term), or None; the ``xla`` path adds their dense form, a fused kernel builds them per tile.
-    kernels: the attention kernels that can compute these terms (a class attribute: no field is probed).
   """
-
-  kernels: typing.ClassVar[tuple[str, ...]] = ("xla", "cudnn", "pallas")
 
   q: Array
   k: Array
@@ -110,8 +110,6 @@ class DenseLayerTerms(LayerTerms):
     logits: ``[B, H, L, L]`` scaled logits in place of ``scale q·k``, or None (then ``scale q·k``).
     value_fn: ``weights_BxHxLxL -> [B, L, H, K]`` added to the attention output, or None.
   """
-
-  kernels: typing.ClassVar[tuple[str, ...]] = ("xla",)
 
   logits: Array | None = None
   value_fn: Callable[[Array], Array] | None = None
@@ -186,9 +184,6 @@ class Method:
     layer: module type built as ``layer(spec=...)`` in every attention layer, called as
       ``(q, k, state, scale) -> LayerTerms`` (``state``: what ``encoder`` returned).
     content_scale: the word (q·k) term is scaled by ``1/sqrt(content_scale * d_h)``.
-    fusable: whether a fused kernel can compute the method with the given options (it may only rotate
-      or shift q/k and add :class:`posjax.kernels.Terms`); its layer then returns :class:`LayerTerms`, else
-      :class:`DenseLayerTerms`.
     max_len_bound: whether the method holds a learned table indexed by absolute position, so sequences
       longer than ``max_len`` are an error.
     input_embedding: whether all the method does is add an embedding to the tokens' (absolute, sinusoidal):
@@ -197,9 +192,6 @@ class Method:
       TUPE's): ELECTRA's two models on one table, each with its own projections.
     reads_input: whether its layer also reads the attention layer's input ``x`` ``[B, L, D]``, called as ``(q, k,
       state, scale, x)`` (the Forgetting Transformer's gate, computed from the tokens).
-    softmax: whether its weights are the softmax of the logits plus additive terms (cuDNN's flash attention then
-      computes it where it is ``fusable``); False for a rule that reads the masked logits (CoPE, stick-breaking),
-      which only posjax's own kernels compute.
     decoder_only: whether the method exists in a decoder's (causal) form only: its state runs from a key to the
       query (CoPE's counted positions, stick-breaking's product), so :func:`make` refuses it without ``causal``.
     summary: one line for listings and error messages.
@@ -210,12 +202,10 @@ class Method:
   encoder: type[nn.Module] = Positions
   layer: type[nn.Module] | None = None
   content_scale: float = 1.0
-  fusable: Callable[[Any], bool] = lambda options: True
   max_len_bound: bool = False
   input_embedding: bool = False
   table_shareable: bool = False
   reads_input: bool = False
-  softmax: bool = True
   decoder_only: bool = False
   summary: str = ""
 
@@ -327,10 +317,12 @@ class PositionSpec:
     """The width of what an input-embedding method adds: the token embeddings', ``embedding_size`` or ``H·K``."""
     return self.embedding_size or self.hidden_size
 
-  @property
-  def fusable(self) -> bool:
-    """Whether a fused kernel can compute the method with these options."""
-    return self.method.fusable(self.options)
+  def refusal(self, kernel: str, *, dropout: bool = False) -> str | None:
+    """Why ``kernel`` (``xla``, ``cudnn``, ``pallas`` or ``decode``) cannot compute the method with these options
+    (``dropout``: with attention dropout), None where it can: :func:`posjax.kernels.capability.refusal` of the terms
+    its modules return (:func:`layer_form`); a method declares nothing about kernels."""
+    terms, dense = layer_form(self)
+    return kernels.capability.refusal(kernel, terms, dropout=dropout, dense=dense)
 
   @property
   def scale(self) -> float:
@@ -344,6 +336,35 @@ class PositionSpec:
           f"position method {self.name!r} has a learned table of max_len={self.max_len} positions and cannot "
           f"encode a sequence of length {length}; use a shorter sequence, a larger max_len, or a relative "
           f"method ({', '.join(n for n in names() if not get(n).max_len_bound)})")
+
+
+@functools.lru_cache(maxsize=None)
+def layer_form(spec: PositionSpec) -> tuple[kernels.Terms | None, bool]:
+  """``(terms, dense)`` of one attention layer of ``spec``: its :class:`posjax.kernels.Terms` (the encoder's and the
+  layer's, merged; their array leaves abstract) and whether its layer returns :class:`DenseLayerTerms` (logits that
+  replace ``scale q·k``, or a value term). Found by evaluating the method's modules abstractly on a short row
+  (:func:`jax.eval_shape`: nothing is computed), once per spec, so what a kernel can compute is read from the terms
+  themselves."""
+  found = {}
+
+  def form():
+    length, (h, g, k) = min(8, spec.max_len), (spec.num_heads, spec.kv_heads, spec.head_dim)
+    positions_1xL = jnp.arange(length, dtype=jnp.int32)[None]
+    q_1xLxHxK, k_1xLxGxK = jnp.zeros((1, length, h, k), spec.dtype), jnp.zeros((1, length, g, k), spec.dtype)
+    encoder = spec.method.encoder(spec=spec)
+    state = encoder.apply(encoder.init(jax.random.PRNGKey(0), positions_1xL), positions_1xL)
+    found["terms"], found["dense"] = state.terms, False
+    if spec.method.layer is not None:
+      layer = spec.method.layer(spec=spec)
+      inputs = (q_1xLxHxK, k_1xLxGxK, state, spec.scale)
+      inputs += (jnp.zeros((1, length, spec.hidden_size), spec.dtype),) if spec.method.reads_input else ()
+      terms = layer.apply(layer.init(jax.random.PRNGKey(0), *inputs), *inputs)
+      found["terms"] = kernels.merge(state.terms, terms.terms)
+      found["dense"] = isinstance(terms, DenseLayerTerms)
+    return 0
+
+  jax.eval_shape(form)
+  return found["terms"], found["dense"]
 
 
 def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int, hidden_size: int,

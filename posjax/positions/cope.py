@@ -65,6 +65,6 @@ class CopeLayer(nn.Module):
     return base.LayerTerms(q, k, terms=kernels.Terms(cope=kernels.Cope(table_KxP)))
 
 
-base.register(base.Method("cope", CopeOptions, layer=CopeLayer, softmax=False, decoder_only=True,
+base.register(base.Method("cope", CopeOptions, layer=CopeLayer, decoder_only=True,
                           summary="Contextual Position Encoding: positions counted by gates on the logits, a learned "
                                   "table interpolated (Golovneva et al. 2024)"))

@@ -151,7 +151,7 @@ def _per_head(table_RxH, index_BpxLxL):
 
 
 def shaw(spec, q, k, positions, tables, scale):
-  """Shaw et al.: the ``q_i·w_r`` term (fusable), and optionally the value term (the ``xla`` path alone)."""
+  """Shaw et al.: the ``q_i·w_r`` term (a kernel term), and optionally the value term (the ``xla`` path alone)."""
   kk, impl = max_distance(spec), spec.options.impl
   terms = kernels.Terms(relative=kernels.Relative(tables["key"], kk, query=True, impl=impl))
   if not spec.options.value_term:
@@ -162,19 +162,19 @@ def shaw(spec, q, k, positions, tables, scale):
 
 
 def huang_m1(spec, q, k, positions, tables, scale):
-  """Method 1: ``(q·k) · w_{|r|, h}`` replaces the logits (multiplicative: not fusable)."""
+  """Method 1: ``(q·k) · w_{|r|, h}`` replaces the logits (multiplicative: dense, the ``xla`` path alone)."""
   index = jnp.minimum(jnp.abs(base.relative_positions(positions)), max_distance(spec))
   return base.DenseLayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
 
 
 def huang_m2(spec, q, k, positions, tables, scale):
-  """Method 2: ``(q·k) · w_{r, h}`` replaces the logits (multiplicative: not fusable)."""
+  """Method 2: ``(q·k) · w_{r, h}`` replaces the logits (multiplicative: dense, the ``xla`` path alone)."""
   index = clipped_index(base.relative_positions(positions), max_distance(spec))
   return base.DenseLayerTerms(q, k, logits=scale * base.dot_heads(q, k) * _per_head(tables["scalar"], index))
 
 
 def huang_m3(spec, q, k, positions, tables, scale):
-  """Method 3: ``Σ_l q_l k_l (w_r)_l`` replaces the logits (not fusable)."""
+  """Method 3: ``Σ_l q_l k_l (w_r)_l`` replaces the logits (dense, the ``xla`` path alone)."""
   a = jnp.take(tables["vector"], clipped_index(base.relative_positions(positions), max_distance(spec)), axis=0)
   k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)  # grouped keys: the dense path's triple product, per query head
   return base.DenseLayerTerms(q, k, logits=scale * triple_product(q, k, a))
@@ -220,16 +220,12 @@ class RelativeLayer(nn.Module):
     return TERMS[self.spec.name](self.spec, q, k, state.positions, tables, scale)
 
 
-def _register(name, options, summary, fusable=lambda options: True, *aliases):
-  base.register(base.Method(name, options, encoder=RelativeTables, layer=RelativeLayer, fusable=fusable,
-                            summary=summary), *aliases)
+def _register(name, options, summary, *aliases):
+  base.register(base.Method(name, options, encoder=RelativeTables, layer=RelativeLayer, summary=summary), *aliases)
 
 
-_register("shaw", ShawOptions, "Shaw et al. 2018: q_i·w_{j-i} key term (value term optional)",
-          lambda options: not options.value_term, "relative_key")
-_register("huang_m1", RelativeOptions, "Huang et al. 2020 Method 1: (q·k) · w_|j-i|", lambda options: False)
-_register("huang_m2", RelativeOptions, "Huang et al. 2020 Method 2: (q·k) · w_{j-i}", lambda options: False)
-_register("huang_m3", RelativeOptions, "Huang et al. 2020 Method 3: Σ_l q_l k_l (w_{j-i})_l",
-          lambda options: False)
-_register("huang_m4", VectorOptions, "Huang et al. 2020 Method 4: q·k + q·w_{j-i} + w_{j-i}·k",
-          lambda options: True, "relative_key_query")
+_register("shaw", ShawOptions, "Shaw et al. 2018: q_i·w_{j-i} key term (value term optional)", "relative_key")
+_register("huang_m1", RelativeOptions, "Huang et al. 2020 Method 1: (q·k) · w_|j-i|")
+_register("huang_m2", RelativeOptions, "Huang et al. 2020 Method 2: (q·k) · w_{j-i}")
+_register("huang_m3", RelativeOptions, "Huang et al. 2020 Method 3: Σ_l q_l k_l (w_{j-i})_l")
+_register("huang_m4", VectorOptions, "Huang et al. 2020 Method 4: q·k + q·w_{j-i} + w_{j-i}·k", "relative_key_query")

@@ -49,6 +49,6 @@ class StickBreakingLayer(nn.Module):
 
 
 base.register(base.Method("stick_breaking", StickBreakingOptions, layer=StickBreakingLayer,
-                          softmax=False, decoder_only=True,
+                          decoder_only=True,
                           summary="stick-breaking attention: each key takes a sigmoid's share of what closer keys "
                                   "left, no softmax (Tan et al. 2025)"))
