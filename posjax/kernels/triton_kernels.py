@@ -409,10 +409,6 @@ def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
   r["d_window"][0, 0, 0, :, :] = plan.scale * acc_WxK
 
 
-
-
-
-
 def _add_to_head(acc: dict, key: str, column, part_QxT) -> dict:
   """A share of a :data:`~posjax.kernels.term.HEAD` input's ``column`` (derived or hand-written): its sum, added to
   the program's partial sums."""
