@@ -184,7 +184,7 @@ def main(argv=None) -> int:
       raise ValueError(f"--prompt={args.prompt!r} encodes to no tokens")
     unknown = [args.prompt[a:b] for i, (a, b) in zip(encoded.ids, encoded.offsets) if i == tokenizer.unk_id]
     special = checkpoint.special_token_ids(args.workdir)
-    ids = checkpoint.prompt_prefix(args.workdir, special) + encoded.ids  # [CLS] first where its rows began with it
+    ids = checkpoint.prompt_prefix(args.workdir, special, tokenizer) + encoded.ids  # as its rows began
     if unknown:
       print(f"warning: --prompt has {len(unknown)} piece(s) the run's vocabulary does not hold, each read as "
             f"{tokenizer.backend.id_to_token(tokenizer.unk_id)}: {', '.join(map(repr, unknown))}", file=sys.stderr)

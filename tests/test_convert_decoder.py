@@ -104,34 +104,6 @@ def test_the_command_line_takes_a_decoder_to_a_run_and_back(tmp_path):
   np.testing.assert_allclose(hf_logits(back, ids), want, atol=2e-4 * np.abs(want).max(), rtol=0)
 
 
-def test_a_converted_decoder_continues_pre_training_in_the_loop(tmp_path):
-  """A Hugging Face Llama (the built-in corpus's vocabulary) converted to a run, then configs/lm.py:init_from=RUN:
-  the run's architecture and every weight are taken: at learning rate 0 its checkpoint holds Hugging Face's weights
-  (a fresh or dropped parameter would differ)."""
-  from conftest import load_config, override
-  from posjax.convert import __main__ as cli
-  from posjax.data import synthetic
-  from posjax.data.tokenizer import Tokenizer
-  from posjax.main import train
-  from posjax.train import checkpoint
-
-  vocab = Tokenizer.load(f"{synthetic.BUILTIN_DIR}/tiny_vocab.txt").vocab_size
-  config_class, model_class, fields = CASES["llama-gqa-llama3"]
-  torch.manual_seed(0)
-  model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**SMALL, **fields,
-                                                                                     "vocab_size": vocab}))
-  model.save_pretrained(tmp_path / "hf", safe_serialization=True)
-  assert cli.main(["hf-to-posjax", "--from", str(tmp_path / "hf"), "--workdir", str(tmp_path / "converted")]) == 0
-  config = override(load_config("lm", f"runlocal,init_from={tmp_path / 'converted'}"), total_steps=1,
-                    learning_rate=0.0, warmup_steps=0, eval_every_steps=1, checkpoint_every_steps=1, batch_size=8)
-  assert config.model.num_kv_heads == 2 and config.model.position_options.scaling == "llama3"
-  train(config, str(tmp_path / "run"))
-  got = checkpoint.load_params(str(tmp_path / "run"))
-  want = checkpoint.load_params(str(tmp_path / "converted"))
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=jax.tree_util.keystr(path))
-
-
 def saved_run(run, packing: str, config, adjust=lambda module, variables: variables):
   """A causal run's workdir as training leaves it, without the training: a WordPiece vocab.txt (BERT's specials, 59
   words w0..w58), config.json's packing, the model's parameters (every one moved from its initial value, then

@@ -17,7 +17,7 @@ from posjax.tasks import clm, passkey
 
 # [CLS] = 2, [SEP] = 3; intro 10 11; filler 20 21 22; key line "30 {key} 31 32 {key} 33"; question 40 41.
 TEMPLATE = passkey.Template(intro=[10, 11], filler=[20, 21, 22], key_line=[[30], [31, 32], [33]], question=[40, 41],
-                            cls_id=2, sep_id=3)
+                            start=[2], sep=[3])
 
 
 def test_a_prompt_hides_the_key_at_its_depth_between_filler_cut_from_its_start():

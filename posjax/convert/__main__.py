@@ -35,6 +35,7 @@ from tokenizers import processors
 
 from posjax.cli import check_directory
 from posjax.convert import hf_bert, hf_decoder, hf_electra, tupe_fairseq
+from posjax.data import tokenizer as tokenizer_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig
 from posjax.models.electra import ElectraConfig
@@ -48,7 +49,7 @@ EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors", "m
                 "generator", "discriminator")
 EXPORT_MARKER = "posjax_export.json"
 # A converted model's tokenizer settings beside its tokenizer file: kept in the run, written back unchanged.
-TOKENIZER_SETTINGS = ("tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_SETTINGS = tokenizer_lib.SETTINGS
 # What the converters need beyond posjax's own dependencies: the convert extra's modules, and how to install them.
 CONVERT_EXTRA = ("torch", "transformers", "safetensors")
 INSTALL_CONVERT = "pip install -e '.[convert]'"
@@ -235,10 +236,14 @@ def save_hf(model, run: str, out: str, decoder: bool = False) -> str:
       for name, value in special_ids.items():
         setattr(settings, name, value)
   model.save_pretrained(out, safe_serialization=True)
-  if os.path.isfile(os.path.join(run, CONVERTED_FROM)) and vocab.startswith(os.path.join(run, "")):
-    for name in (os.path.basename(vocab), *TOKENIZER_SETTINGS):  # the source's own tokenizer, as it came
-      if os.path.isfile(os.path.join(run, name)):
-        shutil.copy(os.path.join(run, name), os.path.join(out, name))
+  converted = os.path.isfile(os.path.join(run, CONVERTED_FROM)) and vocab.startswith(os.path.join(run, ""))
+  if converted or (vocab.endswith(".json") and tokenizer_lib.hf_settings(vocab) is not None):
+    # a Hugging Face tokenizer (the source's, or the one the run trained with): its files, as they came
+    folder = os.path.dirname(vocab)
+    shutil.copy(vocab, os.path.join(out, "tokenizer.json" if not converted else os.path.basename(vocab)))
+    for name in TOKENIZER_SETTINGS:
+      if os.path.isfile(os.path.join(folder, name)):
+        shutil.copy(os.path.join(folder, name), os.path.join(out, name))
   elif vocab.endswith(".txt") or (vocab and decoder):
     hf_tokenizer(vocab, special_ids).save_pretrained(out)
   elif vocab:

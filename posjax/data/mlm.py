@@ -9,7 +9,8 @@ Packing modes (``packing=``):
   and ``positions``, so it never attends to another document in the same block (a document longer than a
   block continues in the next one, again behind a [CLS]).
 - ``stream`` (GPT-style decoders: nanoGPT, MaxText, levanter): the documents' tokens joined into one stream, each
-  document followed by the end-of-document token (the tokenizer's [SEP]), cut into full rows of ``max_len``: no
+  document followed by the end-of-document token (the tokenizer's [SEP], or a Hugging Face model's eos; its bos
+  first where its tokenizer adds one), cut into full rows of ``max_len``: no
   [CLS], no padding (but in the stream's last row); positions ``0..L-1``, every token attends across documents.
 - ``stream_documents``: the same rows, with ``segment_ids`` and ``positions`` restarting at each document, so a
   token attends only to its own document (a document cut by a row boundary continues at position 0).
@@ -94,13 +95,14 @@ def pack_documents(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: 
 
 
 def pack_stream(token_docs: Iterable[list[list[int]]], max_len: int, cls_id: int, sep_id: int, pad_id: int,
-                apart: bool = False) -> Iterator[dict]:
-  """Full rows cut from one token stream, each document followed by ``sep_id`` (its end-of-document token); no
-  [CLS] (``cls_id`` unused). ``apart``: segment ids and positions per document within each row."""
+                first: tuple[int, ...] = (), apart: bool = False) -> Iterator[dict]:
+  """Full rows cut from one token stream, each document ``first`` (the ids its tokenizer puts first: a Hugging
+  Face model's bos, where it adds one) then its tokens then ``sep_id`` (its end-of-document token); no [CLS]
+  (``cls_id`` unused). ``apart``: segment ids and positions per document within each row."""
   del cls_id
   tokens, segments, positions = [], [], []
   for document in token_docs:
-    flat = [t for sentence in document for t in sentence] + [sep_id]
+    flat = list(first) + [t for sentence in document for t in sentence] + [sep_id]
     while flat:
       take = flat[:max_len - len(tokens)]
       flat = flat[len(take):]
@@ -121,7 +123,23 @@ def packer(packing: str) -> Callable[..., Iterator[dict]]:
   if packing not in PACKINGS:
     raise ValueError(f"unknown packing {packing!r}; allowed: {list(PACKINGS)}")
   return {"full_sentence": pack_full_sentences, "documents": pack_documents, "stream": pack_stream,
-          "stream_documents": lambda *args: pack_stream(*args, apart=True)}[packing]
+          "stream_documents": lambda *args, **kw: pack_stream(*args, **kw, apart=True)}[packing]
+
+
+def pack_tokens(packing: str, token_docs: Iterable[list[list[int]]], max_len: int,
+                tokenizer: Tokenizer) -> Iterator[dict]:
+  """The blocks of ``packing`` from tokenized documents with ``tokenizer``'s special ids: [CLS] and [SEP] (a
+  Hugging Face decoder's tokenizer: its bos and eos), and under the stream packings its documents' own first ids
+  (:attr:`posjax.data.tokenizer.Tokenizer.start_ids`); a role the packing needs and the tokenizer lacks is an
+  error."""
+  pack = packer(packing)
+  if packing.startswith("stream"):
+    tokenizer.need("sep", purpose=f"packing={packing!r} (its end-of-document token: eos or [SEP])")
+    return pack(token_docs, max_len, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id,
+                first=tuple(tokenizer.start_ids))
+  tokenizer.need("cls", "sep", purpose=f"packing={packing!r} (a row's first token and a sentence's last: [CLS] / "
+                                       "bos and [SEP] / eos)")
+  return pack(token_docs, max_len, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id)
 
 
 # Packings whose segment ids keep documents apart (the model reads them; the others' rows attend across).
@@ -282,12 +300,11 @@ class MlmBatches:
     self._blocks = self._block_stream()
 
   def _block_stream(self) -> Iterator[dict]:
-    pack = packer(self.packing)
     tok = self.tokenizer
     while True:
       token_docs = (tok.encode_batch(document) for document in self.documents())
       produced = False
-      for block in pack(token_docs, self.max_len, tok.cls_id, tok.sep_id, tok.pad_id):
+      for block in pack_tokens(self.packing, token_docs, self.max_len, tok):
         produced = True
         yield block
       if not self.repeat:  # a one-pass stream (evaluation) may be empty on some shards

@@ -34,6 +34,7 @@ import tqdm
 from posjax import cli
 from posjax import results as results_lib
 from posjax.data import corpus, feature_cache, mlm
+from posjax.data import tokenizer as tokenizer_lib
 from posjax.data.tokenizer import Tokenizer
 
 FORMAT = 2
@@ -112,12 +113,11 @@ def _prepare_chunk(job: tuple[int, int], *, corpora: list, chunks: int, max_len:
       return json.load(f)
   tokenizer = Tokenizer.load(data.vocab_file)
   dtype = record_dtype(tokenizer.vocab_size, max_len)
-  pack = mlm.packer(packing)
   documents = (tokenizer.encode_batch(document) for document in corpus.documents(data, "train", chunk, chunks))
   blocks = tokens = 0
   writer = ArrayRecordWriter(path + ".tmp", "group_size:1")
   try:
-    for block in pack(documents, max_len, tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id):
+    for block in mlm.pack_tokens(packing, documents, max_len, tokenizer):
       writer.write(encode_block(block, dtype))
       blocks += 1
       tokens += int(block["attention_mask"].sum())
@@ -145,7 +145,8 @@ def prepare(config, out: str, *, workers: int = 1, chunks: int = 64, corpora: Se
       corpus.check(part, ("train",))
     except (ValueError, FileNotFoundError) as error:
       raise type(error)(f"--corpus={spec}: {error}" if spec else str(error)) from None
-  metadata = {"format": FORMAT, "tokenizer_sha256": sha256(data.vocab_file), "vocab_size": tokenizer.vocab_size,
+  metadata = {"format": FORMAT, "tokenizer_sha256": tokenizer_lib.digest(data.vocab_file),
+              "vocab_size": tokenizer.vocab_size,
               "packing": data.packing, "max_len": int(config.max_len), "chunks": chunks,
               "record": {"fields": list(FIELDS), "dtype": np.dtype(record_dtype(tokenizer.vocab_size,
                                                                                 config.max_len)).name},

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from posjax.data import features, mlm, prepare
+from posjax.data import tokenizer as tokenizer_lib
 from posjax.data.tokenizer import Tokenizer
 
 
@@ -31,7 +32,7 @@ def read_metadata(directory: str) -> dict:
 
 def check(metadata: dict, directory: str, *, vocab_file: str, packing: str, max_len: int) -> list[str]:
   """The record files, after checking that the corpus was prepared for this run; any mismatch is an error."""
-  wanted = {"tokenizer_sha256": prepare.sha256(vocab_file), "packing": packing, "max_len": max_len,
+  wanted = {"tokenizer_sha256": tokenizer_lib.digest(vocab_file), "packing": packing, "max_len": max_len,
             "format": prepare.FORMAT}
   different = {k: (metadata.get(k), v) for k, v in wanted.items() if metadata.get(k) != v}
   if different:

@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 
 from posjax.data import feature_cache, synthetic
+from posjax.data import tokenizer as tokenizer_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.finetune import init as init_lib
 from posjax.models import BertConfig
@@ -24,6 +25,8 @@ def start(config: ml_collections.ConfigDict):
   if not vocab_file:
     raise ValueError("no vocabulary: set config.data.vocab_file, or config.init to a run that has one")
   tokenizer = Tokenizer.load(vocab_file)
+  tokenizer.need("cls", "sep", purpose=f"fine-tuning (task={config.get('task')!r}: [CLS] first, [SEP] after each "
+                                       "segment)")
   fields, changed = init_lib.model_fields(config, start, tokenizer.vocab_size)
   model_config = BertConfig.from_config(fields, tokenizer.vocab_size, config.max_len)
   model_config.position_spec.check_length(config.max_len)
@@ -106,5 +109,5 @@ def cached_features(data, key: dict, build, *, vocab_file: str, source_file: str
   if cache_dir:
     origin = (feature_cache.file_digest(source_file) if source_file and os.path.isfile(source_file)
               else f"{source} {os.path.abspath(data.data_dir) if data.get('data_dir') else ''}")
-    key = {**key, "source": origin, "vocab": feature_cache.file_digest(vocab_file)}
+    key = {**key, "source": origin, "vocab": tokenizer_lib.digest(vocab_file)}
   return feature_cache.cached(cache_dir, key, build)

@@ -205,6 +205,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """ELECTRA pre-training on ``config.data`` (the corpora of :func:`posjax.tasks.mlm.corpus_batches`);
   evaluators of kind ``electra``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
+  tokenizer.need("mask", purpose="ELECTRA pre-training (its generator's masked LM)")
   configs = model_config(config, tokenizer.vocab_size)
   opts = options(config)
   share_table = (opts["share_position_table"] and opts["tie_embeddings"]

@@ -277,6 +277,7 @@ def corpus_evaluators(evaluations: dict, model_config: BertConfig, predict: Call
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Masked-LM pre-training on ``config.data`` (see :func:`corpus_batches`); evaluators of kind ``mlm``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
+  tokenizer.need("mask", purpose="masked-LM pre-training (task='mlm')")
   model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
   model = BertModel(model_config, head="mlm")
   use_segments = config.data.packing in mlm_data.SEPARATE_DOCUMENTS

@@ -7,6 +7,10 @@ as the packed corpus ends its sentences (:mod:`posjax.data.mlm`):
 
   ``[CLS] intro [SEP] filler[:p] [SEP] key line [SEP] filler[:F - p] [SEP] question key``
 
+With a Hugging Face model's tokenizer (:class:`posjax.data.tokenizer.Tokenizer` with settings files) the row starts
+with what its encoding adds (Llama's bos, GPT-2's nothing) and a line break's tokens take [SEP]'s place: the prompt
+as text, as that model reads it.
+
 ``filler`` is the filler text's tokens repeated, cut (as their code cuts it, from its start) to ``p`` tokens before
 the key line and ``F - p`` after it, ``F`` being whatever the row has room for; the depth ``p`` is drawn uniformly
 from ``0..F``. The key is ``digits`` symbols drawn uniformly (each symbol one token: by default the digits 0-9 as
@@ -69,14 +73,15 @@ class Template(NamedTuple):
   filler: list[int]
   key_line: list[list[int]]
   question: list[int]
-  cls_id: int
-  sep_id: int
+  start: list[int]  # the row's first ids: [CLS], or a Hugging Face tokenizer's own (its bos, or none)
+  sep: list[int]  # between the pieces: [SEP], or a line break's tokens (Tokenizer.separator_ids)
 
 
 def fixed_tokens(template: Template, digits: int) -> int:
-  """The tokens of a row that are not filler: [CLS], the intro, the key line, the question, the key, four [SEP]."""
+  """The tokens of a row that are not filler: the start, the intro, the key line, the question, the key, four
+  separators."""
   key_line = sum(map(len, template.key_line)) + digits * (len(template.key_line) - 1)
-  return 1 + len(template.intro) + key_line + len(template.question) + digits + 4
+  return len(template.start) + len(template.intro) + key_line + len(template.question) + digits + 4 * len(template.sep)
 
 
 def prompt(template: Template, key: list[int], depth: int, length: int) -> list[int]:
@@ -92,8 +97,8 @@ def prompt(template: Template, key: list[int], depth: int, length: int) -> list[
   line = list(template.key_line[0])
   for part in template.key_line[1:]:
     line += list(key) + part
-  sep = [template.sep_id]
-  return ([template.cls_id] + template.intro + sep + stream[:depth] + sep + line + sep + stream[:room - depth] + sep
+  sep = list(template.sep)
+  return (list(template.start) + template.intro + sep + stream[:depth] + sep + line + sep + stream[:room - depth] + sep
           + template.question + list(key))
 
 
@@ -101,7 +106,10 @@ def template(tokenizer: Tokenizer, spec: dict, name: str = "the evaluator") -> t
   """The spec's texts as a :class:`Template`, and the key's symbol ids (each must be one known token)."""
   symbols = []
   for symbol in spec["symbols"].split():
-    ids = tokenizer.encode(symbol)
+    # a Hugging Face tokenizer's own piece where it has one ("1", not SentencePiece's "▁1": a key's digits as its
+    # model reads them after a space piece), else the symbol's encoding
+    piece = None if tokenizer.settings is None else tokenizer.backend.token_to_id(symbol)
+    ids = [piece] if piece is not None else tokenizer.encode(symbol)
     if len(ids) != 1 or ids[0] == tokenizer.unk_id:
       raise ValueError(f"passkey symbol {symbol!r} is {ids} in this vocabulary; each symbol must be one known token "
                        f"(set {name}'s symbols)")
@@ -111,9 +119,10 @@ def template(tokenizer: Tokenizer, spec: dict, name: str = "the evaluator") -> t
   parts = spec["key_line"].split("{key}")
   if len(parts) < 2:
     raise ValueError(f"passkey key_line={spec['key_line']!r} has no {{key}}")
+  start = [tokenizer.cls_id] if tokenizer.settings is None else tokenizer.start_ids
   return Template(tokenizer.encode(spec["intro"]), tokenizer.encode(spec["filler"]),
-                  [tokenizer.encode(p) for p in parts], tokenizer.encode(spec["question"]), tokenizer.cls_id,
-                  tokenizer.sep_id), symbols
+                  [tokenizer.encode(p) for p in parts], tokenizer.encode(spec["question"]), start,
+                  tokenizer.separator_ids), symbols
 
 
 def depth_fractions(depths: int) -> np.ndarray:
