@@ -21,6 +21,7 @@ import ml_collections
 
 from configs import pretrain
 from posjax.config_args import named, parse_arg
+from posjax.tasks import clm as clm_task
 from posjax.tasks import passkey
 
 
@@ -30,6 +31,7 @@ def get_config(arg=None):
   size = f",size={arg.size}" if "size" in given else ""  # unnamed: pretrain's (base; runlocal: tiny)
   config = pretrain.get_config(f"position={arg.position}{size},runlocal={arg.runlocal},keep={arg.keep}")
   config.task = "clm"
+  clm_task.loss_defaults(config)  # loss_chunk, z_loss
   config.model.causal = True
   config.model.type_vocab_size = 0
   config.evals = ml_collections.ConfigDict({name: {**spec.to_dict(), "kind": "clm"}

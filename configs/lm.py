@@ -28,6 +28,7 @@ import ml_collections
 from configs import pretrain
 from posjax.config_args import named, parse_arg
 from posjax.models import DECODER_SIZES, BertConfig
+from posjax.tasks import clm as clm_task
 from posjax.tasks import passkey
 from posjax.train import checkpoint
 
@@ -49,6 +50,7 @@ def get_config(arg=None):
     raise ValueError(f"unknown size {arg.size!r}; allowed: {list(DECODER_SIZES)}")
   config = pretrain.get_config(f"position={arg.position},runlocal={arg.runlocal},keep={arg.keep}")
   config.task = "clm"
+  clm_task.loss_defaults(config)  # loss_chunk, z_loss
   preset = BertConfig.decoder(**DECODER_SIZES[arg.size]).to_dict()
   size = DECODER_SIZES["tiny" if arg.runlocal and "size" not in given else arg.size]
   config.model.update({**{field: preset[field] for field in DECODER_FIELDS}, **size})

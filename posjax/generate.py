@@ -86,7 +86,7 @@ def generate(module: BertModel, variables, prompt_ids, *, max_new_tokens: int, a
     raise ValueError(f"attention_mask has shape {mask_BxP.shape}; expected the prompt's {(b, p)}")
   tokens, logits = _generate(module, {"params": variables["params"]}, prompt_ids, mask_BxP, max_new_tokens,
                              float(temperature), top_k, float(top_p), jnp.uint32(seed),
-                             eos_ids(eos_id))
+                             eos_ids(eos_id), bool(return_logits))
   return (tokens, logits) if return_logits else tokens
 
 
@@ -104,11 +104,13 @@ def greedy(module: BertModel, variables, prompt_BxP, steps: int):
   """``[B, P + steps]``: :func:`generate` at temperature 0 for full prompts, without its checks (traceable: what an
   evaluator calls inside its compiled program)."""
   return _generate(module, variables, prompt_BxP, jnp.ones(prompt_BxP.shape, bool), steps, 0.0, 0, 1.0,
-                   jnp.uint32(0), ())[0]
+                   jnp.uint32(0), (), False)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9))
-def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10))
+def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id, keep_logits):
+  """The loop: the prefill computes the LM head at each prompt's last token only (the prompts are left-padded), and
+  the step logits ``[B, N, V]`` are kept only where ``keep_logits`` (else ``[B, 0, V]``)."""
   b, p = prompt_BxP.shape
   slots = p + steps
   if module.config.attention_kernel == "pallas":  # the decode kernels read a cache of whole key tiles in place
@@ -117,12 +119,16 @@ def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k
       lambda: module.init(jax.random.key(0), jnp.zeros((b, slots), jnp.int32), decode=True))["cache"])
   positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP.astype(jnp.int32), axis=1) - 1, 0)
   out, mutated = module.apply({**variables, "cache": cache}, prompt_BxP, positions=positions_BxP,
-                              attention_mask=mask_BxP, decode=True, mutable=["cache"])
+                              attention_mask=mask_BxP, masked_positions=jnp.full((b, 1), p - 1, jnp.int32),
+                              decode=True, mutable=["cache"])
   key = jax.random.key(seed)
   first_BxV = out.logits[:, -1].astype(jnp.float32)
   tokens_BxN = jnp.zeros((b, steps), jnp.int32).at[:, 0].set(
       sample(first_BxV, jax.random.fold_in(key, 0), temperature, top_k, top_p))
-  logits_BxNxV = jnp.zeros((b, steps, first_BxV.shape[-1]), jnp.float32).at[:, 0].set(first_BxV)
+  kept = steps if keep_logits else 0
+  logits_BxNxV = jnp.zeros((b, kept, first_BxV.shape[-1]), jnp.float32)
+  if keep_logits:
+    logits_BxNxV = logits_BxNxV.at[:, 0].set(first_BxV)
 
   def step(t, carry):
     tokens_BxN, logits_BxNxV, cache, position_B, done_B = carry
@@ -133,8 +139,9 @@ def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k
     next_B = sample(logits_BxV, jax.random.fold_in(key, t), temperature, top_k, top_p)
     done_B = done_B | jnp.isin(token_B, jnp.asarray(eos_id or (-1,), jnp.int32))
     next_B = jnp.where(done_B, token_B, next_B)  # a finished row repeats the eos it ended with
-    return (tokens_BxN.at[:, t].set(next_B), logits_BxNxV.at[:, t].set(logits_BxV), mutated["cache"],
-            position_B + 1, done_B)
+    if keep_logits:
+      logits_BxNxV = logits_BxNxV.at[:, t].set(logits_BxV)
+    return tokens_BxN.at[:, t].set(next_B), logits_BxNxV, mutated["cache"], position_B + 1, done_B
 
   last_B = positions_BxP[:, -1]
   tokens_BxN, logits_BxNxV, *_ = jax.lax.fori_loop(1, steps, step, (tokens_BxN, logits_BxNxV, mutated["cache"],

@@ -47,19 +47,21 @@ def test_unmasked_batches_hold_the_packed_tokens_and_no_masked_fields():
   np.testing.assert_array_equal(restored, batch["input_ids"])  # the same blocks, before masking
 
 
-@pytest.mark.parametrize("packing", ["full_sentence", "documents"])
-def test_the_next_token_loss_is_numpys(packing):
-  """Token i predicts token i + 1 where both are real (and, packing documents, of one segment)."""
+@pytest.mark.parametrize("packing,chunk,z_loss", [("full_sentence", 0, 0.0), ("documents", 5, 1e-2)])
+def test_the_next_token_loss_is_numpys(packing, chunk, z_loss):
+  """Token i predicts token i + 1 where both are real (and, packing documents, of one segment), with the logits
+  of a sequence computed whole or in chunks of 5 positions (24 = 5 x 5 - 1: the last chunk padded), and the z-loss
+  ``z logsumexp²`` added."""
   batch = unmasked_batch(packing)
   batch["attention_mask"][1, 20:] = 0  # a padded tail
   if packing == "documents":  # a second document from token 12 of row 0
     batch["segment_ids"][0, 12:], batch["positions"][0, 12:] = batch["segment_ids"][0, 0] + 1, np.arange(12)
   model = BertModel(BertConfig.tiny(position="alibi", causal=True, vocab_size=tokenizer().vocab_size, max_len=24),
-                    head="mlm")
+                    head="lm")
   params = model.init(jax.random.PRNGKey(0), jnp.asarray(batch["input_ids"]))["params"]
   use_segments = packing == "documents"
   got = clm.next_token_row_sums(model, params, batch, None, use_segments=use_segments, deterministic=True,
-                                by_position=True)
+                                by_position=True, loss_chunk=chunk, z_loss=z_loss)
   inputs = {k: batch[k] for k in ("attention_mask", "positions")} | (
       {"segment_ids": batch["segment_ids"]} if use_segments else {})
   logits = np.asarray(model.apply({"params": params}, jnp.asarray(batch["input_ids"]), **inputs).logits, np.float64)
@@ -70,8 +72,9 @@ def test_the_next_token_loss_is_numpys(packing):
     for i in range(ids.shape[1] - 1):
       if real[b, i] and real[b, i + 1] and (not use_segments or segments[b, i] == segments[b, i + 1]):
         z = logits[b, i] - logits[b, i].max()
-        loss += np.log(np.exp(z).sum()) - z[ids[b, i + 1]]
-        at_position[:, i] += (np.log(np.exp(z).sum()) - z[ids[b, i + 1]], 1.0)
+        token = np.log(np.exp(z).sum()) - z[ids[b, i + 1]] + z_loss * (np.log(np.exp(z).sum()) + logits[b, i].max()) ** 2
+        loss += token
+        at_position[:, i] += (token, 1.0)
         correct += float(np.argmax(logits[b, i]) == ids[b, i + 1])
         weight += 1
     np.testing.assert_allclose([got["loss"][b], got["correct"][b], got["weight"][b]], [loss, correct, weight],
@@ -83,6 +86,32 @@ def test_the_next_token_loss_is_numpys(packing):
                              rtol=1e-4)
   if use_segments:
     assert float(np.sum(got["weight"])) < float(np.sum(real[:, 1:] * real[:, :-1]))  # boundaries are not predicted
+
+
+def test_the_chunked_loss_has_the_full_logits_gradient():
+  """The loss in chunks of 5 positions (the backward recomputing each chunk's logits) has the gradient of optax's
+  cross-entropy on the whole ``[B, L, V]`` logits, for every parameter, relative to the largest."""
+  import optax
+
+  batch = unmasked_batch("full_sentence")
+  model = BertModel(BertConfig.decoder(vocab_size=tokenizer().vocab_size, hidden_size=32, num_layers=2, num_heads=4,
+                                       num_kv_heads=2, intermediate_size=48, max_len=24, dtype="float32"), head="lm")
+  ids = jnp.asarray(batch["input_ids"])
+  params = jax.jit(model.init)(jax.random.PRNGKey(0), ids)["params"]
+
+  def chunked(params):
+    return jnp.sum(clm.next_token_row_sums(model, params, batch, None, use_segments=False, deterministic=True,
+                                           loss_chunk=5)["loss"])
+
+  def whole(params):
+    logits = model.apply({"params": params}, ids).logits[:, :-1]
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]) * (
+        jnp.asarray(batch["attention_mask"])[:, 1:] * jnp.asarray(batch["attention_mask"])[:, :-1]))
+
+  got, want = jax.jit(jax.grad(chunked))(params), jax.jit(jax.grad(whole))(params)
+  largest = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, atol=1e-5 * largest, rtol=0, err_msg=jax.tree_util.keystr(path))
 
 
 def test_a_decoder_run_learns_and_reports_perplexity(tmp_path):

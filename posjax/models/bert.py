@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from posjax import attention, partitioning, positions as positions_lib
-from posjax.models import layout
+from posjax.models import layout, lm_loss
 from posjax.positions import base
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -278,13 +278,18 @@ class Unembed(nn.Module):
   products in the compute dtype, the sum in float32."""
   config: Any
 
-  @nn.compact
-  def __call__(self, x_BxLxD):
+  def setup(self):
     c = self.config
-    kernel_DxV = self.param("kernel", base.normal_init((base.EMBED, VOCAB)), (c.hidden_size, c.vocab_size),
-                            DTYPES[c.param_dtype])
-    dtype = DTYPES[c.dtype]
-    return jnp.einsum("...d,dv->...v", x_BxLxD.astype(dtype), kernel_DxV.astype(dtype),
+    self.kernel = self.param("kernel", base.normal_init((base.EMBED, VOCAB)), (c.hidden_size, c.vocab_size),
+                             DTYPES[c.param_dtype])
+
+  def matrix(self):
+    """``[D, V]`` in the compute dtype."""
+    return self.kernel.astype(DTYPES[self.config.dtype])
+
+  def __call__(self, x_BxLxD):
+    kernel_DxV = self.matrix()
+    return jnp.einsum("...d,dv->...v", x_BxLxD.astype(kernel_DxV.dtype), kernel_DxV,
                       preferred_element_type=jnp.float32)
 
 
@@ -474,6 +479,14 @@ class BertEncoder(nn.Module):
     return jnp.einsum("...e,ve->...v", x_BxLxE.astype(embed.dtype), embed.embedding.astype(embed.dtype),
                       preferred_element_type=jnp.float32)
 
+  def word_matrix(self):
+    """``(matrix, layout)`` of :meth:`attend_words` in the compute dtype: the word embeddings ``[V, E]`` (``"ve"``)
+    or the untied head's kernel ``[D, V]`` (``"dv"``), for :func:`posjax.models.lm_loss.token_losses`."""
+    if not self.config.tie_embeddings:
+      return self.lm_head.matrix(), "dv"
+    embed = self._embeddings_source().word_embeddings
+    return embed.embedding.astype(embed.dtype), "ve"
+
   def _table_source(self) -> "BertEncoder":
     """The encoder whose position table this one reads: ``shared``, with the same table-shareable method, options
     and ``max_len``."""
@@ -513,11 +526,16 @@ def mlm_head(module: nn.Module, encoder: BertEncoder, h_BxMxD):
   """BERT's MLM head, tied to the word embeddings: dense (to the embeddings' width) -> activation -> LayerNorm ->
   ``E^T`` + bias (called inside ``module``'s compact ``__call__``: its parameters are ``transform``,
   ``transform_norm``, ``output_bias``)."""
+  h_BxMxE, bias_V = mlm_transform(module, encoder, h_BxMxD)
+  return encoder.attend_words(h_BxMxE) + bias_V
+
+
+def mlm_transform(module: nn.Module, encoder: BertEncoder, h_BxMxD):
+  """``(states, output bias)`` of BERT's MLM head before its product with the word embeddings."""
   c = encoder.config
   h_BxMxE = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](_dense(c, c.embed_width, (base.EMBED, MLP),
                                                                                "transform")(h_BxMxD)))
-  bias_V = module.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,), DTYPES[c.param_dtype])
-  return encoder.attend_words(h_BxMxE) + bias_V
+  return h_BxMxE, module.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,), DTYPES[c.param_dtype])
 
 
 # Which token a sequence head reads (``classifier_token``): ``first`` ([CLS], an encoder's: BERT, TUPE, ELECTRA),
@@ -599,6 +617,8 @@ class BertOutput:
   logits: jax.Array | None = None  # MLM [B, L, V] (or [B, M, V]), classification [B, num_labels], rtd [B, L]
   start_logits: jax.Array | None = None
   end_logits: jax.Array | None = None
+  token_loss: jax.Array | None = None  # lm with labels: [B, L] cross-entropy per token (lm_loss.token_losses)
+  token_correct: jax.Array | None = None  # and [B, L] 1.0 where the argmax is the label
 
 
 HEADS = ("none", "pooler", "mlm", "lm", "classification", "span", "rtd")
@@ -613,7 +633,9 @@ class BertModel(nn.Module):
   ``mlm``: BERT's head tied to the word embeddings, ``[B, L, V]``, or with ``masked_positions [B, M]`` only at
   those, ``[B, M, V]`` (an index outside the sequence gives NaN logits, never another token's). ``lm``: the
   language-model head ``config.lm_head`` names: BERT's (``mlm``) or the decoders' ``linear`` one (tied or
-  ``encoder/lm_head``).
+  ``encoder/lm_head``); with ``labels [B, L]`` (token i's target) it returns ``token_loss`` and ``token_correct``
+  ``[B, L]`` instead of logits, ``loss_chunk`` sequence positions of ``[B, C, V]`` logits at a time, forward and
+  backward (:func:`posjax.models.lm_loss.token_losses`, ``z_loss``: PaLM's auxiliary ``logsumexp²`` term).
   ``classification``: ``num_labels`` outputs (1: a regression, STS-B) on the pooled token's state
   (``classifier_token``, :func:`classifier_token`: [CLS] of an encoder, the last real token of a causal model),
   through BERT's pooler or, ``classifier_input="cls"``, directly (ELECTRA's; :func:`classification_head`).
@@ -627,8 +649,8 @@ class BertModel(nn.Module):
   classifier_token: str = "auto"
 
   @nn.compact
-  def __call__(self, input_ids, *, masked_positions=None, deterministic: bool = True, **encoder_kwargs
-               ) -> BertOutput:
+  def __call__(self, input_ids, *, masked_positions=None, labels=None, loss_chunk: int = 0, z_loss: float = 0.0,
+               deterministic: bool = True, **encoder_kwargs) -> BertOutput:
     base.check_choice("head", self.head, HEADS)
     encoder = BertEncoder(self.config, name="encoder")
     h = encoder(input_ids, deterministic=deterministic, **encoder_kwargs).last_hidden_state
@@ -640,6 +662,12 @@ class BertModel(nn.Module):
       x_BxD = pooled_token(h, encoder_kwargs.get("attention_mask"), token)
     if self.head == "pooler":
       return BertOutput(h, pooler_output=pooler(self.config, x_BxD))
+    if self.head == "lm" and labels is not None:  # per-token losses, never the [B, L, V] logits
+      linear = self.config.lm_head == "linear"
+      x, bias_V = (h, None) if linear else mlm_transform(self, encoder, h)
+      matrix, layout_ = encoder.word_matrix()
+      loss_BxL, correct_BxL = lm_loss.token_losses(x, matrix, layout_, bias_V, labels, chunk=loss_chunk, z_loss=z_loss)
+      return BertOutput(h, token_loss=loss_BxL, token_correct=correct_BxL)
     if self.head in ("mlm", "lm"):
       at = h if masked_positions is None else jnp.take_along_axis(h, masked_positions[..., None], axis=1,
                                                                   mode="fill", fill_value=jnp.nan)

@@ -16,7 +16,6 @@ from typing import Callable
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig, BertModel
@@ -26,23 +25,23 @@ from posjax.train.task import Task, counted_metrics
 
 
 def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, deterministic: bool,
-                        by_position: bool = False):
+                        by_position: bool = False, loss_chunk: int = 0, z_loss: float = 0.0):
   """Per row: summed next-token loss, correct predictions and weight: token i predicts token i + 1 where both are
   real and (``documents`` packing) of one segment. ``by_position``: also each prediction's loss and weight
   (``position_loss``, ``position_weight``, ``[B, L - 1]``: index i predicts token i + 1 from i + 1 tokens of context),
-  for the loss by position."""
-  logits_BxLxV = model.apply({"params": params}, batch["input_ids"], deterministic=deterministic,
-                             rngs=None if deterministic else {"dropout": rng},
-                             **mlm_task.encoder_inputs(batch, use_segments)).logits[:, :-1]
+  for the loss by position. No ``[B, L, V]`` logits: ``loss_chunk`` positions at a time
+  (:func:`posjax.models.lm_loss.token_losses`; ``z_loss``: its auxiliary term, in the loss, not in ``correct``)."""
   labels_BxL = batch["input_ids"][:, 1:]
+  out = model.apply({"params": params}, batch["input_ids"], deterministic=deterministic,
+                    labels=jnp.pad(labels_BxL, ((0, 0), (0, 1))), loss_chunk=loss_chunk, z_loss=z_loss,
+                    rngs=None if deterministic else {"dropout": rng}, **mlm_task.encoder_inputs(batch, use_segments))
+  losses_BxL, correct_BxL = out.token_loss[:, :-1], out.token_correct[:, :-1]
   real_BxL = batch["attention_mask"].astype(jnp.float32)
   weights_BxL = real_BxL[:, 1:] * real_BxL[:, :-1]
   if use_segments:
     weights_BxL = weights_BxL * (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
   if "scored" in batch:  # sliding-window rows (posjax.tasks.mlm.strided): only the window's new tokens count
     weights_BxL = weights_BxL * batch["scored"][:, 1:]
-  losses_BxL = optax.softmax_cross_entropy_with_integer_labels(logits_BxLxV.astype(jnp.float32), labels_BxL)
-  correct_BxL = (jnp.argmax(logits_BxLxV, -1) == labels_BxL).astype(jnp.float32)
   sums = {"loss": jnp.sum(losses_BxL * weights_BxL, -1), "correct": jnp.sum(correct_BxL * weights_BxL, -1),
           "weight": jnp.sum(weights_BxL, -1)}
   if by_position:
@@ -50,10 +49,20 @@ def next_token_row_sums(model, params, batch, rng, *, use_segments: bool, determ
   return sums
 
 
-def clm_loss(model, *, use_segments: bool = False) -> Callable:
+LOSS_CHUNK = 512  # sequence positions of [B, C, V] logits at a time (config.loss_chunk; 0: the whole sequence)
+
+
+def loss_defaults(config: ml_collections.ConfigDict) -> None:
+  """A decoder recipe's loss fields: ``loss_chunk`` (:data:`LOSS_CHUNK`; how the loss is computed, not what: a
+  resumed run may change it) and ``z_loss`` (0: none)."""
+  config.loss_chunk = LOSS_CHUNK
+  config.z_loss = 0.0
+
+
+def clm_loss(model, *, use_segments: bool = False, loss_chunk: int = LOSS_CHUNK, z_loss: float = 0.0) -> Callable:
   """The train loss: ``(params, batch, rng) -> (summed loss, {correct, weight})`` over every predicted token."""
   return mlm_task.summed_loss(functools.partial(next_token_row_sums, model, use_segments=use_segments,
-                                                deterministic=False))
+                                                deterministic=False, loss_chunk=loss_chunk, z_loss=z_loss))
 
 
 def clm_metrics(outputs: dict, workdir: str | None = None) -> dict:
@@ -79,8 +88,9 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   model = BertModel(model_config, head="lm")  # model.lm_head: BERT's MLM head (the default) or a decoder's linear one
   use_segments = config.data.packing in mlm_task.mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False, kinds=("clm",))
+  chunk = int(config.get("loss_chunk", LOSS_CHUNK))
   predict = functools.partial(next_token_row_sums, model, rng=None, use_segments=use_segments, deterministic=True,
-                              by_position=True)
+                              by_position=True, loss_chunk=chunk)
   evaluators = mlm_task.corpus_evaluators(evaluations, model_config, predict, clm_metrics,
                                           ("loss", "accuracy", "perplexity", "tokens"))
   if config.eval_every_steps > 0:
@@ -89,5 +99,6 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   if train_passkey.get("fraction", 0.0):
     batches = passkey.TrainingRows(batches, tokenizer, train_passkey, local_batch, config.max_len, config.seed)
   return Task("clm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
-              clm_loss(model, use_segments=use_segments), batches, evaluators,
+              clm_loss(model, use_segments=use_segments, loss_chunk=chunk, z_loss=float(config.get("z_loss", 0.0))),
+              batches, evaluators,
               examples_per_epoch=config.data.get("examples_per_epoch"), info={"position": model_config.position})

@@ -31,7 +31,7 @@ from posjax.train.task import Task
 
 # Fields that change how a run reads its input or reports, not what it computes: a resumed run may change them.
 RESUMABLE_CHANGES = ("allow_config_change", "progress", "device_prefetch", "data.workers", "peer_timeout_seconds",
-                     "shutdown_timeout_seconds", "model.kernel_platform")
+                     "shutdown_timeout_seconds", "model.kernel_platform", "loss_chunk")
 
 
 # Fields added since runs began recording their config: what a run that has none of them did (given its flattened
@@ -40,6 +40,7 @@ ADDED_FIELDS = {
     "data.random_positions_first": lambda before, now: (
         "zero" if before.get("data.random_positions") else now["data.random_positions_first"]),
     "classifier_token": lambda before, now: "first" if before.get("model.causal") else "auto",
+    "z_loss": lambda before, now: 0.0,
 }
 
 
@@ -175,7 +176,7 @@ RANGES = {
     "log_every_steps": POSITIVE, "eval_every_steps": NON_NEGATIVE, "evals_per_epoch": NON_NEGATIVE,
     "checkpoint_every_steps": POSITIVE, "peer_timeout_seconds": POSITIVE, "shutdown_timeout_seconds": POSITIVE,
     "keep_checkpoints": POSITIVE, "device_prefetch": NON_NEGATIVE, "data.workers": NON_NEGATIVE,
-    "profile_steps": POSITIVE, "init_step": NON_NEGATIVE, "data.num_shards": NON_NEGATIVE,
+    "profile_steps": POSITIVE, "loss_chunk": NON_NEGATIVE, "z_loss": NON_NEGATIVE, "init_step": NON_NEGATIVE, "data.num_shards": NON_NEGATIVE,
     "data.examples_per_epoch": POSITIVE, "data.doc_stride": POSITIVE, "data.max_query_len": POSITIVE,
     "data.group_size": NON_NEGATIVE, "regression_scale": POSITIVE, "data.random_positions": NON_NEGATIVE,
 }
