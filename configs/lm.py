@@ -14,6 +14,9 @@ Options (``configs/lm.py:position=rope,size=125m,runlocal``):
     remat and layer layout, which stay this recipe's) and its weights (``config.init_from``); its tokenizer where it
     has one (``data.vocab_file``). ``position`` and ``size`` are then the run's.
 
+The loss is computed ``loss_chunk`` positions at a time (default 512; 0: the whole sequence), never as ``[B, L, V]``
+logits, with ``z_loss`` (default 0) for PaLM's auxiliary term (:func:`posjax.models.lm_loss.token_losses`).
+
 The recipe (GPT-3's and Llama's, as nanoGPT, MaxText and levanter train them): AdamW (beta2 0.95, eps 1e-8, weight
 decay 0.1 on the weights, not on norms or biases), gradients clipped at 1.0, linear warm-up over 2,000 steps then a
 cosine decay to a tenth of the peak (3e-4) at 100,000 steps, batch 256 x 2048 tokens, bf16 compute with float32
