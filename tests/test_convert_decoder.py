@@ -28,6 +28,7 @@ CASES = {
                           high_freq_factor=4.0))),
     "llama-mqa-yarn": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_key_value_heads=1, rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=32))),
+    "llama-attention-bias": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, attention_bias=True)),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5)),
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
@@ -36,6 +37,9 @@ CASES = {
                                                                         hidden_act="gelu_new")),
     "llama-longrope": ("LlamaConfig", "LlamaForCausalLM", dict(original_max_position_embeddings=8, rope_scaling=dict(
         rope_type="longrope", short_factor=[1.0, 1.5, 2.0, 4.0], long_factor=[2.0, 3.0, 6.0, 9.0], factor=4.0))),
+    "phi3-longrope-window": ("Phi3Config", "Phi3ForCausalLM", dict(
+        num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=5, original_max_position_embeddings=8, pad_token_id=0,
+        rope_scaling=dict(type="longrope", short_factor=[1.0, 2.0], long_factor=[3.0, 5.0]))),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
                                                    vocab_size=97)),
 }

@@ -1,6 +1,7 @@
 """Hugging Face decoders <-> posjax, exactly: Llama (every ``rope_scaling`` type posjax's RoPE has, LongRoPE
-included), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (QK-norm), GPT-NeoX (partial rotary, parallel
-residual) and GPT-2 (learned absolute positions).
+included; ``attention_bias``), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-3 (fused q/k/v and
+gate/up weights, LongRoPE, partial rotary, a sliding window), GPT-NeoX (partial rotary, parallel residual) and GPT-2
+(learned absolute positions).
 
 Each is the decoder preset of posjax's one stack (:meth:`posjax.models.BertConfig.decoder`) with the family's
 fields; the state-dict mapping is a table of names per family (:data:`LLAMA_LAYER`, :data:`GPT2_LAYER`), not code
@@ -22,14 +23,20 @@ from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read
 from posjax.models import BertConfig, BertModel
 from posjax.positions import rotary
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+WINDOWED = ("mistral", "phi3")  # the Llama-family types whose config's sliding_window applies to every layer
 MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2")
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "phi3": ("Phi3Config", "Phi3ForCausalLM"),
               "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
+# Phi-3's fused projections: its name -> the Llama names its rows split into, in order
+PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 # rope_scaling's keys under posjax's RoPE option names (the rest are the same words)
 ROPE_KEYS = {"original_max_position_embeddings": "original_max_len"}
-ROPE_FIELDS = {f.name for f in dataclasses.fields(rotary.RopeOptions)} - {"max_timescale", "scaling"}
+ROPE_FIELDS = {f.name for f in dataclasses.fields(rotary.RopeOptions)} - {"max_timescale", "scaling",
+                                                                         "rotary_fraction"}
 SCALING_KEYS = {"llama3": ("low_freq_factor", "high_freq_factor")}  # keys Hugging Face requires even at defaults
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 # Per family: the base model's prefix, the embeddings' and the LM head's names.
@@ -99,7 +106,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
     value = hf.get(field, allowed)
     if field == "layer_types" and value is not None and set(value) == {"full_attention"}:
       continue
-    if field == "use_sliding_window" and model_type == "mistral":
+    if field == "use_sliding_window" and model_type in WINDOWED:
       continue
     if value != allowed:
       raise ValueError(f"config.json has {field}={value!r}; posjax represents only {field}={allowed!r}")
@@ -108,11 +115,16 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
   if model_type == "qwen2":
     use_bias = "qkv"
   elif hf.get("attention_bias", False):
-    raise ValueError(f"config.json has attention_bias=True; posjax's {model_type} has no q/k/v/o biases "
-                     "(use_bias='all' adds the MLP's too)")
+    if model_type != "llama":
+      raise ValueError(f"config.json has attention_bias=True; posjax's {model_type} has no q/k/v/o biases")
+    use_bias = "attention"
   else:
     use_bias = "none"
-  window = hf.get("sliding_window") if model_type == "mistral" else None
+  window = hf.get("sliding_window") if model_type in WINDOWED else None
+  rope = _rope_from_hf(hf)
+  fraction = float(hf.get("partial_rotary_factor", 1.0)) if model_type == "phi3" else 1.0
+  if fraction != 1.0:
+    rope["rotary_fraction"] = fraction
   return BertConfig.decoder(
       vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
       num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
@@ -120,8 +132,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       intermediate_size=int(hf["intermediate_size"]), max_len=int(hf.get("max_position_embeddings", 2048)),
       layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), use_bias=use_bias,
-      qk_norm=model_type == "qwen3", sliding_window=int(window or 0), position="rope",
-      position_options=_rope_from_hf(hf))
+      qk_norm=model_type == "qwen3", sliding_window=int(window or 0), position="rope", position_options=rope)
 
 
 def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
@@ -181,7 +192,7 @@ def _rope_to_hf(config: BertConfig) -> dict:
 
 def model_type_of(config: BertConfig) -> str:
   """The Hugging Face family that expresses ``config``: GPT-2 (learned absolute positions), Qwen3 (QK-norm), Qwen2
-  (q/k/v biases), Mistral (a sliding window) or Llama."""
+  (q/k/v biases), Phi-3 (partial rotary), Mistral (a sliding window) or Llama."""
   if config.position == "absolute":
     return "gpt2"
   if config.norm_type == "layernorm":
@@ -190,6 +201,8 @@ def model_type_of(config: BertConfig) -> str:
     return "qwen3"
   if config.use_bias == "qkv":
     return "qwen2"
+  if config.position_spec.options.rotary_fraction != 1.0:
+    return "phi3"
   return "mistral" if config.sliding_window else "llama"
 
 
@@ -244,10 +257,18 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
             "max_position_embeddings": config.max_len, "rms_norm_eps": config.layer_norm_eps, "hidden_act": "silu",
             "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.attention_dropout_rate,
             **_rope_to_hf(config)}
-  if model_type == "mistral":
+  if model_type in WINDOWED:
     fields["sliding_window"] = config.sliding_window or None
-  if model_type in ("llama", "qwen3"):
+  if model_type == "phi3":
+    fields["partial_rotary_factor"] = config.position_spec.options.rotary_fraction
     fields["attention_bias"] = False
+    fields["pad_token_id"] = None  # Phi3Config's default, 32000, is past a smaller vocabulary (the run's own: save_hf)
+    if "rope_scaling" in fields:  # Phi-3's reads exactly these three keys (its factor: the lengths' ratio)
+      scaling = fields["rope_scaling"]
+      fields["rope_scaling"] = {"type": scaling["rope_type"], "short_factor": list(scaling.get("short_factor", ())),
+                                "long_factor": list(scaling.get("long_factor", ()))}
+  if model_type in ("llama", "qwen3"):
+    fields["attention_bias"] = config.use_bias == "attention"
   return fields
 
 
@@ -312,9 +333,40 @@ def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
           out[f"{px}/{target}/bias"] = take(f"{hf}.{name}.bias").reshape(heads[target], spec.head_dim)
       elif target == "attention/out":  # [D, H·K] -> [H, K, D]
         out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight").T.reshape(spec.num_heads, spec.head_dim, d)
+        if config.use_bias == "attention":
+          out[f"{px}/{target}/bias"] = take(f"{hf}.{name}.bias")
       else:
         out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight").T
   out["encoder/final_norm/scale"] = take(f"{prefix}norm.weight")
+
+
+def _fused_rows(config: BertConfig, fused: str) -> list[int]:
+  """The rows of each part of a Phi-3 fused projection (:data:`PHI3_FUSED`)."""
+  spec = config.position_spec
+  if fused == "self_attn.qkv_proj":
+    return [spec.num_heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.kv_heads * spec.head_dim]
+  return [config.intermediate_size] * 2
+
+
+def _split_fused(config: BertConfig, state: Mapping[str, np.ndarray]) -> dict:
+  """Phi-3's state dict with its fused ``qkv_proj`` and ``gate_up_proj`` split into Llama's names."""
+  out = dict(state)
+  for key in [k for k in state if k.endswith(tuple(f"{f}.weight" for f in PHI3_FUSED))]:
+    fused = next(f for f in PHI3_FUSED if key.endswith(f"{f}.weight"))
+    rows = _fused_rows(config, fused)
+    if state[key].shape[0] != sum(rows):
+      raise ValueError(f"Hugging Face phi3 weight {key} has {state[key].shape[0]} rows; its config gives {rows}")
+    parts = np.split(out.pop(key), np.cumsum(rows)[:-1], axis=0)
+    out.update({key.replace(fused, name): part for name, part in zip(PHI3_FUSED[fused], parts)})
+  return out
+
+
+def _fuse(state: dict) -> dict:
+  """Llama's names fused back into Phi-3's (:func:`_split_fused` reversed)."""
+  for fused, names in PHI3_FUSED.items():
+    for key in [k for k in list(state) if k.endswith(f"{names[0]}.weight")]:
+      state[key.replace(names[0], fused)] = np.concatenate([state.pop(key.replace(names[0], n)) for n in names])
+  return state
 
 
 def params_from_hf(config: BertConfig, model_type: str, state: Mapping[str, np.ndarray]) -> tuple[dict, str]:
@@ -323,6 +375,8 @@ def params_from_hf(config: BertConfig, model_type: str, state: Mapping[str, np.n
   base, embed, head_key = FAMILY_KEYS[model_type]
   prefix = base if any(k.startswith(base) for k in state) else ""
   head = "lm" if prefix else "none"
+  if model_type == "phi3":
+    state = _split_fused(config, state)
   reader = StateReader(state, f"Hugging Face {model_type}")
   {"gpt2": _gpt2_params, "gpt_neox": _neox_params}.get(model_type, _llama_params)(config, reader, prefix)
   if head == "lm" and head_key in state:
@@ -411,6 +465,8 @@ def state_to_hf(config: BertConfig, params: Mapping, model_type: str) -> dict[st
             out[f"{hf}.{name}.bias"] = flat[f"{px}/{target}/bias"].reshape(-1)
     out["model.norm.weight"] = flat["encoder/final_norm/scale"]
   out["lm_head.weight"] = embed if config.tie_embeddings else flat["encoder/lm_head/kernel"].T
+  if model_type == "phi3":
+    out = _fuse(out)
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 

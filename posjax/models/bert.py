@@ -28,7 +28,9 @@ ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
                "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu, "silu": nn.silu}
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("dense", "gated")
-BIASES = ("all", "none", "qkv")  # which projections have biases: every one, none (Llama), q/k/v only (Qwen2)
+# which projections have biases: every one, none (Llama), q/k/v only (Qwen2), q/k/v and out but not the MLP's
+# (Llama's attention_bias=True)
+BIASES = ("all", "none", "qkv", "attention")
 LM_HEADS = ("mlm", "linear")
 # Architectures by name (configs' ``size=`` option): a CPU-sized one, BERT-Base and BERT-Large.
 SIZES = {
@@ -90,7 +92,8 @@ class BertConfig:
       ``layer_norm_eps``, for every norm of the stack.
     mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
       ``activation="silu"``, Shazeer 2020).
-    use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama), ``qkv`` (q/k/v only: Qwen2).
+    use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama), ``qkv`` (q/k/v only: Qwen2),
+      ``attention`` (q/k/v and the output projection, not the MLP's: Llama's ``attention_bias=True``).
     qk_norm: an RMSNorm over each head's q and k before the position method (Qwen3, OLMo 2).
     embedding_norm: the norm after the embeddings (BERT's); False: none (GPT-2, Llama).
     tie_embeddings: the LM head reads the word embeddings (BERT, GPT-2, Qwen2 small); False: its own ``lm_head``.
@@ -333,7 +336,7 @@ class EncoderLayer(nn.Module):
     drop = lambda y: nn.Dropout(c.dropout_rate)(y, deterministic=deterministic)
     spec = c.method_specs[self.position] if self.position else c.position_spec
     attend = attention.SelfAttention(spec, c.attention_kernel, c.attention_dropout_rate,
-                                     use_bias=c.use_bias != "none", out_bias=c.use_bias == "all",
+                                     use_bias=c.use_bias != "none", out_bias=c.use_bias in ("all", "attention"),
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"
