@@ -239,8 +239,9 @@ class SelfAttention(nn.Module):
   Decoder options: ``spec.num_kv_heads`` below ``num_heads`` gives k and v that many heads (grouped-query
   attention; every kernel reads them per group, never repeated); ``use_bias`` is the q/k/v projections' bias and
   ``out_bias`` the output projection's (None: ``use_bias``; Qwen2 has q/k/v biases only); ``qk_norm``: an RMSNorm
-  over each head's q and k (``q_norm``, ``k_norm``, one scale of ``head_dim`` shared by the heads, epsilon
-  ``norm_eps``) before the position method, as Qwen3 and OLMo 2's per-head form.
+  of q and of k (``q_norm``, ``k_norm``, epsilon ``norm_eps``) before the position method, over each head
+  (``qk_norm_axes="head"``: one scale of ``head_dim`` shared by the heads, Qwen3's and Gemma 3's) or over all the
+  heads' width at once (``"all"``: a scale per head and feature, OLMo 2's).
   """
 
   spec: base.PositionSpec
@@ -251,6 +252,7 @@ class SelfAttention(nn.Module):
   out_bias: bool | None = None
   qk_norm: bool = False
   norm_eps: float = 1e-6
+  qk_norm_axes: str = "head"
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -268,8 +270,11 @@ class SelfAttention(nn.Module):
                                       partitioning.BLHK)
                for name, heads in (("query", spec.num_heads), ("key", spec.kv_heads), ("value", spec.kv_heads)))
     if self.qk_norm:
+      axes = (-1,) if self.qk_norm_axes == "head" else (-2, -1)
       q, k = (nn.RMSNorm(epsilon=self.norm_eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
-                         scale_init=base.ones_init((base.KV,)), name=name)(x_BxLxHxK)
+                         reduction_axes=axes, feature_axes=axes,
+                         scale_init=base.ones_init((base.KV,) if len(axes) == 1 else (base.HEADS, base.KV)),
+                         name=name)(x_BxLxHxK)
               for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
     if spec.method.layer is not None:
       inputs = (x_BxLxD,) if spec.method.reads_input else ()

@@ -23,12 +23,12 @@ from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read
 from posjax.models import BertConfig, BertModel
 from posjax.positions import rotary
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
 WINDOWED = ("mistral", "phi3")  # the Llama-family types whose config's sliding_window applies to every layer
 MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2")
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-              "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+              "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
               "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
 # Phi-3's fused projections: its name -> the Llama names its rows split into, in order
 PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -52,6 +52,8 @@ LLAMA_LAYER = {"attention/query": "self_attn.q_proj", "attention/key": "self_att
                "attention/q_norm": "self_attn.q_norm", "attention/k_norm": "self_attn.k_norm",
                "mlp_gate": "mlp.gate_proj", "mlp_in": "mlp.up_proj", "mlp_out": "mlp.down_proj",
                "attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+# OLMo 2's norms sit on each branch's output (norm="reordered"): its post-attention and post-feed-forward norms
+OLMO2_LAYER = {**LLAMA_LAYER, "attention_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}
 NEOX_LAYER = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
               "mlp_in": "mlp.dense_h_to_4h", "mlp_out": "mlp.dense_4h_to_h", "attention/out": "attention.dense"}
 GPT2_LAYER = {"attention_norm": "ln_1", "mlp_norm": "ln_2", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj",
@@ -132,7 +134,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       intermediate_size=int(hf["intermediate_size"]), max_len=int(hf.get("max_position_embeddings", 2048)),
       layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), use_bias=use_bias,
-      qk_norm=model_type == "qwen3", sliding_window=int(window or 0), position="rope", position_options=rope)
+      qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_axes="all" if model_type == "olmo2" else "head",
+      norm="reordered" if model_type == "olmo2" else "pre", sliding_window=int(window or 0), position="rope",
+      position_options=rope)
 
 
 def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
@@ -191,12 +195,15 @@ def _rope_to_hf(config: BertConfig) -> dict:
 
 
 def model_type_of(config: BertConfig) -> str:
-  """The Hugging Face family that expresses ``config``: GPT-2 (learned absolute positions), Qwen3 (QK-norm), Qwen2
-  (q/k/v biases), Phi-3 (partial rotary), Mistral (a sliding window) or Llama."""
+  """The Hugging Face family that expresses ``config``: GPT-2 (learned absolute positions), GPT-NeoX (LayerNorm),
+  OLMo 2 (reordered norms), Qwen3 (QK-norm), Qwen2 (q/k/v biases), Phi-3 (partial rotary), Mistral (a sliding
+  window) or Llama."""
   if config.position == "absolute":
     return "gpt2"
   if config.norm_type == "layernorm":
     return "gpt_neox"
+  if config.norm == "reordered":
+    return "olmo2"
   if config.qk_norm:
     return "qwen3"
   if config.use_bias == "qkv":
@@ -267,8 +274,10 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
       scaling = fields["rope_scaling"]
       fields["rope_scaling"] = {"type": scaling["rope_type"], "short_factor": list(scaling.get("short_factor", ())),
                                 "long_factor": list(scaling.get("long_factor", ()))}
-  if model_type in ("llama", "qwen3"):
+  if model_type in ("llama", "qwen3", "olmo2"):
     fields["attention_bias"] = config.use_bias == "attention"
+  if model_type == "olmo2":
+    fields.pop("head_dim")  # OLMo 2's is hidden_size / num_attention_heads
   return fields
 
 
@@ -319,13 +328,16 @@ def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
   take, out, d = reader.take, reader.out, config.hidden_size
   spec = config.position_spec
   heads = {"attention/query": spec.num_heads, "attention/key": spec.kv_heads, "attention/value": spec.kv_heads}
+  norm_heads = {"attention/q_norm": spec.num_heads, "attention/k_norm": spec.kv_heads}
   out["encoder/word_embeddings/embedding"] = take(f"{prefix}embed_tokens.weight")
   for i in range(config.num_layers):
     hf, px = f"{prefix}layers.{i}", f"encoder/layer_{i}"
-    for target, name in LLAMA_LAYER.items():
+    for target, name in (OLMO2_LAYER if config.norm == "reordered" else LLAMA_LAYER).items():
       if target.endswith(("q_norm", "k_norm")) and not config.qk_norm:
         continue
-      if target.endswith("norm"):
+      if target in norm_heads and config.qk_norm_axes == "all":  # over all heads: [H·K] -> [H, K]
+        out[f"{px}/{target}/scale"] = take(f"{hf}.{name}.weight").reshape(norm_heads[target], spec.head_dim)
+      elif target.endswith("norm"):
         out[f"{px}/{target}/scale"] = take(f"{hf}.{name}.weight")
       elif target in heads:  # [H·K, D] -> [D, H, K]
         out[f"{px}/{target}/kernel"] = take(f"{hf}.{name}.weight").T.reshape(d, heads[target], spec.head_dim)
@@ -453,9 +465,9 @@ def state_to_hf(config: BertConfig, params: Mapping, model_type: str) -> dict[st
     out["model.embed_tokens.weight"] = embed = flat["encoder/word_embeddings/embedding"]
     for i in range(config.num_layers):
       hf, px = f"model.layers.{i}", f"encoder/layer_{i}"
-      for target, name in LLAMA_LAYER.items():
+      for target, name in (OLMO2_LAYER if config.norm == "reordered" else LLAMA_LAYER).items():
         if f"{px}/{target}/scale" in flat:
-          out[f"{hf}.{name}.weight"] = flat[f"{px}/{target}/scale"]
+          out[f"{hf}.{name}.weight"] = flat[f"{px}/{target}/scale"].reshape(-1)
         elif f"{px}/{target}/kernel" in flat:
           kernel = flat[f"{px}/{target}/kernel"]
           if kernel.ndim == 3:  # [D, H, K] -> [H·K, D]; out: [H, K, D] -> [D, H·K]

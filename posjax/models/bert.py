@@ -27,6 +27,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
                "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu, "silu": nn.silu}
 NORMS = ("layernorm", "rmsnorm")
+# Where a layer's norms sit: after each residual sum (BERT's), before each branch (GPT-2's, Llama's) or on each
+# branch's output before its residual sum (OLMo 2's "reordered" norms)
+NORM_PLACEMENTS = ("post", "pre", "reordered")
 MLPS = ("dense", "gated")
 # which projections have biases: every one, none (Llama), q/k/v only (Qwen2), q/k/v and out but not the MLP's
 # (Llama's attention_bias=True)
@@ -68,7 +71,9 @@ class BertConfig:
     attention_kernel: ``xla`` | ``cudnn`` | ``pallas`` | ``auto`` (see ``posjax.attention``).
     kernel_platform: the device the fused kernels are compiled for, ``gpu`` | ``tpu``; empty: the backend the
       model runs on. Set by ahead-of-time compilation on a CPU (:mod:`posjax.aot`); not a training choice.
-    norm: ``post`` (BERT, TUPE) or ``pre`` LayerNorm placement.
+    norm: where the norms sit (:data:`NORM_PLACEMENTS`): ``post`` (after each residual sum: BERT, TUPE), ``pre``
+      (before each branch: GPT-2, Llama) or ``reordered`` (on each branch's output, before its residual sum: OLMo 2);
+      ``pre`` and ``reordered`` end with a final norm.
     activation: of the MLP and the MLM head: ``gelu`` (exact, BERT's), ``gelu_tanh`` (the tanh
       approximation: Hugging Face's ``gelu_new``), ``relu``.
     dtype: compute dtype name (``float32`` | ``bfloat16`` | ``float16``); parameters stay ``param_dtype``.
@@ -94,7 +99,8 @@ class BertConfig:
       ``activation="silu"``, Shazeer 2020).
     use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama), ``qkv`` (q/k/v only: Qwen2),
       ``attention`` (q/k/v and the output projection, not the MLP's: Llama's ``attention_bias=True``).
-    qk_norm: an RMSNorm over each head's q and k before the position method (Qwen3, OLMo 2).
+    qk_norm: an RMSNorm of q and k before the position method (Qwen3, OLMo 2, Gemma 3); ``qk_norm_axes``: over
+      each head (``head``: Qwen3's, Gemma 3's) or over all the heads' width at once (``all``: OLMo 2's).
     embedding_norm: the norm after the embeddings (BERT's); False: none (GPT-2, Llama).
     tie_embeddings: the LM head reads the word embeddings (BERT, GPT-2, Qwen2 small); False: its own ``lm_head``.
     lm_head: what :class:`BertModel`'s ``lm`` head is: ``mlm`` (BERT's transform, LayerNorm and output bias,
@@ -137,6 +143,7 @@ class BertConfig:
   mlp: str = "dense"
   use_bias: str = "all"
   qk_norm: bool = False
+  qk_norm_axes: str = "head"
   embedding_norm: bool = True
   tie_embeddings: bool = True
   lm_head: str = "mlm"
@@ -151,7 +158,8 @@ class BertConfig:
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len"):
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
-    base.check_choice("norm", self.norm, ("post", "pre"))
+    base.check_choice("norm", self.norm, NORM_PLACEMENTS)
+    base.check_choice("qk_norm_axes", self.qk_norm_axes, ("head", "all"))
     base.check_choice("kernel_platform", self.kernel_platform, ("", "gpu", "tpu"))
     base.check_choice("activation", self.activation, tuple(ACTIVATIONS))
     base.check_choice("dtype", self.dtype, tuple(DTYPES))
@@ -338,6 +346,7 @@ class EncoderLayer(nn.Module):
     attend = attention.SelfAttention(spec, c.attention_kernel, c.attention_dropout_rate,
                                      use_bias=c.use_bias != "none", out_bias=c.use_bias in ("all", "attention"),
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
+                                     qk_norm_axes=c.qk_norm_axes,
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"
 
@@ -356,6 +365,9 @@ class EncoderLayer(nn.Module):
     if c.norm == "post":
       x_BxLxD = attention_norm(x_BxLxD + drop(attend(x_BxLxD, state, mask, deterministic)))
       return mlp_norm(x_BxLxD + drop(mlp(x_BxLxD)))
+    if c.norm == "reordered":
+      x_BxLxD = x_BxLxD + drop(attention_norm(attend(x_BxLxD, state, mask, deterministic)))
+      return x_BxLxD + drop(mlp_norm(mlp(x_BxLxD)))
     x_BxLxD = x_BxLxD + drop(attend(attention_norm(x_BxLxD), state, mask, deterministic))
     return x_BxLxD + drop(mlp(mlp_norm(x_BxLxD)))
 
@@ -422,7 +434,7 @@ class BertEncoder(nn.Module):
     # the schedule's other methods (position_schedule), each its own shared terms: ``position_<name>``
     self.scheduled = {name: other.method.encoder(spec=other, name=f"position_{name}")
                       for name, other in c.method_specs.items() if name != c.position}
-    if c.norm == "pre":
+    if c.norm != "post":  # a norm after the last layer (the decoders')
       self.final_norm = _layer_norm(c, "final_norm")
 
   def __call__(self, input_ids, *, token_type_ids=None, attention_mask=None, positions=None, segment_ids=None,
@@ -468,7 +480,7 @@ class BertEncoder(nn.Module):
       states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
       for layer, name in zip(self.layers, c.layer_positions):
         x = layer(x, states[name], mask, deterministic, decode)
-    if c.norm == "pre":
+    if c.norm != "post":
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)
 
