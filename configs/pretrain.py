@@ -96,12 +96,12 @@ def get_config(arg=None):
       type_vocab_size=2,  # 0: no token-type embeddings (TUPE's RoBERTa-style model)
       embedding_size=0,  # 0: hidden_size; narrower embeddings are read through a projection (ELECTRA's)
       layer_norm_eps=1e-12,  # BERT's; fairseq (the official TUPE code) uses 1e-5
-      norm="post",  # or "pre"
+      norm="post",  # or "pre", "reordered" (OLMo 2's)
       activation="gelu",  # exact GELU (BERT); "gelu_tanh", "relu"
       dropout_rate=0.1, attention_dropout_rate=0.1,
       # The decoder family's fields (configs/lm.py sets them as Llama's; posjax.models.BertConfig documents each).
       norm_type="layernorm", mlp="dense", use_bias="all", qk_norm=False, embedding_norm=True, tie_embeddings=True,
-      lm_head="mlm", parallel_residual=False,
+      lm_head="mlm", parallel_residual=False, qk_norm_axes="head", embedding_scale=False,
       num_kv_heads=0,  # grouped-query attention's k/v heads; 0: num_heads
       head_dim=0,  # 0: hidden_size / num_heads
       sliding_window=0,  # with causal: each query sees its last sliding_window tokens; 0: all

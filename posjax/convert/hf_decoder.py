@@ -23,12 +23,13 @@ from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read
 from posjax.models import BertConfig, BertModel
 from posjax.positions import rotary
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma")
 WINDOWED = ("mistral", "phi3")  # the Llama-family types whose config's sliding_window applies to every layer
 MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2")
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
               "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+              "gemma": ("GemmaConfig", "GemmaForCausalLM"),
               "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
 # Phi-3's fused projections: its name -> the Llama names its rows split into, in order
 PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -39,6 +40,7 @@ ROPE_FIELDS = {f.name for f in dataclasses.fields(rotary.RopeOptions)} - {"max_t
                                                                          "rotary_fraction"}
 SCALING_KEYS = {"llama3": ("low_freq_factor", "high_freq_factor")}  # keys Hugging Face requires even at defaults
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+GATED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # the Llama family's MLP gate
 # Per family: the base model's prefix, the embeddings' and the LM head's names.
 FAMILY_KEYS = {**{t: ("model.", "embed_tokens.weight", "lm_head.weight") for t in LLAMA_TYPES},
                "gpt_neox": ("gpt_neox.", "embed_in.weight", "embed_out.weight"),
@@ -112,8 +114,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       continue
     if value != allowed:
       raise ValueError(f"config.json has {field}={value!r}; posjax represents only {field}={allowed!r}")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise ValueError(f"config.json has hidden_act={hf['hidden_act']!r}; posjax's {model_type} reads 'silu'")
+  act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh" if model_type == "gemma" else "silu")
+  if act not in GATED_ACTIVATIONS:
+    raise ValueError(f"config.json has hidden_act={act!r}; posjax's {model_type} reads {sorted(GATED_ACTIVATIONS)}")
   if model_type == "qwen2":
     use_bias = "qkv"
   elif hf.get("attention_bias", False):
@@ -132,7 +135,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
       head_dim=int(hf.get("head_dim") or 0) if int(hf.get("head_dim") or 0) * heads != int(hf["hidden_size"]) else 0,
       intermediate_size=int(hf["intermediate_size"]), max_len=int(hf.get("max_position_embeddings", 2048)),
-      layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma")), activation=GATED_ACTIVATIONS[act],
+      norm_type="offset_rmsnorm" if model_type == "gemma" else "rmsnorm", embedding_scale=model_type == "gemma",
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), use_bias=use_bias,
       qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_axes="all" if model_type == "olmo2" else "head",
       norm="reordered" if model_type == "olmo2" else "pre", sliding_window=int(window or 0), position="rope",
@@ -196,14 +201,16 @@ def _rope_to_hf(config: BertConfig) -> dict:
 
 def model_type_of(config: BertConfig) -> str:
   """The Hugging Face family that expresses ``config``: GPT-2 (learned absolute positions), GPT-NeoX (LayerNorm),
-  OLMo 2 (reordered norms), Qwen3 (QK-norm), Qwen2 (q/k/v biases), Phi-3 (partial rotary), Mistral (a sliding
-  window) or Llama."""
+  OLMo 2 (reordered norms), Gemma ((1 + w) RMSNorm), Qwen3 (QK-norm), Qwen2 (q/k/v biases), Phi-3 (partial
+  rotary), Mistral (a sliding window) or Llama."""
   if config.position == "absolute":
     return "gpt2"
   if config.norm_type == "layernorm":
     return "gpt_neox"
   if config.norm == "reordered":
     return "olmo2"
+  if config.norm_type == "offset_rmsnorm":
+    return "gemma"
   if config.qk_norm:
     return "qwen3"
   if config.use_bias == "qkv":
@@ -261,7 +268,8 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
   fields = {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_hidden_layers": config.num_layers,
             "num_attention_heads": config.num_heads, "num_key_value_heads": config.position_spec.kv_heads,
             "head_dim": config.position_spec.head_dim, "intermediate_size": config.intermediate_size,
-            "max_position_embeddings": config.max_len, "rms_norm_eps": config.layer_norm_eps, "hidden_act": "silu",
+            "max_position_embeddings": config.max_len, "rms_norm_eps": config.layer_norm_eps,
+            "hidden_act": {v: k for k, v in GATED_ACTIVATIONS.items()}.get(config.activation, config.activation),
             "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.attention_dropout_rate,
             **_rope_to_hf(config)}
   if model_type in WINDOWED:
@@ -274,8 +282,10 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
       scaling = fields["rope_scaling"]
       fields["rope_scaling"] = {"type": scaling["rope_type"], "short_factor": list(scaling.get("short_factor", ())),
                                 "long_factor": list(scaling.get("long_factor", ()))}
-  if model_type in ("llama", "qwen3", "olmo2"):
+  if model_type in ("llama", "qwen3", "olmo2", "gemma"):
     fields["attention_bias"] = config.use_bias == "attention"
+  if model_type == "gemma":
+    fields["hidden_activation"] = fields["hidden_act"]
   if model_type == "olmo2":
     fields.pop("head_dim")  # OLMo 2's is hidden_size / num_attention_heads
   return fields

@@ -26,7 +26,7 @@ from posjax.positions import base
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
                "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu, "silu": nn.silu}
-NORMS = ("layernorm", "rmsnorm")
+NORMS = ("layernorm", "rmsnorm", "offset_rmsnorm")
 # Where a layer's norms sit: after each residual sum (BERT's), before each branch (GPT-2's, Llama's) or on each
 # branch's output before its residual sum (OLMo 2's "reordered" norms)
 NORM_PLACEMENTS = ("post", "pre", "reordered")
@@ -93,8 +93,10 @@ class BertConfig:
   Decoder fields (their defaults are BERT's; :meth:`decoder` is the Llama preset):
     num_kv_heads: k/v heads (grouped-query attention, Ainslie et al. 2023; 1: multi-query); 0: ``num_heads``.
     head_dim: each head's width where it is not ``hidden_size / num_heads``; 0: that.
-    norm_type: ``layernorm`` (BERT's, with a bias) or ``rmsnorm`` (Llama's: scale only), epsilon
-      ``layer_norm_eps``, for every norm of the stack.
+    norm_type: ``layernorm`` (BERT's, with a bias), ``rmsnorm`` (Llama's: scale only) or ``offset_rmsnorm``
+      (Gemma's: ``x / rms(x) · (1 + w)``, ``w`` from zero, in float32), epsilon ``layer_norm_eps``, for every norm
+      of the stack.
+    embedding_scale: the word embeddings times ``sqrt(hidden_size)`` (in the compute dtype), Gemma's.
     mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
       ``activation="silu"``, Shazeer 2020).
     use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama), ``qkv`` (q/k/v only: Qwen2),
@@ -144,6 +146,7 @@ class BertConfig:
   use_bias: str = "all"
   qk_norm: bool = False
   qk_norm_axes: str = "head"
+  embedding_scale: bool = False
   embedding_norm: bool = True
   tie_embeddings: bool = True
   lm_head: str = "mlm"
@@ -178,7 +181,8 @@ class BertConfig:
       raise ValueError("parallel_residual=True needs norm='pre' (GPT-NeoX's layer)")
     if not self.tie_embeddings and self.lm_head != "linear":
       raise ValueError("tie_embeddings=False needs lm_head='linear' (BERT's MLM head is tied)")
-    for field in ("scan_layers", "causal", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual"):
+    for field in ("scan_layers", "causal", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
+                  "embedding_scale"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
     if self.embedding_size < 0:
@@ -314,8 +318,25 @@ def _dense(config: BertConfig, features: int, axes: tuple[str, str], name: str, 
                   kernel_init=base.normal_init(axes), bias_init=base.zeros_init(axes[1:]), name=name)
 
 
+class OffsetRMSNorm(nn.Module):
+  """Gemma's RMSNorm: ``x / rms(x) · (1 + scale)``, ``scale`` from zero, computed in float32 and cast back."""
+  epsilon: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    scale_D = self.param("scale", base.zeros_init((base.EMBED,)), (x_BxLxD.shape[-1],), self.param_dtype)
+    x32 = x_BxLxD.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    return (y * (1.0 + scale_D.astype(jnp.float32))).astype(self.dtype)
+
+
 def _layer_norm(config: BertConfig, name: str) -> nn.Module:
-  """The stack's norm (``config.norm_type``): LayerNorm (scale and bias) or RMSNorm (scale), over the width."""
+  """The stack's norm (``config.norm_type``): LayerNorm (scale and bias), RMSNorm (scale) or Gemma's RMSNorm
+  (``1 + scale``), over the width."""
+  if config.norm_type == "offset_rmsnorm":
+    return OffsetRMSNorm(config.layer_norm_eps, DTYPES[config.dtype], DTYPES[config.param_dtype], name=name)
   if config.norm_type == "rmsnorm":
     return nn.RMSNorm(epsilon=config.layer_norm_eps, dtype=DTYPES[config.dtype],
                       param_dtype=DTYPES[config.param_dtype], scale_init=base.ones_init((base.EMBED,)), name=name)
@@ -456,6 +477,8 @@ class BertEncoder(nn.Module):
       self.sow("intermediates", "position_bias", state.bias)
 
     x = embeddings.word_embeddings(input_ids)
+    if c.embedding_scale:
+      x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
     if c.type_vocab_size:
       x = x + embeddings.token_type_embeddings(
           jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids)

@@ -41,6 +41,8 @@ ADDED_FIELDS = {
         "zero" if before.get("data.random_positions") else now["data.random_positions_first"]),
     "classifier_token": lambda before, now: "first" if before.get("model.causal") else "auto",
     "z_loss": lambda before, now: 0.0,
+    "model.qk_norm_axes": lambda before, now: "head",
+    "model.embedding_scale": lambda before, now: False,
 }
 
 
