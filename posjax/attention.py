@@ -35,6 +35,8 @@ not in them).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -142,6 +144,18 @@ def layer_bias(terms: base.LayerTerms, state: base.PositionState, scale: float):
   return add_biases(state.bias, own)
 
 
+def open_logits(terms: base.LayerTerms, state: base.PositionState, scale: float):
+  """``[B, H, L, L]`` float32: the layer's content logits after its open terms (:class:`posjax.kernels.Term`, the
+  encoder's and the layer's, in order; their dense form), before the built-in ones (:func:`layer_bias`)."""
+  logits = terms.content_logits(scale)
+  merged = kernels.merge(state.terms, terms.terms)
+  if not merged.open:
+    return logits
+  b, length, heads = terms.q.shape[0], terms.q.shape[1], terms.q.shape[2]
+  bound = kernels.bind_open(merged, state.positions, b, heads, length)
+  return kernels.term.dense_logits(bound.open, state.positions, logits)
+
+
 def cudnn_max_head_dim() -> int:
   """The widest q/k/v head cuDNN's flash attention takes (a multiple of 8): 256 from Hopper (sm_90) on, 128
   before (jax's own check); off a GPU (compiling ahead of time for posjax's targets, H100/H200) 256."""
@@ -241,7 +255,10 @@ class SelfAttention(nn.Module):
   ``out_bias`` the output projection's (None: ``use_bias``; Qwen2 has q/k/v biases only); ``qk_norm``: an RMSNorm
   of q and of k (``q_norm``, ``k_norm``, epsilon ``norm_eps``) before the position method, over each head
   (``qk_norm_axes="head"``: one scale of ``head_dim`` shared by the heads, Qwen3's and Gemma 3's) or over all the
-  heads' width at once (``"all"``: a scale per head and feature, OLMo 2's).
+  heads' width at once (``"all"``: a scale per head and feature, OLMo 2's). ``softcap``: the logits capped at
+  ``softcap · tanh(s / softcap)`` after every position term (Gemma 2's ``attn_logit_softcapping``;
+  :class:`posjax.kernels.SoftCap`); 0: none. A layer's open terms (:class:`posjax.kernels.Term`) apply on every
+  kernel in the op's order: the open terms, then the built-in ones.
   """
 
   spec: base.PositionSpec
@@ -253,6 +270,7 @@ class SelfAttention(nn.Module):
   qk_norm: bool = False
   norm_eps: float = 1e-6
   qk_norm_axes: str = "head"
+  softcap: float = 0.0
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -283,6 +301,15 @@ class SelfAttention(nn.Module):
       terms = base.LayerTerms(q, k)
     dropout = not deterministic and self.dropout_rate > 0
     kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout, platform=self.platform)
+    if self.softcap:  # after every position term: the built-in ones become open terms, in the op's order
+      terms = dataclasses.replace(terms, terms=kernels.as_terms(
+          [kernels.merge(state.terms, terms.terms), kernels.SoftCap(self.softcap)]))
+      state = state.replace(terms=None, bias=None)
+      why = kernels.capability.refusal("cudnn", terms.terms, dropout=dropout)
+      if kernel == "cudnn" and why:
+        if self.kernel == "cudnn":
+          raise ValueError(f"attention kernel 'cudnn' cannot run this layer: {why} (softcap={self.softcap})")
+        kernel = "xla"
     if decode and self.has_variable("cache", "cached_key"):
       return self._out(decode_step(self, spec, terms, state, v, mask, kernel))
     if decode:  # initialising: an empty cache of the input's length
@@ -292,7 +319,7 @@ class SelfAttention(nn.Module):
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
     if kernel == "xla" or self.is_mutable_collection("intermediates"):
-      logits = add_biases(terms.content_logits(spec.scale), layer_bias(terms, state, spec.scale))
+      logits = add_biases(open_logits(terms, state, spec.scale), layer_bias(terms, state, spec.scale))
       self.sow("intermediates", "attention_logits", logits)
     if kernel == "xla":
       weights = kernels.xla.attention_weights(logits, mask.pairs(x_BxLxD.shape[1]),

@@ -42,6 +42,9 @@ CASES = {
         rope_scaling=dict(type="longrope", short_factor=[1.0, 2.0], long_factor=[3.0, 5.0]))),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=16, pad_token_id=0)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, pad_token_id=0, sliding_window=5, query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0, final_logit_softcapping=4.0)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
                                                    vocab_size=97)),
 }

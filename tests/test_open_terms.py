@@ -331,3 +331,20 @@ def test_an_undeclared_array_field_is_a_one_line_error():
   q = jnp.zeros((1, 4, 2, 8))
   with pytest.raises(ValueError, match=r"Forgot's field\(s\) \['scale'\] are pytree nodes its KINDS do not declare"):
     kernels.relative_attention(q, q, q, terms=Forgot(), implementation="xla")
+
+
+def test_a_soft_cap_after_alibi_matches_a_float64_loop_on_every_kernel():
+  """``kernels.SoftCap`` (Gemma 2's logit cap) after ALiBi, in the sequence's order: ``c tanh((s - m|r|) / c)``."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 2, 8)) * 3, jnp.float32) for _ in range(3))
+  slopes, cap, p = np.array([0.5, 0.25]), 2.0, np.arange(16)
+  s = np.einsum("bqhk,blhk->bhql", *(np.float64(x) for x in (q, k))) / np.sqrt(8)
+  s = cap * np.tanh((s - slopes[None, :, None, None] * np.abs(p[None, :] - p[:, None])) / cap)
+  s = np.where(p[None, :] <= p[:, None], s, -np.inf)
+  w = np.exp(s - s.max(-1, keepdims=True))
+  want = np.einsum("bhql,blhk->bqhk", w / w.sum(-1, keepdims=True), np.float64(v))
+  terms = (kernels.Terms(alibi=kernels.Alibi(jnp.asarray(slopes, jnp.float32))), kernels.SoftCap(cap))
+  for implementation, interpret in (("xla", None), ("pallas", True), ("pallas", "tpu")):
+    got = kernels.relative_attention(q, k, v, terms=terms, causal=True, implementation=implementation,
+                                     interpret=interpret, block_sizes=None if interpret is None else (8, 8))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=f"{implementation} {interpret}")

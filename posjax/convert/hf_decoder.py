@@ -23,13 +23,14 @@ from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read
 from posjax.models import BertConfig, BertModel
 from posjax.positions import rotary
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2")
+GEMMAS = ("gemma", "gemma2")
 WINDOWED = ("mistral", "phi3")  # the Llama-family types whose config's sliding_window applies to every layer
 MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2")
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
               "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-              "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+              "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
               "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
 # Phi-3's fused projections: its name -> the Llama names its rows split into, in order
 PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -56,6 +57,10 @@ LLAMA_LAYER = {"attention/query": "self_attn.q_proj", "attention/key": "self_att
                "attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 # OLMo 2's norms sit on each branch's output (norm="reordered"): its post-attention and post-feed-forward norms
 OLMO2_LAYER = {**LLAMA_LAYER, "attention_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}
+# Gemma 2's norms before and after each branch (norm="peri")
+GEMMA2_LAYER = {**LLAMA_LAYER, "attention_post_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+LAYER_NAMES = {"reordered": OLMO2_LAYER, "peri": GEMMA2_LAYER}  # the Llama family's names by norm placement
 NEOX_LAYER = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
               "mlp_in": "mlp.dense_h_to_4h", "mlp_out": "mlp.dense_4h_to_h", "attention/out": "attention.dense"}
 GPT2_LAYER = {"attention_norm": "ln_1", "mlp_norm": "ln_2", "mlp_in": "mlp.c_fc", "mlp_out": "mlp.c_proj",
@@ -108,13 +113,14 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
   unsupported = {"mlp_bias": False, "pretraining_tp": 1, "use_sliding_window": False, "layer_types": None}
   for field, allowed in unsupported.items():
     value = hf.get(field, allowed)
-    if field == "layer_types" and value is not None and set(value) == {"full_attention"}:
+    if field == "layer_types" and value is not None and (set(value) == {"full_attention"} or (
+        model_type == "gemma2" and set(value) <= {"full_attention", "sliding_attention"})):
       continue
     if field == "use_sliding_window" and model_type in WINDOWED:
       continue
     if value != allowed:
       raise ValueError(f"config.json has {field}={value!r}; posjax represents only {field}={allowed!r}")
-  act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh" if model_type == "gemma" else "silu")
+  act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh" if model_type in GEMMAS else "silu")
   if act not in GATED_ACTIVATIONS:
     raise ValueError(f"config.json has hidden_act={act!r}; posjax's {model_type} reads {sorted(GATED_ACTIVATIONS)}")
   if model_type == "qwen2":
@@ -126,6 +132,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
   else:
     use_bias = "none"
   window = hf.get("sliding_window") if model_type in WINDOWED else None
+  gemma2 = _gemma2_fields(hf) if model_type == "gemma2" else {}
   rope = _rope_from_hf(hf)
   fraction = float(hf.get("partial_rotary_factor", 1.0)) if model_type == "phi3" else 1.0
   if fraction != 1.0:
@@ -136,12 +143,24 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       head_dim=int(hf.get("head_dim") or 0) if int(hf.get("head_dim") or 0) * heads != int(hf["hidden_size"]) else 0,
       intermediate_size=int(hf["intermediate_size"]), max_len=int(hf.get("max_position_embeddings", 2048)),
       layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma")), activation=GATED_ACTIVATIONS[act],
-      norm_type="offset_rmsnorm" if model_type == "gemma" else "rmsnorm", embedding_scale=model_type == "gemma",
+      tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMAS)), activation=GATED_ACTIVATIONS[act],
+      norm_type="offset_rmsnorm" if model_type in GEMMAS else "rmsnorm", embedding_scale=model_type in GEMMAS,
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), use_bias=use_bias,
       qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_axes="all" if model_type == "olmo2" else "head",
-      norm="reordered" if model_type == "olmo2" else "pre", sliding_window=int(window or 0), position="rope",
-      position_options=rope)
+      sliding_window=int(window or 0), position="rope", position_options=rope,
+      **{"norm": "reordered" if model_type == "olmo2" else "pre", **gemma2})
+
+
+def _gemma2_fields(hf: Mapping[str, Any]) -> dict:
+  """Gemma 2's own fields: norms before and after each branch, its q·k scale, the soft caps and the layers'
+  windows (``layer_types``: sliding and full layers in turn, the first sliding, where the config names none)."""
+  layers = int(hf["num_hidden_layers"])
+  types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+  window = int(hf.get("sliding_window") or 0)
+  return {"norm": "peri", "query_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+          "attention_softcap": float(hf.get("attn_logit_softcapping") or 0.0),
+          "final_logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
+          "layer_windows": ",".join(str(window if t == "sliding_attention" else 0) for t in types)}
 
 
 def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
@@ -209,6 +228,8 @@ def model_type_of(config: BertConfig) -> str:
     return "gpt_neox"
   if config.norm == "reordered":
     return "olmo2"
+  if config.norm == "peri":
+    return "gemma2"
   if config.norm_type == "offset_rmsnorm":
     return "gemma"
   if config.qk_norm:
@@ -282,10 +303,19 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
       scaling = fields["rope_scaling"]
       fields["rope_scaling"] = {"type": scaling["rope_type"], "short_factor": list(scaling.get("short_factor", ())),
                                 "long_factor": list(scaling.get("long_factor", ()))}
-  if model_type in ("llama", "qwen3", "olmo2", "gemma"):
+  if model_type in ("llama", "qwen3", "olmo2", *GEMMAS):
     fields["attention_bias"] = config.use_bias == "attention"
-  if model_type == "gemma":
+  if model_type in GEMMAS:
     fields["hidden_activation"] = fields["hidden_act"]
+  if model_type == "gemma2":
+    windows = set(config.windows) - {0}
+    if len(windows) > 1:
+      raise ValueError(f"Hugging Face gemma2 has one sliding window; this model's layers have {sorted(windows)}")
+    fields.update(query_pre_attn_scalar=(config.query_scale or config.position_spec.scale) ** -2,
+                  attn_logit_softcapping=config.attention_softcap or None,
+                  final_logit_softcapping=config.final_logit_softcap or None,
+                  sliding_window=windows.pop() if windows else None,
+                  layer_types=["sliding_attention" if w else "full_attention" for w in config.windows])
   if model_type == "olmo2":
     fields.pop("head_dim")  # OLMo 2's is hidden_size / num_attention_heads
   return fields
@@ -342,7 +372,7 @@ def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
   out["encoder/word_embeddings/embedding"] = take(f"{prefix}embed_tokens.weight")
   for i in range(config.num_layers):
     hf, px = f"{prefix}layers.{i}", f"encoder/layer_{i}"
-    for target, name in (OLMO2_LAYER if config.norm == "reordered" else LLAMA_LAYER).items():
+    for target, name in LAYER_NAMES.get(config.norm, LLAMA_LAYER).items():
       if target.endswith(("q_norm", "k_norm")) and not config.qk_norm:
         continue
       if target in norm_heads and config.qk_norm_axes == "all":  # over all heads: [H·K] -> [H, K]
@@ -475,7 +505,7 @@ def state_to_hf(config: BertConfig, params: Mapping, model_type: str) -> dict[st
     out["model.embed_tokens.weight"] = embed = flat["encoder/word_embeddings/embedding"]
     for i in range(config.num_layers):
       hf, px = f"model.layers.{i}", f"encoder/layer_{i}"
-      for target, name in (OLMO2_LAYER if config.norm == "reordered" else LLAMA_LAYER).items():
+      for target, name in LAYER_NAMES.get(config.norm, LLAMA_LAYER).items():
         if f"{px}/{target}/scale" in flat:
           out[f"{hf}.{name}.weight"] = flat[f"{px}/{target}/scale"].reshape(-1)
         elif f"{px}/{target}/kernel" in flat:
@@ -502,7 +532,9 @@ def to_hf_decoder(config: BertConfig, variables: Mapping, model_type: str | None
   model_type = model_type or model_type_of(config)
   fields = config_to_hf(config, model_type)
   config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[model_type])
-  model = model_class(config_class(**{k: v for k, v in fields.items() if k != "model_type"}))
+  # Hugging Face's SDPA attention drops Gemma 2's logit soft cap; its eager attention computes it
+  eager = {"attn_implementation": "eager"} if fields.get("attn_logit_softcapping") else {}
+  model = model_class(config_class(**{k: v for k, v in fields.items() if k != "model_type"}, **eager))
   state = {k: torch.from_numpy(v) for k, v in state_to_hf(config, model_params(variables), model_type).items()}
   missing, unexpected = model.load_state_dict(state, strict=False)
   missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES)]

@@ -28,8 +28,9 @@ ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
                "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu, "silu": nn.silu}
 NORMS = ("layernorm", "rmsnorm", "offset_rmsnorm")
 # Where a layer's norms sit: after each residual sum (BERT's), before each branch (GPT-2's, Llama's) or on each
-# branch's output before its residual sum (OLMo 2's "reordered" norms)
-NORM_PLACEMENTS = ("post", "pre", "reordered")
+# branch's output before its residual sum (OLMo 2's "reordered" norms), or before each branch and on its output
+# (Gemma 2's and 3's "peri" norms)
+NORM_PLACEMENTS = ("post", "pre", "reordered", "peri")
 MLPS = ("dense", "gated")
 # which projections have biases: every one, none (Llama), q/k/v only (Qwen2), q/k/v and out but not the MLP's
 # (Llama's attention_bias=True)
@@ -73,7 +74,7 @@ class BertConfig:
       model runs on. Set by ahead-of-time compilation on a CPU (:mod:`posjax.aot`); not a training choice.
     norm: where the norms sit (:data:`NORM_PLACEMENTS`): ``post`` (after each residual sum: BERT, TUPE), ``pre``
       (before each branch: GPT-2, Llama) or ``reordered`` (on each branch's output, before its residual sum: OLMo 2);
-      ``pre`` and ``reordered`` end with a final norm.
+      ``peri`` (before each branch and on its output: Gemma 2, 3); all but ``post`` end with a final norm.
     activation: of the MLP and the MLM head: ``gelu`` (exact, BERT's), ``gelu_tanh`` (the tanh
       approximation: Hugging Face's ``gelu_new``), ``relu``.
     dtype: compute dtype name (``float32`` | ``bfloat16`` | ``float16``); parameters stay ``param_dtype``.
@@ -97,6 +98,13 @@ class BertConfig:
       (Gemma's: ``x / rms(x) · (1 + w)``, ``w`` from zero, in float32), epsilon ``layer_norm_eps``, for every norm
       of the stack.
     embedding_scale: the word embeddings times ``sqrt(hidden_size)`` (in the compute dtype), Gemma's.
+    query_scale: the factor on q·k (Gemma 2's ``query_pre_attn_scalar ** -0.5``); 0: the method's.
+    attention_softcap: each layer's logits capped at ``c · tanh(s / c)`` after its position terms (Gemma 2's
+      ``attn_logit_softcapping``; :class:`posjax.kernels.SoftCap`, fused on the Pallas kernels); 0: none.
+    final_logit_softcap: the LM head's logits capped likewise (Gemma 2's ``final_logit_softcapping``); 0: none.
+    layer_windows: each layer's sliding window, ``,``-separated and repeated over the depth (``"4096,0"``: Gemma 2's
+      local and global layers in turn; 0: the whole context); empty: ``sliding_window`` in every layer. With
+      ``causal``; not with ``scan_layers`` when the windows differ.
     mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
       ``activation="silu"``, Shazeer 2020).
     use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama), ``qkv`` (q/k/v only: Qwen2),
@@ -147,6 +155,10 @@ class BertConfig:
   qk_norm: bool = False
   qk_norm_axes: str = "head"
   embedding_scale: bool = False
+  query_scale: float = 0.0
+  attention_softcap: float = 0.0
+  final_logit_softcap: float = 0.0
+  layer_windows: str = ""
   embedding_norm: bool = True
   tie_embeddings: bool = True
   lm_head: str = "mlm"
@@ -162,6 +174,18 @@ class BertConfig:
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
     base.check_choice("norm", self.norm, NORM_PLACEMENTS)
+    for field in ("query_scale", "attention_softcap", "final_logit_softcap"):
+      if not getattr(self, field) >= 0:
+        raise ValueError(f"{field} must be >= 0 (0: none), got {getattr(self, field)}")
+    if self.layer_windows:
+      if not self.causal:
+        raise ValueError(f"layer_windows={self.layer_windows!r} needs causal=True (a decoder)")
+      if self.scan_layers and len(set(self.windows)) > 1:
+        raise ValueError(f"layer_windows={self.layer_windows!r} gives the layers different windows; scan_layers=True "
+                         "needs one layer program (set scan_layers=False)")
+    if self.attention_softcap and self.attention_kernel == "cudnn":
+      raise ValueError(f"attention_softcap={self.attention_softcap}: cuDNN adds a bias and cannot cap the logits; use "
+                       "attention_kernel 'pallas', 'xla' or 'auto'")
     base.check_choice("qk_norm_axes", self.qk_norm_axes, ("head", "all"))
     base.check_choice("kernel_platform", self.kernel_platform, ("", "gpu", "tpu"))
     base.check_choice("activation", self.activation, tuple(ACTIVATIONS))
@@ -221,7 +245,21 @@ class BertConfig:
     return positions_lib.make(self.position, self.position_options, num_heads=self.num_heads,
                               hidden_size=self.hidden_size, max_len=self.max_len, embedding_size=self.embed_width,
                               dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype], causal=self.causal,
-                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+                              num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, query_scale=self.query_scale)
+
+  @functools.cached_property
+  def windows(self) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none): ``layer_windows`` repeated over the depth, or ``sliding_window``."""
+    if not self.layer_windows:
+      return (self.sliding_window,) * self.num_layers
+    try:
+      sizes = tuple(int(w) for w in str(self.layer_windows).split(","))
+    except ValueError:
+      raise ValueError(f"layer_windows={self.layer_windows!r}: expected ','-separated ints >= 0, e.g. '4096,0'"
+                       ) from None
+    if any(w < 0 for w in sizes):
+      raise ValueError(f"layer_windows={self.layer_windows!r}: each window must be >= 0 (0: the whole context)")
+    return tuple(sizes[i % len(sizes)] for i in range(self.num_layers))
 
   @functools.cached_property
   def layer_positions(self) -> tuple[str, ...]:
@@ -367,7 +405,7 @@ class EncoderLayer(nn.Module):
     attend = attention.SelfAttention(spec, c.attention_kernel, c.attention_dropout_rate,
                                      use_bias=c.use_bias != "none", out_bias=c.use_bias in ("all", "attention"),
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
-                                     qk_norm_axes=c.qk_norm_axes,
+                                     qk_norm_axes=c.qk_norm_axes, softcap=c.attention_softcap,
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"
 
@@ -389,6 +427,10 @@ class EncoderLayer(nn.Module):
     if c.norm == "reordered":
       x_BxLxD = x_BxLxD + drop(attention_norm(attend(x_BxLxD, state, mask, deterministic)))
       return x_BxLxD + drop(mlp_norm(mlp(x_BxLxD)))
+    if c.norm == "peri":
+      after_attention, after_mlp = _layer_norm(c, "attention_post_norm"), _layer_norm(c, "mlp_post_norm")
+      x_BxLxD = x_BxLxD + drop(after_attention(attend(attention_norm(x_BxLxD), state, mask, deterministic)))
+      return x_BxLxD + drop(after_mlp(mlp(mlp_norm(x_BxLxD))))
     x_BxLxD = x_BxLxD + drop(attend(attention_norm(x_BxLxD), state, mask, deterministic))
     return x_BxLxD + drop(mlp(mlp_norm(x_BxLxD)))
 
@@ -495,14 +537,14 @@ class BertEncoder(nn.Module):
     if attention_mask is not None:
       base.check_rows("attention_mask", attention_mask, batch, length, "mask")
     mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal,
-                          c.sliding_window)
+                          c.windows[0])
     x = partitioning.constrain(x, partitioning.BLD)
     if c.scan_layers:
       x, _ = self.layers(x, state, mask, deterministic, decode)
     else:
       states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
-      for layer, name in zip(self.layers, c.layer_positions):
-        x = layer(x, states[name], mask, deterministic, decode)
+      for layer, name, window in zip(self.layers, c.layer_positions, c.windows):
+        x = layer(x, states[name], dataclasses.replace(mask, sliding_window=window), deterministic, decode)
     if c.norm != "post":
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)
@@ -704,14 +746,15 @@ class BertModel(nn.Module):
       linear = self.config.lm_head == "linear"
       x, bias_V = (h, None) if linear else mlm_transform(self, encoder, h)
       matrix, layout_ = encoder.word_matrix()
-      loss_BxL, correct_BxL = lm_loss.token_losses(x, matrix, layout_, bias_V, labels, chunk=loss_chunk, z_loss=z_loss)
+      loss_BxL, correct_BxL = lm_loss.token_losses(x, matrix, layout_, bias_V, labels, chunk=loss_chunk, z_loss=z_loss,
+                                                   softcap=self.config.final_logit_softcap)
       return BertOutput(h, token_loss=loss_BxL, token_correct=correct_BxL)
     if self.head in ("mlm", "lm"):
       at = h if masked_positions is None else jnp.take_along_axis(h, masked_positions[..., None], axis=1,
                                                                   mode="fill", fill_value=jnp.nan)
-      if self.head == "lm" and self.config.lm_head == "linear":
-        return BertOutput(h, logits=encoder.attend_words(at))
-      return BertOutput(h, logits=mlm_head(self, encoder, at))
+      logits = (encoder.attend_words(at) if self.head == "lm" and self.config.lm_head == "linear"
+                else mlm_head(self, encoder, at))
+      return BertOutput(h, logits=lm_loss.soft_cap(logits, self.config.final_logit_softcap))
     if self.head == "classification":
       return BertOutput(h, logits=classification_head(self.config, self.num_labels, x_BxD, deterministic,
                                                       self.classifier_input))

@@ -296,6 +296,7 @@ class PositionSpec:
   causal: bool = False  # in a decoder (attention to earlier tokens only): a method takes its decoder form
   num_kv_heads: int = 0  # key/value heads (grouped-query attention; 0: num_heads)
   model_width: int = 0  # the residual stream's width where it is not H·K (a decoder's head_dim); 0: H·K
+  query_scale: float = 0.0  # the factor on q·k where a model sets its own (Gemma 2's query_pre_attn_scalar^-1/2)
 
   @property
   def name(self) -> str:
@@ -326,8 +327,9 @@ class PositionSpec:
 
   @property
   def scale(self) -> float:
-    """The factor applied to q·k (1/sqrt(d_h), or 1/sqrt(2 d_h) with TUPE, 1/sqrt(4 d_h) with BERT-A^d)."""
-    return 1.0 / math.sqrt(self.method.content_scale * self.head_dim)
+    """The factor applied to q·k (1/sqrt(d_h), or 1/sqrt(2 d_h) with TUPE, 1/sqrt(4 d_h) with BERT-A^d;
+    ``query_scale`` where given)."""
+    return self.query_scale or 1.0 / math.sqrt(self.method.content_scale * self.head_dim)
 
   def check_length(self, length: int) -> None:
     """Raises if a sequence of ``length`` tokens is longer than a learned table of the method supports."""
@@ -369,7 +371,8 @@ def layer_form(spec: PositionSpec) -> tuple[kernels.Terms | None, bool]:
 
 def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int, hidden_size: int,
          max_len: int, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-         embedding_size: int = 0, causal: bool = False, num_kv_heads: int = 0, head_dim: int = 0) -> PositionSpec:
+         embedding_size: int = 0, causal: bool = False, num_kv_heads: int = 0, head_dim: int = 0,
+         query_scale: float = 0.0) -> PositionSpec:
   """Validates a method name and its options and returns the spec the modules are built from (``causal``: for a
   decoder, whose methods take their decoder form, e.g. T5's unidirectional buckets; ``num_kv_heads``: grouped k/v
   heads, 0 for ``num_heads``; ``head_dim``: the heads' width where it is not ``hidden_size / num_heads``)."""
@@ -383,6 +386,8 @@ def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int,
     raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads} (0: num_heads)")
   if max_len <= 0:
     raise ValueError(f"max_len must be positive, got {max_len}")
+  if query_scale < 0:
+    raise ValueError(f"query_scale must be >= 0 (0: the method's 1/sqrt(head_dim)), got {query_scale}")
   if method.decoder_only and not causal:
     raise ValueError(f"position method {method.name!r} exists in a decoder's form only (causal attention: "
                      "model.causal=True, or a decoder preset such as configs/lm.py's)")
@@ -390,7 +395,7 @@ def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int,
   return PositionSpec(method, parse_options(method, options), num_heads, head_dim, max_len,
                       dtype, param_dtype, 0 if embedding_size == hidden_size else embedding_size, bool(causal),
                       0 if num_kv_heads == num_heads else num_kv_heads,
-                      0 if hidden_size == num_heads * head_dim else hidden_size)
+                      0 if hidden_size == num_heads * head_dim else hidden_size, float(query_scale))
 
 
 def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:

@@ -43,6 +43,10 @@ ADDED_FIELDS = {
     "z_loss": lambda before, now: 0.0,
     "model.qk_norm_axes": lambda before, now: "head",
     "model.embedding_scale": lambda before, now: False,
+    "model.query_scale": lambda before, now: 0.0,
+    "model.attention_softcap": lambda before, now: 0.0,
+    "model.final_logit_softcap": lambda before, now: 0.0,
+    "model.layer_windows": lambda before, now: "",
 }
 
 

@@ -58,6 +58,7 @@ from posjax.kernels.terms.kerple import KERPLES, Kerple
 from posjax.kernels.terms.relative import Relative
 from posjax.kernels.terms.untied import RESETS, Untied
 from posjax.kernels.terms.sandwich import Sandwich
+from posjax.kernels.terms.softcap import SoftCap
 
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
          "stick_breaking")  # every field of Terms
