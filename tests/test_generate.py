@@ -78,10 +78,8 @@ def test_the_decode_kernels_generate_the_dense_full_forwards_tokens_on_one_devic
   slots = generate.CACHE_MULTIPLE
   assert f"1,1,{slots},8" in written and f"4,2,{slots},8" not in written  # [B/4, G/2, T, K] per device
   # not asked for the step logits, no [B, N, V] is kept, and the prefill's head reads the last token only: no
-  # [B, P, V] (here N = P = 5)
-  one = generate._generate.lower(module, {"params": variables["params"]}, prompt, jnp.ones((4, 5), bool), 5, 0.0, 0,
-                                 1.0, jnp.uint32(0), (), False).compile().as_text()
-  assert f"[4,5,{module.config.vocab_size}]" not in one
+  # [B, P, V] (here N = P = 5; a device's row, B/4 = 1)
+  assert f"[1,5,{module.config.vocab_size}]" not in program
 
 
 def test_left_padded_prompts_continue_as_each_prompt_alone():
