@@ -120,9 +120,14 @@ def test_a_converted_llama_with_its_own_tokenizer_is_prompted_trained_and_export
   assert cli.main(["posjax-to-hf", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "back")]) == 0
   for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
     assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
-  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+  assert type(back).__name__ == "LlamaForCausalLM"
   assert (back.config.bos_token_id, back.config.eos_token_id) == (hf_tokenizer.bos_token_id,
                                                                   hf_tokenizer.eos_token_id)
+  ids = torch.from_numpy(np.random.default_rng(1).integers(0, len(hf_tokenizer), (1, 9)))
+  with torch.no_grad():  # the weights taken at learning rate 0 come back as they went in
+    want = model(ids).logits.numpy()
+    np.testing.assert_allclose(back(ids).logits.numpy(), want, atol=2e-4 * np.abs(want).max(), rtol=0)
   assert transformers.AutoTokenizer.from_pretrained(tmp_path / "back")(prompt).input_ids == hf_tokenizer(
       prompt).input_ids
   assert os.path.isfile(tmp_path / "back" / "model.safetensors")
