@@ -38,10 +38,11 @@ def test_each_style_encodes_prompts_and_frames_documents_as_its_model_reads_them
     ids = tokenizer.start_ids + tokenizer.encode(text)
     assert ids == hf(text).input_ids
     assert tokenizer.backend.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True) == text
-  # the stream packing: each document its own first ids (a bos where the tokenizer adds one), its tokens, its eos
-  rows = list(mlm.pack_tokens("stream", [[tokenizer.encode("the sky")], [tokenizer.encode("is blue")]], 64,
-                              tokenizer))
-  first, second = (hf(t).input_ids + [tokenizer.eos_id] for t in ("the sky", "is blue"))
+  # the stream packing: each document (a corpus's lines) read as text, line breaks and all, after its first ids (a
+  # bos where the tokenizer adds one), then its eos
+  documents = [["the sky", "  is blue"], ["green"]]
+  rows = list(mlm.pack_tokens("stream", map(tokenizer.encode_document, documents), 64, tokenizer))
+  first, second = (hf("\n".join(lines)).input_ids + [tokenizer.eos_id] for lines in documents)
   assert rows[0]["input_ids"][:len(first) + len(second)].tolist() == first + second
   # a passkey row: the start ids, then its pieces between line breaks' tokens
   template, symbols = passkey.template(tokenizer, {**passkey.DEFAULTS, "symbols": "1 2 3"})
@@ -131,3 +132,17 @@ def test_a_converted_llama_with_its_own_tokenizer_is_prompted_trained_and_export
   assert transformers.AutoTokenizer.from_pretrained(tmp_path / "back")(prompt).input_ids == hf_tokenizer(
       prompt).input_ids
   assert os.path.isfile(tmp_path / "back" / "model.safetensors")
+
+
+@pytest.mark.parametrize("style,add_bos", [("byte_level_bos", False), ("sentencepiece_bpe", None)])
+def test_add_bos_token_counts_where_hugging_faces_class_reads_it(style, add_bos, tmp_path):
+  """PreTrainedTokenizerFast (Llama 3's class) encodes with its post-processor whatever add_bos_token says; Llama's
+  and Gemma's classes add a bos unless add_bos_token is false (absent: true)."""
+  hf_tokenizers.save(style, tmp_path)
+  settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  settings.pop("add_bos_token", None)
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      settings if add_bos is None else {**settings, "add_bos_token": add_bos}))
+  ids = transformers.AutoTokenizer.from_pretrained(tmp_path)("the sky").input_ids
+  tokenizer = Tokenizer.load(str(tmp_path / "tokenizer.json"))
+  assert tokenizer.start_ids + tokenizer.encode("the sky") == ids and tokenizer.start_ids == [tokenizer.bos_id]

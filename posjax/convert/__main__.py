@@ -46,10 +46,11 @@ CONVERTED_FROM = "converted_from.json"  # the Hugging Face model type of a run h
 # marks a directory as posjax's export (written first): only such a directory may be replaced by a new export.
 EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "added_tokens.json",
-                "generator", "discriminator")
+                "tokenizer.model", "chat_template.jinja", "generator", "discriminator")
 EXPORT_MARKER = "posjax_export.json"
-# A converted model's tokenizer settings beside its tokenizer file: kept in the run, written back unchanged.
-TOKENIZER_SETTINGS = tokenizer_lib.SETTINGS
+# A converted model's tokenizer settings and files beside its tokenizer.json (SentencePiece's model, the chat
+# template, added tokens): kept in the run, written back unchanged.
+TOKENIZER_SETTINGS = (*tokenizer_lib.SETTINGS, "tokenizer.model", "chat_template.jinja", "added_tokens.json")
 # What the converters need beyond posjax's own dependencies: the convert extra's modules, and how to install them.
 CONVERT_EXTRA = ("torch", "transformers", "safetensors")
 INSTALL_CONVERT = "pip install -e '.[convert]'"

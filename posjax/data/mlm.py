@@ -302,7 +302,7 @@ class MlmBatches:
   def _block_stream(self) -> Iterator[dict]:
     tok = self.tokenizer
     while True:
-      token_docs = (tok.encode_batch(document) for document in self.documents())
+      token_docs = (tok.encode_document(document) for document in self.documents())
       produced = False
       for block in pack_tokens(self.packing, token_docs, self.max_len, tok):
         produced = True

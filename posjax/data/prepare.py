@@ -113,7 +113,7 @@ def _prepare_chunk(job: tuple[int, int], *, corpora: list, chunks: int, max_len:
       return json.load(f)
   tokenizer = Tokenizer.load(data.vocab_file)
   dtype = record_dtype(tokenizer.vocab_size, max_len)
-  documents = (tokenizer.encode_batch(document) for document in corpus.documents(data, "train", chunk, chunks))
+  documents = (tokenizer.encode_document(document) for document in corpus.documents(data, "train", chunk, chunks))
   blocks = tokens = 0
   writer = ArrayRecordWriter(path + ".tmp", "group_size:1")
   try:

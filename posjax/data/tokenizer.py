@@ -53,6 +53,10 @@ def _check_unique_lines(path: str) -> None:
 
 
 ROLES = ("cls", "sep", "pad", "mask", "unk", "bos", "eos")
+# The tokenizer classes whose add_bos_token (default True) rebuilds their post-processor in Hugging Face; every other
+# class (PreTrainedTokenizerFast: Llama 3's, Qwen's) encodes with its tokenizer.json's post-processor as it is
+ADDS_BOS_BY_SETTING = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast",
+                       "GemmaTokenizer", "GemmaTokenizerFast")
 SETTINGS = ("tokenizer_config.json", "special_tokens_map.json")  # a Hugging Face tokenizer's, beside its JSON
 
 
@@ -76,8 +80,8 @@ def hf_settings(path: str) -> dict | None:
       raise ValueError(f"tokenizer settings {file} cannot be read as JSON: {error}") from None
     if not isinstance(settings, dict):
       raise ValueError(f"tokenizer settings {file} hold a {type(settings).__name__}; expected a JSON object")
-    found.update({k: settings[k] for k in (*(f"{role}_token" for role in ROLES), "add_bos_token", "add_eos_token")
-                  if k in settings})
+    found.update({k: settings[k] for k in (*(f"{role}_token" for role in ROLES), "add_bos_token", "add_eos_token",
+                                           "tokenizer_class") if k in settings})
   return found or None
 
 
@@ -100,10 +104,12 @@ class Tokenizer:
   Two namings. A tokenizer with Hugging Face settings files (``settings``: :func:`hf_settings`) has the roles they
   name and nothing else; where they name no ``cls`` / ``sep`` the ``bos`` / ``eos`` take those roles (a row's first
   token, a document's last), and ``pad_id`` is the pad token's, else the eos token's, else 0 (padding is masked:
-  any id serves; Hugging Face's decoders pad with eos). Documents and prompts begin with the special ids its own
-  encoding adds (``start_ids``: Llama's and Gemma's bos, none for GPT-2's or Qwen's), as its model was trained. A
-  tokenizer without settings files (a ``vocab.txt``, TUPE's BPE) has BERT's five special tokens, found under their
-  WordPiece or RoBERTa names, each required; its documents start with nothing added.
+  any id serves; Hugging Face's decoders pad with eos). A decoder's (no mask token: ``reads_text``) reads a document
+  as text, its lines joined by line breaks (:meth:`encode_document`), and documents and prompts begin with the
+  special ids its own encoding adds (``start_ids``: Llama's and Gemma's bos, none for GPT-2's or Qwen's), as its
+  model was trained; an encoder's (BERT's, ELECTRA's) packs sentences as BERT's naming does. A tokenizer without
+  settings files (a ``vocab.txt``, TUPE's BPE) has BERT's five special tokens, found under their WordPiece or
+  RoBERTa names, each required; its documents start with nothing added.
   """
 
   backend: tokenizers.Tokenizer
@@ -116,10 +122,11 @@ class Tokenizer:
       for role, names in SPECIAL.items():
         found = [vocab[n] for n in names if n in vocab]
         if not found:
-          raise ValueError(f"the vocabulary has no {role} token (looked for {' or '.join(names)})")
+          raise ValueError(f"the vocabulary has no {role} token (looked for {' or '.join(names)}); a Hugging Face "
+                           f"tokenizer.json reads its special tokens from the {' / '.join(SETTINGS)} beside it")
         setattr(self, f"{role}_id", found[0])
       self.bos_id = self.eos_id = None
-      self.start_ids = []
+      self.start_ids, self.reads_text = [], False
     else:
       for role in ROLES:
         piece = _content(self.settings.get(f"{role}_token"))
@@ -129,7 +136,12 @@ class Tokenizer:
       self.cls_id = self.bos_id if self.cls_id is None else self.cls_id
       self.sep_id = self.eos_id if self.sep_id is None else self.sep_id
       self.pad_id = next((i for i in (self.pad_id, self.eos_id) if i is not None), 0)
-      self.start_ids = self._added_ids(self.settings.get("add_bos_token"), self.bos_id, first=True)
+      # a decoder's tokenizer (no mask token) frames text as its model reads it; an encoder's (BERT's, ELECTRA's,
+      # in Hugging Face's files) packs sentences as BERT's naming does
+      self.reads_text = self.mask_id is None
+      by_setting = self.settings.get("tokenizer_class") in ADDS_BOS_BY_SETTING
+      self.start_ids = self._added_ids(self.settings.get("add_bos_token", True) if by_setting else None, self.bos_id,
+                                       first=True) if self.reads_text else []
     self.special_ids = frozenset(i for i in (getattr(self, f"{role}_id") for role in ROLES) if i is not None)
     if self.settings is not None:  # and every token its file marks special (chat markers, ...)
       self.special_ids |= frozenset(vocab[t.content] for t in self.backend.get_added_tokens_decoder().values()
@@ -143,8 +155,8 @@ class Tokenizer:
 
   def _added_ids(self, asked, special_id, first: bool) -> list[int]:
     """The ids the tokenizer's own encoding adds before a text (``first``) or after it: ``add_bos_token`` /
-    ``add_eos_token`` where its settings give them (as Hugging Face's Llama and Gemma tokenizers read them), else its
-    post-processor's."""
+    ``add_eos_token`` for the classes that read it (:data:`ADDS_BOS_BY_SETTING`: ``asked``, True by default, as
+    Hugging Face's Llama and Gemma tokenizers), else its post-processor's (``asked`` None)."""
     if asked is not None:
       return [special_id] if asked and special_id is not None else []
     plain = self.backend.encode("a", add_special_tokens=False).ids
@@ -185,16 +197,22 @@ class Tokenizer:
 
   @property
   def separator_ids(self) -> list[int]:
-    """What separates the pieces of a prompt the harness writes (:mod:`posjax.tasks.passkey`): [SEP] where the
-    tokenizer has BERT's naming (its corpus ends sentences with it), else a line break's tokens (a Hugging Face
-    model's text; its eos would end the document)."""
-    return [self.sep_id] if self.settings is None else self.encode("\n")
+    """What separates the pieces of a prompt the harness writes (:mod:`posjax.tasks.passkey`): a line break's tokens
+    for a tokenizer that reads text (:attr:`reads_text`; its eos would end the document), else [SEP] (its corpus
+    ends sentences with it)."""
+    return (self.encode("\n") or [self.sep_id]) if self.reads_text else [self.sep_id]
 
   def encode(self, text: str) -> list[int]:
     return self.backend.encode(text, add_special_tokens=False).ids
 
   def encode_batch(self, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+  def encode_document(self, lines: list[str]) -> list[list[int]]:
+    """A corpus document (its lines) as the packings take it, a list of sentences: each line its own sentence with
+    BERT's naming (the packings end sentences with [SEP]); with a Hugging Face tokenizer the lines joined by line
+    breaks and encoded once, one sentence (its model reads text, line breaks and all)."""
+    return [self.encode("\n".join(lines))] if self.reads_text else self.encode_batch(lines)
 
   def continues_word(self, token_id: int) -> bool:
     """Whether a token continues the previous one's word (for whole-word masking)."""

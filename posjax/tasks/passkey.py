@@ -108,7 +108,7 @@ def template(tokenizer: Tokenizer, spec: dict, name: str = "the evaluator") -> t
   for symbol in spec["symbols"].split():
     # a Hugging Face tokenizer's own piece where it has one ("1", not SentencePiece's "▁1": a key's digits as its
     # model reads them after a space piece), else the symbol's encoding
-    piece = None if tokenizer.settings is None else tokenizer.backend.token_to_id(symbol)
+    piece = tokenizer.backend.token_to_id(symbol) if tokenizer.reads_text else None
     ids = [piece] if piece is not None else tokenizer.encode(symbol)
     if len(ids) != 1 or ids[0] == tokenizer.unk_id:
       raise ValueError(f"passkey symbol {symbol!r} is {ids} in this vocabulary; each symbol must be one known token "
@@ -119,7 +119,7 @@ def template(tokenizer: Tokenizer, spec: dict, name: str = "the evaluator") -> t
   parts = spec["key_line"].split("{key}")
   if len(parts) < 2:
     raise ValueError(f"passkey key_line={spec['key_line']!r} has no {{key}}")
-  start = [tokenizer.cls_id] if tokenizer.settings is None else tokenizer.start_ids
+  start = tokenizer.start_ids if tokenizer.reads_text else [tokenizer.cls_id]
   return Template(tokenizer.encode(spec["intro"]), tokenizer.encode(spec["filler"]),
                   [tokenizer.encode(p) for p in parts], tokenizer.encode(spec["question"]), start,
                   tokenizer.separator_ids), symbols

@@ -397,7 +397,7 @@ def special_token_ids(workdir: str) -> dict:
     return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
   tokenizer = Tokenizer.load(vocab)
   starts = (run_config(workdir).get("data") or {}).get("packing", "stream") in CLS_PACKINGS
-  if tokenizer.settings is not None:  # a Hugging Face tokenizer's own
+  if tokenizer.reads_text:  # a Hugging Face decoder tokenizer's own
     return {"bos_token_id": tokenizer.cls_id if starts else tokenizer.bos_id, "eos_token_id": tokenizer.sep_id,
             "pad_token_id": tokenizer.pad_id if tokenizer.settings.get("pad_token") else None}
   return {"bos_token_id": tokenizer.cls_id if starts else None, "eos_token_id": None if starts else tokenizer.sep_id,
@@ -409,7 +409,7 @@ def prompt_prefix(workdir: str, special_ids: dict, tokenizer: Tokenizer | None =
   :func:`special_token_ids`): [CLS] under a packing that starts rows with it; with a Hugging Face tokenizer
   (``tokenizer``, settings files beside it: a converted model's, or a run trained with one) what its own encoding
   puts first (Llama's bos), as under the stream packings and in Hugging Face's ``tokenizer(prompt)``."""
-  if tokenizer is not None and tokenizer.settings is not None:
+  if tokenizer is not None and tokenizer.reads_text:
     starts = (run_config(workdir).get("data") or {}).get("packing", "stream") in CLS_PACKINGS
     return [tokenizer.cls_id] if starts and not os.path.isfile(os.path.join(workdir, SPECIAL_TOKENS)) else list(
         tokenizer.start_ids)
