@@ -239,6 +239,9 @@ BAD_CONFIGS = [
      "'cudnn' cannot compute position method 'shaw'"),
     (dict(position="shaw", position_options={"max_distance": 0}), "max_distance=0 must be >= 1"),
     (dict(norm="sandwich"), "norm='sandwich' is not allowed"),
+    (dict(causal=True, layer_windows="4,x"), "layer_windows='4,x': expected ','-separated ints >= 0"),
+    (dict(attention_softcap=30.0, attention_kernel="cudnn"), "attention_softcap=30.0: attention kernel 'cudnn' "
+                                                             "cannot run it (cuDNN adds a bias; an open term may"),
 ]
 
 

@@ -311,7 +311,7 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
     windows = set(config.windows) - {0}
     if len(windows) > 1:
       raise ValueError(f"Hugging Face gemma2 has one sliding window; this model's layers have {sorted(windows)}")
-    fields.update(query_pre_attn_scalar=(config.query_scale or config.position_spec.scale) ** -2,
+    fields.update(query_pre_attn_scalar=config.position_spec.scale ** -2,
                   attn_logit_softcapping=config.attention_softcap or None,
                   final_logit_softcapping=config.final_logit_softcap or None,
                   sliding_window=windows.pop() if windows else None,

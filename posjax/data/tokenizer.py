@@ -140,8 +140,8 @@ class Tokenizer:
       # in Hugging Face's files) packs sentences as BERT's naming does
       self.reads_text = self.mask_id is None
       by_setting = self.settings.get("tokenizer_class") in ADDS_BOS_BY_SETTING
-      self.start_ids = self._added_ids(self.settings.get("add_bos_token", True) if by_setting else None, self.bos_id,
-                                       first=True) if self.reads_text else []
+      self.start_ids = self._first_ids(self.settings.get("add_bos_token", True) if by_setting else None
+                                       ) if self.reads_text else []
     self.special_ids = frozenset(i for i in (getattr(self, f"{role}_id") for role in ROLES) if i is not None)
     if self.settings is not None:  # and every token its file marks special (chat markers, ...)
       self.special_ids |= frozenset(vocab[t.content] for t in self.backend.get_added_tokens_decoder().values()
@@ -153,16 +153,15 @@ class Tokenizer:
     self._byte_level = any(p.startswith("Ġ") for p in vocab)
     self._metaspace = not self._byte_level and any(p.startswith("▁") for p in vocab)
 
-  def _added_ids(self, asked, special_id, first: bool) -> list[int]:
-    """The ids the tokenizer's own encoding adds before a text (``first``) or after it: ``add_bos_token`` /
-    ``add_eos_token`` for the classes that read it (:data:`ADDS_BOS_BY_SETTING`: ``asked``, True by default, as
-    Hugging Face's Llama and Gemma tokenizers), else its post-processor's (``asked`` None)."""
+  def _first_ids(self, asked) -> list[int]:
+    """The ids the tokenizer's own encoding puts before a text: its bos where ``asked`` (``add_bos_token``, for the
+    classes that read it, :data:`ADDS_BOS_BY_SETTING`, as Hugging Face's Llama and Gemma tokenizers), else (``asked``
+    None) what its post-processor adds before the text."""
     if asked is not None:
-      return [special_id] if asked and special_id is not None else []
+      return [self.bos_id] if asked and self.bos_id is not None else []
     plain = self.backend.encode("a", add_special_tokens=False).ids
     added = self.backend.encode("a", add_special_tokens=True).ids
-    at = next((i for i in range(len(added) - len(plain) + 1) if added[i:i + len(plain)] == plain), 0)
-    return list(added[:at]) if first else list(added[at + len(plain):])
+    return list(added[:next((i for i in range(len(added) - len(plain) + 1) if added[i:i + len(plain)] == plain), 0)])
 
   @classmethod
   def load(cls, path: str) -> "Tokenizer":

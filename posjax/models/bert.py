@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from posjax import attention, partitioning, positions as positions_lib
+from posjax import attention, kernels, partitioning, positions as positions_lib
 from posjax.models import layout, lm_loss
 from posjax.positions import base
 
@@ -180,12 +180,15 @@ class BertConfig:
     if self.layer_windows:
       if not self.causal:
         raise ValueError(f"layer_windows={self.layer_windows!r} needs causal=True (a decoder)")
-      if self.scan_layers and len(set(self.windows)) > 1:
+      windows = self.windows  # checks each entry, here rather than when the model is built
+      if self.scan_layers and len(set(windows)) > 1:
         raise ValueError(f"layer_windows={self.layer_windows!r} gives the layers different windows; scan_layers=True "
                          "needs one layer program (set scan_layers=False)")
-    if self.attention_softcap and self.attention_kernel == "cudnn":
-      raise ValueError(f"attention_softcap={self.attention_softcap}: cuDNN adds a bias and cannot cap the logits; use "
-                       "attention_kernel 'pallas', 'xla' or 'auto'")
+    why = kernels.capability.refusal("cudnn", kernels.as_terms(kernels.SoftCap(self.attention_softcap))
+                                     ) if self.attention_softcap and self.attention_kernel == "cudnn" else None
+    if why:
+      raise ValueError(f"attention_softcap={self.attention_softcap}: attention kernel 'cudnn' cannot run it ({why}); "
+                       "use attention_kernel 'pallas', 'xla' or 'auto'")
     base.check_choice("qk_norm_axes", self.qk_norm_axes, ("head", "all"))
     base.check_choice("kernel_platform", self.kernel_platform, ("", "gpu", "tpu"))
     base.check_choice("activation", self.activation, tuple(ACTIVATIONS))

@@ -321,9 +321,10 @@ class PositionSpec:
   def refusal(self, kernel: str, *, dropout: bool = False) -> str | None:
     """Why ``kernel`` (``xla``, ``cudnn``, ``pallas`` or ``decode``) cannot compute the method with these options
     (``dropout``: with attention dropout), None where it can: :func:`posjax.kernels.capability.refusal` of the terms
-    its modules return (:func:`layer_form`); a method declares nothing about kernels."""
-    terms, dense = layer_form(self)
-    return kernels.capability.refusal(kernel, terms, dropout=dropout, dense=dense)
+    its modules return (:func:`kernel_refusals`); a method declares nothing about kernels."""
+    if kernel not in kernels.capability.KERNELS:
+      raise ValueError(f"unknown kernel {kernel!r}; allowed: {list(kernels.capability.KERNELS)}")
+    return kernel_refusals(self)[kernel, bool(dropout)]
 
   @property
   def scale(self) -> float:
@@ -341,12 +342,12 @@ class PositionSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def layer_form(spec: PositionSpec) -> tuple[kernels.Terms | None, bool]:
-  """``(terms, dense)`` of one attention layer of ``spec``: its :class:`posjax.kernels.Terms` (the encoder's and the
-  layer's, merged; their array leaves abstract) and whether its layer returns :class:`DenseLayerTerms` (logits that
-  replace ``scale q·k``, or a value term). Found by evaluating the method's modules abstractly on a short row
-  (:func:`jax.eval_shape`: nothing is computed), once per spec, so what a kernel can compute is read from the terms
-  themselves."""
+def kernel_refusals(spec: PositionSpec) -> dict[tuple[str, bool], str | None]:
+  """``{(kernel, dropout): why or None}`` of :func:`posjax.kernels.capability.refusal` for one attention layer of
+  ``spec``: its terms (the encoder's and the layer's, merged) and whether its layer returns :class:`DenseLayerTerms`
+  (logits that replace ``scale q·k``, or a value term). Found by evaluating the method's modules abstractly on a
+  short row (:func:`jax.eval_shape`: nothing is computed, and the table is read inside the trace, so no abstract
+  value outlives it), once per spec, so what a kernel can compute is read from the terms themselves."""
   found = {}
 
   def form():
@@ -355,18 +356,19 @@ def layer_form(spec: PositionSpec) -> tuple[kernels.Terms | None, bool]:
     q_1xLxHxK, k_1xLxGxK = jnp.zeros((1, length, h, k), spec.dtype), jnp.zeros((1, length, g, k), spec.dtype)
     encoder = spec.method.encoder(spec=spec)
     state = encoder.apply(encoder.init(jax.random.PRNGKey(0), positions_1xL), positions_1xL)
-    found["terms"], found["dense"] = state.terms, False
+    terms, dense = state.terms, False
     if spec.method.layer is not None:
       layer = spec.method.layer(spec=spec)
       inputs = (q_1xLxHxK, k_1xLxGxK, state, spec.scale)
       inputs += (jnp.zeros((1, length, spec.hidden_size), spec.dtype),) if spec.method.reads_input else ()
-      terms = layer.apply(layer.init(jax.random.PRNGKey(0), *inputs), *inputs)
-      found["terms"] = kernels.merge(state.terms, terms.terms)
-      found["dense"] = isinstance(terms, DenseLayerTerms)
+      layer_terms = layer.apply(layer.init(jax.random.PRNGKey(0), *inputs), *inputs)
+      terms, dense = kernels.merge(state.terms, layer_terms.terms), isinstance(layer_terms, DenseLayerTerms)
+    found.update({(kernel, dropout): kernels.capability.refusal(kernel, terms, dropout=dropout, dense=dense)
+                  for kernel in kernels.capability.KERNELS for dropout in (False, True)})
     return 0
 
   jax.eval_shape(form)
-  return found["terms"], found["dense"]
+  return found
 
 
 def make(name: str, options: Mapping[str, Any] | None = None, *, num_heads: int, hidden_size: int,
