@@ -107,6 +107,8 @@ def get_config(arg=None):
       head_dim=0,  # 0: hidden_size / num_heads
       sliding_window=0,  # with causal: each query sees its last sliding_window tokens; 0: all
       position_schedule="",  # ","-separated methods repeated over the layers ("rope,rope,rope,none": iRoPE)
+      schedule_options={},  # {"rope@local": {"max_timescale": 10000.0}}: a schedule entry's own options
+      first_attention_norm=True,  # False: ModernBERT's first layer, its attention without a norm
       **SIZES[arg.size]))
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",

@@ -36,6 +36,8 @@ not in them).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,9 +61,10 @@ class Mask:
     padding: ``[B, L]`` bool, True at real tokens; None when nothing is padded.
     segment_ids: ``[B, L]`` int; tokens attend only within their own segment (packed sequences).
     causal: query i attends to keys j <= i only (token order; a decoder). Every kernel takes it.
-    sliding_window: with ``causal``, query i attends to the ``sliding_window`` keys ``i - W < j <= i`` only (token
-      order, the query's own included: Mistral's, Hugging Face's ``sliding_window``); 0: no window. Every kernel
-      takes it; the Pallas kernels skip the tiles it rules out.
+    sliding_window: query i attends to keys ``|i - j| < W`` only (token order, the query's own included): with
+      ``causal`` the ``W`` keys ``i - W < j <= i`` (Mistral's, Hugging Face's ``sliding_window``), without it ``W - 1``
+      on each side too (ModernBERT's ``local_attention = 2 (W - 1)``); 0: no window. Every kernel takes it; the
+      Pallas kernels skip the tiles it rules out.
   """
 
   padding: jax.Array | None = None
@@ -70,8 +73,8 @@ class Mask:
   sliding_window: int = flax.struct.field(pytree_node=False, default=0)
 
   def __post_init__(self):
-    if self.sliding_window and (not self.causal or self.sliding_window < 0):
-      raise ValueError(f"Mask(sliding_window={self.sliding_window}) needs causal=True and a window >= 1 (0: none)")
+    if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+      raise ValueError(f"Mask(sliding_window={self.sliding_window!r}) must be an int >= 1 (0: none)")
 
   def pairs(self, length: int):
     """``[B or 1, 1, L or 1, L]`` bool, True where query i may attend to key j; None when all may."""
@@ -81,10 +84,12 @@ class Mask:
     if self.segment_ids is not None:
       same = self.segment_ids[:, None, :, None] == self.segment_ids[:, None, None, :]
       allowed = same if allowed is None else allowed & same
-    if self.causal:
+    if self.causal or self.sliding_window:
       distance_LxL = jnp.arange(length)[:, None] - jnp.arange(length)[None, :]
-      earlier_LxL = (distance_LxL >= 0) & ((distance_LxL < self.sliding_window) if self.sliding_window else True)
-      allowed = earlier_LxL[None, None] if allowed is None else allowed & earlier_LxL[None, None]
+      near_LxL = (distance_LxL >= 0) if self.causal else jnp.ones((length, length), bool)
+      if self.sliding_window:
+        near_LxL = near_LxL & (jnp.abs(distance_LxL) < self.sliding_window)
+      allowed = near_LxL[None, None] if allowed is None else allowed & near_LxL[None, None]
     return allowed
 
 
@@ -198,7 +203,11 @@ def fused_attention(q, k, v, bias, mask: Mask, scale: float, implementation: str
   if mask.segment_ids is not None:
     same = mask.segment_ids[:, None, :, None] == mask.segment_ids[:, None, None, :]
     bias = add_biases(bias, jnp.where(same, 0.0, neg))
-  window = (mask.sliding_window - 1, 0) if mask.sliding_window else None
+  window = (mask.sliding_window - 1, 0) if mask.sliding_window and mask.causal else None
+  if mask.sliding_window and not mask.causal:  # cuDNN's windows look back only: a two-sided one is a bias
+    length = q.shape[1]
+    distance_LxL = jnp.abs(jnp.arange(length)[:, None] - jnp.arange(length)[None, :])
+    bias = add_biases(bias, jnp.where(distance_LxL < mask.sliding_window, 0.0, neg)[None, None])
   attend = lambda q, k, v, bias, lengths=None: jax.nn.dot_product_attention(
       q, k, v, None if bias is None else bias.astype(q.dtype), scale=scale, is_causal=mask.causal,
       query_seq_lengths=lengths, key_value_seq_lengths=lengths, local_window_size=window,
@@ -239,6 +248,23 @@ def check_mask(mask: Mask, batch: int, length: int) -> None:
     kernels.check_rows("Mask.segment_ids", mask.segment_ids, batch, length)
 
 
+class OffsetRMSNorm(nn.Module):
+  """Gemma's RMSNorm: ``x / rms(x) · (1 + scale)`` over ``axes`` (default the last; ``names``: the scale's
+  logical axes), ``scale`` from zero, computed in float32 and cast back."""
+  epsilon: float
+  dtype: Any
+  param_dtype: Any
+  axes: tuple[int, ...] = (-1,)
+  names: tuple[str, ...] = (base.EMBED,)
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", base.zeros_init(self.names), tuple(x.shape[a] for a in self.axes), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=self.axes, keepdims=True) + self.epsilon)
+    return (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+
+
 class SelfAttention(nn.Module):
   """Self-attention with the position method of ``spec``; drop it into any linen model.
 
@@ -255,7 +281,8 @@ class SelfAttention(nn.Module):
   ``out_bias`` the output projection's (None: ``use_bias``; Qwen2 has q/k/v biases only); ``qk_norm``: an RMSNorm
   of q and of k (``q_norm``, ``k_norm``, epsilon ``norm_eps``) before the position method, over each head
   (``qk_norm_axes="head"``: one scale of ``head_dim`` shared by the heads, Qwen3's and Gemma 3's) or over all the
-  heads' width at once (``"all"``: a scale per head and feature, OLMo 2's). ``softcap``: the logits capped at
+  heads' width at once (``"all"``: a scale per head and feature, OLMo 2's); ``qk_norm_offset``: Gemma's ``(1 + w)``
+  form (:class:`OffsetRMSNorm`, Gemma 3's). ``softcap``: the logits capped at
   ``softcap · tanh(s / softcap)`` after every position term (Gemma 2's ``attn_logit_softcapping``;
   :class:`posjax.kernels.SoftCap`); 0: none. A layer's open terms (:class:`posjax.kernels.Term`) apply on every
   kernel in the op's order: the open terms, then the built-in ones.
@@ -271,6 +298,7 @@ class SelfAttention(nn.Module):
   norm_eps: float = 1e-6
   qk_norm_axes: str = "head"
   softcap: float = 0.0
+  qk_norm_offset: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -289,11 +317,12 @@ class SelfAttention(nn.Module):
                for name, heads in (("query", spec.num_heads), ("key", spec.kv_heads), ("value", spec.kv_heads)))
     if self.qk_norm:
       axes = (-1,) if self.qk_norm_axes == "head" else (-2, -1)
-      q, k = (nn.RMSNorm(epsilon=self.norm_eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
-                         reduction_axes=axes, feature_axes=axes,
-                         scale_init=base.ones_init((base.KV,) if len(axes) == 1 else (base.HEADS, base.KV)),
-                         name=name)(x_BxLxHxK)
-              for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
+      names = (base.KV,) if len(axes) == 1 else (base.HEADS, base.KV)
+      norm = (functools.partial(OffsetRMSNorm, self.norm_eps, spec.dtype, spec.param_dtype, axes, names)
+              if self.qk_norm_offset else functools.partial(
+                  nn.RMSNorm, epsilon=self.norm_eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
+                  reduction_axes=axes, feature_axes=axes, scale_init=base.ones_init(names)))
+      q, k = (norm(name=name)(x_BxLxHxK) for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
     if spec.method.layer is not None:
       inputs = (x_BxLxD,) if spec.method.reads_input else ()
       terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale, *inputs)

@@ -346,7 +346,7 @@ class FusedAttention:
   table's entry (T5's bucket of r, or c with ``kind="clip"``; a [CLS] key's column, then a [CLS] query's row,
   reads its own entry where given), plus KERPLE's ``-r1 log(1 + r2 |r|)`` or ``-r1 |r|^r2``, FIRE's MLP of
   ``log(c|r| + 1) / (log(c max(p_i, |L|) + 1) + eps)`` and Sandwich's ``λ (Σ_f cos(r ω_f / ρ_h) - F)``. Key j is
-  attended by query i when it is real, in i's segment, (causal) j <= i and (sliding window W) i - j < W; a query
+  attended by query i when it is real, in i's segment, (causal) j <= i and (sliding window W) |i - j| < W; a query
   with no such key averages every key. Grouped keys (fewer heads than q): query head h reads head h // (H / G).
 
   Built from the batch's layout: each pair's distance, table entries, [CLS] flags and mask, found in a loop over
@@ -365,7 +365,7 @@ class FusedAttention:
           self.query_position[b, i, j] = int(positions[b, i])
           self.cls_i[b, i, j], self.cls_j[b, i, j] = int(positions[b, i]) == 0, int(positions[b, j]) == 0
           self.allowed[b, i, j] = (bool(valid[b, j]) and segments[b, i] == segments[b, j] and (not causal or j <= i)
-                                   and (not sliding_window or i - j < sliding_window))
+                                   and (not sliding_window or abs(i - j) < sliding_window))
           if relative_max_distance is not None:
             self.row[b, i, j] = min(max(r, -relative_max_distance), relative_max_distance) + relative_max_distance
           if buckets is not None:

@@ -1,8 +1,8 @@
 """Hugging Face decoders in and out: Llama (GQA, rope_scaling), Mistral (a sliding window shorter than the input),
 Qwen2 (q/k/v biases, tied embeddings), Qwen3 (QK-norm, its own head_dim), GPT-NeoX (partial rotary, parallel and
-sequential residuals), Llama with LongRoPE (past its original length) and GPT-2 (learned positions, Conv1D
-weights) on random weights saved with ``save_pretrained``: posjax's logits equal Hugging Face's, and the model
-exported back gives them again."""
+sequential residuals), Llama with LongRoPE (past its original length), Phi-3, OLMo 2, Gemma 1-3 (Gemma 3's local
+layers with their own RoPE base) and GPT-2 (learned positions, Conv1D weights) on random weights saved with
+``save_pretrained``: posjax's logits equal Hugging Face's, and the model exported back gives them again."""
 
 import json
 import os
@@ -45,6 +45,11 @@ CASES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         num_key_value_heads=2, head_dim=16, pad_token_id=0, sliding_window=5, query_pre_attn_scalar=24,
         attn_logit_softcapping=3.0, final_logit_softcapping=4.0)),
+    "gemma3-local-global": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_key_value_heads=2, head_dim=16, pad_token_id=0, sliding_window=5, query_pre_attn_scalar=24,
+        rope_theta=10_000.0, rope_local_base_freq=100.0, rope_scaling=dict(rope_type="linear", factor=2.0),
+        attn_logit_softcapping=3.0, final_logit_softcapping=4.0)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
                                                    vocab_size=97)),
 }
@@ -78,6 +83,24 @@ def test_hugging_face_decoders_convert_both_ways(name, tmp_path):
   back = convert.to_hf(module.config, variables)
   assert type(back).__name__ == type(model).__name__
   np.testing.assert_allclose(hf_logits(back, ids), want, atol=2e-4 * np.abs(want).max(), rtol=0)
+
+
+def test_a_converted_gemma_3_generates_what_hugging_face_generates(tmp_path):
+  """Greedy decoding of left-padded prompts past the local window, through the cache of each layer kind (local
+  layers at their own RoPE base, the soft caps): posjax's tokens are Hugging Face ``generate``'s."""
+  from posjax import generate
+
+  model = random_model("gemma3-local-global")
+  model.generation_config.update(eos_token_id=None, pad_token_id=0)
+  ids = np.random.default_rng(1).integers(3, 97, (2, 6)).astype(np.int64)
+  mask = np.ones_like(ids)
+  mask[1, :2] = 0  # left padding, as Hugging Face pads a batch for generation
+  with torch.no_grad():
+    want = model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=8,
+                          do_sample=False).numpy()
+  module, variables = convert.from_hf(model)
+  got = generate.generate(module, variables, ids, max_new_tokens=8, attention_mask=mask)
+  np.testing.assert_array_equal(np.asarray(got)[:, 6:], want[:, 6:])
 
 
 @pytest.mark.parametrize("fields,message", [

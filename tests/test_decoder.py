@@ -99,6 +99,9 @@ def test_a_position_schedule_gives_each_layer_its_method(schedule):
     (dict(position_schedule="rope,none", scan_layers=True), "scan_layers=True needs one layer program"),
     (dict(position_schedule="rope,absolute"), "'absolute' adds an input embedding"),
     (dict(position_schedule="rope,nope"), "unknown position method 'nope'"),
+    (dict(position_schedule="rope,rope@local", schedule_options={"rope@x": {}}),
+     r"schedule_options names \['rope@x'\], which are not entries of position_schedule"),
+    (dict(position_schedule="rope,rope@local", schedule_options={"rope@local": {"base": 5.0}}), "base"),
 ])
 def test_a_schedule_that_cannot_run_is_an_error(fields, message):
   with pytest.raises(ValueError, match=message):
@@ -108,7 +111,7 @@ def test_a_schedule_that_cannot_run_is_an_error(fields, message):
 
 @pytest.mark.parametrize("fields,message", [
     (dict(num_kv_heads=3), r"num_kv_heads=3 must divide num_heads=4"),
-    (dict(sliding_window=4, causal=False), r"sliding_window=4 needs causal=True"),
+    (dict(sliding_window=-4), r"sliding_window must be an int >= 0"),
     (dict(parallel_residual=True, norm="post"), r"parallel_residual=True needs norm='pre'"),
     (dict(norm_type="batchnorm"), r"option norm_type='batchnorm' is not allowed"),
     (dict(head_dim=-1), r"head_dim must be an int >= 0"),

@@ -1,6 +1,7 @@
 """Golden values per position method at a fixed seed: the parameter shapes of a tiny MLM model and its loss
 over two training steps (before and after one update), from parameters drawn at random so that no position
-term hides behind a zero or one initialisation. Any change to a method's parameters, forward pass,
+term hides behind a zero or one initialisation; the first step's gradient (the optimizer's first moment) reaches
+every parameter. Any change to a method's parameters, forward pass,
 initialisation or the train step shows up here; an intended change regenerates the file:
 
   POSJAX_REGENERATE_GOLDEN=1 python -m pytest tests/test_golden.py
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from posjax import positions
@@ -37,11 +39,24 @@ def one_batch(tokenizer):
                              seed=0))
 
 
-def measure(method: str) -> dict:
+# Methods with options whose parameters or gradients differ from their defaults', beside every method at its defaults
+OPTIONS = {"tupe_r-cls_reset=paper": ("tupe_r", {"cls_reset": "paper"}),
+           "tupe_a-share_across_layers=False": ("tupe_a", {"share_across_layers": False}),
+           "shaw-value_term=True": ("shaw", {"value_term": True}),
+           "huang_m4-share_across_layers=True,impl=skew": ("huang_m4", {"share_across_layers": True, "impl": "skew"})}
+CASES = {**{name: (name, {}) for name in positions.names()}, **OPTIONS}
+
+
+def measure(case: str) -> dict:
+  method, options = CASES[case]
   tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
-  model = BertModel(BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32,
-                                    causal=positions.get(method).decoder_only), head="mlm")
+  model = BertModel(BertConfig.tiny(position=method, position_options=options, vocab_size=tokenizer.vocab_size,
+                                    max_len=32, causal=positions.get(method).decoder_only), head="mlm")
   params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
+  # FIRE's threshold L is its initial value (8 here) times a multiplier: at 4 + |drawn|, L is past the batch's 32
+  # positions, so that every query's normaliser reads it and its gradient flows
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, p: 4 + abs(p) if "threshold_multiplier" in jax.tree_util.keystr(path) else p, params)
   optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(
       learning_rate=1e-3, warmup_steps=0, total_steps=10, grad_clip_norm=1.0, adam_b1=0.9, adam_b2=0.999,
       adam_eps=1e-6, weight_decay=0.01)))
@@ -49,25 +64,31 @@ def measure(method: str) -> dict:
   step = jax.jit(functools.partial(train_step, loss_fn=mlm_task.mlm_loss(model), optimizer=optimizer, schedule=schedule))
   batch = one_batch(tokenizer)
   losses = []
-  for _ in range(2):
+  for i in range(2):
     state, metrics = step(state, batch, jax.random.PRNGKey(1))
     losses.append(float(metrics["loss"]))
+    if i == 0:  # Adam's first moment after one step: (1 - b1) times the (clipped) gradient
+      adam = next(s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+                  if isinstance(s, optax.ScaleByAdamState))
+      unreached = [jax.tree_util.keystr(path) for path, m in jax.tree_util.tree_leaves_with_path(adam.mu)
+                   if not np.all(np.isfinite(m)) or not np.abs(np.asarray(m)).max() > 0]
   shapes = {jax.tree_util.keystr(path): list(np.shape(leaf))
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
-  return {"losses": losses, "param_shapes": shapes}
+  return {"losses": losses, "param_shapes": shapes, "unreached": unreached}
 
 
 def golden() -> dict:
   return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
 
-@pytest.mark.parametrize("method", positions.names())
-def test_parameter_shapes_and_two_step_loss_match_the_golden_file(method):
-  got = measure(method)
+@pytest.mark.parametrize("case", CASES)
+def test_parameter_shapes_and_two_step_loss_match_the_golden_file_and_every_parameter_has_a_gradient(case):
+  got = measure(case)
+  assert got.pop("unreached") == [], "no finite, non-zero gradient reaches these parameters"
   if REGENERATE:
-    pytest.skip(f"regenerating: {method} measured")
-  want = golden().get(method)
-  assert want is not None, f"{GOLDEN} has no entry for {method}: regenerate it (see this file's docstring)"
+    pytest.skip(f"regenerating: {case} measured")
+  want = golden().get(case)
+  assert want is not None, f"{GOLDEN} has no entry for {case}: regenerate it (see this file's docstring)"
   assert got["param_shapes"] == want["param_shapes"]
   # CPU float32; the tolerance covers other CPUs' vectorisation, not a change of a method (switching
   # sinusoidal embeddings off moves the loss by 2e-5 of itself, ALiBi's bias by 2e-4).
@@ -78,8 +99,9 @@ def test_parameter_shapes_and_two_step_loss_match_the_golden_file(method):
 def test_golden_file_covers_every_method():
   if REGENERATE:
     GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps({m: measure(m) for m in positions.names()}, indent=1, sort_keys=True) + "\n")
-  assert sorted(golden()) == sorted(positions.names())
+    GOLDEN.write_text(json.dumps({case: {k: v for k, v in measure(case).items() if k != "unreached"}
+                                  for case in CASES}, indent=1, sort_keys=True) + "\n")
+  assert sorted(golden()) == sorted(CASES)
 
 
 ELECTRA_GOLDEN = ROOT / "tests" / "golden" / "electra_two_steps.json"

@@ -208,10 +208,11 @@ def test_every_term_at_once_matches_xla(interpreter, blocks, length):
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments, lengths=lengths)
 
 
-@pytest.mark.parametrize("interpreter,heads,kv_heads,window,sliding", [(True, 4, 2, False, 6), ("tpu", 2, 1, True, 5)])
-def test_grouped_query_attention_matches_the_reference(interpreter, heads, kv_heads, window, sliding):
-  """k and v with fewer heads than q (GQA; MQA at one head), causal in a sliding window (Mistral's) over packed
-  and padded rows, with ALiBi, T5
+@pytest.mark.parametrize("interpreter,heads,kv_heads,window,sliding,causal", [(True, 4, 2, False, 6, True),
+                                                                          ("tpu", 2, 1, True, 5, False)])
+def test_grouped_query_attention_matches_the_reference(interpreter, heads, kv_heads, window, sliding, causal):
+  """k and v with fewer heads than q (GQA; MQA at one head), in a sliding window (causal: Mistral's; on both sides:
+  ModernBERT's) over packed and padded rows, with ALiBi, T5
   buckets, TUPE's untied term and relative vectors on both sides (the key side reads the grouped keys): both the
   ``xla`` path and the kernels against the float64 reference, in which query head h reads k/v head h // (H / G);
   the shared heads' gradients are the sums over their groups."""
@@ -229,7 +230,7 @@ def test_grouped_query_attention_matches_the_reference(interpreter, heads, kv_he
 
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
-                                     lengths=lengths, causal=True, implementation=implementation,
+                                     lengths=lengths, causal=causal, implementation=implementation,
                                      block_sizes=(8, 8), interpret=interpreter, sliding_window=sliding)
     return jnp.sum(out * weights), out
 
@@ -237,7 +238,7 @@ def test_grouped_query_attention_matches_the_reference(interpreter, heads, kv_he
     grads, out = compiled_grad(loss, implementation)(q, k, v, terms)
     assert grads[1].shape == k.shape and grads[2].shape == v.shape
     assert_matches_reference(out, grads, q, k, v, terms, weights, positions=positions, segments=segments,
-                             lengths=lengths, causal=True, directions=1, sliding_window=sliding)
+                             lengths=lengths, causal=causal, directions=1, sliding_window=sliding)
 
 
 def test_grouped_heads_that_do_not_divide_are_an_error():

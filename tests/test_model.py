@@ -34,65 +34,26 @@ def tokens(rng, *shape):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_shift_inside_padding(name, rng):
-  """Relative methods: moving a sequence behind padding changes nothing; absolute ones must change."""
-  _, model, params = build(name, {"threshold": 512.0} if name == "fire" else None)
-  content, pad = tokens(rng, 6), 4
-  ids = np.zeros((2, 10), np.int32)
-  ids[0, :6], ids[1, pad:] = content, content
-  mask = np.zeros((2, 10), np.int32)
-  mask[0, :6], mask[1, pad:] = 1, 1
-  h = hidden(model, params, ids, attention_mask=mask)
-  same = np.allclose(h[0, :6], h[1, pad:], atol=1e-4)
-  assert same == (name in SHIFT_INVARIANT)
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_appended_padding_changes_nothing(name, rng):
-  _, model, params = build(name)
-  ids = tokens(rng, 2, 8)
-  padded = np.concatenate([ids, np.zeros((2, 5), np.int32)], axis=1)
-  mask = np.concatenate([np.ones((2, 8)), np.zeros((2, 5))], axis=1).astype(np.int32)
-  np.testing.assert_allclose(hidden(model, params, padded, attention_mask=mask)[:, :8], hidden(model, params, ids),
-                             atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_packed_segments_do_not_attend_to_each_other(name, rng):
-  _, model, params = build(name)
-  a, b = tokens(rng, 1, 5), tokens(rng, 1, 4)
-  packed = np.concatenate([a, b], axis=1)
-  pos = np.array([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
-  seg = np.array([[0] * 5 + [1] * 4])
-  h = hidden(model, params, packed, positions=pos, segment_ids=seg)
-  np.testing.assert_allclose(h[:, :5], hidden(model, params, a), atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(h[:, 5:], hidden(model, params, b), atol=1e-4, rtol=1e-4)
-
-
-GRADIENT_CASES = [(n, {}) for n in ALL] + [
-    ("tupe_r", {"cls_reset": "paper"}), ("tupe_a", {"share_across_layers": False}),
-    ("shaw", {"value_term": True}), ("huang_m4", {"share_across_layers": True, "impl": "skew"})]
-
-
-@pytest.mark.parametrize("name,options", GRADIENT_CASES, ids=[f"{n}-{o}" for n, o in GRADIENT_CASES])
-def test_gradients_reach_every_parameter(name, options, rng):
-  config = BertConfig.tiny(position=name, position_options=options)
-  model = BertModel(config, head="mlm")
-  ids = tokens(rng, 2, 12)
-  mask = np.ones((2, 12), np.int32)
-  mask[1, 9:] = 0
-  params = model.init(jax.random.PRNGKey(0), ids)["params"]
-
-  def loss(p):
-    logits = model.apply({"params": p}, ids, attention_mask=mask, deterministic=False,
-                         rngs={"dropout": jax.random.PRNGKey(1)}).logits
-    return -jnp.mean(jax.nn.log_softmax(logits)[..., 3])
-
-  grads = jax.jit(jax.grad(loss))(params)
-  for path, g in jax.tree_util.tree_leaves_with_path(grads):
-    g = np.asarray(g.value if hasattr(g, "value") else g)
-    assert np.isfinite(g).all(), path
-    assert np.abs(g).max() > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
+def test_padding_packing_and_shifts(name, rng):
+  """Appended padding changes nothing (against the unpadded row); packed segments do not attend to each other
+  (each equals its row alone); moving a sequence behind padding changes nothing for the relative methods and must
+  change the absolute ones. One padded batch, one program (and the unpadded row's): the rows
+    0: a (8 tokens) + padding        1: c (6) + padding        2: padding (4) + c + padding
+    3: a[:5] and b (4), packed       4: a[:5] + padding        5: b + padding
+  Gradients reach every parameter: tests/test_golden.py."""
+  _, model, params = build(name, {"threshold": 512.0} if name == "fire" else None)  # FIRE: shift-invariant below L
+  a, b, c, length = tokens(rng, 8), tokens(rng, 4), tokens(rng, 6), 13
+  ids, mask = np.zeros((6, length), np.int32), np.zeros((6, length), np.int32)
+  positions_ = np.tile(np.arange(length, dtype=np.int32), (6, 1))
+  segments = np.zeros((6, length), np.int32)
+  for row, start, content in ((0, 0, a), (1, 0, c), (2, 4, c), (3, 0, a[:5]), (3, 5, b), (4, 0, a[:5]), (5, 0, b)):
+    ids[row, start:start + len(content)], mask[row, start:start + len(content)] = content, 1
+  positions_[3, 5:9], segments[3, 5:] = np.arange(4), 1
+  h = hidden(model, params, ids, attention_mask=mask, positions=positions_, segment_ids=segments)
+  np.testing.assert_allclose(h[0, :8], hidden(model, params, a[None])[0], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(h[3, :5], h[4, :5], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(h[3, 5:9], h[5, :4], atol=1e-4, rtol=1e-4)
+  assert np.allclose(h[1, :6], h[2, 4:10], atol=1e-4) == (name in SHIFT_INVARIANT)
 
 
 def test_a_bfloat16_encoder_computes_in_bfloat16_on_float32_parameters(rng):

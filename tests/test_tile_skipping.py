@@ -20,7 +20,7 @@ def allowed_pairs(segments, valid, causal, window):
   if causal:
     allowed &= j <= i
   if window:
-    allowed &= i - j < window
+    allowed &= np.abs(i - j) < window
   return allowed
 
 
@@ -30,7 +30,7 @@ def plan(causal, window, bq, bk, length):
 
 
 @pytest.mark.parametrize("causal,window,bq,bk", [(True, 0, 8, 8), (True, 11, 8, 16), (False, 0, 16, 8),
-                                                 (True, 5, 16, 16)])
+                                                 (True, 5, 16, 16), (False, 11, 16, 8)])
 def test_tile_ranges_hold_every_allowed_pair_and_skip_the_rest(causal, window, bq, bk):
   rng = np.random.default_rng(3)
   batch, length = 4, 64
@@ -70,9 +70,10 @@ def test_lengths_pad_to_the_tile_not_a_power_of_two():
   assert tile.block_sizes(5, 64, 64) == (8, 8, 8)
 
 
-@pytest.mark.parametrize("interpreter", [True, "tpu"])
-def test_kernels_that_skip_tiles_match_the_reference(interpreter):
-  """Causal, a sliding window of 9 and packed documents over 5 key tiles a row (most pairs of tiles skipped), padded
+@pytest.mark.parametrize("interpreter,causal", [(True, False), ("tpu", True)])
+def test_kernels_that_skip_tiles_match_the_reference(interpreter, causal):
+  """Causal or not, a sliding window of 9 (on both sides without causal: ModernBERT's local layers) and packed
+  documents over 5 key tiles a row (most pairs of tiles skipped), padded
   and fully masked rows and a length that is not a multiple of the tile, with ALiBi and T5 buckets: outputs and gradients
   against the float64 reference."""
   rng = np.random.default_rng(5)
@@ -88,10 +89,10 @@ def test_kernels_that_skip_tiles_match_the_reference(interpreter):
 
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
-                                     lengths=lengths, causal=True, sliding_window=9, implementation=implementation,
+                                     lengths=lengths, causal=causal, sliding_window=9, implementation=implementation,
                                      block_sizes=(8, 8), interpret=interpreter)
     return jnp.sum(out * weights), out
 
   grads, out = compiled_grad(loss, "pallas")(q, k, v, terms)
   assert_matches_reference(out, grads, q, k, v, terms, weights, positions=positions, segments=segments,
-                           lengths=lengths, causal=True, directions=1, sliding_window=9)
+                           lengths=lengths, causal=causal, directions=1, sliding_window=9)

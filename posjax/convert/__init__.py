@@ -13,27 +13,35 @@ posjax ``Electra``'s generator and discriminator), and the official TUPE code's 
 from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, read_config, read_source, to_hf_bert
 from posjax.convert.hf_decoder import from_hf_decoder, to_hf_decoder
 from posjax.convert.hf_electra import electra_to_hf, from_hf_electra, to_hf_electra
+from posjax.convert.hf_modernbert import from_hf_modernbert, is_modernbert, to_hf_modernbert
 from posjax.convert.tupe_fairseq import from_tupe_fairseq
 
 __all__ = ["config_from_hf", "config_to_hf", "electra_to_hf", "from_hf", "from_hf_bert", "from_hf_decoder",
-           "from_hf_electra", "from_tupe_fairseq", "to_hf", "to_hf_bert", "to_hf_decoder", "to_hf_electra"]
+           "from_hf_electra", "from_hf_modernbert", "from_tupe_fairseq", "to_hf", "to_hf_bert", "to_hf_decoder",
+           "to_hf_electra", "to_hf_modernbert"]
 
 
 def from_hf(source):
   """``(module, variables)`` equal to a Hugging Face model of any supported ``model_type`` (``bert``, ``electra``,
-  ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt2``): an in-memory ``transformers`` model or a directory.
+  ``modernbert`` and the decoders of :data:`posjax.convert.hf_decoder.MODEL_TYPES`): an in-memory ``transformers``
+  model or a directory.
   ``module.apply(variables, input_ids)`` returns an output whose ``.logits`` are the model's head's."""
   model_type = _model_type(source)
   if model_type == "electra":
     return from_hf_electra(source)
+  if model_type == "modernbert":
+    return from_hf_modernbert(source)
   return from_hf_bert(source) if model_type == "bert" else from_hf_decoder(source)
 
 
 def to_hf(config, variables, model_type: str | None = None):
   """The Hugging Face model equal to a posjax model: a decoder (``config.lm_head == "linear"``) as its family's
-  causal LM (``model_type`` or the one that expresses it), else a BERT (:func:`to_hf_bert`)."""
+  causal LM (``model_type`` or the one that expresses it), ModernBERT's layout as ModernBERT, else a BERT
+  (:func:`to_hf_bert`)."""
   if config.lm_head == "linear":
     return to_hf_decoder(config, variables, model_type)
+  if is_modernbert(config) or model_type == "modernbert":
+    return to_hf_modernbert(config, variables)
   if model_type not in (None, "bert"):
     raise ValueError(f"model_type={model_type!r}: a BERT-style model (lm_head={config.lm_head!r}) exports as 'bert'")
   return to_hf_bert(config, variables)

@@ -1,8 +1,8 @@
 """Checkpoint conversion from the command line.
 
   python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
-      A Hugging Face BERT or ELECTRA directory (by its config.json's ``model_type``; ELECTRA: ``ElectraModel``,
-      ``ElectraForPreTraining``, ``ElectraForMaskedLM``) -> OUT/checkpoints/0 (orbax), OUT/model_config.json and
+      A Hugging Face BERT, ModernBERT or ELECTRA directory (by its config.json's ``model_type``; ELECTRA:
+      ``ElectraModel``, ``ElectraForPreTraining``, ``ElectraForMaskedLM``) -> OUT/checkpoints/0 (orbax), OUT/model_config.json and
       the tokenizer's vocab.txt (or tokenizer.json): what fine-tuning (``--config.init=OUT``) and pre-training
       warm starts (``--config.init_from=OUT``) start from. An ELECTRA source is also recorded in
       OUT/converted_from.json (``{"model_type": "electra", "source": ...}``), so that posjax-to-hf writes it back
@@ -16,7 +16,8 @@
       model_config.json) -> HF_DIR/generator (ElectraForMaskedLM) and HF_DIR/discriminator
       (ElectraForPreTraining), each with the tokenizer files. A decoder run (``lm_head="linear"``: configs/lm.py's,
       or one converted from Hugging Face) -> its family's ``*ForCausalLM`` (the one it was converted from, else the
-      one that expresses it: :func:`posjax.convert.hf_decoder.model_type_of`).
+      one that expresses it: :func:`posjax.convert.hf_decoder.model_type_of`). ModernBERT's layout
+      (``first_attention_norm=False``) -> ``ModernBertForMaskedLM`` / ``ModernBertModel``.
   python -m posjax.convert tupe-to-posjax --from checkpoint_best.pt --workdir OUT [--classification_head NAME]
       An official TUPE (fairseq) checkpoint -> a posjax run. Its vocabulary (a fairseq dictionary over GPT-2
       BPE) is not converted: give the run a ``tokenizers`` JSON with the same ids (``data.vocab_file``).
@@ -34,7 +35,7 @@ import jax
 from tokenizers import processors
 
 from posjax.cli import check_directory
-from posjax.convert import hf_bert, hf_decoder, hf_electra, tupe_fairseq
+from posjax.convert import hf_bert, hf_decoder, hf_electra, hf_modernbert, tupe_fairseq
 from posjax.data import tokenizer as tokenizer_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import BertConfig
@@ -85,9 +86,9 @@ def hf_model_type(source: str) -> str:
   if not os.path.isfile(path):
     return "bert"
   model_type = hf_bert.read_config(path).get("model_type", "bert")
-  if model_type not in ("bert", "electra", *hf_decoder.MODEL_TYPES):
-    raise ValueError(f"{path} has model_type={model_type!r}; hf-to-posjax converts BERT ('bert'), ELECTRA "
-                     f"('electra') and the decoders {list(hf_decoder.MODEL_TYPES)}")
+  if model_type not in ("bert", "electra", "modernbert", *hf_decoder.MODEL_TYPES):
+    raise ValueError(f"{path} has model_type={model_type!r}; hf-to-posjax converts BERT ('bert'), ModernBERT "
+                     f"('modernbert'), ELECTRA ('electra') and the decoders {list(hf_decoder.MODEL_TYPES)}")
   return model_type
 
 
@@ -95,6 +96,8 @@ def hf_special_ids(source: str) -> dict:
   """A Hugging Face decoder's bos / eos / pad ids: its generation config's where it names them, else its config's
   (None where neither does; a list of eos ids stays a list)."""
   ids = {name: None for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+  if hf_model_type(source) == "modernbert":
+    ids.update({f"{name}_token_id": None for name in hf_modernbert.SPECIAL_TOKENS})
   for name in ("config.json", "generation_config.json"):  # the generation config's win
     if os.path.isfile(os.path.join(source, name)):
       found = hf_bert.read_config(os.path.join(source, name))
@@ -110,14 +113,14 @@ def hf_to_posjax(source: str, workdir: str) -> str:
     raise ValueError(f"--workdir={workdir} is --from={source} or inside it; the converted run goes to a new "
                      "directory (a converter never writes into what it reads)")
   model_type = hf_model_type(source)
-  convert = {"electra": hf_electra.from_hf_electra, "bert": hf_bert.from_hf_bert}.get(model_type,
-                                                                                      hf_decoder.from_hf_decoder)
+  convert = {"electra": hf_electra.from_hf_electra, "bert": hf_bert.from_hf_bert,
+             "modernbert": hf_modernbert.from_hf_modernbert}.get(model_type, hf_decoder.from_hf_decoder)
   module, variables = convert(source)
   directory = write_run(module, variables, workdir, source)
   if model_type != "bert":
     with open(os.path.join(workdir, CONVERTED_FROM), "w") as f:
       json.dump({"model_type": model_type, "source": os.path.abspath(source)}, f, indent=1)
-  if model_type in hf_decoder.MODEL_TYPES:
+  if model_type in (*hf_decoder.MODEL_TYPES, "modernbert"):
     with open(os.path.join(workdir, checkpoint_lib.SPECIAL_TOKENS), "w") as f:
       json.dump(hf_special_ids(source), f, indent=1)
   copied = [name for name in (*checkpoint_lib.TOKENIZER_FILES, *TOKENIZER_SETTINGS)
@@ -272,6 +275,13 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
     source = converted_from(run)
     if config.lm_head == "linear":  # a decoder: its family's causal LM (the one it came from, if converted)
       model = hf_decoder.to_hf_decoder(config, {"params": params}, source if source != "bert" else None)
+    elif hf_modernbert.is_modernbert(config):  # its source's special token ids, where it was converted
+      model = hf_modernbert.to_hf_modernbert(config, {"params": params})
+      recorded = os.path.join(run, checkpoint_lib.SPECIAL_TOKENS)
+      if os.path.isfile(recorded):
+        with open(recorded) as f:
+          for name, value in json.load(f).items():
+            setattr(model.config, name, value)
     elif source == "electra" or "rtd" in params:
       model = hf_electra.to_hf_electra(config, {"params": params})
     else:

@@ -1,7 +1,8 @@
 """Hugging Face decoders <-> posjax, exactly: Llama (every ``rope_scaling`` type posjax's RoPE has, LongRoPE
 included; ``attention_bias``), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-3 (fused q/k/v and
 gate/up weights, LongRoPE, partial rotary, a sliding window), GPT-NeoX (partial rotary, parallel residual) and GPT-2
-(learned absolute positions).
+(learned absolute positions), OLMo 2, Gemma and Gemma 2 and Gemma 3's text model (its local and global layers, each
+with its own RoPE base: ``position_schedule``).
 
 Each is the decoder preset of posjax's one stack (:meth:`posjax.models.BertConfig.decoder`) with the family's
 fields; the state-dict mapping is a table of names per family (:data:`LLAMA_LAYER`, :data:`GPT2_LAYER`), not code
@@ -23,14 +24,16 @@ from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read
 from posjax.models import BertConfig, BertModel
 from posjax.positions import rotary
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2")
-GEMMAS = ("gemma", "gemma2")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text")
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
+LOCAL_ROPE = "rope@local"  # Gemma 3's sliding-window layers' RoPE (its own base) in posjax's position_schedule
 WINDOWED = ("mistral", "phi3")  # the Llama-family types whose config's sliding_window applies to every layer
 MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2")
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
               "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
               "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+              "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
               "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
 # Phi-3's fused projections: its name -> the Llama names its rows split into, in order
 PHI3_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -58,7 +61,7 @@ LLAMA_LAYER = {"attention/query": "self_attn.q_proj", "attention/key": "self_att
 # OLMo 2's norms sit on each branch's output (norm="reordered"): its post-attention and post-feed-forward norms
 OLMO2_LAYER = {**LLAMA_LAYER, "attention_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}
 # Gemma 2's norms before and after each branch (norm="peri")
-GEMMA2_LAYER = {**LLAMA_LAYER, "attention_post_norm": "post_attention_layernorm",
+GEMMA2_LAYER = {**LLAMA_LAYER, "attention_post_norm": "post_attention_layernorm",  # and Gemma 3's
                 "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
 LAYER_NAMES = {"reordered": OLMO2_LAYER, "peri": GEMMA2_LAYER}  # the Llama family's names by norm placement
 NEOX_LAYER = {"attention_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
@@ -110,11 +113,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
   if model_type == "gpt_neox":
     return _neox_config(hf)
   heads = int(hf["num_attention_heads"])
-  unsupported = {"mlp_bias": False, "pretraining_tp": 1, "use_sliding_window": False, "layer_types": None}
+  unsupported = {"mlp_bias": False, "pretraining_tp": 1, "use_sliding_window": False, "layer_types": None,
+                 "use_bidirectional_attention": False}
   for field, allowed in unsupported.items():
     value = hf.get(field, allowed)
     if field == "layer_types" and value is not None and (set(value) == {"full_attention"} or (
-        model_type == "gemma2" and set(value) <= {"full_attention", "sliding_attention"})):
+        model_type in ("gemma2", "gemma3_text") and set(value) <= {"full_attention", "sliding_attention"})):
       continue
     if field == "use_sliding_window" and model_type in WINDOWED:
       continue
@@ -132,7 +136,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
   else:
     use_bias = "none"
   window = hf.get("sliding_window") if model_type in WINDOWED else None
-  gemma2 = _gemma2_fields(hf) if model_type == "gemma2" else {}
+  gemma2 = _gemma2_fields(hf, model_type) if model_type in ("gemma2", "gemma3_text") else {}
   rope = _rope_from_hf(hf)
   fraction = float(hf.get("partial_rotary_factor", 1.0)) if model_type == "phi3" else 1.0
   if fraction != 1.0:
@@ -146,21 +150,31 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMAS)), activation=GATED_ACTIVATIONS[act],
       norm_type="offset_rmsnorm" if model_type in GEMMAS else "rmsnorm", embedding_scale=model_type in GEMMAS,
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), use_bias=use_bias,
-      qk_norm=model_type in ("qwen3", "olmo2"), qk_norm_axes="all" if model_type == "olmo2" else "head",
+      qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text"), qk_norm_axes="all" if model_type == "olmo2" else "head",
       sliding_window=int(window or 0), position="rope", position_options=rope,
       **{"norm": "reordered" if model_type == "olmo2" else "pre", **gemma2})
 
 
-def _gemma2_fields(hf: Mapping[str, Any]) -> dict:
-  """Gemma 2's own fields: norms before and after each branch, its q·k scale, the soft caps and the layers'
-  windows (``layer_types``: sliding and full layers in turn, the first sliding, where the config names none)."""
+def _gemma2_fields(hf: Mapping[str, Any], model_type: str) -> dict:
+  """Gemma 2's and 3's own fields: norms before and after each branch, the q·k scale, the soft caps and the layers'
+  windows (``layer_types``; where the config names none, Gemma 2's sliding and full layers in turn and Gemma 3's
+  ``sliding_window_pattern`` (6: five sliding layers, then a full one)). Gemma 3's sliding layers read RoPE at
+  ``rope_local_base_freq`` without scaling (:data:`LOCAL_ROPE`), its full layers ``rope_theta`` and
+  ``rope_scaling``. Gemma 3's ``attn_logit_softcapping`` is read as none: Hugging Face's Gemma 3 attention does not
+  apply it (its config keeps the field from Gemma 2)."""
   layers = int(hf["num_hidden_layers"])
-  types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+  every = 2 if model_type == "gemma2" else int(hf.get("sliding_window_pattern", 6))
+  types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
+                                    for i in range(layers)]
   window = int(hf.get("sliding_window") or 0)
-  return {"norm": "peri", "query_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-          "attention_softcap": float(hf.get("attn_logit_softcapping") or 0.0),
-          "final_logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
-          "layer_windows": ",".join(str(window if t == "sliding_attention" else 0) for t in types)}
+  fields = {"norm": "peri", "query_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "attention_softcap": float(hf.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
+            "final_logit_softcap": float(hf.get("final_logit_softcapping") or 0.0),
+            "layer_windows": ",".join(str(window if t == "sliding_attention" else 0) for t in types)}
+  if model_type == "gemma3_text" and "sliding_attention" in types:
+    fields.update(position_schedule=",".join(LOCAL_ROPE if t == "sliding_attention" else "rope" for t in types),
+                  schedule_options={LOCAL_ROPE: {"max_timescale": float(hf.get("rope_local_base_freq", 10_000.0))}})
+  return fields
 
 
 def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
@@ -229,7 +243,7 @@ def model_type_of(config: BertConfig) -> str:
   if config.norm == "reordered":
     return "olmo2"
   if config.norm == "peri":
-    return "gemma2"
+    return "gemma3_text" if config.qk_norm else "gemma2"
   if config.norm_type == "offset_rmsnorm":
     return "gemma"
   if config.qk_norm:
@@ -259,10 +273,12 @@ def _compared(config: BertConfig) -> dict:
   """What a Hugging Face family must reproduce of a config: its fields (defaults resolved: the heads' width and
   count, the position method's options), less the run's choices (kernel, dtypes, remat, layout, dropout)."""
   skip = ("attention_kernel", "kernel_platform", "dtype", "param_dtype", "remat", "scan_layers", "dropout_rate",
-          "attention_dropout_rate", "position_options", "head_dim", "num_kv_heads")
+          "attention_dropout_rate", "position_options", "head_dim", "num_kv_heads", "schedule_options")
   values = {f.name: getattr(config, f.name) for f in dataclasses.fields(BertConfig) if f.name not in skip}
-  spec = config.position_spec
-  return {**values, "position_options": spec.options, "head_dim": spec.head_dim, "num_kv_heads": spec.kv_heads}
+  spec, specs = config.position_spec, config.method_specs
+  schedule = tuple((specs[n].method.name, specs[n].options) for n in config.layer_positions)  # not the entries' tags
+  return {**values, "position_options": spec.options, "head_dim": spec.head_dim, "num_kv_heads": spec.kv_heads,
+          "position_schedule": schedule if len(set(schedule)) > 1 else ()}
 
 
 def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
@@ -307,15 +323,19 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
     fields["attention_bias"] = config.use_bias == "attention"
   if model_type in GEMMAS:
     fields["hidden_activation"] = fields["hidden_act"]
-  if model_type == "gemma2":
+  if model_type in ("gemma2", "gemma3_text"):
     windows = set(config.windows) - {0}
     if len(windows) > 1:
-      raise ValueError(f"Hugging Face gemma2 has one sliding window; this model's layers have {sorted(windows)}")
+      raise ValueError(f"Hugging Face {model_type} has one sliding window; this model's layers have "
+                       f"{sorted(windows)}")
     fields.update(query_pre_attn_scalar=config.position_spec.scale ** -2,
                   attn_logit_softcapping=config.attention_softcap or None,
                   final_logit_softcapping=config.final_logit_softcap or None,
                   sliding_window=windows.pop() if windows else None,
                   layer_types=["sliding_attention" if w else "full_attention" for w in config.windows])
+  if model_type == "gemma3_text":
+    local = [config.method_specs[n] for n, w in zip(config.layer_positions, config.windows) if w]
+    fields["rope_local_base_freq"] = local[0].options.max_timescale if local else 10_000.0
   if model_type == "olmo2":
     fields.pop("head_dim")  # OLMo 2's is hidden_size / num_attention_heads
   return fields
@@ -535,7 +555,8 @@ def to_hf_decoder(config: BertConfig, variables: Mapping, model_type: str | None
   # Hugging Face's SDPA attention drops Gemma 2's logit soft cap; its eager attention computes it
   eager = {"attn_implementation": "eager"} if fields.get("attn_logit_softcapping") else {}
   model = model_class(config_class(**{k: v for k, v in fields.items() if k != "model_type"}, **eager))
-  state = {k: torch.from_numpy(v) for k, v in state_to_hf(config, model_params(variables), model_type).items()}
+  state = {k: torch.from_numpy(np.array(v))
+           for k, v in state_to_hf(config, model_params(variables), model_type).items()}
   missing, unexpected = model.load_state_dict(state, strict=False)
   missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES)]
   if missing or unexpected:

@@ -107,9 +107,9 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
       (:mod:`posjax.kernels.rules`, each with its own kernels; the same as giving it as the ``Terms`` field of its
       name).
     causal: key j only for queries i >= j (token order).
-    sliding_window: with ``causal``, key j only for queries ``j <= i < j + sliding_window`` (Mistral's window, in
-      token order); 0: none. The kernels skip the tiles it rules out, as they skip those above the causal diagonal
-      and those between different packed documents (:func:`posjax.kernels.tile.tile_ranges`, at run time).
+    sliding_window: key j only for queries ``|i - j| < sliding_window`` (token order; with ``causal``
+      ``j <= i < j + sliding_window``, Mistral's window); 0: none. The kernels skip the tiles it rules out, as they
+      skip those above the causal diagonal and those between different packed documents (:func:`posjax.kernels.tile.tile_ranges`, at run time).
     implementation: ``pallas`` or ``xla``. block_sizes: the kernel's (query, key) tile, powers of two (default
       per backend and terms: ``triton.default_block_sizes`` / ``mosaic.default_block_sizes``, chosen from what
       compiles and fits on H100 and TPU v5e/v6e); the sequence is padded to a multiple of the tiles (head
@@ -144,8 +144,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   if lengths is not None and padding is not None:
     raise ValueError("give the key padding as lengths (right padding) or as a padding mask, not both")
   terms = with_rule(as_terms(terms), rule)
-  if sliding_window and (not causal or not isinstance(sliding_window, int) or sliding_window < 0):
-    raise ValueError(f"sliding_window={sliding_window!r} needs causal=True and an int >= 1 (0: none)")
+  if not isinstance(sliding_window, int) or sliding_window < 0:
+    raise ValueError(f"sliding_window={sliding_window!r} must be an int >= 1 (0: none)")
   if q_BxLxHxK.ndim != 4:
     raise ValueError(f"q has shape {q_BxLxHxK.shape}; expected [B, L, H, K] (batch, sequence, heads, head dim)")
   b, length, h, d = q_BxLxHxK.shape

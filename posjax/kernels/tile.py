@@ -51,7 +51,7 @@ class Plan:
   treedef: jax.tree_util.PyTreeDef  # of the Terms (its static options included)
   dropout: float = 0.0  # the rate on the attention weights (mask: posjax.kernels.dropout)
   group: int = 1  # query heads per key/value head (grouped-query attention): head h reads k/v head h // group
-  sliding_window: int = 0  # with causal: keys i - W < j <= i only (0: every earlier key)
+  sliding_window: int = 0  # keys |i - j| < W only (with causal: i - W < j <= i); 0: no window
   splits: int = 1  # decoding (posjax.kernels.decode): programs sharing one query tile's key tiles
 
   def terms(self, leaves) -> Terms:
@@ -156,11 +156,9 @@ def segment_bounds(segment_ids_BxP):
 def diagonal_may_hold_pairs(plan: Plan, diagonal):
   """Whether the tile diagonal ``key tile - query tile = diagonal`` (square tiles) can hold an allowed pair: not above
   the causal one, nor (sliding window) one whose nearest pair is ``sliding_window`` tokens apart or more."""
-  if not plan.causal:
-    return jnp.bool_(True)
-  nearest = -diagonal * plan.block_q - (plan.block_q - 1)  # the smallest i - j of a diagonal below the main one
-  below_window = nearest < plan.sliding_window if plan.sliding_window else True
-  return (diagonal <= 0) & ((diagonal == 0) | below_window)
+  nearest = jnp.abs(diagonal) * plan.block_q - (plan.block_q - 1)  # the smallest |i - j| off the main diagonal
+  in_window = (diagonal == 0) | (nearest < plan.sliding_window) if plan.sliding_window else jnp.bool_(True)
+  return in_window & (diagonal <= 0) if plan.causal else in_window
 
 
 def tile_ranges(plan: Plan, segment_ids_BxP, valid_BxP):
@@ -180,6 +178,8 @@ def tile_ranges(plan: Plan, segment_ids_BxP, valid_BxP):
     hi_BxP = jnp.minimum(hi_BxP, index_P)
   if w:
     lo_BxP = jnp.maximum(lo_BxP, index_P - w + 1)
+    if not plan.causal:
+      hi_BxP = jnp.minimum(hi_BxP, index_P + w - 1)
   masked_BxP = valid_BxP == 0
   per_tile = lambda x_BxP, block: x_BxP.reshape(b, p // block, block)
   all_keys_BxN = jnp.any(per_tile(masked_BxP, bq), axis=2)
@@ -190,6 +190,8 @@ def tile_ranges(plan: Plan, segment_ids_BxP, valid_BxP):
     lo_BxP = jnp.maximum(lo_BxP, index_P)
   if w:
     hi_BxP = jnp.minimum(hi_BxP, index_P + w - 1)
+    if not plan.causal:
+      lo_BxP = jnp.maximum(lo_BxP, index_P - w + 1)
   queries_lo_BxM = jnp.min(per_tile(lo_BxP, bk), axis=2) // bq
   queries_hi_BxM = jnp.max(per_tile(hi_BxP, bk), axis=2) // bq + 1
   # a masked query row of the real sequence reads every key: every key tile visits its query tile
@@ -284,7 +286,7 @@ class TileBase:
     if self.plan.causal:
       allowed_QxT = allowed_QxT & (index_j_QxT <= index_i_QxT)
     if self.plan.sliding_window:
-      allowed_QxT = allowed_QxT & (index_i_QxT - index_j_QxT < self.plan.sliding_window)
+      allowed_QxT = allowed_QxT & (jnp.abs(index_i_QxT - index_j_QxT) < self.plan.sliding_window)
     self.allowed_QxT = allowed_QxT
     self.index_i_QxT, self.index_j_QxT = index_i_QxT, index_j_QxT
     self.s_QxT = jnp.where(index_j_QxT < self.plan.length, jnp.where(allowed_QxT, s_QxT, MASKED), -jnp.inf)

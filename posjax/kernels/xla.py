@@ -124,7 +124,7 @@ def weighted_values(weights_BxHxQxL, v_BxLxGxV):
 
 def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None, sliding_window: int = 0):
   """``[B, 1, Q, L]`` bool: key j is real, in query i's segment, (causal) not after it and (``sliding_window``)
-  fewer than ``sliding_window`` tokens before it (``rows_Q``: the queries' sequence rows, default all)."""
+  fewer than ``sliding_window`` tokens from it (``rows_Q``: the queries' sequence rows, default all)."""
   length = valid_BxL.shape[-1]
   rows_Q = jnp.arange(length) if rows_Q is None else rows_Q
   segment_BxQ = jnp.take(segment_ids_BxL, rows_Q, axis=1)
@@ -132,7 +132,7 @@ def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None, sliding
   if causal:
     allowed_Bx1xQxL = allowed_Bx1xQxL & (jnp.arange(length)[None, :] <= rows_Q[:, None])
   if sliding_window:
-    allowed_Bx1xQxL = allowed_Bx1xQxL & (rows_Q[:, None] - jnp.arange(length)[None, :] < sliding_window)
+    allowed_Bx1xQxL = allowed_Bx1xQxL & (jnp.abs(rows_Q[:, None] - jnp.arange(length)[None, :]) < sliding_window)
   return allowed_Bx1xQxL
 
 

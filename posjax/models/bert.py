@@ -26,7 +26,7 @@ from posjax.positions import base
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
                "gelu_tanh": functools.partial(nn.gelu, approximate=True), "relu": nn.relu, "silu": nn.silu}
-NORMS = ("layernorm", "rmsnorm", "offset_rmsnorm")
+NORMS = ("layernorm", "layernorm_nobias", "rmsnorm", "offset_rmsnorm")
 # Where a layer's norms sit: after each residual sum (BERT's), before each branch (GPT-2's, Llama's) or on each
 # branch's output before its residual sum (OLMo 2's "reordered" norms), or before each branch and on its output
 # (Gemma 2's and 3's "peri" norms)
@@ -94,21 +94,24 @@ class BertConfig:
   Decoder fields (their defaults are BERT's; :meth:`decoder` is the Llama preset):
     num_kv_heads: k/v heads (grouped-query attention, Ainslie et al. 2023; 1: multi-query); 0: ``num_heads``.
     head_dim: each head's width where it is not ``hidden_size / num_heads``; 0: that.
-    norm_type: ``layernorm`` (BERT's, with a bias), ``rmsnorm`` (Llama's: scale only) or ``offset_rmsnorm``
-      (Gemma's: ``x / rms(x) · (1 + w)``, ``w`` from zero, in float32), epsilon ``layer_norm_eps``, for every norm
-      of the stack.
+    norm_type: ``layernorm`` (BERT's, with a bias), ``layernorm_nobias`` (ModernBERT's: a scale only),
+      ``rmsnorm`` (Llama's: scale only) or ``offset_rmsnorm`` (Gemma's: ``x / rms(x) · (1 + w)``, ``w`` from zero, in
+      float32), epsilon ``layer_norm_eps``, for every norm of the stack.
+    first_attention_norm: False: the first layer's attention reads the (normed) embeddings without a norm of its
+      own (ModernBERT's, with ``norm="pre"``); default True.
     embedding_scale: the word embeddings times ``sqrt(hidden_size)`` (in the compute dtype), Gemma's.
     query_scale: the factor on q·k (Gemma 2's ``query_pre_attn_scalar ** -0.5``); 0: the method's.
     attention_softcap: each layer's logits capped at ``c · tanh(s / c)`` after its position terms (Gemma 2's
       ``attn_logit_softcapping``; :class:`posjax.kernels.SoftCap`, fused on the Pallas kernels); 0: none.
     final_logit_softcap: the LM head's logits capped likewise (Gemma 2's ``final_logit_softcapping``); 0: none.
     layer_windows: each layer's sliding window, ``,``-separated and repeated over the depth (``"4096,0"``: Gemma 2's
-      local and global layers in turn; 0: the whole context); empty: ``sliding_window`` in every layer. With
-      ``causal``; not with ``scan_layers`` when the windows differ.
+      local and global layers in turn; 0: the whole context); empty: ``sliding_window`` in every layer. Not with
+      ``scan_layers`` when the windows differ.
     mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
       ``activation="silu"``, Shazeer 2020).
-    use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama), ``qkv`` (q/k/v only: Qwen2),
-      ``attention`` (q/k/v and the output projection, not the MLP's: Llama's ``attention_bias=True``).
+    use_bias: which projections have biases: ``all`` (BERT; the MLM head's transform too), ``none`` (Llama,
+      ModernBERT), ``qkv`` (q/k/v only: Qwen2), ``attention`` (q/k/v and the output projection, not the MLP's:
+      Llama's ``attention_bias=True``).
     qk_norm: an RMSNorm of q and k before the position method (Qwen3, OLMo 2, Gemma 3); ``qk_norm_axes``: over
       each head (``head``: Qwen3's, Gemma 3's) or over all the heads' width at once (``all``: OLMo 2's).
     embedding_norm: the norm after the embeddings (BERT's); False: none (GPT-2, Llama).
@@ -117,12 +120,18 @@ class BertConfig:
       tied) or ``linear`` (the decoders': the final state straight to the vocabulary).
     parallel_residual: ``x + attn(norm1(x)) + mlp(norm2(x))`` (GPT-NeoX, GPT-J) instead of one branch after the
       other; with ``norm="pre"``.
-    sliding_window: with ``causal``, each query attends to its last ``sliding_window`` tokens (Mistral); 0: all.
+    sliding_window: each query attends to the keys fewer than ``sliding_window`` tokens away
+      (:class:`posjax.attention.Mask`): with ``causal`` its last ``sliding_window`` tokens (Mistral), without it as
+      many on each side (ModernBERT's local layers: ``local_attention / 2 + 1``); 0: all.
     position_schedule: the layers' position methods, ``,``-separated registry names repeated over the depth
       (``"rope,rope,rope,none"``: NoPE every fourth layer, as Llama 4's iRoPE; ``"none,rope"``: SWAN-GPT's
       interleave); empty: ``position`` in every layer. ``position_options`` are ``position``'s; the other methods
-      in the schedule take their defaults. Each method's shared terms are computed once per forward pass. Not
-      with ``scan_layers`` (its layers are one program) or methods that add an input embedding.
+      in the schedule take their defaults or ``schedule_options``. An entry ``method@tag`` is ``method`` with its
+      own options (``"rope@local,rope"`` with ``schedule_options={"rope@local": {"max_timescale": 10000}}``: Gemma
+      3's local and global RoPE bases). Each entry's shared terms are computed once per forward pass. Not with
+      ``scan_layers`` (its layers are one program) or methods that add an input embedding.
+    schedule_options: ``{schedule entry: its method's options}`` for the entries of ``position_schedule`` other
+      than ``position`` (whose options are ``position_options``); an entry it does not name takes its defaults.
   """
 
   vocab_size: int = 30522
@@ -155,6 +164,7 @@ class BertConfig:
   qk_norm: bool = False
   qk_norm_axes: str = "head"
   embedding_scale: bool = False
+  first_attention_norm: bool = True
   query_scale: float = 0.0
   attention_softcap: float = 0.0
   final_logit_softcap: float = 0.0
@@ -165,11 +175,17 @@ class BertConfig:
   parallel_residual: bool = False
   sliding_window: int = 0
   position_schedule: str = ""
+  schedule_options: Mapping[str, Mapping[str, Any]] = FrozenDict()
 
   def __post_init__(self):
     # lists as tuples (LongRoPE's factors from a config or JSON): the config is hashed as a static argument
-    object.__setattr__(self, "position_options", FrozenDict({k: tuple(v) if isinstance(v, list) else v
-                                                             for k, v in (self.position_options or {}).items()}))
+    frozen = lambda options: FrozenDict({k: tuple(v) if isinstance(v, list) else v for k, v in (options or {}).items()})
+    object.__setattr__(self, "position_options", frozen(self.position_options))
+    if not isinstance(self.schedule_options or {}, Mapping) or not all(
+        isinstance(v, Mapping) for v in (self.schedule_options or {}).values()):
+      raise ValueError(f"schedule_options must map schedule entries to option dicts, got {self.schedule_options!r}")
+    object.__setattr__(self, "schedule_options", FrozenDict({k: frozen(v) for k, v in
+                                                             (self.schedule_options or {}).items()}))
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len"):
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
@@ -178,8 +194,6 @@ class BertConfig:
       if not getattr(self, field) >= 0:
         raise ValueError(f"{field} must be >= 0 (0: none), got {getattr(self, field)}")
     if self.layer_windows:
-      if not self.causal:
-        raise ValueError(f"layer_windows={self.layer_windows!r} needs causal=True (a decoder)")
       windows = self.windows  # checks each entry, here rather than when the model is built
       if self.scan_layers and len(set(windows)) > 1:
         raise ValueError(f"layer_windows={self.layer_windows!r} gives the layers different windows; scan_layers=True "
@@ -202,14 +216,15 @@ class BertConfig:
     for field in ("num_kv_heads", "head_dim", "sliding_window"):
       if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
         raise ValueError(f"{field} must be an int >= 0 (0: the default), got {getattr(self, field)!r}")
-    if self.sliding_window and not self.causal:
-      raise ValueError(f"sliding_window={self.sliding_window} needs causal=True (a decoder)")
+    if not self.first_attention_norm and (self.norm != "pre" or self.scan_layers or self.parallel_residual):
+      raise ValueError("first_attention_norm=False needs norm='pre', sequential residuals and unscanned layers "
+                       "(ModernBERT's first layer: its attention reads the normed embeddings)")
     if self.parallel_residual and self.norm != "pre":
       raise ValueError("parallel_residual=True needs norm='pre' (GPT-NeoX's layer)")
     if not self.tie_embeddings and self.lm_head != "linear":
       raise ValueError("tie_embeddings=False needs lm_head='linear' (BERT's MLM head is tied)")
     for field in ("scan_layers", "causal", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
-                  "embedding_scale"):
+                  "embedding_scale", "first_attention_norm"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
     if self.embedding_size < 0:
@@ -230,6 +245,12 @@ class BertConfig:
           raise ValueError(f"position_schedule: {spec.name!r} adds an input embedding, not a per-layer term; a "
                            "schedule takes methods that act inside attention")
         attention.check_kernel(self.attention_kernel, spec, dropout=self._kernel_dropout)
+    named = set(self.schedule_options)
+    stray = sorted((named - set(self.layer_positions)) | (named & {self.position}))
+    if stray:
+      raise ValueError(f"schedule_options names {stray}, which are not entries of position_schedule other than "
+                       f"position ({self.position_schedule or self.position!r}): position's options are "
+                       "position_options")
 
   @property
   def _kernel_dropout(self) -> bool:
@@ -241,13 +262,17 @@ class BertConfig:
     """The fields as plain JSON values (what ``model_config.json`` holds)."""
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     values["position_options"] = dict(self.position_options)
+    values["schedule_options"] = {k: dict(v) for k, v in self.schedule_options.items()}
     return values
 
   @functools.cached_property
   def position_spec(self) -> base.PositionSpec:
-    return positions_lib.make(self.position, self.position_options, num_heads=self.num_heads,
-                              hidden_size=self.hidden_size, max_len=self.max_len, embedding_size=self.embed_width,
-                              dtype=DTYPES[self.dtype], param_dtype=DTYPES[self.param_dtype], causal=self.causal,
+    return self._spec(self.position, self.position_options)
+
+  def _spec(self, name: str, options: Mapping[str, Any]) -> base.PositionSpec:
+    return positions_lib.make(name, options, num_heads=self.num_heads, hidden_size=self.hidden_size,
+                              max_len=self.max_len, embedding_size=self.embed_width, dtype=DTYPES[self.dtype],
+                              param_dtype=DTYPES[self.param_dtype], causal=self.causal,
                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, query_scale=self.query_scale)
 
   @functools.cached_property
@@ -276,10 +301,10 @@ class BertConfig:
 
   @functools.cached_property
   def method_specs(self) -> dict[str, base.PositionSpec]:
-    """The spec of each method the layers use (``position``'s with ``position_options``, the others' defaults)."""
-    return {name: self.position_spec if name == self.position else dataclasses.replace(
-        self.position_spec, method=positions_lib.get(name), options=positions_lib.get(name).options())
-            for name in dict.fromkeys(self.layer_positions)}
+    """The spec of each schedule entry (``position``'s with ``position_options``; ``method@tag`` is ``method``; the
+    others with ``schedule_options`` or their defaults)."""
+    return {name: self.position_spec if name == self.position else self._spec(
+        name.split("@")[0], self.schedule_options.get(name, {})) for name in dict.fromkeys(self.layer_positions)}
 
   @property
   def embed_width(self) -> int:
@@ -359,31 +384,17 @@ def _dense(config: BertConfig, features: int, axes: tuple[str, str], name: str, 
                   kernel_init=base.normal_init(axes), bias_init=base.zeros_init(axes[1:]), name=name)
 
 
-class OffsetRMSNorm(nn.Module):
-  """Gemma's RMSNorm: ``x / rms(x) · (1 + scale)``, ``scale`` from zero, computed in float32 and cast back."""
-  epsilon: float
-  dtype: Any
-  param_dtype: Any
-
-  @nn.compact
-  def __call__(self, x_BxLxD):
-    scale_D = self.param("scale", base.zeros_init((base.EMBED,)), (x_BxLxD.shape[-1],), self.param_dtype)
-    x32 = x_BxLxD.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-    return (y * (1.0 + scale_D.astype(jnp.float32))).astype(self.dtype)
-
-
 def _layer_norm(config: BertConfig, name: str) -> nn.Module:
   """The stack's norm (``config.norm_type``): LayerNorm (scale and bias), RMSNorm (scale) or Gemma's RMSNorm
   (``1 + scale``), over the width."""
   if config.norm_type == "offset_rmsnorm":
-    return OffsetRMSNorm(config.layer_norm_eps, DTYPES[config.dtype], DTYPES[config.param_dtype], name=name)
+    return attention.OffsetRMSNorm(config.layer_norm_eps, DTYPES[config.dtype], DTYPES[config.param_dtype], name=name)
   if config.norm_type == "rmsnorm":
     return nn.RMSNorm(epsilon=config.layer_norm_eps, dtype=DTYPES[config.dtype],
                       param_dtype=DTYPES[config.param_dtype], scale_init=base.ones_init((base.EMBED,)), name=name)
   return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=DTYPES[config.dtype],
-                      param_dtype=DTYPES[config.param_dtype], scale_init=base.ones_init((base.EMBED,)),
-                      bias_init=base.zeros_init((base.EMBED,)), name=name)
+                      use_bias=config.norm_type == "layernorm", param_dtype=DTYPES[config.param_dtype],
+                      scale_init=base.ones_init((base.EMBED,)), bias_init=base.zeros_init((base.EMBED,)), name=name)
 
 
 class EncoderLayer(nn.Module):
@@ -394,6 +405,7 @@ class EncoderLayer(nn.Module):
   config: BertConfig
   scanned: bool = False
   position: str = ""
+  attention_norm: bool = True  # False: ModernBERT's first layer (``first_attention_norm``)
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool,
@@ -409,6 +421,7 @@ class EncoderLayer(nn.Module):
                                      use_bias=c.use_bias != "none", out_bias=c.use_bias in ("all", "attention"),
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
                                      qk_norm_axes=c.qk_norm_axes, softcap=c.attention_softcap,
+                                     qk_norm_offset=c.norm_type == "offset_rmsnorm",
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"
 
@@ -419,7 +432,8 @@ class EncoderLayer(nn.Module):
         h = h * _dense(c, c.intermediate_size, (base.EMBED, MLP), "mlp_in", bias)(y)
       return _dense(c, c.hidden_size, (MLP, base.EMBED), "mlp_out", bias)(partitioning.constrain(h, partitioning.BLF))
 
-    attention_norm, mlp_norm = _layer_norm(c, "attention_norm"), _layer_norm(c, "mlp_norm")
+    attention_norm, mlp_norm = _layer_norm(c, "attention_norm") if self.attention_norm else lambda y: y, _layer_norm(
+        c, "mlp_norm")
     attend = functools.partial(attend, decode=decode)
     if c.parallel_residual:
       return (x_BxLxD + drop(attend(attention_norm(x_BxLxD), state, mask, deterministic))
@@ -448,7 +462,8 @@ def encoder_layers(config: BertConfig):
     layer = nn.remat(EncoderLayer, policy=REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
                      static_argnums=(4, 5))
   if not config.scan_layers:
-    return [layer(config, position=name if config.position_schedule else "", name=f"layer_{i}")
+    return [layer(config, position=name if config.position_schedule else "",
+                  attention_norm=i > 0 or config.first_attention_norm, name=f"layer_{i}")
             for i, name in enumerate(config.layer_positions)]
   scan = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0, "cache": 0},
                  split_rngs={"params": True, "dropout": True},
@@ -498,7 +513,7 @@ class BertEncoder(nn.Module):
       self.embeddings_project = _dense(c, c.hidden_size, (base.EMBED, MLP), "embeddings_project")
     self.layers = encoder_layers(c)
     # the schedule's other methods (position_schedule), each its own shared terms: ``position_<name>``
-    self.scheduled = {name: other.method.encoder(spec=other, name=f"position_{name}")
+    self.scheduled = {name: other.method.encoder(spec=other, name=f"position_{name.replace('@', '_')}")
                       for name, other in c.method_specs.items() if name != c.position}
     if c.norm != "post":  # a norm after the last layer (the decoders')
       self.final_norm = _layer_norm(c, "final_norm")
@@ -616,8 +631,8 @@ def mlm_head(module: nn.Module, encoder: BertEncoder, h_BxMxD):
 def mlm_transform(module: nn.Module, encoder: BertEncoder, h_BxMxD):
   """``(states, output bias)`` of BERT's MLM head before its product with the word embeddings."""
   c = encoder.config
-  h_BxMxE = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](_dense(c, c.embed_width, (base.EMBED, MLP),
-                                                                               "transform")(h_BxMxD)))
+  transform = _dense(c, c.embed_width, (base.EMBED, MLP), "transform", c.use_bias == "all")  # ModernBERT's: none
+  h_BxMxE = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](transform(h_BxMxD)))
   return h_BxMxE, module.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,), DTYPES[c.param_dtype])
 
 

@@ -305,8 +305,9 @@ def silence_abandoned_io():
   for logger, keep in loggers:
     logger.addFilter(keep)
 
-  def undo():
-    gc.collect()  # what the run abandoned and nothing holds reports now, while its noise is still dropped
+  def undo(collect: bool = True):
+    if collect:  # what the run abandoned and nothing holds reports now, while its noise is still dropped
+      gc.collect()
     sys.unraisablehook = previous
     for logger, keep in loggers:
       logger.removeFilter(keep)
@@ -315,12 +316,16 @@ def silence_abandoned_io():
 
 @contextlib.contextmanager
 def quiet_abandoned_io():
-  """:func:`silence_abandoned_io` while the context is entered (a run); the hook and the filters as before after."""
+  """:func:`silence_abandoned_io` while the context is entered (a run); the hook and the filters as before after. A
+  run that ended by an exception may have abandoned I/O: a full collection reports it first, while it is dropped (one
+  that returned waited for all of its I/O, and a full collection in a large process takes seconds)."""
   undo = silence_abandoned_io()
   try:
     yield
-  finally:
-    undo()
+  except BaseException:
+    undo(collect=True)
+    raise
+  undo(collect=False)
 
 
 def _orbax_thread_failures(record) -> bool:

@@ -39,7 +39,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, build_task: BuildTask):
   position options, the corpora, ``init_from``) fails before the workdir is written, on every process at
   once. SIGTERM saves a checkpoint and returns; Ctrl-C raises :class:`Interrupted`, which names the last
   checkpoint (see :class:`posjax.train.preemption.Interruptions`)."""
-  with preemption.Interruptions() as interruptions, checkpoint_lib.quiet_abandoned_io():
+  with preemption.Interruptions() as interruptions:
     try:
       return _run(config, workdir, build_task, interruptions)
     except Interrupted:
@@ -80,11 +80,12 @@ def _start_state_here(run: validate.Prepared, workdir: str, checkpointer, writer
 def _run(config: ml_collections.ConfigDict, workdir: str, build_task: BuildTask, interruptions):
   prepared = validate.validate_everywhere(config, workdir, build_task)
   lock = lock_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0)
-  validate.everywhere(lock.acquire)  # process 0 holds the workdir for every process, or every process stops
-  try:
-    return _train(config, prepared, workdir, interruptions)
-  finally:
-    lock.release()
+  with checkpoint_lib.quiet_abandoned_io():  # from the first checkpoint I/O on (validation does none)
+    validate.everywhere(lock.acquire)  # process 0 holds the workdir for every process, or every process stops
+    try:
+      return _train(config, prepared, workdir, interruptions)
+    finally:
+      lock.release()
 
 
 def _train(original: ml_collections.ConfigDict, prepared: validate.Prepared, workdir: str, interruptions):

@@ -1,0 +1,57 @@
+"""Hugging Face ModernBERT in and out: a random ``ModernBertForMaskedLM`` saved with ``save_pretrained`` (global and
+local layers with their own RoPE bases, a local window shorter than the input, a padded row), converted: posjax's
+MLM logits equal Hugging Face's at the real tokens, and the model exported back gives them again."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import convert
+from posjax.convert import hf_modernbert
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+
+def test_modernbert_converts_both_ways(tmp_path):
+  config = transformers.ModernBertConfig(
+      vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+      max_position_embeddings=64, global_attn_every_n_layers=3, local_attention=8, global_rope_theta=1000.0,
+      local_rope_theta=37.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+      attn_implementation="eager", reference_compile=False)
+  torch.manual_seed(0)
+  model = transformers.ModernBertForMaskedLM(config)
+  with torch.no_grad():  # every weight away from its initial value (norm scales from 1, biases from 0)
+    for parameter in model.parameters():
+      parameter.add_(0.2 * torch.randn_like(parameter))
+  model.eval().save_pretrained(tmp_path / "hf", safe_serialization=True)
+  ids = np.random.default_rng(0).integers(3, 97, (2, 14)).astype(np.int64)
+  mask = np.ones_like(ids)
+  mask[1, 10:] = 0  # a padded row: its real tokens must not see the padding
+
+  def hf_logits(hf):
+    with torch.no_grad():
+      return hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+
+  want = hf_logits(model)
+  module, variables = convert.from_hf(tmp_path / "hf")
+  assert module.config.windows == (0, 5, 5, 0) and module.config.layer_positions == (
+      "rope", "rope@local", "rope@local", "rope")
+  got = np.asarray(module.apply(variables, jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)).logits)
+  real = mask.astype(bool)
+  np.testing.assert_allclose(got[real], want[real], atol=1e-4 * np.abs(want).max(), rtol=0)
+  back = convert.to_hf(module.config, variables)
+  assert type(back).__name__ == "ModernBertForMaskedLM"
+  np.testing.assert_allclose(hf_logits(back)[real], want[real], atol=1e-4 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(norm_bias=True), "norm_bias=True"),
+    (dict(attention_bias=True), "posjax represents all of them False"),
+    (dict(classifier_activation="silu"), "classifier_activation='silu'"),
+])
+def test_what_posjax_cannot_represent_is_an_error(fields, message):
+  hf = {"model_type": "modernbert", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "intermediate_size": 48, **fields}
+  with pytest.raises(ValueError, match=message):
+    hf_modernbert.config_from_hf(hf)
