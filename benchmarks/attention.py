@@ -19,7 +19,7 @@ from absl import app, flags
 
 import common
 from posjax import attention, positions
-from posjax.models.bert import DTYPES
+from posjax.models.transformer import DTYPES
 
 _METHODS = flags.DEFINE_list("methods", None, "Methods to run (default: all registered).")
 _LENGTHS = flags.DEFINE_list("lengths", ["128", "512", "2048"], "Sequence lengths.")

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from posjax import positions
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 
 
 def compile_and_time(fn, args, run: bool = True, repeats: int = 5):
@@ -45,7 +45,7 @@ def describe_device() -> str:
 def kernel_for(name: str, kernel: str) -> str:
   """The kernel a method runs on when ``kernel`` is asked for: ``xla`` where a fused kernel cannot compute it
   (:meth:`posjax.positions.PositionSpec.refusal`)."""
-  spec = BertConfig(position=name, causal=positions.get(name).decoder_only).position_spec
+  spec = TransformerConfig(position=name, causal=positions.get(name).decoder_only).position_spec
   return kernel if kernel in ("xla", "auto") or spec.refusal(kernel) is None else "xla"
 
 
@@ -65,10 +65,10 @@ def kernel_rows(name: str, kernels: list[str]) -> list[tuple[str, str]]:
 def bert_train_step(name: str, length: int, batch: int, dtype: str, kernel: str, layers: int = 12):
   """``(step_fn, args, config, masked)``: one BERT-Base MLM step (forward, backward, AdamW), dropout off,
   the MLM head on 15% of the positions."""
-  config = BertConfig.base(position=name, max_len=max(512, length), num_layers=layers, dtype=dtype,
-                           attention_kernel=kernel_for(name, kernel),
-                           dropout_rate=0.0, attention_dropout_rate=0.0)
-  model = BertModel(config, head="mlm")
+  config = TransformerConfig.base(position=name, max_len=max(512, length), num_layers=layers, dtype=dtype,
+                                  attention_kernel=kernel_for(name, kernel),
+                                  dropout_rate=0.0, attention_dropout_rate=0.0)
+  model = Transformer(config, head="mlm")
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, length)), jnp.int32)
   masked_count = length * 15 // 100

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from posjax.aot import compile as aot
 from posjax.aot import targets
-from posjax.models import DECODER_SIZES, BertConfig, BertModel
+from posjax.models import DECODER_SIZES, TransformerConfig, Transformer
 
 
 def main():
@@ -31,9 +31,9 @@ def main():
   parser.add_argument("--kernels", default="xla,pallas")
   args = parser.parse_args()
   aot.setup()
-  config = BertConfig.decoder(**DECODER_SIZES[args.size], vocab_size=args.vocab, max_len=args.context,
-                              dtype="bfloat16", param_dtype="bfloat16")
-  module = BertModel(config, head="lm")
+  config = TransformerConfig.decoder(**DECODER_SIZES[args.size], vocab_size=args.vocab, max_len=args.context,
+                                     dtype="bfloat16", param_dtype="bfloat16")
+  module = Transformer(config, head="lm")
   b, t = args.batch, args.context
   shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((b, t), jnp.int32), decode=True))
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["cache"]))
@@ -55,8 +55,8 @@ def main():
     on = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), tree)
     token = jax.ShapeDtypeStruct((b, 1), jnp.int32, sharding=device)
     for kernel in args.kernels.split(","):
-      model = BertModel(dataclasses.replace(config, attention_kernel=kernel, kernel_platform=target.platform),
-                        head="lm")
+      model = Transformer(dataclasses.replace(config, attention_kernel=kernel, kernel_platform=target.platform),
+                          head="lm")
       start = time.perf_counter()
       compiled = jax.jit(functools.partial(step, model), donate_argnums=(1,)).trace(
           on(shapes["params"]), on(shapes["cache"]), token, token).lower().compile()

@@ -16,20 +16,20 @@ import numpy as np
 from absl import app, flags
 
 from posjax import positions
-from posjax.models import BertConfig, BertEncoder
+from posjax.models import TransformerConfig, TransformerStack
 
 FLAGS = flags.DEFINE_string("out", None, "Also write the table to this markdown file.")
 
 
-def parameter_count(config: BertConfig) -> int:
+def parameter_count(config: TransformerConfig) -> int:
   """The encoder's parameter count, from shapes alone."""
-  shapes = jax.eval_shape(BertEncoder(config).init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  shapes = jax.eval_shape(TransformerStack(config).init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 def contributions(name: str) -> str:
   """Where the method contributes: input embedding, shared bias, per-layer q/k terms."""
-  config = BertConfig.tiny(position=name)
+  config = TransformerConfig.tiny(position=name)
   spec = config.position_spec
   parts = []
   state = jax.eval_shape(lambda p: spec.method.encoder(spec=spec).init_with_output(jax.random.PRNGKey(0), p)[0],
@@ -42,7 +42,7 @@ def contributions(name: str) -> str:
 
 def shift_invariant(name: str, rng) -> bool:
   """Whether the same tokens give the same outputs at another offset (random, larger-scale parameters)."""
-  model = BertEncoder(BertConfig.tiny(position=name))
+  model = TransformerStack(TransformerConfig.tiny(position=name))
   content = rng.integers(1, 128, size=6)
   ids, mask = np.zeros((2, 10), np.int32), np.zeros((2, 10), np.int32)
   ids[0, :6], ids[1, 4:], mask[0, :6], mask[1, 4:] = content, content, 1, 1
@@ -55,8 +55,8 @@ def shift_invariant(name: str, rng) -> bool:
 
 def runs_at_twice_max_len(name: str) -> str:
   """What the method does on a sequence twice its ``max_len``: runs, NaN, or a clear error."""
-  config = BertConfig.tiny(position=name, max_len=16)
-  model = BertEncoder(config)
+  config = TransformerConfig.tiny(position=name, max_len=16)
+  model = TransformerStack(config)
   try:
     variables = model.init(jax.random.PRNGKey(0), jnp.ones((1, 16), jnp.int32))
     out = model.apply(variables, jnp.ones((1, 32), jnp.int32)).last_hidden_state
@@ -69,12 +69,12 @@ def main(argv):
   """Prints (and with ``--out`` writes) the table of every registered method."""
   del argv
   rng = np.random.default_rng(0)
-  base = parameter_count(BertConfig.base(position="none"))
+  base = parameter_count(TransformerConfig.base(position="none"))
   rows = ["| method | contributes | + params at BERT-Base | fused kernel | shift-invariant | runs at 2× max_len |",
           "|---|---|---|---|---|---|"]
   for name in positions.encoder_names():
-    spec = BertConfig.tiny(position=name).position_spec
-    added = parameter_count(BertConfig.base(position=name)) - base
+    spec = TransformerConfig.tiny(position=name).position_spec
+    added = parameter_count(TransformerConfig.base(position=name)) - base
     rows.append(f"| `{name}` | {contributions(name)} | {added:,} | {'no' if spec.refusal('pallas') else 'yes'} | "
                 f"{'yes' if shift_invariant(name, rng) else 'no'} | {runs_at_twice_max_len(name)} |")
     print(rows[-1], flush=True)

@@ -15,7 +15,7 @@ from absl import app, flags
 
 import common
 from posjax import attention, positions
-from posjax.models.bert import DTYPES
+from posjax.models.transformer import DTYPES
 from posjax.models.flops import train_step_flops
 
 _METHODS = flags.DEFINE_list("methods", None, "Methods to run (default: all registered).")

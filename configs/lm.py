@@ -30,7 +30,7 @@ import ml_collections
 
 from configs import pretrain
 from posjax.config_args import named, parse_arg
-from posjax.models import DECODER_SIZES, BertConfig
+from posjax.models import DECODER_SIZES, TransformerConfig
 from posjax.tasks import clm as clm_task
 from posjax.tasks import passkey
 from posjax.train import checkpoint
@@ -54,7 +54,7 @@ def get_config(arg=None):
   config = pretrain.get_config(f"position={arg.position},runlocal={arg.runlocal},keep={arg.keep}")
   config.task = "clm"
   clm_task.loss_defaults(config)  # loss_chunk, z_loss
-  preset = BertConfig.decoder(**DECODER_SIZES[arg.size]).to_dict()
+  preset = TransformerConfig.decoder(**DECODER_SIZES[arg.size]).to_dict()
   size = DECODER_SIZES["tiny" if arg.runlocal and "size" not in given else arg.size]
   config.model.update({**{field: preset[field] for field in DECODER_FIELDS}, **size})
   config.evals = ml_collections.ConfigDict({name: {**spec.to_dict(), "kind": "clm"}

@@ -23,7 +23,7 @@ import ml_collections
 
 from posjax import positions
 from posjax.config_args import parse_arg
-from posjax.models import BertConfig
+from posjax.models import TransformerConfig
 
 SIZES = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
@@ -63,7 +63,7 @@ def get_config(arg=None):
     config.model.causal = True
   if arg.lm:
     size = {**SIZES[arg.size], "num_kv_heads": SIZES[arg.size]["num_heads"] // 2}
-    preset = BertConfig.decoder(**size).to_dict()
+    preset = TransformerConfig.decoder(**size).to_dict()
     config.model.update({k: preset[k] for k in (*size, "norm", "norm_type", "mlp", "activation", "use_bias",
                                                  "embedding_norm", "layer_norm_eps")})
   return config

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.train import checkpoint
 
 
@@ -35,8 +35,8 @@ CACHE_MULTIPLE = 256  # the cache's slots under the Pallas kernels: whole key ti
 def check_options(module, max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
   """One-line errors for a module that cannot generate and options out of range."""
   config = getattr(module, "config", None)
-  if not isinstance(module, BertModel) or module.head != "lm" or not config.causal:
-    raise ValueError("generate takes a causal BertModel with head='lm' (a decoder run's model, or "
+  if not isinstance(module, Transformer) or module.head != "lm" or not config.causal:
+    raise ValueError("generate takes a causal Transformer with head='lm' (a decoder run's model, or "
                      "posjax.convert.from_hf's)")
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
@@ -67,7 +67,7 @@ def sample(logits_BxV, key, temperature: float, top_k: int, top_p: float):
   return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
 
 
-def generate(module: BertModel, variables, prompt_ids, *, max_new_tokens: int, attention_mask=None,
+def generate(module: Transformer, variables, prompt_ids, *, max_new_tokens: int, attention_mask=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_id: int | list[int] | None = None, return_logits: bool = False):
   """``[B, P + max_new_tokens]`` int32: the prompts ``[B, P]`` and their continuations (see the module docstring);
@@ -100,7 +100,7 @@ def eos_ids(eos_id) -> tuple[int, ...]:
   return tuple(int(i) for i in ids)
 
 
-def greedy(module: BertModel, variables, prompt_BxP, steps: int):
+def greedy(module: Transformer, variables, prompt_BxP, steps: int):
   """``[B, P + steps]``: :func:`generate` at temperature 0 for full prompts, without its checks (traceable: what an
   evaluator calls inside its compiled program)."""
   return _generate(module, variables, prompt_BxP, jnp.ones(prompt_BxP.shape, bool), steps, 0.0, 0, 1.0,
@@ -162,11 +162,11 @@ def load(workdir: str, step: int | None = None):
   if task not in (None, *checkpoint.LM_TASKS):
     raise ValueError(f"{workdir}: this workdir holds a decoder fine-tuned for {task} (its head, not a language "
                      "model's); generate needs a decoder run (configs/lm.py), such as the one it started from")
-  config = BertConfig(**{**values, "attention_kernel": "xla", "kernel_platform": ""})
+  config = TransformerConfig(**{**values, "attention_kernel": "xla", "kernel_platform": ""})
   params = checkpoint.load_params(workdir, step)
   vocab = checkpoint.vocab_file_of(workdir)
   tokenizer = Tokenizer.load(vocab) if vocab else None
-  return BertModel(config, head="lm"), {"params": params}, tokenizer
+  return Transformer(config, head="lm"), {"params": params}, tokenizer
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ import pytest
 from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
 from posjax.main import train
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.tasks import clm
 from posjax.tasks import mlm as mlm_task
 from conftest import load_config, override
@@ -56,8 +56,8 @@ def test_the_next_token_loss_is_numpys(packing, chunk, z_loss):
   batch["attention_mask"][1, 20:] = 0  # a padded tail
   if packing == "documents":  # a second document from token 12 of row 0
     batch["segment_ids"][0, 12:], batch["positions"][0, 12:] = batch["segment_ids"][0, 0] + 1, np.arange(12)
-  model = BertModel(BertConfig.tiny(position="alibi", causal=True, vocab_size=tokenizer().vocab_size, max_len=24),
-                    head="lm")
+  model = Transformer(TransformerConfig.tiny(position="alibi", causal=True, vocab_size=tokenizer().vocab_size,
+                                             max_len=24), head="lm")
   params = model.init(jax.random.PRNGKey(0), jnp.asarray(batch["input_ids"]))["params"]
   use_segments = packing == "documents"
   got = clm.next_token_row_sums(model, params, batch, None, use_segments=use_segments, deterministic=True,
@@ -94,8 +94,9 @@ def test_the_chunked_loss_has_the_full_logits_gradient():
   import optax
 
   batch = unmasked_batch("full_sentence")
-  model = BertModel(BertConfig.decoder(vocab_size=tokenizer().vocab_size, hidden_size=32, num_layers=2, num_heads=4,
-                                       num_kv_heads=2, intermediate_size=48, max_len=24, dtype="float32"), head="lm")
+  model = Transformer(TransformerConfig.llama(vocab_size=tokenizer().vocab_size, hidden_size=32, num_layers=2,
+                                              num_heads=4, num_kv_heads=2, intermediate_size=48, max_len=24,
+                                              dtype="float32"), head="lm")
   ids = jnp.asarray(batch["input_ids"])
   params = jax.jit(model.init)(jax.random.PRNGKey(0), ids)["params"]
 
@@ -140,7 +141,7 @@ def test_clm_needs_a_causal_model(tmp_path):
 def test_an_evaluation_past_a_learned_table_is_unsupported():
   evaluations = {"eval": mlm_task.Evaluation([{}], {}, 32), "eval_x2": mlm_task.Evaluation([{}], {}, 64)}
   for position, unsupported in (("absolute", True), ("alibi", False)):
-    model_config = BertConfig.tiny(position=position, max_len=32, causal=True)
+    model_config = TransformerConfig.tiny(position=position, max_len=32, causal=True)
     evaluators = mlm_task.corpus_evaluators(evaluations, model_config, None, clm.clm_metrics)
     assert evaluators["eval"].unsupported is None
     assert (evaluators["eval_x2"].unsupported is not None) == unsupported
@@ -176,7 +177,7 @@ def test_sliding_window_evaluation_predicts_each_token_once_after_its_windows_co
                                             "flat": {"kind": "clm", "split": "eval", "tokens": 256, "max_len": 16}})
   _, evaluations = mlm_task.corpus_batches(config, tokenizer, 4, masked=False)
   text = np.concatenate([b["input_ids"].reshape(-1) for b in evaluations["flat"].rows])[:256]
-  model = BertModel(BertConfig.from_config(config.model, tokenizer.vocab_size, 64), head="lm")
+  model = Transformer(TransformerConfig.from_config(config.model, tokenizer.vocab_size, 64), head="lm")
   params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 64), jnp.int32))["params"]
   sums = [clm.next_token_row_sums(model, params, b, None, use_segments=False, deterministic=True)
           for b in evaluations["sw"].rows]

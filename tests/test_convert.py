@@ -21,7 +21,7 @@ from posjax import config_args, positions  # noqa: E402
 from posjax.convert import __main__ as cli  # noqa: E402
 from posjax.convert import hf_bert  # noqa: E402
 from posjax.data.tokenizer import Tokenizer  # noqa: E402
-from posjax.models import BertConfig, BertEncoder, BertModel  # noqa: E402
+from posjax.models import TransformerConfig, TransformerStack, Transformer  # noqa: E402
 from posjax.main import train  # noqa: E402
 from posjax.train import checkpoint  # noqa: E402
 from conftest import ROOT, load_config, override, randomize  # noqa: E402
@@ -104,9 +104,9 @@ def test_the_relative_table_is_read_reversed():
 
 @pytest.mark.parametrize("position", ["absolute", "shaw", "huang_m4"])
 def test_posjax_to_hugging_face_and_back_is_exact(position):
-  config = BertConfig.tiny(position=position, max_len=24, type_vocab_size=0 if position == "shaw" else 2,
-                           activation="gelu_tanh" if position == "absolute" else "gelu")
-  module = BertModel(config, head="mlm")
+  config = TransformerConfig.tiny(position=position, max_len=24, type_vocab_size=0 if position == "shaw" else 2,
+                                  activation="gelu_tanh" if position == "absolute" else "gelu")
+  module = Transformer(config, head="mlm")
   params = randomize(jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"], scale=0.3)
   model = hf_bert.to_hf_bert(config, {"params": params})
   ids, _, mask = inputs(vocab=config.vocab_size)
@@ -120,10 +120,10 @@ def test_posjax_to_hugging_face_and_back_is_exact(position):
 
 @pytest.mark.parametrize("position,scan", [("absolute", False), ("huang_m4", False), ("huang_m4", True)])
 def test_an_encoder_as_init_returns_it_converts(position, scan):
-  # BertEncoder's variables, boxed with their logical axes (what init returns), become a Hugging Face BertModel;
+  # TransformerStack's variables, boxed with their logical axes (what init returns), become a Hugging Face BertModel;
   # scanned layers (stacked parameters) as Hugging Face's per-layer modules.
-  config = BertConfig.tiny(position=position, max_len=24, scan_layers=scan)
-  boxed = BertEncoder(config).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  config = TransformerConfig.tiny(position=position, max_len=24, scan_layers=scan)
+  boxed = TransformerStack(config).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   plain = randomize(boxed["params"], scale=0.3)
   is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
   leaves, treedef = jax.tree_util.tree_flatten(boxed["params"], is_leaf=is_box)
@@ -133,15 +133,15 @@ def test_an_encoder_as_init_returns_it_converts(position, scan):
   model = hf_bert.to_hf_bert(config, variables)
   assert type(model).__name__ == "BertModel"
   ids, types, mask = inputs(vocab=config.vocab_size)
-  mine = BertEncoder(config).apply({"params": plain}, jnp.asarray(ids), token_type_ids=jnp.asarray(types),
-                                   attention_mask=jnp.asarray(mask))
+  mine = TransformerStack(config).apply({"params": plain}, jnp.asarray(ids), token_type_ids=jnp.asarray(types),
+                                        attention_mask=jnp.asarray(mask))
   hf_hidden = run_hf(model, ids, types, mask).last_hidden_state.numpy()
   np.testing.assert_allclose(np.asarray(mine.last_hidden_state), hf_hidden, atol=1e-4)
 
 
 def test_variables_of_something_else_are_an_error():
-  with pytest.raises(ValueError, match=r"expected the variables of a posjax BertModel.*got keys \['dense'\]"):
-    hf_bert.to_hf_bert(BertConfig.tiny(), {"params": {"dense": {"kernel": np.zeros((2, 2))}}})
+  with pytest.raises(ValueError, match=r"expected the variables of a posjax Transformer.*got keys \['dense'\]"):
+    hf_bert.to_hf_bert(TransformerConfig.tiny(), {"params": {"dense": {"kernel": np.zeros((2, 2))}}})
 
 
 def test_relative_key_is_an_alias_of_shaw():
@@ -186,11 +186,11 @@ def test_bad_sources_are_clear_errors(tmp_path):
 
 def test_models_hugging_face_cannot_express_are_refused():
   with pytest.raises(ValueError, match=r"cannot express position 'tupe_r'"):
-    hf_bert.config_to_hf(BertConfig.tiny(position="tupe_r"))
+    hf_bert.config_to_hf(TransformerConfig.tiny(position="tupe_r"))
   with pytest.raises(ValueError, match=r"clips at max_position_embeddings - 1 = 63; this model's max_distance is 8"):
-    hf_bert.config_to_hf(BertConfig.tiny(position="huang_m4", position_options={"max_distance": 8}))
+    hf_bert.config_to_hf(TransformerConfig.tiny(position="huang_m4", position_options={"max_distance": 8}))
   with pytest.raises(ValueError, match=r"no value term"):
-    hf_bert.config_to_hf(BertConfig.tiny(position="shaw", position_options={"value_term": True}))
+    hf_bert.config_to_hf(TransformerConfig.tiny(position="shaw", position_options={"value_term": True}))
 
 
 def tiny_hf_directory(directory, kind="absolute"):

@@ -125,13 +125,13 @@ def saved_run(run, packing: str, config, adjust=lambda module, variables: variab
   words w0..w58), config.json's packing, the model's parameters (every one moved from its initial value, then
   ``adjust``-ed)."""
   from posjax.convert import __main__ as cli
-  from posjax.models import BertModel
+  from posjax.models import Transformer
 
   run.mkdir()
   pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
   (run / "vocab.txt").write_text("\n".join(pieces) + "\n")
   (run / "config.json").write_text(json.dumps({"data": {"packing": packing}}))
-  module = BertModel(config, head="lm")
+  module = Transformer(config, head="lm")
   variables = flax.core.meta.unbox(module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32)))
   leaves, tree = jax.tree.flatten(variables)
   variables = adjust(module, tree.unflatten([x + 0.5 * jax.random.normal(jax.random.key(i), x.shape)
@@ -149,7 +149,7 @@ def test_an_exported_decoder_names_its_runs_special_tokens_and_hugging_faces_gen
   from posjax import generate
   from posjax.convert import __main__ as cli
   from posjax.data.tokenizer import Tokenizer
-  from posjax.models import BertConfig, BertModel
+  from posjax.models import TransformerConfig, Transformer
 
   run = tmp_path / "run"
   prompt = [8, 12, 6]  # w3 w7 w1
@@ -160,7 +160,7 @@ def test_an_exported_decoder_names_its_runs_special_tokens_and_hugging_faces_gen
     variables["params"]["encoder"]["lm_head"]["kernel"] = kernel.at[:, 3].set(2.0 * kernel[:, free[3]])
     return variables
 
-  module, variables = saved_run(run, "stream", BertConfig.decoder(
+  module, variables = saved_run(run, "stream", TransformerConfig.decoder(
       vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48, max_len=64),
       stop_early)
   tokenizer = Tokenizer.load(str(run / "vocab.txt"))
@@ -209,10 +209,10 @@ def test_a_causal_bert_exports_as_bert_lm_head_model_with_its_rows_first_token_a
   BertLMHeadModel (is_decoder) with posjax's logits, bos [CLS] and no eos ([SEP] ends a sentence), a tokenizer that
   puts [CLS] first and nothing last; posjax's generate starts its prompt with the same [CLS]."""
   from posjax.convert import __main__ as cli
-  from posjax.models import BertConfig
+  from posjax.models import TransformerConfig
   from posjax.train import checkpoint
 
-  module, variables = saved_run(tmp_path / "run", "full_sentence", BertConfig(
+  module, variables = saved_run(tmp_path / "run", "full_sentence", TransformerConfig(
       vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48, max_len=32, causal=True,
       type_vocab_size=0, position="absolute", dtype="float32"))
   assert cli.main(["posjax-to-hf", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from posjax.convert import electra_to_hf, hf_electra, to_hf_electra  # noqa: E402
-from posjax.models import BertConfig, BertModel  # noqa: E402
+from posjax.models import TransformerConfig, Transformer  # noqa: E402
 from posjax.models.electra import Electra  # noqa: E402
 from conftest import randomize  # noqa: E402
 from test_convert import KINDS, assert_same_outputs, inputs, run_hf, run_posjax  # noqa: E402
@@ -85,9 +85,9 @@ JOINT = [("absolute", 0, 16), ("shaw", 16, 24), ("huang_m4", 16, 24)]
 @pytest.mark.parametrize("position,embedding_size,generator_width", JOINT)
 def test_a_posjax_electra_becomes_an_equal_hugging_face_generator_and_discriminator(position, embedding_size,
                                                                                     generator_width):
-  discriminator_config = BertConfig.tiny(position=position, max_len=24, embedding_size=embedding_size)
-  generator_config = BertConfig.tiny(position=position, max_len=24, hidden_size=generator_width, num_heads=2,
-                                     intermediate_size=48, embedding_size=discriminator_config.embed_width)
+  discriminator_config = TransformerConfig.tiny(position=position, max_len=24, embedding_size=embedding_size)
+  generator_config = TransformerConfig.tiny(position=position, max_len=24, hidden_size=generator_width, num_heads=2,
+                                            intermediate_size=48, embedding_size=discriminator_config.embed_width)
   module = Electra(generator_config, discriminator_config)
   boxed = module.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   params = randomize(boxed["params"], scale=0.3)
@@ -112,9 +112,9 @@ def test_a_posjax_electra_becomes_an_equal_hugging_face_generator_and_discrimina
 
 def test_a_posjax_generator_and_discriminator_come_back_as_they_were():
   # posjax -> Hugging Face -> posjax is exact: each model's encoder, the generator's the shared embeddings.
-  discriminator_config = BertConfig.tiny(position="absolute", max_len=24)
-  generator_config = BertConfig.tiny(position="absolute", max_len=24, hidden_size=16, num_heads=2,
-                                     intermediate_size=48, embedding_size=32)
+  discriminator_config = TransformerConfig.tiny(position="absolute", max_len=24)
+  generator_config = TransformerConfig.tiny(position="absolute", max_len=24, hidden_size=16, num_heads=2,
+                                            intermediate_size=48, embedding_size=32)
   module = Electra(generator_config, discriminator_config)
   params = randomize(module.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"], scale=0.3)
   generator, discriminator = hf_electra.split_electra({"params": params})
@@ -143,32 +143,32 @@ def test_a_generator_head_other_than_gelu_is_an_error_both_ways():
   with pytest.raises(ValueError, match=r"generator head is always exact GELU; this model's activation is "
                                        r"'gelu_tanh'"):
     hf_electra.from_hf_electra(electra("absolute", "ElectraForMaskedLM", hidden_act="gelu_new"))
-  config = BertConfig.tiny(activation="relu")
-  params = BertModel(config, head="mlm").init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))
+  config = TransformerConfig.tiny(activation="relu")
+  params = Transformer(config, head="mlm").init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))
   with pytest.raises(ValueError, match=r"always exact GELU; this model's activation is 'relu'"):
     to_hf_electra(config, params)
 
 
 def test_models_hugging_face_electra_cannot_express_are_refused():
   def variables(config, head="rtd"):
-    return BertModel(config, head=head).init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))
+    return Transformer(config, head=head).init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))
 
   with pytest.raises(ValueError, match=r"ELECTRA's encoder is BERT's: Hugging Face BERT cannot express position "
                                        r"'tupe_r'; it has \['absolute', 'huang_m4', 'shaw'\]"):
-    to_hf_electra(BertConfig.tiny(position="tupe_r"), variables(BertConfig.tiny(position="tupe_r")))
+    to_hf_electra(TransformerConfig.tiny(position="tupe_r"), variables(TransformerConfig.tiny(position="tupe_r")))
   with pytest.raises(ValueError, match=r"ELECTRA's encoder is BERT's: Hugging Face BERT is Post-LN; this model "
                                        r"has norm='pre'"):
-    to_hf_electra(BertConfig.tiny(norm="pre"), variables(BertConfig.tiny(norm="pre")))
+    to_hf_electra(TransformerConfig.tiny(norm="pre"), variables(TransformerConfig.tiny(norm="pre")))
   with pytest.raises(ValueError, match=r"no model for posjax's 'span' head; it converts heads none -> ElectraModel, "
                                        r"rtd -> ElectraForPreTraining, mlm -> ElectraForMaskedLM"):
-    to_hf_electra(BertConfig.tiny(), variables(BertConfig.tiny(), "span"))
+    to_hf_electra(TransformerConfig.tiny(), variables(TransformerConfig.tiny(), "span"))
   with pytest.raises(ValueError, match=r"posjax -> ElectraForPreTraining: encoder/embedding_norm/bias has shape "
                                        r"\(16,\) but its config implies \(8,\)"):
-    to_hf_electra(BertConfig.tiny(embedding_size=8), variables(BertConfig.tiny(embedding_size=16)))
+    to_hf_electra(TransformerConfig.tiny(embedding_size=8), variables(TransformerConfig.tiny(embedding_size=16)))
 
 
 def test_variables_of_something_else_are_an_error():
-  encoder = BertModel(BertConfig.tiny(), head="rtd").init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))
+  encoder = Transformer(TransformerConfig.tiny(), head="rtd").init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32))
   with pytest.raises(ValueError, match=r"expected the variables of a posjax Electra .* \['generator', "
                                        r"'generator_head'\] missing, got keys \['encoder', 'rtd', 'rtd_output'\]"):
-    electra_to_hf(BertConfig.tiny(), BertConfig.tiny(), encoder)
+    electra_to_hf(TransformerConfig.tiny(), TransformerConfig.tiny(), encoder)

@@ -45,6 +45,18 @@ def test_modernbert_converts_both_ways(tmp_path):
   np.testing.assert_allclose(hf_logits(back)[real], want[real], atol=1e-4 * np.abs(want).max(), rtol=0)
 
 
+def test_the_modernbert_preset_is_modernbert_bases_layout():
+  from posjax.models import TransformerConfig
+
+  converted = hf_modernbert.config_from_hf(transformers.ModernBertConfig().to_dict())
+  preset = TransformerConfig.modernbert(vocab_size=converted.vocab_size)
+  layers = lambda c: (c.windows, [(c.method_specs[n].method.name, c.method_specs[n].options) for n in c.layer_positions])
+  assert layers(preset) == layers(converted)
+  drop = ("layer_windows", "position_schedule", "schedule_options")
+  assert {k: v for k, v in preset.to_dict().items() if k not in drop} == {
+      k: v for k, v in converted.to_dict().items() if k not in drop}
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(norm_bias=True), "norm_bias=True"),
     (dict(attention_bias=True), "posjax represents all of them False"),

@@ -1,4 +1,4 @@
-"""Causal attention at the module level (``Mask(causal=True)``, ``BertConfig(causal=True)``): no method on any
+"""Causal attention at the module level (``Mask(causal=True)``, ``TransformerConfig(causal=True)``): no method on any
 kernel lets a token see a later one, and the methods take their decoder form (T5's unidirectional buckets)."""
 
 import functools
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from posjax import attention, positions
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 import reference
 
 LENGTH = 12
 
 
 def decoder(name, **overrides):
-  config = BertConfig.tiny(position=name, causal=True, dropout_rate=0.0, attention_dropout_rate=0.0, **overrides)
-  return BertModel(config)
+  config = TransformerConfig.tiny(position=name, causal=True, dropout_rate=0.0, attention_dropout_rate=0.0, **overrides)
+  return Transformer(config)
 
 
 def outputs(model, params, ids, **kwargs):
@@ -83,9 +83,9 @@ def test_an_encoder_keeps_t5s_bidirectional_buckets():
 def test_a_position_schedule_gives_each_layer_its_method(schedule):
   """Two batches that differ only in their positions: a NoPE layer whose input is the same (the first) computes the
   same logits for both, an ALiBi layer different ones; so each layer runs the method the schedule names."""
-  config = BertConfig.decoder(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
-                              max_len=16, position="alibi", position_schedule=schedule)
-  model = BertModel(config, head="lm")
+  config = TransformerConfig.decoder(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                                     max_len=16, position="alibi", position_schedule=schedule)
+  model = Transformer(config, head="lm")
   ids = jnp.arange(8)[None] % 64
   variables = model.init(jax.random.PRNGKey(0), ids)
   logits = lambda positions: model.apply(variables, ids, positions=positions, mutable=["intermediates"])[1][
@@ -105,8 +105,8 @@ def test_a_position_schedule_gives_each_layer_its_method(schedule):
 ])
 def test_a_schedule_that_cannot_run_is_an_error(fields, message):
   with pytest.raises(ValueError, match=message):
-    BertConfig.decoder(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, max_len=16,
-                       **fields)
+    TransformerConfig.llama(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32,
+                            max_len=16, **fields)
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -118,5 +118,5 @@ def test_a_schedule_that_cannot_run_is_an_error(fields, message):
 ])
 def test_decoder_fields_that_cannot_work_are_errors(fields, message):
   with pytest.raises(ValueError, match=message):
-    BertConfig.decoder(vocab_size=64, hidden_size=16, num_layers=1, num_heads=4, intermediate_size=32, max_len=16,
-                       **fields).position_spec
+    TransformerConfig.llama(vocab_size=64, hidden_size=16, num_layers=1, num_heads=4, intermediate_size=32,
+                            max_len=16, **fields).position_spec

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.models.electra import Electra
 from conftest import randomize
 
-DISCRIMINATOR = BertConfig.tiny(hidden_size=32, num_heads=4, max_len=16)
-GENERATOR = BertConfig.tiny(hidden_size=16, num_heads=2, intermediate_size=32, embedding_size=32, max_len=16)
+DISCRIMINATOR = TransformerConfig.tiny(hidden_size=32, num_heads=4, max_len=16)
+GENERATOR = TransformerConfig.tiny(hidden_size=16, num_heads=2, intermediate_size=32, embedding_size=32, max_len=16)
 
 
 def init(model, position="absolute"):
@@ -59,10 +59,10 @@ def test_the_generator_equals_a_bert_mlm_model_built_on_the_same_arrays():
   types = jnp.asarray([[0] * 4 + [1] * 4, [0] * 8])
   logits = model.apply({"params": params}, ids, jnp.broadcast_to(jnp.arange(8), (2, 8)), token_type_ids=types,
                        attention_mask=mask, method=Electra.generate)
-  bert = BertModel(GENERATOR, head="mlm").apply({"params": alone}, ids, token_type_ids=types, attention_mask=mask)
+  bert = Transformer(GENERATOR, head="mlm").apply({"params": alone}, ids, token_type_ids=types, attention_mask=mask)
   np.testing.assert_allclose(logits, bert.logits, atol=1e-5)
   rtd = model.apply({"params": params}, ids, token_type_ids=types, attention_mask=mask, method=Electra.discriminate)
-  disc = BertModel(DISCRIMINATOR, head="rtd").apply(
+  disc = Transformer(DISCRIMINATOR, head="rtd").apply(
       {"params": {"encoder": params["encoder"], "rtd": params["rtd"], "rtd_output": params["rtd_output"]}}, ids,
       token_type_ids=types, attention_mask=mask)
   np.testing.assert_allclose(rtd, disc.logits, atol=1e-5)

@@ -19,7 +19,7 @@ from posjax import config_args, tasks
 from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
 from posjax.experiments import protocol, sweep
-from posjax.models import BertConfig, BertEncoder, BertModel
+from posjax.models import TransformerConfig, TransformerStack, Transformer
 from posjax.tasks import electra
 
 TOKENIZER = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
@@ -157,21 +157,21 @@ def test_disallow_correct_never_samples_the_original_and_keeps_the_other_tokens_
 def test_electras_classifier_is_one_dense_layer_on_the_cls_state():
   """``ClassificationTask.get_prediction_module``: ``dense(dropout(sequence_output[:, 0]))``, no pooler (ELECTRA's
   ``get_pooled_output`` is the first token's state); posjax's default keeps BERT's pooler."""
-  config = BertConfig.tiny(vocab_size=60, max_len=16)
+  config = TransformerConfig.tiny(vocab_size=60, max_len=16)
   ids = jnp.asarray(np.random.default_rng(0).integers(5, 60, (3, 10)), jnp.int32)
-  model = BertModel(config, "classification", 3, "cls")
+  model = Transformer(config, "classification", 3, "cls")
   params = nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"])
   assert set(params) == {"encoder", "classifier"}
   rng = np.random.default_rng(1)
   params["classifier"] = {"kernel": rng.normal(size=(config.hidden_size, 3)).astype(np.float32),
                           "bias": rng.normal(size=3).astype(np.float32)}
-  h = np.asarray(BertEncoder(config).apply({"params": params["encoder"]}, ids).last_hidden_state, np.float64)
+  h = np.asarray(TransformerStack(config).apply({"params": params["encoder"]}, ids).last_hidden_state, np.float64)
   want = h[:, 0] @ np.float64(params["classifier"]["kernel"]) + params["classifier"]["bias"]
   np.testing.assert_allclose(model.apply({"params": params}, ids).logits, want, rtol=1e-5, atol=1e-5)
-  pooled = BertModel(config, "classification", 3)
+  pooled = Transformer(config, "classification", 3)
   assert "pooler" in nn.unbox(pooled.init(jax.random.PRNGKey(0), ids)["params"])
   with pytest.raises(ValueError, match=r"classifier_input='mean' is not allowed; choose one of \['pooler', 'cls'\]"):
-    BertModel(config, "classification", 3, "mean").init(jax.random.PRNGKey(0), ids)
+    Transformer(config, "classification", 3, "mean").init(jax.random.PRNGKey(0), ids)
 
 
 def test_glue_under_recipe_electra_fine_tunes_electras_model_and_reports_its_final_evaluation():

@@ -11,17 +11,17 @@ import numpy as np
 import optax
 import pytest
 
-from posjax.models import BertConfig
+from posjax.models import TransformerConfig
 from posjax.models.electra import Electra
 from posjax.tasks import electra
 from posjax.train import sharding, step as step_lib
 from conftest import randomize
 
 VOCAB, L, M = 128, 12, 4
-DISCRIMINATOR = BertConfig.tiny(hidden_size=32, num_heads=4, max_len=16, dropout_rate=0.0,
-                                attention_dropout_rate=0.0)
-GENERATOR = BertConfig.tiny(hidden_size=16, num_heads=2, intermediate_size=32, embedding_size=32, max_len=16,
-                            dropout_rate=0.0, attention_dropout_rate=0.0)
+DISCRIMINATOR = TransformerConfig.tiny(hidden_size=32, num_heads=4, max_len=16, dropout_rate=0.0,
+                                       attention_dropout_rate=0.0)
+GENERATOR = TransformerConfig.tiny(hidden_size=16, num_heads=2, intermediate_size=32, embedding_size=32, max_len=16,
+                                   dropout_rate=0.0, attention_dropout_rate=0.0)
 
 
 def model_and_params(seed=0):

@@ -14,13 +14,13 @@ from posjax import config_args
 from posjax.experiments import figures, plots, probes, protocol
 from posjax.experiments import length as length_harness
 from posjax.main import train
-from posjax.models import BertConfig
+from posjax.models import TransformerConfig
 from posjax.models.electra import Electra, ElectraConfig
 from posjax.train import checkpoint
 
 # The generator has half the discriminator's heads, so a figure of the wrong model shows.
-ELECTRA = ElectraConfig(BertConfig.tiny(position="tupe_a", hidden_size=16, num_heads=2, intermediate_size=32,
-                                        embedding_size=32), BertConfig.tiny(position="tupe_a"))
+ELECTRA = ElectraConfig(TransformerConfig.tiny(position="tupe_a", hidden_size=16, num_heads=2, intermediate_size=32,
+                                        embedding_size=32), TransformerConfig.tiny(position="tupe_a"))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def electra_root(tmp_path_factory):
   """A sweep of an mlm run and an ELECTRA (tupe_a) run with made-up metrics; the ELECTRA run also has a
   checkpoint of its initial parameters."""
   root = tmp_path_factory.mktemp("electra")
-  mlm = fake_run(root, "bert", BertConfig.tiny().to_dict(),
+  mlm = fake_run(root, "bert", TransformerConfig.tiny().to_dict(),
                  [{"step": 2, "loss": 6.0}, {"step": 2, "eval_loss": 5.0}, {"step": 4, "eval_loss": 4.0}])
   electra = fake_run(root, "electra", ELECTRA.to_dict(),
                      [{"step": 2, "loss": 41.0, "mlm_loss": 5.5, "disc_loss": 0.71},

@@ -14,8 +14,8 @@ from conftest import load_config, override
 from posjax import tasks
 from posjax.data import synthetic
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertEncoder, BertModel
-from posjax.models.bert import classifier_token
+from posjax.models import TransformerConfig, TransformerStack, Transformer
+from posjax.models.heads import classifier_token
 
 
 def test_a_causal_classifier_reads_each_rows_last_real_token_and_refuses_its_first():
@@ -25,11 +25,11 @@ def test_a_causal_classifier_reads_each_rows_last_real_token_and_refuses_its_fir
   mask = (np.arange(10)[None] < lengths[:, None]).astype(np.int32)
   rng = np.random.default_rng(1)
   head = {"kernel": rng.normal(size=(32, 3)).astype(np.float32), "bias": rng.normal(size=3).astype(np.float32)}
-  causal = BertConfig.tiny(causal=True, position="rope", vocab_size=60, max_len=16)
-  assert classifier_token(causal) == "last" and classifier_token(BertConfig.tiny()) == "first"
-  model = BertModel(causal, "classification", 3, "cls")
+  causal = TransformerConfig.tiny(causal=True, position="rope", vocab_size=60, max_len=16)
+  assert classifier_token(causal) == "last" and classifier_token(TransformerConfig.tiny()) == "first"
+  model = Transformer(causal, "classification", 3, "cls")
   params = {**nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), ids)["params"]), "classifier": head}
-  h = np.asarray(jax.jit(BertEncoder(causal).apply)({"params": params["encoder"]}, ids, attention_mask=mask)
+  h = np.asarray(jax.jit(TransformerStack(causal).apply)({"params": params["encoder"]}, ids, attention_mask=mask)
                  .last_hidden_state, np.float64)
   want = h[np.arange(3), lengths - 1] @ np.float64(head["kernel"]) + head["bias"]
   got = jax.jit(model.apply)({"params": params}, ids, attention_mask=mask).logits
@@ -38,10 +38,10 @@ def test_a_causal_classifier_reads_each_rows_last_real_token_and_refuses_its_fir
                                        r"has seen only itself; use 'last' \(or 'auto'\)$"):
     classifier_token(causal, "first")
   with pytest.raises(ValueError, match=r"^classifier_token='first' reads a causal model"):
-    BertModel(causal, "classification", 3, "cls", "first").init(jax.random.PRNGKey(0), ids)
+    Transformer(causal, "classification", 3, "cls", "first").init(jax.random.PRNGKey(0), ids)
   with pytest.raises(ValueError, match=r"classifier_token='middle' is not allowed; choose one of \['auto', 'first', "
                                        r"'last'\]"):
-    BertModel(causal, "classification", 3, "cls", "middle").init(jax.random.PRNGKey(0), ids)
+    Transformer(causal, "classification", 3, "cls", "middle").init(jax.random.PRNGKey(0), ids)
   with pytest.raises(ValueError, match=r"rows of packed documents \(segment_ids\) would be read at their last"):
     model.apply({"params": params}, ids, attention_mask=mask, segment_ids=np.ones_like(ids))
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from posjax import generate
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.train import checkpoint, sharding
 
 # one layer per method (a position schedule): the decoder forms the decode kernels do not build, on the dense
@@ -25,9 +25,9 @@ SCHEDULE = "rope,sandwich,xpos,shaw,none,fox,cope,stick_breaking"
 
 
 def decoder(**fields):
-  config = BertConfig.decoder(**{**dict(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                        intermediate_size=48, max_len=64, dtype="float32"), **fields})
-  module = BertModel(config, head="lm")
+  config = TransformerConfig.decoder(**{**dict(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                               intermediate_size=48, max_len=64, dtype="float32"), **fields})
+  module = Transformer(config, head="lm")
   variables = jax.jit(module.init)(jax.random.key(1), jnp.zeros((1, 8), jnp.int32))
   # every parameter away from its initial value, so no position term starts at zero
   leaves, tree = jax.tree.flatten(variables)
@@ -66,7 +66,7 @@ def test_the_decode_kernels_generate_the_dense_full_forwards_tokens_on_one_devic
   prompt = jnp.asarray(np.random.default_rng(3).integers(0, 61, (4, 5)), jnp.int32)
   tokens, cached = (np.asarray(x) for x in generate.generate(module, variables, prompt, max_new_tokens=5,
                                                               return_logits=True))
-  dense = BertModel(dataclasses.replace(module.config, attention_kernel="xla"), head="lm")
+  dense = Transformer(dataclasses.replace(module.config, attention_kernel="xla"), head="lm")
   full = np.asarray(jax.jit(dense.apply)(variables, jnp.asarray(tokens)).logits)
   np.testing.assert_array_equal(tokens[:, 5:], np.argmax(full[:, 4:-1], axis=-1))
   np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
@@ -115,7 +115,7 @@ def test_sampling_follows_its_options():
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(causal=False), "generate takes a causal BertModel with head='lm'"),
+    (dict(causal=False), "generate takes a causal Transformer with head='lm'"),
     (dict(position="huang_m1"), "position method 'huang_m1' computes dense logits"),
     (dict(position="tupe_a"), "TUPE's untied term"),
     (dict(position="absolute", max_len=16), "learned table of max_len=16 positions"),
@@ -247,14 +247,14 @@ def test_the_command_line_warns_once_of_prompt_pieces_read_as_unk_and_once_of_po
 
 
 def test_generate_on_an_encoder_run_says_it_needs_a_decoder_run(tmp_path, capsys):
-  (tmp_path / "model_config.json").write_text(json.dumps(BertConfig.tiny().to_dict()))
+  (tmp_path / "model_config.json").write_text(json.dumps(TransformerConfig.tiny().to_dict()))
   (tmp_path / "config.json").write_text(json.dumps({"task": "mlm"}))
   assert generate.main(["--workdir", str(tmp_path), "--prompt", "w3"]) == 2
   assert capsys.readouterr().err == (f"error: {tmp_path}: this workdir holds an encoder (mlm) run; generate needs a "
                                      "decoder run (configs/lm.py)\n")
   # a decoder fine-tuned for GLUE has a classifier, not a language model's head: for generate and for the export
   from posjax.convert import __main__ as cli
-  (tmp_path / "model_config.json").write_text(json.dumps(BertConfig.decoder(num_layers=1).to_dict()))
+  (tmp_path / "model_config.json").write_text(json.dumps(TransformerConfig.decoder(num_layers=1).to_dict()))
   (tmp_path / "config.json").write_text(json.dumps({"task": "glue"}))
   assert generate.main(["--workdir", str(tmp_path), "--prompt", "w3"]) == 2
   assert "holds a decoder fine-tuned for glue (its head, not a language model's)" in capsys.readouterr().err

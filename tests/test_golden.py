@@ -24,7 +24,7 @@ import pytest
 from posjax import positions
 from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.tasks import mlm as mlm_task
 from posjax.train.step import TrainState, make_optimizer, train_step
 from conftest import ROOT, randomize
@@ -50,8 +50,8 @@ CASES = {**{name: (name, {}) for name in positions.names()}, **OPTIONS}
 def measure(case: str) -> dict:
   method, options = CASES[case]
   tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
-  model = BertModel(BertConfig.tiny(position=method, position_options=options, vocab_size=tokenizer.vocab_size,
-                                    max_len=32, causal=positions.get(method).decoder_only), head="mlm")
+  model = Transformer(TransformerConfig.tiny(position=method, position_options=options, vocab_size=tokenizer.vocab_size,
+                                             max_len=32, causal=positions.get(method).decoder_only), head="mlm")
   params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
   # FIRE's threshold L is its initial value (8 here) times a multiplier: at 4 + |drawn|, L is past the batch's 32
   # positions, so that every query's normaliser reads it and its gradient flows
@@ -114,9 +114,9 @@ def measure_electra(method: str) -> dict:
   from posjax.tasks import electra
 
   tokenizer = Tokenizer.load(os.path.join(synthetic.BUILTIN_DIR, "tiny_vocab.txt"))
-  discriminator = BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32)
-  generator = BertConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32, hidden_size=16,
-                              num_heads=2, intermediate_size=32, embedding_size=32)
+  discriminator = TransformerConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32)
+  generator = TransformerConfig.tiny(position=method, vocab_size=tokenizer.vocab_size, max_len=32, hidden_size=16,
+                                     num_heads=2, intermediate_size=32, embedding_size=32)
   model = Electra(generator, discriminator, share_position_table=method == "tupe_a")
   params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 32), jnp.int32))["params"], scale=0.5)
   optimizer, schedule = make_optimizer(ml_collections.ConfigDict(dict(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from posjax import positions
-from posjax.models import BertConfig, BertEncoder
+from posjax.models import TransformerConfig, TransformerStack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
@@ -25,8 +25,8 @@ def encoders(kernel: str, **fields):
   ids = jnp.asarray(np.random.default_rng(0).integers(1, 128, (4, 128)), jnp.int32)
   mask = np.ones((4, 128), np.int32)
   mask[1, 100:] = 0
-  xla = BertEncoder(BertConfig(**config, attention_kernel="xla"))
-  other = BertEncoder(BertConfig(**config, attention_kernel=kernel))
+  xla = TransformerStack(TransformerConfig(**config, attention_kernel="xla"))
+  other = TransformerStack(TransformerConfig(**config, attention_kernel=kernel))
   return ids, mask, xla, other, xla.init(jax.random.PRNGKey(0), ids)
 
 

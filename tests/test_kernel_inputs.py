@@ -16,7 +16,7 @@ import reference
 from conftest import OneLayer, load_config, override, randomize
 from posjax import attention, kernels, positions, tasks
 from posjax.kernels import xla
-from posjax.models import BertConfig, BertEncoder
+from posjax.models import TransformerConfig, TransformerStack
 from posjax.train import validate
 
 PALLAS_METHODS = [n for n in positions.encoder_names()
@@ -70,9 +70,9 @@ def test_hugging_face_position_ids_on_pallas_give_the_xla_outputs(name):
   mask = LEFT_PADDED.astype(np.int32)
   ids = np.where(mask, np.cumsum(mask, -1) - 1, 1)
   tokens = np.random.default_rng(1).integers(1, 128, size=mask.shape)
-  config = BertConfig.tiny(position=name, max_len=64)
-  params = randomize(BertEncoder(config).init(jax.random.PRNGKey(0), tokens)["params"], scale=0.3)
-  run = lambda kernel: BertEncoder(dataclasses.replace(config, attention_kernel=kernel)).apply(
+  config = TransformerConfig.tiny(position=name, max_len=64)
+  params = randomize(TransformerStack(config).init(jax.random.PRNGKey(0), tokens)["params"], scale=0.3)
+  run = lambda kernel: TransformerStack(dataclasses.replace(config, attention_kernel=kernel)).apply(
       {"params": params}, tokens, attention_mask=mask, positions=ids).last_hidden_state
   got, want = run("pallas"), run("xla")
   assert not np.isnan(got).any()
@@ -181,12 +181,12 @@ def test_bf16_logits_lose_no_more_than_plain_attention():
 def test_mlm_logits_accumulate_in_float32():
   """The vocabulary logits of a bf16 model: float32, and the sum over the width as float64 numpy computes it from
   the same bf16 inputs (a bf16 sum is off by ~1e-2 relative)."""
-  config = BertConfig.tiny(dtype="bfloat16")
+  config = TransformerConfig.tiny(dtype="bfloat16")
   tokens = np.random.default_rng(4).integers(1, 128, size=(2, 8))
-  model = BertEncoder(config)
+  model = TransformerStack(config)
   params = model.init(jax.random.PRNGKey(0), tokens)["params"]
   h = jnp.asarray(np.random.default_rng(5).normal(size=(2, 8, 32)) * 4, jnp.bfloat16)
-  got = model.apply({"params": params}, h, method=BertEncoder.attend_words)
+  got = model.apply({"params": params}, h, method=TransformerStack.attend_words)
   table = np.asarray(nn.unbox(params)["word_embeddings"]["embedding"], np.float32).astype(jnp.bfloat16)
   want = np.asarray(h, np.float64) @ np.asarray(table, np.float64).T
   assert got.dtype == jnp.float32
@@ -308,11 +308,11 @@ def test_inputs_as_other_pipelines_make_them_are_refused_in_one_line():
   with pytest.raises(ValueError, match=r"^Mask.segment_ids has shape \(4, 16\); expected \[3 or 1, 16\]"):
     attention.SelfAttention(spec).init(jax.random.PRNGKey(0), x, state,
                                        attention.Mask(segment_ids=np.zeros((4, 16), np.int32)))
-  config = BertConfig.tiny()
+  config = TransformerConfig.tiny()
   tokens = np.ones((3, 16), np.int32)
-  params = BertEncoder(config).init(jax.random.PRNGKey(0), tokens)["params"]
+  params = TransformerStack(config).init(jax.random.PRNGKey(0), tokens)["params"]
   with pytest.raises(ValueError, match=r"^attention_mask has dtype float32; it must hold bool or 0/1 integers"):
-    BertEncoder(config).apply({"params": params}, tokens, attention_mask=additive)
+    TransformerStack(config).apply({"params": params}, tokens, attention_mask=additive)
 
 
 def test_a_negative_position_reads_no_table_row():

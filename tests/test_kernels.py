@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from posjax import attention, kernels
 from posjax.kernels import mosaic
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 import reference
 
 
@@ -498,13 +498,13 @@ def pallas_matches_xla(fields):
   positions = jnp.asarray(np.concatenate([np.arange(12), np.arange(8)])[None].repeat(batch, 0))
   segments = jnp.asarray(np.repeat([[1] * 12 + [2] * 8], batch, 0))
   padding = jnp.asarray(np.arange(length)[None] < np.array([[20], [15]]))
-  configs = {kernel: BertConfig.tiny(attention_kernel=kernel, dropout_rate=0.0, attention_dropout_rate=0.0, **fields)
-             for kernel in ("xla", "pallas")}
-  params = BertModel(configs["xla"]).init(jax.random.key(0), ids)["params"]
+  configs = {kernel: TransformerConfig.tiny(attention_kernel=kernel, dropout_rate=0.0, attention_dropout_rate=0.0,
+                                            **fields) for kernel in ("xla", "pallas")}
+  params = Transformer(configs["xla"]).init(jax.random.key(0), ids)["params"]
 
   def loss(kernel, params):
-    out = BertModel(configs[kernel]).apply({"params": params}, ids, positions=positions, segment_ids=segments,
-                                           attention_mask=padding)
+    out = Transformer(configs[kernel]).apply({"params": params}, ids, positions=positions, segment_ids=segments,
+                                             attention_mask=padding)
     return jnp.sum(jnp.sin(out.last_hidden_state) * padding[..., None]), out.last_hidden_state
 
   (_, want), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, "xla"), has_aux=True))(params)
@@ -583,7 +583,7 @@ def test_tpu_blocks_mosaic_cannot_tile_are_an_error(monkeypatch):
 ])
 def test_methods_the_kernel_cannot_compute_are_errors(config, message):
   with pytest.raises(ValueError, match=message):
-    BertConfig.tiny(attention_kernel="pallas", **config)
+    TransformerConfig.tiny(attention_kernel="pallas", **config)
 
 
 @pytest.mark.parametrize("interpreter,blocks", [(True, (8, 16)), ("tpu", (8, 8))])
@@ -632,11 +632,11 @@ def test_the_dropout_mask_keeps_the_rate_and_is_unbiased():
 
 
 def test_a_model_on_pallas_trains_with_attention_dropout():
-  config = BertConfig.tiny(position="alibi", attention_kernel="pallas", num_layers=1, dropout_rate=0.0)
+  config = TransformerConfig.tiny(position="alibi", attention_kernel="pallas", num_layers=1, dropout_rate=0.0)
   ids = jnp.asarray(np.random.default_rng(0).integers(5, 128, (2, 16)))
-  params = BertModel(config).init(jax.random.key(0), ids)["params"]
-  apply = lambda params, key: BertModel(config).apply({"params": params}, ids, deterministic=key is None,
-                                                      rngs=None if key is None else {"dropout": key}).last_hidden_state
+  params = Transformer(config).init(jax.random.key(0), ids)["params"]
+  apply = lambda params, key: Transformer(config).apply({"params": params}, ids, deterministic=key is None,
+                                                        rngs=None if key is None else {"dropout": key}).last_hidden_state
   plain, dropped, again = apply(params, None), apply(params, jax.random.key(1)), apply(params, jax.random.key(1))
   assert float(jnp.abs(dropped - plain).max()) > 1e-4  # the weights were dropped (float noise: ~1e-7)
   np.testing.assert_array_equal(dropped, again)  # the same key, the same mask
@@ -702,8 +702,8 @@ def test_cudnn_refuses_a_weight_rule_and_auto_leaves_it_to_xla(name):
   with pytest.raises(ValueError, match=f"attention kernel 'cudnn' cannot compute position method '{name}' with "
                                        f"options .*: cuDNN computes softmax attention; the {name} rule reads the "
                                        "masked logits"):
-    BertConfig.tiny(position=name, causal=True, attention_kernel="cudnn")
-  spec = BertConfig.tiny(position=name, causal=True).position_spec
+    TransformerConfig.tiny(position=name, causal=True, attention_kernel="cudnn")
+  spec = TransformerConfig.tiny(position=name, causal=True).position_spec
   assert attention.resolve_kernel("auto", spec, dtype=jnp.bfloat16, dropout=False, platform="gpu") == "xla"
 
 

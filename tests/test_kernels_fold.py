@@ -14,7 +14,7 @@ import pytest
 
 from posjax import attention, kernels
 from posjax.kernels import fold, xla
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from test_kernels import assert_matches_reference, compiled_grad
 
 B, L, H, K = 3, 13, 2, 8
@@ -144,8 +144,8 @@ def cudnn_run(monkeypatch, position, options, packed, dtype="float32"):
 
   monkeypatch.setattr(attention, "fused_attention", recording)
   monkeypatch.setattr(attention, "FUSED_DTYPES", (jnp.float32, jnp.bfloat16))
-  config = BertConfig.tiny(position=position, position_options=options, attention_kernel="cudnn", num_layers=2,
-                           dropout_rate=0.0, attention_dropout_rate=0.0, dtype=dtype)
+  config = TransformerConfig.tiny(position=position, position_options=options, attention_kernel="cudnn", num_layers=2,
+                                  dropout_rate=0.0, attention_dropout_rate=0.0, dtype=dtype)
   rng = np.random.default_rng(4)
   batch, length = 2, 12
   ids = jnp.asarray(rng.integers(5, 100, (batch, length)), jnp.int32)
@@ -153,7 +153,7 @@ def cudnn_run(monkeypatch, position, options, packed, dtype="float32"):
   if packed:
     kwargs.update(positions=jnp.asarray([list(range(12)), [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]]),
                   segment_ids=jnp.asarray([[0] * 12, [0] * 5 + [1] * 7]))
-  model = BertModel(config)
+  model = Transformer(config)
   params = model.init(jax.random.key(0), ids)["params"]
   params = jax.tree.map(lambda p: p + 0.3 * jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
   calls.clear()
@@ -175,7 +175,7 @@ def test_cudnn_inputs_give_the_xla_logits(position, options, packed, monkeypatch
   calls, intermediates, *_ = cudnn_run(monkeypatch, position, options, packed)
   want = logits_of(intermediates["encoder"])
   assert len(calls) == len(want) == 2
-  width = 16 if options.get("cls_reset") == "none" else 24  # BertConfig.tiny: K=8, F=2K(+2) padded to 8s
+  width = 16 if options.get("cls_reset") == "none" else 24  # TransformerConfig.tiny: K=8, F=2K(+2) padded to 8s
   for call, logits in zip(calls, want):
     assert call["q"].shape[-1] == call["k"].shape[-1] == call["v"].shape[-1] == width
     assert (call["bias"] is None) == (position == "tupe_a")
@@ -192,7 +192,7 @@ def test_a_model_on_the_cudnn_path_matches_xla_with_gradients(position, options,
   """The folded cuDNN path's outputs and parameter gradients (through jax's XLA attention) equal the model's on
   ``xla``, packed and padded."""
   _, _, model, params, ids, kwargs = cudnn_run(monkeypatch, position, options, packed=True)
-  reference = BertModel(dataclasses.replace(model.config, attention_kernel="xla"))
+  reference = Transformer(dataclasses.replace(model.config, attention_kernel="xla"))
   real = kwargs["attention_mask"][..., None]
 
   def loss(model, params):

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 from conftest import load_config
-from posjax.models import SIZES, BertConfig, BertModel
+from posjax.models import SIZES, TransformerConfig, Transformer
 from posjax.train import step as step_lib
 from posjax.train.step import decays, layer_scales, learning_rate_schedule, make_optimizer
 
@@ -119,8 +119,8 @@ def test_decay_needs_an_encoder():
 
 def test_a_real_models_parameters_get_their_layers_factors():
   """posjax's own names (the encoder's position module, token types, the pooler), boxed as validation inits them."""
-  config = BertConfig(**SIZES["tiny"], vocab_size=50, max_len=16, position="tupe_r")
-  model = BertModel(config, head="classification", num_labels=2)
+  config = TransformerConfig(**SIZES["tiny"], vocab_size=50, max_len=16, position="tupe_r")
+  model = Transformer(config, head="classification", num_labels=2)
   boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
   jax.eval_shape(make_optimizer(optimizer_config(layerwise_lr_decay=0.5))[0].init, boxed)
   scales = {jax.tree_util.keystr(path)[:40]: s for path, s in

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from posjax import attention, positions
-from posjax.models import BertConfig, BertEncoder, BertModel
+from posjax.models import TransformerConfig, TransformerStack, Transformer
 from conftest import randomize
 
 ALL = positions.encoder_names()
@@ -19,8 +19,8 @@ assert sorted(SHIFT_INVARIANT + ABSOLUTE) == sorted(ALL)
 
 
 def build(name, options=None, **overrides):
-  config = BertConfig.tiny(position=name, position_options=options or {}, **overrides)
-  model = BertEncoder(config)
+  config = TransformerConfig.tiny(position=name, position_options=options or {}, **overrides)
+  model = TransformerStack(config)
   params = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"]
   return config, model, randomize(params, scale=0.3)  # from the shapes alone: no initialiser runs
 
@@ -154,9 +154,9 @@ def test_pre_layer_norm(rng):
 
 
 def test_heads(rng):
-  config = BertConfig.tiny(position="tupe_r")
+  config = TransformerConfig.tiny(position="tupe_r")
   ids = tokens(rng, 2, 10)
-  mlm = BertModel(config, head="mlm")
+  mlm = Transformer(config, head="mlm")
   variables = mlm.init(jax.random.PRNGKey(0), ids)
   full = mlm.apply(variables, ids).logits
   assert full.shape == (2, 10, config.vocab_size)
@@ -167,23 +167,24 @@ def test_heads(rng):
   # The output layer is tied to the word embeddings: no separate [D, V] matrix.
   assert all(leaf.size != config.hidden_size * config.vocab_size or "word_embeddings" in jax.tree_util.keystr(p)
              for p, leaf in jax.tree_util.tree_leaves_with_path(variables["params"]))
-  cls = BertModel(config, head="classification", num_labels=3)
+  cls = Transformer(config, head="classification", num_labels=3)
   assert cls.apply(cls.init(jax.random.PRNGKey(0), ids), ids).logits.shape == (2, 3)
-  qa = BertModel(config, head="span")
+  qa = Transformer(config, head="span")
   spans = qa.apply(qa.init(jax.random.PRNGKey(0), ids), ids)
   assert spans.start_logits.shape == spans.end_logits.shape == (2, 10)
 
 
 def test_presets_and_logical_axes():
-  assert BertConfig.base().hidden_size == 768 and BertConfig.base().num_layers == 12
-  large = BertConfig.large(position="tupe_r")
+  assert TransformerConfig.base().hidden_size == 768 and TransformerConfig.base().num_layers == 12
+  large = TransformerConfig.large(position="tupe_r")
   assert (large.hidden_size, large.num_layers, large.num_heads, large.intermediate_size) == (1024, 24, 16, 4096)
-  config = BertConfig.tiny(position="tupe_r")
-  shapes = jax.eval_shape(BertModel(config, head="mlm").init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  config = TransformerConfig.tiny(position="tupe_r")
+  shapes = jax.eval_shape(Transformer(config, head="mlm").init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   boxed = jax.tree.leaves(shapes["params"], is_leaf=lambda x: hasattr(x, "names"))
   assert boxed and all(hasattr(x, "names") and len(x.names) == len(x.value.shape) for x in boxed)
   parameters = sum(x.value.size for x in jax.eval_shape(
-      BertEncoder(BertConfig.base()).init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"].values()
+      TransformerStack(TransformerConfig.bert()).init, jax.random.PRNGKey(0),
+      jnp.ones((1, 8), jnp.int32))["params"].values()
                    for x in jax.tree.leaves(x, is_leaf=lambda y: hasattr(y, "names")))
   assert 108_000_000 < parameters < 111_000_000  # BERT-Base encoder without heads
 
@@ -209,13 +210,13 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
 def test_bad_configs_say_what_is_wrong(overrides, message):
   with pytest.raises(ValueError) as error:
-    BertConfig.tiny(**overrides)
+    TransformerConfig.tiny(**overrides)
   assert message in str(error.value)
 
 
 @pytest.mark.parametrize("name", ["absolute", "bert_r", "bert_ad", "tupe_a", "tupe_r"])
 def test_sequence_longer_than_a_learned_table_is_an_error(name):
-  model = BertEncoder(BertConfig.tiny(position=name, max_len=8))
+  model = TransformerStack(TransformerConfig.tiny(position=name, max_len=8))
   with pytest.raises(ValueError, match=f"{name!r} has a learned table of max_len=8 positions and cannot encode a "
                                        "sequence of length 9"):
     model.init(jax.random.PRNGKey(0), jnp.ones((1, 9), jnp.int32))
@@ -223,7 +224,7 @@ def test_sequence_longer_than_a_learned_table_is_an_error(name):
 
 @pytest.mark.parametrize("name", ["shaw", "huang_m4", "t5", "rope", "alibi", "sinusoidal"])
 def test_methods_without_a_learned_table_take_longer_sequences(name):
-  model = BertEncoder(BertConfig.tiny(position=name, max_len=8))
+  model = TransformerStack(TransformerConfig.tiny(position=name, max_len=8))
   variables = model.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
   assert np.isfinite(model.apply(variables, jnp.ones((1, 20), jnp.int32)).last_hidden_state).all()
 
@@ -239,9 +240,24 @@ def test_kernel_choice():
 
 
 def test_fully_padded_row_gives_finite_output_and_gradients(rng):
-  config = BertConfig.tiny(position="huang_m4")
-  model = BertModel(config, head="mlm")
+  config = TransformerConfig.tiny(position="huang_m4")
+  model = Transformer(config, head="mlm")
   ids, mask = tokens(rng, 2, 6), np.array([[1] * 6, [0] * 6])
   params = model.init(jax.random.PRNGKey(0), ids)["params"]
   grads = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, ids, attention_mask=mask).logits)))(params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_the_names_before_0_2_are_deprecated_aliases():
+  import posjax.models as models
+  from posjax.models import bert
+
+  for old, new in models.DEPRECATED.items():
+    with pytest.warns(DeprecationWarning, match=f"posjax.models.{old} is deprecated: use posjax.models.{new}"):
+      assert getattr(models, old) is getattr(models, new)
+    with pytest.warns(DeprecationWarning):
+      assert getattr(bert, old) is getattr(models, new)
+  with pytest.warns(DeprecationWarning, match="mlm_head is posjax.models.heads.mlm_head"):
+    assert bert.mlm_head is models.heads.mlm_head
+  assert TransformerConfig.decoder.__func__ is TransformerConfig.llama.__func__
+  assert TransformerConfig.base() == TransformerConfig.bert()

@@ -12,7 +12,7 @@ import pytest
 from conftest import load_config
 
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.tasks import clm, passkey
 
 # [CLS] = 2, [SEP] = 3; intro 10 11; filler 20 21 22; key line "30 {key} 31 32 {key} 33"; question 40 41.
@@ -114,9 +114,9 @@ def test_a_clm_run_builds_passkey_evaluators_and_a_learned_table_reports_unsuppo
 
 
 def test_greedy_and_teacher_forced_scoring_agree_with_a_loop_over_the_full_forward_at_each_grid_depth():
-  config = BertConfig.decoder(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                              intermediate_size=48, max_len=24, dtype="float32", position="rope")
-  model = BertModel(config, head="lm")
+  config = TransformerConfig.decoder(vocab_size=50, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                     intermediate_size=48, max_len=24, dtype="float32", position="rope")
+  model = Transformer(config, head="lm")
   params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 24), jnp.int32))["params"]
   batch = passkey.draw(TEMPLATE, [7, 8, 9], 2, np.random.default_rng(2), 4, 24, depths=3)
   assert batch["depth_index"].tolist() == [0, 1, 2, 0]

@@ -15,7 +15,7 @@ import pytest
 
 from posjax import tasks
 from posjax.aot import compile as aot
-from posjax.models import BertConfig, BertModel, layout
+from posjax.models import TransformerConfig, Transformer, layout
 from posjax.train import step as step_lib, validate
 from conftest import load_config, override
 
@@ -103,7 +103,7 @@ def test_activations_are_sharded_over_data_fsdp_and_tensor():
                                        dict(scan_layers=True, remat="dots")], ids=str)
 def test_remat_and_scanned_layers_give_the_same_loss_and_gradients(overrides):
   ids = jax.random.randint(jax.random.PRNGKey(1), (4, 24), 0, 128)
-  plain, other = (BertModel(BertConfig.tiny(position="tupe_r", **o), head="mlm") for o in ({}, overrides))
+  plain, other = (Transformer(TransformerConfig.tiny(position="tupe_r", **o), head="mlm") for o in ({}, overrides))
   params = nn.unbox(plain.init(jax.random.PRNGKey(0), ids)["params"])
   converted = layout.like(params, nn.unbox(jax.eval_shape(other.init, jax.random.PRNGKey(0), ids)["params"]))
   target = jax.random.normal(jax.random.PRNGKey(2), (4, 24, 128))
@@ -120,10 +120,10 @@ def test_remat_and_scanned_layers_give_the_same_loss_and_gradients(overrides):
 
 def test_layerwise_decay_scales_scanned_layers_by_their_index():
   ids = jnp.zeros((1, 8), jnp.int32)
-  config = BertConfig.tiny(num_layers=3)
-  per_layer = nn.unbox(jax.eval_shape(BertModel(config, head="mlm").init, jax.random.PRNGKey(0), ids)["params"])
-  scanned = nn.unbox(jax.eval_shape(BertModel(BertConfig.tiny(num_layers=3, scan_layers=True), head="mlm").init,
-                                    jax.random.PRNGKey(0), ids)["params"])
+  config = TransformerConfig.tiny(num_layers=3)
+  per_layer = nn.unbox(jax.eval_shape(Transformer(config, head="mlm").init, jax.random.PRNGKey(0), ids)["params"])
+  scanned_model = Transformer(TransformerConfig.tiny(num_layers=3, scan_layers=True), head="mlm")
+  scanned = nn.unbox(jax.eval_shape(scanned_model.init, jax.random.PRNGKey(0), ids)["params"])
   kernel = step_lib.layer_scales(scanned, 0.5)["encoder"]["layers"]["mlp_in"]["kernel"]
   np.testing.assert_allclose(np.broadcast_to(kernel, (3, 1, 1))[:, 0, 0], [0.125, 0.25, 0.5])
   assert step_lib.layer_scales(per_layer, 0.5)["encoder"]["layer_0"]["mlp_in"]["kernel"] == 0.125

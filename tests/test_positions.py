@@ -281,9 +281,9 @@ def position_bias_of(terms, positions_BxL):
 @pytest.mark.parametrize("share,pairs", [(True, 1), (False, 3)])
 def test_kerple_holds_one_kernel_for_the_whole_model_as_the_official_code(share, pairs):
   # chijames/KERPLE builds one ParallelKerpleLog and hands it to every layer: (r1, r2) per head, once per model
-  from posjax.models import BertConfig, BertModel
-  config = BertConfig.tiny(position="kerple_log", num_layers=3, position_options={"share_across_layers": share})
-  shapes = jax.eval_shape(BertModel(config).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  from posjax.models import TransformerConfig, Transformer
+  config = TransformerConfig.tiny(position="kerple_log", num_layers=3, position_options={"share_across_layers": share})
+  shapes = jax.eval_shape(Transformer(config).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
   found = [(jax.tree_util.keystr(path), x.shape) for path, x in jax.tree_util.tree_leaves_with_path(shapes)
            if jax.tree_util.keystr(path).endswith(("['r1']", "['r2']", "['r1'].value", "['r2'].value"))]
   assert len(found) == 2 * pairs and all(shape == (config.num_heads,) for _, shape in found), found

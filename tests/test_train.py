@@ -23,7 +23,7 @@ from absl import logging as absl_logging
 from posjax import config_args, tasks
 from posjax.data import mlm as mlm_data
 from posjax.main import train
-from posjax.models import BertConfig, layout
+from posjax.models import TransformerConfig, layout
 from posjax.train import checkpoint, metrics, peers, sharding, validate
 from posjax.train.step import make_optimizer, step_rng
 from conftest import ROOT, devices_env, load_config, override
@@ -677,7 +677,7 @@ def test_a_warm_start_at_a_longer_length_extends_from_the_base_runs_length(tmp_p
   fire = pretrain_config("runlocal,position=fire", init_from=str(tmp_path / "base"), max_len=128)
   assert carry_training_length(fire).model.position_options.original_max_len == 32  # FIRE keeps its threshold
   # configs/lm.py's warm start takes the base run's model, max_len included: the run's own length is config.max_len
-  (tmp_path / "base" / "model_config.json").write_text(json.dumps(BertConfig.decoder(max_len=32).to_dict()))
+  (tmp_path / "base" / "model_config.json").write_text(json.dumps(TransformerConfig.decoder(max_len=32).to_dict()))
   lm = override(load_config("lm", f"runlocal,init_from={tmp_path / 'base'}"), max_len=128,
                 **{"model.position_options.scaling": "yarn", "model.position_options.factor": 4.0})
   assert lm.model.max_len == 32 and carry_training_length(lm).model.position_options.original_max_len == 32
@@ -722,9 +722,9 @@ def test_resume_on_a_different_number_of_devices(tmp_path):
 
 def test_every_bert_config_field_can_be_set_from_the_command_line(tmp_path):
   import dataclasses
-  from posjax.models import BertConfig
+  from posjax.models import TransformerConfig
   config = pretrain_config()
-  assert {f.name for f in dataclasses.fields(BertConfig)} == set(config.model.keys())
+  assert {f.name for f in dataclasses.fields(TransformerConfig)} == set(config.model.keys())
   params = train(pretrain_config(**{"model.type_vocab_size": 0, "model.layer_norm_eps": 1e-5,
                                        "weight_decay_exclusion": "none"}, total_steps=1, eval_every_steps=0),
                     str(tmp_path))

@@ -29,7 +29,7 @@ import numpy as np
 
 from posjax.aot import resources, targets
 from posjax.data import synthetic
-from posjax.models import BertConfig, flops
+from posjax.models import TransformerConfig, flops
 from posjax.train import sharding, validate
 from posjax.train.step import task_step
 
@@ -148,7 +148,7 @@ def trace_train_step(prepared: validate.Prepared):
 
 def step_flops(model_config, batch: dict) -> float | None:
   """Model FLOPs of one step over ``batch`` (None for a model other than one BERT encoder, e.g. ELECTRA's pair)."""
-  if not isinstance(model_config, BertConfig):
+  if not isinstance(model_config, TransformerConfig):
     return None
   rows, length = batch["input_ids"].shape
   head = np.size(batch["masked_positions"]) if "masked_positions" in batch else 0

@@ -2,13 +2,13 @@
 
   python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
       A Hugging Face BERT, ModernBERT or ELECTRA directory (by its config.json's ``model_type``; ELECTRA:
-      ``ElectraModel``, ``ElectraForPreTraining``, ``ElectraForMaskedLM``) -> OUT/checkpoints/0 (orbax), OUT/model_config.json and
-      the tokenizer's vocab.txt (or tokenizer.json): what fine-tuning (``--config.init=OUT``) and pre-training
-      warm starts (``--config.init_from=OUT``) start from. An ELECTRA source is also recorded in
-      OUT/converted_from.json (``{"model_type": "electra", "source": ...}``), so that posjax-to-hf writes it back
-      as ELECTRA: BertConfig cannot say so, and an ELECTRA generator's parameters are a BERT MLM model's. A decoder
-      (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt2``; :mod:`posjax.convert.hf_decoder`) is recorded the same
-      way, so that it goes back as its own family.
+      ``ElectraModel``, ``ElectraForPreTraining``, ``ElectraForMaskedLM``) -> OUT/checkpoints/0 (orbax),
+      OUT/model_config.json and the tokenizer's vocab.txt (or tokenizer.json): what fine-tuning
+      (``--config.init=OUT``) and pre-training warm starts (``--config.init_from=OUT``) start from. An ELECTRA source
+      is also recorded in OUT/converted_from.json (``{"model_type": "electra", "source": ...}``), so that
+      posjax-to-hf writes it back as ELECTRA: TransformerConfig cannot say so, and an ELECTRA generator's parameters
+      are a BERT MLM model's. A decoder (:data:`posjax.convert.hf_decoder.MODEL_TYPES`) or a ModernBERT is recorded
+      the same way, so that it goes back as its own family.
   python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
       A posjax run (absolute, shaw or huang_m4) -> config.json, model.safetensors and the tokenizer files:
       Hugging Face BERT; ELECTRA (``to_hf_electra``) for a run converted from ELECTRA (converted_from.json) or
@@ -38,7 +38,7 @@ from posjax.cli import check_directory
 from posjax.convert import hf_bert, hf_decoder, hf_electra, hf_modernbert, tupe_fairseq
 from posjax.data import tokenizer as tokenizer_lib
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig
+from posjax.models import TransformerConfig
 from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
 
@@ -271,7 +271,7 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
     models = dict(zip((os.path.join(out, "generator"), os.path.join(out, "discriminator")),
                       hf_electra.electra_to_hf(config.generator, config.discriminator, {"params": params})))
   else:
-    config = BertConfig(**fields)
+    config = TransformerConfig(**fields)
     source = converted_from(run)
     if config.lm_head == "linear":  # a decoder: its family's causal LM (the one it came from, if converted)
       model = hf_decoder.to_hf_decoder(config, {"params": params}, source if source != "bert" else None)

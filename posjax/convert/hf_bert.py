@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posjax.models import BertConfig, BertModel, layout
+from posjax.models import TransformerConfig, Transformer, layout
 
 POSITIONS = {"absolute": "absolute", "relative_key": "shaw", "relative_key_query": "huang_m4"}
 TO_HF_POSITIONS = {"absolute": "absolute", "shaw": "relative_key", "huang_m4": "relative_key_query"}
@@ -43,7 +43,7 @@ DROPPED = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.seq_rela
            "cls.seq_relationship.bias", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
+def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
   """A Hugging Face ``BertConfig`` (as a dict) as posjax's; anything posjax cannot represent is an error."""
   if hf.get("model_type", "bert") != "bert":
     raise ValueError(f"config.json has model_type={hf.get('model_type')!r}; the converter reads BERT ('bert') only")
@@ -58,7 +58,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
     raise ValueError(f"config.json has hidden_act={act!r}; posjax reads {sorted(ACTIVATIONS)}")
   max_len = int(hf.get("max_position_embeddings", 512))
   position = POSITIONS[kind]
-  return BertConfig(
+  return TransformerConfig(
       vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
       num_heads=int(hf["num_attention_heads"]), intermediate_size=int(hf["intermediate_size"]), max_len=max_len,
       type_vocab_size=int(hf.get("type_vocab_size", 2)), position=position,
@@ -69,8 +69,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       causal=bool(hf.get("is_decoder", False)))
 
 
-def config_to_hf(config: BertConfig) -> dict:
-  """posjax's BertConfig as Hugging Face ``BertConfig`` fields; methods or options it cannot express are errors."""
+def config_to_hf(config: TransformerConfig) -> dict:
+  """posjax's TransformerConfig as Hugging Face ``BertConfig`` fields; methods or options it cannot express are
+  errors."""
   if config.position not in TO_HF_POSITIONS:
     raise ValueError(f"Hugging Face BERT cannot express position {config.position!r}; it has "
                      f"{sorted(TO_HF_POSITIONS)} ({', '.join(f'{k} = {v}' for k, v in TO_HF_POSITIONS.items())})")
@@ -140,7 +141,7 @@ class StateReader:
     return sorted(set(self.state) - self.used)
 
 
-def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: str,
+def params_from_hf(config: TransformerConfig, state: Mapping[str, np.ndarray], head: str,
                    reader: StateReader | None = None) -> tuple[dict, list[str]]:
   """posjax parameters (flat, ``/``-joined paths) from a Hugging Face state dict, and the keys dropped
   (``reader``: one to add to, e.g. ELECTRA's, which reads more)."""
@@ -183,7 +184,7 @@ def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: st
   return out, reader.dropped()
 
 
-def check_shapes(module: BertModel, flat: dict[str, np.ndarray], source: str) -> dict:
+def check_shapes(module: Transformer, flat: dict[str, np.ndarray], source: str) -> dict:
   """``flat`` (``/``-joined parameter paths) as ``module``'s parameter tree; a missing, extra or misshaped
   parameter is an error naming it and ``source`` (every converter's last check)."""
   expected = flax.traverse_util.flatten_dict(jax.eval_shape(
@@ -259,7 +260,7 @@ def read_source(source) -> tuple[dict, dict[str, np.ndarray], str]:
   return source.config.to_dict(), state, type(source).__name__
 
 
-def from_hf_bert(source) -> tuple[BertModel, dict]:
+def from_hf_bert(source) -> tuple[Transformer, dict]:
   """``(module, variables)`` equal to a Hugging Face BERT: an in-memory ``transformers`` model or a directory.
 
   ``module.apply(variables, input_ids, token_type_ids=..., attention_mask=...)`` returns a
@@ -277,11 +278,11 @@ def from_hf_bert(source) -> tuple[BertModel, dict]:
                 and k != "embeddings.position_embeddings.weight"]
   if unexpected:
     raise ValueError(f"{where}: weights posjax has no place for: {unexpected}")
-  module = BertModel(config, head=head, num_labels=num_labels)
+  module = Transformer(config, head=head, num_labels=num_labels)
   return module, {"params": check_shapes(module, flat, where)}
 
 
-def state_to_hf(config: BertConfig, params: Mapping, head: str) -> dict[str, np.ndarray]:
+def state_to_hf(config: TransformerConfig, params: Mapping, head: str) -> dict[str, np.ndarray]:
   """A Hugging Face state dict (task-model key names: ``bert.`` prefixed unless ``head`` is ``none`` or
   ``pooler``) from posjax parameters."""
   flat = {k: np.asarray(v, np.float32) for k, v in flax.traverse_util.flatten_dict(dict(params), sep="/").items()}
@@ -353,22 +354,22 @@ def head_of(params: Mapping) -> tuple[str, int]:
 def model_params(variables: Mapping) -> dict:
   """The parameters of a posjax model's variables (or of the parameters themselves) as plain arrays under the
   task models' names: boxed ones (as ``init`` returns them, with logical axes) unboxed, scanned layers
-  (``model.scan_layers``) as ``layer_{i}``, a ``BertEncoder``'s put under ``encoder``; anything else is an error
+  (``model.scan_layers``) as ``layer_{i}``, a ``TransformerStack``'s put under ``encoder``; anything else is an error
   that says what is expected."""
   params = layout.unstack(flax.core.unfreeze(nn.unbox(variables.get("params", variables))))
   if "encoder" in params:
     return params
   if "word_embeddings" in params and "embedding_norm" in params:
     return {"encoder": params}
-  raise ValueError(f"expected the variables of a posjax BertModel or BertEncoder ({{'params': ...}} or the params), "
-                   f"with 'encoder' or 'word_embeddings' at the top; got keys {sorted(params)}")
+  raise ValueError(f"expected the variables of a posjax Transformer or TransformerStack ({{'params': ...}} or the "
+                   f"params), with 'encoder' or 'word_embeddings' at the top; got keys {sorted(params)}")
 
 
-def to_hf_bert(config: BertConfig, variables: Mapping):
+def to_hf_bert(config: TransformerConfig, variables: Mapping):
   """The Hugging Face model (``BertModel``, ``BertForMaskedLM``, ``BertForSequenceClassification`` or
   ``BertForQuestionAnswering``, by the parameters' head; a causal model's LM head: ``BertLMHeadModel`` with
   ``is_decoder``) equal to a posjax model, in float32. ``variables`` as
-  :func:`model_params` takes them (a task model's or a ``BertEncoder``'s, boxed or not)."""
+  :func:`model_params` takes them (a task model's or a ``TransformerStack``'s, boxed or not)."""
   import torch  # imported here: the convert extra
   import transformers
 

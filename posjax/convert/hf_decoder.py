@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read_source
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.positions import rotary
 
 LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text")
@@ -102,8 +102,9 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> dict:
   return {**options, "scaling": kind}
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
-  """A Hugging Face decoder's ``config.json`` (a dict) as posjax's :class:`BertConfig`; what posjax cannot represent
+def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
+  """A Hugging Face decoder's ``config.json`` (a dict) as posjax's :class:`TransformerConfig`; what posjax cannot
+  represent
   is an error naming the field."""
   model_type = hf.get("model_type")
   if model_type not in MODEL_TYPES:
@@ -141,7 +142,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
   fraction = float(hf.get("partial_rotary_factor", 1.0)) if model_type == "phi3" else 1.0
   if fraction != 1.0:
     rope["rotary_fraction"] = fraction
-  return BertConfig.decoder(
+  return TransformerConfig.decoder(
       vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
       num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
       head_dim=int(hf.get("head_dim") or 0) if int(hf.get("head_dim") or 0) * heads != int(hf["hidden_size"]) else 0,
@@ -177,7 +178,7 @@ def _gemma2_fields(hf: Mapping[str, Any], model_type: str) -> dict:
   return fields
 
 
-def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
+def _gpt2_config(hf: Mapping[str, Any]) -> TransformerConfig:
   act = hf.get("activation_function", "gelu_new")
   if act not in GPT2_ACTIVATIONS:
     raise ValueError(f"config.json has activation_function={act!r}; posjax reads {sorted(GPT2_ACTIVATIONS)}")
@@ -187,7 +188,7 @@ def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
   if not hf.get("scale_attn_weights", True):
     raise ValueError("config.json has scale_attn_weights=False; posjax scales q·k by 1/sqrt(head_dim)")
   d = int(hf["n_embd"])
-  return BertConfig.decoder(
+  return TransformerConfig.decoder(
       vocab_size=int(hf["vocab_size"]), hidden_size=d, num_layers=int(hf["n_layer"]), num_heads=int(hf["n_head"]),
       intermediate_size=int(hf.get("n_inner") or 4 * d), max_len=int(hf["n_positions"]), position="absolute",
       norm_type="layernorm", mlp="dense", activation=GPT2_ACTIVATIONS[act], use_bias="all",
@@ -196,7 +197,7 @@ def _gpt2_config(hf: Mapping[str, Any]) -> BertConfig:
       dropout_rate=float(hf.get("resid_pdrop", 0.1)), attention_dropout_rate=float(hf.get("attn_pdrop", 0.1)))
 
 
-def _neox_config(hf: Mapping[str, Any]) -> BertConfig:
+def _neox_config(hf: Mapping[str, Any]) -> TransformerConfig:
   act = hf.get("hidden_act", "gelu")
   if act not in GPT2_ACTIVATIONS:
     raise ValueError(f"config.json has hidden_act={act!r}; posjax reads {sorted(GPT2_ACTIVATIONS)}")
@@ -205,7 +206,7 @@ def _neox_config(hf: Mapping[str, Any]) -> BertConfig:
                      "(its MLP's too)")
   rope = _rope_from_hf({**hf, "rope_theta": hf.get("rope_theta", hf.get("rotary_emb_base", 10_000.0))})
   fraction = float(hf.get("partial_rotary_factor", hf.get("rotary_pct", 0.25)))
-  return BertConfig.decoder(
+  return TransformerConfig.decoder(
       vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
       num_heads=int(hf["num_attention_heads"]), intermediate_size=int(hf["intermediate_size"]),
       max_len=int(hf.get("max_position_embeddings", 2048)), norm_type="layernorm", mlp="dense",
@@ -216,7 +217,7 @@ def _neox_config(hf: Mapping[str, Any]) -> BertConfig:
       position="rope", position_options={**rope, **({"rotary_fraction": fraction} if fraction != 1.0 else {})})
 
 
-def _rope_to_hf(config: BertConfig) -> dict:
+def _rope_to_hf(config: TransformerConfig) -> dict:
   options = config.position_spec.options
   defaults = rotary.RopeOptions()
   out = {"rope_theta": options.max_timescale}
@@ -232,7 +233,7 @@ def _rope_to_hf(config: BertConfig) -> dict:
   return out
 
 
-def model_type_of(config: BertConfig) -> str:
+def model_type_of(config: TransformerConfig) -> str:
   """The Hugging Face family that expresses ``config``: GPT-2 (learned absolute positions), GPT-NeoX (LayerNorm),
   OLMo 2 (reordered norms), Gemma ((1 + w) RMSNorm), Qwen3 (QK-norm), Qwen2 (q/k/v biases), Phi-3 (partial
   rotary), Mistral (a sliding window) or Llama."""
@@ -255,7 +256,7 @@ def model_type_of(config: BertConfig) -> str:
   return "mistral" if config.sliding_window else "llama"
 
 
-def config_to_hf(config: BertConfig, model_type: str | None = None) -> dict:
+def config_to_hf(config: TransformerConfig, model_type: str | None = None) -> dict:
   """posjax's decoder config as a Hugging Face ``config.json`` dict of ``model_type`` (default
   :func:`model_type_of`); what that family cannot express is an error naming the field."""
   model_type = model_type or model_type_of(config)
@@ -269,19 +270,19 @@ def config_to_hf(config: BertConfig, model_type: str | None = None) -> dict:
   return {"model_type": model_type, **_fields_to_hf(config, model_type)}
 
 
-def _compared(config: BertConfig) -> dict:
+def _compared(config: TransformerConfig) -> dict:
   """What a Hugging Face family must reproduce of a config: its fields (defaults resolved: the heads' width and
   count, the position method's options), less the run's choices (kernel, dtypes, remat, layout, dropout)."""
   skip = ("attention_kernel", "kernel_platform", "dtype", "param_dtype", "remat", "scan_layers", "dropout_rate",
           "attention_dropout_rate", "position_options", "head_dim", "num_kv_heads", "schedule_options")
-  values = {f.name: getattr(config, f.name) for f in dataclasses.fields(BertConfig) if f.name not in skip}
+  values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TransformerConfig) if f.name not in skip}
   spec, specs = config.position_spec, config.method_specs
   schedule = tuple((specs[n].method.name, specs[n].options) for n in config.layer_positions)  # not the entries' tags
   return {**values, "position_options": spec.options, "head_dim": spec.head_dim, "num_kv_heads": spec.kv_heads,
           "position_schedule": schedule if len(set(schedule)) > 1 else ()}
 
 
-def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
+def _fields_to_hf(config: TransformerConfig, model_type: str) -> dict:
   if model_type == "gpt2":
     return {"vocab_size": config.vocab_size, "n_embd": config.hidden_size, "n_layer": config.num_layers,
             "n_head": config.num_heads, "n_inner": config.intermediate_size, "n_positions": config.max_len,
@@ -341,7 +342,7 @@ def _fields_to_hf(config: BertConfig, model_type: str) -> dict:
   return fields
 
 
-def _gpt2_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
+def _gpt2_params(config: TransformerConfig, reader: StateReader, prefix: str) -> None:
   take, out, d = reader.take, reader.out, config.hidden_size
   heads, head_dim = config.num_heads, config.hidden_size // config.num_heads
   out["encoder/word_embeddings/embedding"] = take(f"{prefix}wte.weight")
@@ -364,7 +365,7 @@ def _gpt2_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
   reader.norm("encoder/final_norm", f"{prefix}ln_f")
 
 
-def _neox_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
+def _neox_params(config: TransformerConfig, reader: StateReader, prefix: str) -> None:
   take, out, d = reader.take, reader.out, config.hidden_size
   heads, head_dim = config.num_heads, config.position_spec.head_dim
   out["encoder/word_embeddings/embedding"] = take(f"{prefix}embed_in.weight")
@@ -384,7 +385,7 @@ def _neox_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
   reader.norm("encoder/final_norm", f"{prefix}final_layer_norm")
 
 
-def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
+def _llama_params(config: TransformerConfig, reader: StateReader, prefix: str) -> None:
   take, out, d = reader.take, reader.out, config.hidden_size
   spec = config.position_spec
   heads = {"attention/query": spec.num_heads, "attention/key": spec.kv_heads, "attention/value": spec.kv_heads}
@@ -412,7 +413,7 @@ def _llama_params(config: BertConfig, reader: StateReader, prefix: str) -> None:
   out["encoder/final_norm/scale"] = take(f"{prefix}norm.weight")
 
 
-def _fused_rows(config: BertConfig, fused: str) -> list[int]:
+def _fused_rows(config: TransformerConfig, fused: str) -> list[int]:
   """The rows of each part of a Phi-3 fused projection (:data:`PHI3_FUSED`)."""
   spec = config.position_spec
   if fused == "self_attn.qkv_proj":
@@ -420,7 +421,7 @@ def _fused_rows(config: BertConfig, fused: str) -> list[int]:
   return [config.intermediate_size] * 2
 
 
-def _split_fused(config: BertConfig, state: Mapping[str, np.ndarray]) -> dict:
+def _split_fused(config: TransformerConfig, state: Mapping[str, np.ndarray]) -> dict:
   """Phi-3's state dict with its fused ``qkv_proj`` and ``gate_up_proj`` split into Llama's names."""
   out = dict(state)
   for key in [k for k in state if k.endswith(tuple(f"{f}.weight" for f in PHI3_FUSED))]:
@@ -441,7 +442,7 @@ def _fuse(state: dict) -> dict:
   return state
 
 
-def params_from_hf(config: BertConfig, model_type: str, state: Mapping[str, np.ndarray]) -> tuple[dict, str]:
+def params_from_hf(config: TransformerConfig, model_type: str, state: Mapping[str, np.ndarray]) -> tuple[dict, str]:
   """``(flat posjax parameters, head)`` from a Hugging Face decoder's state dict (a causal-LM model's or its base
   model's); a weight left over is an error naming it."""
   base, embed, head_key = FAMILY_KEYS[model_type]
@@ -463,18 +464,18 @@ def params_from_hf(config: BertConfig, model_type: str, state: Mapping[str, np.n
   return reader.out, head
 
 
-def from_hf_decoder(source) -> tuple[BertModel, dict]:
+def from_hf_decoder(source) -> tuple[Transformer, dict]:
   """``(module, variables)`` equal to a Hugging Face decoder (:data:`MODEL_TYPES`): an in-memory ``transformers``
   model or a directory. ``module.apply(variables, input_ids)`` returns a :class:`posjax.models.BertOutput` whose
   ``.logits`` are the causal LM's (``last_hidden_state`` for a base model)."""
   hf_config, state, where = read_source(source)
   config = config_from_hf(hf_config)
   flat, head = params_from_hf(config, hf_config["model_type"], state)
-  module = BertModel(config, head=head)
+  module = Transformer(config, head=head)
   return module, {"params": check_shapes(module, flat, where)}
 
 
-def state_to_hf(config: BertConfig, params: Mapping, model_type: str) -> dict[str, np.ndarray]:
+def state_to_hf(config: TransformerConfig, params: Mapping, model_type: str) -> dict[str, np.ndarray]:
   """A Hugging Face causal-LM state dict of ``model_type`` from posjax parameters (:func:`model_params`' layout)."""
   import flax.traverse_util
 
@@ -542,7 +543,7 @@ def state_to_hf(config: BertConfig, params: Mapping, model_type: str) -> dict[st
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def to_hf_decoder(config: BertConfig, variables: Mapping, model_type: str | None = None):
+def to_hf_decoder(config: TransformerConfig, variables: Mapping, model_type: str | None = None):
   """The Hugging Face causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
   ``Qwen3ForCausalLM`` or ``GPT2LMHeadModel``; :func:`model_type_of` unless named) equal to a posjax decoder, in
   float32, its weights loaded strictly."""

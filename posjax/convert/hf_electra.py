@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from posjax.convert import hf_bert
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 
 # Hugging Face class -> posjax head, read from the weights present.
 HEADS = {"generator_predictions.dense.weight": "mlm", "discriminator_predictions.dense.weight": "rtd"}
@@ -42,7 +42,7 @@ SHARED = ("word_embeddings", "token_type_embeddings", "position", "embedding_nor
 JOINT = ("encoder", "generator", "generator_head", "rtd", "rtd_output")
 
 
-def check_generator_activation(config: BertConfig) -> None:
+def check_generator_activation(config: TransformerConfig) -> None:
   """Hugging Face's generator head (``ElectraGeneratorPredictions``) is exact GELU whatever ``hidden_act`` says;
   posjax's MLM head uses the config's activation, so only ``gelu`` is the same model on both sides."""
   if config.activation != "gelu":
@@ -50,8 +50,8 @@ def check_generator_activation(config: BertConfig) -> None:
                      f"{config.activation!r} (posjax's MLM head uses it): only 'gelu' generators convert")
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
-  """A Hugging Face ``ElectraConfig`` (as a dict) as a posjax BertConfig (``embedding_size`` 0 where it is
+def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
+  """A Hugging Face ``ElectraConfig`` (as a dict) as a posjax TransformerConfig (``embedding_size`` 0 where it is
   ``hidden_size``, as posjax writes that); what posjax cannot represent is an error (the same checks as BERT's)."""
   if hf.get("model_type", "electra") != "electra":
     raise ValueError(f"config.json has model_type={hf.get('model_type')!r}; this converter reads ELECTRA "
@@ -61,8 +61,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
   return dataclasses.replace(config, embedding_size=0 if embedding_size == config.hidden_size else embedding_size)
 
 
-def config_to_hf(config: BertConfig, head: str = "none") -> dict:
-  """posjax's BertConfig as Hugging Face ``ElectraConfig`` fields (``head``: ``mlm`` also checks the generator
+def config_to_hf(config: TransformerConfig, head: str = "none") -> dict:
+  """posjax's TransformerConfig as Hugging Face ``ElectraConfig`` fields (``head``: ``mlm`` also checks the generator
   head's activation); what ELECTRA cannot express is an error (BERT's checks: its encoder is BERT's)."""
   if head == "mlm":
     check_generator_activation(config)
@@ -73,7 +73,7 @@ def config_to_hf(config: BertConfig, head: str = "none") -> dict:
   return {**fields, "model_type": "electra", "embedding_size": config.embed_width}
 
 
-def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: str) -> tuple[dict, list[str]]:
+def params_from_hf(config: TransformerConfig, state: Mapping[str, np.ndarray], head: str) -> tuple[dict, list[str]]:
   """posjax parameters (flat, ``/``-joined paths) from an ELECTRA state dict without its ``electra.`` prefix,
   and the keys dropped."""
   reader = hf_bert.StateReader(state, f"ELECTRA {head} model")
@@ -92,7 +92,7 @@ def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray], head: st
   return out, reader.dropped()
 
 
-def from_hf_electra(source) -> tuple[BertModel, dict]:
+def from_hf_electra(source) -> tuple[Transformer, dict]:
   """``(module, variables)`` equal to a Hugging Face ELECTRA model (in memory, or a directory with
   ``config.json`` and ``model.safetensors`` / ``pytorch_model.bin``): ``ElectraModel`` -> head ``none``,
   ``ElectraForPreTraining`` -> ``rtd`` (``logits [B, L]``, that each token was replaced),
@@ -105,7 +105,7 @@ def from_hf_electra(source) -> tuple[BertModel, dict]:
   unexpected = [k for k in dropped if k not in DROPPED and k != "embeddings.position_embeddings.weight"]
   if unexpected:
     raise ValueError(f"{where}: weights posjax has no place for: {unexpected}")
-  module = BertModel(config, head=head)
+  module = Transformer(config, head=head)
   return module, {"params": hf_bert.check_shapes(module, flat, where)}
 
 
@@ -126,7 +126,7 @@ def _torch_layer(layer: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   return {"weight": layer["kernel"].T if "kernel" in layer else layer["scale"], "bias": layer["bias"]}
 
 
-def state_to_hf(config: BertConfig, params: Mapping, head: str) -> dict[str, np.ndarray]:
+def state_to_hf(config: TransformerConfig, params: Mapping, head: str) -> dict[str, np.ndarray]:
   """A Hugging Face ELECTRA state dict (``electra.``-prefixed encoder unless ``head`` is ``none``) from posjax
   parameters (plain arrays, as :func:`posjax.convert.hf_bert.model_params` gives them)."""
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), dict(params))
@@ -147,10 +147,10 @@ def state_to_hf(config: BertConfig, params: Mapping, head: str) -> dict[str, np.
   return {k if head == "none" or k.startswith(heads) else f"electra.{k}": v for k, v in state.items()}
 
 
-def to_hf_electra(config: BertConfig, variables: Mapping):
+def to_hf_electra(config: TransformerConfig, variables: Mapping):
   """The Hugging Face model (``ElectraModel``, ``ElectraForPreTraining`` or ``ElectraForMaskedLM``, by the
   parameters' head: none, ``rtd``, ``mlm``) equal to a posjax model, in float32. ``variables`` as
-  :func:`posjax.convert.hf_bert.model_params` takes them (a ``BertModel``'s or a ``BertEncoder``'s, boxed or
+  :func:`posjax.convert.hf_bert.model_params` takes them (a ``Transformer``'s or a ``TransformerStack``'s, boxed or
   not); parameters that do not match ``config`` are an error naming them, and every Hugging Face weight is
   written (a strict load)."""
   import torch  # imported here: the convert extra
@@ -161,14 +161,14 @@ def to_hf_electra(config: BertConfig, variables: Mapping):
   name = TO_HF_CLASSES[head]
   hf_config = transformers.ElectraConfig(**config_to_hf(config, head))
   flat = flax.traverse_util.flatten_dict(params, sep="/")
-  hf_bert.check_shapes(BertModel(config, head=head), flat, f"posjax -> {name}")
+  hf_bert.check_shapes(Transformer(config, head=head), flat, f"posjax -> {name}")
   model = getattr(transformers, name)(hf_config)
   model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state_to_hf(config, params, head).items()})
   return model.eval()
 
 
 def split_electra(variables: Mapping) -> tuple[dict, dict]:
-  """``(generator, discriminator)`` parameters of a posjax ``Electra`` as two ``BertModel``'s (heads ``mlm``,
+  """``(generator, discriminator)`` parameters of a posjax ``Electra`` as two ``Transformer``'s (heads ``mlm``,
   ``rtd``), the generator's encoder given the shared embeddings it reads (its own, if it has them: an untied
   ``Electra``)."""
   params = variables.get("params", variables)
@@ -182,7 +182,7 @@ def split_electra(variables: Mapping) -> tuple[dict, dict]:
   return generator, {k: params[k] for k in ("encoder", "rtd", "rtd_output")}
 
 
-def electra_to_hf(generator_config: BertConfig, discriminator_config: BertConfig, variables: Mapping):
+def electra_to_hf(generator_config: TransformerConfig, discriminator_config: TransformerConfig, variables: Mapping):
   """``(ElectraForMaskedLM, ElectraForPreTraining)`` equal to a posjax ``Electra``'s generator (``generate``:
   its logits at the masked positions are Hugging Face's there) and discriminator (``discriminate``), in
   float32; ``variables`` boxed or not."""

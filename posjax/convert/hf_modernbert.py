@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from posjax.convert.hf_bert import StateReader, check_shapes, model_params, read_source
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 
 LOCAL_ROPE = "rope@local"
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
@@ -31,8 +31,9 @@ DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 SPECIAL_TOKENS = ("pad", "bos", "eos", "cls", "sep")  # ModernBertConfig's ``*_token_id`` fields
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
-  """ModernBERT's ``config.json`` (a dict) as posjax's :class:`BertConfig`; what posjax cannot represent is an error
+def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
+  """ModernBERT's ``config.json`` (a dict) as posjax's :class:`TransformerConfig`; what posjax cannot represent is an
+  error
   naming the field."""
   if hf.get("model_type") != "modernbert":
     raise ValueError(f"config.json has model_type={hf.get('model_type')!r}; this converter reads 'modernbert'")
@@ -62,7 +63,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
     schedule = dict(position_schedule=",".join(LOCAL_ROPE if x else "rope" for x in local),
                     schedule_options={LOCAL_ROPE: {"max_timescale": local_theta}},
                     layer_windows=",".join(str(window if x else 0) for x in local))
-  return BertConfig(
+  return TransformerConfig(
       vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=layers,
       num_heads=int(hf["num_attention_heads"]), intermediate_size=int(hf["intermediate_size"]),
       max_len=int(hf.get("max_position_embeddings", 8192)), type_vocab_size=0, position="rope",
@@ -72,12 +73,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> BertConfig:
       dropout_rate=dropout.pop(), attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), **schedule)
 
 
-def is_modernbert(config: BertConfig) -> bool:
+def is_modernbert(config: TransformerConfig) -> bool:
   """Whether ``config`` is ModernBERT's layout (an encoder whose first layer's attention has no norm)."""
   return not config.causal and not config.first_attention_norm
 
 
-def config_to_hf(config: BertConfig) -> dict:
+def config_to_hf(config: TransformerConfig) -> dict:
   """posjax's config as ModernBERT's ``config.json`` fields; what ModernBERT cannot express is an error naming the
   field (checked by reading the fields back: :func:`config_from_hf` must give ``config`` again)."""
   local = [w != 0 for w in config.windows]
@@ -111,7 +112,7 @@ def config_to_hf(config: BertConfig) -> dict:
   return fields
 
 
-def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray]) -> tuple[dict, str]:
+def params_from_hf(config: TransformerConfig, state: Mapping[str, np.ndarray]) -> tuple[dict, str]:
   """``(flat posjax parameters, head)`` from ModernBERT's state dict (``ModernBertForMaskedLM``'s or
   ``ModernBertModel``'s); a weight left over is an error naming it."""
   prefix = "model." if any(k.startswith("model.") for k in state) else ""
@@ -163,16 +164,16 @@ def params_from_hf(config: BertConfig, state: Mapping[str, np.ndarray]) -> tuple
   return out, head
 
 
-def from_hf_modernbert(source) -> tuple[BertModel, dict]:
+def from_hf_modernbert(source) -> tuple[Transformer, dict]:
   """``(module, variables)`` equal to a Hugging Face ModernBERT: an in-memory model or a directory."""
   hf_config, state, where = read_source(source)
   config = config_from_hf(hf_config)
   flat, head = params_from_hf(config, state)
-  module = BertModel(config, head=head)
+  module = Transformer(config, head=head)
   return module, {"params": check_shapes(module, flat, where)}
 
 
-def state_to_hf(config: BertConfig, params: Mapping) -> dict[str, np.ndarray]:
+def state_to_hf(config: TransformerConfig, params: Mapping) -> dict[str, np.ndarray]:
   """``ModernBertForMaskedLM``'s state dict (``ModernBertModel``'s, under ``model.``, without an MLM head) from
   posjax parameters (:func:`model_params`' layout)."""
   import flax.traverse_util
@@ -209,7 +210,7 @@ def state_to_hf(config: BertConfig, params: Mapping) -> dict[str, np.ndarray]:
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def to_hf_modernbert(config: BertConfig, variables: Mapping):
+def to_hf_modernbert(config: TransformerConfig, variables: Mapping):
   """``ModernBertForMaskedLM`` (or ``ModernBertModel`` for parameters without an MLM head) equal to a posjax model,
   in float32, with eager attention, its weights loaded strictly."""
   import torch  # imported here: the convert extra

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from posjax.convert.hf_bert import check_shapes
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_accurate": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu"}
 PREFIXES = ("decoder.sentence_encoder.", "encoder.sentence_encoder.")
@@ -92,8 +92,8 @@ def _numpy(state: Mapping) -> dict[str, np.ndarray]:
   return out
 
 
-def config_from_args(args: Mapping[str, Any], state: Mapping[str, np.ndarray]) -> BertConfig:
-  """posjax's BertConfig for an official TUPE model; what posjax cannot represent is an error."""
+def config_from_args(args: Mapping[str, Any], state: Mapping[str, np.ndarray]) -> TransformerConfig:
+  """posjax's TransformerConfig for an official TUPE model; what posjax cannot represent is an error."""
   act = args.get("activation_fn", "gelu")
   if act not in ACTIVATIONS:
     raise ValueError(f"the checkpoint's activation_fn={act!r}; posjax reads {sorted(ACTIVATIONS)}")
@@ -111,7 +111,7 @@ def config_from_args(args: Mapping[str, Any], state: Mapping[str, np.ndarray]) -
   options = {"cls_reset": "official", "share_across_layers": True, "projection_bias": True, "layernorm": True}
   if rel_pos:
     options.update(relative_distance="buckets", num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
-  return BertConfig(
+  return TransformerConfig(
       vocab_size=int(vocab_size), hidden_size=int(args.get("encoder_embed_dim", hidden)),
       num_layers=int(args.get("encoder_layers", 12)), num_heads=int(args.get("encoder_attention_heads", 12)),
       intermediate_size=int(args.get("encoder_ffn_embed_dim", 3072)), max_len=max_len, type_vocab_size=0,
@@ -121,7 +121,7 @@ def config_from_args(args: Mapping[str, Any], state: Mapping[str, np.ndarray]) -
       activation=ACTIVATIONS[act])
 
 
-def params_from_fairseq(config: BertConfig, encoder: Mapping[str, np.ndarray], heads: Mapping[str, np.ndarray],
+def params_from_fairseq(config: TransformerConfig, encoder: Mapping[str, np.ndarray], heads: Mapping[str, np.ndarray],
                         head: str, head_name: str | None) -> dict[str, np.ndarray]:
   """Flat posjax parameters from the official encoder's weights (``encoder``: keys without the
   ``sentence_encoder.`` prefix) and its heads (``heads``: keys as in the checkpoint)."""
@@ -185,7 +185,7 @@ def params_from_fairseq(config: BertConfig, encoder: Mapping[str, np.ndarray], h
   return out
 
 
-def from_tupe_fairseq(checkpoint, classification_head: str | None = None) -> tuple[BertModel, dict]:
+def from_tupe_fairseq(checkpoint, classification_head: str | None = None) -> tuple[Transformer, dict]:
   """``(module, variables)`` equal to an official TUPE model: ``checkpoint`` is a ``checkpoint*.pt`` path or
   the loaded dict (``args``, ``model``). The head: a classification head (``classification_head``, or the only
   one), else the MLM head, else none."""
@@ -212,6 +212,6 @@ def from_tupe_fairseq(checkpoint, classification_head: str | None = None) -> tup
                      "posjax's head uses tanh")
   config = config_from_args(args, encoder)
   num_labels = int(heads[f"classification_heads.{head_name}.out_proj.weight"].shape[0]) if head_name else 2
-  module = BertModel(config, head=head, num_labels=num_labels)
+  module = Transformer(config, head=head, num_labels=num_labels)
   flat = params_from_fairseq(config, encoder, heads, head, head_name)
   return module, {"params": check_shapes(module, flat, str(where))}

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posjax.experiments import plots, protocol
-from posjax.models import BertConfig, BertEncoder
+from posjax.models import TransformerConfig, TransformerStack
 from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import metrics as metrics_lib
@@ -37,10 +37,10 @@ def is_electra(workdir: str) -> bool:
   return "generator" in checkpoint_lib.read_model_config(workdir)
 
 
-def _run(workdir: str, step: int | None = None) -> tuple[BertConfig, dict]:
+def _run(workdir: str, step: int | None = None) -> tuple[TransformerConfig, dict]:
   """A run's encoder config (an ELECTRA run's discriminator: its ``encoder``) and its parameters."""
   fields = checkpoint_lib.read_model_config(workdir)
-  config = ElectraConfig.from_dict(fields).discriminator if "generator" in fields else BertConfig(**fields)
+  config = ElectraConfig.from_dict(fields).discriminator if "generator" in fields else TransformerConfig(**fields)
   return config, checkpoint_lib.load_params(workdir, step)
 
 
@@ -84,7 +84,7 @@ def mlm_loss(root: str, out: str):
   return fig
 
 
-def _positions(length: int, config: BertConfig) -> int:
+def _positions(length: int, config: TransformerConfig) -> int:
   """``length`` if the run's position table holds it; else an error naming the table's length."""
   if not 1 <= length <= config.max_len:
     raise ValueError(f"--length={length}: the run's position table has {config.max_len} positions; allowed: 1 to "
@@ -99,8 +99,8 @@ def correlation(workdir: str, out: str, length: int = 0) -> None:
     raise ValueError(f"{workdir} uses position {config.position!r}; the positional correlation is TUPE's "
                      "(tupe_a, tupe_r)")
   length = _positions(length or config.max_len, config)
-  _, state = BertEncoder(config).apply({"params": params["encoder"]}, jnp.zeros((1, length), jnp.int32),
-                                       mutable=["intermediates"])
+  _, state = TransformerStack(config).apply({"params": params["encoder"]}, jnp.zeros((1, length), jnp.int32),
+                                            mutable=["intermediates"])
   bias_HxLxL = np.asarray(state["intermediates"]["position_bias"][0][0])
   plots.head_maps(bias_HxLxL, out, f"learned positional correlation ({config.position}, TUPE Figure 6)")
 

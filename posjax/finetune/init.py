@@ -37,7 +37,7 @@ class Start:
   workdir: str
   checkpoints: str
   step: int
-  model: dict  # the init run's BertConfig fields
+  model: dict  # the init run's TransformerConfig fields
   vocab_file: str
 
 
@@ -94,7 +94,7 @@ def _position(name: str, options) -> tuple[str, dict]:
 
 
 def model_fields(config: ml_collections.ConfigDict, start: Start | None, vocab_size: int) -> tuple[dict, bool]:
-  """The fine-tuning model's BertConfig fields and whether its position method differs from the init run's."""
+  """The fine-tuning model's TransformerConfig fields and whether its position method differs from the init run's."""
   given = {k: v for k, v in config.model.to_dict().items() if v is not None and v != ""}
   if start is None:
     given = {**SIZES[config.get("model_size", "base")], **given}

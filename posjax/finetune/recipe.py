@@ -35,7 +35,7 @@ import ml_collections
 
 from posjax import config_args, positions
 from posjax.data import synthetic
-from posjax.models import SIZES, BertConfig
+from posjax.models import SIZES, TransformerConfig
 
 DATA = synthetic.BUILTIN_DIR
 OWN_MODEL_FIELDS = dict(attention_kernel="auto", dtype="bfloat16", param_dtype="float32", dropout_rate=0.1,
@@ -43,8 +43,9 @@ OWN_MODEL_FIELDS = dict(attention_kernel="auto", dtype="bfloat16", param_dtype="
 
 
 def model_fields(position: str) -> ml_collections.ConfigDict:
-  """Every BertConfig field: the run's own choices set, the rest ``None`` (the init run's, or ``model_size``'s)."""
-  types = {f.name: type(f.default) for f in dataclasses.fields(BertConfig) if f.name != "position_options"}
+  """Every TransformerConfig field: the run's own choices set, the rest ``None`` (the init run's, or
+  ``model_size``'s)."""
+  types = {f.name: type(f.default) for f in dataclasses.fields(TransformerConfig) if f.name != "position_options"}
   model = ml_collections.ConfigDict({name: ml_collections.config_dict.placeholder(kind) for name, kind in types.items()})
   model.update(OWN_MODEL_FIELDS)
   model.position = position

@@ -18,15 +18,16 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
-from posjax.models.bert import BertConfig, BertEncoder, mlm_head, rtd_head
+from posjax.models.heads import mlm_head, rtd_head
+from posjax.models.transformer import TransformerConfig, TransformerStack
 
 
 @dataclasses.dataclass(frozen=True)
 class ElectraConfig:
   """The two models' configs. ``model_config.json`` of an ELECTRA run holds the discriminator's fields (what a
   fine-tuning run reads as its encoder) and the generator's under ``generator``."""
-  generator: BertConfig
-  discriminator: BertConfig
+  generator: TransformerConfig
+  discriminator: TransformerConfig
 
   @property
   def position(self) -> str:
@@ -40,15 +41,15 @@ class ElectraConfig:
     fields = dict(fields)
     if "generator" not in fields:
       raise ValueError("not an ELECTRA model config: it has no 'generator' fields")
-    return cls(BertConfig(**fields.pop("generator")), BertConfig(**fields))
+    return cls(TransformerConfig(**fields.pop("generator")), TransformerConfig(**fields))
 
 
 class MlmHead(nn.Module):
   """BERT's MLM head on another module's encoder (its word embeddings), as a module of its own."""
-  config: BertConfig
+  config: TransformerConfig
 
   @nn.compact
-  def __call__(self, encoder: BertEncoder, h_BxMxD):
+  def __call__(self, encoder: TransformerStack, h_BxMxD):
     return mlm_head(self, encoder, h_BxMxD)
 
 
@@ -58,15 +59,15 @@ class Electra(nn.Module):
   ``generate`` gives the generator's logits at the masked positions, ``discriminate`` the discriminator's
   replaced-token logits ``[B, L]``; calling the module runs both (what ``init`` needs)."""
 
-  generator_config: BertConfig
-  discriminator_config: BertConfig
+  generator_config: TransformerConfig
+  discriminator_config: TransformerConfig
   tie_embeddings: bool = True
   share_position_table: bool = False  # a table inside the layers (TUPE's) read by both models
 
   def setup(self):
-    self.encoder = BertEncoder(self.discriminator_config)
-    self.generator = BertEncoder(self.generator_config, shared=self.encoder if self.tie_embeddings else None,
-                                 shared_position_table=self.share_position_table)
+    self.encoder = TransformerStack(self.discriminator_config)
+    self.generator = TransformerStack(self.generator_config, shared=self.encoder if self.tie_embeddings else None,
+                                      shared_position_table=self.share_position_table)
     self.generator_head = MlmHead(self.generator_config)
 
   def generate(self, input_ids_BxL, masked_positions_BxM, *, deterministic: bool = True, **encoder_kwargs):

@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.tasks import mlm as mlm_task
 from posjax.tasks import passkey
 from posjax.train.task import Task, counted_metrics
@@ -82,10 +82,10 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Next-token prediction on ``config.data`` (:func:`posjax.tasks.mlm.corpus_batches`, unmasked) with a causal
   model; evaluators of kind ``clm`` (on the corpus) and ``passkey``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
-  model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
+  model_config = TransformerConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
   if not model_config.causal:
     raise ValueError("task='clm' trains a decoder: set model.causal=True (configs/clm.py does)")
-  model = BertModel(model_config, head="lm")  # model.lm_head: BERT's MLM head (the default) or a decoder's linear one
+  model = Transformer(model_config, head="lm")  # model.lm_head: BERT's MLM head (the default) or a decoder's linear one
   use_segments = config.data.packing in mlm_task.mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = mlm_task.corpus_batches(config, tokenizer, local_batch, masked=False, kinds=("clm",))
   chunk = int(config.get("loss_chunk", LOSS_CHUNK))

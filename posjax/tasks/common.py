@@ -14,11 +14,12 @@ from posjax.data import feature_cache, synthetic
 from posjax.data import tokenizer as tokenizer_lib
 from posjax.data.tokenizer import Tokenizer
 from posjax.finetune import init as init_lib
-from posjax.models import BertConfig
+from posjax.models import TransformerConfig
 
 
 def start(config: ml_collections.ConfigDict):
-  """The init run (or None), the tokenizer, the BertConfig, whether the position method changed, the vocabulary."""
+  """The init run (or None), the tokenizer, the TransformerConfig, whether the position method changed, the
+  vocabulary."""
   start = init_lib.find(config)
   data = config.data
   vocab_file = data.get("vocab_file") or (start.vocab_file if start else data.get("scratch_vocab_file"))
@@ -28,7 +29,7 @@ def start(config: ml_collections.ConfigDict):
   tokenizer.need("cls", "sep", purpose=f"fine-tuning (task={config.get('task')!r}: [CLS] first, [SEP] after each "
                                        "segment)")
   fields, changed = init_lib.model_fields(config, start, tokenizer.vocab_size)
-  model_config = BertConfig.from_config(fields, tokenizer.vocab_size, config.max_len)
+  model_config = TransformerConfig.from_config(fields, tokenizer.vocab_size, config.max_len)
   model_config.position_spec.check_length(config.max_len)
   return start, tokenizer, model_config, changed, vocab_file
 

@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig
+from posjax.models import TransformerConfig
 from posjax.models.electra import Electra, ElectraConfig
 from posjax.tasks import mlm as mlm_task
 from posjax.train.task import Task
@@ -53,13 +53,13 @@ EVAL_SEED = 1  # the evaluation's sampling key: fixed, so one checkpoint always 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ElectraConfig:
   """The discriminator is ``config.model``; the generator is ``config.model`` with ``config.generator``'s fields
   (its sizes) and the discriminator's embedding width, so that the embeddings can be one set."""
-  discriminator = BertConfig.from_config(config.model, vocab_size, config.max_len)
-  known = {f.name for f in dataclasses.fields(BertConfig)}
+  discriminator = TransformerConfig.from_config(config.model, vocab_size, config.max_len)
+  known = {f.name for f in dataclasses.fields(TransformerConfig)}
   unknown = sorted(set(config.generator) - known)
   if unknown:
-    raise ValueError(f"config.generator has unknown field(s) {unknown}; BertConfig fields: {sorted(known)}")
+    raise ValueError(f"config.generator has unknown field(s) {unknown}; TransformerConfig fields: {sorted(known)}")
   fields = {**config.model.to_dict(), "embedding_size": discriminator.embed_width, **config.generator.to_dict()}
-  return ElectraConfig(BertConfig.from_config(fields, vocab_size, config.max_len), discriminator)
+  return ElectraConfig(TransformerConfig.from_config(fields, vocab_size, config.max_len), discriminator)
 
 
 def options(config: ml_collections.ConfigDict) -> dict:

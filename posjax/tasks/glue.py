@@ -1,5 +1,5 @@
 """GLUE fine-tuning for the training loop: classification, and STS-B regression. The head reads an encoder's
-[CLS] and a causal model's last real token (``classifier_token``, :func:`posjax.models.bert.classifier_token`).
+[CLS] and a causal model's last real token (``classifier_token``, :func:`posjax.models.heads.classifier_token`).
 
 It builds its model from where the run starts (:mod:`posjax.finetune.init`), reads and encodes its data
 before anything is written (a bad file, label or question is an error that names it), and declares its
@@ -25,8 +25,8 @@ import optax
 from posjax.data import features as features_lib
 from posjax.finetune import glue as glue_data
 from posjax.finetune import metrics as metrics_lib
-from posjax.models import BertModel
-from posjax.models.bert import classifier_token
+from posjax.models import Transformer
+from posjax.models.heads import classifier_token
 from posjax.tasks import common
 from posjax.train.task import Evaluator, Task
 
@@ -37,7 +37,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   task = glue_data.get(data.glue_task)
   start, tokenizer, model_config, changed, vocab_file = common.start(config)
   token = classifier_token(model_config, config.get("classifier_token", "auto"))
-  model = BertModel(model_config, "classification", task.num_labels, config.get("classifier_input", "pooler"), token)
+  model = Transformer(model_config, "classification", task.num_labels, config.get("classifier_input", "pooler"), token)
   use_types = model_config.type_vocab_size > 0
   regression = task.labels is None
   scale = config.get("regression_scale", 1.0)  # ELECTRA trains STS-B on its scores / 5

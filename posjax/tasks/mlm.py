@@ -16,7 +16,7 @@ import optax
 from posjax.data import corpus, prepared, random_positions
 from posjax.data import mlm as mlm_data
 from posjax.data.tokenizer import Tokenizer
-from posjax.models import BertConfig, BertModel
+from posjax.models import TransformerConfig, Transformer
 from posjax.positions import rotary
 from posjax.train.task import Evaluator, Task, counted_metrics
 
@@ -95,7 +95,7 @@ def check_random_positions(config: ml_collections.ConfigDict, tokenizer: Tokeniz
   if limit < config.max_len:
     raise ValueError(f"data.random_positions={limit} must be at least max_len={config.max_len}, the most positions a "
                      "row draws (0: off)")
-  model = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
+  model = TransformerConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
   bound = [name for name, spec in model.method_specs.items() if spec.method.max_len_bound]
   if bound and limit > model.max_len:
     raise ValueError(f"data.random_positions={limit}: position method {bound[0]!r} has a learned table of "
@@ -259,7 +259,7 @@ def same_text(config, tokenizer: Tokenizer, spec, name: str, length: int, text_t
   return batched(rows, local_batch, length)
 
 
-def corpus_evaluators(evaluations: dict, model_config: BertConfig, predict: Callable, metrics: Callable,
+def corpus_evaluators(evaluations: dict, model_config: TransformerConfig, predict: Callable, metrics: Callable,
                       metric_names: tuple[str, ...] = ("loss", "accuracy")) -> dict[str, Evaluator]:
   """An :class:`Evaluator` per :class:`Evaluation`; one at a length the model's learned position table cannot
   encode is reported ``unsupported`` (never clamped)."""
@@ -278,8 +278,8 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Masked-LM pre-training on ``config.data`` (see :func:`corpus_batches`); evaluators of kind ``mlm``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
   tokenizer.need("mask", purpose="masked-LM pre-training (task='mlm')")
-  model_config = BertConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
-  model = BertModel(model_config, head="mlm")
+  model_config = TransformerConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
+  model = Transformer(model_config, head="mlm")
   use_segments = config.data.packing in mlm_data.SEPARATE_DOCUMENTS
   batches, evaluations = corpus_batches(config, tokenizer, local_batch)
   predict = functools.partial(mlm_row_sums, model, rng=None, use_segments=use_segments, deterministic=True)

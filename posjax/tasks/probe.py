@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from posjax.data import features
-from posjax.models import BertConfig, BertEncoder
+from posjax.models import TransformerConfig, TransformerStack
 from posjax.train.task import Evaluator, Task, summed_metrics
 
 TASKS = ("copy_left", "reverse", "index", "copy", "sort", "parity", "addition")
@@ -135,20 +135,20 @@ def _sequence_task(task: str, rng: np.random.Generator, batch: int, length: int,
 class Probe(nn.Module):
   """A BERT encoder (a decoder with ``config.causal``) and a per-token classifier over the probe's symbols."""
 
-  config: BertConfig
+  config: TransformerConfig
   symbols: int
 
   @nn.compact
   def __call__(self, input_ids):
-    h = BertEncoder(self.config, name="encoder")(input_ids).last_hidden_state
+    h = TransformerStack(self.config, name="encoder")(input_ids).last_hidden_state
     return nn.Dense(self.symbols, name="classifier")(h).astype(jnp.float32)
 
 
-def model_config(config, method: str, task: str) -> BertConfig:
+def model_config(config, method: str, task: str) -> TransformerConfig:
   """The probe model of ``method`` for ``task`` (``config``: symbols, train_len, model; ``model.causal``: a
   decoder), without dropout."""
-  return BertConfig(vocab_size=vocab_size(task, config.symbols), max_len=config.train_len, type_vocab_size=0,
-                    position=method, dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
+  return TransformerConfig(vocab_size=vocab_size(task, config.symbols), max_len=config.train_len, type_vocab_size=0,
+                           position=method, dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
 
 
 class ProbeBatches:

@@ -30,7 +30,7 @@ from absl import logging
 from posjax.data import features as features_lib
 from posjax.finetune import metrics as metrics_lib
 from posjax.finetune import squad as squad_data
-from posjax.models import BertModel
+from posjax.models import Transformer
 from posjax.tasks import common
 from posjax.train.task import Evaluator, Task
 
@@ -56,7 +56,7 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """SQuAD 1.1 from the official JSON files (``data.train_file`` / ``data.dev_file``) or TFDS ``squad/v1.1``."""
   data = config.data
   start, tokenizer, model_config, changed, vocab_file = common.start(config)
-  model = BertModel(model_config, head="span")
+  model = Transformer(model_config, head="span")
   use_types = model_config.type_vocab_size > 0
   window = functools.partial(squad_data.windows, tokenizer, doc_stride=data.doc_stride,
                              max_query_len=data.max_query_len, causal=model_config.causal)

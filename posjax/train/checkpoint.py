@@ -349,7 +349,7 @@ def _param_shapes(tree: Any) -> dict[str, tuple]:
 
 
 def read_model_config(workdir: str, field: str = "workdir") -> dict:
-  """A run's ``model_config.json`` (its BertConfig fields), or an error naming ``field``."""
+  """A run's ``model_config.json`` (its TransformerConfig fields), or an error naming ``field``."""
   path = os.path.join(workdir, "model_config.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{field}={workdir!r} has no model_config.json (every posjax run writes one beside its "

@@ -173,8 +173,8 @@ def eval_steps(config: ml_collections.ConfigDict) -> frozenset[int]:
   return frozenset(s for s in steps if s < total - every / 2) | {total}
 
 
-# The config's numeric fields and their ranges (a rule a library class already enforces, as ``BertConfig``'s dropout
-# or ``Masking``'s rates, lives there alone).
+# The config's numeric fields and their ranges (a rule a library class already enforces, as ``TransformerConfig``'s
+# dropout or ``Masking``'s rates, lives there alone).
 RANGES = {
     "seed": NON_NEGATIVE, "batch_size": POSITIVE, "eval_batch_size": POSITIVE, "total_steps": POSITIVE,
     "total_epochs": POSITIVE, "total_examples": POSITIVE, "warmup_steps": NON_NEGATIVE, "warmup_fraction": FRACTION,
