@@ -1,5 +1,5 @@
 """Decoder pre-training as the field does it: a Llama-family model (Pre-RMSNorm, SwiGLU, grouped-query attention,
-no biases, untied LM head; :meth:`posjax.models.BertConfig.decoder`) predicting each next token of one token stream
+no biases, untied LM head; :meth:`posjax.models.TransformerConfig.llama`) predicting each next token of one token stream
 cut into full rows (``data.packing="stream"``), with any position method (``position=``, default ``rope``; ``none``
 is NoPE).
 

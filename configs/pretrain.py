@@ -99,7 +99,8 @@ def get_config(arg=None):
       norm="post",  # or "pre", "reordered" (OLMo 2's)
       activation="gelu",  # exact GELU (BERT); "gelu_tanh", "relu"
       dropout_rate=0.1, attention_dropout_rate=0.1,
-      # The decoder family's fields (configs/lm.py sets them as Llama's; posjax.models.BertConfig documents each).
+      # The decoder family's fields (configs/lm.py sets them as Llama's; posjax.models.TransformerConfig documents
+      # each).
       norm_type="layernorm", mlp="dense", use_bias="all", qk_norm=False, embedding_norm=True, tie_embeddings=True,
       lm_head="mlm", parallel_residual=False, qk_norm_axes="head", embedding_scale=False,
       query_scale=0.0, attention_softcap=0.0, final_logit_softcap=0.0, layer_windows="",
@@ -109,6 +110,9 @@ def get_config(arg=None):
       position_schedule="",  # ","-separated methods repeated over the layers ("rope,rope,rope,none": iRoPE)
       schedule_options={},  # {"rope@local": {"max_timescale": 10000.0}}: a schedule entry's own options
       first_attention_norm=True,  # False: ModernBERT's first layer, its attention without a norm
+      head_bias=True,  # the MLM head's transform has a bias (BERT's; ModernBERT's has none)
+      query_temperature={},  # {"kind": "llama4" | "ministral" | "ssmax", ...options}: queries scaled by position
+      temperature_layers="",  # the layers it scales, 0 / 1 repeated ("0,0,0,1"); "": every layer
       **SIZES[arg.size]))
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",

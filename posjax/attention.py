@@ -47,6 +47,7 @@ from absl import logging
 
 from posjax import kernels, partitioning
 from posjax.positions import base
+from posjax.positions import temperature as temperature_lib
 
 KERNELS = ("xla", "cudnn", "pallas", "auto")
 FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -282,7 +283,9 @@ class SelfAttention(nn.Module):
   of q and of k (``q_norm``, ``k_norm``, epsilon ``norm_eps``) before the position method, over each head
   (``qk_norm_axes="head"``: one scale of ``head_dim`` shared by the heads, Qwen3's and Gemma 3's) or over all the
   heads' width at once (``"all"``: a scale per head and feature, OLMo 2's); ``qk_norm_offset``: Gemma's ``(1 + w)``
-  form (:class:`OffsetRMSNorm`, Gemma 3's). ``softcap``: the logits capped at
+  form (:class:`OffsetRMSNorm`, Gemma 3's). ``temperature``: a
+  :class:`posjax.positions.temperature.Temperature` that scales each query by a factor of its position (Llama 4,
+  Ministral, SSMax), after the q/k norms and before the position method; None: none. ``softcap``: the logits capped at
   ``softcap · tanh(s / softcap)`` after every position term (Gemma 2's ``attn_logit_softcapping``;
   :class:`posjax.kernels.SoftCap`); 0: none. A layer's open terms (:class:`posjax.kernels.Term`) apply on every
   kernel in the op's order: the open terms, then the built-in ones.
@@ -299,6 +302,7 @@ class SelfAttention(nn.Module):
   qk_norm_axes: str = "head"
   softcap: float = 0.0
   qk_norm_offset: bool = False
+  temperature: Any = None
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -323,6 +327,9 @@ class SelfAttention(nn.Module):
                   nn.RMSNorm, epsilon=self.norm_eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
                   reduction_axes=axes, feature_axes=axes, scale_init=base.ones_init(names)))
       q, k = (norm(name=name)(x_BxLxHxK) for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
+    if self.temperature is not None:
+      q = temperature_lib.QueryTemperature(self.temperature, spec.causal, mask.sliding_window, spec.max_len,
+                                           name="temperature")(q, state.positions)
     if spec.method.layer is not None:
       inputs = (x_BxLxD,) if spec.method.reads_input else ()
       terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale, *inputs)

@@ -7,7 +7,7 @@ over its cache (:func:`posjax.attention.decode_step`: k/v heads only, positions 
 
   python -m posjax.generate --workdir=RUN --prompt="the history of" --max_new_tokens=20
 
-``module`` is a causal :class:`posjax.models.BertModel` with head ``lm`` (a decoder run's, or
+``module`` is a causal :class:`posjax.models.Transformer` with head ``lm`` (a decoder run's, or
 :func:`posjax.convert.from_hf`'s). The result is the prompt followed by the new tokens, ``[B, P + N]`` (Hugging
 Face's ``generate`` convention). Prompts of different lengths come left-padded with ``attention_mask`` (0 at the
 padding); their positions are then ``cumsum(mask) - 1``, as Hugging Face counts them. After ``eos_id`` a row

@@ -191,6 +191,12 @@ def test_models_hugging_face_cannot_express_are_refused():
     hf_bert.config_to_hf(TransformerConfig.tiny(position="huang_m4", position_options={"max_distance": 8}))
   with pytest.raises(ValueError, match=r"no value term"):
     hf_bert.config_to_hf(TransformerConfig.tiny(position="shaw", position_options={"value_term": True}))
+  # fields without weights of their own: an export that dropped them would attend everywhere, silently
+  with pytest.raises(ValueError, match=r"Hugging Face BERT cannot express layer_windows='5,0' \(it has BERT's: "
+                                       r"layer_windows=''\)"):
+    hf_bert.config_to_hf(TransformerConfig.tiny(layer_windows="5,0"))
+  with pytest.raises(ValueError, match=r"cannot express query_temperature="):
+    hf_bert.config_to_hf(TransformerConfig.tiny(query_temperature={"kind": "llama4"}))
 
 
 def tiny_hf_directory(directory, kind="absolute"):

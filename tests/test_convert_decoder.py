@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posjax import convert
+from posjax import convert, models
 from posjax.convert import hf_decoder
 
 transformers = pytest.importorskip("transformers")
@@ -83,6 +83,14 @@ def test_hugging_face_decoders_convert_both_ways(name, tmp_path):
   back = convert.to_hf(module.config, variables)
   assert type(back).__name__ == type(model).__name__
   np.testing.assert_allclose(hf_logits(back, ids), want, atol=2e-4 * np.abs(want).max(), rtol=0)
+
+
+def test_a_window_given_by_sliding_window_or_a_short_pattern_exports_as_gemma_2():
+  fields = dict(vocab_size=97, hidden_size=32, num_layers=4, num_heads=4, intermediate_size=48, max_len=64)
+  for windows in (dict(layer_windows="8,0"), dict(layer_windows="8,0,8,0")):
+    config = hf_decoder.config_from_hf(hf_decoder.config_to_hf(
+        models.TransformerConfig.gemma(norm="peri", query_scale=0.25, **windows, **fields)))
+    assert config.windows == (8, 0, 8, 0)
 
 
 def test_a_converted_gemma_3_generates_what_hugging_face_generates(tmp_path):

@@ -50,7 +50,8 @@ def test_the_modernbert_preset_is_modernbert_bases_layout():
 
   converted = hf_modernbert.config_from_hf(transformers.ModernBertConfig().to_dict())
   preset = TransformerConfig.modernbert(vocab_size=converted.vocab_size)
-  layers = lambda c: (c.windows, [(c.method_specs[n].method.name, c.method_specs[n].options) for n in c.layer_positions])
+  layers = lambda c: (c.windows, [(c.method_specs[n].method.name, c.method_specs[n].options)
+                                  for n in c.layer_positions])
   assert layers(preset) == layers(converted)
   drop = ("layer_windows", "position_schedule", "schedule_options")
   assert {k: v for k, v in preset.to_dict().items() if k not in drop} == {
@@ -59,7 +60,7 @@ def test_the_modernbert_preset_is_modernbert_bases_layout():
 
 @pytest.mark.parametrize("fields,message", [
     (dict(norm_bias=True), "norm_bias=True"),
-    (dict(attention_bias=True), "posjax represents all of them False"),
+    (dict(attention_bias=True), "posjax represents both False"),
     (dict(classifier_activation="silu"), "classifier_activation='silu'"),
 ])
 def test_what_posjax_cannot_represent_is_an_error(fields, message):
@@ -67,3 +68,17 @@ def test_what_posjax_cannot_represent_is_an_error(fields, message):
         "num_attention_heads": 4, "intermediate_size": 48, **fields}
   with pytest.raises(ValueError, match=message):
     hf_modernbert.config_from_hf(hf)
+
+
+def test_a_model_with_a_task_head_is_refused_for_export():
+  import jax
+  import jax.numpy as jnp
+
+  from posjax.models import Transformer, TransformerConfig
+
+  config = TransformerConfig.modernbert(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=40,
+                                        max_len=32)
+  variables = jax.eval_shape(Transformer(config, head="classification").init, jax.random.key(0),
+                             jnp.zeros((1, 8), jnp.int32))
+  with pytest.raises(ValueError, match=r"a task head \(classifier, pooler\): export the pre-training run"):
+    hf_modernbert.to_hf_modernbert(config, jax.tree.map(np.zeros_like, variables))

@@ -35,6 +35,12 @@ TO_HF_POSITIONS = {"absolute": "absolute", "shaw": "relative_key", "huang_m4": "
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "relu": "relu"}
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+# posjax fields that Hugging Face BERT (and ELECTRA) have at posjax's defaults only: the export refuses others (no
+# weight would show that a window, a schedule or a temperature was lost)
+BERT_FIXED = ("norm_type", "mlp", "use_bias", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
+              "sliding_window", "layer_windows", "position_schedule", "schedule_options", "query_temperature",
+              "temperature_layers", "first_attention_norm", "embedding_scale", "query_scale", "attention_softcap",
+              "final_logit_softcap", "head_bias")
 # Hugging Face config fields posjax has no counterpart for, with the values it can represent.
 UNSUPPORTED = {"add_cross_attention": False}
 # Weights posjax has no place for and drops (with a log line): buffers, the NSP head, and the absolute table of
@@ -87,6 +93,15 @@ def config_to_hf(config: TransformerConfig) -> dict:
       raise ValueError("Hugging Face's relative_key has no value term; this shaw model has value_term=True")
   if config.norm != "post":
     raise ValueError(f"Hugging Face BERT is Post-LN; this model has norm={config.norm!r}")
+  bert = TransformerConfig(num_heads=config.num_heads, hidden_size=config.hidden_size)
+  differ = [f"{f}={getattr(config, f)!r}" for f in BERT_FIXED if getattr(config, f) != getattr(bert, f)]
+  if config.position_spec.kv_heads != config.num_heads or config.position_spec.head_dim * config.num_heads != (
+      config.hidden_size):
+    differ.append(f"num_kv_heads={config.num_kv_heads}, head_dim={config.head_dim}")
+  if differ:
+    raise ValueError(f"Hugging Face BERT cannot express {', '.join(differ)} (it has BERT's: "
+                     + ", ".join(f"{f}={getattr(bert, f)!r}" for f in BERT_FIXED if f"{f}=" in " ".join(differ))
+                     + ")")
   return {
       "model_type": "bert", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
       "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
@@ -264,7 +279,7 @@ def from_hf_bert(source) -> tuple[Transformer, dict]:
   """``(module, variables)`` equal to a Hugging Face BERT: an in-memory ``transformers`` model or a directory.
 
   ``module.apply(variables, input_ids, token_type_ids=..., attention_mask=...)`` returns a
-  :class:`posjax.models.BertOutput` (``last_hidden_state``, and the head's logits)."""
+  :class:`posjax.models.TransformerOutput` (``last_hidden_state``, and the head's logits)."""
   hf_config, state, where = read_source(source)
   state = _strip(state)
   config = config_from_hf(hf_config)

@@ -4,7 +4,7 @@ gate/up weights, LongRoPE, partial rotary, a sliding window), GPT-NeoX (partial 
 (learned absolute positions), OLMo 2, Gemma and Gemma 2 and Gemma 3's text model (its local and global layers, each
 with its own RoPE base: ``position_schedule``).
 
-Each is the decoder preset of posjax's one stack (:meth:`posjax.models.BertConfig.decoder`) with the family's
+Each is the decoder preset of posjax's one stack (:meth:`posjax.models.TransformerConfig.llama`) with the family's
 fields; the state-dict mapping is a table of names per family (:data:`LLAMA_LAYER`, :data:`GPT2_LAYER`), not code
 per model (GPT-NeoX's fused ``query_key_value`` is per head ``[q_h, k_h, v_h]``; GPT-2's ``c_attn`` is
 ``[q, k, v]`` of Conv1D ``[in, out]`` weights). ``*ForCausalLM`` / ``GPT2LMHeadModel`` come across with the ``lm``
@@ -138,7 +138,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
     use_bias = "none"
   window = hf.get("sliding_window") if model_type in WINDOWED else None
   gemma2 = _gemma2_fields(hf, model_type) if model_type in ("gemma2", "gemma3_text") else {}
-  rope = _rope_from_hf(hf)
+  rope = _rope_from_hf({"rope_theta": 1_000_000.0, **hf} if model_type == "gemma3_text" else hf)
   fraction = float(hf.get("partial_rotary_factor", 1.0)) if model_type == "phi3" else 1.0
   if fraction != 1.0:
     rope["rotary_fraction"] = fraction
@@ -274,12 +274,13 @@ def _compared(config: TransformerConfig) -> dict:
   """What a Hugging Face family must reproduce of a config: its fields (defaults resolved: the heads' width and
   count, the position method's options), less the run's choices (kernel, dtypes, remat, layout, dropout)."""
   skip = ("attention_kernel", "kernel_platform", "dtype", "param_dtype", "remat", "scan_layers", "dropout_rate",
-          "attention_dropout_rate", "position_options", "head_dim", "num_kv_heads", "schedule_options")
+          "attention_dropout_rate", "position_options", "head_dim", "num_kv_heads", "schedule_options",
+          "layer_windows", "sliding_window")
   values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TransformerConfig) if f.name not in skip}
   spec, specs = config.position_spec, config.method_specs
   schedule = tuple((specs[n].method.name, specs[n].options) for n in config.layer_positions)  # not the entries' tags
   return {**values, "position_options": spec.options, "head_dim": spec.head_dim, "num_kv_heads": spec.kv_heads,
-          "position_schedule": schedule if len(set(schedule)) > 1 else ()}
+          "position_schedule": schedule if len(set(schedule)) > 1 else (), "windows": config.windows}
 
 
 def _fields_to_hf(config: TransformerConfig, model_type: str) -> dict:
@@ -466,7 +467,7 @@ def params_from_hf(config: TransformerConfig, model_type: str, state: Mapping[st
 
 def from_hf_decoder(source) -> tuple[Transformer, dict]:
   """``(module, variables)`` equal to a Hugging Face decoder (:data:`MODEL_TYPES`): an in-memory ``transformers``
-  model or a directory. ``module.apply(variables, input_ids)`` returns a :class:`posjax.models.BertOutput` whose
+  model or a directory. ``module.apply(variables, input_ids)`` returns a :class:`posjax.models.TransformerOutput` whose
   ``.logits`` are the causal LM's (``last_hidden_state`` for a base model)."""
   hf_config, state, where = read_source(source)
   config = config_from_hf(hf_config)

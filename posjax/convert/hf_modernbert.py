@@ -43,9 +43,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
   if hf.get("classifier_activation", act) != act:
     raise ValueError(f"config.json has classifier_activation={hf['classifier_activation']!r} and hidden_activation="
                      f"{act!r}; posjax's MLM head takes the layers' activation")
-  biases = {field: bool(hf.get(field, False)) for field in ("attention_bias", "mlp_bias", "classifier_bias")}
+  biases = {field: bool(hf.get(field, False)) for field in ("attention_bias", "mlp_bias")}
   if len(set(biases.values())) > 1:
-    raise ValueError(f"config.json has {biases}; posjax represents all of them False (ModernBERT's) or all True")
+    raise ValueError(f"config.json has {biases}; posjax represents both False (ModernBERT's) or both True")
   if hf.get("norm_bias", False) or not hf.get("decoder_bias", True):
     raise ValueError(f"config.json has norm_bias={hf.get('norm_bias')!r}, decoder_bias={hf.get('decoder_bias')!r}; "
                      "posjax represents ModernBERT's norm_bias=False, decoder_bias=True")
@@ -53,7 +53,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
   local = [i % every != 0 for i in range(layers)]
   window = int(hf.get("local_attention", 128)) // 2 + 1
   global_theta = float(hf.get("global_rope_theta", 160_000.0))
-  local_theta = float(hf.get("local_rope_theta") or global_theta)
+  # absent: ModernBertConfig's 10,000; null: the global base (as its attention reads it)
+  local_theta = float(hf.get("local_rope_theta", 10_000.0) or global_theta)
   dropout = {float(hf.get(f, 0.0)) for f in ("embedding_dropout", "mlp_dropout")}
   if len(dropout) > 1:
     raise ValueError(f"config.json has embedding_dropout={hf.get('embedding_dropout')} and mlp_dropout="
@@ -69,7 +70,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
       max_len=int(hf.get("max_position_embeddings", 8192)), type_vocab_size=0, position="rope",
       position_options={"max_timescale": global_theta}, norm="pre", norm_type="layernorm_nobias",
       first_attention_norm=False, mlp="gated", activation=ACTIVATIONS[act],
-      use_bias="all" if biases["attention_bias"] else "none", layer_norm_eps=float(hf.get("norm_eps", 1e-5)),
+      use_bias="all" if biases["attention_bias"] else "none", head_bias=bool(hf.get("classifier_bias", False)),
+      layer_norm_eps=float(hf.get("norm_eps", 1e-5)),
       dropout_rate=dropout.pop(), attention_dropout_rate=float(hf.get("attention_dropout", 0.0)), **schedule)
 
 
@@ -91,7 +93,7 @@ def config_to_hf(config: TransformerConfig) -> dict:
             "hidden_activation": {"gelu_tanh": "gelu_pytorch_tanh"}.get(config.activation, config.activation),
             "norm_eps": config.layer_norm_eps, "norm_bias": False, "decoder_bias": True,
             "attention_bias": config.use_bias == "all", "mlp_bias": config.use_bias == "all",
-            "classifier_bias": config.use_bias == "all", "global_attn_every_n_layers": every,
+            "classifier_bias": config.head_bias, "global_attn_every_n_layers": every,
             "local_attention": 2 * (windows.pop() - 1) if len(windows) == 1 else 128,
             "global_rope_theta": config.position_spec.options.max_timescale,
             "local_rope_theta": next((s.options.max_timescale for s, x in zip(specs, local) if x), 10_000.0),
@@ -149,7 +151,7 @@ def params_from_hf(config: TransformerConfig, state: Mapping[str, np.ndarray]) -
   out["encoder/final_norm/scale"] = take(f"{prefix}final_norm.weight")
   if head == "mlm":
     out["transform/kernel"] = take("head.dense.weight").T
-    if bias:
+    if config.head_bias:
       out["transform/bias"] = take("head.dense.bias")
     out["transform_norm/scale"] = take("head.norm.weight")
     out["output_bias"] = take("decoder.bias")
@@ -217,6 +219,10 @@ def to_hf_modernbert(config: TransformerConfig, variables: Mapping):
   import transformers
 
   params = model_params(variables)
+  heads = sorted(set(params) & {"pooler", "classifier", "span", "rtd"})
+  if heads:
+    raise ValueError(f"the ModernBERT export writes ModernBertForMaskedLM or ModernBertModel; these parameters have a "
+                     f"task head ({', '.join(heads)}): export the pre-training run they started from")
   fields = config_to_hf(config)
   hf_config = transformers.ModernBertConfig(**{k: v for k, v in fields.items() if k != "model_type"},
                                             attn_implementation="eager", reference_compile=False)

@@ -11,7 +11,9 @@ from posjax.models import heads, transformer
 def __getattr__(name: str):
   """An old name (:data:`posjax.models.DEPRECATED`) or a name of the two modules this one was split into."""
   if name in models.DEPRECATED:
-    return getattr(models, name)
+    warnings.warn(f"posjax.models.bert.{name} is deprecated: use posjax.models.{models.DEPRECATED[name]} (the same "
+                  "class; the old name goes in the next release)", DeprecationWarning, stacklevel=2)
+    return getattr(models, models.DEPRECATED[name])
   for module in (transformer, heads):
     if hasattr(module, name):
       warnings.warn(f"posjax.models.bert is deprecated: {name} is posjax.models.{module.__name__.split('.')[-1]}."

@@ -72,7 +72,7 @@ class Electra(nn.Module):
 
   def generate(self, input_ids_BxL, masked_positions_BxM, *, deterministic: bool = True, **encoder_kwargs):
     """``[B, M, V]`` logits of the generator at ``masked_positions`` (NaN rows for indices outside the
-    sequence, as :class:`posjax.models.BertModel`'s ``mlm`` head)."""
+    sequence, as :class:`posjax.models.Transformer`'s ``mlm`` head)."""
     h_BxLxD = self.generator(input_ids_BxL, deterministic=deterministic, **encoder_kwargs).last_hidden_state
     h_BxMxD = jnp.take_along_axis(h_BxLxD, masked_positions_BxM[..., None], axis=1, mode="fill",
                                   fill_value=jnp.nan)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 def train_step_flops(config, tokens: int, length: int, head_tokens: int = 0) -> float:
-  """Model FLOPs of one training step of ``config`` (a :class:`posjax.models.BertConfig`) over ``tokens`` tokens
+  """Model FLOPs of one training step of ``config`` (a :class:`posjax.models.TransformerConfig`) over ``tokens`` tokens
   of sequences ``length`` long, the head reading ``head_tokens`` of them."""
   d, e, spec = config.hidden_size, config.embed_width, config.position_spec
   heads, kv_heads, head_dim = spec.num_heads, spec.kv_heads, spec.head_dim

@@ -25,7 +25,7 @@ def mlm_head(module: nn.Module, encoder: TransformerStack, h_BxMxD):
 def mlm_transform(module: nn.Module, encoder: TransformerStack, h_BxMxD):
   """``(states, output bias)`` of BERT's MLM head before its product with the word embeddings."""
   c = encoder.config
-  transform = _dense(c, c.embed_width, (base.EMBED, MLP), "transform", c.use_bias == "all")  # ModernBERT's: none
+  transform = _dense(c, c.embed_width, (base.EMBED, MLP), "transform", c.head_bias)  # ModernBERT's: none
   h_BxMxE = _layer_norm(c, "transform_norm")(ACTIVATIONS[c.activation](transform(h_BxMxD)))
   return h_BxMxE, module.param("output_bias", base.zeros_init((VOCAB,)), (c.vocab_size,), DTYPES[c.param_dtype])
 

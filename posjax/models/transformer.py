@@ -23,6 +23,7 @@ from flax.core import FrozenDict
 from posjax import attention, kernels, partitioning, positions as positions_lib
 from posjax.models import layout
 from posjax.positions import base
+from posjax.positions import temperature as temperature_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ACTIVATIONS = {"gelu": functools.partial(nn.gelu, approximate=False),
@@ -100,6 +101,7 @@ class TransformerConfig:
       float32), epsilon ``layer_norm_eps``, for every norm of the stack.
     first_attention_norm: False: the first layer's attention reads the (normed) embeddings without a norm of its
       own (ModernBERT's, with ``norm="pre"``); default True.
+    head_bias: the MLM head's transform has a bias (BERT's); False: none (ModernBERT's ``classifier_bias=False``).
     embedding_scale: the word embeddings times ``sqrt(hidden_size)`` (in the compute dtype), Gemma's.
     query_scale: the factor on q·k (Gemma 2's ``query_pre_attn_scalar ** -0.5``); 0: the method's.
     attention_softcap: each layer's logits capped at ``c · tanh(s / c)`` after its position terms (Gemma 2's
@@ -110,9 +112,8 @@ class TransformerConfig:
       ``scan_layers`` when the windows differ.
     mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
       ``activation="silu"``, Shazeer 2020).
-    use_bias: which projections have biases: ``all`` (BERT; the MLM head's transform too), ``none`` (Llama,
-      ModernBERT), ``qkv`` (q/k/v only: Qwen2), ``attention`` (q/k/v and the output projection, not the MLP's:
-      Llama's ``attention_bias=True``).
+    use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama, ModernBERT), ``qkv`` (q/k/v only:
+      Qwen2), ``attention`` (q/k/v and the output projection, not the MLP's: Llama's ``attention_bias=True``).
     qk_norm: an RMSNorm of q and k before the position method (Qwen3, OLMo 2, Gemma 3); ``qk_norm_axes``: over
       each head (``head``: Qwen3's, Gemma 3's) or over all the heads' width at once (``all``: OLMo 2's).
     embedding_norm: the norm after the embeddings (BERT's); False: none (GPT-2, Llama).
@@ -133,6 +134,11 @@ class TransformerConfig:
       ``scan_layers`` (its layers are one program) or methods that add an input embedding.
     schedule_options: ``{schedule entry: its method's options}`` for the entries of ``position_schedule`` other
       than ``position`` (whose options are ``position_options``); an entry it does not name takes its defaults.
+    query_temperature: each query scaled by a factor of its position (:mod:`posjax.positions.temperature`):
+      ``{"kind": "llama4", "floor_scale": 8192, "attn_scale": 0.1}`` (Llama 4's NoPE layers), ``{"kind":
+      "ministral", "beta": 0.1, "original_max_len": 16384}`` or ``{"kind": "ssmax"}`` (a learned ``s log n`` per
+      head; causal); empty: none. ``temperature_layers``: the layers it applies to, ``,``-separated 0 / 1 repeated
+      over the depth (``"0,0,0,1"``: every fourth, Llama 4's NoPE layers); empty: every layer.
   """
 
   vocab_size: int = 30522
@@ -166,6 +172,7 @@ class TransformerConfig:
   qk_norm_axes: str = "head"
   embedding_scale: bool = False
   first_attention_norm: bool = True
+  head_bias: bool = True
   query_scale: float = 0.0
   attention_softcap: float = 0.0
   final_logit_softcap: float = 0.0
@@ -177,6 +184,8 @@ class TransformerConfig:
   sliding_window: int = 0
   position_schedule: str = ""
   schedule_options: Mapping[str, Mapping[str, Any]] = FrozenDict()
+  query_temperature: Mapping[str, Any] = FrozenDict()
+  temperature_layers: str = ""
 
   def __post_init__(self):
     # lists as tuples (LongRoPE's factors from a config or JSON): the config is hashed as a static argument
@@ -187,6 +196,16 @@ class TransformerConfig:
       raise ValueError(f"schedule_options must map schedule entries to option dicts, got {self.schedule_options!r}")
     object.__setattr__(self, "schedule_options", FrozenDict({k: frozen(v) for k, v in
                                                              (self.schedule_options or {}).items()}))
+    object.__setattr__(self, "query_temperature", frozen(self.query_temperature))
+    if self.temperature_layers and not self.query_temperature:
+      raise ValueError(f"temperature_layers={self.temperature_layers!r} without a query_temperature")
+    temperatures = self.layer_temperatures  # checks the options, here rather than when the model is built
+    if temperatures[0] is not None and temperatures[0].kind == "ssmax" and not self.causal:
+      raise ValueError("query_temperature kind 'ssmax' counts each query's keys from its position: a causal model "
+                       "only (causal=True)")
+    if self.scan_layers and len(set(temperatures)) > 1:
+      raise ValueError(f"temperature_layers={self.temperature_layers!r} scales some layers' queries only; "
+                       "scan_layers=True needs one layer program (set scan_layers=False)")
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len"):
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
@@ -225,7 +244,7 @@ class TransformerConfig:
     if not self.tie_embeddings and self.lm_head != "linear":
       raise ValueError("tie_embeddings=False needs lm_head='linear' (BERT's MLM head is tied)")
     for field in ("scan_layers", "causal", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
-                  "embedding_scale", "first_attention_norm"):
+                  "embedding_scale", "first_attention_norm", "head_bias"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
     if self.embedding_size < 0:
@@ -264,6 +283,7 @@ class TransformerConfig:
     values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
     values["position_options"] = dict(self.position_options)
     values["schedule_options"] = {k: dict(v) for k, v in self.schedule_options.items()}
+    values["query_temperature"] = dict(self.query_temperature)
     return values
 
   @functools.cached_property
@@ -289,6 +309,19 @@ class TransformerConfig:
     if any(w < 0 for w in sizes):
       raise ValueError(f"layer_windows={self.layer_windows!r}: each window must be >= 0 (0: the whole context)")
     return tuple(sizes[i % len(sizes)] for i in range(self.num_layers))
+
+  @functools.cached_property
+  def layer_temperatures(self) -> tuple[temperature_lib.Temperature | None, ...]:
+    """Each layer's query temperature (None: none): ``query_temperature`` on the layers ``temperature_layers``
+    flags (every layer where it is empty)."""
+    temperature = temperature_lib.Temperature.parse(self.query_temperature)
+    if not self.temperature_layers:
+      return (temperature,) * self.num_layers
+    flags = tuple(f.strip() for f in str(self.temperature_layers).split(","))
+    if not set(flags) <= {"0", "1"}:
+      raise ValueError(f"temperature_layers={self.temperature_layers!r}: expected ','-separated 0 / 1, e.g. "
+                       "'0,0,0,1'")
+    return tuple(temperature if flags[i % len(flags)] == "1" else None for i in range(self.num_layers))
 
   @functools.cached_property
   def layer_positions(self) -> tuple[str, ...]:
@@ -359,6 +392,7 @@ class TransformerConfig:
                          position_schedule="rope,rope@local,rope@local", layer_windows="0,65,65",
                          schedule_options={"rope@local": {"max_timescale": 10_000.0}}, norm="pre",
                          norm_type="layernorm_nobias", first_attention_norm=False, mlp="gated", use_bias="none",
+                         head_bias=False,
                          layer_norm_eps=1e-5, dropout_rate=0.0, attention_dropout_rate=0.0), **overrides})
 
   # the presets' names before 0.2.0
@@ -433,6 +467,7 @@ class TransformerLayer(nn.Module):
   scanned: bool = False
   position: str = ""
   attention_norm: bool = True  # False: ModernBERT's first layer (``first_attention_norm``)
+  temperature: Any = None  # its query temperature (config.layer_temperatures)
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState, mask: attention.Mask, deterministic: bool,
@@ -449,6 +484,7 @@ class TransformerLayer(nn.Module):
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
                                      qk_norm_axes=c.qk_norm_axes, softcap=c.attention_softcap,
                                      qk_norm_offset=c.norm_type == "offset_rmsnorm",
+                                     temperature=self.temperature,
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"
 
@@ -490,13 +526,13 @@ def encoder_layers(config: TransformerConfig):
                      static_argnums=(4, 5))
   if not config.scan_layers:
     return [layer(config, position=name if config.position_schedule else "",
-                  attention_norm=i > 0 or config.first_attention_norm, name=f"layer_{i}")
-            for i, name in enumerate(config.layer_positions)]
+                  attention_norm=i > 0 or config.first_attention_norm, temperature=config.layer_temperatures[i],
+                  name=f"layer_{i}") for i, name in enumerate(config.layer_positions)]
   scan = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0, "cache": 0},
                  split_rngs={"params": True, "dropout": True},
                  in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_layers,
                  metadata_params={nn.PARTITION_NAME: layout.STACKED})
-  return scan(config, scanned=True, name=layout.STACKED)
+  return scan(config, scanned=True, temperature=config.layer_temperatures[0], name=layout.STACKED)
 
 
 class TransformerStack(nn.Module):
@@ -540,7 +576,7 @@ class TransformerStack(nn.Module):
       self.embeddings_project = _dense(c, c.hidden_size, (base.EMBED, MLP), "embeddings_project")
     self.layers = encoder_layers(c)
     # the schedule's other methods (position_schedule), each its own shared terms: ``position_<name>``
-    self.scheduled = {name: other.method.encoder(spec=other, name=f"position_{name.replace('@', '_')}")
+    self.scheduled = {name: other.method.encoder(spec=other, name=f"position_{name}")
                       for name, other in c.method_specs.items() if name != c.position}
     if c.norm != "post":  # a norm after the last layer (the decoders')
       self.final_norm = _layer_norm(c, "final_norm")

@@ -48,6 +48,8 @@ ADDED_FIELDS = {
     "model.final_logit_softcap": lambda before, now: 0.0,
     "model.layer_windows": lambda before, now: "",
     "model.first_attention_norm": lambda before, now: True,
+    "model.head_bias": lambda before, now: True,
+    "model.temperature_layers": lambda before, now: "",
 }
 
 

@@ -33,7 +33,7 @@ def key_major_tile(plan: Plan, r: dict, i, j):
   if plan.causal:
     allowed_TxQ = allowed_TxQ & (key_TxQ <= query_TxQ)
   if plan.sliding_window:
-    allowed_TxQ = allowed_TxQ & (query_TxQ - key_TxQ < plan.sliding_window)
+    allowed_TxQ = allowed_TxQ & (jnp.abs(query_TxQ - key_TxQ) < plan.sliding_window)
   return z_TxQ, allowed_TxQ, key_TxQ, query_TxQ
 
 
