@@ -82,7 +82,7 @@ def test_a_converted_llama_with_its_own_tokenizer_is_prompted_trained_and_export
   model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=len(hf_tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=2, max_position_embeddings=64, bos_token_id=hf_tokenizer.bos_token_id,
-      eos_token_id=hf_tokenizer.eos_token_id)).eval()
+      eos_token_id=[hf_tokenizer.eos_token_id, 7])).eval()  # a list of eos ids, as Llama 3's
   model.save_pretrained(tmp_path / "hf", safe_serialization=True)
   assert cli.main(["hf-to-posjax", "--from", str(tmp_path / "hf"), "--workdir", str(tmp_path / "converted")]) == 0
 
@@ -123,8 +123,9 @@ def test_a_converted_llama_with_its_own_tokenizer_is_prompted_trained_and_export
     assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
   assert type(back).__name__ == "LlamaForCausalLM"
+  # the continued run keeps its source's special tokens (the list of eos ids too), its tokenizer being the same
   assert (back.config.bos_token_id, back.config.eos_token_id) == (hf_tokenizer.bos_token_id,
-                                                                  hf_tokenizer.eos_token_id)
+                                                                  [hf_tokenizer.eos_token_id, 7])
   ids = torch.from_numpy(np.random.default_rng(1).integers(0, len(hf_tokenizer), (1, 9)))
   with torch.no_grad():  # the weights taken at learning rate 0 come back as they went in
     want = model(ids).logits.numpy()

@@ -277,11 +277,8 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
       model = hf_decoder.to_hf_decoder(config, {"params": params}, source if source != "bert" else None)
     elif hf_modernbert.is_modernbert(config):  # its source's special token ids, where it was converted
       model = hf_modernbert.to_hf_modernbert(config, {"params": params})
-      recorded = os.path.join(run, checkpoint_lib.SPECIAL_TOKENS)
-      if os.path.isfile(recorded):
-        with open(recorded) as f:
-          for name, value in json.load(f).items():
-            setattr(model.config, name, value)
+      for name, value in (checkpoint_lib.recorded_special_tokens(run) or {}).items():
+        setattr(model.config, name, value)
     elif source == "electra" or "rtd" in params:
       model = hf_electra.to_hf_electra(config, {"params": params})
     else:

@@ -387,16 +387,39 @@ CLS_PACKINGS = ("full_sentence", "documents")  # the packings whose rows start w
 LM_TASKS = ("mlm", "clm", "electra")  # the pre-training tasks: a run of any other is a fine-tune with its own head
 
 
+def recorded_special_tokens(workdir: str, seen: frozenset = frozenset()) -> dict | None:
+  """A converted model's recorded ids (:data:`SPECIAL_TOKENS`): its own, else those of the run it started from
+  (``init_from`` / ``init``, followed back) where both read the same tokenizer file, byte for byte (a run that
+  continues a converted model keeps its source's list of eos ids); None where no run of the chain recorded any."""
+  recorded = os.path.join(workdir, SPECIAL_TOKENS)
+  if os.path.isfile(recorded):
+    with open(recorded) as f:
+      return json.load(f)
+  config, vocab = run_config(workdir), vocab_file_of(workdir)
+  for field in ("init_from", "init"):
+    source = run_directory(config[field]) if config.get(field) else ""
+    if not source or source in seen or not os.path.isdir(source):
+      continue
+    theirs = vocab_file_of(source)
+    if vocab and theirs and os.path.isfile(vocab) and os.path.isfile(theirs) and _same_bytes(vocab, theirs):
+      return recorded_special_tokens(source, seen | {workdir})
+  return None
+
+
+def _same_bytes(a: str, b: str) -> bool:
+  with open(a, "rb") as x, open(b, "rb") as y:
+    return x.read() == y.read()
+
+
 def special_token_ids(workdir: str) -> dict:
   """A causal run's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` (Hugging Face's names; None where it
   has none): a converted model's own (:data:`SPECIAL_TOKENS`, recorded from its source), else what its packing put in
   its rows with its tokenizer (:func:`vocab_file_of`): [PAD] as pad; under the decoders' ``stream`` packings [SEP]
   (each document's last token) as eos and no bos; under ``full_sentence`` / ``documents`` [CLS] (each row's first
   token) as bos and no eos (there [SEP] ends a sentence, not the text)."""
-  recorded = os.path.join(workdir, SPECIAL_TOKENS)
-  if os.path.isfile(recorded):
-    with open(recorded) as f:
-      return json.load(f)
+  recorded = recorded_special_tokens(workdir)
+  if recorded is not None:
+    return recorded
   vocab = vocab_file_of(workdir)
   if not vocab:
     return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
@@ -416,9 +439,8 @@ def prompt_prefix(workdir: str, special_ids: dict, tokenizer: Tokenizer | None =
   puts first (Llama's bos), as under the stream packings and in Hugging Face's ``tokenizer(prompt)``."""
   if tokenizer is not None and tokenizer.reads_text:
     starts = (run_config(workdir).get("data") or {}).get("packing", "stream") in CLS_PACKINGS
-    return [tokenizer.cls_id] if starts and not os.path.isfile(os.path.join(workdir, SPECIAL_TOKENS)) else list(
-        tokenizer.start_ids)
-  if os.path.isfile(os.path.join(workdir, SPECIAL_TOKENS)) or special_ids["bos_token_id"] is None:
+    return [tokenizer.cls_id] if starts and recorded_special_tokens(workdir) is None else list(tokenizer.start_ids)
+  if recorded_special_tokens(workdir) is not None or special_ids["bos_token_id"] is None:
     return []
   return [special_ids["bos_token_id"]]
 
