@@ -147,3 +147,25 @@ def test_add_bos_token_counts_where_hugging_faces_class_reads_it(style, add_bos,
   ids = transformers.AutoTokenizer.from_pretrained(tmp_path)("the sky").input_ids
   tokenizer = Tokenizer.load(str(tmp_path / "tokenizer.json"))
   assert tokenizer.start_ids + tokenizer.encode("the sky") == ids and tokenizer.start_ids == [tokenizer.bos_id]
+
+
+def test_a_run_resumed_with_other_tokenizer_settings_is_refused(tmp_path):
+  """The tokenizer a run records covers its settings files (they name its special tokens and whether a bos is
+  added); a run recorded by its tokenizer.json alone (before the settings counted) still resumes."""
+  import ml_collections
+
+  from posjax.train import validate
+
+  hf_tokenizers.save("sentencepiece_bpe", tmp_path / "tok")
+  config = ml_collections.ConfigDict({"data": {"vocab_file": str(tmp_path / "tok" / "tokenizer.json")}})
+  (tmp_path / "run").mkdir()
+  validate.check_vocabulary(config, str(tmp_path / "run"))
+  validate.check_vocabulary(config, str(tmp_path / "run"))  # the same files: resumes
+  settings = tmp_path / "tok" / "tokenizer_config.json"
+  settings.write_text(json.dumps({**json.loads(settings.read_text()), "add_bos_token": False}))
+  with pytest.raises(ValueError, match=r"was trained with the tokenizer \S+tokenizer.json \(sha256 \w{12}\); this "
+                                       r"config's \S+tokenizer.json is another"):
+    validate.check_vocabulary(config, str(tmp_path / "run"))
+  legacy = {"file": config.data.vocab_file, "sha256": validate._sha256(config.data.vocab_file, settings=False)}
+  (tmp_path / "run" / validate.VOCABULARY).write_text(json.dumps(legacy))
+  validate.check_vocabulary(config, str(tmp_path / "run"))

@@ -19,6 +19,7 @@ import numpy as np
 
 from posjax import config_args
 from posjax import results as results_lib
+from posjax.data import tokenizer as tokenizer_lib
 from posjax.config_args import FRACTION, NON_NEGATIVE, POSITIVE, at_least
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import lock as lock_lib
@@ -102,14 +103,19 @@ def recorded_vocabulary(run: str) -> dict | None:
   return {"file": os.path.abspath(vocab), "sha256": _sha256(vocab)} if vocab and os.path.isfile(vocab) else None
 
 
-def _sha256(path: str) -> str:
+def _sha256(path: str, settings: bool = True) -> str:
   """The sha256 of a tokenizer file as its reader sees it: a WordPiece vocab.txt by its pieces, one a line without
-  trailing whitespace (a copy with CRLF line ends is the same vocabulary), any other file by its bytes."""
-  with open(path, "rb") as f:
-    data = f.read()
+  trailing whitespace (a copy with CRLF line ends is the same vocabulary), any other file by its bytes and, where it
+  has them, those of its Hugging Face settings files beside it (``settings``; they name its special tokens:
+  :func:`posjax.data.tokenizer.digest`, the caches' and prepared corpora's key too)."""
   if path.endswith(".txt"):
-    data = b"\n".join(line.rstrip() for line in data.rstrip(b"\r\n").split(b"\n"))
-  return hashlib.sha256(data).hexdigest()
+    with open(path, "rb") as f:
+      data = f.read()
+    return hashlib.sha256(b"\n".join(line.rstrip() for line in data.rstrip(b"\r\n").split(b"\n"))).hexdigest()
+  if settings:
+    return tokenizer_lib.digest(path)
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
 
 
 def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: bool = True,
@@ -121,17 +127,19 @@ def check_vocabulary(config: ml_collections.ConfigDict, workdir: str, write: boo
   if not vocab or not os.path.isfile(vocab):
     return
   digest = _sha256(vocab)
+  # what runs recorded before the settings files counted: the file's bytes alone (accepted for them only)
+  legacy = _sha256(vocab, settings=False)
   runs = [(workdir, "")] + [(checkpoint_lib.run_directory(config[f]), f" (config.{f})") for f in ("init", "init_from")
                             if config.get(f)]
   for run, role in runs + [(source, " (the evaluated run)") for source in sources]:
     recorded = recorded_vocabulary(run) if os.path.isdir(run) else None
-    if recorded and recorded["sha256"] != digest:
+    if recorded and recorded["sha256"] not in (digest, legacy if recorded.get("settings") is None else digest):
       raise ValueError(f"{run}{role} was trained with the tokenizer {recorded['file']} (sha256 "
                        f"{recorded['sha256'][:12]}); this config's {vocab} is another (sha256 {digest[:12]}), whose "
                        "ids name other pieces: use that run's tokenizer" + ("" if role else ", or another workdir"))
   if write and jax.process_index() == 0 and not os.path.isfile(os.path.join(workdir, VOCABULARY)):
-    results_lib.write_json(os.path.join(workdir, VOCABULARY), {"file": os.path.abspath(vocab), "sha256": digest},
-                           indent=1)
+    results_lib.write_json(os.path.join(workdir, VOCABULARY), {"file": os.path.abspath(vocab), "sha256": digest,
+                                                               "settings": True}, indent=1)
 
 
 def resolve_durations(config: ml_collections.ConfigDict, examples_per_epoch: int | None = None
