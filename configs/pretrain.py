@@ -111,6 +111,7 @@ def get_config(arg=None):
       schedule_options={},  # {"rope@local": {"max_timescale": 10000.0}}: a schedule entry's own options
       first_attention_norm=True,  # False: ModernBERT's first layer, its attention without a norm
       head_bias=True,  # the MLM head's transform has a bias (BERT's; ModernBERT's has none)
+      attention_sinks=False,  # a learned logit per head in each softmax's denominator (GPT-OSS)
       query_temperature={},  # {"kind": "llama4" | "ministral" | "ssmax", ...options}: queries scaled by position
       temperature_layers="",  # the layers it scales, 0 / 1 repeated ("0,0,0,1"); "": every layer
       **SIZES[arg.size]))

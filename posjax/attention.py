@@ -285,7 +285,9 @@ class SelfAttention(nn.Module):
   heads' width at once (``"all"``: a scale per head and feature, OLMo 2's); ``qk_norm_offset``: Gemma's ``(1 + w)``
   form (:class:`OffsetRMSNorm`, Gemma 3's). ``temperature``: a
   :class:`posjax.positions.temperature.Temperature` that scales each query by a factor of its position (Llama 4,
-  Ministral, SSMax), after the q/k norms and before the position method; None: none. ``softcap``: the logits capped at
+  Ministral, SSMax), after the q/k norms and before the position method; None: none. ``sinks``: a learned logit per
+  head (``sinks [H]``, from zero: one more key of logit 0) in every row's softmax denominator
+  (:class:`posjax.kernels.Sink`, GPT-OSS's), on every kernel but cuDNN. ``softcap``: the logits capped at
   ``softcap · tanh(s / softcap)`` after every position term (Gemma 2's ``attn_logit_softcapping``;
   :class:`posjax.kernels.SoftCap`); 0: none. A layer's open terms (:class:`posjax.kernels.Term`) apply on every
   kernel in the op's order: the open terms, then the built-in ones.
@@ -303,6 +305,7 @@ class SelfAttention(nn.Module):
   softcap: float = 0.0
   qk_norm_offset: bool = False
   temperature: Any = None
+  sinks: bool = False
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -335,8 +338,16 @@ class SelfAttention(nn.Module):
       terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale, *inputs)
     else:
       terms = base.LayerTerms(q, k)
+    if self.sinks:
+      sinks_H = self.param("sinks", base.zeros_init((base.HEADS,)), (spec.num_heads,), spec.param_dtype)
+      terms = dataclasses.replace(terms, terms=kernels.merge(terms.terms, kernels.Terms(sink=kernels.Sink(sinks_H))))
     dropout = not deterministic and self.dropout_rate > 0
     kernel = resolve_kernel(self.kernel, spec, dtype=spec.dtype, dropout=dropout, platform=self.platform)
+    why = kernels.capability.refusal("cudnn", terms.terms, dropout=dropout) if self.sinks else None
+    if kernel == "cudnn" and why:
+      if self.kernel == "cudnn":
+        raise ValueError(f"attention kernel 'cudnn' cannot run this layer: {why}")
+      kernel = "xla"
     if self.softcap:  # after every position term: the built-in ones become open terms, in the op's order
       terms = dataclasses.replace(terms, terms=kernels.as_terms(
           [kernels.merge(state.terms, terms.terms), kernels.SoftCap(self.softcap)]))

@@ -40,7 +40,7 @@ TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 BERT_FIXED = ("norm_type", "mlp", "use_bias", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
               "sliding_window", "layer_windows", "position_schedule", "schedule_options", "query_temperature",
               "temperature_layers", "first_attention_norm", "embedding_scale", "query_scale", "attention_softcap",
-              "final_logit_softcap", "head_bias")
+              "final_logit_softcap", "head_bias", "attention_sinks")
 # Hugging Face config fields posjax has no counterpart for, with the values it can represent.
 UNSUPPORTED = {"add_cross_attention": False}
 # Weights posjax has no place for and drops (with a log line): buffers, the NSP head, and the absolute table of

@@ -47,14 +47,14 @@ from posjax.kernels.exact import fall_back_where
 from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
 from posjax.kernels.terms import (WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
-                                  SoftCap, StickBreaking, Terms, Untied, as_terms, bind_open, check_rows, kv_group,
-                                  merge)
+                                  Sink, SoftCap, StickBreaking, Terms, Untied, as_terms, bind_open, check_rows,
+                                  kv_group, merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = tile.PLATFORMS
 __all__ = ["relative_attention", "decode_attention", "Terms", "Term", "View", "HEAD", "ROWS", "TABLE", "EMBEDDINGS",
            "KINDS", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich", "Forget", "Cope",
-           "StickBreaking", "SoftCap", "merge", "fold_untied", "fall_back_where", "default_block_sizes", "IMPLEMENTATIONS",
+           "StickBreaking", "SoftCap", "Sink", "merge", "fold_untied", "fall_back_where", "default_block_sizes", "IMPLEMENTATIONS",
            "PLATFORMS", "UNTIED"]
 
 

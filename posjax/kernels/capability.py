@@ -1,9 +1,10 @@
 """Which kernel computes what: one table, :func:`refusal`, that every refusal quotes.
 
 - ``xla``: everything (the dense reference).
-- ``cudnn``: a softmax of ``scale q·k`` plus an additive bias, without attention dropout: not a rule that replaces the softmax, not an open
-  term (it may modify the score, which a bias cannot), not dense logits (Methods 1-3, Shaw's value term).
-- ``pallas`` (:func:`posjax.kernels.relative_attention`): every term; not dense logits; a rule (CoPE,
+- ``cudnn``: a softmax of ``scale q·k`` plus an additive bias, without attention dropout: not a rule that replaces
+  the softmax, not a sink, not an open term (it may modify the score, which a bias cannot), not dense logits
+  (Methods 1-3, Shaw's value term).
+- ``pallas`` (:func:`posjax.kernels.relative_attention`): every term and a sink; not dense logits; a rule (CoPE,
   stick-breaking) alone in its call and without attention dropout (its kernels drop no weights).
 - ``decode`` (the Pallas decode kernels, :func:`posjax.kernels.decode_attention`): the softmax with the terms built
   per tile from positions (every open term, the built-in ones among them); not Shaw's / Method 4's relative vectors,
@@ -38,6 +39,8 @@ def refusal(kernel: str, terms: Terms | None = None, *, dropout: bool = False, d
       return f"cuDNN computes softmax attention; the {rules[0]} rule reads the masked logits"
     if terms.open:
       return "cuDNN adds a bias; an open term may modify the score"
+    if terms.sink is not None:
+      return "cuDNN's softmax has no sink logit in its denominator"
     return None
   if kernel == "pallas":
     others = [name for name in given if rules and name != rules[0]]
@@ -46,5 +49,5 @@ def refusal(kernel: str, terms: Terms | None = None, *, dropout: bool = False, d
     if rules and dropout:
       return f"the Pallas kernels drop no attention weights under the {rules[0]} rule (attention dropout must be 0)"
     return None
-  other = [name for name in given if name not in DECODE_BUILT + ("open",)]
+  other = [name for name in given if name not in DECODE_BUILT + ("open", "sink")]
   return f"the decode kernels do not build the {'/'.join(other)} term" if other else None

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from posjax.kernels import term as term_lib
-from posjax.kernels.terms import Terms
+from posjax.kernels.terms import Terms, sink as sink_lib
 from posjax.kernels.tile import (Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
                                  group_sum, kv_head, overlap_add, row_delta,
                                  t_dot, tile_ranges, untied_grads, window_table)
@@ -529,7 +529,11 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
               (b, h, l // bq, l // bk), query_major(l // bq),
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)},
               ranges[0])
-  return out["out"], ((out["row_max"], out["row_sum"]), ranges)
+  out_BxHxLxV, row_max_BxHxLxT, row_sum_BxHxLxT = out["out"], out["row_max"], out["row_sum"]
+  if terms.sink is not None:  # the rows' statistics take the sink; the backward recomputes its weights from them
+    out_BxHxLxV, row_max_BxHxLxT, row_sum_BxHxLxT = sink_lib.rescale(terms.sink, out_BxHxLxV, row_max_BxHxLxT,
+                                                                     row_sum_BxHxLxT)
+  return out_BxHxLxV, ((row_max_BxHxLxT, row_sum_BxHxLxT), ranges)
 
 
 def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
@@ -639,6 +643,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       if kind == term_lib.EMBEDDINGS:
         sums["d" + key + "@k"] = dkv_res["d" + key + "@k"]
     d_terms = d_terms.replace(open=term_lib.gradients(terms.open, sums))
+  if terms.sink is not None:
+    d_terms = d_terms.replace(sink=sink_lib.gradient(terms.sink, row_max_BxHxLxT, row_sum_BxHxLxT, delta_BxHxLx1))
   dq_BxHxLxK = dq_res["dq"]
   dk_BxHxLxK, dv_BxHxLxV = (group_sum(dkv_res[name], plan.group) for name in ("dk", "dv"))  # over each group
   return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
@@ -670,4 +676,6 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
               "row_max": row_output((b, h, q, bk), bq), "row_sum": row_output((b, h, q, bk), bq)},
               (b, h, q // bq, t // bk), query_major(q // bq),
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxGxTxV.shape[-1]), "misplaced": (bq, bk)}, ranges_BxNx2)
+  if terms.sink is not None:
+    return sink_lib.rescale(terms.sink, out["out"], out["row_max"], out["row_sum"])[0]
   return out["out"]

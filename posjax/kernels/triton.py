@@ -59,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels import term as term_lib
-from posjax.kernels.terms import Terms
+from posjax.kernels.terms import Terms, sink as sink_lib
 from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two,
                                  overlap_add, row_delta, tile_ranges, untied_grads, window_table)
 from posjax.kernels.triton_kernels import decode_kernel, dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
@@ -196,7 +196,11 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
                "row_max": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i)),
                "row_sum": pl.BlockSpec((1, 1, plan.block_q), lambda b, h, i: (b, h, i))},
               l // plan.block_q)
-  return out["out"], ((out["row_max"], out["row_sum"]), extra, ranges)
+  out_BxHxLxV, row_max_BxHxL, row_sum_BxHxL = out["out"], out["row_max"], out["row_sum"]
+  if terms.sink is not None:  # the rows' statistics take the sink; the backward recomputes its weights from them
+    out_BxHxLxV, row_max_BxHxL, row_sum_BxHxL = sink_lib.rescale(terms.sink, out_BxHxLxV, row_max_BxHxL,
+                                                                 row_sum_BxHxL)
+  return out_BxHxLxV, ((row_max_BxHxL, row_sum_BxHxL), extra, ranges)
 
 
 def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, int]:
@@ -314,6 +318,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       untied = untied.replace(theta=d_theta_2xH.astype(terms.untied.theta.dtype))
     d_terms = d_terms.replace(untied=untied)
   d_terms = d_terms.replace(open=term_lib.gradients(terms.open, {**dq_res, **dkv_res}))
+  if terms.sink is not None:
+    d_terms = d_terms.replace(sink=sink_lib.gradient(terms.sink, row_max_BxHxL, row_sum_BxHxL, delta_BxHxL))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)
@@ -350,6 +356,11 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
               {"out": out_spec, "row_max": max_spec, "row_sum": sum_spec}, n_q * splits)
   # the splits combined: each split's rows rescaled to the overall maximum (a split without tiles weighs 0)
   overall_BxHx1xQ = jnp.max(res["row_max"], axis=2, keepdims=True)
+  if terms.sink is not None:  # the sink in every row's denominator, once
+    sink_1xHx1x1 = terms.sink.logits.astype(jnp.float32)[None, :, None, None]
+    overall_BxHx1xQ = jnp.maximum(overall_BxHx1xQ, sink_1xHx1x1)
   weight_BxHxSxQ = jnp.exp(res["row_max"] - overall_BxHx1xQ)
   total_BxHxQ = jnp.sum(weight_BxHxSxQ * res["row_sum"], axis=2)
+  if terms.sink is not None:
+    total_BxHxQ = total_BxHxQ + jnp.exp(sink_1xHx1x1 - overall_BxHx1xQ)[:, :, 0]
   return jnp.sum(weight_BxHxSxQ[..., None] * res["out"], axis=2) / total_BxHxQ[..., None]

@@ -106,6 +106,10 @@ def attention_weights(s_BxHxQxL, allowed_Bx1xQxL=None, terms: Terms | None = Non
     s_BxHxQxL = s_BxHxQxL + terms.cope.term(s_BxHxQxL, allowed_Bx1xQxL, q_BxQxHxK)
   if terms is not None and terms.stick_breaking is not None:
     return terms.stick_breaking.weights(s_BxHxQxL, allowed_Bx1xQxL, rows_Q)
+  if terms is not None and terms.sink is not None:
+    if allowed_Bx1xQxL is not None:
+      s_BxHxQxL = jnp.where(allowed_Bx1xQxL, s_BxHxQxL, jnp.finfo(jnp.float32).min)
+    return terms.sink.weights(s_BxHxQxL)
   return softmax_weights(s_BxHxQxL, allowed_Bx1xQxL)
 
 

@@ -102,6 +102,8 @@ class TransformerConfig:
     first_attention_norm: False: the first layer's attention reads the (normed) embeddings without a norm of its
       own (ModernBERT's, with ``norm="pre"``); default True.
     head_bias: the MLM head's transform has a bias (BERT's); False: none (ModernBERT's ``classifier_bias=False``).
+    attention_sinks: each layer's learned logit per head in its softmax's denominator (GPT-OSS's sinks,
+      :class:`posjax.kernels.Sink`; every kernel but cuDNN); default False.
     embedding_scale: the word embeddings times ``sqrt(hidden_size)`` (in the compute dtype), Gemma's.
     query_scale: the factor on q·k (Gemma 2's ``query_pre_attn_scalar ** -0.5``); 0: the method's.
     attention_softcap: each layer's logits capped at ``c · tanh(s / c)`` after its position terms (Gemma 2's
@@ -173,6 +175,7 @@ class TransformerConfig:
   embedding_scale: bool = False
   first_attention_norm: bool = True
   head_bias: bool = True
+  attention_sinks: bool = False
   query_scale: float = 0.0
   attention_softcap: float = 0.0
   final_logit_softcap: float = 0.0
@@ -244,7 +247,7 @@ class TransformerConfig:
     if not self.tie_embeddings and self.lm_head != "linear":
       raise ValueError("tie_embeddings=False needs lm_head='linear' (BERT's MLM head is tied)")
     for field in ("scan_layers", "causal", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
-                  "embedding_scale", "first_attention_norm", "head_bias"):
+                  "embedding_scale", "first_attention_norm", "head_bias", "attention_sinks"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
     if self.embedding_size < 0:
@@ -484,7 +487,7 @@ class TransformerLayer(nn.Module):
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
                                      qk_norm_axes=c.qk_norm_axes, softcap=c.attention_softcap,
                                      qk_norm_offset=c.norm_type == "offset_rmsnorm",
-                                     temperature=self.temperature,
+                                     temperature=self.temperature, sinks=c.attention_sinks,
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"
 

@@ -50,6 +50,7 @@ ADDED_FIELDS = {
     "model.layer_windows": lambda before, now: "",
     "model.first_attention_norm": lambda before, now: True,
     "model.head_bias": lambda before, now: True,
+    "model.attention_sinks": lambda before, now: False,
     "model.temperature_layers": lambda before, now: "",
 }
 

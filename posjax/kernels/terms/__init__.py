@@ -25,6 +25,8 @@ tile, whose gradient the kernels derive (FIRE's written by hand, one hidden unit
 [CLS] reset) and the relative vectors (the windowed table's skew and gradient kernel) keep their own kernel code;
 the two rules below have theirs (:mod:`posjax.kernels.rules`).
 
+``Sink`` (GPT-OSS's attention sinks, ``terms/sink.py``) is a logit per head in each row's softmax denominator, which
+the kernels add to their rows' statistics, not to their tiles.
 Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
 (Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
 table) and ``StickBreaking`` (the weights themselves: stick-breaking instead of the softmax); ``xla`` and both Pallas
@@ -58,10 +60,11 @@ from posjax.kernels.terms.kerple import KERPLES, Kerple
 from posjax.kernels.terms.relative import Relative
 from posjax.kernels.terms.untied import RESETS, Untied
 from posjax.kernels.terms.sandwich import Sandwich
+from posjax.kernels.terms.sink import Sink
 from posjax.kernels.terms.softcap import SoftCap
 
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
-         "stick_breaking")  # every field of Terms
+         "stick_breaking", "sink")  # every field of Terms
 OPEN_BUILTINS = ("buckets", "alibi", "kerple", "fire", "sandwich", "forget")  # open terms, in this order
 WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: each alone in a call)
 
@@ -196,6 +199,7 @@ class Terms:
   forget: Forget | None = None
   cope: Cope | None = None
   stick_breaking: StickBreaking | None = None
+  sink: Sink | None = None  # a logit per head in each row's denominator (terms/sink.py): not a term of the tiles
   open: tuple = ()  # open terms (posjax.kernels.term.Term, or bound to their inputs: term.Bound), applied in order
 
   def kernel_form(self) -> "Terms":
@@ -242,6 +246,8 @@ class Terms:
         raise ValueError(f"Relative.window={r.window!r}; allowed: None (choose), True, False")
       if r.impl not in ("table", "skew", "auto"):
         raise ValueError(f"Relative.impl={r.impl!r}; allowed: 'table', 'skew', 'auto'")
+    if self.sink is not None:
+      self.sink.check(num_heads)
     if self.cope is not None and (jnp.ndim(self.cope.table) != 2 or jnp.shape(self.cope.table)[0] != head_dim):
       raise ValueError(f"Cope.table has shape {jnp.shape(self.cope.table)}; expected ({head_dim}, npos_max)")
     if self.stick_breaking is not None and not all(isinstance(getattr(self.stick_breaking, name), bool)
