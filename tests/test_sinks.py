@@ -87,3 +87,49 @@ def test_cudnn_refuses_sinks_in_one_line():
     config = TransformerConfig.llama(vocab_size=61, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
                                      max_len=64, attention_sinks=True, attention_kernel="cudnn", dtype="bfloat16")
     Transformer(config, head="lm").init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # GPT-OSS's sliding layer (window 5 here), then its full one
+def test_gpt_oss_attention_equals_hugging_faces_module(layer):
+  """Hugging Face's ``GptOssAttention`` on random weights (q/k/v/o biases, GQA, YaRN RoPE, sinks, a window on its
+  sliding layers) and posjax's layer with those weights: the same outputs (its mixture-of-experts blocks are not
+  attention and are out of this comparison)."""
+  transformers = pytest.importorskip("transformers")
+  torch = pytest.importorskip("torch")
+  from transformers.models.gpt_oss import modeling_gpt_oss as hf_gpt_oss
+
+  from posjax import attention, positions
+
+  config = transformers.GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     num_hidden_layers=2, sliding_window=5, vocab_size=61, intermediate_size=32,
+                                     num_local_experts=2, num_experts_per_tok=1, attn_implementation="eager")
+  torch.manual_seed(0)
+  module = hf_gpt_oss.GptOssAttention(config, layer).eval()
+  with torch.no_grad():
+    for parameter in module.parameters():
+      parameter.copy_(0.3 * torch.randn_like(parameter))
+  x = np.random.default_rng(0).normal(size=(2, 12, 32)).astype(np.float32)
+  position_ids = torch.arange(12)[None].expand(2, -1)
+  cos, sin = hf_gpt_oss.GptOssRotaryEmbedding(config)(torch.from_numpy(x), position_ids)
+  i, j = np.arange(12)[:, None], np.arange(12)[None, :]
+  allowed = (j <= i) & ((i - j < 5) if layer == 0 else True)
+  mask = torch.from_numpy(np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32))[None, None]
+  with torch.no_grad():
+    want = module(torch.from_numpy(x), (cos, sin), mask.expand(2, 1, 12, 12))[0].numpy()
+
+  scaling = {k: v for k, v in config.rope_scaling.items() if k != "rope_type"}
+  scaling["original_max_len"] = scaling.pop("original_max_position_embeddings")
+  spec = positions.make("rope", {"max_timescale": config.rope_theta, "scaling": "yarn", **scaling}, num_heads=4,
+                        hidden_size=32, max_len=config.max_position_embeddings, causal=True, num_kv_heads=2,
+                        head_dim=16)
+  ours = attention.SelfAttention(spec, "xla", use_bias=True, out_bias=True, sinks=True)
+  w = {name: p.detach().numpy() for name, p in module.named_parameters()}
+  params = {"query": {"kernel": w["q_proj.weight"].T.reshape(32, 4, 16), "bias": w["q_proj.bias"].reshape(4, 16)},
+            "key": {"kernel": w["k_proj.weight"].T.reshape(32, 2, 16), "bias": w["k_proj.bias"].reshape(2, 16)},
+            "value": {"kernel": w["v_proj.weight"].T.reshape(32, 2, 16), "bias": w["v_proj.bias"].reshape(2, 16)},
+            "out": {"kernel": w["o_proj.weight"].T.reshape(4, 16, 32), "bias": w["o_proj.bias"]},
+            "sinks": w["sinks"]}
+  state = spec.method.encoder(spec=spec).apply({}, jnp.arange(12)[None])
+  got = ours.apply({"params": params}, jnp.asarray(x), state,
+                   attention.Mask(causal=True, sliding_window=5 if layer == 0 else 0))
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
