@@ -25,13 +25,15 @@ def every_term(rng, batch, length, heads, head_dim):
 
 
 def learned_biases(rng, batch, length, heads, head_dim):
-  """KERPLE (per-head scalars), FIRE (an MLP shared by the heads but its last layer) and Sandwich (fixed)."""
+  """KERPLE (per-head scalars), FIRE (an MLP shared by the heads but its last layer), Sandwich (fixed) and a sink
+  per head (each shard its heads')."""
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   return kernels.Terms(
       kerple=kernels.Kerple(jnp.asarray(rng.uniform(0.2, 1.5, heads), jnp.float32),
                             jnp.asarray(rng.uniform(0.2, 1.0, heads), jnp.float32)),
       fire=kernels.Fire(f32(4), f32(4), f32(4, heads), f32(heads), jnp.asarray(0.3), jnp.asarray(5.0)),
-      sandwich=kernels.Sandwich(jnp.asarray(rng.uniform(1.0, 4.0, heads), jnp.float32), dim=8))
+      sandwich=kernels.Sandwich(jnp.asarray(rng.uniform(1.0, 4.0, heads), jnp.float32), dim=8),
+      sink=kernels.Sink(f32(heads)))
 
 
 @pytest.mark.parametrize("make_terms,kv_heads", [(every_term, 4), (learned_biases, 2)])

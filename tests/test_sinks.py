@@ -82,11 +82,14 @@ def test_a_decoder_with_sinks_generates_its_full_forward(kernel):
   np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
 
 
-def test_cudnn_refuses_sinks_in_one_line():
+def test_a_cudnn_layer_refuses_sinks_in_one_line():
+  from posjax import attention, positions
+
+  spec = positions.make("rope", num_heads=4, hidden_size=32, max_len=64, causal=True, dtype=jnp.bfloat16)
+  x = jnp.zeros((1, 8, 32), jnp.bfloat16)
+  state = spec.method.encoder(spec=spec).apply({}, jnp.arange(8)[None])
   with pytest.raises(ValueError, match=r"attention kernel 'cudnn' cannot run this layer: cuDNN's softmax has no sink"):
-    config = TransformerConfig.llama(vocab_size=61, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
-                                     max_len=64, attention_sinks=True, attention_kernel="cudnn", dtype="bfloat16")
-    Transformer(config, head="lm").init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    attention.SelfAttention(spec, "cudnn", sinks=True).init(jax.random.key(0), x, state, attention.Mask(causal=True))
 
 
 @pytest.mark.parametrize("layer", [0, 1])  # GPT-OSS's sliding layer (window 5 here), then its full one
@@ -133,3 +136,15 @@ def test_gpt_oss_attention_equals_hugging_faces_module(layer):
   got = ours.apply({"params": params}, jnp.asarray(x), state,
                    attention.Mask(causal=True, sliding_window=5 if layer == 0 else 0))
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(attention_kernel="cudnn", dtype="bfloat16"), r"attention_sinks=True: attention kernel 'cudnn' cannot run "
+                                                       r"them \(cuDNN's softmax has no sink"),
+    (dict(position="stick_breaking"), r"stick-breaking's weights are not a softmax"),
+])
+def test_sinks_where_they_cannot_be_are_config_errors(fields, message):
+  with pytest.raises(ValueError, match=message):
+    TransformerConfig.llama(vocab_size=61, hidden_size=32, num_layers=1, num_heads=4, intermediate_size=48,
+                            max_len=64, attention_sinks=True, **fields)
+

@@ -22,6 +22,8 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
   specs = {}
   if terms.relative is not None:
     specs["relative"] = terms.relative.replace(table=P())
+  if terms.sink is not None:  # a logit per query head: each shard its heads'
+    specs["sink"] = terms.sink.replace(logits=P(heads))
   if terms.untied is not None:
     u = terms.untied
     rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)

@@ -105,6 +105,9 @@ def attention_weights(s_BxHxQxL, allowed_Bx1xQxL=None, terms: Terms | None = Non
       raise ValueError("CoPE's term is q_i·e(p_ij): give the queries to build it")
     s_BxHxQxL = s_BxHxQxL + terms.cope.term(s_BxHxQxL, allowed_Bx1xQxL, q_BxQxHxK)
   if terms is not None and terms.stick_breaking is not None:
+    if terms.sink is not None:
+      raise ValueError("a sink joins a softmax's denominator; stick-breaking's weights are not a softmax (give the "
+                       "layer one or the other)")
     return terms.stick_breaking.weights(s_BxHxQxL, allowed_Bx1xQxL, rows_Q)
   if terms is not None and terms.sink is not None:
     if allowed_Bx1xQxL is not None:

@@ -203,7 +203,7 @@ class TransformerConfig:
     if self.temperature_layers and not self.query_temperature:
       raise ValueError(f"temperature_layers={self.temperature_layers!r} without a query_temperature")
     temperatures = self.layer_temperatures  # checks the options, here rather than when the model is built
-    if temperatures[0] is not None and temperatures[0].kind == "ssmax" and not self.causal:
+    if any(t is not None and t.kind == "ssmax" for t in temperatures) and not self.causal:
       raise ValueError("query_temperature kind 'ssmax' counts each query's keys from its position: a causal model "
                        "only (causal=True)")
     if self.scan_layers and len(set(temperatures)) > 1:
@@ -226,6 +226,13 @@ class TransformerConfig:
     if why:
       raise ValueError(f"attention_softcap={self.attention_softcap}: attention kernel 'cudnn' cannot run it ({why}); "
                        "use attention_kernel 'pallas', 'xla' or 'auto'")
+    if self.attention_sinks and "stick_breaking" in {spec.method.name for spec in self.method_specs.values()}:
+      raise ValueError("attention_sinks=True with position 'stick_breaking': a sink joins a softmax's denominator "
+                       "and stick-breaking's weights are not a softmax")
+    if self.attention_sinks and self.attention_kernel == "cudnn":
+      raise ValueError(f"attention_sinks=True: attention kernel 'cudnn' cannot run them ("
+                       f"{kernels.capability.refusal('cudnn', kernels.Terms(sink=kernels.Sink(None)))}); use "
+                       "attention_kernel 'pallas', 'xla' or 'auto'")
     base.check_choice("qk_norm_axes", self.qk_norm_axes, ("head", "all"))
     base.check_choice("kernel_platform", self.kernel_platform, ("", "gpu", "tpu"))
     base.check_choice("activation", self.activation, tuple(ACTIVATIONS))

@@ -12,8 +12,9 @@ computes exactly what the full forward does, and every kernel takes it (it acts 
   softmax at the training length (the paper leaves its initialisation open; this is the choice named here).
 
 ``p`` is the query's position (posjax's ``positions``: restarting in each packed document, not counting left
-padding; Hugging Face's Llama 4 reads the cache slot, which counts left padding). Only q is scaled: an additive
-position bias (ALiBi, T5) is not.
+padding; Hugging Face's Llama 4 reads the cache slot, which counts left padding). Under randomised positions
+(``data.random_positions``) SSMax's ``n`` is the drawn position plus one, not the count of keys. Only q is scaled: an
+additive position bias (ALiBi, T5) is not.
 """
 
 from __future__ import annotations
@@ -87,4 +88,5 @@ class QueryTemperature(nn.Module):
                        (q_BxLxHxK.shape[2],), jnp.float32)
       n_BxL = p_BxL + 1.0 if not self.window else jnp.minimum(p_BxL + 1.0, float(self.window))
       factor_BxLxH = jnp.log(n_BxL)[..., None] * s_H
-    return (q_BxLxHxK * factor_BxLxH[..., None].astype(q_BxLxHxK.dtype)).astype(q_BxLxHxK.dtype)
+    # the product in float32 (a bf16 factor would round 1 + 0.1 log 2 to 1.0703), then cast: Hugging Face's order
+    return (q_BxLxHxK.astype(jnp.float32) * factor_BxLxH[..., None]).astype(q_BxLxHxK.dtype)
