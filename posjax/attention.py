@@ -66,19 +66,40 @@ class Mask:
       ``causal`` the ``W`` keys ``i - W < j <= i`` (Mistral's, Hugging Face's ``sliding_window``), without it ``W - 1``
       on each side too (ModernBERT's ``local_attention = 2 (W - 1)``); 0: no window. Every kernel takes it; the
       Pallas kernels skip the tiles it rules out.
+    chunk: query i attends to keys in its own aligned block of ``C`` tokens only, ``i // C == j // C`` (token order:
+      Llama 4's chunked attention, Hugging Face's ``attention_chunk_size``); 0: none. The kernels take it as segments
+      (:meth:`chunked`: each chunk a segment of its own within the row's), so they skip the other chunks' tiles as
+      they skip other documents'.
   """
 
   padding: jax.Array | None = None
   segment_ids: jax.Array | None = None
   causal: bool = flax.struct.field(pytree_node=False, default=False)
   sliding_window: int = flax.struct.field(pytree_node=False, default=0)
+  chunk: int = flax.struct.field(pytree_node=False, default=0)
 
   def __post_init__(self):
-    if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
-      raise ValueError(f"Mask(sliding_window={self.sliding_window!r}) must be an int >= 1 (0: none)")
+    for field in ("sliding_window", "chunk"):
+      if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
+        raise ValueError(f"Mask({field}={getattr(self, field)!r}) must be an int >= 1 (0: none)")
+
+  def chunked(self, batch: int, length: int) -> "Mask":
+    """This mask with its chunks as segments (``chunk`` 0 after): ``segment · ⌈L / C⌉ + i // C``, so that every
+    kernel's segment mask and tile skipping compute them; itself without a chunk."""
+    if not self.chunk:
+      return self
+    chunks_L = jnp.arange(length, dtype=jnp.int32) // self.chunk
+    segments_BxL = jnp.zeros((batch, length), jnp.int32) if self.segment_ids is None else jnp.asarray(
+        self.segment_ids, jnp.int32)
+    return self.replace(segment_ids=segments_BxL * (-(-length // self.chunk)) + chunks_L[None], chunk=0)
 
   def pairs(self, length: int):
     """``[B or 1, 1, L or 1, L]`` bool, True where query i may attend to key j; None when all may."""
+    if self.chunk:
+      chunks_L = jnp.arange(length) // self.chunk
+      same_LxL = chunks_L[:, None] == chunks_L[None, :]
+      rest = self.replace(chunk=0).pairs(length)
+      return same_LxL[None, None] if rest is None else rest & same_LxL[None, None]
     allowed = None
     if self.padding is not None:
       allowed = self.padding[:, None, None, :].astype(bool)
@@ -319,6 +340,9 @@ class SelfAttention(nn.Module):
     state = check_state(spec, state, x_BxLxD.shape[:2])
     mask = mask or Mask()
     check_mask(mask, *x_BxLxD.shape[:2])
+    chunk = mask.chunk
+    if not decode:  # a decoding step's chunks are its cache slots' (decode_step)
+      mask = mask.chunked(*x_BxLxD.shape[:2])
     q, k, v = (partitioning.constrain(base.head_projection(spec, name, self.use_bias, heads)(x_BxLxD),
                                       partitioning.BLHK)
                for name, heads in (("query", spec.num_heads), ("key", spec.kv_heads), ("value", spec.kv_heads)))
@@ -332,7 +356,7 @@ class SelfAttention(nn.Module):
       q, k = (norm(name=name)(x_BxLxHxK) for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
     if self.temperature is not None:
       q = temperature_lib.QueryTemperature(self.temperature, spec.causal, mask.sliding_window, spec.max_len,
-                                           name="temperature")(q, state.positions)
+                                           chunk=chunk, name="temperature")(q, state.positions)
     if spec.method.layer is not None:
       inputs = (x_BxLxD,) if spec.method.reads_input else ()
       terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale, *inputs)
@@ -475,12 +499,14 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   index_var.value = index + q
   implementation = "xla"
   if kernel == "pallas":
-    refusal = kernels.decode.kernel_refusal(merged)
+    refusal = kernels.decode.kernel_refusal(merged) or (
+        f"the decode kernels do not take a chunk ({mask.chunk})" if mask.chunk else None)
     implementation = "xla" if refusal else "pallas"
     if refusal and refusal not in _LOGGED:
       _LOGGED.add(refusal)
       logging.info("decoding %r on the xla formulas: %s", spec.name, refusal)
   return kernels.decode.decode_attention(
       terms.q, k_var.value, v_var.value, start=index, key_positions=positions_var.value, key_valid=valid_var.value,
-      terms=merged, scale=spec.scale, sliding_window=mask.sliding_window, implementation=implementation,
+      terms=merged, scale=spec.scale, sliding_window=mask.sliding_window, chunk=mask.chunk,
+      implementation=implementation,
       platform=module.platform)

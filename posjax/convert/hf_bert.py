@@ -38,7 +38,7 @@ TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 # posjax fields that Hugging Face BERT (and ELECTRA) have at posjax's defaults only: the export refuses others (no
 # weight would show that a window, a schedule or a temperature was lost)
 BERT_FIXED = ("norm_type", "mlp", "use_bias", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
-              "sliding_window", "layer_windows", "position_schedule", "schedule_options", "query_temperature",
+              "sliding_window", "layer_windows", "layer_chunks", "position_schedule", "schedule_options", "query_temperature",
               "temperature_layers", "first_attention_norm", "embedding_scale", "query_scale", "attention_softcap",
               "final_logit_softcap", "head_bias", "attention_sinks")
 # Hugging Face config fields posjax has no counterpart for, with the values it can represent.

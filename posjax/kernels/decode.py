@@ -46,7 +46,8 @@ def kernel_refusal(terms: Terms | None) -> str | None:
 
 
 def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, key_valid, terms: Terms | None = None,
-                     scale: float | None = None, sliding_window: int = 0, implementation: str = "pallas",
+                     scale: float | None = None, sliding_window: int = 0, chunk: int = 0,
+                     implementation: str = "pallas",
                      block_sizes: tuple[int, int] | None = None, splits: int | None = None,
                      interpret: bool | str | None = None, platform: str | None = None, batch_axes=None,
                      head_axes=None):
@@ -64,6 +65,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
       term's rows and embeddings span the cache's slots).
     scale: the factor on ``q·k`` (default ``1/sqrt(K)``).
     sliding_window: key slot j only for queries at slots ``j <= i < j + sliding_window`` (0: every earlier slot).
+    chunk: key slot j only for queries in its aligned block of ``chunk`` slots, ``i // C == j // C`` (0: none);
+      ``xla`` only (the decode kernels refuse it).
     implementation: ``pallas`` (the decode kernels: :data:`KERNEL_TERMS` only) or ``xla`` (every term).
     block_sizes: the kernels' (query, key) tile (default GPU: queries padded to a power of two of 16 to 64 rows,
       :func:`posjax.kernels.triton.default_block_sizes`' key tile; TPU: up to 256 query rows, a multiple of 8, and
@@ -87,8 +90,12 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   group = kv_group(h, g)
   check_rows("key_positions", key_positions, b, t)
   check_rows("key_valid", key_valid, b, t, "mask")
-  if not isinstance(sliding_window, int) or sliding_window < 0:
-    raise ValueError(f"sliding_window={sliding_window!r} must be an int >= 0 (0: none)")
+  for name, value in (("sliding_window", sliding_window), ("chunk", chunk)):
+    if not isinstance(value, int) or value < 0:
+      raise ValueError(f"{name}={value!r} must be an int >= 0 (0: none)")
+  if chunk and implementation == "pallas":
+    raise ValueError(f"decode_attention(implementation='pallas'): the decode kernels do not take chunk={chunk}; use "
+                     "implementation='xla'")
   terms.check(b, h, d, t)
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions_BxT = jnp.broadcast_to(jnp.asarray(key_positions, jnp.int32), (b, t))
@@ -99,7 +106,9 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
     rows_Q = start + jnp.arange(q, dtype=jnp.int32)
     k_BxTxGxK, v_BxTxGxV = jnp.swapaxes(k_BxGxTxK, 1, 2), jnp.swapaxes(v_BxGxTxV, 1, 2)
     s_BxHxQxT = xla.logits(q_BxQxHxK, k_BxTxGxK, terms, positions_BxT, scale, rows_Q)
-    allowed_Bx1xQxT = xla.allowed_pairs(valid_BxT, jnp.zeros_like(positions_BxT), True, rows_Q, sliding_window)
+    slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // chunk, (b, t)) if chunk else jnp.zeros_like(
+        positions_BxT)  # a chunk's slots are one segment
+    allowed_Bx1xQxT = xla.allowed_pairs(valid_BxT, slots_BxT, True, rows_Q, sliding_window)
     weights_BxHxQxT = xla.attention_weights(s_BxHxQxT, allowed_Bx1xQxT, terms, q_BxQxHxK, rows_Q)
     return xla.weighted_values(weights_BxHxQxT, v_BxTxGxV)
   refusal = kernel_refusal(terms)

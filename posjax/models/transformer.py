@@ -112,6 +112,9 @@ class TransformerConfig:
     layer_windows: each layer's sliding window, ``,``-separated and repeated over the depth (``"4096,0"``: Gemma 2's
       local and global layers in turn; 0: the whole context); empty: ``sliding_window`` in every layer. Not with
       ``scan_layers`` when the windows differ.
+    layer_chunks: each layer's chunk, ``,``-separated and repeated over the depth (``"8192,8192,8192,0"``: Llama 4's
+      chunked RoPE layers and its global ones): a query attends to its aligned block of that many tokens only
+      (:class:`posjax.attention.Mask`'s ``chunk``); 0 or empty: none. Not with ``scan_layers`` when they differ.
     mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
       ``activation="silu"``, Shazeer 2020).
     use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama, ModernBERT), ``qkv`` (q/k/v only:
@@ -180,6 +183,7 @@ class TransformerConfig:
   attention_softcap: float = 0.0
   final_logit_softcap: float = 0.0
   layer_windows: str = ""
+  layer_chunks: str = ""
   embedding_norm: bool = True
   tie_embeddings: bool = True
   lm_head: str = "mlm"
@@ -216,6 +220,10 @@ class TransformerConfig:
     for field in ("query_scale", "attention_softcap", "final_logit_softcap"):
       if not getattr(self, field) >= 0:
         raise ValueError(f"{field} must be >= 0 (0: none), got {getattr(self, field)}")
+    if self.layer_chunks and self.scan_layers and len(set(self.chunks)) > 1:
+      raise ValueError(f"layer_chunks={self.layer_chunks!r} gives the layers different chunks; scan_layers=True "
+                       "needs one layer program (set scan_layers=False)")
+    self.chunks  # checks each entry, here rather than when the model is built
     if self.layer_windows:
       windows = self.windows  # checks each entry, here rather than when the model is built
       if self.scan_layers and len(set(windows)) > 1:
@@ -318,6 +326,20 @@ class TransformerConfig:
                        ) from None
     if any(w < 0 for w in sizes):
       raise ValueError(f"layer_windows={self.layer_windows!r}: each window must be >= 0 (0: the whole context)")
+    return tuple(sizes[i % len(sizes)] for i in range(self.num_layers))
+
+  @functools.cached_property
+  def chunks(self) -> tuple[int, ...]:
+    """Each layer's chunk (0: none): ``layer_chunks`` repeated over the depth."""
+    if not self.layer_chunks:
+      return (0,) * self.num_layers
+    try:
+      sizes = tuple(int(c) for c in str(self.layer_chunks).split(","))
+    except ValueError:
+      raise ValueError(f"layer_chunks={self.layer_chunks!r}: expected ','-separated ints >= 0, e.g. '8192,0'"
+                       ) from None
+    if any(c < 0 for c in sizes):
+      raise ValueError(f"layer_chunks={self.layer_chunks!r}: each chunk must be >= 0 (0: none)")
     return tuple(sizes[i % len(sizes)] for i in range(self.num_layers))
 
   @functools.cached_property
@@ -628,14 +650,15 @@ class TransformerStack(nn.Module):
     if attention_mask is not None:
       base.check_rows("attention_mask", attention_mask, batch, length, "mask")
     mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal,
-                          c.windows[0])
+                          c.windows[0], c.chunks[0])
     x = partitioning.constrain(x, partitioning.BLD)
     if c.scan_layers:
       x, _ = self.layers(x, state, mask, deterministic, decode)
     else:
       states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
-      for layer, name, window in zip(self.layers, c.layer_positions, c.windows):
-        x = layer(x, states[name], dataclasses.replace(mask, sliding_window=window), deterministic, decode)
+      for layer, name, window, chunk in zip(self.layers, c.layer_positions, c.windows, c.chunks):
+        x = layer(x, states[name], dataclasses.replace(mask, sliding_window=window, chunk=chunk), deterministic,
+                  decode)
     if c.norm != "post":
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)

@@ -64,13 +64,14 @@ class Temperature:
 
 class QueryTemperature(nn.Module):
   """``q [B, L, H, K]`` times its position's factor (``positions [B or 1, L]``). ``ssmax``'s ``s`` is the parameter
-  ``ssmax_scale [H]``; ``window``: the layer's sliding window (0: none), which caps SSMax's ``n``; ``max_len``: the
-  training length, where SSMax's default ``s`` gives a factor of 1."""
+  ``ssmax_scale [H]``; ``window``: the layer's sliding window (0: none), which caps SSMax's ``n``, as ``chunk`` does
+  (``p mod C + 1``); ``max_len``: the training length, where SSMax's default ``s`` gives a factor of 1."""
 
   temperature: Temperature
   causal: bool
   window: int = 0
   max_len: int = 512
+  chunk: int = 0
 
   @nn.compact
   def __call__(self, q_BxLxHxK, positions_BxL):
@@ -87,6 +88,8 @@ class QueryTemperature(nn.Module):
       s_H = self.param("ssmax_scale", nn.with_logical_partitioning(nn.initializers.constant(init), (base.HEADS,)),
                        (q_BxLxHxK.shape[2],), jnp.float32)
       n_BxL = p_BxL + 1.0 if not self.window else jnp.minimum(p_BxL + 1.0, float(self.window))
+      if self.chunk:  # a chunked layer's query attends to its chunk's keys up to itself
+        n_BxL = jnp.minimum(n_BxL, jnp.mod(p_BxL, float(self.chunk)) + 1.0)
       factor_BxLxH = jnp.log(n_BxL)[..., None] * s_H
     # the product in float32 (a bf16 factor would round 1 + 0.1 log 2 to 1.0703), then cast: Hugging Face's order
     return (q_BxLxHxK.astype(jnp.float32) * factor_BxLxH[..., None]).astype(q_BxLxHxK.dtype)

@@ -48,6 +48,7 @@ ADDED_FIELDS = {
     "model.attention_softcap": lambda before, now: 0.0,
     "model.final_logit_softcap": lambda before, now: 0.0,
     "model.layer_windows": lambda before, now: "",
+    "model.layer_chunks": lambda before, now: "",
     "model.first_attention_norm": lambda before, now: True,
     "model.head_bias": lambda before, now: True,
     "model.attention_sinks": lambda before, now: False,
