@@ -132,3 +132,59 @@ def test_bad_temperatures_are_one_line_errors(fields, message):
   with pytest.raises(ValueError, match=message):
     TransformerConfig.llama(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48,
                             max_len=64, **fields)
+
+
+@pytest.mark.parametrize("layer", [0, 3])  # a chunked RoPE layer, then a NoPE layer with its temperature
+def test_llama_4_attention_equals_hugging_faces_module(layer):
+  """Hugging Face's ``Llama4TextAttention`` on random weights and posjax's layer with them: interleaved RoPE with
+  Llama 3's scaling and the L2 q/k norm in its RoPE layers (posjax's q/k RMSNorm at its initial scale of 1: Llama 4's
+  has no weight; the norm commutes with the rotation), chunked attention there, and in its NoPE layers the query
+  temperature (its mixture-of-experts blocks are not attention and out of this comparison)."""
+  transformers = pytest.importorskip("transformers")
+  torch = pytest.importorskip("torch")
+  from transformers.models.llama4 import modeling_llama4 as hf_llama4
+
+  from posjax import attention, positions as positions_lib
+
+  rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+  config = transformers.Llama4TextConfig(
+      hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
+      intermediate_size=32, intermediate_size_mlp=32, vocab_size=61, rope_theta=500_000.0, rope_scaling=rope,
+      attention_chunk_size=4, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, use_qk_norm=True,
+      rms_norm_eps=1e-5, no_rope_layer_interval=4, attn_implementation="eager")
+  torch.manual_seed(0)
+  module = hf_llama4.Llama4TextAttention(config, layer).eval()
+  with torch.no_grad():
+    for parameter in module.parameters():
+      parameter.copy_(0.3 * torch.randn_like(parameter))
+  x = np.random.default_rng(0).normal(size=(2, 12, 32)).astype(np.float32)
+  freqs = hf_llama4.Llama4TextRotaryEmbedding(config)(torch.from_numpy(x), torch.arange(12)[None].expand(2, -1))
+  i, j = np.arange(12)[:, None], np.arange(12)[None, :]
+  allowed = (j <= i) & ((i // 4 == j // 4) if layer == 0 else True)
+  mask = torch.from_numpy(np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32))[None, None]
+  with torch.no_grad():
+    want = module(torch.from_numpy(x), freqs, mask.expand(2, 1, 12, 12), cache_position=torch.arange(12))[0].numpy()
+
+  if layer == 0:
+    options = {"max_timescale": config.rope_theta, "scaling": "llama3", "layout": "interleaved",
+               **{k: v for k, v in rope.items() if k not in ("rope_type", "original_max_position_embeddings")},
+               "original_max_len": 16}
+    spec = positions_lib.make("rope", options, num_heads=4, hidden_size=32, max_len=64, causal=True, num_kv_heads=2,
+                              head_dim=8)
+    ours = attention.SelfAttention(spec, "xla", use_bias=False, qk_norm=True, norm_eps=1e-5)
+  else:
+    spec = positions_lib.make("none", num_heads=4, hidden_size=32, max_len=64, causal=True, num_kv_heads=2, head_dim=8)
+    ours = attention.SelfAttention(spec, "xla", use_bias=False, temperature=temperature_lib.Temperature(
+        "llama4", floor_scale=4.0, attn_scale=0.5))
+  w = {name: p.detach().numpy() for name, p in module.named_parameters()}
+  params = {"query": {"kernel": w["q_proj.weight"].T.reshape(32, 4, 8)},
+            "key": {"kernel": w["k_proj.weight"].T.reshape(32, 2, 8)},
+            "value": {"kernel": w["v_proj.weight"].T.reshape(32, 2, 8)},
+            "out": {"kernel": w["o_proj.weight"].T.reshape(4, 8, 32)}}
+  if layer == 0:
+    params.update(q_norm={"scale": np.ones(8, np.float32)}, k_norm={"scale": np.ones(8, np.float32)})
+  state = spec.method.encoder(spec=spec).apply({}, jnp.arange(12)[None])
+  got = ours.apply({"params": params}, jnp.asarray(x), state,
+                   attention.Mask(causal=True, chunk=4 if layer == 0 else 0))
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
