@@ -1,10 +1,11 @@
 """What skipping masked tiles saves: forward + backward of :func:`posjax.kernels.relative_attention` under full
-attention, the causal mask, a sliding window and packed documents, with the tiles each visits (from
+attention, the causal mask, a sliding window (looking back, and on both sides: an encoder's), chunks (Llama 4's
+chunked attention, which reaches the kernels as segments) and packed documents, with the tiles each visits (from
 :func:`posjax.kernels.tile.tile_ranges`) and the wall time, each as a ratio to full attention. On a CPU the
 kernels run in a Pallas interpreter (``--interpret=gpu``: the Triton kernels in the generic one; ``tpu``: the
 Mosaic kernels in the TPU interpreter), whose time follows the tiles computed; on a GPU or TPU they compile.
 
-  python benchmarks/tile_skipping.py --length=4096 --window=512 --documents=4
+  python benchmarks/tile_skipping.py --length=4096 --window=512 --documents=4 --chunk=1024
   python benchmarks/tile_skipping.py --interpret=tpu --length=2048 --window=256
 """
 
@@ -16,12 +17,13 @@ import numpy as np
 from absl import app, flags
 
 import common
-from posjax import kernels
+from posjax import attention, kernels
 from posjax.kernels import tile
 
 _LENGTH = flags.DEFINE_integer("length", 4096, "Sequence length.")
 _WINDOW = flags.DEFINE_integer("window", 512, "The sliding window's keys.")
 _DOCUMENTS = flags.DEFINE_integer("documents", 4, "Packed documents of equal length in the row (causal).")
+_CHUNK = flags.DEFINE_integer("chunk", 1024, "Chunked attention's block of tokens (causal).")
 _HEADS = flags.DEFINE_integer("heads", 1, "Query heads (k/v: the same).")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dimension.")
 _INTERPRET = flags.DEFINE_enum("interpret", "gpu", ["gpu", "tpu", "none"],
@@ -39,6 +41,9 @@ def main(argv):
   positions = np.concatenate([np.arange(np.sum(documents[0] == d)) for d in range(_DOCUMENTS.value)])[None]
   cases = {"full": dict(), "causal": dict(causal=True),
            f"causal, window {_WINDOW.value}": dict(causal=True, sliding_window=_WINDOW.value),
+           f"window {_WINDOW.value}, both sides": dict(sliding_window=_WINDOW.value),
+           f"causal, chunks of {_CHUNK.value}": dict(causal=True, segment_ids=np.asarray(attention.Mask(
+               causal=True, chunk=_CHUNK.value).chunked(1, length).segment_ids)),
            f"causal, {_DOCUMENTS.value} documents": dict(causal=True, segment_ids=documents, positions=positions)}
   print(f"{common.describe_device()}; L={length}, {heads} head(s), K={dim}, interpreter: {_INTERPRET.value}\n")
   print("| mask | tiles computed (forward) | time, forward + backward | ratio to full |")
