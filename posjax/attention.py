@@ -499,8 +499,7 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   index_var.value = index + q
   implementation = "xla"
   if kernel == "pallas":
-    refusal = kernels.decode.kernel_refusal(merged) or (
-        f"the decode kernels do not take a chunk ({mask.chunk})" if mask.chunk else None)
+    refusal = kernels.decode.kernel_refusal(merged)
     implementation = "xla" if refusal else "pallas"
     if refusal and refusal not in _LOGGED:
       _LOGGED.add(refusal)

@@ -346,14 +346,15 @@ class FusedAttention:
   table's entry (T5's bucket of r, or c with ``kind="clip"``; a [CLS] key's column, then a [CLS] query's row,
   reads its own entry where given), plus KERPLE's ``-r1 log(1 + r2 |r|)`` or ``-r1 |r|^r2``, FIRE's MLP of
   ``log(c|r| + 1) / (log(c max(p_i, |L|) + 1) + eps)`` and Sandwich's ``λ (Σ_f cos(r ω_f / ρ_h) - F)``. Key j is
-  attended by query i when it is real, in i's segment, (causal) j <= i and (sliding window W) |i - j| < W; a query
+  attended by query i when it is real, in i's segment, (causal) j <= i, (sliding window W) |i - j| < W and (chunk
+  C) i // C == j // C; a query
   with no such key averages every key. Grouped keys (fewer heads than q): query head h reads head h // (H / G).
 
   Built from the batch's layout: each pair's distance, table entries, [CLS] flags and mask, found in a loop over
   (b, i, j); called with the arrays (numpy products), so that finite differences reuse the loop's work."""
 
   def __init__(self, positions, segments, valid, causal=False, buckets=None, relative_max_distance=None,
-               sliding_window=0):
+               sliding_window=0, chunk=0):
     B, L = positions.shape
     self.distance, self.bucket, self.row, self.query_position = (np.zeros((B, L, L), int) for _ in range(4))
     self.cls_i, self.cls_j, self.allowed = (np.zeros((B, L, L), bool) for _ in range(3))
@@ -365,7 +366,8 @@ class FusedAttention:
           self.query_position[b, i, j] = int(positions[b, i])
           self.cls_i[b, i, j], self.cls_j[b, i, j] = int(positions[b, i]) == 0, int(positions[b, j]) == 0
           self.allowed[b, i, j] = (bool(valid[b, j]) and segments[b, i] == segments[b, j] and (not causal or j <= i)
-                                   and (not sliding_window or abs(i - j) < sliding_window))
+                                   and (not sliding_window or abs(i - j) < sliding_window)
+                                   and (not chunk or i // chunk == j // chunk))
           if relative_max_distance is not None:
             self.row[b, i, j] = min(max(r, -relative_max_distance), relative_max_distance) + relative_max_distance
           if buckets is not None:

@@ -81,8 +81,9 @@ def test_the_kernels_skip_the_other_chunks_tiles():
   assert visited == (length // chunk) * 3  # each chunk's two query tiles: 1 + 2 key tiles, none of another chunk
 
 
-def test_a_decoder_mixing_chunked_windowed_and_global_layers_generates_its_full_forward():
-  config = TransformerConfig.llama(vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])  # the dense decoding path, then the decode kernels
+def test_a_decoder_mixing_chunked_windowed_and_global_layers_generates_its_full_forward(kernel):
+  config = TransformerConfig.llama(attention_kernel=kernel, vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                                    intermediate_size=48, max_len=64, position_schedule="rope,rope,none",
                                    layer_chunks="4,0,0", layer_windows="0,5,0", attention_sinks=True,
                                    query_temperature={"kind": "llama4", "floor_scale": 3.0, "attn_scale": 0.7},
@@ -92,7 +93,8 @@ def test_a_decoder_mixing_chunked_windowed_and_global_layers_generates_its_full_
   prompt = np.random.default_rng(0).integers(0, 61, (2, 5))
   tokens, cached = (np.asarray(t) for t in generate.generate(module, {"params": params}, prompt, max_new_tokens=9,
                                                               return_logits=True))
-  full = np.asarray(jax.jit(module.apply)({"params": params}, jnp.asarray(tokens)).logits)
+  dense = Transformer(TransformerConfig.llama(**{**config.to_dict(), "attention_kernel": "xla"}), head="lm")
+  full = np.asarray(jax.jit(dense.apply)({"params": params}, jnp.asarray(tokens)).logits)
   np.testing.assert_array_equal(tokens[:, 5:], np.argmax(full[:, 4:-1], axis=-1))
   np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
 

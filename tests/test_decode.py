@@ -12,13 +12,14 @@ from posjax import kernels
 from test_kernels import learned_terms
 
 
-@pytest.mark.parametrize("interpreter,blocks,queries,window", [
-    (True, (16, 16), 1, 0),  # a decode step: one query, every key tile split among programs
-    (True, (16, 16), 19, 9),  # a prefill of two query tiles in a window: the tiles before it skipped
-    ("tpu", (8, 128), 11, 9),
-    ("xla", None, 3, 9),  # the dense formulas (implementation="xla")
+@pytest.mark.parametrize("interpreter,blocks,queries,window,chunk", [
+    (True, (16, 16), 1, 0, 0),  # a decode step: one query, every key tile split among programs
+    (True, (16, 16), 19, 9, 48),  # a prefill of two query tiles in a window and chunks: the tiles before skipped
+    ("tpu", (8, 128), 11, 9, 48),
+    ("xla", None, 3, 9, 48),  # the dense formulas (implementation="xla")
 ])
-def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(interpreter, blocks, queries, window):
+def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(interpreter, blocks, queries, window,
+                                                                           chunk):
   rng = np.random.default_rng(7)
   batch, heads, kv_heads, head_dim, written, slots = 2, 4, 2, 8, 150, 165
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -33,6 +34,7 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
   q, k, v = f32(batch, written, heads, head_dim), f32(batch, written, kv_heads, head_dim), f32(batch, written,
                                                                                               kv_heads, head_dim)
   fused = reference.FusedAttention(positions, np.zeros_like(positions), valid, causal=True, sliding_window=window,
+                                   chunk=chunk,
                                    buckets=dict(kind="buckets", num_buckets=32, max_distance=40, bidirectional=False,
                                                 cls_row=None, cls_col=None))
   fire, kerple, sw = terms.fire, terms.kerple, terms.sandwich
@@ -48,7 +50,7 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
   out = kernels.decode_attention(
       q[:, -queries:], cache(k), cache(v), start=written - queries,
       key_positions=np.pad(positions, ((0, 0), (0, slots - written))),
-      key_valid=np.pad(valid, ((0, 0), (0, slots - written))), terms=terms, sliding_window=window,
+      key_valid=np.pad(valid, ((0, 0), (0, slots - written))), terms=terms, sliding_window=window, chunk=chunk,
       **(dict(implementation="xla") if interpreter == "xla" else dict(interpret=interpreter, block_sizes=blocks)))
   np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
 

@@ -65,8 +65,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
       term's rows and embeddings span the cache's slots).
     scale: the factor on ``q·k`` (default ``1/sqrt(K)``).
     sliding_window: key slot j only for queries at slots ``j <= i < j + sliding_window`` (0: every earlier slot).
-    chunk: key slot j only for queries in its aligned block of ``chunk`` slots, ``i // C == j // C`` (0: none);
-      ``xla`` only (the decode kernels refuse it).
+    chunk: key slot j only for queries in its aligned block of ``chunk`` slots, ``i // C == j // C`` (0: none); the
+      kernels skip the earlier chunks' tiles.
     implementation: ``pallas`` (the decode kernels: :data:`KERNEL_TERMS` only) or ``xla`` (every term).
     block_sizes: the kernels' (query, key) tile (default GPU: queries padded to a power of two of 16 to 64 rows,
       :func:`posjax.kernels.triton.default_block_sizes`' key tile; TPU: up to 256 query rows, a multiple of 8, and
@@ -93,9 +93,6 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   for name, value in (("sliding_window", sliding_window), ("chunk", chunk)):
     if not isinstance(value, int) or value < 0:
       raise ValueError(f"{name}={value!r} must be an int >= 0 (0: none)")
-  if chunk and implementation == "pallas":
-    raise ValueError(f"decode_attention(implementation='pallas'): the decode kernels do not take chunk={chunk}; use "
-                     "implementation='xla'")
   terms.check(b, h, d, t)
   scale = 1.0 / d ** 0.5 if scale is None else float(scale)
   positions_BxT = jnp.broadcast_to(jnp.asarray(key_positions, jnp.int32), (b, t))
@@ -129,6 +126,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   slots_Q = start + jnp.minimum(jnp.arange(padded_q, dtype=jnp.int32), q - 1)
   first_N, last_N = slots_Q[::bq], slots_Q[bq - 1::bq]
   lo_N = jnp.maximum(first_N - sliding_window + 1, 0) // bk if sliding_window else jnp.zeros_like(first_N)
+  if chunk:  # the tile's first query's chunk starts the keys it needs
+    lo_N = jnp.maximum(lo_N, (first_N // chunk) * chunk // bk)
   ranges_BxNx2 = jnp.broadcast_to(jnp.stack([lo_N, last_N // bk + 1], axis=1), (b, n_q, 2))
   pad = lambda x_S, axis, size: x_S if x_S.shape[axis] == size else jnp.pad(
       x_S, [(0, size - x_S.shape[a] if a == axis else 0) for a in range(x_S.ndim)])  # the cache in place when it fits
@@ -137,7 +136,7 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   terms = terms.replace(open=tile.pad_open(terms.open, b, padded_t, tpu))
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=True, block_q=bq, block_k=bk, length=t, interpret=interpret, treedef=treedef,
-                   group=group, sliding_window=sliding_window, splits=splits)
+                   group=group, sliding_window=sliding_window, splits=splits, chunk=chunk)
   q_BxHxQxK = pad(pad(q_BxQxHxK, 1, padded_q), 3, head_dim).transpose(0, 2, 1, 3)
   cache = lambda x_BxGxTxX, dim: pad(pad(x_BxGxTxX, 2, padded_t), 3, dim)
   line = lambda x_BxT: pad(x_BxT, 1, padded_t)

@@ -53,6 +53,7 @@ class Plan:
   group: int = 1  # query heads per key/value head (grouped-query attention): head h reads k/v head h // group
   sliding_window: int = 0  # keys |i - j| < W only (with causal: i - W < j <= i); 0: no window
   splits: int = 1  # decoding (posjax.kernels.decode): programs sharing one query tile's key tiles
+  chunk: int = 0  # decoding: keys in the query's aligned block of C slots only (training: chunks come as segments)
 
   def terms(self, leaves) -> Terms:
     """The call's :class:`~posjax.kernels.terms.Terms` from their array leaves."""
@@ -287,6 +288,8 @@ class TileBase:
       allowed_QxT = allowed_QxT & (index_j_QxT <= index_i_QxT)
     if self.plan.sliding_window:
       allowed_QxT = allowed_QxT & (jnp.abs(index_i_QxT - index_j_QxT) < self.plan.sliding_window)
+    if self.plan.chunk:
+      allowed_QxT = allowed_QxT & (index_i_QxT // self.plan.chunk == index_j_QxT // self.plan.chunk)
     self.allowed_QxT = allowed_QxT
     self.index_i_QxT, self.index_j_QxT = index_i_QxT, index_j_QxT
     self.s_QxT = jnp.where(index_j_QxT < self.plan.length, jnp.where(allowed_QxT, s_QxT, MASKED), -jnp.inf)
