@@ -26,7 +26,7 @@ def write_lock(workdir, **holder):
   os.makedirs(workdir, exist_ok=True)
   record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": None, "started": time.time(),
             "renewed": time.time(), **holder}
-  with open(os.path.join(workdir, lock.NAME), "w") as f:
+  with lock.guard(workdir), open(os.path.join(workdir, lock.NAME), "w") as f:  # as another run's takeover does
     json.dump(record, f)
 
 

@@ -4,11 +4,16 @@ The file names its holder (host, pid, the pid's start time, when the run started
 renewal; a thread renews it every ``LEASE_SECONDS / 4``. A second run on the workdir is refused at once with an
 error naming the holder. A lock left by a killed run does not block the next: on the same host when its pid is
 gone (or is another process, started at another time), on another host when it has not been renewed for
-``LEASE_SECONDS``. Creating the file is atomic (``O_EXCL``), so of two runs starting together one wins.
+``LEASE_SECONDS``. Creating the file is atomic (``O_EXCL``), so of two runs starting together one wins. Taking
+over, renewing and releasing each read and write the file under an exclusive ``flock`` of the workdir itself
+(:func:`guard`), so a renewal never overwrites a lock another run has just taken over (where the filesystem has no
+``flock``, as before: the renewal checks the holder first).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -17,6 +22,21 @@ import time
 
 NAME = "run.lock"
 LEASE_SECONDS = 120.0
+
+
+@contextlib.contextmanager
+def guard(workdir: str):
+  """An exclusive ``flock`` of the workdir (a directory: no file of its own) while the lock file is read and
+  written; nothing where the filesystem refuses one."""
+  fd = os.open(workdir, os.O_RDONLY)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+      pass
+    yield
+  finally:
+    os.close(fd)  # closing the descriptor releases the flock
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -101,19 +121,20 @@ class WorkdirLock:
     self._record = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
                     "started": now, "renewed": now}
     for _ in range(2):
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        holder = self._read()
-        if holder is not None and not holder_is_gone(holder):
-          raise OSError(in_use(self.path, holder)) from None
+      with guard(os.path.dirname(self.path)):
         try:
-          os.remove(self.path)  # a stopped run's lock: take over
-        except FileNotFoundError:
-          pass
-        continue
-      with os.fdopen(fd, "w") as f:
-        json.dump(self._record, f)
+          fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+          holder = self._read()
+          if holder is not None and not holder_is_gone(holder):
+            raise OSError(in_use(self.path, holder)) from None
+          try:
+            os.remove(self.path)  # a stopped run's lock: take over
+          except FileNotFoundError:
+            pass
+          continue
+        with os.fdopen(fd, "w") as f:
+          json.dump(self._record, f)
       self._thread = threading.Thread(target=self._renew, name="workdir-lock", daemon=True)
       self._thread.start()
       return
@@ -134,17 +155,18 @@ class WorkdirLock:
     """Renews the lease until released; stops for good once another run holds the file (our lease had lapsed and
     it took over), so that run's lock is never overwritten."""
     while not self._stop.wait(LEASE_SECONDS / 4):
-      holder = self._read()
-      if holder is not None and not self._ours(holder):
-        return
-      self._record["renewed"] = time.time()
-      temporary = f"{self.path}.{os.getpid()}.tmp"
       try:
-        with open(temporary, "w") as f:
-          json.dump(self._record, f)
-        os.replace(temporary, self.path)
+        with guard(os.path.dirname(self.path)):
+          holder = self._read()
+          if holder is not None and not self._ours(holder):
+            return
+          self._record["renewed"] = time.time()
+          temporary = f"{self.path}.{os.getpid()}.tmp"
+          with open(temporary, "w") as f:
+            json.dump(self._record, f)
+          os.replace(temporary, self.path)
       except OSError:
-        pass  # a full or flaky disk: the next renewal tries again
+        pass  # a full or flaky disk, a workdir removed: the next renewal tries again
 
   def release(self) -> None:
     """Gives the lease up (removing the file only if it is still this run's)."""
@@ -153,11 +175,12 @@ class WorkdirLock:
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
-    if self._ours(self._read()):
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
+    try:
+      with guard(os.path.dirname(self.path)):
+        if self._ours(self._read()):
+          os.remove(self.path)
+    except FileNotFoundError:
+      pass
     self._record = None
 
   def __enter__(self):
