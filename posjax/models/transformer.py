@@ -319,27 +319,24 @@ class TransformerConfig:
     """Each layer's sliding window (0: none): ``layer_windows`` repeated over the depth, or ``sliding_window``."""
     if not self.layer_windows:
       return (self.sliding_window,) * self.num_layers
-    try:
-      sizes = tuple(int(w) for w in str(self.layer_windows).split(","))
-    except ValueError:
-      raise ValueError(f"layer_windows={self.layer_windows!r}: expected ','-separated ints >= 0, e.g. '4096,0'"
-                       ) from None
-    if any(w < 0 for w in sizes):
-      raise ValueError(f"layer_windows={self.layer_windows!r}: each window must be >= 0 (0: the whole context)")
-    return tuple(sizes[i % len(sizes)] for i in range(self.num_layers))
+    return self._per_layer("layer_windows", "window", "4096,0", "the whole context")
 
   @functools.cached_property
   def chunks(self) -> tuple[int, ...]:
     """Each layer's chunk (0: none): ``layer_chunks`` repeated over the depth."""
     if not self.layer_chunks:
       return (0,) * self.num_layers
+    return self._per_layer("layer_chunks", "chunk", "8192,0", "none")
+
+  def _per_layer(self, field: str, what: str, example: str, zero: str) -> tuple[int, ...]:
+    """``field``'s ``,``-separated ints >= 0, repeated over the depth; a bad entry is a one-line error."""
+    value = getattr(self, field)
     try:
-      sizes = tuple(int(c) for c in str(self.layer_chunks).split(","))
+      sizes = tuple(int(x) for x in str(value).split(","))
     except ValueError:
-      raise ValueError(f"layer_chunks={self.layer_chunks!r}: expected ','-separated ints >= 0, e.g. '8192,0'"
-                       ) from None
-    if any(c < 0 for c in sizes):
-      raise ValueError(f"layer_chunks={self.layer_chunks!r}: each chunk must be >= 0 (0: none)")
+      raise ValueError(f"{field}={value!r}: expected ','-separated ints >= 0, e.g. '{example}'") from None
+    if any(x < 0 for x in sizes):
+      raise ValueError(f"{field}={value!r}: each {what} must be >= 0 (0: {zero})")
     return tuple(sizes[i % len(sizes)] for i in range(self.num_layers))
 
   @functools.cached_property
