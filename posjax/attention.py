@@ -383,9 +383,11 @@ class SelfAttention(nn.Module):
         kernel = "xla"
     if decode and self.has_variable("cache", "cached_key"):
       return self._out(decode_step(self, spec, terms, state, v, mask, kernel))
-    if decode:  # initialising: an empty cache of the input's length
-      cache_variables(self, terms.k, v)
-      for name, term in decoding_states(terms.terms).items():
+    if decode:  # initialising: an empty cache of the input's length, or a ring of what the layer can still see
+      states = decoding_states(terms.terms)
+      cache_variables(self, terms.k, v, ring_slots(mask, terms.k.shape[1], bool(
+          states or decoding_states(kernels.merge(state.terms, terms.terms)))))
+      for name, term in states.items():
         state_variable(self, name, term, terms.k.shape[1])
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
@@ -421,13 +423,24 @@ class SelfAttention(nn.Module):
         bias_init=base.zeros_init((base.EMBED,)), name="out")(out)
 
 
-def cache_variables(module: nn.Module, k_BxQxGxK, v_BxQxGxV):
+def ring_slots(mask: Mask, length: int, has_states: bool = False) -> int:
+  """The slots of a layer's decoding cache for a context of ``length`` tokens: a windowed or chunked layer's
+  ``min(W, C)`` where that is fewer (a ring buffer: a query sees at most ``W - 1`` earlier keys, or its chunk's
+  ``C - 1``), so its cache and each decode step's work follow the window, not the context; ``length`` otherwise, and
+  for a layer whose terms keep a decoding state per slot (the Forgetting Transformer's gates)."""
+  sizes = [size for size in (mask.sliding_window, mask.chunk) if size]
+  return min(sizes) if sizes and min(sizes) < length and not has_states else length
+
+
+def cache_variables(module: nn.Module, k_BxQxGxK, v_BxQxGxV, slots: int | None = None):
   """The layer's decoding cache (collection ``cache``): keys (after the position method's transform: RoPE-rotated)
   and values of its key/value heads only, heads first (``[B, G, T, K]``, G < H under grouped-query attention: the
-  decode kernels' layout, read in place), the keys' positions and validity ``[B, T]`` and the next free slot; the
-  cache's length ``T`` is the input's at ``init``. Under a mesh the cache is split like the activations (rows over
-  the batch's axes, heads over the heads': :data:`posjax.partitioning.BHLK`)."""
+  decode kernels' layout, read in place), the keys' positions and validity ``[B, T]`` and the number of tokens
+  written (the next one's slot; in a ring of ``T`` slots, :func:`ring_slots`, token ``n`` sits at slot ``n mod T``);
+  ``T`` is ``slots``, or the input's length at ``init``. Under a mesh the cache is split like the activations (rows
+  over the batch's axes, heads over the heads': :data:`posjax.partitioning.BHLK`)."""
   (b, t, g), zeros = k_BxQxGxK.shape[:3], jnp.zeros
+  t = slots or t
   return (module.variable("cache", "cached_key", zeros, (b, g, t, k_BxQxGxK.shape[3]), k_BxQxGxK.dtype),
           module.variable("cache", "cached_value", zeros, (b, g, t, v_BxQxGxV.shape[3]), v_BxQxGxV.dtype),
           module.variable("cache", "cached_positions", zeros, (b, t), jnp.int32),
@@ -474,6 +487,7 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   (``state``, continuing past the prompt) and the cached keys', so every method whose terms are a function of (query
   position, key position, q, k) decodes exactly (RoPE and its scalings, xPos, ALiBi, T5, KERPLE, FIRE, Sandwich,
   Shaw's key term, NoPE; a learned table up to its length). Causal in slot order; the sliding window counts slots.
+  A windowed or chunked layer's cache is a ring (:func:`ring_slots`, :func:`_ring_step`).
   ``kernel``: the layer's resolved kernel; ``pallas`` decodes on the decode kernels where they build the method's
   terms (:data:`posjax.kernels.decode.KERNEL_TERMS`), otherwise, and on ``xla`` and ``cudnn``, on the dense
   formulas (``[B, H, Q, T]`` logits; a logged line says why where ``pallas`` was asked for)."""
@@ -487,16 +501,10 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
     raise ValueError(f"position method {spec.name!r} has TUPE's untied term, an encoder's, which decoding with a "
                      "cache does not compute")
   k_var, v_var, positions_var, valid_var, index_var = cache_variables(module, terms.k, v_BxQxGxV)
-  merged = continue_states(module, merged, state.positions, index_var.value, k_var.value.shape[2])
   b, q = terms.q.shape[:2]
   index = index_var.value
   positions_BxQ = jnp.broadcast_to(state.positions, (b, q)).astype(jnp.int32)
   valid_BxQ = jnp.ones((b, q), bool) if mask.padding is None else jnp.asarray(mask.padding, bool)
-  write = lambda var, x, axis: jax.lax.dynamic_update_slice_in_dim(var.value, x.astype(var.value.dtype), index, axis)
-  k_var.value = partitioning.constrain(write(k_var, jnp.swapaxes(terms.k, 1, 2), 2), partitioning.BHLK)
-  v_var.value = partitioning.constrain(write(v_var, jnp.swapaxes(v_BxQxGxV, 1, 2), 2), partitioning.BHLK)
-  positions_var.value, valid_var.value = write(positions_var, positions_BxQ, 1), write(valid_var, valid_BxQ, 1)
-  index_var.value = index + q
   implementation = "xla"
   if kernel == "pallas":
     refusal = kernels.decode.kernel_refusal(merged)
@@ -504,8 +512,57 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
     if refusal and refusal not in _LOGGED:
       _LOGGED.add(refusal)
       logging.info("decoding %r on the xla formulas: %s", spec.name, refusal)
+  slots = k_var.value.shape[2]
+  if not decoding_states(merged) and slots == ring_slots(mask, slots + 1):
+    return _ring_step(module, terms.q, (k_var, v_var, positions_var, valid_var, index_var), terms.k, v_BxQxGxV,
+                      positions_BxQ, valid_BxQ, merged, spec.scale, mask, implementation)
+  merged = continue_states(module, merged, state.positions, index, slots)
+  write = lambda var, x, axis: jax.lax.dynamic_update_slice_in_dim(var.value, x.astype(var.value.dtype), index, axis)
+  k_var.value = partitioning.constrain(write(k_var, jnp.swapaxes(terms.k, 1, 2), 2), partitioning.BHLK)
+  v_var.value = partitioning.constrain(write(v_var, jnp.swapaxes(v_BxQxGxV, 1, 2), 2), partitioning.BHLK)
+  positions_var.value, valid_var.value = write(positions_var, positions_BxQ, 1), write(valid_var, valid_BxQ, 1)
+  index_var.value = index + q
   return kernels.decode.decode_attention(
       terms.q, k_var.value, v_var.value, start=index, key_positions=positions_var.value, key_valid=valid_var.value,
       terms=merged, scale=spec.scale, sliding_window=mask.sliding_window, chunk=mask.chunk,
       implementation=implementation,
       platform=module.platform)
+
+
+def _ring_step(module: nn.Module, q_BxQxHxK, variables, k_BxQxGxK, v_BxQxGxV, positions_BxQ, valid_BxQ, terms,
+               scale: float, mask: Mask, implementation: str):
+  """A decode step of a windowed or chunked layer over its ring of ``S`` slots (:func:`ring_slots`): the ring in
+  token order (its oldest slot first), then the new tokens, is the view the step attends over, so the causal mask,
+  the window and the tile skipping count views' slots as they count a full cache's; a chunked layer's view starts
+  at a chunk's first token (up to ``C`` empty slots before it and after). Then the newest ``min(Q, S)`` tokens
+  overwrite the oldest slots. Exact for any number of new tokens: a prefill longer than the ring attends over its
+  own keys before the ring keeps the last ``S``."""
+  k_var, v_var, positions_var, valid_var, index_var = variables
+  s, q, index, chunk = k_var.value.shape[2], q_BxQxHxK.shape[1], index_var.value, mask.chunk
+  ordered = lambda x, axis: jnp.roll(x, -(index % s), axis=axis)  # view slot v: token index - S + v
+  k_new_BxGxQxK, v_new_BxGxQxV = jnp.swapaxes(k_BxQxGxK, 1, 2), jnp.swapaxes(v_BxQxGxV, 1, 2)
+  view = [jnp.concatenate([ordered(var.value, axis), new.astype(var.value.dtype)], axis=axis) for var, new, axis in
+          ((k_var, k_new_BxGxQxK, 2), (v_var, v_new_BxGxQxV, 2), (positions_var, positions_BxQ, 1),
+           (valid_var, valid_BxQ, 1))]
+  start = jnp.asarray(s, jnp.int32)
+  if chunk:  # C empty slots each side, then the C + S + Q slots from a chunk's first token on
+    first = (-(index - s)) % chunk  # the padded view's first slot whose token starts a chunk
+    wide = lambda x, axis: jax.lax.dynamic_slice_in_dim(
+        jnp.pad(x, [(chunk, chunk) if a == axis else (0, 0) for a in range(x.ndim)]), first, chunk + s + q, axis)
+    view = [wide(x, axis) for x, axis in zip(view, (2, 2, 1, 1))]
+    start = start + chunk - first
+  k_BxGxVxK, v_BxGxVxV, positions_BxV, valid_BxV = view
+  out = kernels.decode.decode_attention(
+      q_BxQxHxK, k_BxGxVxK, v_BxGxVxV, start=start, key_positions=positions_BxV, key_valid=valid_BxV, terms=terms,
+      scale=scale, sliding_window=mask.sliding_window, chunk=chunk, implementation=implementation,
+      platform=module.platform)
+  kept = min(q, s)  # the newest tokens, each to slot (token index mod S)
+  slots_N = (index + q - kept + jnp.arange(kept, dtype=jnp.int32)) % s
+  for var, new, axis in ((k_var, k_new_BxGxQxK, 2), (v_var, v_new_BxGxQxV, 2), (positions_var, positions_BxQ, 1),
+                         (valid_var, valid_BxQ, 1)):
+    new = jax.lax.slice_in_dim(new, q - kept, q, axis=axis).astype(var.value.dtype)
+    var.value = var.value.at[(slice(None),) * axis + (slots_N,)].set(new)
+  k_var.value = partitioning.constrain(k_var.value, partitioning.BHLK)
+  v_var.value = partitioning.constrain(v_var.value, partitioning.BHLK)
+  index_var.value = index + q
+  return out

@@ -52,8 +52,11 @@ def test_greedy_tokens_and_step_logits_equal_the_full_forward(fields):
   np.testing.assert_array_equal(tokens[:, 5:], np.argmax(full[:, 4:-1], axis=-1))
   np.testing.assert_allclose(cached, full[:, 4:-1], atol=2e-5 * np.abs(full).max(), rtol=0)
   cache = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((2, 14), jnp.int32), decode=True))["cache"]
-  layer = cache["encoder"]["layers"] if fields.get("scan_layers") else cache["encoder"]["layer_0"]
-  assert layer["attention"]["cached_key"].shape[-3:] == (2, 14, 8)  # k/v heads only (GQA), heads first
+  if fields.get("scan_layers"):
+    assert cache["encoder"]["layers"]["attention"]["cached_key"].shape[-3:] == (2, 14, 8)  # k/v heads, heads first
+  else:  # a ring of the window's 6 slots; FoX's layer keeps its gates per slot: the whole context
+    slots = [cache["encoder"][f"layer_{i}"]["attention"]["cached_key"].shape[-2] for i in range(8)]
+    assert slots == [6, 6, 6, 6, 6, 14, 6, 6]
 
 
 def test_the_decode_kernels_generate_the_dense_full_forwards_tokens_on_one_device_and_on_a_mesh():
