@@ -4,6 +4,13 @@ of each target (``make aot``'s compilers). Prints the cache's size and XLA's mem
 attention kernel (``xla``: the dense formulas; ``pallas``: the decode kernels, :func:`posjax.kernels.decode_attention`).
 
   python benchmarks/decode_memory.py --size=1b --context=32768 --batch=1 --targets=h100,v5e:2x2 --kernels=xla,pallas
+
+``--layouts`` compares hybrid layouts (:mod:`posjax.models.hybrid`, ``,``-separated; ``full``: every layer global),
+``--layout-options`` their options as JSON (``{"gemma3": {"window": 1024}}``): a windowed or chunked layer's cache
+is a ring of its window or chunk (:func:`posjax.attention.ring_slots`).
+
+  python benchmarks/decode_memory.py --size=1b --context=131072 --targets=h100 --kernels=xla,pallas \
+      --layouts=full,gemma3,irope
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import time
 
 import jax
@@ -29,26 +37,37 @@ def main():
   parser.add_argument("--vocab", type=int, default=128_256)
   parser.add_argument("--targets", default="h100,v5e:2x2")
   parser.add_argument("--kernels", default="xla,pallas")
+  parser.add_argument("--layouts", default="full")
+  parser.add_argument("--layout-options", default="{}")
   args = parser.parse_args()
   aot.setup()
-  config = TransformerConfig.decoder(**DECODER_SIZES[args.size], vocab_size=args.vocab, max_len=args.context,
-                                     dtype="bfloat16", param_dtype="bfloat16")
+  options = json.loads(args.layout_options)
+  print("| layout | layers (kinds) | target | kernel | cache | arguments | outputs | temporaries | total (cache donated) "
+        "| compile |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for layout in args.layouts.split(","):
+    config = TransformerConfig.decoder(**DECODER_SIZES[args.size], vocab_size=args.vocab, max_len=args.context,
+                                       dtype="bfloat16", param_dtype="bfloat16",
+                                       **({} if layout == "full" else dict(layout=layout,
+                                                                           layout_options=options.get(layout, {}))))
+    measure(args, config, layout)
+
+
+def measure(args, config, layout: str):
   module = Transformer(config, head="lm")
   b, t = args.batch, args.context
   shapes = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros((b, t), jnp.int32), decode=True))
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["cache"]))
-  params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes["params"]))
+  kinds = {}
+  for kind in config.layer_kinds:
+    kinds[kind.describe()] = kinds.get(kind.describe(), 0) + 1
+  described = "; ".join(f"{n} x {k}" for k, n in kinds.items())
 
   def step(module, params, cache, token_Bx1, position_Bx1):
     out, mutated = module.apply({"params": params, "cache": cache}, token_Bx1, positions=position_Bx1, decode=True,
                                 mutable=["cache"])
     return jnp.argmax(out.logits[:, -1], axis=-1), mutated["cache"]
 
-  print(f"{args.size} decoder ({config.num_layers} layers x {config.hidden_size}, {config.num_heads} query / "
-        f"{config.num_kv_heads} k/v heads), vocabulary {args.vocab}, batch {b}, cache {t} slots, bf16; "
-        f"parameters {params_bytes / 2**30:.2f} GiB, cache {cache_bytes / 2**30:.2f} GiB\n")
-  print("| target | kernel | arguments | outputs | temporaries | total (cache donated) | compile |")
-  print("|---|---|---|---|---|---|---|")
   for name in args.targets.split(","):
     target = targets.devices(name)
     device = jax.sharding.SingleDeviceSharding(target.devices[0])
@@ -65,7 +84,8 @@ def main():
       gib = lambda n: f"{n / 2**30:.2f} GiB"
       total = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes \
           - memory.alias_size_in_bytes
-      print(f"| {name} | {kernel} | {gib(memory.argument_size_in_bytes)} | {gib(memory.output_size_in_bytes)} | "
+      print(f"| {layout} | {described} | {name} | {kernel} | {gib(cache_bytes)} | "
+            f"{gib(memory.argument_size_in_bytes)} | {gib(memory.output_size_in_bytes)} | "
             f"{gib(memory.temp_size_in_bytes)} | {gib(total)} | {seconds:.1f} s |", flush=True)
 
 

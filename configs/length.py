@@ -37,6 +37,12 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
     stream packing, in one process; ``stride`` must divide ``train_len``); default 0, off.
   depths: the needle-in-a-haystack grid's depths (``config.passkey.depths``: retrieval at each depth fraction x
     length, ``needle.png``); default 5, ``depths=0`` draws each depth uniformly.
+  layouts: ``+``-separated hybrid layouts (:mod:`posjax.models.hybrid`: ``full``, ``irope``, ``rnope_swa``, ``swan``,
+    ``gemma3``), each a row trained here over ``layout_method`` (default ``rope``), side by side with the methods;
+    default none. Their options are ``config.layout_options`` (``{layout: {option: value}}``); by default each
+    window and chunk is a quarter of ``train_len`` (Llama 4's ``floor_scale`` the chunk), so that the local layers
+    are local at the training length, not the families' 512-8192 tokens; runlocal's 2-layer decoder takes groups of
+    ``every=2`` (one local layer, one global).
   extension: ``+``-separated context-extension variants of a RoPE model (:mod:`posjax.experiments.extension`:
     ``unscaled``, ``pi``, ``ntk``, ``yarn``, ``longrope``; ``all``: every one), each zero-shot and fine-tuned at
     ``factor`` (default 4) times the training length for ``config.extension.finetune_steps``; default none.
@@ -46,6 +52,8 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
 
   python -m posjax.main --config=configs/length.py:methods=rope+alibi+fire+kerple_log,runlocal --workdir=DIR
   python -m posjax.main --config=configs/length.py:methods=rope,extension=all,probes=,runlocal --workdir=DIR
+  python -m posjax.main --config=configs/length.py:methods=rope+none,layouts=irope+rnope_swa+swan+gemma3,runlocal \
+      --workdir=DIR
 Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pairs of the base config
 (``configs/lm.py`` / ``clm.py`` / ``pretrain.py``, dotted), e.g. ``(("data.source", "text"), ("data.train_files",
 "corpus.txt"), ...)``, as the paper tables' configs do; a local text file works as the corpus.
@@ -58,6 +66,7 @@ from posjax import positions
 from posjax.experiments import extension
 from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
+from posjax.models import hybrid
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
                "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire",
@@ -69,7 +78,7 @@ def get_config(arg=None):
   given = named(arg)
   arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="lm", size="base", runlocal=False, passkey=True,
                   probes="copy+sort+parity", runs="", control="", depths=5, extension="", extension_base="rope",
-                  factor=4.0, seeds=1, stride=0)
+                  factor=4.0, seeds=1, stride=0, layouts="", layout_method="rope")
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
@@ -109,6 +118,17 @@ def get_config(arg=None):
                     ) if config.passkey is not None else arg.control
   config.control_steps = 3000 if arg.runlocal else config.steps
   config.control_fraction = 0.5
+  # Hybrid layouts (posjax.models.hybrid) as rows over layout_method, windows and chunks a quarter of train_len.
+  config.layouts = tuple(arg.layouts.split("+")) if arg.layouts else ()
+  for name in config.layouts:
+    hybrid.options(name)  # an unknown layout is an error here
+  config.layout_method = arg.layout_method
+  local = config.train_len // 4
+  defaults = {"irope": {"chunk": local, "floor_scale": float(local)}, "rnope_swa": {"window": local},
+              "swan": {"window": local}, "gemma3": {"window": local}}
+  group = {"every": 2} if config.runlocal else {}  # the tiny decoder's 2 layers: one local, one global
+  config.layout_options = ml_collections.ConfigDict({name: {**defaults.get(name, {}), **(group if name != "full" else {})}
+                                                     for name in config.layouts})
   # Context extension (posjax.experiments.extension): variants of a RoPE base, zero-shot and fine-tuned.
   variants = arg.extension.split("+") if arg.extension else []
   variants = list(extension.VARIANTS) if variants == ["all"] else variants

@@ -114,6 +114,8 @@ def get_config(arg=None):
       attention_sinks=False,  # a learned logit per head in each softmax's denominator (GPT-OSS)
       query_temperature={},  # {"kind": "llama4" | "ministral" | "ssmax", ...options}: queries scaled by position
       temperature_layers="",  # the layers it scales, 0 / 1 repeated ("0,0,0,1"); "": every layer
+      layout="",  # a named hybrid layout setting the per-layer fields (posjax.models.hybrid): irope, gemma3, ...
+      layout_options={},  # its options ({"chunk": 8192}, {"window": 1024}, ...)
       **SIZES[arg.size]))
   config.data = ml_collections.ConfigDict(dict(
       source="tfds", tfds_name="wikipedia/20190301.en", train_split="train[:99%]", eval_split="train[99%:]",

@@ -102,7 +102,6 @@ def test_a_decoder_mixing_chunked_windowed_and_global_layers_generates_its_full_
 @pytest.mark.parametrize("fields,message", [
     (dict(layer_chunks="4,x"), r"layer_chunks='4,x': expected ','-separated ints >= 0"),
     (dict(layer_chunks="4,-1"), r"each chunk must be >= 0"),
-    (dict(layer_chunks="4,0", scan_layers=True), r"scan_layers=True needs one layer program"),
 ])
 def test_bad_chunks_are_one_line_errors(fields, message):
   with pytest.raises(ValueError, match=message):

@@ -96,7 +96,6 @@ def test_a_position_schedule_gives_each_layer_its_method(schedule):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(position_schedule="rope,none", scan_layers=True), "scan_layers=True needs one layer program"),
     (dict(position_schedule="rope,absolute"), "'absolute' adds an input embedding"),
     (dict(position_schedule="rope,nope"), "unknown position method 'nope'"),
     (dict(position_schedule="rope,rope@local", schedule_options={"rope@x": {}}),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from posjax.experiments import extension, length
+from posjax.models import TransformerConfig
 from posjax.positions import rotary
 from posjax.main import evaluate_checkpoint, train
 from conftest import load_config
@@ -256,3 +257,23 @@ def test_seeds_train_each_row_again_and_the_tables_show_mean_and_spread(tmp_path
   assert results["alibi"]["sliding"]["64"] == pytest.approx(np.mean(sliding), rel=1e-12)
   assert "**sliding-window next-token perplexity (windows of each length every 16 tokens" in text
   assert length.run(config, str(tmp_path), must_not_train) == results
+
+
+def test_layouts_are_rows_over_their_method_trained_here_or_read_from_runs(tmp_path):
+  config = load_config("length", "methods=rope,layouts=irope+gemma3,layout_method=alibi,runlocal,control=")
+  rows = length.plan(config, str(tmp_path))
+  assert list(rows) == ["rope", "irope (alibi)", "gemma3 (alibi)"]
+  run = rows["irope (alibi)"].make()
+  model = TransformerConfig.from_config(run.model.to_dict(), 61, run.max_len)
+  # a quarter of the training length (32) per chunk, every fourth layer global NoPE with Llama 4's temperature
+  assert [(k.position, k.chunk) for k in model.layer_kinds] == [("alibi", 8), ("none", 0)]  # 2 tiny layers
+  assert rows["irope (alibi)"].note.startswith("`irope (alibi)`: `alibi` in the `irope` layout, chunked layers with "
+                                               "the method, one in every 2 global NoPE")
+  source = tmp_path / "gemma3_run"
+  source.mkdir()
+  finished = length.layout_config(config, "gemma3", {"window": 4, "every": 2})
+  (source / "config.json").write_text(finished.to_json_best_effort())
+  (source / "results.json").write_text(json.dumps({"step": 12, "metrics": {}}))
+  read = length.read_runs(load_config("length", f"methods=,layouts=gemma3,layout_method=alibi,runs={source},"
+                                                "runlocal,control="))
+  assert list(read) == ["gemma3 (alibi) [model.layout_options.window=4]"]

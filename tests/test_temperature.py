@@ -125,7 +125,6 @@ def test_a_decoder_mixing_temperature_and_plain_layers_generates_its_full_forwar
     (dict(query_temperature={"kind": "llama4", "scale": 2.0}), r"unknown \['scale'\]"),
     (dict(temperature_layers="0,1"), r"temperature_layers='0,1' without a query_temperature"),
     (dict(query_temperature={"kind": "llama4"}, temperature_layers="0,2"), r"expected ','-separated 0 / 1"),
-    (dict(query_temperature={"kind": "llama4"}, temperature_layers="0,1", scan_layers=True), "scan_layers=True"),
     (dict(query_temperature={"kind": "ssmax"}, causal=False), "a causal model only"),
 ])
 def test_bad_temperatures_are_one_line_errors(fields, message):

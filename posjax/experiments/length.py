@@ -59,6 +59,7 @@ from posjax import results as results_lib
 from posjax.config_args import POSITIVE
 from posjax.experiments import extension, plots, probes
 from posjax.kernels import terms as terms_lib
+from posjax.models import hybrid
 from posjax.tasks import passkey as passkey_task
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import validate as run_checks
@@ -95,6 +96,21 @@ def run_config(config, method: str):
   base.progress = False
   base.evals = evaluators(config)
   return base
+
+
+def layout_config(config, name: str, options=None):
+  """The training-loop config of a layout's row: ``layout_method``'s (:func:`run_config`) with ``model.layout`` and
+  its options (``options``, or the harness's ``layout_options``)."""
+  run = run_config(config, config.layout_method)
+  run.model.layout = name
+  found = dict((config.get("layout_options") or {}).get(name, {})) if options is None else dict(options)
+  run.model.layout_options = ml_collections.ConfigDict(found)
+  return run
+
+
+def layout_row(config, name: str) -> str:
+  """A layout row's name: the layout's, with its method where that is not RoPE."""
+  return name if config.layout_method == "rope" else f"{name} ({config.layout_method})"
 
 
 def evaluators(config) -> dict:
@@ -217,9 +233,15 @@ BOOKKEEPING = ("total_steps", "max_len", "eval_every_steps", "checkpoint_every_s
 
 def recipe_changes(config, method: str, run: dict) -> dict:
   """The fields of a read run's config, besides its position options and :data:`BOOKKEEPING`, that differ from the
-  harness's recipe for its method (data, optimiser, size, ...: what else made it another experiment)."""
+  harness's recipe for its method, or its layout's (data, optimiser, size, ...: what else made it another
+  experiment)."""
+  name = run["model"].get("layout") or ""
+  recipe = run_config(config, method)
+  if name:
+    recipe = layout_config(config, name, (config.get("layout_options") or {}).get(name, {}))
+    recipe.model.position = method
   recipe, mine = (flax.traverse_util.flatten_dict(tree, sep=".")
-                  for tree in (json.loads(run_config(config, method).to_json_best_effort()), run))
+                  for tree in (json.loads(recipe.to_json_best_effort()), run))
   return {k: mine.get(k) for k in sorted(set(recipe) | set(mine))
           if mine.get(k) != recipe.get(k) and not k.startswith(("model.position_options.", "evals."))
           and k not in BOOKKEEPING}
@@ -246,7 +268,9 @@ def read_runs(config) -> dict[str, Finished]:
     other = recipe_changes(config, method, run)
     trained = (f"{finished.get('step')} steps at length {run['max_len']}, position options {options}"
                + (f", and beside the recipe {_options_text(other)}" if other else ""))
-    label = method + (f" ({text})" if (text := _options_text(
+    layout_name = run["model"].get("layout") or ""
+    label = (layout_name if layout_name and method == "rope" else f"{layout_name} ({method})" if layout_name
+             else method) + (f" ({text})" if (text := _options_text(
         {k: v for k, v in changes.items() if not (k == "original_max_len" and v == config.train_len)})) else "")
     if run["max_len"] != config.train_len:  # a fine-tune's own schedule is in its note, not its name
       other_named = {k: v for k, v in other.items() if k not in ("learning_rate", "lr_schedule", "lr_end_fraction")}
@@ -400,6 +424,14 @@ def plan(config, workdir: str) -> dict[str, Row]:
                          read.note)
     else:
       rows[method] = Row(method, "train", lambda m=method: run_config(config, m))
+  for name in config.get("layouts") or ():
+    row = layout_row(config, name)
+    if row in rows:
+      continue  # read from config.runs
+    options = dict((config.get("layout_options") or {}).get(name, {}))
+    rows[row] = Row(config.layout_method, "train", lambda n=name: layout_config(config, n),
+                    f"`{row}`: `{config.layout_method}` in the `{name}` layout, {hybrid.describe(name, options)}; "
+                    f"trained here like the methods")
   if config.get("control"):
     rows[control_name(config)] = Row(
         config.control, "train", lambda: control_config(config),

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from posjax import attention, kernels, partitioning, positions as positions_lib
-from posjax.models import layout
+from posjax.models import hybrid, layout
 from posjax.positions import base
 from posjax.positions import temperature as temperature_lib
 
@@ -65,6 +65,22 @@ REMAT_POLICIES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerKind:
+  """One layer's attention as data: its position method (a schedule entry: ``rope``, ``none``, ``rope@local``), its
+  sliding window and chunk (0: none) and its query temperature (None: none). :attr:`TransformerConfig.layer_kinds`
+  gives every layer's; layers of one kind share a compiled program under ``scan_layers``."""
+  position: str
+  window: int = 0
+  chunk: int = 0
+  temperature: Any = None
+
+  def describe(self) -> str:
+    parts = [self.position] + [f"{name} {value}" for name, value in (("window", self.window), ("chunk", self.chunk))
+                               if value] + ([f"temperature {self.temperature.kind}"] if self.temperature else [])
+    return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """Architecture of a BERT encoder.
 
@@ -91,7 +107,9 @@ class TransformerConfig:
       unidirectional buckets). Default False (an encoder).
     scan_layers: the layers as one ``nn.scan`` over stacked parameters (``encoder/layers/...``, leading axis
       ``layers``) instead of ``encoder/layer_{i}``: one layer's program, compiled once whatever the depth. The same
-      numbers; checkpoints convert between the two layouts (:mod:`posjax.models.layout`).
+      numbers; checkpoints convert between the two layouts (:mod:`posjax.models.layout`). Layers of different kinds
+      (:attr:`layer_kinds`: windows, chunks, methods, temperatures) scan their repeating :attr:`pattern` as one
+      group of layers (``encoder/layers/kind_{j}/...``, leading axis ``layers / P``), which must divide the depth.
 
   Decoder fields (their defaults are BERT's; :meth:`decoder` is the Llama preset):
     num_kv_heads: k/v heads (grouped-query attention, Ainslie et al. 2023; 1: multi-query); 0: ``num_heads``.
@@ -110,11 +128,10 @@ class TransformerConfig:
       ``attn_logit_softcapping``; :class:`posjax.kernels.SoftCap`, fused on the Pallas kernels); 0: none.
     final_logit_softcap: the LM head's logits capped likewise (Gemma 2's ``final_logit_softcapping``); 0: none.
     layer_windows: each layer's sliding window, ``,``-separated and repeated over the depth (``"4096,0"``: Gemma 2's
-      local and global layers in turn; 0: the whole context); empty: ``sliding_window`` in every layer. Not with
-      ``scan_layers`` when the windows differ.
+      local and global layers in turn; 0: the whole context); empty: ``sliding_window`` in every layer.
     layer_chunks: each layer's chunk, ``,``-separated and repeated over the depth (``"8192,8192,8192,0"``: Llama 4's
       chunked RoPE layers and its global ones): a query attends to its aligned block of that many tokens only
-      (:class:`posjax.attention.Mask`'s ``chunk``); 0 or empty: none. Not with ``scan_layers`` when they differ.
+      (:class:`posjax.attention.Mask`'s ``chunk``); 0 or empty: none.
     mlp: ``dense`` (``act(x W_in) W_out``) or ``gated`` (``(act(x W_gate) * x W_in) W_out``: SwiGLU with
       ``activation="silu"``, Shazeer 2020).
     use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama, ModernBERT), ``qkv`` (q/k/v only:
@@ -136,7 +153,7 @@ class TransformerConfig:
       in the schedule take their defaults or ``schedule_options``. An entry ``method@tag`` is ``method`` with its
       own options (``"rope@local,rope"`` with ``schedule_options={"rope@local": {"max_timescale": 10000}}``: Gemma
       3's local and global RoPE bases). Each entry's shared terms are computed once per forward pass. Not with
-      ``scan_layers`` (its layers are one program) or methods that add an input embedding.
+      methods that add an input embedding.
     schedule_options: ``{schedule entry: its method's options}`` for the entries of ``position_schedule`` other
       than ``position`` (whose options are ``position_options``); an entry it does not name takes its defaults.
     query_temperature: each query scaled by a factor of its position (:mod:`posjax.positions.temperature`):
@@ -144,6 +161,9 @@ class TransformerConfig:
       "ministral", "beta": 0.1, "original_max_len": 16384}`` or ``{"kind": "ssmax"}`` (a learned ``s log n`` per
       head; causal); empty: none. ``temperature_layers``: the layers it applies to, ``,``-separated 0 / 1 repeated
       over the depth (``"0,0,0,1"``: every fourth, Llama 4's NoPE layers); empty: every layer.
+    layout: a named hybrid layout (:mod:`posjax.models.hybrid`: ``full``, ``irope``, ``rnope_swa``, ``swan``,
+      ``gemma3``) that sets the per-layer fields above from ``layout_options`` over ``position``; a field it sets
+      and the config gives otherwise is an error. :attr:`layer_kinds` is every layer's attention, however set.
   """
 
   vocab_size: int = 30522
@@ -193,8 +213,11 @@ class TransformerConfig:
   schedule_options: Mapping[str, Mapping[str, Any]] = FrozenDict()
   query_temperature: Mapping[str, Any] = FrozenDict()
   temperature_layers: str = ""
+  layout: str = ""
+  layout_options: Mapping[str, Any] = FrozenDict()
 
   def __post_init__(self):
+    self._apply_layout()
     # lists as tuples (LongRoPE's factors from a config or JSON): the config is hashed as a static argument
     frozen = lambda options: FrozenDict({k: tuple(v) if isinstance(v, list) else v for k, v in (options or {}).items()})
     object.__setattr__(self, "position_options", frozen(self.position_options))
@@ -204,15 +227,13 @@ class TransformerConfig:
     object.__setattr__(self, "schedule_options", FrozenDict({k: frozen(v) for k, v in
                                                              (self.schedule_options or {}).items()}))
     object.__setattr__(self, "query_temperature", frozen(self.query_temperature))
+    object.__setattr__(self, "layout_options", FrozenDict(self.layout_options or {}))
     if self.temperature_layers and not self.query_temperature:
       raise ValueError(f"temperature_layers={self.temperature_layers!r} without a query_temperature")
     temperatures = self.layer_temperatures  # checks the options, here rather than when the model is built
     if any(t is not None and t.kind == "ssmax" for t in temperatures) and not self.causal:
       raise ValueError("query_temperature kind 'ssmax' counts each query's keys from its position: a causal model "
                        "only (causal=True)")
-    if self.scan_layers and len(set(temperatures)) > 1:
-      raise ValueError(f"temperature_layers={self.temperature_layers!r} scales some layers' queries only; "
-                       "scan_layers=True needs one layer program (set scan_layers=False)")
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_len"):
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
@@ -220,15 +241,7 @@ class TransformerConfig:
     for field in ("query_scale", "attention_softcap", "final_logit_softcap"):
       if not getattr(self, field) >= 0:
         raise ValueError(f"{field} must be >= 0 (0: none), got {getattr(self, field)}")
-    if self.layer_chunks and self.scan_layers and len(set(self.chunks)) > 1:
-      raise ValueError(f"layer_chunks={self.layer_chunks!r} gives the layers different chunks; scan_layers=True "
-                       "needs one layer program (set scan_layers=False)")
-    self.chunks  # checks each entry, here rather than when the model is built
-    if self.layer_windows:
-      windows = self.windows  # checks each entry, here rather than when the model is built
-      if self.scan_layers and len(set(windows)) > 1:
-        raise ValueError(f"layer_windows={self.layer_windows!r} gives the layers different windows; scan_layers=True "
-                         "needs one layer program (set scan_layers=False)")
+    self.chunks, self.windows  # check each entry, here rather than when the model is built
     why = kernels.capability.refusal("cudnn", kernels.as_terms(kernels.SoftCap(self.attention_softcap))
                                      ) if self.attention_softcap and self.attention_kernel == "cudnn" else None
     if why:
@@ -275,20 +288,42 @@ class TransformerConfig:
       if not isinstance(self.position_schedule, str):
         raise ValueError(f"position_schedule must be a ','-separated string of method names, got "
                          f"{self.position_schedule!r}")
-      if self.scan_layers:
-        raise ValueError("position_schedule gives the layers different methods; scan_layers=True needs one layer "
-                         "program (set scan_layers=False)")
       for spec in self.method_specs.values():
         if spec.method.input_embedding:
           raise ValueError(f"position_schedule: {spec.name!r} adds an input embedding, not a per-layer term; a "
                            "schedule takes methods that act inside attention")
         attention.check_kernel(self.attention_kernel, spec, dropout=self._kernel_dropout)
+    if self.scan_layers and self.num_layers % len(self.pattern):
+      raise ValueError(f"scan_layers=True scans the layers' repeating pattern of {len(self.pattern)} kinds "
+                       f"({'; '.join(k.describe() for k in self.pattern)}), which does not divide num_layers="
+                       f"{self.num_layers}: make the per-layer fields repeat evenly or set scan_layers=False")
     named = set(self.schedule_options)
     stray = sorted((named - set(self.layer_positions)) | (named & {self.position}))
     if stray:
       raise ValueError(f"schedule_options names {stray}, which are not entries of position_schedule other than "
                        f"position ({self.position_schedule or self.position!r}): position's options are "
                        "position_options")
+
+  def _apply_layout(self) -> None:
+    """Sets the fields ``layout`` names (:func:`posjax.models.hybrid.fields`) where they hold their defaults; one
+    given another value is a one-line error (the layout's options change it)."""
+    if not self.layout:
+      if self.layout_options:
+        raise ValueError(f"layout_options={dict(self.layout_options)!r} without a layout")
+      return
+    if not isinstance(self.layout, str):
+      raise ValueError(f"layout must be a layout's name ({hybrid.names()}), got {self.layout!r}")
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    for field, value in hybrid.fields(self.layout, self.layout_options, self.position).items():
+      have = getattr(self, field)
+      plain = lambda x: {k: plain(v) for k, v in x.items()} if isinstance(x, Mapping) else x
+      if plain(have) == plain(value):
+        continue
+      if plain(have) != plain(defaults[field]):
+        raise ValueError(f"layout={self.layout!r} sets {field}={value!r}, and {field}={plain(have)!r} was given: "
+                         f"change it through layout_options ({sorted(hybrid.options(self.layout))}) or set the "
+                         "per-layer fields without a layout")
+      object.__setattr__(self, field, value)
 
   @property
   def _kernel_dropout(self) -> bool:
@@ -302,6 +337,7 @@ class TransformerConfig:
     values["position_options"] = dict(self.position_options)
     values["schedule_options"] = {k: dict(v) for k, v in self.schedule_options.items()}
     values["query_temperature"] = dict(self.query_temperature)
+    values["layout_options"] = dict(self.layout_options)
     return values
 
   @functools.cached_property
@@ -368,6 +404,22 @@ class TransformerConfig:
     others with ``schedule_options`` or their defaults)."""
     return {name: self.position_spec if name == self.position else self._spec(
         name.split("@")[0], self.schedule_options.get(name, {})) for name in dict.fromkeys(self.layer_positions)}
+
+  @functools.cached_property
+  def layer_kinds(self) -> tuple[LayerKind, ...]:
+    """Every layer's attention (:class:`LayerKind`), from ``position_schedule``, ``layer_windows`` /
+    ``sliding_window``, ``layer_chunks`` and ``query_temperature`` / ``temperature_layers`` (or a ``layout``)."""
+    return tuple(LayerKind(*kind) for kind in zip(self.layer_positions, self.windows, self.chunks,
+                                                   self.layer_temperatures))
+
+  @functools.cached_property
+  def pattern(self) -> tuple[LayerKind, ...]:
+    """The shortest run of layer kinds that repeats over the depth (the whole depth where none does):
+    ``scan_layers`` scans it, one program per kind."""
+    kinds = self.layer_kinds
+    period = next(p for p in range(1, len(kinds) + 1)
+                  if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+    return kinds[:period]
 
   @property
   def embed_width(self) -> int:
@@ -544,24 +596,50 @@ class TransformerLayer(nn.Module):
     return x_BxLxD + drop(mlp(mlp_norm(x_BxLxD)))
 
 
+def _layer_class(config: TransformerConfig):
+  """:class:`TransformerLayer`, rematerialised per ``config.remat``."""
+  if config.remat == "none":
+    return TransformerLayer
+  # deterministic and decode (arguments 4, 5, counting the module) are static; CSE stays possible inside a scan
+  # (MaxText's choice).
+  return nn.remat(TransformerLayer, policy=REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
+                  static_argnums=(4, 5))
+
+
+class TransformerGroup(nn.Module):
+  """One repeat of ``config.pattern`` (:class:`LayerKind` j as ``kind_{j}``), the body ``scan_layers`` scans when
+  the layers are of several kinds: each kind its own program, compiled once whatever the depth."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BxLxD, states: dict, mask: attention.Mask, deterministic: bool, decode: bool = False):
+    layer = _layer_class(self.config)
+    for j, kind in enumerate(self.config.pattern):
+      x_BxLxD = layer(self.config, position=kind.position, temperature=kind.temperature, name=f"kind_{j}")(
+          x_BxLxD, states[kind.position], dataclasses.replace(mask, sliding_window=kind.window, chunk=kind.chunk),
+          deterministic, decode)
+    return x_BxLxD, None
+
+
 def encoder_layers(config: TransformerConfig):
   """The encoder's layers: ``layer_{i}`` modules, or with ``scan_layers`` one ``layers`` module scanning a layer
-  over stacked parameters (logical axis ``layers``; each layer its own dropout and sown intermediates), each
+  (a :class:`TransformerGroup` of the repeating :attr:`TransformerConfig.pattern` where the layers differ) over
+  stacked parameters (logical axis ``layers``; each layer its own dropout and sown intermediates), each
   rematerialised per ``config.remat``."""
-  layer = TransformerLayer
-  if config.remat != "none":
-    # deterministic (argument 4, counting the module) is static; CSE stays possible inside a scan (MaxText's choice).
-    layer = nn.remat(TransformerLayer, policy=REMAT_POLICIES[config.remat], prevent_cse=not config.scan_layers,
-                     static_argnums=(4, 5))
+  layer = _layer_class(config)
+  kinds = config.layer_kinds
   if not config.scan_layers:
-    return [layer(config, position=name if config.position_schedule else "",
-                  attention_norm=i > 0 or config.first_attention_norm, temperature=config.layer_temperatures[i],
-                  name=f"layer_{i}") for i, name in enumerate(config.layer_positions)]
-  scan = nn.scan(layer, variable_axes={"params": 0, "intermediates": 0, "cache": 0},
+    return [layer(config, position=kind.position, attention_norm=i > 0 or config.first_attention_norm,
+                  temperature=kind.temperature, name=f"layer_{i}") for i, kind in enumerate(kinds)]
+  grouped = len(config.pattern) > 1
+  scan = nn.scan(TransformerGroup if grouped else layer, variable_axes={"params": 0, "intermediates": 0, "cache": 0},
                  split_rngs={"params": True, "dropout": True},
-                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast), length=config.num_layers,
-                 metadata_params={nn.PARTITION_NAME: layout.STACKED})
-  return scan(config, scanned=True, temperature=config.layer_temperatures[0], name=layout.STACKED)
+                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                 length=config.num_layers // len(config.pattern), metadata_params={nn.PARTITION_NAME: layout.STACKED})
+  if grouped:
+    return scan(config, name=layout.STACKED)
+  return scan(config, scanned=True, position=kinds[0].position, temperature=kinds[0].temperature,
+              name=layout.STACKED)
 
 
 class TransformerStack(nn.Module):
@@ -646,16 +724,19 @@ class TransformerStack(nn.Module):
 
     if attention_mask is not None:
       base.check_rows("attention_mask", attention_mask, batch, length, "mask")
-    mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal,
-                          c.windows[0], c.chunks[0])
+    mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal)
     x = partitioning.constrain(x, partitioning.BLD)
-    if c.scan_layers:
-      x, _ = self.layers(x, state, mask, deterministic, decode)
+    states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
+    kinds = c.layer_kinds
+    if c.scan_layers and len(c.pattern) > 1:
+      x, _ = self.layers(x, states, mask, deterministic, decode)
+    elif c.scan_layers:
+      x, _ = self.layers(x, states[kinds[0].position], dataclasses.replace(
+          mask, sliding_window=kinds[0].window, chunk=kinds[0].chunk), deterministic, decode)
     else:
-      states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
-      for layer, name, window, chunk in zip(self.layers, c.layer_positions, c.windows, c.chunks):
-        x = layer(x, states[name], dataclasses.replace(mask, sliding_window=window, chunk=chunk), deterministic,
-                  decode)
+      for layer, kind in zip(self.layers, kinds):
+        x = layer(x, states[kind.position], dataclasses.replace(mask, sliding_window=kind.window, chunk=kind.chunk),
+                  deterministic, decode)
     if c.norm != "post":
       x = self.final_norm(x)
     return EncoderOutput(last_hidden_state=x)

@@ -80,7 +80,8 @@ def layer_scales(params, decay: float, depth: str = "intended"):
   if not encoder:
     raise ValueError("layerwise_lr_decay needs a model whose parameters hold an 'encoder'")
   stacked = encoder.get(layout.STACKED)
-  n = (jax.tree.leaves(stacked)[0].shape[0] if stacked is not None
+  group = layout.period(params)  # scanned in groups of a pattern's kinds: layer i at i // group of kind_{i mod group}
+  n = (jax.tree.leaves(stacked)[0].shape[0] * group if stacked is not None
        else sum(1 for name in encoder if layout.LAYER.fullmatch(name)))
   extra = LAYER_DEPTHS[depth]
 
@@ -88,8 +89,10 @@ def layer_scales(params, decay: float, depth: str = "intended"):
     if path[0].key != "encoder":
       return 1.0
     if path[1].key == layout.STACKED:
-      exponents = n + extra - jnp.arange(n, dtype=jnp.float32)
-      return (decay ** exponents).reshape((n,) + (1,) * (jnp.ndim(leaf) - 1))
+      kind = layout.KIND.fullmatch(str(path[2].key)) if group > 1 else None
+      index = jnp.arange(n // group, dtype=jnp.float32) * group + (int(kind[1]) if kind else 0)
+      exponents = n + extra - index
+      return (decay ** exponents).reshape((n // group,) + (1,) * (jnp.ndim(leaf) - 1))
     layer = layout.LAYER.fullmatch(str(path[1].key))
     return decay ** (n + extra - int(layer[1])) if layer else decay ** (n + 1 + extra)
   return jax.tree_util.tree_map_with_path(scale, params)

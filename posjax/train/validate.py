@@ -53,6 +53,7 @@ ADDED_FIELDS = {
     "model.head_bias": lambda before, now: True,
     "model.attention_sinks": lambda before, now: False,
     "model.temperature_layers": lambda before, now: "",
+    "model.layout": lambda before, now: "",
 }
 
 

@@ -1,0 +1,98 @@
+"""Named hybrid attention layouts: which layers are local (a sliding window or aligned chunks), which are global, which
+carry the position method and which none, and which scale their queries, as the 2025-26 long-context decoders mix them.
+
+A layout is :class:`posjax.models.TransformerConfig`'s ``layout`` (with ``layout_options``): it sets the per-layer
+fields (``position_schedule``, ``layer_windows``, ``layer_chunks``, ``schedule_options``, ``query_temperature``,
+``temperature_layers``) from its options, over the config's own ``position`` (``p`` below), so one layout crosses with
+every position method. A pattern repeats over the depth. The layouts (defaults in :data:`LAYOUTS`):
+
+- ``full``: every layer global with ``p`` (the baseline row: "all RoPE" with ``position="rope"``).
+- ``irope`` (Llama 4's text layers, Meta 2025; Hugging Face ``Llama4TextConfig``): of every ``every`` layers the
+  last is global NoPE with Llama 4's query temperature (``floor_scale``, ``attn_scale``; ``temperature=False``:
+  none), the others ``p`` in aligned chunks of ``chunk`` tokens.
+- ``rnope_swa`` (Yang et al. 2025, "Rope to Nope and Back Again", Cohere's Command A): of every ``every`` layers the
+  last is global NoPE, the others ``p`` in a sliding window of ``window``.
+- ``swan`` (Puvvada et al. 2025, SWAN-GPT): the same mix with the NoPE layer first in each group and a window of 512;
+  the paper scales the NoPE layers' logits at inference with a formula its text gives and no official code pins
+  down, so ``temperature`` takes any ``query_temperature`` for them (default none; e.g. ``{"kind": "ministral",
+  ...}`` for a log scaling).
+- ``gemma3`` (Gemma Team 2025): of every ``every`` layers the last global with ``p`` at the config's options, the
+  others in a window of ``window`` with ``p`` at ``max_timescale=local_base`` (``local_base=0``: ``p``'s options).
+
+Which layer of a group is global, and SWAN's scaling, are this module's choices where the sources leave them open; the
+options name them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+# name -> (its options' defaults, a line for tables)
+LAYOUTS: dict[str, tuple[dict[str, Any], str]] = {
+    "full": ({}, "every layer global"),
+    "irope": (dict(every=4, chunk=8192, temperature=True, floor_scale=8192.0, attn_scale=0.1),
+              "chunked layers with the method, one in every {every} global NoPE with a query temperature"),
+    "rnope_swa": (dict(every=4, window=4096), "windowed layers with the method, one in every {every} global NoPE"),
+    "swan": (dict(every=4, window=512, temperature={}), "the first in every {every} layers global NoPE, the others "
+             "windowed with the method"),
+    "gemma3": (dict(every=6, window=1024, local_base=10_000.0),
+               "one in every {every} layers global, the others windowed at their own RoPE base"),
+}
+
+
+def names() -> list[str]:
+  """The layouts' names, in :data:`LAYOUTS`' order."""
+  return list(LAYOUTS)
+
+
+def options(name: str, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """``name``'s options: its defaults updated by ``given`` (an unknown name or option is a one-line error)."""
+  if name not in LAYOUTS:
+    raise ValueError(f"unknown layout {name!r}; allowed: {names()}")
+  defaults, _ = LAYOUTS[name]
+  stray = sorted(set(given or {}) - set(defaults))
+  if stray:
+    raise ValueError(f"layout {name!r} has no option {stray}; its options: {sorted(defaults) or 'none'}")
+  found = {**defaults, **dict(given or {})}
+  for key in ("every", "window", "chunk"):
+    if key in found and (not isinstance(found[key], int) or isinstance(found[key], bool) or found[key] < 1
+                         or (key == "every" and found[key] < 2)):
+      raise ValueError(f"layout {name!r}: {key}={found[key]!r} must be an int >= {2 if key == 'every' else 1}")
+  return found
+
+
+def describe(name: str, given: Mapping[str, Any] | None = None) -> str:
+  """One line: the layout and its options, for a table's notes."""
+  found = options(name, given)
+  shown = ", ".join(f"{k}={v}" for k, v in found.items())
+  return f"{LAYOUTS[name][1].format(**found)}" + (f" ({shown})" if shown else "")
+
+
+def fields(name: str, given: Mapping[str, Any] | None, position: str) -> dict[str, Any]:
+  """The config fields ``name`` sets over the method ``position``."""
+  o = options(name, given)
+  if name == "full":
+    return {}
+  local = o["every"] - 1  # a group's local layers, then (or, first=True, before them) its global one
+
+  def pattern(local_value, global_value, global_first=False) -> str:
+    values = [str(local_value)] * local
+    return ",".join([str(global_value)] + values if global_first else values + [str(global_value)])
+
+  if name == "irope":
+    found = dict(position_schedule=pattern(position, "none"), layer_chunks=pattern(o["chunk"], 0))
+    if o["temperature"]:
+      found.update(query_temperature={"kind": "llama4", "floor_scale": float(o["floor_scale"]),
+                                      "attn_scale": float(o["attn_scale"])}, temperature_layers=pattern(0, 1))
+    return found
+  if name in ("rnope_swa", "swan"):
+    first = name == "swan"
+    found = dict(position_schedule=pattern(position, "none", first), layer_windows=pattern(o["window"], 0, first))
+    if name == "swan" and o["temperature"]:
+      found.update(query_temperature=dict(o["temperature"]), temperature_layers=pattern(0, 1, first))
+    return found
+  tagged = f"{position}@local"
+  found = dict(position_schedule=pattern(tagged, position), layer_windows=pattern(o["window"], 0))
+  if o["local_base"]:
+    found["schedule_options"] = {tagged: {"max_timescale": float(o["local_base"])}}
+  return found
