@@ -5,8 +5,9 @@ spill stores and shared memory (against the 232,448 B an sm_90 block may opt int
   python benchmarks/aot_kernels.py --targets=h100,v5e:2x2,v6e:2x2 --lengths=512,2048
   python benchmarks/aot_kernels.py --cases=none,alibi --mask=window:512 --lengths=4096   # causal, windowed
 
-``--mask``: ``full`` (default), ``causal`` or ``window:W`` (causal in a sliding window of W: the kernels skip the
-tiles it rules out, their loops bounded by run-time tile ranges); ``decode`` or ``decode:W``: the decode kernel
+``--mask``: ``full`` (default), ``causal``, ``window:W`` (causal in a sliding window of W: the kernels skip the
+tiles it rules out, their loops bounded by run-time tile ranges) or ``chunk:C`` (causal in aligned chunks of C, given
+as segments as the model gives them); ``decode``, ``decode:W`` or ``decode_chunk:C``: the decode kernel
 (:func:`posjax.kernels.decode_attention`, forward only) of one new query per row against a cache of L slots (in a
 window of W), 12 query heads reading 4 k/v heads, its cell in the forward column.
 
@@ -33,7 +34,8 @@ from posjax.aot import compile as aot
 from posjax.aot import resources, targets
 
 CASES = ("none", "alibi", "t5", "alibi+t5", "tupe_a", "tupe_r", "shaw", "m4", "m4_gathered", "wide", "kerple_log",
-         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512", "forget", "stick_breaking", "cope", "open")
+         "kerple_power", "fire", "sandwich", "sandwich_256", "sandwich_512", "forget", "stick_breaking", "cope", "open",
+         "sink")
 KERNELS = ("forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel")
 FOUND = KERNELS + ("decode_kernel",) + tuple(f"{rule}_{name}" for rule in ("stick", "cope")
                                              for name in ("forward_kernel", "dq_kernel", "dkv_kernel"))
@@ -83,6 +85,7 @@ def terms_for(case: str, length: int, heads: int, head_dim: int):
       "stick_breaking": lambda: kernels.Terms(stick_breaking=kernels.StickBreaking()),
       "cope": lambda: kernels.Terms(cope=kernels.Cope(f32(head_dim, 64))),
       "open": lambda: kernels.Terms(open=(TableTemperature(f32(heads), f32(heads, 8)),)),
+      "sink": lambda: kernels.Terms(sink=kernels.Sink(f32(heads))),
       "wide": lambda: kernels.Terms(buckets=kernels.Buckets(f32(259, heads), kind="clip", max_distance=128,
                                                             cls_row=257, cls_col=258),
                                     relative=kernels.Relative(f32(257, head_dim), 128, query=True, key=True,
@@ -90,17 +93,21 @@ def terms_for(case: str, length: int, heads: int, head_dim: int):
   }[case]()
 
 
-def mask_options(mask: str) -> dict:
-  """``relative_attention``'s mask arguments of a ``--mask`` value."""
+def mask_options(mask: str, length: int = 1) -> dict:
+  """``relative_attention``'s (or the decode kernel's) mask arguments of a ``--mask`` value."""
   if mask == "full":
     return {}
   if mask == "causal":
     return {"causal": True}
   if mask.startswith("window:") and mask[7:].isdigit():
     return {"causal": True, "sliding_window": int(mask[7:])}
+  if mask.startswith("chunk:") and mask[6:].isdigit():  # training: chunks as segments (attention.Mask.chunked)
+    return {"causal": True, "segment_ids": (jnp.arange(length, dtype=jnp.int32) // int(mask[6:]))[None]}
   if mask == "decode" or (mask.startswith("decode:") and mask[7:].isdigit()):
     return {"sliding_window": int(mask[7:] or 0)}
-  raise ValueError(f"--mask={mask!r}; allowed: full, causal, window:W, decode, decode:W")
+  if mask.startswith("decode_chunk:") and mask[13:].isdigit():
+    return {"chunk": int(mask[13:])}
+  raise ValueError(f"--mask={mask!r}; allowed: full, causal, window:W, chunk:C, decode, decode:W, decode_chunk:C")
 
 
 def decode_step(terms, target, batch: int, length: int, heads: int, head_dim: int, mask: str):
@@ -114,7 +121,7 @@ def decode_step(terms, target, batch: int, length: int, heads: int, head_dim: in
   abstract_terms = jax.tree.map(lambda a: on(a.shape, a.dtype), terms)
   step = lambda q, k, v, positions, valid, terms: kernels.decode_attention(
       q, k, v, start=length - 1, key_positions=positions, key_valid=valid, terms=terms, platform=target.platform,
-      interpret=False, **mask_options(mask))
+      interpret=False, **mask_options(mask, length))
   return jax.jit(step).trace(on((batch, 1, heads, head_dim), jnp.bfloat16), cache, cache,
                              on((batch, length), jnp.int32), on((batch, length), jnp.bool_), abstract_terms)
 
@@ -135,7 +142,7 @@ def worker(case: str, target_name: str, length: int, blocks: tuple[int, int] | N
 
   def loss(q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, platform=target.platform, interpret=False,
-                                     block_sizes=blocks, **mask_options(mask))
+                                     block_sizes=blocks, **mask_options(mask, length))
     return jnp.sum(out.astype(jnp.float32))
 
   if mask.startswith("decode"):
@@ -191,7 +198,8 @@ def main():
   parser.add_argument("--cases", default=",".join(CASES))
   parser.add_argument("--blocks", default="default", help="tiles, e.g. default,128x128,256x256")
   parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
-  parser.add_argument("--mask", default="full", help="full, causal or window:W")
+  parser.add_argument("--mask", default="full",
+                      help="full, causal, window:W, chunk:C, decode, decode:W or decode_chunk:C")
   parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:

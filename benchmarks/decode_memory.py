@@ -42,8 +42,8 @@ def main():
   args = parser.parse_args()
   aot.setup()
   options = json.loads(args.layout_options)
-  print("| layout | layers (kinds) | target | kernel | cache | arguments | outputs | temporaries | total (cache donated) "
-        "| compile |")
+  print("| layout | layers (kinds) | target | kernel | cache | arguments | outputs | temporaries "
+        "| total (cache donated) | compile |")
   print("|---|---|---|---|---|---|---|---|---|---|")
   for layout in args.layouts.split(","):
     config = TransformerConfig.decoder(**DECODER_SIZES[args.size], vocab_size=args.vocab, max_len=args.context,

@@ -127,8 +127,8 @@ def get_config(arg=None):
   defaults = {"irope": {"chunk": local, "floor_scale": float(local)}, "rnope_swa": {"window": local},
               "swan": {"window": local}, "gemma3": {"window": local}}
   group = {"every": 2} if config.runlocal else {}  # the tiny decoder's 2 layers: one local, one global
-  config.layout_options = ml_collections.ConfigDict({name: {**defaults.get(name, {}), **(group if name != "full" else {})}
-                                                     for name in config.layouts})
+  config.layout_options = ml_collections.ConfigDict({
+      name: {**defaults.get(name, {}), **(group if name != "full" else {})} for name in config.layouts})
   # Context extension (posjax.experiments.extension): variants of a RoPE base, zero-shot and fine-tuned.
   variants = arg.extension.split("+") if arg.extension else []
   variants = list(extension.VARIANTS) if variants == ["all"] else variants

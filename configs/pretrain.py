@@ -102,7 +102,7 @@ def get_config(arg=None):
       # The decoder family's fields (configs/lm.py sets them as Llama's; posjax.models.TransformerConfig documents
       # each).
       norm_type="layernorm", mlp="dense", use_bias="all", qk_norm=False, embedding_norm=True, tie_embeddings=True,
-      lm_head="mlm", parallel_residual=False, qk_norm_axes="head", embedding_scale=False,
+      lm_head="mlm", parallel_residual=False, qk_norm_axes="head", qk_norm_scale=True, embedding_scale=False,
       query_scale=0.0, attention_softcap=0.0, final_logit_softcap=0.0, layer_windows="", layer_chunks="",
       num_kv_heads=0,  # grouped-query attention's k/v heads; 0: num_heads
       head_dim=0,  # 0: hidden_size / num_heads

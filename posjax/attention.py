@@ -304,7 +304,8 @@ class SelfAttention(nn.Module):
   of q and of k (``q_norm``, ``k_norm``, epsilon ``norm_eps``) before the position method, over each head
   (``qk_norm_axes="head"``: one scale of ``head_dim`` shared by the heads, Qwen3's and Gemma 3's) or over all the
   heads' width at once (``"all"``: a scale per head and feature, OLMo 2's); ``qk_norm_offset``: Gemma's ``(1 + w)``
-  form (:class:`OffsetRMSNorm`, Gemma 3's). ``temperature``: a
+  form (:class:`OffsetRMSNorm`, Gemma 3's); ``qk_norm_scale=False``: no learned scale (Llama 4's L2 norm,
+  ``x / sqrt(mean(x²) + eps)``). ``temperature``: a
   :class:`posjax.positions.temperature.Temperature` that scales each query by a factor of its position (Llama 4,
   Ministral, SSMax), after the q/k norms and before the position method; None: none. ``sinks``: a learned logit per
   head (``sinks [H]``, from zero: one more key of logit 0) in every row's softmax denominator
@@ -325,6 +326,7 @@ class SelfAttention(nn.Module):
   qk_norm_axes: str = "head"
   softcap: float = 0.0
   qk_norm_offset: bool = False
+  qk_norm_scale: bool = True
   temperature: Any = None
   sinks: bool = False
 
@@ -352,7 +354,8 @@ class SelfAttention(nn.Module):
       norm = (functools.partial(OffsetRMSNorm, self.norm_eps, spec.dtype, spec.param_dtype, axes, names)
               if self.qk_norm_offset else functools.partial(
                   nn.RMSNorm, epsilon=self.norm_eps, dtype=spec.dtype, param_dtype=spec.param_dtype,
-                  reduction_axes=axes, feature_axes=axes, scale_init=base.ones_init(names)))
+                  reduction_axes=axes, feature_axes=axes, scale_init=base.ones_init(names),
+                  use_scale=self.qk_norm_scale))
       q, k = (norm(name=name)(x_BxLxHxK) for name, x_BxLxHxK in (("q_norm", q), ("k_norm", k)))
     if self.temperature is not None:
       q = temperature_lib.QueryTemperature(self.temperature, spec.causal, mask.sliding_window, spec.max_len,

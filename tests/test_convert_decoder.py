@@ -85,12 +85,20 @@ def test_hugging_face_decoders_convert_both_ways(name, tmp_path):
   np.testing.assert_allclose(hf_logits(back, ids), want, atol=2e-4 * np.abs(want).max(), rtol=0)
 
 
-def test_a_window_given_by_sliding_window_or_a_short_pattern_exports_as_gemma_2():
+def test_a_window_given_by_sliding_window_a_short_pattern_or_a_layout_exports_as_gemma_2_or_3():
   fields = dict(vocab_size=97, hidden_size=32, num_layers=4, num_heads=4, intermediate_size=48, max_len=64)
   for windows in (dict(layer_windows="8,0"), dict(layer_windows="8,0,8,0")):
     config = hf_decoder.config_from_hf(hf_decoder.config_to_hf(
         models.TransformerConfig.gemma(norm="peri", query_scale=0.25, **windows, **fields)))
     assert config.windows == (8, 0, 8, 0)
+  # the gemma3 layout is Gemma 3's text model: its layer types, each kind back as it was
+  config = models.TransformerConfig.gemma(norm="peri", qk_norm=True, query_scale=8 ** -0.5, layout="gemma3",
+                                          layout_options={"window": 8, "every": 2}, **fields)
+  hf = hf_decoder.config_to_hf(config)
+  assert hf["layer_types"] == ["sliding_attention", "full_attention"] * 2 and hf["sliding_window"] == 8
+  assert hf_decoder.config_from_hf(hf).layer_kinds == config.layer_kinds
+  with pytest.raises(ValueError, match=r"qwen3 cannot express this model: qk_norm_scale=False"):
+    hf_decoder.config_to_hf(models.TransformerConfig.llama(qk_norm=True, qk_norm_scale=False, **fields))
 
 
 def test_a_converted_gemma_3_generates_what_hugging_face_generates(tmp_path):

@@ -33,6 +33,11 @@ def test_named_layouts_give_the_layer_types_of_hugging_faces_configs():
     local = kind_hf == "sliding_attention"
     assert (kind.window, kind.position) == ((32, "rope@local") if local else (0, "rope"))
   assert gemma3.method_specs["rope@local"].options.max_timescale == hf.rope_local_base_freq
+  hf = transformers.GptOssConfig(num_hidden_layers=4)
+  gpt_oss = TransformerConfig.llama(**SMALL, num_layers=4, layout="gpt_oss")
+  assert [k.window for k in gpt_oss.layer_kinds] == [hf.sliding_window if t == "sliding_attention" else 0
+                                                     for t in hf.layer_types]
+  assert gpt_oss.attention_sinks
   swan = TransformerConfig.llama(**SMALL, num_layers=4, layout="swan", position="alibi")
   assert [(k.position, k.window) for k in swan.layer_kinds] == [("none", 0)] + [("alibi", 512)] * 3
   assert TransformerConfig(**swan.to_dict()) == swan  # a run's recorded config builds the same model

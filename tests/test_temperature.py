@@ -136,8 +136,9 @@ def test_bad_temperatures_are_one_line_errors(fields, message):
 @pytest.mark.parametrize("layer", [0, 3])  # a chunked RoPE layer, then a NoPE layer with its temperature
 def test_llama_4_attention_equals_hugging_faces_module(layer):
   """Hugging Face's ``Llama4TextAttention`` on random weights and posjax's layer with them: interleaved RoPE with
-  Llama 3's scaling and the L2 q/k norm in its RoPE layers (posjax's q/k RMSNorm at its initial scale of 1: Llama 4's
-  has no weight; the norm commutes with the rotation), chunked attention there, and in its NoPE layers the query
+  Llama 3's scaling and the L2 q/k norm in its RoPE layers (posjax's q/k RMSNorm without a scale,
+  ``qk_norm_scale=False``; before the rotation, which it commutes with), chunked attention there, and in its NoPE
+  layers the query
   temperature (its mixture-of-experts blocks are not attention and out of this comparison)."""
   transformers = pytest.importorskip("transformers")
   torch = pytest.importorskip("torch")
@@ -171,7 +172,7 @@ def test_llama_4_attention_equals_hugging_faces_module(layer):
                "original_max_len": 16}
     spec = positions_lib.make("rope", options, num_heads=4, hidden_size=32, max_len=64, causal=True, num_kv_heads=2,
                               head_dim=8)
-    ours = attention.SelfAttention(spec, "xla", use_bias=False, qk_norm=True, norm_eps=1e-5)
+    ours = attention.SelfAttention(spec, "xla", use_bias=False, qk_norm=True, qk_norm_scale=False, norm_eps=1e-5)
   else:
     spec = positions_lib.make("none", num_heads=4, hidden_size=32, max_len=64, causal=True, num_kv_heads=2, head_dim=8)
     ours = attention.SelfAttention(spec, "xla", use_bias=False, temperature=temperature_lib.Temperature(
@@ -181,8 +182,6 @@ def test_llama_4_attention_equals_hugging_faces_module(layer):
             "key": {"kernel": w["k_proj.weight"].T.reshape(32, 2, 8)},
             "value": {"kernel": w["v_proj.weight"].T.reshape(32, 2, 8)},
             "out": {"kernel": w["o_proj.weight"].T.reshape(4, 8, 32)}}
-  if layer == 0:
-    params.update(q_norm={"scale": np.ones(8, np.float32)}, k_norm={"scale": np.ones(8, np.float32)})
   state = spec.method.encoder(spec=spec).apply({}, jnp.arange(12)[None])
   got = ours.apply({"params": params}, jnp.asarray(x), state,
                    attention.Mask(causal=True, chunk=4 if layer == 0 else 0))

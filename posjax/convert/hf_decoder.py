@@ -275,7 +275,7 @@ def _compared(config: TransformerConfig) -> dict:
   count, the position method's options), less the run's choices (kernel, dtypes, remat, layout, dropout)."""
   skip = ("attention_kernel", "kernel_platform", "dtype", "param_dtype", "remat", "scan_layers", "dropout_rate",
           "attention_dropout_rate", "position_options", "head_dim", "num_kv_heads", "schedule_options",
-          "layer_windows", "sliding_window")
+          "layer_windows", "sliding_window", "layout", "layout_options")  # a layout: compared by what it sets
   values = {f.name: getattr(config, f.name) for f in dataclasses.fields(TransformerConfig) if f.name not in skip}
   spec, specs = config.position_spec, config.method_specs
   schedule = tuple((specs[n].method.name, specs[n].options) for n in config.layer_positions)  # not the entries' tags

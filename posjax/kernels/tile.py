@@ -288,8 +288,10 @@ class TileBase:
       allowed_QxT = allowed_QxT & (index_j_QxT <= index_i_QxT)
     if self.plan.sliding_window:
       allowed_QxT = allowed_QxT & (jnp.abs(index_i_QxT - index_j_QxT) < self.plan.sliding_window)
-    if self.plan.chunk:
-      allowed_QxT = allowed_QxT & (index_i_QxT // self.plan.chunk == index_j_QxT // self.plan.chunk)
+    if self.plan.chunk:  # slots are >= 0: truncating division is the floor (and needs no sign, which Mosaic's
+      # lowering reads the TPU generation for, so that compiling for a TPU on a CPU would fail)
+      chunk_of = lambda index_QxT: jax.lax.div(index_QxT, jnp.asarray(self.plan.chunk, index_QxT.dtype))
+      allowed_QxT = allowed_QxT & (chunk_of(index_i_QxT) == chunk_of(index_j_QxT))
     self.allowed_QxT = allowed_QxT
     self.index_i_QxT, self.index_j_QxT = index_i_QxT, index_j_QxT
     self.s_QxT = jnp.where(index_j_QxT < self.plan.length, jnp.where(allowed_QxT, s_QxT, MASKED), -jnp.inf)

@@ -16,6 +16,8 @@ every position method. A pattern repeats over the depth. The layouts (defaults i
   the paper scales the NoPE layers' logits at inference with a formula its text gives and no official code pins
   down, so ``temperature`` takes any ``query_temperature`` for them (default none; e.g. ``{"kind": "ministral",
   ...}`` for a log scaling).
+- ``gpt_oss`` (OpenAI 2025; Hugging Face ``GptOssConfig``): windowed layers of 128 and global ones in turn, every
+  layer with ``p`` and (``sinks=True``) a learned sink logit per head (``attention_sinks``).
 - ``gemma3`` (Gemma Team 2025): of every ``every`` layers the last global with ``p`` at the config's options, the
   others in a window of ``window`` with ``p`` at ``max_timescale=local_base`` (``local_base=0``: ``p``'s options).
 
@@ -37,6 +39,8 @@ LAYOUTS: dict[str, tuple[dict[str, Any], str]] = {
              "windowed with the method"),
     "gemma3": (dict(every=6, window=1024, local_base=10_000.0),
                "one in every {every} layers global, the others windowed at their own RoPE base"),
+    "gpt_oss": (dict(every=2, window=128, sinks=True),
+                "one in every {every} layers global, the others windowed, with a learned sink per head"),
 }
 
 
@@ -91,6 +95,8 @@ def fields(name: str, given: Mapping[str, Any] | None, position: str) -> dict[st
     if name == "swan" and o["temperature"]:
       found.update(query_temperature=dict(o["temperature"]), temperature_layers=pattern(0, 1, first))
     return found
+  if name == "gpt_oss":
+    return dict(layer_windows=pattern(o["window"], 0), **({"attention_sinks": True} if o["sinks"] else {}))
   tagged = f"{position}@local"
   found = dict(position_schedule=pattern(tagged, position), layer_windows=pattern(o["window"], 0))
   if o["local_base"]:

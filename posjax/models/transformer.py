@@ -137,7 +137,8 @@ class TransformerConfig:
     use_bias: which projections have biases: ``all`` (BERT), ``none`` (Llama, ModernBERT), ``qkv`` (q/k/v only:
       Qwen2), ``attention`` (q/k/v and the output projection, not the MLP's: Llama's ``attention_bias=True``).
     qk_norm: an RMSNorm of q and k before the position method (Qwen3, OLMo 2, Gemma 3); ``qk_norm_axes``: over
-      each head (``head``: Qwen3's, Gemma 3's) or over all the heads' width at once (``all``: OLMo 2's).
+      each head (``head``: Qwen3's, Gemma 3's) or over all the heads' width at once (``all``: OLMo 2's);
+      ``qk_norm_scale=False``: without a learned scale (Llama 4's L2 norm; not with ``offset_rmsnorm``).
     embedding_norm: the norm after the embeddings (BERT's); False: none (GPT-2, Llama).
     tie_embeddings: the LM head reads the word embeddings (BERT, GPT-2, Qwen2 small); False: its own ``lm_head``.
     lm_head: what :class:`Transformer`'s ``lm`` head is: ``mlm`` (BERT's transform, LayerNorm and output bias,
@@ -162,8 +163,9 @@ class TransformerConfig:
       head; causal); empty: none. ``temperature_layers``: the layers it applies to, ``,``-separated 0 / 1 repeated
       over the depth (``"0,0,0,1"``: every fourth, Llama 4's NoPE layers); empty: every layer.
     layout: a named hybrid layout (:mod:`posjax.models.hybrid`: ``full``, ``irope``, ``rnope_swa``, ``swan``,
-      ``gemma3``) that sets the per-layer fields above from ``layout_options`` over ``position``; a field it sets
-      and the config gives otherwise is an error. :attr:`layer_kinds` is every layer's attention, however set.
+      ``gpt_oss``, ``gemma3``) that sets the per-layer fields above from ``layout_options`` over ``position``; a
+      field it sets and the config gives otherwise is an error. :attr:`layer_kinds` is every layer's attention,
+      however set.
   """
 
   vocab_size: int = 30522
@@ -195,6 +197,7 @@ class TransformerConfig:
   use_bias: str = "all"
   qk_norm: bool = False
   qk_norm_axes: str = "head"
+  qk_norm_scale: bool = True
   embedding_scale: bool = False
   first_attention_norm: bool = True
   head_bias: bool = True
@@ -270,12 +273,15 @@ class TransformerConfig:
     if not self.first_attention_norm and (self.norm != "pre" or self.scan_layers or self.parallel_residual):
       raise ValueError("first_attention_norm=False needs norm='pre', sequential residuals and unscanned layers "
                        "(ModernBERT's first layer: its attention reads the normed embeddings)")
+    if not self.qk_norm_scale and self.norm_type == "offset_rmsnorm":
+      raise ValueError("qk_norm_scale=False with norm_type='offset_rmsnorm': Gemma's (1 + w) norm is its scale; "
+                       "use norm_type 'rmsnorm' for a q/k norm without one")
     if self.parallel_residual and self.norm != "pre":
       raise ValueError("parallel_residual=True needs norm='pre' (GPT-NeoX's layer)")
     if not self.tie_embeddings and self.lm_head != "linear":
       raise ValueError("tie_embeddings=False needs lm_head='linear' (BERT's MLM head is tied)")
     for field in ("scan_layers", "causal", "qk_norm", "embedding_norm", "tie_embeddings", "parallel_residual",
-                  "embedding_scale", "first_attention_norm", "head_bias", "attention_sinks"):
+                  "embedding_scale", "first_attention_norm", "head_bias", "attention_sinks", "qk_norm_scale"):
       if not isinstance(getattr(self, field), bool):
         raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
     if self.embedding_size < 0:
@@ -564,7 +570,7 @@ class TransformerLayer(nn.Module):
                                      use_bias=c.use_bias != "none", out_bias=c.use_bias in ("all", "attention"),
                                      platform=c.kernel_platform or None, qk_norm=c.qk_norm,
                                      qk_norm_axes=c.qk_norm_axes, softcap=c.attention_softcap,
-                                     qk_norm_offset=c.norm_type == "offset_rmsnorm",
+                                     qk_norm_offset=c.norm_type == "offset_rmsnorm", qk_norm_scale=c.qk_norm_scale,
                                      temperature=self.temperature, sinks=c.attention_sinks,
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"

@@ -54,6 +54,7 @@ ADDED_FIELDS = {
     "model.attention_sinks": lambda before, now: False,
     "model.temperature_layers": lambda before, now: "",
     "model.layout": lambda before, now: "",
+    "model.qk_norm_scale": lambda before, now: True,
 }
 
 
