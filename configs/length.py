@@ -38,7 +38,7 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
   depths: the needle-in-a-haystack grid's depths (``config.passkey.depths``: retrieval at each depth fraction x
     length, ``needle.png``); default 5, ``depths=0`` draws each depth uniformly.
   layouts: ``+``-separated hybrid layouts (:mod:`posjax.models.hybrid`: ``full``, ``irope``, ``rnope_swa``, ``swan``,
-    ``gemma3``), each a row trained here over ``layout_method`` (default ``rope``), side by side with the methods;
+    ``gpt_oss``, ``gemma3``), each a row trained here over ``layout_method`` (default ``rope``), side by side with the methods;
     default none. Their options are ``config.layout_options`` (``{layout: {option: value}}``); by default each
     window and chunk is a quarter of ``train_len`` (Llama 4's ``floor_scale`` the chunk), so that the local layers
     are local at the training length, not the families' 512-8192 tokens; runlocal's 2-layer decoder takes groups of
@@ -125,7 +125,7 @@ def get_config(arg=None):
   config.layout_method = arg.layout_method
   local = config.train_len // 4
   defaults = {"irope": {"chunk": local, "floor_scale": float(local)}, "rnope_swa": {"window": local},
-              "swan": {"window": local}, "gemma3": {"window": local}}
+              "swan": {"window": local}, "gemma3": {"window": local}, "gpt_oss": {"window": local}}
   group = {"every": 2} if config.runlocal else {}  # the tiny decoder's 2 layers: one local, one global
   config.layout_options = ml_collections.ConfigDict({
       name: {**defaults.get(name, {}), **(group if name != "full" else {})} for name in config.layouts})

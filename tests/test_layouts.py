@@ -3,6 +3,8 @@ own configs), layers of several kinds scan as groups of their repeating pattern 
 gradients (parameters converted both ways), generate their full forward from ring caches inside the scan, and bad
 layouts are one-line errors."""
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,21 @@ def test_named_layouts_give_the_layer_types_of_hugging_faces_configs():
   assert [(k.position, k.window) for k in swan.layer_kinds] == [("none", 0)] + [("alibi", 512)] * 3
   assert TransformerConfig(**swan.to_dict()) == swan  # a run's recorded config builds the same model
   for name in hybrid.names():
-    assert len(TransformerConfig.llama(**SMALL, num_layers=4, layout=name).layer_kinds) == 4
+    assert len(TransformerConfig.llama(**SMALL, num_layers=6, layout=name).layer_kinds) == 6
+  # every option reaches a run's model_config.json as plain JSON
+  swan = TransformerConfig.llama(**SMALL, num_layers=4, layout="swan", layout_options={
+      "temperature": {"kind": "ministral", "beta": 0.1, "original_max_len": 16}})
+  assert json.loads(json.dumps(swan.to_dict()))["layout_options"]["temperature"]["beta"] == 0.1
+  assert [k.temperature is not None for k in swan.layer_kinds] == [True, False, False, False]
+  # gemma3 over a method without a RoPE base, or with local_base=0: the local layers take the method's own options
+  alibi = TransformerConfig.llama(**SMALL, num_layers=2, position="alibi", layout="gemma3", layout_options={"every": 2})
+  assert [k.position for k in alibi.layer_kinds] == ["alibi@local", "alibi"]
+  yarn = {"max_timescale": 5e5, "scaling": "yarn", "factor": 2.0, "original_max_len": 32}
+  own = TransformerConfig.llama(**SMALL, num_layers=2, position_options=yarn, layout="gemma3",
+                                layout_options={"every": 2, "local_base": 0})
+  assert own.method_specs["rope@local"].options == own.position_spec.options
+  # a pattern that does not repeat a whole number of times is scanned as the whole depth
+  assert len(TransformerConfig.llama(**SMALL, num_layers=3, layer_windows="4,0", scan_layers=True).pattern) == 3
 
 
 def hybrid_model(**fields):
@@ -101,8 +117,13 @@ def test_a_scanned_hybrid_pattern_computes_the_per_layer_model_and_generates_its
     (dict(layout="irope", layer_chunks="16"), r"layout='irope' sets layer_chunks='8192,8192,8192,0', and "
                                               r"layer_chunks='16' was given"),
     (dict(layout_options={"chunk": 4}), r"layout_options=\{'chunk': 4\} without a layout"),
-    (dict(layer_windows="4,0", num_layers=3, scan_layers=True), r"repeating pattern of 2 kinds \(rope, window 4; "
-                                                               r"rope\), which does not divide num_layers=3"),
+    (dict(layout="swan", layout_options={"temperature": True}), r"temperature=True must be a query_temperature dict"),
+    (dict(layout="gpt_oss", layout_options={"sinks": "false"}), r"sinks='false' must be True or False"),
+    (dict(layout="gemma3", layout_options={"local_base": -5.0, "every": 2}), r"local_base=-5.0 must be a number >= 0"),
+    (dict(layout="gemma3", layout_options={"local_base": 1e4, "every": 2}, position="alibi"),
+     r"sets a RoPE base, and position 'alibi' has none \(max_timescale\); set local_base=0"),
+    (dict(layout="gemma3"), r"groups every=6 layers \(one global\), more than num_layers=4"),
+    (dict(layer_windows="4,0", sliding_window=3), r"layer_windows='4,0' and sliding_window=3: give each layer's"),
 ])
 def test_bad_layouts_are_one_line_errors(fields, message):
   with pytest.raises(ValueError, match=message):

@@ -267,6 +267,8 @@ def test_layouts_are_rows_over_their_method_trained_here_or_read_from_runs(tmp_p
   model = TransformerConfig.from_config(run.model.to_dict(), 61, run.max_len)
   # a quarter of the training length (32) per chunk, every fourth layer global NoPE with Llama 4's temperature
   assert [(k.position, k.chunk) for k in model.layer_kinds] == [("alibi", 8), ("none", 0)]  # 2 tiny layers
+  gemma3 = TransformerConfig.from_config(rows["gemma3 (alibi)"].make().model.to_dict(), 61, run.max_len)
+  assert [(k.position, k.window) for k in gemma3.layer_kinds] == [("alibi@local", 8), ("alibi", 0)]
   assert rows["irope (alibi)"].note.startswith("`irope (alibi)`: `alibi` in the `irope` layout, chunked layers with "
                                                "the method, one in every 2 global NoPE")
   source = tmp_path / "gemma3_run"

@@ -758,3 +758,8 @@ def test_a_checkpoint_starts_a_run_of_the_other_layer_layout_and_refuses_to_resu
   scanned = train(pretrain_config(**common, total_steps=1, learning_rate=0.0, init_from=str(tmp_path / "unrolled"),
                                   **{"model.scan_layers": True}), str(tmp_path / "scanned"))
   assert_same_params(layout.stack(unrolled), scanned)
+  # layers of two kinds scan in groups of two: a checkpoint of single layers says how to go on
+  with pytest.raises(ValueError, match=r"checkpoint 1 in \S+ scans its layers in groups of 1 kinds, this run's model "
+                                       r"in groups of 2 \(its layers' kinds changed\): start another workdir"):
+    train(pretrain_config(**common, total_steps=2, allow_config_change=True,
+                          **{"model.scan_layers": True, "model.layer_windows": "4,0"}), str(tmp_path / "scanned"))

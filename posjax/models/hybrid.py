@@ -19,7 +19,8 @@ every position method. A pattern repeats over the depth. The layouts (defaults i
 - ``gpt_oss`` (OpenAI 2025; Hugging Face ``GptOssConfig``): windowed layers of 128 and global ones in turn, every
   layer with ``p`` and (``sinks=True``) a learned sink logit per head (``attention_sinks``).
 - ``gemma3`` (Gemma Team 2025): of every ``every`` layers the last global with ``p`` at the config's options, the
-  others in a window of ``window`` with ``p`` at ``max_timescale=local_base`` (``local_base=0``: ``p``'s options).
+  others in a window of ``window`` with ``p`` at ``max_timescale=local_base`` and no scaling (Gemma 3's local layers;
+  a method without ``max_timescale`` there takes its own options, as every method does with ``local_base=0``).
 
 Which layer of a group is global, and SWAN's scaling, are this module's choices where the sources leave them open; the
 options name them.
@@ -27,7 +28,10 @@ options name them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
+
+from posjax import positions
 
 # name -> (its options' defaults, a line for tables)
 LAYOUTS: dict[str, tuple[dict[str, Any], str]] = {
@@ -49,8 +53,29 @@ def names() -> list[str]:
   return list(LAYOUTS)
 
 
+def _number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# Each option's check and what it must be, for the one-line error.
+CHECKS = {
+    "every": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 2, "an int >= 2"),
+    "window": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
+    "chunk": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1, "an int >= 1"),
+    "floor_scale": (lambda x: _number(x) and x > 0, "a number > 0"),
+    "attn_scale": (lambda x: _number(x) and x >= 0, "a number >= 0"),
+    "local_base": (lambda x: _number(x) and x >= 0, "a number >= 0 (0: the method's own options)"),
+    "sinks": (lambda x: isinstance(x, bool), "True or False"),
+}
+TEMPERATURE = {  # irope's is a switch (Llama 4's own temperature); swan's any query_temperature, {} for none
+    "irope": (lambda x: isinstance(x, bool), "True or False"),
+    "swan": (lambda x: isinstance(x, Mapping), "a query_temperature dict ({} for none)"),
+}
+
+
 def options(name: str, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
-  """``name``'s options: its defaults updated by ``given`` (an unknown name or option is a one-line error)."""
+  """``name``'s options: its defaults updated by ``given`` (an unknown name or option, or a value of another type or
+  range, is a one-line error)."""
   if name not in LAYOUTS:
     raise ValueError(f"unknown layout {name!r}; allowed: {names()}")
   defaults, _ = LAYOUTS[name]
@@ -58,10 +83,10 @@ def options(name: str, given: Mapping[str, Any] | None = None) -> dict[str, Any]
   if stray:
     raise ValueError(f"layout {name!r} has no option {stray}; its options: {sorted(defaults) or 'none'}")
   found = {**defaults, **dict(given or {})}
-  for key in ("every", "window", "chunk"):
-    if key in found and (not isinstance(found[key], int) or isinstance(found[key], bool) or found[key] < 1
-                         or (key == "every" and found[key] < 2)):
-      raise ValueError(f"layout {name!r}: {key}={found[key]!r} must be an int >= {2 if key == 'every' else 1}")
+  for key, value in found.items():
+    check, wanted = TEMPERATURE[name] if key == "temperature" else CHECKS[key]
+    if not check(value):
+      raise ValueError(f"layout {name!r}: {key}={value!r} must be {wanted}")
   return found
 
 
@@ -72,8 +97,9 @@ def describe(name: str, given: Mapping[str, Any] | None = None) -> str:
   return f"{LAYOUTS[name][1].format(**found)}" + (f" ({shown})" if shown else "")
 
 
-def fields(name: str, given: Mapping[str, Any] | None, position: str) -> dict[str, Any]:
-  """The config fields ``name`` sets over the method ``position``."""
+def fields(name: str, given: Mapping[str, Any] | None, position: str,
+           position_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """The config fields ``name`` sets over the method ``position`` (with its ``position_options``)."""
   o = options(name, given)
   if name == "full":
     return {}
@@ -99,6 +125,12 @@ def fields(name: str, given: Mapping[str, Any] | None, position: str) -> dict[st
     return dict(layer_windows=pattern(o["window"], 0), **({"attention_sinks": True} if o["sinks"] else {}))
   tagged = f"{position}@local"
   found = dict(position_schedule=pattern(tagged, position), layer_windows=pattern(o["window"], 0))
-  if o["local_base"]:
+  rotary = "max_timescale" in {f.name for f in dataclasses.fields(positions.get(position).options)}
+  if o["local_base"] and rotary:  # Gemma 3's local layers: their own base, no scaling
     found["schedule_options"] = {tagged: {"max_timescale": float(o["local_base"])}}
+  elif o["local_base"] and "local_base" in (given or {}):
+    raise ValueError(f"layout 'gemma3': local_base={o['local_base']!r} sets a RoPE base, and position "
+                     f"{position!r} has none (max_timescale); set local_base=0 for its own options")
+  else:  # the method's own options in the local layers too
+    found["schedule_options"] = {tagged: dict(position_options or {})}
   return found

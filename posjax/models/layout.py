@@ -45,20 +45,17 @@ def of(tree) -> str | None:
 
 
 def period(tree) -> int:
-  """The kinds in each scanned group of ``tree`` (1: layers scanned one by one, or not scanned)."""
+  """The kinds in each scanned group of any pytree (1: layers scanned one by one, or not scanned)."""
+  key = lambda k: str(getattr(k, "key", getattr(k, "name", "")))
   found = set()
-
-  def visit(node):
-    if _is_scanned(node):
-      kinds = [k for k in node[STACKED] if isinstance(k, str) and KIND.fullmatch(k)]
-      found.add(len(kinds) or 1)
-    elif isinstance(node, dict):
-      for value in node.values():
-        visit(value)
-  visit(_plain(tree))
-  if len(found) > 1:
-    raise ValueError(f"a parameter tree holds scanned layers in groups of different sizes: {sorted(found)}")
-  return found.pop() if found else 1
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names = [key(k) for k in path]
+    for i, name in enumerate(names[:-1]):
+      if name == STACKED:
+        kind = KIND.fullmatch(names[i + 1])
+        found.add(int(kind[1]) + 1 if kind else 0)
+  groups = max(found) if found else 1
+  return max(groups, 1)
 
 
 def stack(tree, group: int = 1):

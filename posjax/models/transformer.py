@@ -64,6 +64,11 @@ REMAT_POLICIES = {
 }
 
 
+def _plain(value):
+  """``value`` with every mapping in it a plain dict (a FrozenDict's nested ones too): JSON's."""
+  return {k: _plain(v) for k, v in value.items()} if isinstance(value, Mapping) else value
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
   """One layer's attention as data: its position method (a schedule entry: ``rope``, ``none``, ``rope@local``), its
@@ -109,7 +114,7 @@ class TransformerConfig:
       ``layers``) instead of ``encoder/layer_{i}``: one layer's program, compiled once whatever the depth. The same
       numbers; checkpoints convert between the two layouts (:mod:`posjax.models.layout`). Layers of different kinds
       (:attr:`layer_kinds`: windows, chunks, methods, temperatures) scan their repeating :attr:`pattern` as one
-      group of layers (``encoder/layers/kind_{j}/...``, leading axis ``layers / P``), which must divide the depth.
+      group of layers (``encoder/layers/kind_{j}/...``, leading axis ``layers / P``).
 
   Decoder fields (their defaults are BERT's; :meth:`decoder` is the Llama preset):
     num_kv_heads: k/v heads (grouped-query attention, Ainslie et al. 2023; 1: multi-query); 0: ``num_heads``.
@@ -299,10 +304,9 @@ class TransformerConfig:
           raise ValueError(f"position_schedule: {spec.name!r} adds an input embedding, not a per-layer term; a "
                            "schedule takes methods that act inside attention")
         attention.check_kernel(self.attention_kernel, spec, dropout=self._kernel_dropout)
-    if self.scan_layers and self.num_layers % len(self.pattern):
-      raise ValueError(f"scan_layers=True scans the layers' repeating pattern of {len(self.pattern)} kinds "
-                       f"({'; '.join(k.describe() for k in self.pattern)}), which does not divide num_layers="
-                       f"{self.num_layers}: make the per-layer fields repeat evenly or set scan_layers=False")
+    if self.layer_windows and self.sliding_window:
+      raise ValueError(f"layer_windows={self.layer_windows!r} and sliding_window={self.sliding_window}: give each "
+                       "layer's window in layer_windows, or one window for every layer in sliding_window")
     named = set(self.schedule_options)
     stray = sorted((named - set(self.layer_positions)) | (named & {self.position}))
     if stray:
@@ -320,13 +324,16 @@ class TransformerConfig:
     if not isinstance(self.layout, str):
       raise ValueError(f"layout must be a layout's name ({hybrid.names()}), got {self.layout!r}")
     defaults = {f.name: f.default for f in dataclasses.fields(self)}
-    for field, value in hybrid.fields(self.layout, self.layout_options, self.position).items():
+    every = hybrid.options(self.layout, self.layout_options).get("every", 1)
+    if every > self.num_layers:
+      raise ValueError(f"layout={self.layout!r} groups every={every} layers (one global), more than num_layers="
+                       f"{self.num_layers}: set layout_options every <= {self.num_layers}")
+    for field, value in hybrid.fields(self.layout, self.layout_options, self.position, self.position_options).items():
       have = getattr(self, field)
-      plain = lambda x: {k: plain(v) for k, v in x.items()} if isinstance(x, Mapping) else x
-      if plain(have) == plain(value):
+      if _plain(have) == _plain(value):
         continue
-      if plain(have) != plain(defaults[field]):
-        raise ValueError(f"layout={self.layout!r} sets {field}={value!r}, and {field}={plain(have)!r} was given: "
+      if _plain(have) != _plain(defaults[field]):
+        raise ValueError(f"layout={self.layout!r} sets {field}={value!r}, and {field}={_plain(have)!r} was given: "
                          f"change it through layout_options ({sorted(hybrid.options(self.layout))}) or set the "
                          "per-layer fields without a layout")
       object.__setattr__(self, field, value)
@@ -339,12 +346,7 @@ class TransformerConfig:
 
   def to_dict(self) -> dict:
     """The fields as plain JSON values (what ``model_config.json`` holds)."""
-    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    values["position_options"] = dict(self.position_options)
-    values["schedule_options"] = {k: dict(v) for k, v in self.schedule_options.items()}
-    values["query_temperature"] = dict(self.query_temperature)
-    values["layout_options"] = dict(self.layout_options)
-    return values
+    return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
   @functools.cached_property
   def position_spec(self) -> base.PositionSpec:
@@ -420,11 +422,11 @@ class TransformerConfig:
 
   @functools.cached_property
   def pattern(self) -> tuple[LayerKind, ...]:
-    """The shortest run of layer kinds that repeats over the depth (the whole depth where none does):
-    ``scan_layers`` scans it, one program per kind."""
+    """The shortest run of layer kinds that repeats over the depth a whole number of times (the whole depth where
+    none does): ``scan_layers`` scans it, one program per kind."""
     kinds = self.layer_kinds
     period = next(p for p in range(1, len(kinds) + 1)
-                  if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+                  if len(kinds) % p == 0 and all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
     return kinds[:period]
 
   @property

@@ -141,6 +141,11 @@ class Checkpointer:
     except Exception:  # noqa: BLE001  (unreadable metadata: the restore below says why)
       return
     wanted = layout.of(abstract_state)
+    if saved == wanted == layout.SCANNED and layout.period(metadata) != layout.period(abstract_state):
+      raise ValueError(f"checkpoint {step} in {self.manager.directory} scans its layers in groups of "
+                       f"{layout.period(metadata)} kinds, this run's model in groups of {layout.period(abstract_state)} "
+                       "(its layers' kinds changed): start another workdir from it with init_from="
+                       f"{self.manager.directory} (parameters convert; the optimizer state starts afresh)")
     if saved and wanted and saved != wanted:
       raise ValueError(f"checkpoint {step} in {self.manager.directory} holds its layers {saved}, this run's model "
                        f"{wanted} (model.scan_layers={wanted == layout.SCANNED}): resume with "
