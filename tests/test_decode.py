@@ -12,16 +12,17 @@ from posjax import kernels
 from test_kernels import learned_terms
 
 
-@pytest.mark.parametrize("interpreter,blocks,queries,window,chunk", [
-    (True, (16, 16), 1, 0, 0),  # a decode step: one query, every key tile split among programs
-    (True, (16, 16), 19, 9, 48),  # a prefill of two query tiles in a window and chunks: the tiles before skipped
-    ("tpu", (8, 128), 11, 9, 48),
-    ("xla", None, 3, 9, 48),  # the dense formulas (implementation="xla")
+@pytest.mark.parametrize("interpreter,blocks,queries,window,chunk,slots", [
+    (True, (16, 16), 1, 0, 0, 165),  # a decode step: one query, every key tile split among programs
+    (True, (16, 16), 19, 9, 48, 165),  # a prefill of two query tiles in a window and chunks: the tiles before skipped
+    ("tpu", (8, 128), 11, 9, 48, 165),
+    ("xla", None, 3, 9, 48, 165),  # the dense formulas (implementation="xla") over the whole cache (FoX's rows)
+    ("xla", None, 1, 0, 0, 1000),  # without FoX: over the filled cache's 256-slot prefix, not its 1,000 slots
 ])
 def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(interpreter, blocks, queries, window,
-                                                                           chunk):
+                                                                           chunk, slots):
   rng = np.random.default_rng(7)
-  batch, heads, kv_heads, head_dim, written, slots = 2, 4, 2, 8, 150, 165
+  batch, heads, kv_heads, head_dim, written = 2, 4, 2, 8, 150
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   positions = np.stack([np.arange(written), np.maximum(np.arange(written) - 4, 0)])  # row 1: 4 slots of padding
   valid = np.stack([np.ones(written, bool), np.arange(written) >= 4])
@@ -30,7 +31,7 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
   terms = learned.replace(alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 0.5, heads), jnp.float32)),
                           buckets=kernels.Buckets(f32(32, heads), num_buckets=32, max_distance=40, bidirectional=False),
                           forget=kernels.Forget(jnp.asarray(np.pad(c, ((0, 0), (0, 0), (0, slots - written))),
-                                                            jnp.float32)))
+                                                            jnp.float32)) if slots < 1000 else None)
   q, k, v = f32(batch, written, heads, head_dim), f32(batch, written, kv_heads, head_dim), f32(batch, written,
                                                                                               kv_heads, head_dim)
   fused = reference.FusedAttention(positions, np.zeros_like(positions), valid, causal=True, sliding_window=window,
@@ -43,7 +44,7 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
                    kerple_r2=np.asarray(kerple.r2), kerple_kind="log", fire_w1=np.asarray(fire.w1),
                    fire_b1=np.asarray(fire.b1), fire_w2=np.asarray(fire.w2), fire_b2=np.asarray(fire.b2),
                    fire_c=float(fire.c), fire_threshold=float(fire.threshold), fire_eps=fire.eps,
-                   forget_c=c, sandwich=dict(ratios=np.asarray(sw.ratios), dim=sw.dim, base=sw.base, scale=sw.scale,
+                   forget_c=c if slots < 1000 else None, sandwich=dict(ratios=np.asarray(sw.ratios), dim=sw.dim, base=sw.base, scale=sw.scale,
                                              divide=sw.divide, first=sw.first))[:, -queries:]
   # the cache: heads first, slots past the written ones zero and invalid
   cache = lambda x: jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, slots - written), (0, 0)))
@@ -53,6 +54,12 @@ def test_the_decode_kernels_equal_the_reference_rows_of_the_whole_sequence(inter
       key_valid=np.pad(valid, ((0, 0), (0, slots - written))), terms=terms, sliding_window=window, chunk=chunk,
       **(dict(implementation="xla") if interpreter == "xla" else dict(interpret=interpreter, block_sizes=blocks)))
   np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+  if slots == 1000:  # one program per prefix (128 ... 1,000 slots), chosen by the filled length
+    assert kernels.decode.filled_sizes(slots) == (128, 256, 512, 1000)
+    assert str(jax.make_jaxpr(lambda q: kernels.decode_attention(
+        q, cache(k), cache(v), start=written - queries, key_positions=np.pad(positions, ((0, 0), (0, slots - written))),
+        key_valid=np.pad(valid, ((0, 0), (0, slots - written))), terms=terms, implementation="xla"))(
+            q[:, -queries:])).count("cond[") == 1
 
 
 def test_what_the_decode_kernels_cannot_compute_is_an_error():

@@ -99,15 +99,15 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   valid_BxT = jnp.broadcast_to(jnp.asarray(key_valid, bool), (b, t))
   start = jnp.asarray(start, jnp.int32)
   if implementation == "xla":
-    terms = bind_open(terms, positions_BxT, b, h, t)
-    rows_Q = start + jnp.arange(q, dtype=jnp.int32)
-    k_BxTxGxK, v_BxTxGxV = jnp.swapaxes(k_BxGxTxK, 1, 2), jnp.swapaxes(v_BxGxTxV, 1, 2)
-    s_BxHxQxT = xla.logits(q_BxQxHxK, k_BxTxGxK, terms, positions_BxT, scale, rows_Q)
-    slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // chunk, (b, t)) if chunk else jnp.zeros_like(
-        positions_BxT)  # a chunk's slots are one segment
-    allowed_Bx1xQxT = xla.allowed_pairs(valid_BxT, slots_BxT, True, rows_Q, sliding_window)
-    weights_BxHxQxT = xla.attention_weights(s_BxHxQxT, allowed_Bx1xQxT, terms, q_BxQxHxK, rows_Q)
-    return xla.weighted_values(weights_BxHxQxT, v_BxTxGxV)
+    dense = functools.partial(_dense, q_BxQxHxK, start=start, terms=terms, scale=scale, sliding_window=sliding_window,
+                              chunk=chunk)
+    sizes = filled_sizes(t) if not any(t in jnp.shape(x) for x in jax.tree.leaves(terms)) else (t,)
+    if len(sizes) == 1:  # (a term with an array over the slots, the Forgetting Transformer's: the whole cache)
+      return dense(k_BxGxTxK, v_BxGxTxV, positions_BxT, valid_BxT)
+    # the smallest prefix of the cache that holds every slot the step reads, [0, start + Q): one program per size
+    branch = lambda size: lambda *cache: dense(*(x[:, :, :size] if x.ndim == 4 else x[:, :size] for x in cache))
+    index = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < start + q)
+    return jax.lax.switch(index, [branch(size) for size in sizes], k_BxGxTxK, v_BxGxTxV, positions_BxT, valid_BxT)
   refusal = kernel_refusal(terms)
   if refusal:
     raise ValueError(f"decode_attention(implementation='pallas'): {refusal}; use implementation='xla'")
@@ -128,7 +128,12 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   lo_N = jnp.maximum(first_N - sliding_window + 1, 0) // bk if sliding_window else jnp.zeros_like(first_N)
   if chunk:  # the tile's first query's chunk starts the keys it needs
     lo_N = jnp.maximum(lo_N, (first_N // chunk) * chunk // bk)
-  ranges_BxNx2 = jnp.broadcast_to(jnp.stack([lo_N, last_N // bk + 1], axis=1), (b, n_q, 2))
+  # each row's keys start at its first valid slot (a left-padded row's padding tiles are not read); a query tile
+  # of padding alone still reads its last tile (masked: finite rows, as before)
+  first_B = jnp.argmax(valid_BxT, axis=1).astype(jnp.int32)
+  hi_N = last_N // bk + 1
+  lo_BxN = jnp.minimum(jnp.maximum(lo_N[None], (first_B // bk)[:, None]), hi_N[None] - 1)
+  ranges_BxNx2 = jnp.stack([lo_BxN, jnp.broadcast_to(hi_N, (b, n_q))], axis=2)
   pad = lambda x_S, axis, size: x_S if x_S.shape[axis] == size else jnp.pad(
       x_S, [(0, size - x_S.shape[a] if a == axis else 0) for a in range(x_S.ndim)])  # the cache in place when it fits
   head_dim, value_dim = (d, v_BxGxTxV.shape[-1]) if tpu else (tile.next_power_of_two(d),
@@ -148,6 +153,33 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
       jnp.take(positions_BxT, slots_Q, axis=1), jnp.broadcast_to(slots_Q, (b, padded_q)), line(positions_BxT),
       line(valid_BxT.astype(jnp.int32)), ranges_BxNx2)
   return out_BxHxQxV.transpose(0, 2, 1, 3)[:, :q, :, :v_BxGxTxV.shape[-1]].astype(v_BxGxTxV.dtype)
+
+
+FILLED_MIN = 128  # the dense step's smallest cache prefix
+
+
+def filled_sizes(slots: int) -> tuple[int, ...]:
+  """The cache prefixes the dense step chooses among: 128, 256, ... (doubling) below ``slots``, then ``slots``. A
+  step reads the smallest that holds its slots, so its cost follows the filled cache (within 2x), not its size."""
+  sizes = []
+  while (FILLED_MIN << len(sizes)) < slots:
+    sizes.append(FILLED_MIN << len(sizes))
+  return (*sizes, slots)
+
+
+def _dense(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, positions_BxT, valid_BxT, *, start, terms: Terms, scale: float,
+           sliding_window: int, chunk: int):
+  """``[B, Q, H, V]`` on :mod:`posjax.kernels.xla`'s formulas over the T slots given (``[B, H, Q, T]`` logits)."""
+  (b, q, h, _), t = q_BxQxHxK.shape, k_BxGxTxK.shape[2]
+  terms = bind_open(terms, positions_BxT, b, h, t)
+  rows_Q = start + jnp.arange(q, dtype=jnp.int32)
+  k_BxTxGxK, v_BxTxGxV = jnp.swapaxes(k_BxGxTxK, 1, 2), jnp.swapaxes(v_BxGxTxV, 1, 2)
+  s_BxHxQxT = xla.logits(q_BxQxHxK, k_BxTxGxK, terms, positions_BxT, scale, rows_Q)
+  slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // chunk, (b, t)) if chunk else jnp.zeros_like(
+      positions_BxT)  # a chunk's slots are one segment
+  allowed_Bx1xQxT = xla.allowed_pairs(valid_BxT, slots_BxT, True, rows_Q, sliding_window)
+  weights_BxHxQxT = xla.attention_weights(s_BxHxQxT, allowed_Bx1xQxT, terms, q_BxQxHxK, rows_Q)
+  return xla.weighted_values(weights_BxHxQxT, v_BxTxGxV)
 
 
 def default_block_sizes(terms: Terms, queries: int, head_dim: int, tpu: bool) -> tuple[int, int]:
