@@ -66,7 +66,7 @@ from posjax import positions
 from posjax.experiments import extension
 from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
-from posjax.models import hybrid
+from posjax.models import DECODER_SIZES, SIZES, hybrid
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
                "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire",
@@ -123,12 +123,9 @@ def get_config(arg=None):
   for name in config.layouts:
     hybrid.options(name)  # an unknown layout is an error here
   config.layout_method = arg.layout_method
-  local = config.train_len // 4
-  defaults = {"irope": {"chunk": local, "floor_scale": float(local)}, "rnope_swa": {"window": local},
-              "swan": {"window": local}, "gemma3": {"window": local}, "gpt_oss": {"window": local}}
-  group = {"every": 2} if config.runlocal else {}  # the tiny decoder's 2 layers: one local, one global
+  layers = DECODER_SIZES[config.size]["num_layers"] if arg.model == "lm" else SIZES[config.size]["num_layers"]
   config.layout_options = ml_collections.ConfigDict({
-      name: {**defaults.get(name, {}), **(group if name != "full" else {})} for name in config.layouts})
+      name: hybrid.scaled(name, config.train_len, layers) for name in config.layouts})
   # Context extension (posjax.experiments.extension): variants of a RoPE base, zero-shot and fine-tuned.
   variants = arg.extension.split("+") if arg.extension else []
   variants = list(extension.VARIANTS) if variants == ["all"] else variants

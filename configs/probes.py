@@ -14,6 +14,11 @@ Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
     (``configs/probes.py:decoder,tasks=copy+sort+parity+addition``).
   lm: with ``decoder``, the probe decoders are the Llama-family preset (``configs/lm.py``'s model: Pre-RMSNorm,
     SwiGLU, no biases, k/v heads half the query heads) instead of a causal BERT.
+  Expressivity probes (opt-in, decoders or encoders): ``mqar`` (Zoology's multi-query associative recall),
+    ``flip_flop`` and the word problems ``s5`` / ``a5`` (``configs/probes.py:decoder,tasks=mqar+flip_flop+s5``).
+  layouts: ``+``-separated hybrid layouts (:mod:`posjax.models.hybrid`) as rows beside the methods, over
+    ``layout_method`` (default ``rope``), each window and chunk a quarter of ``train_len`` and groups no larger than
+    the model (``hybrid.scaled``); ``config.layout_options`` changes them.
 
   python -m posjax.main --config=configs/probes.py --workdir=workdir/probes
   (2 CPU cores: about 5 1/2 minutes for all 20 methods × 3 tasks.)
@@ -23,7 +28,7 @@ import ml_collections
 
 from posjax import positions
 from posjax.config_args import parse_arg
-from posjax.models import TransformerConfig
+from posjax.models import TransformerConfig, hybrid
 
 SIZES = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128),
@@ -33,7 +38,7 @@ SIZES = {
 
 def get_config(arg=None):
   arg = parse_arg(arg, methods="", steps=300, size="tiny", tasks="copy_left+reverse+index", decoder=False,
-                  lm=False)
+                  lm=False, layouts="", layout_method="rope")
   if arg.lm and not arg.decoder:
     raise ValueError("config option lm=True makes the probe decoders Llama-family ones: it needs decoder=True")
   if arg.size not in SIZES:
@@ -61,6 +66,11 @@ def get_config(arg=None):
   config.model = ml_collections.ConfigDict(SIZES[arg.size])
   if arg.decoder:  # set only for decoders: an encoder's config stays the one earlier workdirs hold
     config.model.causal = True
+  if arg.layouts:  # hybrid layouts as rows (posjax.models.hybrid), scaled to the probes' length and depth
+    config.layouts = tuple(arg.layouts.split("+"))
+    config.layout_method = arg.layout_method
+    config.layout_options = ml_collections.ConfigDict({name: hybrid.scaled(
+        name, config.train_len, SIZES[arg.size]["num_layers"]) for name in config.layouts})
   if arg.lm:
     size = {**SIZES[arg.size], "num_kv_heads": SIZES[arg.size]["num_heads"] // 2}
     preset = TransformerConfig.decoder(**size).to_dict()

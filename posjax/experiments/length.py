@@ -183,9 +183,11 @@ def probe_config(config, methods) -> ml_collections.ConfigDict:
   """The probes' config: ``configs/probes.py`` with the harness's methods, ``config.probes`` as its tasks, its
   multiples, decoders for ``model="clm"`` (tiny models in runlocal, small ones otherwise), then
   ``config.probe_overrides``."""
+  layouts = f",layouts={'+'.join(config.layouts)},layout_method={config.layout_method}" if config.get(
+      "layouts") else ""
   probe = config_args.load_config(f"configs/probes.py:methods={'+'.join(methods)},tasks={'+'.join(config.probes)},"
                                   f"size={'tiny' if config.runlocal else 'small'},decoder={config.model in DECODERS},"
-                                  f"lm={config.model == 'lm'}")
+                                  f"lm={config.model == 'lm'}{layouts}")
   probe.eval_multiples = tuple(config.eval_multiples)
   return config_args.apply_overrides(probe, dict(config.probe_overrides))
 

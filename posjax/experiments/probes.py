@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -33,8 +34,20 @@ from posjax.train import validate as run_checks
 
 
 
-def run_config(config, method: str, task: str) -> ml_collections.ConfigDict:
-  """The training-loop config of one (method, task) probe."""
+def rows(config) -> dict[str, tuple[str, dict]]:
+  """The table's rows: ``{name: (position method, model fields)}``, the methods then the hybrid layouts
+  (``config.layouts`` over ``config.layout_method``, :mod:`posjax.models.hybrid`, with ``config.layout_options``;
+  named by the layout, with the method where it is not RoPE)."""
+  found = {method: (method, {}) for method in config.methods}
+  method = config.get("layout_method", "rope")
+  for name in config.get("layouts") or ():
+    options = dict((config.get("layout_options") or {}).get(name, {}))
+    found[name if method == "rope" else f"{name} ({method})"] = (method, {"layout": name, "layout_options": options})
+  return found
+
+
+def run_config(config, method: str, task: str, model: dict | None = None) -> ml_collections.ConfigDict:
+  """The training-loop config of one (method, task) probe (``model``: fields over ``config.model``'s)."""
   return ml_collections.ConfigDict(dict(
       task="probe", seed=config.seed, total_steps=config.steps, warmup_steps=config.warmup_steps,
       learning_rate=config.learning_rate, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size,
@@ -42,16 +55,16 @@ def run_config(config, method: str, task: str) -> ml_collections.ConfigDict:
       weight_decay=0.01, weight_decay_exclusion="none", grad_clip_norm=1.0, parallelism="jit",
       mesh=dict(data=-1, fsdp=1, tensor=1), log_every_steps=config.steps, eval_every_steps=config.steps,
       checkpoint_every_steps=config.steps, keep_checkpoints=1, keep_steps=(), tensorboard=False,
-      profile_start_step=-1, profile_steps=1, progress=False, model=config.model.to_dict(),
+      profile_start_step=-1, profile_steps=1, progress=False, model={**config.model.to_dict(), **(model or {})},
       probe=dict(method=method, task=task, symbols=config.symbols, shift=config.shift, index=config.index,
                  eval_multiples=tuple(config.eval_multiples)),
       evals=dict(probe=dict(kind="probe"))))
 
 
-def train_and_evaluate(config, method: str, task: str, workdir: str, train):
+def train_and_evaluate(config, method: str, task: str, workdir: str, train, model: dict | None = None):
   """``({length: accuracy or "unsupported"}, params)``: one probe trained by the training loop in ``workdir``
   (a killed run resumes there)."""
-  params = train(run_config(config, method, task), workdir)
+  params = train(run_config(config, method, task, model), workdir)
   with open(os.path.join(workdir, "results.json")) as f:
     metrics = json.load(f)["metrics"]
   return {config.train_len * m: metrics[f"probe@{config.train_len * m}"]["accuracy"]
@@ -62,15 +75,15 @@ def results_table(results: dict, config) -> str:
   """The probes' markdown table: a row per method, accuracy (%) per task and evaluation length."""
   lengths = [config.train_len * m for m in config.eval_multiples]
   header = "| method | " + " | ".join(f"{t} @{l}" for t in config.tasks for l in lengths) + " |"
-  rows = [header, "|" + "---|" * (1 + len(config.tasks) * len(lengths))]
-  for method in config.methods:
+  lines = [header, "|" + "---|" * (1 + len(config.tasks) * len(lengths))]
+  for method in rows(config):
     cells = []
     for task in config.tasks:
       for length in lengths:
         value = results.get(method, {}).get(task, {}).get(str(length))
         cells.append("—" if value is None else results_lib.UNSUPPORTED if value == results_lib.UNSUPPORTED else f"{100 * value:.1f}")
-    rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
-  return "\n".join(rows)
+    lines.append(f"| `{method}` | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
 
 
 def plot_accuracy(results: dict, config, path: str):
@@ -78,13 +91,14 @@ def plot_accuracy(results: dict, config, path: str):
   the training length (a learned table) are single points, set side by side to its left so that none hides
   another."""
   plt = plots.pyplot()
-  styles = plots.method_styles(config.methods)
+  names = list(rows(config))
+  styles = plots.method_styles(names)
   lengths = [config.train_len * m for m in config.eval_multiples]
   fig, axes = plt.subplots(1, len(config.tasks), figsize=(5 * len(config.tasks), 4), squeeze=False)
-  short = [m for m in config.methods if any(results_lib.UNSUPPORTED in results.get(m, {}).get(t, {}).values()
-                                            for t in config.tasks)]
+  short = [m for m in names if any(results_lib.UNSUPPORTED in results.get(m, {}).get(t, {}).values()
+                                   for t in config.tasks)]
   for ax, task in zip(axes[0], config.tasks):
-    for method in config.methods:
+    for method in names:
       values = [results.get(method, {}).get(task, {}).get(str(l)) for l in lengths]
       points = [(l, v) for l, v in zip(lengths, values) if isinstance(v, float)]
       if not points:
@@ -110,7 +124,8 @@ def plot_accuracy(results: dict, config, path: str):
 def plot_tupe_correlation(config, params, path: str) -> None:
   """The learned positional correlation of a TUPE-A probe: one ``[L, L]`` map per head (TUPE's Figure 6)."""
   plt = plots.pyplot()
-  model = probe_task.Probe(probe_task.model_config(config, "tupe_a", config.tasks[0]), config.symbols)
+  model = probe_task.Probe(probe_task.model_config(config, "tupe_a", config.tasks[0]),
+                           probe_task.classes(config.tasks[0], config.symbols))
   _, state = model.apply({"params": params}, jnp.zeros((1, config.train_len), jnp.int32), mutable=["intermediates"])
   bias_HxLxL = np.asarray(state["intermediates"]["encoder"]["position_bias"][0][0])
   plots.head_maps(bias_HxLxL, path, "TUPE-A learned positional correlation", panel=(3.0, 3.0), tick_every=4)
@@ -140,15 +155,18 @@ def validate(config) -> None:
   if not config.eval_multiples or any(m < 1 for m in config.eval_multiples):
     raise ValueError(f"config.eval_multiples={tuple(config.eval_multiples)} must be whole numbers >= 1")
   task = config.tasks[0] if config.tasks else probe_task.TASKS[0]  # its vocabulary changes nothing checked here
-  for method in config.methods:
-    model = probe_task.Probe(probe_task.model_config(config, method, task), config.symbols)
+  for method, fields in rows(config).values():
+    model_config = probe_task.model_config(ml_collections.ConfigDict({**config.to_dict(), "model": {
+        **config.model.to_dict(), **fields}}), method, task)
+    model = probe_task.Probe(model_config, probe_task.classes(task, config.symbols))
     jax.eval_shape(model.init, jax.random.PRNGKey(0), jax.ShapeDtypeStruct((1, config.train_len), jnp.int32))
 
 
 def run(config, workdir: str, train) -> dict:
   """Trains and evaluates every (method, task) not yet in ``workdir``'s results, each a run of the training
-  loop in ``workdir/runs/<method>/<task>``. The workdir's config must match (``methods`` and ``tasks`` excepted: a
-  run may add methods or tasks to a table). Compiled programs are cached in ``workdir/compilation_cache`` (JAX's persistent
+  loop in ``workdir/runs/<row>/<task>`` (a row: a method or a layout, :func:`rows`). The workdir's config must
+  match (``methods``, ``tasks`` and the layouts excepted: a run may add rows or tasks to a table; a layout's results
+  are kept while its name is). Compiled programs are cached in ``workdir/compilation_cache`` (JAX's persistent
   cache): a method's three tasks compile the same programs, and a rerun compiles nothing."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
@@ -156,7 +174,7 @@ def run(config, workdir: str, train) -> dict:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   path = os.path.join(workdir, "results.json")
   known = os.path.exists(os.path.join(workdir, "config.json"))
-  run_checks.check_workdir_config(config, workdir, ignore=("methods", "tasks"))
+  run_checks.check_workdir_config(config, workdir, ignore=("methods", "tasks", "layouts", "layout_options"))
   results = {}
   if os.path.exists(path) and known:
     with open(path) as f:
@@ -165,12 +183,13 @@ def run(config, workdir: str, train) -> dict:
     print(f"{path} has no config.json beside it, so its results cannot be checked: computing them anew", flush=True)
   correlation_plot = os.path.join(workdir, "tupe_correlation.png")
   start = time.perf_counter()
-  for method in config.methods:
+  for method, (position, fields) in rows(config).items():
     for task in config.tasks:
       plot = method == "tupe_a" and task == config.tasks[0] and not os.path.exists(correlation_plot)
       if task in results.get(method, {}) and not plot:
         continue
-      accuracy, params = train_and_evaluate(config, method, task, os.path.join(workdir, "runs", method, task), train)
+      directory = os.path.join(workdir, "runs", re.sub(r"[^A-Za-z0-9_.-]+", "_", method), task)
+      accuracy, params = train_and_evaluate(config, position, task, directory, train, fields)
       results.setdefault(method, {})[task] = {str(length): value for length, value in accuracy.items()}
       if plot and jax.process_index() == 0:
         plot_tupe_correlation(config, params, correlation_plot)

@@ -90,6 +90,20 @@ def options(name: str, given: Mapping[str, Any] | None = None) -> dict[str, Any]
   return found
 
 
+def scaled(name: str, train_len: int, num_layers: int) -> dict[str, Any]:
+  """``name``'s options for a study at ``train_len`` with ``num_layers`` layers (the harnesses' defaults): each
+  window and chunk a quarter of the training length (Llama 4's ``floor_scale`` the chunk), so that the local layers
+  are local where the model trains, and groups no larger than the model (2 layers: one local, one global)."""
+  defaults = options(name)  # an unknown layout is an error here
+  local = max(1, train_len // 4)
+  found = {key: local for key in ("window", "chunk") if key in defaults}
+  if "floor_scale" in defaults:
+    found["floor_scale"] = float(local)
+  if "every" in defaults and defaults["every"] > num_layers:
+    found["every"] = max(2, num_layers)
+  return found
+
+
 def describe(name: str, given: Mapping[str, Any] | None = None) -> str:
   """One line: the layout and its options, for a table's notes."""
   found = options(name, given)

@@ -31,12 +31,31 @@ the input is, which grows with the row: a length-generalisation question, as in 
 
 A row's last tokens that no slot needs (``L`` not filling the layout) are blanks of weight 0.
 
+The expressivity probes the 2025-26 position papers report beside perplexity (PaTH, FoX, stick-breaking), each
+labelled where its authors score it (token accuracy there: their exact match per answer):
+
+- ``mqar`` (Arora et al. 2023, Zoology's ``multiquery_ar``): ``(L - 1) // 8`` key-value pairs (at most
+  ``symbols / 2 - 1``; keys from the lower half of the symbols, values from the upper, each distinct), then each
+  key once more at an even offset of the rest (the offsets drawn with Zoology's power law, ``power_a`` 0.01, which
+  favours the near ones), random symbols between; a repeated key is labelled with its value.
+- ``flip_flop`` (Liu et al. 2023, "Exposing Attention Glitches with Flip-Flop Language Modeling"): pairs of an
+  instruction (``w`` write, ``r`` read, ``i`` ignore: symbols 2, 3, 4) and a bit (0, 1); the first is a write, the
+  others ``i`` with probability 0.8 and ``w`` or ``r`` with 0.1 each (their FFL(0.8)); a read's bit is the last
+  written one, and the read instruction is labelled with it (the next token they score).
+- ``s5`` / ``a5`` (the word problem of the symmetric group on 5 elements or its alternating subgroup: Merrill,
+  Petty, Sabharwal 2024, "The Illusion of State in State-Space Models"): each token a group element (the
+  permutations of 0-4 in lexicographic order; the even ones for ``a5``), labelled with the product of the elements
+  up to it (the state after it, ``g_t ∘ ... ∘ g_1``: the first applied first). Its vocabulary and classes are the
+  group's 120 or 60 elements, whatever ``symbols`` says.
+
 A decoder labels a token from that token and the ones before it: ``copy_left``, ``copy``, ``sort``, ``addition``
 and ``parity`` need nothing later; ``index`` scores only the tokens after index ``index`` (the decoder form);
 ``reverse`` labels a token with a later one, which a decoder cannot see, and is refused (:func:`check`).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -48,7 +67,9 @@ from posjax.data import features
 from posjax.models import TransformerConfig, TransformerStack
 from posjax.train.task import Evaluator, Task, summed_metrics
 
-TASKS = ("copy_left", "reverse", "index", "copy", "sort", "parity", "addition")
+TASKS = ("copy_left", "reverse", "index", "copy", "sort", "parity", "addition", "mqar", "flip_flop", "s5", "a5")
+GROUPS = ("s5", "a5")  # word problems: the group's elements are the vocabulary and the classes
+FLIP_FLOP = {"write": 2, "read": 3, "ignore": 4}  # the instructions' symbols; the bits are 0 and 1
 ANSWER_TASKS = ("copy", "sort", "addition")  # the input, then blank answer slots
 DECODER_REFUSED = ("reverse",)  # labels a token with a later one
 BASE = 10  # addition's digits
@@ -56,7 +77,21 @@ BASE = 10  # addition's digits
 
 def min_length(task: str) -> int:
   """The shortest row that holds one of ``task``'s examples (one symbol, one digit per number)."""
-  return {"copy": 3, "sort": 3, "addition": 5}.get(task, 2)
+  return {"copy": 3, "sort": 3, "addition": 5, "mqar": 5, "flip_flop": 5}.get(task, 2)
+
+
+def group(task: str) -> np.ndarray:
+  """``[N, 5]``: the elements of ``s5`` (all 120 permutations of 0-4, lexicographic) or ``a5`` (the 60 even ones)."""
+  elements = np.asarray(list(itertools.permutations(range(5))))
+  if task == "a5":
+    inversions = np.asarray([sum(p[i] > p[j] for i in range(5) for j in range(i + 1, 5)) for p in elements])
+    elements = elements[inversions % 2 == 0]
+  return elements
+
+
+def classes(task: str, symbols: int) -> int:
+  """The classifier's classes: the group's elements for a word problem, else the symbols."""
+  return len(group(task)) if task in GROUPS else symbols
 
 
 def check(task: str, *, causal: bool = False, symbols: int = BASE, length: int | None = None) -> None:
@@ -69,13 +104,17 @@ def check(task: str, *, causal: bool = False, symbols: int = BASE, length: int |
                      f"cannot see; decoder tasks: {[t for t in TASKS if t not in DECODER_REFUSED]}")
   if task == "addition" and symbols < BASE:
     raise ValueError(f"probe task 'addition' writes decimal digits: it needs symbols >= {BASE}, got {symbols}")
+  needed = {"mqar": 4, "flip_flop": 5}.get(task, 0)
+  if symbols < needed:
+    raise ValueError(f"probe task {task!r} needs symbols >= {needed} (keys and values, or instructions and bits), "
+                     f"got {symbols}")
   if length is not None and length < min_length(task):
     raise ValueError(f"probe task {task!r} needs rows of at least {min_length(task)} tokens, got {length}")
 
 
 def vocab_size(task: str, symbols: int) -> int:
-  """The symbols, [CLS] and, for the tasks with answer slots, the blank."""
-  return symbols + (2 if task in ANSWER_TASKS else 1)
+  """The symbols (a word problem's elements), [CLS] and, for the tasks with answer slots, the blank."""
+  return classes(task, symbols) + (2 if task in ANSWER_TASKS else 1)
 
 
 def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, shift: int, index: int,
@@ -85,6 +124,10 @@ def make_batch(task: str, rng: np.random.Generator, batch: int, length: int, sym
   check(task, causal=causal, symbols=symbols, length=length)
   if task in ANSWER_TASKS or task == "parity":
     return _sequence_task(task, rng, batch, length, symbols)
+  if task in ("mqar", "flip_flop") + GROUPS:
+    x_BxL, labels_BxL, weights_BxL = {"mqar": _mqar, "flip_flop": _flip_flop}.get(task, _word_problem)(
+        task, rng, batch, length, symbols)
+    return x_BxL.astype(np.int32), labels_BxL.astype(np.int32), weights_BxL.astype(np.float32)
   x = rng.integers(0, symbols, size=(batch, length))
   x[:, 0] = symbols
   positions = np.arange(length)
@@ -130,6 +173,68 @@ def _sequence_task(task: str, rng: np.random.Generator, batch: int, length: int,
     labels_BxL[:, 3 * n + 1] = carry_B
     weights_BxL[:, 2 * n + 1:3 * n + 2] = 1
   return x_BxL.astype(np.int32), labels_BxL.astype(np.int32), weights_BxL
+
+
+def _mqar(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, power_a: float = 0.01):
+  """Zoology's multi-query associative recall after ``[CLS]`` (the module docstring)."""
+  del task
+  n, half = length - 1, symbols // 2
+  pairs = max(1, min(n // 8, half - 1))
+  space = (n - 2 * pairs) // 2  # even offsets of the query region
+  p = power_a * np.arange(1, space + 1) ** (power_a - 1)
+  x_BxL = rng.integers(0, symbols, size=(batch, length))
+  x_BxL[:, 0] = symbols
+  labels_BxL = np.zeros_like(x_BxL)
+  weights_BxL = np.zeros(x_BxL.shape, np.float32)
+  for b in range(batch):
+    keys = rng.choice(half, size=pairs, replace=False)
+    values = half + rng.choice(symbols - half, size=pairs, replace=False)
+    x_BxL[b, 1:2 * pairs + 1:2], x_BxL[b, 2:2 * pairs + 2:2] = keys, values
+    at = 1 + 2 * pairs + 2 * rng.choice(space, size=pairs, replace=False, p=p / p.sum())
+    x_BxL[b, at], labels_BxL[b, at], weights_BxL[b, at] = keys, values, 1
+  return x_BxL, labels_BxL, weights_BxL
+
+
+def _flip_flop(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int, ignore: float = 0.8):
+  """Flip-flop pairs after ``[CLS]`` (the module docstring); a last odd token is a bit of weight 0."""
+  del task
+  pairs = (length - 1) // 2
+  write, read, skip = FLIP_FLOP["write"], FLIP_FLOP["read"], FLIP_FLOP["ignore"]
+  x_BxL = rng.integers(0, 2, size=(batch, length))
+  x_BxL[:, 0] = symbols
+  labels_BxL = np.zeros_like(x_BxL)
+  weights_BxL = np.zeros(x_BxL.shape, np.float32)
+  instructions_BxP = rng.choice([skip, write, read], size=(batch, pairs), p=[ignore, (1 - ignore) / 2,
+                                                                             (1 - ignore) / 2])
+  instructions_BxP[:, 0] = write
+  x_BxL[:, 1:2 * pairs + 1:2] = instructions_BxP
+  for b in range(batch):
+    last = 0
+    for k in range(pairs):
+      at = 1 + 2 * k
+      if instructions_BxP[b, k] == write:
+        last = x_BxL[b, at + 1]
+      elif instructions_BxP[b, k] == read:
+        x_BxL[b, at + 1], labels_BxL[b, at], weights_BxL[b, at] = last, last, 1
+  return x_BxL, labels_BxL, weights_BxL
+
+
+def _word_problem(task: str, rng: np.random.Generator, batch: int, length: int, symbols: int):
+  """Group elements after ``[CLS]``, each labelled with the product so far (the module docstring)."""
+  del symbols
+  elements = group(task)
+  index = {tuple(p): i for i, p in enumerate(elements)}
+  x_BxL = rng.integers(0, len(elements), size=(batch, length))
+  x_BxL[:, 0] = len(elements)
+  labels_BxL = np.zeros_like(x_BxL)
+  weights_BxL = np.ones(x_BxL.shape, np.float32)
+  weights_BxL[:, 0] = 0
+  for b in range(batch):
+    state = np.arange(5)
+    for t in range(1, length):
+      state = elements[x_BxL[b, t]][state]  # g_t after the product so far
+      labels_BxL[b, t] = index[tuple(state)]
+  return x_BxL, labels_BxL, weights_BxL
 
 
 class Probe(nn.Module):
@@ -197,7 +302,7 @@ def build(config, local_batch: int) -> Task:
   check(probe.task, causal=causal, symbols=probe.symbols, length=config.max_len)
   settings = ml_collections.ConfigDict(dict(symbols=probe.symbols, train_len=config.max_len, model=config.model))
   bert = model_config(settings, probe.method, probe.task)
-  model = Probe(bert, probe.symbols)
+  model = Probe(bert, classes(probe.task, probe.symbols))
 
   def token_sums(params, batch):
     logits = model.apply({"params": params}, batch["input_ids"])
