@@ -39,6 +39,8 @@ def get_config(arg=None):
   # Passkey prompts in the training batches (posjax.tasks.passkey.TrainingRows): a fraction of each batch's rows
   # (0: none); runlocal: a prompt in the tiny corpus's words.
   config.passkey_train = passkey.training_defaults(**(pretrain.PASSKEY_RUNLOCAL if arg.runlocal else {}))
+  # RULER prompts with their answers in training rows (posjax.tasks.ruler_eval.TrainingRows): off
+  config.ruler_train = ml_collections.ConfigDict({"fraction": 0.0, "tasks": {}, "tokens": 16})
   try:
     multiples = [int(m) for m in arg.eval_multiples.split("+")] if arg.eval_multiples else []
   except ValueError:

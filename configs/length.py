@@ -43,6 +43,13 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
     window and chunk is a quarter of ``train_len`` (Llama 4's ``floor_scale`` the chunk), so that the local layers
     are local at the training length, not the families' 512-8192 tokens; runlocal's 2-layer decoder takes groups of
     ``every=2`` (one local layer, one global).
+  ruler: ``+``-separated RULER tasks (:data:`posjax.tasks.ruler_eval.SUITE`: ``niah_single_1``, ``niah_multikey_2``,
+    ``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``; ``all``), decoders only: each scored at every
+    length by RULER's string match after greedy decoding, a table each; runlocal: the ``niah_*`` ones in the tiny
+    corpus's words (``configs/pretrain.py``'s ``RULER_RUNLOCAL``). Default none.
+  ruler_control: the method of their positive control, ``<method>+ruler``, trained for ``control_steps`` with the
+    tasks' prompts and answers in half its rows; default the first method when ``ruler`` is on, ``ruler_control=``
+    none.
   extension: ``+``-separated context-extension variants of a RoPE model (:mod:`posjax.experiments.extension`:
     ``unscaled``, ``pi``, ``ntk``, ``yarn``, ``longrope``; ``all``: every one), each zero-shot and fine-tuned at
     ``factor`` (default 4) times the training length for ``config.extension.finetune_steps``; default none.
@@ -61,12 +68,13 @@ Real runs name their corpus and recipe in ``overrides``: ``(field, value)`` pair
 
 import ml_collections
 
-from configs.pretrain import PASSKEY_RUNLOCAL
+from configs.pretrain import PASSKEY_RUNLOCAL, RULER_RUNLOCAL
 from posjax import positions
 from posjax.experiments import extension
 from posjax.config_args import named, parse_arg
 from posjax.experiments.tables import HUANG_METHODS
 from posjax.models import DECODER_SIZES, SIZES, hybrid
+from posjax.tasks import ruler_eval
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
                "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire",
@@ -74,11 +82,25 @@ METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
 
 
 
+def _ruler_spec(name: str, runlocal: bool) -> dict:
+  """A RULER task's evaluator spec: RULER's, or in runlocal its needles in the tiny corpus's words (only the needle
+  tasks, on the repeat haystack: the 20 words cannot fill a haystack of needles), at most 2 keys, values and queries
+  (4 needles and their question pass the training length of 32), 4 tokens answered."""
+  spec = {"options": {}, **ruler_eval.SUITE[name]}
+  if not runlocal:
+    return spec
+  if spec["task"] != "niah":
+    raise ValueError(f"config option ruler: {name!r} needs a real vocabulary (its names, numbers or words); runlocal's "
+                     "tiny corpus has only the needle tasks (niah_*)")
+  small = {key: min(value, 2) for key, value in spec["options"].items() if key in ("keys", "values", "queries")}
+  return {**spec, "options": {**spec["options"], **small, **RULER_RUNLOCAL, "haystack": "repeat"}, "tokens": 4}
+
+
 def get_config(arg=None):
   given = named(arg)
   arg = parse_arg(arg, methods="rope+alibi+fire+kerple_log", model="lm", size="base", runlocal=False, passkey=True,
                   probes="copy+sort+parity", runs="", control="", depths=5, extension="", extension_base="rope",
-                  factor=4.0, seeds=1, stride=0, layouts="", layout_method="rope")
+                  factor=4.0, seeds=1, stride=0, layouts="", layout_method="rope", ruler="", ruler_control="")
   config = ml_collections.ConfigDict()
   config.job = "length"
   config.seed = 0
@@ -126,6 +148,17 @@ def get_config(arg=None):
   layers = DECODER_SIZES[config.size]["num_layers"] if arg.model == "lm" else SIZES[config.size]["num_layers"]
   config.layout_options = ml_collections.ConfigDict({
       name: hybrid.scaled(name, config.train_len, layers) for name in config.layouts})
+  # RULER's tasks (posjax.tasks.ruler_eval.SUITE) at every length, each a table, and their positive control: a method
+  # trained with the tasks' prompts and answers in half its rows (the row <ruler_control>+ruler).
+  names = list(ruler_eval.SUITE) if arg.ruler == "all" else arg.ruler.split("+") if arg.ruler else []
+  if names and arg.model not in ("lm", "clm"):
+    raise ValueError(f"config option ruler={arg.ruler!r}: RULER's tasks are answered by decoding; use model=lm or clm")
+  unknown = sorted(set(names) - set(ruler_eval.SUITE))
+  if unknown:
+    raise ValueError(f"config option ruler: unknown task(s) {unknown}; allowed: {list(ruler_eval.SUITE)} or all")
+  config.ruler = ml_collections.ConfigDict({name: _ruler_spec(name, arg.runlocal) for name in names})
+  config.ruler_control = (arg.ruler_control if "ruler_control" in given else config.methods[0] if config.methods
+                          else "") if names else ""
   # Context extension (posjax.experiments.extension): variants of a RoPE base, zero-shot and fine-tuned.
   variants = arg.extension.split("+") if arg.extension else []
   variants = list(extension.VARIANTS) if variants == ["all"] else variants

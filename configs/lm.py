@@ -63,6 +63,8 @@ def get_config(arg=None):
   # Passkey prompts in the training batches (posjax.tasks.passkey.TrainingRows): a fraction of each batch's rows
   # (0: none); runlocal: a prompt in the tiny corpus's words.
   config.passkey_train = passkey.training_defaults(**(pretrain.PASSKEY_RUNLOCAL if arg.runlocal else {}))
+  # RULER prompts with their answers in training rows (posjax.tasks.ruler_eval.TrainingRows): off
+  config.ruler_train = ml_collections.ConfigDict({"fraction": 0.0, "tasks": {}, "tokens": 16})
   config.update(adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8, weight_decay=0.1, grad_clip_norm=1.0, lr_schedule="cosine",
                 lr_end_fraction=0.1)
   if arg.init_from:

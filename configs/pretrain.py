@@ -31,6 +31,13 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 PASSKEY_RUNLOCAL = {"digits": 3, "symbols": "red old new small large quiet strange early gentle bright", "intro": "",
                     "filler": "the rivers read the layers twice .", "key_line": "the token is {key} .",
                     "question": "the token is"}
+# RULER's needle in a haystack in the tiny corpus's words (posjax.tasks.ruler: keys and values single tokens of it,
+# its filler, a short question): the length harness's runlocal RULER rows and their positive control.
+RULER_RUNLOCAL = {"type_v": "words", "filler": "the rivers read the layers twice .",
+                  "template": "{context}\nthe {query}", "needle": "the {key} {value} .",
+                  "words": ("red", "old", "new", "small", "large", "quiet", "strange", "early", "gentle", "bright",
+                            "model", "token", "sentence", "layer", "head", "student", "river", "city", "machine",
+                            "garden")}
 
 
 def position_defaults(name: str) -> dict:

@@ -100,11 +100,11 @@ def eos_ids(eos_id) -> tuple[int, ...]:
   return tuple(int(i) for i in ids)
 
 
-def greedy(module: Transformer, variables, prompt_BxP, steps: int):
-  """``[B, P + steps]``: :func:`generate` at temperature 0 for full prompts, without its checks (traceable: what an
-  evaluator calls inside its compiled program)."""
-  return _generate(module, variables, prompt_BxP, jnp.ones(prompt_BxP.shape, bool), steps, 0.0, 0, 1.0,
-                   jnp.uint32(0), (), False)[0]
+def greedy(module: Transformer, variables, prompt_BxP, steps: int, mask_BxP=None):
+  """``[B, P + steps]``: :func:`generate` at temperature 0 (prompts left-padded where ``mask_BxP`` is False; default
+  full), without its checks (traceable: what an evaluator calls inside its compiled program)."""
+  mask_BxP = jnp.ones(prompt_BxP.shape, bool) if mask_BxP is None else jnp.asarray(mask_BxP, bool)
+  return _generate(module, variables, prompt_BxP, mask_BxP, steps, 0.0, 0, 1.0, jnp.uint32(0), (), False)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10))

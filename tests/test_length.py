@@ -279,3 +279,20 @@ def test_layouts_are_rows_over_their_method_trained_here_or_read_from_runs(tmp_p
   read = length.read_runs(load_config("length", f"methods=,layouts=gemma3,layout_method=alibi,runs={source},"
                                                 "runlocal,control="))
   assert list(read) == ["gemma3 (alibi) [model.layout_options.window=4]"]
+
+
+def test_ruler_tasks_are_evaluators_at_every_length_with_a_positive_control():
+  config = load_config("length", "methods=rope,ruler=niah_single_1+niah_multivalue,runlocal,control=")
+  found = length.evaluators(config)
+  assert found["ruler_niah_multivalue_x4"]["max_len"] == 128 and found["ruler_niah_multivalue_x4"]["kind"] == "ruler"
+  assert found["ruler_niah_multivalue_x4"]["options"]["values"] == 2  # runlocal: at most 2 needles' values
+  assert "ruler_niah_single_1" in length.measured(config)
+  row = length.plan(config, "/tmp/unused")["rope+ruler"]
+  run = row.make()
+  assert run.ruler_train.fraction == 0.5 and set(run.ruler_train.tasks) == {"niah_single_1", "niah_multivalue"}
+  assert run.total_steps == config.control_steps and row.note.startswith("`rope+ruler`: the positive control of the")
+  for arg, message in (("ruler=vt,runlocal", r"'vt' needs a real vocabulary"),
+                       ("ruler=niah_x", r"unknown task\(s\) \['niah_x'\]"),
+                       ("ruler=cwe,model=mlm", r"answered by decoding; use model=lm or clm")):
+    with pytest.raises(ValueError, match=message):
+      load_config("length", arg)

@@ -140,13 +140,14 @@ def test_greedy_and_teacher_forced_scoring_agree_with_a_loop_over_the_full_forwa
 class Batches:
   """A corpus's batches as the loop reads them: numbered rows of zeros, with a resumable position."""
 
-  def __init__(self):
-    self.served = 0
+  def __init__(self, length: int = 32):
+    self.served, self.length = 0, length
 
   def __next__(self):
     self.served += 1
-    return {"input_ids": np.full((4, 32), self.served, np.int32), "attention_mask": np.zeros((4, 32), np.int32),
-            "segment_ids": np.zeros((4, 32), np.int32), "positions": np.zeros((4, 32), np.int32)}
+    shape = (4, self.length)
+    return {"input_ids": np.full(shape, self.served, np.int32), "attention_mask": np.zeros(shape, np.int32),
+            "segment_ids": np.zeros(shape, np.int32), "positions": np.zeros(shape, np.int32)}
 
   def state(self):
     return {"served": self.served}

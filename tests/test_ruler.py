@@ -9,7 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from posjax.tasks import ruler
+from configs import pretrain as ruler_config
+from conftest import load_config
+from posjax.data.tokenizer import Tokenizer
+from posjax.tasks import clm, ruler, ruler_eval
+from test_passkey import Batches
 
 
 def test_the_scores_are_rulers_string_matches():
@@ -86,3 +90,50 @@ def test_fit_finds_the_largest_haystack_within_a_token_budget():
   assert count(sample.prompt) <= 500 < count(make(size + 1).prompt)
   with pytest.raises(ValueError, match="no haystack fits 10 tokens"):
     ruler.fit(make, count, 10)
+
+
+def test_a_clm_run_builds_ruler_evaluators_whose_answers_score_by_rulers_match():
+  config = load_config("clm", "position=rope,runlocal")
+  options = dict(ruler_config.RULER_RUNLOCAL, keys=2, queries=2)
+  config.evals = {"niah": {"kind": "ruler", "task": "niah", "options": options, "tokens": 6, "max_len": 64},
+                  "grid": {"kind": "ruler", "task": "niah", "options": ruler_config.RULER_RUNLOCAL, "tokens": 6,
+                           "depths": 3, "max_len": 64}}
+  task = clm.build(config, 16)
+  tokenizer = Tokenizer.load(config.data.vocab_file)
+  evaluator = task.evaluators["niah"]
+  batch = evaluator.batches[0]
+  assert batch["input_ids"].shape == (16, 58) and (batch["attention_mask"][:, -1] == 1).all()
+  # a prompt read back: its two asked keys' values are the row's answers; ours, written out, score 1
+  answers = evaluator.metrics.args[1]
+  prompt = tokenizer.backend.decode([int(i) for i in batch["input_ids"][0] if i != tokenizer.pad_id])
+  assert all(value in prompt for value in answers[0]) and len(answers[0]) == 2
+  right = np.asarray([(tokenizer.encode(" ".join(a)) + [0] * 6)[:6] for a in answers], np.int32)
+  outputs = {"generated": right, "row_id": batch["row_id"], "depth_index": batch["depth_index"]}
+  assert evaluator.metrics(outputs) == {"accuracy": 1.0}
+  half = np.asarray([(tokenizer.encode(a[0]) + [0] * 6)[:6] for a in answers], np.int32)
+  assert evaluator.metrics({**outputs, "generated": half}) == {"accuracy": 0.5}
+  grid = task.evaluators["grid"]
+  assert grid.metric_names == ("accuracy", "accuracy@0.00", "accuracy@0.50", "accuracy@1.00")
+  assert grid.batches[0]["depth_index"].tolist()[:4] == [0, 1, 2, 0]
+  config.evals = {"niah": {"kind": "ruler", "task": "qa"}}
+  with pytest.raises(ValueError, match=r"config.evals.niah.task='qa'; allowed: \['niah', 'variable_tracking'"):
+    clm.build(config, 16)
+
+
+def test_training_rows_put_prompts_and_their_answers_into_the_last_rows_and_resume_exactly():
+  tokenizer = Tokenizer.load("configs/data/tiny_vocab.txt")
+  spec = {"fraction": 0.5, "tasks": {"niah": {"task": "niah", "options": ruler_config.RULER_RUNLOCAL}}, "tokens": 4}
+  rows = ruler_eval.TrainingRows(Batches(64), tokenizer, spec, local_batch=4, length=64, seed=0)
+  first = [next(rows) for _ in range(2)]
+  for n, batch in enumerate(first, 1):
+    assert (batch["input_ids"][:2] == n).all()  # the first rows: the corpus's
+    for r in (2, 3):
+      real = batch["attention_mask"][r].astype(bool)
+      text = tokenizer.backend.decode([int(i) for i in batch["input_ids"][r][real]])
+      asked = re.search(r"the (\w+) (\w+)$", text)  # the question, then the answer
+      assert asked and f"the {asked[1]} {asked[2]}." in text  # the answer is the asked key's needle's value
+  resumed = ruler_eval.TrainingRows(Batches(64), tokenizer, spec, local_batch=4, length=64, seed=0)
+  state = ruler_eval.TrainingRows(Batches(64), tokenizer, spec, local_batch=4, length=64, seed=0)
+  next(state)
+  resumed.restore(state.state())
+  np.testing.assert_array_equal(next(resumed)["input_ids"], first[1]["input_ids"])

@@ -61,6 +61,7 @@ from posjax.experiments import extension, plots, probes
 from posjax.kernels import terms as terms_lib
 from posjax.models import hybrid
 from posjax.tasks import passkey as passkey_task
+from posjax.tasks import ruler_eval
 from posjax.train import checkpoint as checkpoint_lib
 from posjax.train import validate as run_checks
 
@@ -127,6 +128,9 @@ def evaluators(config) -> dict:
   if config.get("passkey") is not None:
     found.update({f"passkey_x{m}": {**config.passkey.to_dict(), "kind": "passkey", "max_len": config.train_len * m}
                   for m in config.eval_multiples})
+  for name, task in (config.get("ruler") or {}).items():
+    found.update({f"ruler_{name}_x{m}": {**task.to_dict(), "kind": "ruler", "max_len": config.train_len * m}
+                  for m in config.eval_multiples})
   return found
 
 
@@ -146,7 +150,8 @@ def measured(config) -> tuple[str, ...]:
   """The measures of ``config``'s tables (passkey retrieval where it is on, sliding-window perplexity where
   ``config.stride`` is)."""
   found = MEASURES if config.get("passkey") is not None else MEASURES[:2]
-  return found + (("sliding",) if config.get("stride") else ())
+  return found + (("sliding",) if config.get("stride") else ()) + tuple(
+      f"ruler_{name}" for name in (config.get("ruler") or {}))
 
 
 def measures(metrics: dict, config) -> dict:
@@ -167,6 +172,8 @@ def measures(metrics: dict, config) -> dict:
         out["needle"][length] = {f"{f:.2f}": found[f"accuracy@{f:.2f}"] for f in fractions}
     if "sliding" in out:
       out["sliding"][length] = metrics[f"sw_x{m}"]["perplexity"]
+    for name in config.get("ruler") or {}:
+      out[f"ruler_{name}"][length] = metrics[f"ruler_{name}_x{m}"]["accuracy"]
     if values.get("loss") == results_lib.UNSUPPORTED:
       out["perplexity"][length] = out["accuracy"][length] = results_lib.UNSUPPORTED
       continue
@@ -336,6 +343,24 @@ def control_name(config) -> str:
   return f"{config.control}+keys"
 
 
+def ruler_control_name(config) -> str:
+  """The RULER tasks' positive control's row: ``<method>+ruler``."""
+  return f"{config.ruler_control}+ruler"
+
+
+def ruler_control_config(config) -> ml_collections.ConfigDict:
+  """The RULER positive control's run: ``config.ruler_control`` trained for ``control_steps`` with the harness's RULER
+  tasks' prompts and answers in half its rows (:class:`posjax.tasks.ruler_eval.TrainingRows`)."""
+  run = run_config(config, config.ruler_control)
+  run.update(total_steps=config.control_steps, eval_every_steps=config.control_steps,
+             checkpoint_every_steps=config.control_steps)
+  run.warmup_steps = min(run.warmup_steps, config.control_steps // 10)
+  tasks = {name: {"task": spec.task, "options": spec.options.to_dict()} for name, spec in config.ruler.items()}
+  tokens = max(spec.get("tokens") or ruler_eval.TOKENS[spec.task] for spec in config.ruler.values())
+  run.ruler_train = ml_collections.ConfigDict({"fraction": config.control_fraction, "tasks": tasks, "tokens": tokens})
+  return run
+
+
 def control_config(config) -> ml_collections.ConfigDict:
   """The positive control's run: ``config.control`` trained for ``control_steps`` with passkey prompts (the
   harness's passkey texts) in ``control_fraction`` of its rows."""
@@ -439,6 +464,12 @@ def plan(config, workdir: str) -> dict[str, Row]:
         config.control, "train", lambda: control_config(config),
         f"`{control_name(config)}`: the positive control, trained for {config.control_steps} steps at length "
         f"{config.train_len} with passkey prompts in {100 * config.control_fraction:g}% of its rows")
+  if config.get("ruler") and config.get("ruler_control"):
+    rows[ruler_control_name(config)] = Row(
+        config.ruler_control, "train", lambda: ruler_control_config(config),
+        f"`{ruler_control_name(config)}`: the positive control of the RULER tasks, trained for {config.control_steps} "
+        f"steps at length {config.train_len} with their prompts and answers in {100 * config.control_fraction:g}% "
+        "of its rows")
   ext = config.get("extension")
   if ext is not None and ext.variants:
     _, is_row = base_source(config, workdir, sources)
@@ -485,7 +516,10 @@ def tables(results: dict, config, methods) -> str:
             "passkey": "passkey retrieval (% of prompts whose whole key greedy decoding reproduces)",
             "passkey_digits": "passkey key tokens retrieved (%)",
             "sliding": f"sliding-window {what} perplexity (windows of each length every {config.get('stride')} tokens, "
-                       "each token predicted once)"}
+                       "each token predicted once)",
+            **{f"ruler_{name}": f"RULER `{name}` ({spec.task}): string_match_all (%) of the answers greedy decoding "
+                                f"writes in {spec.get('tokens') or ruler_eval.TOKENS[spec.task]} tokens"
+               for name, spec in (config.get("ruler") or {}).items()}}
   parts = []
   for measure in measured(config):
     title = titles[measure]
@@ -620,11 +654,15 @@ def panels(config, rows) -> list[tuple[str, list[str]]]:
     ext = config.get("extension")
     if ext is not None and ext.variants and ext.base == control_name(config):
       control.update(name for variant in ext.variants for name in extension_names(config, variant, True) if name)
-  found = [("methods", [name for name in rows if name not in control])]
+  ruler = {ruler_control_name(config)} if config.get("ruler") and config.get("ruler_control") else set()
+  found = [("methods", [name for name in rows if name not in control | ruler])]
   if any(name in control for name in rows):
     found.append((f"positive control ({config.control}, {config.control_steps:,} steps with passkey prompts)"
                   + ("\nand its context extensions" if len(control) > 1 else ""),
                   [name for name in rows if name in control]))
+  if any(name in ruler for name in rows):
+    found.append((f"RULER's positive control ({config.ruler_control}, {config.control_steps:,} steps with its "
+                  "prompts)", [name for name in rows if name in ruler]))
   return [(title, names) for title, names in found if names]
 
 

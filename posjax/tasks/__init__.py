@@ -30,7 +30,7 @@ class Entry(NamedTuple):
   eval_kinds: tuple[str, ...]
 
 
-TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "clm": Entry(clm.build, ("clm", "passkey")), "electra": Entry(electra.build, ("electra",)),
+TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "clm": Entry(clm.build, ("clm", "passkey", "ruler")), "electra": Entry(electra.build, ("electra",)),
          "glue": Entry(glue.build, ("glue",)), "squad": Entry(squad.build, ("squad",)),
          "probe": Entry(probe.build, ("probe",))}
 

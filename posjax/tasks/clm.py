@@ -3,9 +3,10 @@ Llama-family preset of ``configs/lm.py`` or a causal BERT, ``configs/clm.py``) p
 packed corpus the MLM task reads (TFDS, text files or a prepared corpus; unmasked; ``stream`` packing cuts it into
 full rows as GPT-style training does), with the
 same loop, checkpoints, resume and sweeps, and evaluators of kind ``clm`` (loss, accuracy, perplexity) and
-``passkey`` (retrieval of a key hidden in filler text, :mod:`posjax.tasks.passkey`). ``config.passkey_train``
-(``fraction`` > 0 and the passkey texts) puts passkey prompts into the training batches
-(:class:`posjax.tasks.passkey.TrainingRows`)."""
+``passkey`` (retrieval of a key hidden in filler text, :mod:`posjax.tasks.passkey`) and ``ruler`` (RULER's tasks,
+:mod:`posjax.tasks.ruler_eval`). ``config.passkey_train`` (``fraction`` > 0 and the passkey texts) puts passkey prompts
+into the training batches (:class:`posjax.tasks.passkey.TrainingRows`), ``config.ruler_train`` RULER's prompts with
+their answers (:class:`posjax.tasks.ruler_eval.TrainingRows`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import TransformerConfig, Transformer
 from posjax.tasks import mlm as mlm_task
-from posjax.tasks import passkey
+from posjax.tasks import passkey, ruler_eval
 from posjax.train.task import Task, counted_metrics
 
 
@@ -80,7 +81,7 @@ def clm_metrics(outputs: dict, workdir: str | None = None) -> dict:
 
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
   """Next-token prediction on ``config.data`` (:func:`posjax.tasks.mlm.corpus_batches`, unmasked) with a causal
-  model; evaluators of kind ``clm`` (on the corpus) and ``passkey``."""
+  model; evaluators of kind ``clm`` (on the corpus), ``passkey`` and ``ruler``."""
   tokenizer = Tokenizer.load(config.data.vocab_file)
   model_config = TransformerConfig.from_config(config.model, tokenizer.vocab_size, config.max_len)
   if not model_config.causal:
@@ -95,9 +96,14 @@ def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:
                                           ("loss", "accuracy", "perplexity", "tokens"))
   if config.eval_every_steps > 0:
     evaluators.update(passkey.evaluators(config, tokenizer, model_config, model))
+    evaluators.update(ruler_eval.evaluators(config, tokenizer, model_config, model))
   train_passkey = dict(config.get("passkey_train") or {})
   if train_passkey.get("fraction", 0.0):
     batches = passkey.TrainingRows(batches, tokenizer, train_passkey, local_batch, config.max_len, config.seed)
+  train_ruler = (config.get("ruler_train") or {})
+  if train_ruler.get("fraction", 0.0):
+    train_ruler = train_ruler.to_dict() if hasattr(train_ruler, "to_dict") else dict(train_ruler)
+    batches = ruler_eval.TrainingRows(batches, tokenizer, train_ruler, local_batch, config.max_len, config.seed)
   return Task("clm", model, model_config, {"input_ids": jnp.ones((1, config.max_len), jnp.int32)},
               clm_loss(model, use_segments=use_segments, loss_chunk=chunk, z_loss=float(config.get("z_loss", 0.0))),
               batches, evaluators,

@@ -72,15 +72,18 @@ def _word(rng) -> str:
   return f"{ADJECTIVES[rng.integers(len(ADJECTIVES))]}-{NOUNS[rng.integers(len(NOUNS))]}"
 
 
-def _distinct(rng, kind: str, count: int, taken: set | None = None) -> list[str]:
-  """``count`` different keys or values of ``kind`` (``words`` or ``numbers``), none in ``taken``."""
+def _distinct(rng, kind: str, count: int, taken: set | None = None, words: Sequence[str] = ()) -> list[str]:
+  """``count`` different keys or values of ``kind`` (``words``: from ``words`` where given, else adjective-noun
+  pairs; ``numbers``), none in ``taken``."""
   if kind not in KINDS:
     raise ValueError(f"a needle's kind {kind!r}; allowed: {list(KINDS)}")
-  if kind == "words" and count + len(taken or ()) > len(ADJECTIVES) * len(NOUNS):
-    raise ValueError(f"{count} different words asked; the lists give {len(ADJECTIVES) * len(NOUNS)}")
+  available = len(set(words)) if words else len(ADJECTIVES) * len(NOUNS)
+  if kind == "words" and count + len(taken or ()) > available:
+    raise ValueError(f"{count} different words asked beside {len(taken or ())} taken; the word list gives "
+                     f"{available}")
   found, taken = [], set(taken or ())
   while len(found) < count:
-    item = _word(rng) if kind == "words" else _number(rng)
+    item = (words[rng.integers(len(words))] if words else _word(rng)) if kind == "words" else _number(rng)
     if item not in taken:
       taken.add(item)
       found.append(item)
@@ -108,27 +111,34 @@ def _insert(rng, sentences: list[str], needles: Sequence[str], depth: float | No
 
 
 def niah(rng, haystack_size: int, *, keys: int = 1, values: int = 1, queries: int = 1, haystack: str = "repeat",
-         type_k: str = "words", type_v: str = "numbers", depth: float | None = None) -> Sample:
-  """Needle in a haystack of ``haystack_size`` sentences (``repeat``: RULER's noise; ``needle``: needles of other
-  keys): ``keys`` keys, ``values`` values each, ``queries`` of them asked; the answers are the asked keys' values."""
+         type_k: str = "words", type_v: str = "numbers", depth: float | None = None, words: Sequence[str] = (),
+         filler: str = REPEAT, template: str = NIAH, needle: str = NEEDLE) -> Sample:
+  """Needle in a haystack of ``haystack_size`` sentences (``repeat``: RULER's noise, ``filler``; ``needle``: needles
+  of other keys): ``keys`` keys, ``values`` values each, ``queries`` of them asked; the answers are the asked keys'
+  values. ``words``: the keys and values of kind ``words`` (default RULER's adjective-noun pairs; a small
+  vocabulary's own words for a model that has no others); ``template`` and ``needle``: other texts with RULER's
+  fields (``{type_v}``, ``{context}``, ``{query}``; ``{type_v}``, ``{key}``, ``{value}``), for a model too small for
+  RULER's 70-word prompt."""
   if not 1 <= queries <= keys or values < 1:
     raise ValueError(f"niah: keys={keys}, values={values}, queries={queries}; need 1 <= queries <= keys, values >= 1")
   if haystack not in ("repeat", "needle"):
     raise ValueError(f"niah: haystack={haystack!r}; allowed: ['repeat', 'needle']")
-  key_list = _distinct(rng, type_k, keys)
-  value_lists = [_distinct(rng, type_v, values) for _ in key_list]
-  needles = [NEEDLE.format(type_v=type_v, key=k, value=v) for k, vs in zip(key_list, value_lists) for v in vs]
+  key_list = _distinct(rng, type_k, keys, words=words)
+  value_lists: list[list[str]] = []
+  for _ in key_list:  # every value different from the keys and the other values (one answer, one string)
+    value_lists.append(_distinct(rng, type_v, values, {*key_list, *(v for vs in value_lists for v in vs)}, words))
+  needles = [needle.format(type_v=type_v, key=k, value=v) for k, vs in zip(key_list, value_lists) for v in vs]
   needles = [needles[i] for i in rng.permutation(len(needles))]
   if haystack == "repeat":
-    sentences = [REPEAT] * haystack_size
-  else:  # distractors: needles of keys and values never asked
-    fillers_k = _distinct(rng, type_k, haystack_size, set(key_list))
-    sentences = [NEEDLE.format(type_v=type_v, key=k, value=_distinct(rng, type_v, 1)[0]) for k in fillers_k]
+    sentences = [filler] * haystack_size
+  else:  # distractors: needles of keys never asked
+    fillers_k = _distinct(rng, type_k, haystack_size, set(key_list), words)
+    sentences = [needle.format(type_v=type_v, key=k, value=_distinct(rng, type_v, 1, words=words)[0])
+                 for k in fillers_k]
   context, placed = _insert(rng, sentences, needles, depth)
   asked = sorted(int(i) for i in rng.choice(keys, size=queries, replace=False))
   query = ", ".join(key_list[i] for i in asked[:-1]) + ", and " + key_list[asked[-1]] if queries > 1 else \
       key_list[asked[0]]
-  template = NIAH
   label = type_v
   if queries * values == 1:  # one answer: RULER's singular wording
     template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")

@@ -55,6 +55,8 @@ ADDED_FIELDS = {
     "model.temperature_layers": lambda before, now: "",
     "model.layout": lambda before, now: "",
     "model.qk_norm_scale": lambda before, now: True,
+    "ruler_train.fraction": lambda before, now: 0.0,
+    "ruler_train.tokens": lambda before, now: 16,
 }
 
 
