@@ -644,6 +644,28 @@ def needle_plot(results: dict, config, rows, path: str):
   return fig
 
 
+def ruler_plot(results: dict, config, rows, path: str):
+  """A heatmap per RULER task: its string-match score (%) by row (methods, layouts, controls) and length, unsupported
+  cells blank."""
+  plt = plots.pyplot()
+  lengths = [str(config.train_len * m) for m in config.eval_multiples]
+  tasks = list(config.ruler)
+  fig, axes = plt.subplots(1, len(tasks), figsize=(0.5 * len(lengths) * len(tasks) + 2.4 * len(tasks), 0.32 * len(rows)
+                                                  + 1.4), squeeze=False, layout="constrained")
+  for i, (ax, task) in enumerate(zip(axes[0], tasks)):
+    values = [[results.get(name, {}).get(f"ruler_{task}", {}).get(l) for l in lengths] for name in rows]
+    image = ax.imshow([[100 * v if isinstance(v, float) else math.nan for v in line] for line in values], vmin=0.0,
+                      vmax=100.0, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
+    ax.set_yticks(range(len(rows)), rows if i == 0 else [], fontsize=7)
+    ax.set_title(task, fontsize=8)
+  fig.supxlabel("evaluation length", fontsize=8)
+  fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="string_match_all (%)")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return fig
+
+
 def panels(config, rows) -> list[tuple[str, list[str]]]:
   """The plots' panels: ``(title, rows)``, the methods' rows first, then, where there is one, the positive control with
   the context extensions of it (trained on passkey prompts too, its perplexity is on another scale: beside the
@@ -873,6 +895,8 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
   if needle_depths(config):
     text += "\n\n" + needle_table(results, config, names)
     needle_plot(results, config, names, os.path.join(workdir, "needle.png"))
+  if config.get("ruler"):
+    ruler_plot(results, config, names, os.path.join(workdir, "ruler.png"))
   if config.probes:
     methods = probe_methods(config, read_runs(config))
     probe = probe_config(config, methods)
@@ -887,5 +911,6 @@ def run(config, workdir: str, train, evaluate=None) -> dict:
   plot(results, config, names, os.path.join(workdir, "length.png"))
   by_position = position_plot(results, config, names, os.path.join(workdir, "position.png"))
   print(f"\n{text}\n\nwritten to {workdir}: length.md, length.json, length.png"
-        + (", needle.png" if needle_depths(config) else "") + (", position.png" if by_position else ""), flush=True)
+        + (", needle.png" if needle_depths(config) else "") + (", ruler.png" if config.get("ruler") else "")
+        + (", position.png" if by_position else ""), flush=True)
   return results
