@@ -70,7 +70,7 @@ def get_config(arg=None):
   config.weight_decay_exclusion = "bert"  # biases and LayerNorm skip decay; "none": every parameter decays (fairseq)
   config.grad_clip_norm = 1.0
   config.parallelism = "jit"  # or "pmap"
-  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
   config.log_every_steps = 100
   config.device_prefetch = 2  # batches put on the devices ahead of the step (the transfer overlaps the step)
   config.eval_every_steps = 10_000  # and at the end; 0: no evaluation

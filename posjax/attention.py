@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -127,15 +128,31 @@ def check_kernel(kernel: str, spec: base.PositionSpec, *, dropout: bool = False)
                      f"{spec.options}: {why}; use kernel 'xla' (or 'auto', which falls back to it)")
 
 
+def context_shards() -> int:
+  """How many devices the sequence is split over under the mesh tracing sees (the mesh axes the rules give
+  ``activation_length``; 1 without a mesh)."""
+  mesh = partitioning.traced_mesh()
+  if mesh is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in partitioning.mesh_axes("activation_length", mesh))
+
+
 def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool, platform: str | None = None) -> str:
   """The kernel one call runs on: ``xla``, ``cudnn`` or ``pallas`` (``platform``: the device compiled for,
   default the default backend's); ``auto`` takes cuDNN where it can compute the layer, else ``xla``."""
   check_kernel(kernel, spec, dropout=dropout and kernel == "pallas")
   if kernel == "xla":
     return "xla"
+  split = context_shards()
+  if split > 1 and kernel in ("pallas", "cudnn"):
+    raise ValueError(f"attention kernel {kernel!r} takes whole sequences, but the mesh splits the sequence over "
+                     f"{split} context devices; use kernel 'xla' (or 'auto'), which scores each device's queries "
+                     "against the gathered keys, or mesh context=1")
   if kernel == "pallas":
     return "pallas"
   reasons = []
+  if split > 1:
+    reasons.append(f"the mesh splits the sequence over {split} context devices")
   why = spec.refusal("cudnn", dropout=dropout)
   if why:
     reasons.append(f"position method {spec.name!r}: {why}")
@@ -394,8 +411,12 @@ class SelfAttention(nn.Module):
         state_variable(self, name, term, terms.k.shape[1])
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
+    if kernel == "xla":  # the sequence split over a context axis: each device's queries against every key
+      terms = dataclasses.replace(terms, k=partitioning.constrain(terms.k, partitioning.BLHK_WHOLE))
+      v = partitioning.constrain(v, partitioning.BLHK_WHOLE)
     if kernel == "xla" or self.is_mutable_collection("intermediates"):
-      logits = add_biases(open_logits(terms, state, spec.scale), layer_bias(terms, state, spec.scale))
+      logits = partitioning.constrain(
+          add_biases(open_logits(terms, state, spec.scale), layer_bias(terms, state, spec.scale)), partitioning.BHQL)
       self.sow("intermediates", "attention_logits", logits)
     if kernel == "xla":
       weights = kernels.xla.attention_weights(logits, mask.pairs(x_BxLxD.shape[1]),

@@ -3,11 +3,17 @@ fused kernels' ``shard_map``.
 
 Parameters carry logical names (``embed``, ``heads``, ``mlp``...; :mod:`posjax.positions.base` names them);
 activations are constrained at layer boundaries by ``activation_*`` names (after MaxText's and t5x's: the batch over
-``data`` x ``fsdp``, heads and the MLP over ``tensor``). The rules are flax's context
+``data`` x ``fsdp``, the sequence over ``context``, heads and the MLP over ``tensor``). The rules are flax's context
 (``with nn.logical_axis_rules(rules):``, for a user's own mesh axis names) where one is set, else :data:`RULES`,
-posjax's for its mesh ``("data", "fsdp", "tensor")``. Under a mesh that tracing sees
+posjax's for its mesh ``("data", "fsdp", "context", "tensor")``. Under a mesh that tracing sees
 (``jax.sharding.use_abstract_mesh``, as posjax's training step is traced), a rule naming a mesh axis the mesh lacks
-is an error; without a mesh nothing is constrained.
+is an error, except :data:`OPTIONAL_AXES` (a mesh without ``context`` does not split the sequence); without a mesh
+nothing is constrained.
+
+Context parallelism (``context`` > 1): every activation ``[B, L, ...]`` holds ``L / context`` tokens per device;
+attention gathers its keys and values along the sequence (``activation_kv_length``, replicated) and each device
+scores its own queries against all of them (MaxText's all-gather context parallelism), so a position term, which
+comes from the positions, is the same on every device as on one.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp")
+CONTEXT = "context"
+OPTIONAL_AXES = (CONTEXT,)  # axes a mesh may lack: the rules that name them then leave their dimension whole
 
 # Logical axis -> mesh axes (None: replicated). Parameters' names, then activations'.
 RULES = (
@@ -31,7 +39,8 @@ RULES = (
     ("relpos_buckets", None),
     ("layers", None),
     ("activation_batch", BATCH_AXES),
-    ("activation_length", None),
+    ("activation_length", CONTEXT),
+    ("activation_kv_length", None),  # attention's keys and values: gathered along the sequence
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_kv", None),
@@ -42,6 +51,8 @@ RULES = (
 BLD = ("activation_batch", "activation_length", "activation_embed")
 BLHK = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 BHLK = ("activation_batch", "activation_heads", "activation_length", "activation_kv")  # heads first: a decoding cache
+BLHK_WHOLE = ("activation_batch", "activation_kv_length", "activation_heads", "activation_kv")  # keys and values
+BHQL = ("activation_batch", "activation_heads", "activation_length", "activation_kv_length")  # attention logits
 BLF = ("activation_batch", "activation_length", "activation_mlp")
 
 
@@ -59,6 +70,7 @@ def mesh_axes(name: str | None, mesh, rules_=None) -> tuple[str, ...]:
     if logical != name:
       continue
     axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    axes = tuple(a for a in axes if a in mesh.axis_names or a not in OPTIONAL_AXES)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing:
       raise ValueError(f"logical axis {name!r} maps to mesh axes {list(axes)}, but the mesh has axes "

@@ -155,3 +155,16 @@ def test_a_grouped_query_decoders_flops_are_xlas_count_and_its_kv_projections_ar
   assert (rows * LENGTH, 2 * 64) in dots and (rows * LENGTH, 4 * 64) in dots  # k/v: 2 heads of 64; q: 4
   # the scores: per k/v head, its group's 2 query heads x 16 rows against its 16 keys; never 4 heads of k
   assert (rows, 2, 2 * LENGTH, LENGTH) in dots and (rows, 4, LENGTH, LENGTH) not in dots
+
+
+def test_a_runs_sequence_splits_over_the_context_axis_and_kernels_that_take_whole_sequences_are_refused():
+  """``--config.mesh.context=8``: the decoder's train step scores each device's 2 tokens of a row against the
+  row's 16 gathered keys (tests/test_context_parallel.py checks the numbers); a length the axis does not divide,
+  or a kernel that takes whole sequences, is a one-line error."""
+  program = compiled("lm", **{"mesh.data": 1, "mesh.context": 8})
+  dots = set(outputs(program, "dot"))
+  assert (BATCH, 2, 2 * LENGTH // 8, LENGTH) in dots and (BATCH, 2, 2 * LENGTH, LENGTH) not in dots
+  with pytest.raises(ValueError, match=r"max_len=12 must divide over the mesh's 8 context devices"):
+    traced("lm", **{"mesh.data": 1, "mesh.context": 8, "max_len": 12})
+  with pytest.raises(ValueError, match=r"kernel 'pallas' takes whole sequences, but the mesh splits the sequence"):
+    traced("lm", **{"mesh.data": 1, "mesh.context": 8, "model.attention_kernel": "pallas"})

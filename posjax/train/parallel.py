@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posjax import partitioning
 from posjax.train import sharding
 
 PARALLELISMS = ("jit", "pmap")
@@ -52,6 +53,13 @@ class JitParallel:
       raise ValueError(f"{field}={batch} must divide over the mesh's {shards} data x fsdp devices"
                        + (f" times grad_accum_steps={accum_steps} (each micro-batch spans every data device)"
                           if accum_steps > 1 else ""))
+
+  def check_length(self, length: int) -> None:
+    """Every row splits evenly over the ``context`` devices (``length``: the run's padded sequence length)."""
+    shards = self.mesh.shape[partitioning.CONTEXT]
+    if length and length % shards:
+      raise ValueError(f"max_len={length} must divide over the mesh's {shards} context devices (each holds "
+                       f"max_len / context tokens of every row); choose a multiple of {shards} or another mesh")
 
   def in_mesh(self, fn):
     """``fn`` traced under the mesh (``use_abstract_mesh``), so that the fused attention kernels run per shard."""
@@ -103,6 +111,9 @@ class PmapParallel:
     if local_batch % (len(self.devices) * accum_steps):
       raise ValueError(f"pmap: the per-process {field} {local_batch} must divide over its {len(self.devices)} devices"
                        + (f" times grad_accum_steps={accum_steps}" if accum_steps > 1 else ""))
+
+  def check_length(self, length: int) -> None:
+    """pmap keeps every row whole on one device."""
 
   def compile_step(self, step_fn):
     return jax.pmap(functools.partial(step_fn, axis_name="batch"), axis_name="batch", in_axes=(0, 0, None),

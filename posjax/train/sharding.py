@@ -1,6 +1,7 @@
 """The device mesh, and shardings by the logical-axis rules of :mod:`posjax.partitioning`.
 
-Mesh axes: ``data`` (batch), ``fsdp`` (batch and parameter shards) and ``tensor`` (heads / MLP / vocab).
+Mesh axes: ``data`` (batch), ``fsdp`` (batch and parameter shards), ``context`` (the sequence: each device holds
+``L / context`` tokens of every row, and attention gathers keys and values) and ``tensor`` (heads / MLP / vocab).
 A size of -1 takes the devices the other axes leave.
 """
 
@@ -16,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from posjax import partitioning
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", partitioning.CONTEXT, "tensor")
 BATCH = partitioning.BATCH_AXES
 
 

@@ -303,6 +303,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str, build_task: Callab
   parallel = parallel_lib.make(resolved, abstract_state, devices)
   parallel.check_batch(local_batch, resolved.grad_accum_steps)
   parallel.check_batch(local_eval_batch, 1, "eval_batch_size")
+  parallel.check_length(resolved.get("max_len") or resolved.model.get("max_len") or 0)
   if resolved.get("init_from"):
     checkpoint_lib.check_directory(resolved.init_from, "config.init_from")
   return Prepared(resolved, task, optimizer, schedule, init_boxed, init_rng, dropout_rng, parallel)
