@@ -110,7 +110,7 @@ def get_config(arg=None):
       # each).
       norm_type="layernorm", mlp="dense", use_bias="all", qk_norm=False, embedding_norm=True, tie_embeddings=True,
       lm_head="mlm", parallel_residual=False, qk_norm_axes="head", qk_norm_scale=True, embedding_scale=False,
-      query_scale=0.0, attention_softcap=0.0, final_logit_softcap=0.0, layer_windows="", layer_chunks="",
+      query_scale=0.0, attention_query_block=0, attention_softcap=0.0, final_logit_softcap=0.0, layer_windows="", layer_chunks="",
       num_kv_heads=0,  # grouped-query attention's k/v heads; 0: num_heads
       head_dim=0,  # 0: hidden_size / num_heads
       sliding_window=0,  # with causal: each query sees its last sliding_window tokens; 0: all

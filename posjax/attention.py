@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -128,22 +127,13 @@ def check_kernel(kernel: str, spec: base.PositionSpec, *, dropout: bool = False)
                      f"{spec.options}: {why}; use kernel 'xla' (or 'auto', which falls back to it)")
 
 
-def context_shards() -> int:
-  """How many devices the sequence is split over under the mesh tracing sees (the mesh axes the rules give
-  ``activation_length``; 1 without a mesh)."""
-  mesh = partitioning.traced_mesh()
-  if mesh is None:
-    return 1
-  return math.prod(mesh.shape[a] for a in partitioning.mesh_axes("activation_length", mesh))
-
-
 def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool, platform: str | None = None) -> str:
   """The kernel one call runs on: ``xla``, ``cudnn`` or ``pallas`` (``platform``: the device compiled for,
   default the default backend's); ``auto`` takes cuDNN where it can compute the layer, else ``xla``."""
   check_kernel(kernel, spec, dropout=dropout and kernel == "pallas")
   if kernel == "xla":
     return "xla"
-  split = context_shards()
+  split = kernels.shard.context_shards()
   if split > 1 and kernel in ("pallas", "cudnn"):
     raise ValueError(f"attention kernel {kernel!r} takes whole sequences, but the mesh splits the sequence over "
                      f"{split} context devices; use kernel 'xla' (or 'auto'), which scores each device's queries "
@@ -329,7 +319,11 @@ class SelfAttention(nn.Module):
   (:class:`posjax.kernels.Sink`, GPT-OSS's), on every kernel but cuDNN. ``softcap``: the logits capped at
   ``softcap · tanh(s / softcap)`` after every position term (Gemma 2's ``attn_logit_softcapping``;
   :class:`posjax.kernels.SoftCap`); 0: none. A layer's open terms (:class:`posjax.kernels.Term`) apply on every
-  kernel in the op's order: the open terms, then the built-in ones.
+  kernel in the op's order: the open terms, then the built-in ones. ``query_block``: the ``xla`` kernel scores
+  this many queries at a time (a loop whose blocks the backward pass recomputes: ``[B, H, query_block, L]`` logits
+  alive, not ``[B, H, L, L]``); 0: all at once. Where the mesh splits the sequence (``context``), the ``xla``
+  kernel scores each device's queries against the gathered keys
+  (:func:`posjax.kernels.shard.per_context_shard`).
   """
 
   spec: base.PositionSpec
@@ -346,6 +340,7 @@ class SelfAttention(nn.Module):
   qk_norm_scale: bool = True
   temperature: Any = None
   sinks: bool = False
+  query_block: int = 0
 
   @nn.compact
   def __call__(self, x_BxLxD, state: base.PositionState | None = None, mask: Mask | None = None,
@@ -411,26 +406,29 @@ class SelfAttention(nn.Module):
         state_variable(self, name, term, terms.k.shape[1])
     if self.is_initializing():
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
-    if kernel == "xla":  # the sequence split over a context axis: each device's queries against every key
+    blocked = kernel == "xla" and not isinstance(terms, base.DenseLayerTerms) and (
+        self.query_block or kernels.shard.context_shards() > 1)  # by query blocks, or split over devices
+    if kernel == "xla" and not blocked:  # terms only the dense path computes; under a context split, GSPMD's
       terms = dataclasses.replace(terms, k=partitioning.constrain(terms.k, partitioning.BLHK_WHOLE))
-      v = partitioning.constrain(v, partitioning.BLHK_WHOLE)
-    if kernel == "xla" or self.is_mutable_collection("intermediates"):
+      v = partitioning.constrain(v, partitioning.BLHK_WHOLE)  # partition of it: each device's queries, every key
+    if (kernel == "xla" and not blocked) or self.is_mutable_collection("intermediates"):
       logits = partitioning.constrain(
           add_biases(open_logits(terms, state, spec.scale), layer_bias(terms, state, spec.scale)), partitioning.BHQL)
       self.sow("intermediates", "attention_logits", logits)
-    if kernel == "xla":
+    if kernel == "xla" and not blocked:
       weights = kernels.xla.attention_weights(logits, mask.pairs(x_BxLxD.shape[1]),
                                               kernels.merge(state.terms, terms.terms), terms.q)
       weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
       out = kernels.xla.weighted_values(weights, v)
       value = terms.value_term(weights)
       out = out if value is None else out + value.astype(out.dtype)
-    elif kernel == "pallas":
+    elif kernel == "pallas" or blocked:
       seed = kernels.dropout.seed_from_key(self.make_rng("dropout")) if dropout else None
       out = kernels.relative_attention(
           terms.q, terms.k, v, terms=kernels.merge(state.terms, terms.terms), positions=state.positions,
           segment_ids=mask.segment_ids, padding=mask.padding, scale=spec.scale, causal=mask.causal,
-          sliding_window=mask.sliding_window,
+          sliding_window=mask.sliding_window, implementation="xla" if blocked else "pallas",
+          query_block=(self.query_block or None) if blocked else None,
           platform=self.platform, dropout_rate=self.dropout_rate if dropout else 0.0, dropout_seed=seed)
     else:
       q, k, v_wide, bias = cudnn_inputs(terms, state, v, spec.scale)

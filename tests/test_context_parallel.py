@@ -18,11 +18,13 @@ from posjax.train import sharding
 B, L, D, HEADS, VOCAB = 2, 64, 32, 4, 128
 SPLIT = 8
 CASES = {  # one of each kind of term: q and k rotated, a bias shared by the layers, per-token arrays (a cumulative
-  # sum over the sequence), a weight rule over the masked logits; grouped-query attention
+  # sum over the sequence), a weight rule over the masked logits; grouped-query attention; query blocks
   "rope_gqa": dict(position="rope", num_kv_heads=2),
-  "t5": dict(position="t5"),
+  "t5_blocks": dict(position="t5", attention_query_block=4),  # each device's 8 queries, 4 at a time
   "fox": dict(position="fox"),
   "stick_breaking": dict(position="stick_breaking"),
+  "shaw_values": dict(position="shaw", position_options={"value_term": True}),  # a value term only the dense
+  # path computes: XLA's partition of that path
 }
 
 
@@ -35,10 +37,11 @@ def inputs():
 
 @functools.cache
 def run(case: str, split: int):
-  """``((loss, grads), compiled)`` of a weighted squared error on the logits, on one device (``split=0``, no mesh)
-  or with the sequence over ``split`` context devices."""
+  """``((loss, grads), compiled)`` of a weighted squared error on the logits, on one device (``split=0``, no mesh,
+  all queries at once: the dense path) or with the sequence over ``split`` context devices."""
+  options = {k: v for k, v in CASES[case].items() if split or k != "attention_query_block"}
   config = TransformerConfig.llama(vocab_size=VOCAB, hidden_size=D, num_layers=2, num_heads=HEADS,
-                                   intermediate_size=64, max_len=L, **CASES[case])
+                                   intermediate_size=64, max_len=L, **options)
   model = Transformer(config, head="lm")
   ids_BxL, segments_BxL, positions_BxL = inputs()
   params = nn.unbox(model.init(jax.random.PRNGKey(0), ids_BxL)["params"])

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from posjax.kernels import dropout as dropout_lib
-from posjax.kernels import capability, decode, exact, fold, mosaic, tile, triton, xla
+from posjax.kernels import capability, decode, exact, fold, mosaic, shard, tile, triton, xla
 from posjax.kernels.rules import cope_gpu, cope_tpu, stick_breaking_gpu, stick_breaking_tpu
 from posjax.kernels.term import EMBEDDINGS, HEAD, KINDS, ROWS, TABLE, Term, View
 from posjax.kernels.decode import decode_attention
@@ -94,7 +94,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                        block_sizes: tuple[int, int] | None = None,
                        interpret: bool | str | None = None, platform: str | None = None,
                        dropout_rate: float = 0.0, dropout_seed=None, untied: str = "tile",
-                       batch_axes=None, head_axes=None):
+                       batch_axes=None, head_axes=None, query_block: int | None = None):
   """Self-attention ``[B, L, H, K]`` with position ``terms`` added to ``scale q·k`` inside the kernel.
 
   Args:
@@ -135,7 +135,12 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
       step), the kernels run once per shard: rows split over the mesh axes ``batch_axes``, heads over
       ``head_axes``; by default the axes the logical-axis rules in force give ``activation_batch`` and
       ``activation_heads`` (:mod:`posjax.partitioning`: posjax's, or a user's ``nn.logical_axis_rules``). An axis
-      the mesh lacks is an error (:func:`per_shard`).
+      the mesh lacks is an error (:func:`per_shard`). Where the mesh splits the sequence (the rules' axes for
+      ``activation_length``, posjax's ``context``), the ``xla`` implementation scores each device's queries
+      against the gathered keys (:func:`posjax.kernels.shard.per_context_shard`); the Pallas kernels take whole
+      sequences (an error there).
+    query_block: the ``xla`` implementation's query rows at a time (None: all at once), so no more than
+      ``[B, H, query_block, L]`` logits are alive; the blocks are recomputed in the backward pass.
 
   First-order gradients only (a ``custom_vjp``; differentiating the backward pass again is not supported).
   """
@@ -171,8 +176,15 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   if terms.open and untied == "fold":
     raise ValueError("untied='fold' folds TUPE's term into q·k, which the open terms would then read as the content "
                      "score; use untied='tile' with open terms")
-  if implementation == "pallas":  # the built-in terms the kernels compute as open terms
-    terms = terms.kernel_form()
+  if query_block is not None and (implementation != "xla" or not isinstance(query_block, int) or query_block < 1):
+    raise ValueError(f"query_block={query_block!r}: an int >= 1, for implementation='xla' only (the kernels' "
+                     "tiles are block_sizes)")
+  split = shard.context_shards() > 1
+  if split and implementation == "pallas":
+    raise ValueError(f"the mesh splits the sequence over {shard.context_shards()} context devices, and the Pallas "
+                     "kernels take whole sequences; use implementation='xla'")
+  if implementation == "pallas" or split:  # the built-in terms the kernels compute as open terms (and whose
+    terms = terms.kernel_form()  # arrays' axes, as open terms, the context split reads)
   terms = bind_open(terms, positions_BxL, b, h, length)
   if untied == "fold" and group > 1:
     raise ValueError(f"untied='fold' folds TUPE's per-head term into k, which has {k_BxLxGxK.shape[2]} heads "
@@ -191,9 +203,16 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   else:
     valid_BxL = jnp.ones((b, length), bool)
   if implementation == "xla":
-    return xla.attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, terms, positions_BxL=positions_BxL,
-                         segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
-                         dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window)
+    def attend(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, terms, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH,
+               offset=None):
+      return xla.attention(q_BxQxHxK, k_BxLxGxK, v_BxLxGxV, terms, positions_BxL=positions_BxL,
+                           segment_ids_BxL=segment_ids_BxL, valid_BxL=valid_BxL, scale=scale, causal=causal,
+                           dropout_rate=dropout_rate, salts_BxH=salts_BxH, sliding_window=sliding_window,
+                           query_block=query_block, query_offset=offset)
+    inputs = (q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH)
+    if split:
+      return shard.per_context_shard(attend, terms, b, h, length, h // group)(*inputs)
+    return attend(*inputs[:3], terms, *inputs[3:])
   tpu, interpret = tile.backend(interpret, platform)
   why = capability.refusal("pallas", terms, dropout=bool(dropout_rate))
   if why:

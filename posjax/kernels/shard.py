@@ -24,6 +24,8 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
     specs["relative"] = terms.relative.replace(table=P())
   if terms.sink is not None:  # a logit per query head: each shard its heads'
     specs["sink"] = terms.sink.replace(logits=P(heads))
+  if terms.cope is not None:  # its table of position embeddings, shared by every head
+    specs["cope"] = terms.cope.replace(table=P())
   if terms.untied is not None:
     u = terms.untied
     rows = lambda x_BpxPxHxK: P(batch if x_BpxPxHxK.shape[0] > 1 else None, None, heads, None)
@@ -69,3 +71,56 @@ def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, he
   args = (arg_specs(b, h) if arg_specs is not None else
           (rows_BxHxPxX, rows_BxHxPxX, rows_BxHxPxX, line_BxP, line_BxP, line_BxP, P(b, h)))
   return jax.shard_map(backend, mesh=mesh, in_specs=(leaves, *args), out_specs=rows_BxHxPxX, check_vma=False)
+
+
+def context_axes(mesh) -> tuple[str, ...]:
+  """The mesh axes that split the sequence (where the rules put ``activation_length``; ``()``: none)."""
+  return partitioning.mesh_axes("activation_length", mesh)
+
+
+def context_shards() -> int:
+  """How many devices the mesh that tracing sees splits the sequence over (1: none, or no mesh)."""
+  mesh = partitioning.traced_mesh()
+  return 1 if mesh is None else math.prod(mesh.shape[a] for a in context_axes(mesh))
+
+
+def per_context_shard(attend, terms: Terms, batch: int, heads: int, length: int, kv_heads: int):
+  """``attend(q, k, v, terms, positions, segment_ids, valid, salts, query_offset)`` (the ``xla`` op on
+  ``[B, L, H, X]`` arrays) as it runs where the mesh that tracing sees splits the sequence over context axes
+  (:func:`context_axes`): once per shard, each device's queries (``L / context`` rows, at their offset in the
+  sequence) against the keys and values gathered from every context shard (MaxText's all-gather context
+  parallelism; the gather's transpose reduce-scatters their gradients), rows and heads split as
+  :func:`per_shard` splits them; the positions, segment ids, validity and the terms' arrays whole, so every term
+  is the one of the unsplit sequence. None where no mesh splits the sequence."""
+  mesh = partitioning.traced_mesh()
+  axes = () if mesh is None else context_axes(mesh)
+  shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  if shards == 1:
+    return None
+  if length % shards:
+    raise ValueError(f"the sequence ({length} tokens) splits over mesh axes {list(axes)} ({shards} context "
+                     f"shards), which do not divide it; choose a length that is a multiple of {shards}")
+  batch_axes = partitioning.mesh_axes("activation_batch", mesh)
+  head_axes = partitioning.mesh_axes("activation_heads", mesh)
+  for what, size, split in (("batch", batch, batch_axes), ("heads", heads, head_axes),
+                            ("key/value heads", kv_heads, head_axes)):
+    if size % math.prod(mesh.shape[a] for a in split):
+      raise ValueError(f"attention splits its {what} ({size}) over mesh axes {list(split)}, which does not divide "
+                       f"it; choose a mesh whose {'/'.join(split)} size divides {size}")
+  b, h, c = batch_axes or None, head_axes or None, axes if len(axes) > 1 else axes[0]
+  local = length // shards
+
+  def shard(leaves, q_BxCxHxK, k_BxCxGxK, v_BxCxGxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH):
+    gather = lambda x_BxCxGxX: jax.lax.all_gather(x_BxCxGxX, axes, axis=1, tiled=True)
+    offset = jax.lax.axis_index(axes) * local
+    return attend(q_BxCxHxK, gather(k_BxCxGxK), gather(v_BxCxGxV), jax.tree_util.tree_unflatten(treedef, leaves),
+                  positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, offset)
+
+  specs = term_specs(terms, b, h)
+  leaves, treedef = jax.tree_util.tree_flatten(terms)
+  leaf_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  split_BxLxHxX, whole_BxL = P(b, c, h, None), P(b, None)
+  return lambda *args: jax.shard_map(
+      shard, mesh=mesh, in_specs=(leaf_specs, split_BxLxHxX, split_BxLxHxX, split_BxLxHxX, whole_BxL, whole_BxL,
+                                  whole_BxL, P(b, h)),
+      out_specs=split_BxLxHxX, check_vma=False)(leaves, *args)

@@ -143,15 +143,19 @@ def allowed_pairs(valid_BxL, segment_ids_BxL, causal: bool, rows_Q=None, sliding
   return allowed_Bx1xQxL
 
 
-def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, segment_ids_BxL, valid_BxL,
+def attention(q_BxQxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, segment_ids_BxL, valid_BxL,
               scale: float, causal: bool, dropout_rate: float = 0.0, salts_BxH=None, query_block: int | None = None,
-              sliding_window: int = 0):
-  """``[B, L, H, V]``; a masked logit is the most negative float32, so a fully masked row averages all keys (a
+              sliding_window: int = 0, query_offset=None):
+  """``[B, Q, H, V]``; a masked logit is the most negative float32, so a fully masked row averages all keys (a
   softmax's; stick-breaking gives it no weight, or its own value with the remainder).
   Dropout: the mask of :mod:`posjax.kernels.dropout`, the kernels' own. ``query_block``: compute ``query_block``
   query rows at a time (a loop whose blocks the backward recomputes), so no more than ``[B, H, query_block, L]``
-  is alive at once; default all rows at once."""
-  length = q_BxLxHxK.shape[1]
+  is alive at once; default all rows at once. ``query_offset`` (an int or a traced scalar): the queries are the
+  sequence's rows ``query_offset .. query_offset + Q - 1`` of the ``L`` keys (one device's share of a sequence
+  split over devices, :func:`posjax.kernels.shard.per_context_shard`); default all ``L`` rows."""
+  length, queries = k_BxLxHxK.shape[1], q_BxQxHxK.shape[1]
+  if query_offset is None and queries != length:
+    raise ValueError(f"{queries} queries for {length} keys: give the queries' query_offset in the sequence")
 
   def rows(rows_Q, q_BxQxHxK):
     s_BxHxQxL = logits(q_BxQxHxK, k_BxLxHxK, terms, positions_BxL, scale, rows_Q)
@@ -163,12 +167,13 @@ def attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, terms: Terms, *, positions_BxL, s
                                       jnp.arange(length, dtype=jnp.int32)[None, :], dropout_rate)
     return weighted_values(weights_BxHxQxL, v_BxLxHxV)
 
-  if query_block is None or query_block >= length:
-    return rows(None, q_BxLxHxK)
-  blocks = -(-length // query_block)
-  rows_NxQ = jnp.minimum(jnp.arange(blocks * query_block).reshape(blocks, query_block), length - 1)
-  block = jax.checkpoint(lambda rows_Q: rows(rows_Q, jnp.take(q_BxLxHxK, rows_Q, axis=1)))
-  out_NxBxQxHxV = jax.lax.map(block, rows_NxQ)
-  out_BxNQxHxV = jnp.moveaxis(out_NxBxQxHxV, 0, 1).reshape(q_BxLxHxK.shape[0], blocks * query_block,
+  offset = 0 if query_offset is None else jnp.asarray(query_offset, jnp.int32)
+  if query_block is None or query_block >= queries:
+    return rows(None if query_offset is None else offset + jnp.arange(queries, dtype=jnp.int32), q_BxQxHxK)
+  blocks = -(-queries // query_block)
+  local_NxQ = jnp.minimum(jnp.arange(blocks * query_block).reshape(blocks, query_block), queries - 1)
+  block = jax.checkpoint(lambda local_Q: rows(offset + local_Q, jnp.take(q_BxQxHxK, local_Q, axis=1)))
+  out_NxBxQxHxV = jax.lax.map(block, local_NxQ)
+  out_BxNQxHxV = jnp.moveaxis(out_NxBxQxHxV, 0, 1).reshape(q_BxQxHxK.shape[0], blocks * query_block,
                                                             *out_NxBxQxHxV.shape[-2:])
-  return out_BxNQxHxV[:, :length]
+  return out_BxNQxHxV[:, :queries]

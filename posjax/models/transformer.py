@@ -127,6 +127,8 @@ class TransformerConfig:
     head_bias: the MLM head's transform has a bias (BERT's); False: none (ModernBERT's ``classifier_bias=False``).
     attention_sinks: each layer's learned logit per head in its softmax's denominator (GPT-OSS's sinks,
       :class:`posjax.kernels.Sink`; every kernel but cuDNN); default False.
+    attention_query_block: the ``xla`` kernel's queries at a time (``[B, H, block, L]`` logits alive, each block
+      recomputed in the backward pass; under a ``context`` mesh axis, of each device's share); 0: all at once.
     embedding_scale: the word embeddings times ``sqrt(hidden_size)`` (in the compute dtype), Gemma's.
     query_scale: the factor on q·k (Gemma 2's ``query_pre_attn_scalar ** -0.5``); 0: the method's.
     attention_softcap: each layer's logits capped at ``c · tanh(s / c)`` after its position terms (Gemma 2's
@@ -207,6 +209,7 @@ class TransformerConfig:
   first_attention_norm: bool = True
   head_bias: bool = True
   attention_sinks: bool = False
+  attention_query_block: int = 0
   query_scale: float = 0.0
   attention_softcap: float = 0.0
   final_logit_softcap: float = 0.0
@@ -246,6 +249,9 @@ class TransformerConfig:
       if getattr(self, field) <= 0:
         raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
     base.check_choice("norm", self.norm, NORM_PLACEMENTS)
+    if not isinstance(self.attention_query_block, int) or self.attention_query_block < 0:
+      raise ValueError(f"attention_query_block must be an int >= 0 (0: all queries at once), got "
+                       f"{self.attention_query_block!r}")
     for field in ("query_scale", "attention_softcap", "final_logit_softcap"):
       if not getattr(self, field) >= 0:
         raise ValueError(f"{field} must be >= 0 (0: none), got {getattr(self, field)}")
@@ -574,6 +580,7 @@ class TransformerLayer(nn.Module):
                                      qk_norm_axes=c.qk_norm_axes, softcap=c.attention_softcap,
                                      qk_norm_offset=c.norm_type == "offset_rmsnorm", qk_norm_scale=c.qk_norm_scale,
                                      temperature=self.temperature, sinks=c.attention_sinks,
+                                     query_block=c.attention_query_block,
                                      norm_eps=c.layer_norm_eps, name="attention")
     bias = c.use_bias == "all"
 

@@ -46,6 +46,8 @@ ADDED_FIELDS = {
     "model.embedding_scale": lambda before, now: False,
     "model.query_scale": lambda before, now: 0.0,
     "model.attention_softcap": lambda before, now: 0.0,
+    "model.attention_query_block": lambda before, now: 0,
+    "mesh.context": lambda before, now: 1,
     "model.final_logit_softcap": lambda before, now: 0.0,
     "model.layer_windows": lambda before, now: "",
     "model.layer_chunks": lambda before, now: "",
