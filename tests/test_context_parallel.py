@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from posjax import kernels
 from posjax.models import Transformer, TransformerConfig
 from posjax.train import sharding
 
@@ -98,3 +99,14 @@ def test_each_device_holds_its_tokens_and_scores_them_against_gathered_keys():
   dots = shapes(program, "dot")
   assert (B, 2, 2 * local, L) in dots and not [s for s in dots if s[-2:] == (L, L)], dots
   assert program.memory_analysis().temp_size_in_bytes < 0.5 * alone.memory_analysis().temp_size_in_bytes
+
+
+def test_the_fused_kernels_refuse_a_split_sequence_and_a_length_the_split_does_not_divide():
+  mesh = sharding.make_mesh({"data": 1, "context": SPLIT})
+  q_BxLxHxK = jnp.zeros((B, L, HEADS, 8))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with pytest.raises(ValueError, match=r"splits the sequence over 8 context devices, and the Pallas kernels take "
+                                         r"whole sequences; use implementation='xla'"):
+      kernels.relative_attention(q_BxLxHxK, q_BxLxHxK, q_BxLxHxK, causal=True)
+    with pytest.raises(ValueError, match=r"the sequence \(60 tokens\) splits over mesh axes \['context'\] \(8 "):
+      kernels.relative_attention(*[q_BxLxHxK[:, :60]] * 3, causal=True, implementation="xla")
