@@ -145,9 +145,11 @@ def get_config(arg=None):
   for name in config.layouts:
     hybrid.options(name)  # an unknown layout is an error here
   config.layout_method = arg.layout_method
-  layers = DECODER_SIZES[config.size]["num_layers"] if arg.model == "lm" else SIZES[config.size]["num_layers"]
+  sizes = DECODER_SIZES if arg.model == "lm" else SIZES
+  if config.layouts and config.size not in sizes:
+    raise ValueError(f"config option size={config.size!r} with layouts: model={arg.model} has sizes {list(sizes)}")
   config.layout_options = ml_collections.ConfigDict({
-      name: hybrid.scaled(name, config.train_len, layers) for name in config.layouts})
+      name: hybrid.scaled(name, config.train_len, sizes[config.size]["num_layers"]) for name in config.layouts})
   # RULER's tasks (posjax.tasks.ruler_eval.SUITE) at every length, each a table, and their positive control: a method
   # trained with the tasks' prompts and answers in half its rows (the row <ruler_control>+ruler).
   names = list(ruler_eval.SUITE) if arg.ruler == "all" else arg.ruler.split("+") if arg.ruler else []
