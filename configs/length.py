@@ -47,7 +47,8 @@ Options (``configs/length.py:methods=rope+alibi+fire+kerple_log,model=lm,runloca
     ``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``; ``all``), decoders only: each scored at every
     length by RULER's string match after greedy decoding, a table each; runlocal: the ``niah_*`` ones in the tiny
     corpus's words (``configs/pretrain.py``'s ``RULER_RUNLOCAL``). Default none.
-  ruler_control: the method of their positive control, ``<method>+ruler``, trained for ``control_steps`` with the
+  ruler_control: the method of their positive control, ``<method>+ruler``, trained for ``ruler_control_steps``
+    (runlocal 8,000; else ``steps``) with the
     tasks' prompts and answers in half its rows; default the first method when ``ruler`` is on, ``ruler_control=``
     none.
   extension: ``+``-separated context-extension variants of a RoPE model (:mod:`posjax.experiments.extension`:
@@ -161,6 +162,7 @@ def get_config(arg=None):
   config.ruler = ml_collections.ConfigDict({name: _ruler_spec(name, arg.runlocal) for name in names})
   config.ruler_control = (arg.ruler_control if "ruler_control" in given else config.methods[0] if config.methods
                           else "") if names else ""
+  config.ruler_control_steps = 8000 if arg.runlocal else config.steps  # runlocal: 4 tasks solved at 75-100% at 32
   # Context extension (posjax.experiments.extension): variants of a RoPE base, zero-shot and fine-tuned.
   variants = arg.extension.split("+") if arg.extension else []
   variants = list(extension.VARIANTS) if variants == ["all"] else variants

@@ -12,9 +12,9 @@ from posjax.experiments import probes
 from posjax.tasks import probe
 
 
-def test_mqar_labels_each_repeated_key_with_its_value():
-  x, y, w = probe.make_batch("mqar", np.random.default_rng(0), 16, 65, symbols=32, shift=1, index=1, causal=True)
-  pairs = 64 // 8
+@pytest.mark.parametrize("length, pairs", [(65, 64 // 8), (16, 2)])  # at least 2 pairs: one is a copy, not recall
+def test_mqar_labels_each_repeated_key_with_its_value(length, pairs):
+  x, y, w = probe.make_batch("mqar", np.random.default_rng(0), 16, length, symbols=32, shift=1, index=1, causal=True)
   for b in range(16):
     keys, values = x[b, 1:2 * pairs + 1:2], x[b, 2:2 * pairs + 2:2]
     assert len(set(keys)) == pairs and (keys < 16).all() and (values >= 16).all()

@@ -290,7 +290,8 @@ def test_ruler_tasks_are_evaluators_at_every_length_with_a_positive_control():
   row = length.plan(config, "/tmp/unused")["rope+ruler"]
   run = row.make()
   assert run.ruler_train.fraction == 0.5 and set(run.ruler_train.tasks) == {"niah_single_1", "niah_multivalue"}
-  assert run.total_steps == config.control_steps and row.note.startswith("`rope+ruler`: the positive control of the")
+  assert run.total_steps == config.ruler_control_steps == 8000
+  assert row.note.startswith("`rope+ruler`: the positive control of the RULER tasks, trained for 8000 steps")
   for arg, message in (("ruler=vt,runlocal", r"'vt' needs a real vocabulary"),
                        ("ruler=niah_x", r"unknown task\(s\) \['niah_x'\]"),
                        ("ruler=cwe,model=mlm", r"answered by decoding; use model=lm or clm")):

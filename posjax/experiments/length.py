@@ -72,7 +72,7 @@ DECODERS = ("lm", "clm")
 # the number of symbols).
 MEASURES = ("perplexity", "accuracy", "passkey", "passkey_digits")
 RANGES = {"steps": POSITIVE, "train_len": POSITIVE, "batch_size": POSITIVE, "eval_batches": POSITIVE, "seeds": POSITIVE,
-          "control_steps": POSITIVE, "extension.finetune_steps": POSITIVE}
+          "control_steps": POSITIVE, "ruler_control_steps": POSITIVE, "extension.finetune_steps": POSITIVE}
 
 
 class Row(NamedTuple):
@@ -349,12 +349,13 @@ def ruler_control_name(config) -> str:
 
 
 def ruler_control_config(config) -> ml_collections.ConfigDict:
-  """The RULER positive control's run: ``config.ruler_control`` trained for ``control_steps`` with the harness's RULER
-  tasks' prompts and answers in half its rows (:class:`posjax.tasks.ruler_eval.TrainingRows`)."""
+  """The RULER positive control's run: ``config.ruler_control`` trained for ``ruler_control_steps`` (default
+  ``control_steps``) with the harness's RULER tasks' prompts and answers in half its rows
+  (:class:`posjax.tasks.ruler_eval.TrainingRows`)."""
   run = run_config(config, config.ruler_control)
-  run.update(total_steps=config.control_steps, eval_every_steps=config.control_steps,
-             checkpoint_every_steps=config.control_steps)
-  run.warmup_steps = min(run.warmup_steps, config.control_steps // 10)
+  steps = config.get("ruler_control_steps") or config.control_steps
+  run.update(total_steps=steps, eval_every_steps=steps, checkpoint_every_steps=steps)
+  run.warmup_steps = min(run.warmup_steps, steps // 10)
   tasks = {name: {"task": spec.task, "options": spec.options.to_dict()} for name, spec in config.ruler.items()}
   tokens = max(spec.get("tokens") or ruler_eval.TOKENS[spec.task] for spec in config.ruler.values())
   run.ruler_train = ml_collections.ConfigDict({"fraction": config.control_fraction, "tasks": tasks, "tokens": tokens})
@@ -467,7 +468,8 @@ def plan(config, workdir: str) -> dict[str, Row]:
   if config.get("ruler") and config.get("ruler_control"):
     rows[ruler_control_name(config)] = Row(
         config.ruler_control, "train", lambda: ruler_control_config(config),
-        f"`{ruler_control_name(config)}`: the positive control of the RULER tasks, trained for {config.control_steps} "
+        f"`{ruler_control_name(config)}`: the positive control of the RULER tasks, trained for "
+        f"{config.get('ruler_control_steps') or config.control_steps} "
         f"steps at length {config.train_len} with their prompts and answers in {100 * config.control_fraction:g}% "
         "of its rows")
   ext = config.get("extension")

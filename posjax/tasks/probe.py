@@ -34,8 +34,9 @@ A row's last tokens that no slot needs (``L`` not filling the layout) are blanks
 The expressivity probes the 2025-26 position papers report beside perplexity (PaTH, FoX, stick-breaking), each
 labelled where its authors score it (token accuracy there: their exact match per answer):
 
-- ``mqar`` (Arora et al. 2023, Zoology's ``multiquery_ar``): ``(L - 1) // 8`` key-value pairs (at most
-  ``symbols / 2 - 1``; keys from the lower half of the symbols, values from the upper, each distinct), then each
+- ``mqar`` (Arora et al. 2023, Zoology's ``multiquery_ar``): ``(L - 1) // 8`` key-value pairs, at least 2 (one
+  pair is recalled by copying the only value, which no longer row would test) where the row has room for them and
+  their queries (``(L - 1) // 4``), and at most ``symbols / 2 - 1``; keys from the lower half of the symbols, values from the upper, each distinct), then each
   key once more at an even offset of the rest (the offsets drawn with Zoology's power law, ``power_a`` 0.01, which
   favours the near ones), random symbols between; a repeated key is labelled with its value.
 - ``flip_flop`` (Liu et al. 2023, "Exposing Attention Glitches with Flip-Flop Language Modeling"): pairs of an
@@ -179,7 +180,7 @@ def _mqar(task: str, rng: np.random.Generator, batch: int, length: int, symbols:
   """Zoology's multi-query associative recall after ``[CLS]`` (the module docstring)."""
   del task
   n, half = length - 1, symbols // 2
-  pairs = max(1, min(n // 8, half - 1))
+  pairs = max(1, min(max(2, n // 8), n // 4, half - 1))
   space = (n - 2 * pairs) // 2  # even offsets of the query region
   p = power_a * np.arange(1, space + 1) ** (power_a - 1)
   x_BxL = rng.integers(0, symbols, size=(batch, length))
