@@ -108,5 +108,6 @@ def test_the_fused_kernels_refuse_a_split_sequence_and_a_length_the_split_does_n
     with pytest.raises(ValueError, match=r"splits the sequence over 8 context devices, and the Pallas kernels take "
                                          r"whole sequences; use implementation='xla'"):
       kernels.relative_attention(q_BxLxHxK, q_BxLxHxK, q_BxLxHxK, causal=True)
-    with pytest.raises(ValueError, match=r"the sequence \(60 tokens\) splits over mesh axes \['context'\] \(8 "):
+    with pytest.raises(ValueError, match=r"splits its sequence \(60\) over mesh axes \['context'\] \(8 shards\), "
+                                         r"which does not divide it"):
       kernels.relative_attention(*[q_BxLxHxK[:, :60]] * 3, causal=True, implementation="xla")

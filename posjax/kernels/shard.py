@@ -38,6 +38,19 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
   return terms.replace(**specs)
 
 
+def check_splits(mesh, checks) -> None:
+  """Each ``(what, size, mesh axes)`` of ``checks`` names axes the mesh has, whose devices divide ``size``."""
+  for what, size, axes in checks:
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing:
+      raise ValueError(f"the attention kernel splits its {what} over mesh axes {list(axes)}, but the mesh has axes "
+                       f"{list(mesh.axis_names)}; name axes it has (or none)")
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if size % shards:
+      raise ValueError(f"the attention kernel splits its {what} ({size}) over mesh axes {list(axes)} ({shards} "
+                       f"shards), which does not divide it; choose a mesh whose {'/'.join(axes)} size divides {size}")
+
+
 def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, head_axes=None, kv_heads=None,
               arg_specs=None):
   """``backend`` (a kernel call on heads-first arrays) as it runs under the mesh that tracing sees
@@ -56,15 +69,7 @@ def per_shard(backend, terms: Terms, batch: int, heads: int, batch_axes=None, he
   checks = [("batch", batch, batch_axes), ("heads", heads, head_axes)]
   if kv_heads is not None and kv_heads != heads:
     checks.append(("key/value heads", kv_heads, head_axes))  # each shard: its query heads and their groups' k/v
-  for what, size, axes in checks:
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing:
-      raise ValueError(f"the attention kernel splits its {what} over mesh axes {list(axes)}, but the mesh has axes "
-                       f"{list(mesh.axis_names)}; name axes it has (or none)")
-    shards = math.prod(mesh.shape[a] for a in axes)
-    if size % shards:
-      raise ValueError(f"the attention kernel splits its {what} ({size}) over mesh axes {list(axes)} ({shards} "
-                       f"shards), which does not divide it; choose a mesh whose {'/'.join(axes)} size divides {size}")
+  check_splits(mesh, checks)
   b, h = batch_axes or None, head_axes or None
   rows_BxHxPxX, line_BxP = P(b, h, None, None), P(b, None)
   leaves = jax.tree.leaves(term_specs(terms, b, h), is_leaf=lambda x: isinstance(x, P))
@@ -97,16 +102,10 @@ def per_context_shard(attend, terms: Terms, batch: int, heads: int, length: int,
   shards = math.prod(mesh.shape[a] for a in axes) if axes else 1
   if shards == 1:
     return None
-  if length % shards:
-    raise ValueError(f"the sequence ({length} tokens) splits over mesh axes {list(axes)} ({shards} context "
-                     f"shards), which do not divide it; choose a length that is a multiple of {shards}")
   batch_axes = partitioning.mesh_axes("activation_batch", mesh)
   head_axes = partitioning.mesh_axes("activation_heads", mesh)
-  for what, size, split in (("batch", batch, batch_axes), ("heads", heads, head_axes),
-                            ("key/value heads", kv_heads, head_axes)):
-    if size % math.prod(mesh.shape[a] for a in split):
-      raise ValueError(f"attention splits its {what} ({size}) over mesh axes {list(split)}, which does not divide "
-                       f"it; choose a mesh whose {'/'.join(split)} size divides {size}")
+  check_splits(mesh, (("sequence", length, axes), ("batch", batch, batch_axes), ("heads", heads, head_axes),
+                      ("key/value heads", kv_heads, head_axes)))
   b, h, c = batch_axes or None, head_axes or None, axes if len(axes) > 1 else axes[0]
   local = length // shards
 
