@@ -110,8 +110,8 @@ def test_a_run_compiles_for_an_h100_and_a_tpu_slice():
                    "--config.model.dtype=bfloat16", "--config.mesh.tensor=2")
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
-  assert "h100:2: 2 x NVIDIA H100 80GB HBM3 (1 host(s), 79.14 GiB each), mesh data=1 fsdp=1 tensor=2" in out
-  assert "v5e:2x2: 4 x TPU v5 lite (1 host(s), 16.00 GiB each), mesh data=2 fsdp=1 tensor=2" in out
+  assert "h100:2: 2 x NVIDIA H100 80GB HBM3 (1 host(s), 79.14 GiB each), mesh data=1 fsdp=1 context=1 tensor=2" in out
+  assert "v5e:2x2: 4 x TPU v5 lite (1 host(s), 16.00 GiB each), mesh data=2 fsdp=1 context=1 tensor=2" in out
   assert len(re.findall(r"of (79.14|16.00) GiB \(\d+%\): fits", out)) == 2
   for kernel in ("forward_kernel", "dq_kernel", "dkv_kernel"):  # registers and shared memory from the compiler
     assert re.search(rf"{kernel}\s+[\d,]+ B \(\d+%\)\s+\d+\s+[\d,]+ B\s+\d+x\d+x\d+", out), out
