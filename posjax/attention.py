@@ -408,14 +408,15 @@ class SelfAttention(nn.Module):
       kernel = "xla"  # the same parameters, and no kernel this host cannot run (compiling for another device)
     blocked = kernel == "xla" and not isinstance(terms, base.DenseLayerTerms) and (
         self.query_block or kernels.shard.context_shards() > 1)  # by query blocks, or split over devices
-    if kernel == "xla" and not blocked:  # terms only the dense path computes; under a context split, GSPMD's
+    dense = kernel == "xla" and not blocked
+    if dense:  # terms only the dense path computes; under a context split, GSPMD's partition of it: each
       terms = dataclasses.replace(terms, k=partitioning.constrain(terms.k, partitioning.BLHK_WHOLE))
-      v = partitioning.constrain(v, partitioning.BLHK_WHOLE)  # partition of it: each device's queries, every key
-    if (kernel == "xla" and not blocked) or self.is_mutable_collection("intermediates"):
+      v = partitioning.constrain(v, partitioning.BLHK_WHOLE)  # device's queries against every key
+    if dense or self.is_mutable_collection("intermediates"):
       logits = partitioning.constrain(
           add_biases(open_logits(terms, state, spec.scale), layer_bias(terms, state, spec.scale)), partitioning.BHQL)
       self.sow("intermediates", "attention_logits", logits)
-    if kernel == "xla" and not blocked:
+    if dense:
       weights = kernels.xla.attention_weights(logits, mask.pairs(x_BxLxD.shape[1]),
                                               kernels.merge(state.terms, terms.terms), terms.q)
       weights = nn.Dropout(self.dropout_rate)(weights, deterministic=not dropout)
