@@ -134,10 +134,10 @@ def resolve_kernel(kernel: str, spec: base.PositionSpec, *, dtype, dropout: bool
   if kernel == "xla":
     return "xla"
   split = kernels.shard.context_shards()
-  if split > 1 and kernel in ("pallas", "cudnn"):
-    raise ValueError(f"attention kernel {kernel!r} takes whole sequences, but the mesh splits the sequence over "
-                     f"{split} context devices; use kernel 'xla' (or 'auto'), which scores each device's queries "
-                     "against the gathered keys, or mesh context=1")
+  if split > 1 and kernel == "cudnn":
+    raise ValueError(f"attention kernel 'cudnn' takes whole sequences, but the mesh splits the sequence over "
+                     f"{split} context devices; use kernel 'xla' (or 'auto') or 'pallas', which score each "
+                     "device's queries against the gathered keys, or mesh context=1")
   if kernel == "pallas":
     return "pallas"
   reasons = []

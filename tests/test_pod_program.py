@@ -166,5 +166,5 @@ def test_a_runs_sequence_splits_over_the_context_axis_and_kernels_that_take_whol
   assert (BATCH, 2, 2 * LENGTH // 8, LENGTH) in dots and (BATCH, 2, 2 * LENGTH, LENGTH) not in dots
   with pytest.raises(ValueError, match=r"max_len=12 must divide over the mesh's 8 context devices"):
     traced("lm", **{"mesh.data": 1, "mesh.context": 8, "max_len": 12})
-  with pytest.raises(ValueError, match=r"kernel 'pallas' takes whole sequences, but the mesh splits the sequence"):
-    traced("lm", **{"mesh.data": 1, "mesh.context": 8, "model.attention_kernel": "pallas"})
+  with pytest.raises(ValueError, match=r"kernel 'cudnn' takes whole sequences, but the mesh splits the sequence"):
+    traced("lm", **{"mesh.data": 1, "mesh.context": 8, "model.attention_kernel": "cudnn", "model.dtype": "bfloat16"})

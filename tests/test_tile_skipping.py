@@ -64,6 +64,34 @@ def test_tile_ranges_hold_every_allowed_pair_and_skip_the_rest(causal, window, b
     assert visited <= (2 / (length // bk) if window else 0.65)
 
 
+def test_a_context_shard_visits_the_tiles_its_own_queries_need():
+  """:func:`posjax.kernels.tile.query_share`: each of 4 shards' query tiles keep their key tiles, and each key tile
+  visits only the shard's query tiles that hold an allowed pair with it (none: an empty range, so a causal row's
+  key tiles past the shard cost nothing), on packed rows with a padded tail."""
+  rng = np.random.default_rng(4)
+  batch, length, bq, bk, shards = 2, 64, 8, 8, 4
+  segments = np.stack([np.sort(rng.integers(1, 4, length)) for _ in range(batch)])
+  valid = np.ones((batch, length), np.int32)
+  valid[1, 55:] = 0
+  full = tile.tile_ranges(plan(True, 0, bq, bk, length), jnp.asarray(segments), jnp.asarray(valid))
+  allowed = allowed_pairs(segments, valid, True, 0)
+  tiles = allowed.reshape(batch, length // bq, bq, length // bk, bk).any(axis=(2, 4))
+  rows = length // shards
+  for shard in range(shards):
+    keys, queries = (np.asarray(x) for x in tile.query_share(full, jnp.int32(shard * rows), rows, bq))
+    mine = slice(shard * rows // bq, (shard + 1) * rows // bq)
+    np.testing.assert_array_equal(keys, np.asarray(full[0])[:, mine])
+    for row in range(batch):
+      for t in range(length // bk):
+        lo, hi = queries[row, t]
+        needed = np.flatnonzero(tiles[row, mine, t])
+        if row == 0:  # no masked query: exactly the share's tiles that need key tile t
+          assert (lo, hi) == ((needed.min(), needed.max() + 1) if needed.size else (lo, lo)), (shard, t)
+        assert 0 <= lo <= hi <= rows // bq and all(lo <= n < hi for n in needed)
+        if t * bk >= (shard + 1) * rows:  # causal: a key past the share is read by none of its queries
+          assert lo == hi
+
+
 def test_lengths_pad_to_the_tile_not_a_power_of_two():
   assert tile.block_sizes(1100, 128, 64) == (128, 64, 1152)
   assert tile.block_sizes(21, 8, 8) == (8, 8, 24)

@@ -88,6 +88,31 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int, tpu: bool) -> 
   return backend_of(as_terms(terms), tpu).default_block_sizes(as_terms(terms), length, head_dim)
 
 
+def _per_context_shard(kernels, plan, terms: Terms, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, positions_BxL, segment_ids_BxL,
+                       valid_BxL, salts_BxH, head_dim: int, value_dim: int, block_sizes):
+  """The fused kernels where the mesh splits the sequence: each device's queries, at their offset, against the keys
+  and values gathered from every context shard (:func:`posjax.kernels.shard.per_context_shard`), the tiles of its
+  queries only, and of them only those holding an allowed pair."""
+  b, length, h, _ = q_BxLxHxK.shape
+  run = shard.per_context_shard(lambda *args: attend(*args), terms, b, h, length, k_BxLxGxK.shape[2])
+  local = length // shard.context_shards()
+  if local % plan.block_q or length % plan.block_k:
+    raise ValueError(f"each of the {shard.context_shards()} context devices holds {local} of the {length} tokens, "
+                     f"which the {plan.block_q}x{plan.block_k} tiles (block_sizes={tuple(block_sizes)}) do not "
+                     "divide into whole query tiles and the sequence into whole key tiles; give block_sizes that do")
+  pad = lambda x_S, size: jnp.pad(x_S, [(0, 0)] * 3 + [(0, size - x_S.shape[3])])
+  heads_first = lambda x_BxLxHxX, dim: pad(x_BxLxHxX, dim).transpose(0, 2, 1, 3)
+
+  def attend(q_BxCxHxK, k_BxLxGxK, v_BxLxGxV, terms, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, offset):
+    out_BxHxCxV = kernels.attention(plan, jax.tree_util.tree_leaves(terms), heads_first(q_BxCxHxK, head_dim),
+                                    heads_first(k_BxLxGxK, head_dim), heads_first(v_BxLxGxV, value_dim),
+                                    positions_BxL, segment_ids_BxL, valid_BxL.astype(jnp.int32), salts_BxH,
+                                    jnp.asarray(offset, jnp.int32))
+    return out_BxHxCxV.transpose(0, 2, 1, 3)[..., :v_BxLxGxV.shape[-1]]
+
+  return run(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH)
+
+
 def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None = None, positions=None,
                        segment_ids=None, lengths=None, padding=None, scale: float | None = None, rule=None,
                        causal: bool = False, sliding_window: int = 0, implementation: str = "pallas",
@@ -136,9 +161,11 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
       ``head_axes``; by default the axes the logical-axis rules in force give ``activation_batch`` and
       ``activation_heads`` (:mod:`posjax.partitioning`: posjax's, or a user's ``nn.logical_axis_rules``). An axis
       the mesh lacks is an error (:func:`per_shard`). Where the mesh splits the sequence (the rules' axes for
-      ``activation_length``, posjax's ``context``), the ``xla`` implementation scores each device's queries
-      against the gathered keys (:func:`posjax.kernels.shard.per_context_shard`); the Pallas kernels take whole
-      sequences (an error there).
+      ``activation_length``, posjax's ``context``), each device scores its queries, at their offset in the
+      sequence, against the keys and values gathered from every shard
+      (:func:`posjax.kernels.shard.per_context_shard`): the ``xla`` implementation, or the Pallas kernels over the
+      tiles of its queries that hold an allowed pair (each device's share a whole number of query tiles; not the
+      rules' kernels nor windowed relative vectors, which read whole sequences: errors).
     query_block: the ``xla`` implementation's query rows at a time (None: all at once), so no more than
       ``[B, H, query_block, L]`` logits are alive; the blocks are recomputed in the backward pass.
 
@@ -180,9 +207,10 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     raise ValueError(f"query_block={query_block!r}: an int >= 1, for implementation='xla' only (the kernels' "
                      "tiles are block_sizes)")
   split = shard.context_shards() > 1
-  if split and implementation == "pallas":
-    raise ValueError(f"the mesh splits the sequence over {shard.context_shards()} context devices, and the Pallas "
-                     "kernels take whole sequences; use implementation='xla'")
+  rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
+  if split and implementation == "pallas" and rules:
+    raise ValueError(f"the mesh splits the sequence over {shard.context_shards()} context devices, and the "
+                     f"{rules[0]} rule's Pallas kernels take whole sequences; use implementation='xla'")
   if implementation == "pallas" or split:  # the built-in terms the kernels compute as open terms (and whose
     terms = terms.kernel_form()  # arrays' axes, as open terms, the context split reads)
   terms = bind_open(terms, positions_BxL, b, h, length)
@@ -218,8 +246,10 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   if why:
     raise ValueError(f"{why}; use implementation='xla'")
   kernels = backend_of(terms, tpu)
-  block_sizes = block_sizes or kernels.default_block_sizes(terms, length, d)
-  bq, bk, padded = tile.block_sizes(length, *block_sizes)
+  rows = length // shard.context_shards() if split else length  # the queries one call scores
+  block_sizes = block_sizes or kernels.default_block_sizes(terms, rows, d)
+  bq, bk, padded = tile.block_sizes(rows, *block_sizes)  # a context shard's tiles no longer than its share
+  padded = length if split else padded  # (the split checks that its tiles divide the shares)
   if tpu and interpret is False and not ((bq % 8 == 0 or bq == padded) and (bk % 128 == 0 or bk == padded)):
     raise ValueError(f"the TPU kernels need a query block that is a multiple of 8 and a key block that is a "
                      f"multiple of 128 (or blocks as long as the padded sequence, {padded}); the tiles are "
@@ -235,7 +265,12 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                                            u_k=pad(pad(u.u_k, 1, padded), 3, head_dim)))
   if terms.relative is not None:
     r = terms.relative
-    window = r.window if r.window is not None else tpu or (bq == bk and 2 * r.max_distance + 1 > 2 * bq)
+    window = r.window if r.window is not None else tpu or (not split and bq == bk and 2 * r.max_distance + 1 > 2 * bq)
+    if split and window:
+      raise ValueError(f"the mesh splits the sequence over {shard.context_shards()} context devices, and relative "
+                       "vectors read windowed (by tile diagonal) take whole sequences"
+                       f"{' (on TPU they always are)' if tpu else '; give Relative(window=False)'}, or use "
+                       "implementation='xla'")
     if tpu and not window:
       raise ValueError("Relative.window=False (gathered relative vectors) needs gathers, which TPU kernels do not "
                        "have; use window=True or None there")
@@ -253,6 +288,9 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                    interpret=interpret, treedef=treedef, dropout=dropout_rate, group=group,
                    sliding_window=sliding_window)
   heads_first = lambda x_BxLxHxX, dim: pad(pad(x_BxLxHxX, 1, padded), 3, dim).transpose(0, 2, 1, 3)
+  if split:
+    return _per_context_shard(kernels, plan, terms, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_BxL, segment_ids_BxL,
+                              valid_BxL, salts_BxH, head_dim, value_dim, block_sizes)
   backend = functools.partial(kernels.attention, plan)
   if terms.relative is not None and terms.relative.window:
     backend = exact.windowed(plan, backend, functools.partial(exact.dense, plan))

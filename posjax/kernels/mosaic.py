@@ -29,6 +29,9 @@ is issued (as JAX's splash attention does):
 - the gradients of θ (in SMEM) are per-row partial sums (columns of one ``[B, H, L, C]`` output of the ``dq``
   kernel), summed after it.
 
+A context shard's queries (``query_offset``) bring their own positions, segment ids, indices and open-term rows,
+as on GPU (:mod:`posjax.kernels.triton`).
+
 Query-side integers (positions, segment ids) come replicated across the key tile's lanes (``[B, L, block]``) and
 the row statistics are kept ``[B, H, L, block]``, as in JAX's own TPU flash attention: no vector relayouts.
 Blocks must be multiples of (8, 128) or the whole padded sequence (Mosaic's rule); relative vectors need
@@ -47,7 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms, sink as sink_lib
 from posjax.kernels.tile import (Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
-                                 group_sum, kv_head, overlap_add, row_delta,
+                                 group_sum, kv_head, overlap_add, place_rows, query_share, query_side, row_delta,
                                  t_dot, tile_ranges, untied_grads, window_table)
 
 
@@ -427,8 +430,9 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles, more_specs=None):
 
 
 def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-            salts_BxH, extra: dict):
-  """The kernels' arrays (see the module docstring for their layouts)."""
+            salts_BxH, extra: dict, query_offset=None):
+  """The kernels' arrays (see the module docstring for their layouts); ``query_offset``: q holds a context shard's
+  queries from there, with their own positions, segment ids, slots and open-term rows."""
   bk = plan.block_k
   replicate = lambda x_BxL: jnp.broadcast_to(x_BxL[:, :, None], (*x_BxL.shape, bk))
   arrays = {"q": q_BxHxLxK, "k": k_BxHxLxK, "v": v_BxHxLxV, **extra,
@@ -449,6 +453,11 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
       arrays[key + "@k"] = x[:, :, None, :]
     else:
       arrays[key + "@q"] = arrays[key + "@k"] = x
+  if query_offset is not None:
+    add_query_arrays(arrays, query_side(terms.open, positions_BxL, segment_ids_BxL, query_offset,
+                                        q_BxHxLxK.shape[2]), bk)
+    if "u_q" in arrays:
+      arrays["u_q"] = jax.lax.dynamic_slice_in_dim(arrays["u_q"], query_offset, q_BxHxLxK.shape[2], axis=2)
   rel = terms.relative
   if rel is not None:
     table_RxK = window_table(rel, q_BxHxLxK.shape[2])
@@ -457,6 +466,16 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
     if rel.key:
       arrays["reversed_lo"] = arrays["reversed_hi"] = table_RxK[::-1]
   return arrays
+
+
+def add_query_arrays(arrays: dict, side: dict, bk: int):
+  """The queries' own arrays (a context shard's or a decoding step's, :func:`posjax.kernels.tile.query_side`) in
+  the kernels' layout: ``[B, Q]`` integers and an open term's rows replicated across the lanes."""
+  for name, x in side.items():
+    if x.ndim == 2:
+      arrays[name] = jnp.broadcast_to(x[:, :, None], (*x.shape, bk))
+    else:
+      arrays[name] = jnp.broadcast_to(x[..., None], (*x.shape, arrays[name].shape[-1])) if x.ndim == 3 else x
 
 
 def call(kernel, plan: Plan, terms: Terms, arrays: dict, outputs: dict, grid, tiles, scratch: dict | None = None,
@@ -493,7 +512,7 @@ def clamped(ranges, outers: int, b, outer, inner):
   """The inner tile, clamped into the range grid row (b, outer) visits (:func:`tile_range`): a skipped step keeps its
   blocks."""
   lo, hi = tile_range(ranges, outers, b, outer)
-  return jnp.minimum(jnp.maximum(inner, lo), hi - 1)
+  return jnp.maximum(jnp.minimum(jnp.maximum(inner, lo), hi - 1), 0)  # 0 for an empty range at 0
 
 
 def query_major(n_q: int, reverse: int = 0):
@@ -516,17 +535,19 @@ def key_major(n_k: int):
 
 
 def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-             salts_BxH):
+             salts_BxH, query_offset=None):
   terms = plan.terms(leaves)
-  b, h, l, _ = q_BxHxLxK.shape
+  b, h, l, _ = q_BxHxLxK.shape  # l: the queries (a context shard's, from query_offset; else the sequence)
   bq, bk = plan.block_q, plan.block_k
   ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
+  if query_offset is not None:
+    ranges = query_share(ranges, query_offset, l, bq)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                   salts_BxH, {})
+                   salts_BxH, {}, query_offset)
   out = call(_forward_kernel, plan, terms, arrays,
              {"out": row_output((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype),
               "row_max": row_output((b, h, l, bk), bq), "row_sum": row_output((b, h, l, bk), bq)},
-              (b, h, l // bq, l // bk), query_major(l // bq),
+              (b, h, l // bq, k_BxHxLxK.shape[2] // bk), query_major(l // bq),
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)},
               ranges[0])
   out_BxHxLxV, row_max_BxHxLxT, row_sum_BxHxLxT = out["out"], out["row_max"], out["row_sum"]
@@ -547,31 +568,32 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-              salts_BxH):
-  """As :func:`posjax.kernels.triton.attention`, on TPU: ``[B, H, L, V]`` from ``[B, H, L, K]`` inputs."""
+              salts_BxH, query_offset=None):
+  """As :func:`posjax.kernels.triton.attention`, on TPU: ``[B, H, L, V]`` from ``[B, H, L, K]`` inputs (with
+  ``query_offset``, a context shard's ``[B, H, Q, V]``)."""
   return _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                  salts_BxH)[0]
+                  salts_BxH, query_offset)[0]
 
 
 def _attention_fwd(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                   salts_BxH):
+                   salts_BxH, query_offset=None):
   out_BxHxLxV, (stats, ranges) = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
-                                          segment_ids_BxL, valid_BxL, salts_BxH)
+                                          segment_ids_BxL, valid_BxL, salts_BxH, query_offset)
   return out_BxHxLxV, (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                       salts_BxH, out_BxHxLxV, stats, ranges)
+                       salts_BxH, query_offset, out_BxHxLxV, stats, ranges)
 
 
 def _attention_bwd(plan, residuals, d_out_BxHxLxV):
-  (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, out_BxHxLxV,
-   (row_max_BxHxLxT, row_sum_BxHxLxT), (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
+  (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, query_offset,
+   out_BxHxLxV, (row_max_BxHxLxT, row_sum_BxHxLxT), (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
   terms = plan.terms(leaves)
-  b, h, l, d = q_BxHxLxK.shape
-  bq, bk = plan.block_q, plan.block_k
-  n_q, n_k = l // bq, l // bk
+  b, h, l, d = q_BxHxLxK.shape  # l: the queries; t: the keys
+  bq, bk, t = plan.block_q, plan.block_k, k_BxHxLxK.shape[2]
+  n_q, n_k = l // bq, t // bk
   delta_BxHxLx1 = row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims=True)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
                    salts_BxH, {"d_out": d_out_BxHxLxV, "row_max": row_max_BxHxLxT, "row_sum": row_sum_BxHxLxT,
-                               "delta": jnp.broadcast_to(delta_BxHxLx1, row_max_BxHxLxT.shape)})
+                               "delta": jnp.broadcast_to(delta_BxHxLx1, row_max_BxHxLxT.shape)}, query_offset)
 
   dq_out, dq_scratch = {"dq": row_output(q_BxHxLxK.shape, bq)}, {"acc_dq": (bq, d)}
   if terms.untied is not None:
@@ -585,17 +607,18 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   open_arrays = term_lib.kernel_arrays(terms.open, trainable=True)
   for key, (kind, x) in open_arrays.items():
     if kind == term_lib.EMBEDDINGS:
-      dq_out["d" + key + "@q"], dq_scratch["acc_d" + key + "@q"] = row_output(x.shape, bq), (bq, x.shape[-1])
+      dq_out["d" + key + "@q"] = row_output((b, h, l, x.shape[-1]), bq)
+      dq_scratch["acc_d" + key + "@q"] = (bq, x.shape[-1])
   dq_res = call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), query_major(n_q), dq_scratch,
                 key_tiles_BxNx2)
 
-  dkv_out = {"dk": row_output((b, h, l, d), bk), "dv": row_output((b, h, l, v_BxHxLxV.shape[-1]), bk)}  # per query head
+  dkv_out = {"dk": row_output((b, h, t, d), bk), "dv": row_output((b, h, t, v_BxHxLxV.shape[-1]), bk)}  # per query head
   dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
   if terms.untied is not None:
-    dkv_out["du_k"], dkv_scratch["acc_du_k"] = row_output((b, h, l, d), bk), (bk, d)
+    dkv_out["du_k"], dkv_scratch["acc_du_k"] = row_output((b, h, t, d), bk), (bk, d)
   for key, (kind, x) in open_arrays.items():
     if kind == term_lib.ROWS:
-      dkv_out["d" + key + "@k"] = (jax.ShapeDtypeStruct((b, h, 1, l), jnp.float32),
+      dkv_out["d" + key + "@k"] = (jax.ShapeDtypeStruct((b, h, 1, t), jnp.float32),
                                    pl.BlockSpec((1, 1, 1, bk), lambda b, h, j, i, ranges: (b, h, 0, j)))
       dkv_scratch["acc_d" + key + "@k"] = (1, bk)
     elif kind == term_lib.EMBEDDINGS:
@@ -603,6 +626,9 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   dkv_res = call(_dkv_kernel, plan, terms, arrays, dkv_out, (b, h, n_k, n_q), key_major(n_k), dkv_scratch,
                   query_tiles_BxMx2)
 
+  if query_offset is not None:  # the share's query rows of the whole sequence's inputs
+    dq_res.update({name: place_rows(x, query_offset, t) for name, x in dq_res.items()
+                   if name in ("du_q", "dopen") or name.endswith("@q")})
   d_terms = jax.tree.map(jnp.zeros_like, terms)
   rel = terms.relative
   if rel is not None:
@@ -648,7 +674,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   dq_BxHxLxK = dq_res["dq"]
   dk_BxHxLxK, dv_BxHxLxV = (group_sum(dkv_res[name], plan.group) for name in ("dk", "dv"))  # over each group
   return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
-          dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)
+          dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None, None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
@@ -665,12 +691,8 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   t, bq, bk = k_BxGxTxK.shape[2], plan.block_q, plan.block_k
   arrays = _inputs(plan, terms, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, positions_BxT, jnp.zeros_like(positions_BxT),
                    valid_BxT, None, {})
-  replicate = lambda x_BxQ: jnp.broadcast_to(x_BxQ[:, :, None], (*x_BxQ.shape, bk))
-  arrays.update(q_positions=replicate(q_positions_BxQ), q_segments=replicate(jnp.zeros_like(q_positions_BxQ)),
-                q_slots=replicate(q_slots_BxQ))
-  for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
-    arrays[key] = (jnp.broadcast_to(x_BxHxQxX[..., None], (*x_BxHxQxX.shape, arrays[key].shape[-1]))
-                   if x_BxHxQxX.ndim == 3 else x_BxHxQxX)
+  add_query_arrays(arrays, {"q_positions": q_positions_BxQ, "q_segments": jnp.zeros_like(q_positions_BxQ),
+                            "q_slots": q_slots_BxQ, **term_lib.query_rows(terms.open, q_slots_BxQ)}, bk)
   out = call(_forward_kernel, plan, terms, arrays,
              {"out": row_output((b, h, q, v_BxGxTxV.shape[-1]), bq, jnp.float32),
               "row_max": row_output((b, h, q, bk), bq), "row_sum": row_output((b, h, q, bk), bq)},

@@ -206,6 +206,34 @@ def tile_ranges(plan: Plan, segment_ids_BxP, valid_BxP):
           jnp.stack([queries_lo_BxM, queries_hi_BxM], axis=2).astype(jnp.int32))
 
 
+def query_share(ranges, offset, rows: int, block_q: int):
+  """:func:`tile_ranges` for the ``rows`` queries at ``offset`` of the sequence (a context shard's: ``offset`` a
+  traced multiple of ``block_q``): the key tiles of its query tiles, and each key tile's range of them counted from
+  its first (empty, ``[n, n)`` or ``[0, 0)``, for a key tile no query of the share reads)."""
+  keys_BxNx2, queries_BxMx2 = ranges
+  first, n = offset // block_q, rows // block_q
+  return (jax.lax.dynamic_slice_in_dim(keys_BxNx2, first, n, axis=1),
+          jnp.clip(queries_BxMx2 - first, 0, n).astype(jnp.int32))
+
+
+def query_side(open_bounds, positions_BxL, segment_ids_BxL, offset, rows: int) -> dict:
+  """A context shard's queries (``rows`` of them from ``offset``) as the kernels read them: ``q_positions``,
+  ``q_segments`` and ``q_slots`` (their indices in the sequence) ``[B, Q]``, and the open terms' query rows
+  (``<key>@q``, :func:`posjax.kernels.term.query_rows`)."""
+  b = positions_BxL.shape[0]
+  slots_BxQ = jnp.broadcast_to(offset + jnp.arange(rows, dtype=jnp.int32), (b, rows))
+  share = lambda x_BxL: jax.lax.dynamic_slice_in_dim(x_BxL, offset, rows, axis=1)
+  return {"q_positions": share(positions_BxL), "q_segments": share(segment_ids_BxL), "q_slots": slots_BxQ,
+          **term_lib.query_rows(open_bounds, slots_BxQ)}
+
+
+def place_rows(d_BxHxQxX, offset, length: int):
+  """A context shard's query-side gradient rows ``[B, H, Q, ...]`` at ``offset`` of ``length`` rows (zeros
+  elsewhere): the gradient of the share's rows of a whole-sequence input."""
+  shape = (*d_BxHxQxX.shape[:2], length, *d_BxHxQxX.shape[3:])
+  return jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, d_BxHxQxX.dtype), d_BxHxQxX, offset, axis=2)
+
+
 def _dot_general(a, b, contract, precision=None):
   return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 

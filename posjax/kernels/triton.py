@@ -45,6 +45,12 @@ table's partial sum) a chunk of entries at a time, looping only over the chunks 
 a ``[bq, bk, chunk]`` one-hot summed per step (deterministic, exact for any positions; no batched matmul or
 atomics), so registers, PTX and compile time do not grow with the table.
 
+A context shard (``query_offset``, :func:`posjax.kernels.shard.per_context_shard`): q holds ``Q`` of the sequence's
+rows from the offset, the keys the whole sequence; the query side's positions, segment ids, indices (``q_slots``,
+for the causal mask, windows and dropout) and open-term rows come as arrays of their own
+(:func:`posjax.kernels.tile.query_side`, as decoding's), the tile ranges are the share's
+(:func:`posjax.kernels.tile.query_share`), and the query side's gradient rows are placed back at the offset.
+
 Attention dropout: each tile rebuilds its mask from a hash of the (batch row, head) salt and the pair's indices
 (:mod:`posjax.kernels.dropout`), in the forward and again in the backward; nothing is stored.
 """
@@ -60,8 +66,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from posjax.kernels import term as term_lib
 from posjax.kernels.terms import Terms, sink as sink_lib
-from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, next_power_of_two,
-                                 overlap_add, row_delta, tile_ranges, untied_grads, window_table)
+from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, overlap_add,
+                                 place_rows, query_share, query_side, row_delta, tile_ranges, untied_grads,
+                                 window_table)
 from posjax.kernels.triton_kernels import decode_kernel, dkv_kernel, dq_kernel, forward_kernel, window_grad_kernel
 
 
@@ -118,6 +125,16 @@ def kernel_inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, pos
   return inputs, specs
 
 
+def add_query_inputs(inputs: dict, specs: dict, arrays: dict):
+  """The queries' own arrays (a context shard's or a decoding step's, :func:`posjax.kernels.tile.query_side`):
+  ``[B, Q]`` positions, segment ids and slots, and the open terms' query rows, whole for the program's (batch,
+  head)."""
+  for name, x in arrays.items():
+    inputs[name] = x
+    specs[name] = (_batch_spec(x) if x.ndim == 2 else
+                   pl.BlockSpec((1, 1, *x.shape[2:]), lambda b, h, i, n=x.ndim: (b, h) + (0,) * (n - 2)))
+
+
 def _pad_columns(x_HxX, size: int):
   return jnp.pad(x_HxX, ((0, 0), (0, size - x_HxX.shape[1])))
 
@@ -161,8 +178,10 @@ def compiler_params(plan: Plan, terms: Terms) -> dict:
           "num_stages": 1 if window or term_lib.embedding_width(terms.open) else 2}
 
 
-def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int) -> dict:
-  """The ``[B, H, L, X]`` inputs computed outside the kernel: ``qe``/``ke`` and the broadcast ``u_q``/``u_k``."""
+def _per_head_rows(terms: Terms, q_BxHxQxK, k_BxHxLxK, scale: float, batch: int, query_offset=None) -> dict:
+  """The ``[B, H, L, X]`` inputs computed outside the kernel: ``qe``/``ke`` and the broadcast ``u_q``/``u_k`` (a
+  context shard's queries: ``u_q``'s rows of its share)."""
+  q_BxHxLxK = q_BxHxQxK
   extra = {}
   if terms.relative is not None and not terms.relative.window:
     table_DxK = terms.relative.table
@@ -175,18 +194,23 @@ def _per_head_rows(terms: Terms, q_BxHxLxK, k_BxHxLxK, scale: float, batch: int)
   if terms.untied is not None:
     for name in ("u_q", "u_k"):
       u_BpxHxLxK = getattr(terms.untied, name).transpose(0, 2, 1, 3)
+      if name == "u_q" and query_offset is not None:
+        u_BpxHxLxK = jax.lax.dynamic_slice_in_dim(u_BpxHxLxK, query_offset, q_BxHxQxK.shape[2], axis=2)
       extra[name] = jnp.broadcast_to(u_BpxHxLxK, (batch, *u_BpxHxLxK.shape[1:]))
   return extra
 
 
 def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-             salts_BxH):
+             salts_BxH, query_offset=None):
   terms = plan.terms(leaves)
-  b, h, l, _ = q_BxHxLxK.shape
-  extra = _per_head_rows(terms, q_BxHxLxK, k_BxHxLxK, plan.scale, b)
+  b, h, l, _ = q_BxHxLxK.shape  # l: the queries (a context shard's, from query_offset; else the sequence)
+  extra = _per_head_rows(terms, q_BxHxLxK, k_BxHxLxK, plan.scale, b, query_offset)
   inputs, specs = kernel_inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, extra)
   ranges = tile_ranges(plan, segment_ids_BxL, valid_BxL)  # the backward's too
+  if query_offset is not None:
+    add_query_inputs(inputs, specs, query_side(terms.open, positions_BxL, segment_ids_BxL, query_offset, l))
+    ranges = query_share(ranges, query_offset, l, plan.block_q)
   inputs["tiles"], specs["tiles"] = ranges[0], range_spec()
   out = call(forward_kernel, plan, terms, inputs, specs,
               {"out": jax.ShapeDtypeStruct((b, h, l, v_BxHxLxV.shape[-1]), v_BxHxLxV.dtype),
@@ -218,30 +242,34 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int) -> tuple[int, 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def attention(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-              salts_BxH):
+              salts_BxH, query_offset=None):
   """``[B, H, L, V]`` attention of ``[B, H, L, K]`` inputs (L a multiple of both blocks) on GPU; ``leaves``: the
-  Terms' arrays (``plan.treedef``); ``salts``: ``[B, H]`` int32, the dropout masks' (unread without dropout)."""
+  Terms' arrays (``plan.treedef``); ``salts``: ``[B, H]`` int32, the dropout masks' (unread without dropout).
+  ``query_offset`` (an int32 scalar, a multiple of ``plan.block_q``): q holds a context shard's ``Q`` queries, the
+  sequence's rows from the offset, against the whole sequence's ``L`` keys; ``[B, H, Q, V]``."""
   return _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                  salts_BxH)[0]
+                  salts_BxH, query_offset)[0]
 
 
 def _attention_fwd(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                   salts_BxH):
+                   salts_BxH, query_offset=None):
   out_BxHxLxV, (stats, extra, ranges) = _forward(plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
-                                                 segment_ids_BxL, valid_BxL, salts_BxH)
+                                                 segment_ids_BxL, valid_BxL, salts_BxH, query_offset)
   return out_BxHxLxV, (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
-                       salts_BxH, out_BxHxLxV, stats, extra, ranges)
+                       salts_BxH, query_offset, out_BxHxLxV, stats, extra, ranges)
 
 
 def _attention_bwd(plan, residuals, d_out_BxHxLxV):
-  (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, out_BxHxLxV,
-   (row_max_BxHxL, row_sum_BxHxL), extra, (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
+  (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, query_offset,
+   out_BxHxLxV, (row_max_BxHxL, row_sum_BxHxL), extra, (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
   terms = plan.terms(leaves)
-  b, h, l, d = q_BxHxLxK.shape
-  n_q, n_k = l // plan.block_q, l // plan.block_k
+  b, h, l, d = q_BxHxLxK.shape  # l: the queries; keys: k's length
+  n_q, n_k = l // plan.block_q, k_BxHxLxK.shape[2] // plan.block_k
   delta_BxHxL = row_delta(d_out_BxHxLxV, out_BxHxLxV)
   inputs, specs = kernel_inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
+  if query_offset is not None:
+    add_query_inputs(inputs, specs, query_side(terms.open, positions_BxL, segment_ids_BxL, query_offset, l))
   inputs.update(row_max=row_max_BxHxL, row_sum=row_sum_BxHxL, delta=delta_BxHxL)
   for name in ("row_max", "row_sum", "delta"):
     specs[name] = pl.BlockSpec((1, 1, l), lambda b, h, i: (b, h, 0))
@@ -263,20 +291,21 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     elif kind == term_lib.ROWS:
       dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(b, h, l), rows_spec(plan.block_q)
     else:
-      dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(*x.shape), row_spec(x, plan.block_q)
+      dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(b, h, l, x.shape[-1]), row_spec(x, plan.block_q)
   dq_res = call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": range_spec()},
                  dq_out, dq_specs, n_q)
 
-  dkv_out = {"dk": f32(b, h, l, d), "dv": f32(b, h, l, v_BxHxLxV.shape[-1])}
+  t = k_BxHxLxK.shape[2]
+  dkv_out = {"dk": f32(b, h, t, d), "dv": f32(b, h, t, v_BxHxLxV.shape[-1])}
   dkv_specs = {"dk": row_spec(k_BxHxLxK, plan.block_k), "dv": row_spec(v_BxHxLxV, plan.block_k)}
   if "ke" in extra:
-    dkv_out["dke"] = f32(b, h, l, extra["ke"].shape[-1])
+    dkv_out["dke"] = f32(b, h, t, extra["ke"].shape[-1])
     dkv_specs["dke"] = row_spec(dkv_out["dke"], plan.block_k)
   if terms.untied is not None:
-    dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, l, d), row_spec(k_BxHxLxK, plan.block_k)
+    dkv_out["du_k"], dkv_specs["du_k"] = f32(b, h, t, d), row_spec(k_BxHxLxK, plan.block_k)
   for key, (kind, x) in term_lib.kernel_arrays(terms.open, trainable=True).items():
     if kind == term_lib.ROWS:
-      dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(b, h, l), rows_spec(plan.block_k)
+      dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(b, h, t), rows_spec(plan.block_k)
     elif kind == term_lib.EMBEDDINGS:
       dkv_out["d" + key + "@k"], dkv_specs["d" + key + "@k"] = f32(*x.shape), row_spec(x, plan.block_k)
   dkv_res = call(dkv_kernel, plan, terms, {**inputs, "tiles": query_tiles_BxMx2}, {**specs, "tiles": range_spec()},
@@ -311,6 +340,9 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
                                                           k_BxHxLxK.astype(jnp.float32))
     d_terms = d_terms.replace(relative=d_terms.relative.replace(
         table=d_table_DxK.astype(terms.relative.table.dtype)))
+  if query_offset is not None:  # the share's query rows of the whole sequence's inputs
+    dq_res.update({name: place_rows(x, query_offset, t) for name, x in dq_res.items()
+                   if name == "du_q" or name.endswith("@q")})
   if terms.untied is not None:
     untied = untied_grads(terms.untied, dq_res["du_q"], dkv_res["du_k"])
     if "dtheta_row" in dq_res:
@@ -322,7 +354,7 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     d_terms = d_terms.replace(sink=sink_lib.gradient(terms.sink, row_max_BxHxL, row_sum_BxHxL, delta_BxHxL))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
-          dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None)
+          dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None, None)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
@@ -339,11 +371,8 @@ def decode(plan: Plan, leaves, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, q_positions_BxQ,
   n_q, splits = q // plan.block_q, plan.splits
   inputs, specs = kernel_inputs(plan, terms, q_BxHxQxK, k_BxGxTxK, v_BxGxTxV, positions_BxT,
                                 jnp.zeros_like(positions_BxT), valid_BxT, None, {})
-  for name, x_BxQ in (("q_positions", q_positions_BxQ), ("q_slots", q_slots_BxQ)):
-    inputs[name], specs[name] = x_BxQ, _batch_spec(x_BxQ)
-  for key, x_BxHxQxX in term_lib.query_rows(terms.open, q_slots_BxQ).items():  # the queries' own rows
-    inputs[key], specs[key] = x_BxHxQxX, pl.BlockSpec((1, 1, *x_BxHxQxX.shape[2:]),
-                                                       lambda b, h, x, n=x_BxHxQxX.ndim: (b, h) + (0,) * (n - 2))
+  add_query_inputs(inputs, specs, {"q_positions": q_positions_BxQ, "q_slots": q_slots_BxQ,  # one document
+                                   **term_lib.query_rows(terms.open, q_slots_BxQ)})
   inputs["tiles"], specs["tiles"] = ranges_BxNx2, pl.BlockSpec((1, 1, 2), lambda b, h, x: (b, x // splits, 0))
   value_dim = v_BxGxTxV.shape[-1]
   stats = lambda: (jax.ShapeDtypeStruct((b, h, splits, q), jnp.float32),

@@ -39,9 +39,11 @@ class Tile(TileBase):
     self.q_QxK, self.k_TxK = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
     pos_j_T = refs["positions"][0, cols]
     allowed_QxT = jnp.broadcast_to(refs["valid"][0, cols][None, :] > 0, (bq, bk))
-    if "q_slots" in refs:  # decoding (decode_kernel): the queries' own positions and cache slots, one document
-      pos_i_Q = refs["q_positions"][0, rows]
+    if "q_slots" in refs:  # the queries' own positions and slots: a context shard's (with their segment ids) or
+      pos_i_Q = refs["q_positions"][0, rows]  # decoding's (decode_kernel, one document)
       index_i_QxT = jnp.broadcast_to(refs["q_slots"][0, rows][:, None], (bq, bk))
+      if "q_segments" in refs:
+        allowed_QxT = allowed_QxT & (refs["q_segments"][0, rows][:, None] == refs["segment_ids"][0, cols][None, :])
     else:  # self-attention: the query rows of the keys' arrays
       pos_i_Q = refs["positions"][0, rows]
       allowed_QxT = allowed_QxT & (refs["segment_ids"][0, rows][:, None] == refs["segment_ids"][0, cols][None, :])
