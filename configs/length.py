@@ -78,7 +78,7 @@ from posjax.models import DECODER_SIZES, SIZES, hybrid
 from posjax.tasks import ruler_eval
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
-               "extrapolation": ("none", "rope", "xpos", "alibi", "t5", "kerple_log", "kerple_power", "fire",
+               "extrapolation": ("none", "rope", "xpos", "pope", "alibi", "t5", "kerple_log", "kerple_power", "fire",
                                  "sandwich", "fox", "cope", "stick_breaking")}
 
 

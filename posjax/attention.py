@@ -209,10 +209,18 @@ def cudnn_inputs(terms: base.LayerTerms, state: base.PositionState, v_BxLxHxV, s
   folded = kernels.fold.fold_for_bias(terms.q, terms.k, v_BxLxHxV, sources, state.positions, scale,
                                       cudnn_max_head_dim())
   if folded is None:
-    return terms.q, terms.k, v_BxLxHxV, layer_bias(terms, state, scale)
+    return (*one_head_dim(terms.q, terms.k, v_BxLxHxV), layer_bias(terms, state, scale))
   q, k, v, rest = folded
   bias = lambda terms_: kernels.xla.position_bias(terms_, state.positions, scale, terms.q, terms.k)
   return q, k, v, add_biases(*(bias(t) for t in rest))
+
+
+def one_head_dim(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV):
+  """q, k and v padded with zeros to one head dim (cuDNN takes one; a method may widen q and k, as PoPE doubles
+  them): the logits and the output's first ``V`` features unchanged."""
+  width = max(q_BxLxHxK.shape[-1], v_BxLxGxV.shape[-1])
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+  return pad(q_BxLxHxK), pad(k_BxLxGxK), pad(v_BxLxGxV)
 
 
 def right_padded(padding_BxL):

@@ -248,6 +248,12 @@ def logits(name, opts, P, x, pos, max_len, num_heads):
             e = qi @ kj * s + fire_bias(tables["fire"], opts, r, pos[b, i], h, max_len)
           elif name == "sandwich":
             e = qi @ kj * s + sandwich_bias(opts, r, h, H, K)
+          elif name == "pope":  # the paper's form: magnitudes times the cosine of the phase difference
+            theta = opts.get("max_timescale", 10_000.0) ** (-np.arange(K) / K)
+            delta = layer_tables["phase_bias"][h]
+            delta = np.clip(delta, -2 * math.pi, 0.0) if opts.get("clamp", True) else delta
+            softplus = lambda z: np.logaddexp(0.0, z)
+            e = np.sum(softplus(qi) * softplus(kj) * np.cos((pos[b, i] - pos[b, j]) * theta - delta)) * s
           elif name == "fox":
             if opts.get("rope"):
               qi, kj = (rope_rotate(v, pos[b, n], opts.get("rope_base", 500_000.0)) for v, n in ((qi, i), (kj, j)))

@@ -13,7 +13,7 @@ from conftest import randomize
 
 ALL = positions.encoder_names()
 SHIFT_INVARIANT = ["none", "t5", "alibi", "rope", "shaw", "huang_m1", "huang_m2", "huang_m3", "huang_m4", "kerple_log",
-                   "kerple_power", "fire", "xpos", "sandwich", "fox"]  # FIRE: below its threshold L (512 here)
+                   "kerple_power", "fire", "xpos", "pope", "sandwich", "fox"]  # FIRE: below its threshold L (512 here)
 ABSOLUTE = ["absolute", "sinusoidal", "bert_r", "bert_ad", "tupe_a", "tupe_r"]
 assert sorted(SHIFT_INVARIANT + ABSOLUTE) == sorted(ALL)
 

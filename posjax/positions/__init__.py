@@ -5,7 +5,8 @@ from posjax.positions import absolute  # noqa: F401  none, absolute, sinusoidal
 from posjax.positions import t5  # noqa: F401  t5, bert_r
 from posjax.positions import tupe  # noqa: F401  bert_ad, tupe_a, tupe_r
 from posjax.positions import relative  # noqa: F401  shaw, huang_m1..m4
-from posjax.positions import rotary  # noqa: F401  rope
+from posjax.positions import rotary  # noqa: F401  rope, xpos
+from posjax.positions import polar  # noqa: F401  pope
 from posjax.positions import alibi  # noqa: F401  alibi
 from posjax.positions import kerple  # noqa: F401  kerple_log, kerple_power
 from posjax.positions import fire  # noqa: F401  fire
