@@ -124,29 +124,31 @@ def test_what_reads_whole_sequences_is_refused_under_a_split_as_is_a_length_the_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("interpreter,shards", [(True, SPLIT), ("tpu", 2)])  # the GPU and the TPU kernels,
-def test_the_fused_kernels_score_each_devices_queries_against_the_gathered_keys(interpreter, shards):  # interpreted
-  """The Pallas op under ``context=8`` (the TPU interpreter: 2, whose cost is per call): each device's queries
-  (``L / shards``, tiles of 8) from their offset against the gathered keys, over the 16-key tiles they need, equals the float64 reference in its output and the gradients of q, k, v and
-  every term input: a packed row whose positions restart mid-shard and whose last 19 tokens are padding (masked
-  queries read every key), a k/v head shared by both query heads; on the GPU
+@pytest.mark.parametrize("interpreter,shards", [(True, 4), ("tpu", 2)])  # the GPU and the TPU kernels, interpreted
+def test_the_fused_kernels_score_each_devices_queries_against_the_gathered_keys(interpreter, shards):
+  """The Pallas op over 4 context devices (the TPU interpreter, whose cost is per call: 2): each device's 8 or 16
+  queries (tiles of 8) from their offset against the 32 gathered keys, over the 16-key tiles they need, equals the
+  float64 reference in its output and the gradients of q, k, v and every term input: a packed row whose positions
+  restart mid-shard and whose last 5 tokens are padding (masked queries read every key), a k/v head shared by both
+  query heads; on the GPU
   kernels ALiBi, T5 buckets with [CLS] entries, TUPE's untied term (its query factors read at the share's rows) and
   gathered relative vectors; on the TPU kernels KERPLE (a head's scalars), Sandwich (a query side's embeddings) and
   the forget gate (a query side's rows)."""
   rng = np.random.default_rng(7)
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  heads, head_dim, lengths = 2, 8, np.array([45])
+  length, heads, head_dim, lengths = 32, 2, 8, np.array([27])
   if interpreter is True:
     terms = kernels.Terms(
         alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 1.0, heads), jnp.float32)),
         buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33),
-        untied=kernels.Untied(f32(1, L, heads, head_dim), f32(1, L, heads, head_dim), f32(2, heads)),
+        untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads)),
         relative=kernels.Relative(0.5 * f32(15, head_dim), max_distance=7, window=False))
   else:
-    terms = learned_terms(rng, heads, "power").replace(fire=None, forget=kernels.Forget(f32(1, heads, L)))
-  q_BxLxHxK, weights_BxLxHxK = f32(1, L, heads, head_dim), f32(1, L, heads, head_dim)
-  k_BxLxGxK, v_BxLxGxK = f32(1, L, 1, head_dim), f32(1, L, 1, head_dim)
-  segments_BxL, positions_BxL = (x[:1] for x in inputs()[1:])
+    terms = learned_terms(rng, heads, "power").replace(fire=None, forget=kernels.Forget(f32(1, heads, length)))
+  q_BxLxHxK, weights_BxLxHxK = f32(1, length, heads, head_dim), f32(1, length, heads, head_dim)
+  k_BxLxGxK, v_BxLxGxK = f32(1, length, 1, head_dim), f32(1, length, 1, head_dim)
+  segments_BxL = np.asarray([[0] * 19 + [1] * 13], np.int32)  # a document boundary inside the third tile
+  positions_BxL = np.asarray([list(range(19)) + list(range(13))], np.int32)
   mesh = sharding.make_mesh({"data": 1, "context": shards}, jax.devices()[:shards])
 
   def loss(q, k, v, terms):
