@@ -132,7 +132,7 @@ def test_every_row_of_a_figure_has_a_colour_and_a_marker_of_its_own_and_the_cont
   assert len({s["color"] for s in styles.values()}) == 20
   assert len({s["marker"] for s in list(styles.values())[:15]}) == 15
 
-  # The probes' plot (make demo): 21 methods, four of them a learned table (points only) that stop at length 16.
+  # The probes' plot (make demo): 22 methods, four of them a learned table (points only) that stop at length 16.
   config = config_args.load_config("configs/probes.py")
   short = {"absolute", "bert_r", "tupe_a", "tupe_r"}
   results = {m: {t: {str(l): "unsupported" if m in short and l > 16 else 0.5 for l in (16, 32, 64)}
@@ -140,11 +140,11 @@ def test_every_row_of_a_figure_has_a_colour_and_a_marker_of_its_own_and_the_cont
   fig = probes.plot_accuracy(results, config, str(tmp_path / "probes.png"))
   for ax in fig.axes:
     drawn = styles_of(ax)
-    assert len(drawn) == len(config.methods) == 21 and len({(c, m) for c, m, _ in drawn}) == len(drawn)
+    assert len(drawn) == len(config.methods) == 22 and len({(c, m) for c, m, _ in drawn}) == len(drawn)
     assert len({c for c, _, _ in drawn[:20]}) == 20
     assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "32", "64"]
 
-  # The length harness's plot: the thirteen rows of methods=extrapolation+absolute (RoPE and T5 once both red
+  # The length harness's plot: the fourteen rows of methods=extrapolation+absolute (RoPE and T5 once both red
   # triangles) in one panel, a colour and a marker each, ticks at the lengths (32, not 3x10^1) and at least four
   # labelled perplexities within 11 to 14.5; the positive control (26 to 40) in a panel of its own.
   config = config_args.load_config("configs/length.py:methods=extrapolation+absolute,runlocal")
