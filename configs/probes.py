@@ -21,7 +21,7 @@ Options (``configs/probes.py:methods=tupe_a+rope,steps=300,size=small``):
     the model (``hybrid.scaled``); ``config.layout_options`` changes them.
 
   python -m posjax.main --config=configs/probes.py --workdir=workdir/probes
-  (2 CPU cores: about 5 1/2 minutes for all 20 methods × 3 tasks.)
+  (2 CPU cores, 2026-12-06: about 5 1/2 minutes for the 20 methods of that day × 3 tasks.)
 """
 
 import ml_collections
