@@ -89,19 +89,11 @@ def default_block_sizes(terms: Terms, length: int, head_dim: int, tpu: bool) -> 
 
 
 def _per_context_shard(kernels, plan, terms: Terms, q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, positions_BxL, segment_ids_BxL,
-                       valid_BxL, salts_BxH, head_dim: int, value_dim: int, block_sizes):
+                       valid_BxL, salts_BxH, heads_first, head_dim: int, value_dim: int, block_sizes):
   """The fused kernels where the mesh splits the sequence: each device's queries, at their offset, against the keys
   and values gathered from every context shard (:func:`posjax.kernels.shard.per_context_shard`), the tiles of its
-  queries only, and of them only those holding an allowed pair."""
-  b, length, h, _ = q_BxLxHxK.shape
-  run = shard.per_context_shard(lambda *args: attend(*args), terms, b, h, length, k_BxLxGxK.shape[2])
-  local = length // shard.context_shards()
-  if local % plan.block_q or length % plan.block_k:
-    raise ValueError(f"each of the {shard.context_shards()} context devices holds {local} of the {length} tokens, "
-                     f"which the {plan.block_q}x{plan.block_k} tiles (block_sizes={tuple(block_sizes)}) do not "
-                     "divide into whole query tiles and the sequence into whole key tiles; give block_sizes that do")
-  pad = lambda x_S, size: jnp.pad(x_S, [(0, 0)] * 3 + [(0, size - x_S.shape[3])])
-  heads_first = lambda x_BxLxHxX, dim: pad(x_BxLxHxX, dim).transpose(0, 2, 1, 3)
+  queries only, and of them only those holding an allowed pair. ``heads_first(x, dim)``: ``[B, L, H, X]`` to the
+  kernels' ``[B, H, L, dim]``, the head dims padded, not the sequence."""
 
   def attend(q_BxCxHxK, k_BxLxGxK, v_BxLxGxV, terms, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, offset):
     out_BxHxCxV = kernels.attention(plan, jax.tree_util.tree_leaves(terms), heads_first(q_BxCxHxK, head_dim),
@@ -110,6 +102,13 @@ def _per_context_shard(kernels, plan, terms: Terms, q_BxLxHxK, k_BxLxGxK, v_BxLx
                                     jnp.asarray(offset, jnp.int32))
     return out_BxHxCxV.transpose(0, 2, 1, 3)[..., :v_BxLxGxV.shape[-1]]
 
+  b, length, h, _ = q_BxLxHxK.shape
+  run = shard.per_context_shard(attend, terms, b, h, length, k_BxLxGxK.shape[2])  # checks the split first
+  local = length // shard.context_shards()
+  if local % plan.block_q or length % plan.block_k:
+    raise ValueError(f"each of the {shard.context_shards()} context devices holds {local} of the {length} tokens, "
+                     f"which the {plan.block_q}x{plan.block_k} tiles (block_sizes={tuple(block_sizes)}) do not "
+                     "divide into whole query tiles and the sequence into whole key tiles; give block_sizes that do")
   return run(q_BxLxHxK, k_BxLxGxK, v_BxLxGxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH)
 
 
@@ -287,10 +286,11 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   plan = tile.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
                    interpret=interpret, treedef=treedef, dropout=dropout_rate, group=group,
                    sliding_window=sliding_window)
-  heads_first = lambda x_BxLxHxX, dim: pad(pad(x_BxLxHxX, 1, padded), 3, dim).transpose(0, 2, 1, 3)
+  to_heads = lambda x_BxLxHxX, dim: pad(x_BxLxHxX, 3, dim).transpose(0, 2, 1, 3)
+  heads_first = lambda x_BxLxHxX, dim: to_heads(pad(x_BxLxHxX, 1, padded), dim)
   if split:
     return _per_context_shard(kernels, plan, terms, q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, positions_BxL, segment_ids_BxL,
-                              valid_BxL, salts_BxH, head_dim, value_dim, block_sizes)
+                              valid_BxL, salts_BxH, to_heads, head_dim, value_dim, block_sizes)
   backend = functools.partial(kernels.attention, plan)
   if terms.relative is not None and terms.relative.window:
     backend = exact.windowed(plan, backend, functools.partial(exact.dense, plan))

@@ -181,12 +181,11 @@ def compiler_params(plan: Plan, terms: Terms) -> dict:
 def _per_head_rows(terms: Terms, q_BxHxQxK, k_BxHxLxK, scale: float, batch: int, query_offset=None) -> dict:
   """The ``[B, H, L, X]`` inputs computed outside the kernel: ``qe``/``ke`` and the broadcast ``u_q``/``u_k`` (a
   context shard's queries: ``u_q``'s rows of its share)."""
-  q_BxHxLxK = q_BxHxQxK
   extra = {}
   if terms.relative is not None and not terms.relative.window:
     table_DxK = terms.relative.table
     if terms.relative.query:
-      extra["qe"] = scale * jnp.einsum("bhlk,rk->bhlr", q_BxHxLxK, table_DxK.astype(q_BxHxLxK.dtype),
+      extra["qe"] = scale * jnp.einsum("bhlk,rk->bhlr", q_BxHxQxK, table_DxK.astype(q_BxHxQxK.dtype),
                                        preferred_element_type=jnp.float32)
     if terms.relative.key:
       extra["ke"] = scale * jnp.einsum("bhlk,rk->bhlr", k_BxHxLxK, table_DxK.astype(k_BxHxLxK.dtype),
