@@ -382,7 +382,8 @@ class SelfAttention(nn.Module):
                                            chunk=chunk, name="temperature")(q, state.positions)
     if spec.method.layer is not None:
       inputs = (x_BxLxD,) if spec.method.reads_input else ()
-      terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale, *inputs)
+      own_cache = {"decode": decode} if spec.method.caches else {}
+      terms = spec.method.layer(spec=spec, name="position")(q, k, state, spec.scale, *inputs, **own_cache)
     else:
       terms = base.LayerTerms(q, k)
     if self.sinks:
@@ -408,8 +409,9 @@ class SelfAttention(nn.Module):
       return self._out(decode_step(self, spec, terms, state, v, mask, kernel))
     if decode:  # initialising: an empty cache of the input's length, or a ring of what the layer can still see
       states = decoding_states(terms.terms)
+      merged = kernels.merge(state.terms, terms.terms)
       cache_variables(self, terms.k, v, ring_slots(mask, terms.k.shape[1], bool(
-          states or decoding_states(kernels.merge(state.terms, terms.terms)))))
+          states or decoding_states(merged) or merged.path is not None)))
       for name, term in states.items():
         state_variable(self, name, term, terms.k.shape[1])
     if self.is_initializing():
@@ -536,6 +538,9 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   index = index_var.value
   positions_BxQ = jnp.broadcast_to(state.positions, (b, q)).astype(jnp.int32)
   valid_BxQ = jnp.ones((b, q), bool) if mask.padding is None else jnp.asarray(mask.padding, bool)
+  path, merged = merged.path, merged.replace(path=None)  # PaTH: the cached keys carried to the newest token
+  if path is not None and q > 1:  # a prefill: the products among the new tokens on the dense formulas
+    merged, kernel = merged.replace(path=path.over_slots(k_var.value.shape[2], index)), "xla"
   implementation = "xla"
   if kernel == "pallas":
     refusal = kernels.decode.kernel_refusal(merged)
@@ -544,20 +549,26 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
       _LOGGED.add(refusal)
       logging.info("decoding %r on the xla formulas: %s", spec.name, refusal)
   slots = k_var.value.shape[2]
-  if not decoding_states(merged) and slots == ring_slots(mask, slots + 1):
+  if not decoding_states(merged) and path is None and slots == ring_slots(mask, slots + 1):
     return _ring_step(module, terms.q, (k_var, v_var, positions_var, valid_var, index_var), terms.k, v_BxQxGxV,
                       positions_BxQ, valid_BxQ, merged, spec.scale, mask, implementation)
   merged = continue_states(module, merged, state.positions, index, slots)
   write = lambda var, x, axis: jax.lax.dynamic_update_slice_in_dim(var.value, x.astype(var.value.dtype), index, axis)
   k_var.value = partitioning.constrain(write(k_var, jnp.swapaxes(terms.k, 1, 2), 2), partitioning.BHLK)
+  if path is not None and q == 1:  # the new token's factor on every earlier key (the official decoding's step)
+    k_var.value = partitioning.constrain(path.step(k_var.value, index).astype(k_var.value.dtype), partitioning.BHLK)
   v_var.value = partitioning.constrain(write(v_var, jnp.swapaxes(v_BxQxGxV, 1, 2), 2), partitioning.BHLK)
   positions_var.value, valid_var.value = write(positions_var, positions_BxQ, 1), write(valid_var, valid_BxQ, 1)
   index_var.value = index + q
-  return kernels.decode.decode_attention(
+  out = kernels.decode.decode_attention(
       terms.q, k_var.value, v_var.value, start=index, key_positions=positions_var.value, key_valid=valid_var.value,
       terms=merged, scale=spec.scale, sliding_window=mask.sliding_window, chunk=mask.chunk,
       implementation=implementation,
       platform=module.platform)
+  if merged.path is not None:  # after a prefill: every key carried to its last token
+    k_BxTxGxK = merged.path.keys_at_end(jnp.swapaxes(k_var.value, 1, 2))
+    k_var.value = partitioning.constrain(jnp.swapaxes(k_BxTxGxK, 1, 2).astype(k_var.value.dtype), partitioning.BHLK)
+  return out
 
 
 def _ring_step(module: nn.Module, q_BxQxHxK, variables, k_BxQxGxK, v_BxQxGxV, positions_BxQ, valid_BxQ, terms,

@@ -341,6 +341,24 @@ def weight_rule_output(name, opts, P, x, pos, segments):
   return out
 
 
+def path_products(q, k, w, beta):
+  """``[B, H, L, L]``: PaTH's ``q_i^T H_i H_{i-1} ... H_{j+1} k_j`` with ``H_t = I - β_t w_t w_t^T`` for ``j <= i``
+  (0 above the diagonal), per head (``w``, ``beta`` already per query head): the row vector ``q_i^T`` multiplied by
+  one factor at a time, walking the keys from the query back."""
+  B, L, H, _ = q.shape
+  out = np.zeros((B, H, L, L))
+  for b in range(B):
+    for h in range(H):
+      for i in range(L):
+        row = q[b, i, h].copy()
+        for j in range(i, -1, -1):
+          if j < i:
+            t = j + 1
+            row = row - beta[b, t, h] * (row @ w[b, t, h]) * w[b, t, h]
+          out[b, h, i, j] = row @ k[b, j, h]
+  return out
+
+
 class FusedAttention:
   """The fused op (``posjax.kernels.relative_attention``) in float64, from the terms' formulas (the table in
   ``posjax.kernels.terms``): with r = p_j - p_i and c = clip(r, -k, k),
@@ -391,7 +409,7 @@ class FusedAttention:
                relative_key=False, u_q=None, u_k=None, theta=None, reset="none", kerple_r1=None, kerple_r2=None,
                kerple_kind="log", fire_w1=None, fire_b1=None, fire_w2=None, fire_b2=None, fire_c=None,
                fire_threshold=None, fire_eps=1e-6, sandwich=None, forget_c=None, stick_breaking=None,
-               cope_table=None):
+               cope_table=None, path=None):
     """``[B, L, H, V]`` float64. ``alibi`` ``[H]``, ``bucket_table`` ``[N, H]``, ``relative_table`` ``[2k+1, K]``,
     ``u_q``/``u_k`` ``[1 or B, L, H, K]``, ``theta`` ``[2, H]``, ``reset``: official | paper | none; ``kerple_r1``,
     ``kerple_r2`` ``[H]``; FIRE's ``w1``, ``b1`` ``[W]``, ``w2`` ``[W, H]``, ``b2`` ``[H]``, ``c``, ``threshold``;
@@ -399,13 +417,17 @@ class FusedAttention:
     Forgetting Transformer's cumulative log gates, ``c_i - c_j`` (``c_j - c_i`` for a later key);
     ``stick_breaking``: ``dict(attend_current, remainder)``, the weights of stick-breaking attention instead of the
     softmax (:func:`stick_breaking_row`); ``cope_table`` ``[K, P]``: CoPE's term on the masked logits
-    (:func:`cope_row`)."""
+    (:func:`cope_row`); ``path``: ``dict(w [B, L, G, K], beta [B, L, G])``, PaTH's content term in place of
+    ``q_i·k_j`` (:func:`path_products`)."""
     f64 = lambda x: np.asarray(x, np.float64)
     q, k, v = f64(q), f64(k), f64(v)
     B, L, H, _ = q.shape
     # grouped-query attention: query head h reads key/value head h // (H / G)
     k, v = (np.repeat(x, H // x.shape[2], axis=2) for x in (k, v))
     logits = scale * np.einsum("bihd,bjhd->bhij", q, k)
+    if path is not None:
+      w, beta = (np.repeat(f64(x), H // x.shape[2], axis=2) for x in (path["w"], path["beta"]))
+      logits = scale * path_products(q, k, w, beta)
     if alibi is not None:
       logits = logits - f64(alibi)[None, :, None, None] * np.abs(self.distance)[:, None]
     d = np.abs(self.distance).astype(np.float64)[:, None]  # [B, 1, L, L]

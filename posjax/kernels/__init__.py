@@ -46,15 +46,15 @@ from posjax.kernels.decode import decode_attention
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
-from posjax.kernels.terms import (WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Relative, Sandwich,
-                                  Sink, SoftCap, StickBreaking, Terms, Untied, as_terms, bind_open, check_rows,
-                                  kv_group, merge)
+from posjax.kernels.terms import (WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Path, Relative,
+                                  Sandwich, Sink, SoftCap, StickBreaking, Terms, Untied, as_terms, bind_open,
+                                  check_rows, kv_group, merge)
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = tile.PLATFORMS
 __all__ = ["relative_attention", "decode_attention", "Terms", "Term", "View", "HEAD", "ROWS", "TABLE", "EMBEDDINGS",
            "KINDS", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich", "Forget", "Cope",
-           "StickBreaking", "SoftCap", "Sink", "merge", "fold_untied", "fall_back_where", "default_block_sizes", "IMPLEMENTATIONS",
+           "StickBreaking", "SoftCap", "Sink", "Path", "merge", "fold_untied", "fall_back_where", "default_block_sizes", "IMPLEMENTATIONS",
            "PLATFORMS", "UNTIED"]
 
 
@@ -206,6 +206,9 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     raise ValueError(f"query_block={query_block!r}: an int >= 1, for implementation='xla' only (the kernels' "
                      "tiles are block_sizes)")
   split = shard.context_shards() > 1
+  if terms.path is not None and (split or query_block is not None):
+    raise ValueError("PaTH's products (Terms.path) run over the whole sequence: query_block and a mesh that splits "
+                     "the sequence (context) are not supported with it")
   rules = [name for name in WEIGHT_RULES if getattr(terms, name) is not None]
   if split and implementation == "pallas" and rules:
     raise ValueError(f"the mesh splits the sequence over {shard.context_shards()} context devices, and the "

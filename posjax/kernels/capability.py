@@ -1,6 +1,6 @@
 """Which kernel computes what: one table, :func:`refusal`, that every refusal quotes.
 
-- ``xla``: everything (the dense reference).
+- ``xla``: everything (the dense reference); PaTH's content term (``Terms.path``) only there.
 - ``cudnn``: a softmax of ``scale q·k`` plus an additive bias, without attention dropout: not a rule that replaces
   the softmax, not a sink, not an open term (it may modify the score, which a bias cannot), not dense logits
   (Methods 1-3, Shaw's value term).
@@ -32,6 +32,9 @@ def refusal(kernel: str, terms: Terms | None = None, *, dropout: bool = False, d
     return None
   if dense:
     return f"the {WORDS[kernel]} kernels do not compute dense logits (logits that replace q·k, or a value term)"
+  if terms.path is not None:
+    return (f"the {WORDS[kernel]} kernels compute q·k; PaTH's content term is a product of Householder factors "
+            "(the xla kernel computes it)")
   if kernel == "cudnn":
     if dropout:
       return "dropout on attention weights is on (posjax runs cuDNN without it)"

@@ -14,6 +14,7 @@ from posjax.positions import sandwich  # noqa: F401  sandwich
 from posjax.positions import fox  # noqa: F401  fox
 from posjax.positions import cope  # noqa: F401  cope
 from posjax.positions import stick_breaking  # noqa: F401  stick_breaking
+from posjax.positions import path  # noqa: F401  path
 from posjax.positions.base import (LayerTerms, Method, PositionSpec, PositionState, encoder_names, get, make, names,
                                    register)
 

@@ -93,7 +93,10 @@ class LayerTerms:
   terms: Any = None
 
   def content_logits(self, scale: float):
-    """``[B, H, L, L]`` float32: ``scale q·k``, the logits before the position terms."""
+    """``[B, H, L, L]`` float32: ``scale q·k`` (PaTH's ``scale q_i^T H_i ... H_{j+1} k_j``: a
+    :class:`posjax.kernels.Path` term), the logits before the position terms."""
+    if self.terms is not None and self.terms.path is not None:
+      return scale * self.terms.path.content(self.q, self.k)
     return scale * dot_heads(self.q, self.k)
 
   def value_term(self, weights_BxHxLxL):
@@ -194,6 +197,8 @@ class Method:
       state, scale, x)`` (the Forgetting Transformer's gate, computed from the tokens).
     decoder_only: whether the method exists in a decoder's (causal) form only: its state runs from a key to the
       query (CoPE's counted positions, stick-breaking's product), so :func:`make` refuses it without ``causal``.
+    caches: whether its layer keeps a decoding state of its own in the ``cache`` collection (PaTH's convolution
+      inputs): it is called with ``decode=`` as the attention layer is.
     summary: one line for listings and error messages.
   """
 
@@ -207,6 +212,7 @@ class Method:
   table_shareable: bool = False
   reads_input: bool = False
   decoder_only: bool = False
+  caches: bool = False
   summary: str = ""
 
   @property

@@ -87,6 +87,21 @@ class FoxPositions(nn.Module):
     return rotary.RotaryState(positions=positions_BxL, sin=sin, cos=cos)
 
 
+def gate_term(logit_BxLxH, positions_BxL) -> kernels.Forget:
+  """The forget term of the gates' logits: ``c`` the cumulative ``log sigmoid`` per query head."""
+  log_f_BxHxL = jax.nn.log_sigmoid(logit_BxLxH.astype(jnp.float32)).transpose(0, 2, 1)
+  return kernels.Forget(kernels.terms.forget_sums(log_f_BxHxL, positions_BxL))
+
+
+def full_gate(spec: base.PositionSpec, x_BxLxD, positions_BxL) -> kernels.Forget:
+  """The official full gate, a ``hidden -> heads`` linear layer ``gate`` with a bias (weights N(0, 0.02), zero
+  biases), as the forget term; called inside a module's compact method (its parameters are that module's)."""
+  logit_BxLxH = nn.DenseGeneral(spec.num_heads, dtype=spec.dtype, param_dtype=spec.param_dtype,
+                                kernel_init=base.normal_init((base.EMBED, base.HEADS)),
+                                bias_init=base.zeros_init((base.HEADS,)), name="gate")(x_BxLxD)
+  return gate_term(logit_BxLxH, positions_BxL)
+
+
 class ForgetGate(nn.Module):
   """One layer's forget gate, from the layer's input ``x``: its cumulative log gates as a
   :class:`posjax.kernels.Forget` term."""
@@ -97,10 +112,9 @@ class ForgetGate(nn.Module):
   def __call__(self, q, k, state: base.PositionState, scale, x_BxLxD):
     spec, o = self.spec, self.spec.options
     heads = spec.num_heads
+    positions_BxL = jnp.broadcast_to(state.positions, x_BxLxD.shape[:2])
     if o.gate == "full":
-      logit_BxLxH = nn.DenseGeneral(heads, dtype=spec.dtype, param_dtype=spec.param_dtype,
-                                    kernel_init=base.normal_init((base.EMBED, base.HEADS)),
-                                    bias_init=base.zeros_init((base.HEADS,)), name="gate")(x_BxLxD)
+      forget = full_gate(spec, x_BxLxD, positions_BxL)
     else:
       start = (np.zeros(heads, np.float32) if o.decay_time is None else decay_bias(heads, o.decay_time))
       if o.gate == "fixed":
@@ -109,9 +123,8 @@ class ForgetGate(nn.Module):
         bias_H = self.param("gate_bias", nn.with_logical_partitioning(lambda *_: jnp.asarray(start, spec.param_dtype),
                                                                        (base.HEADS,)))
       logit_BxLxH = jnp.broadcast_to(bias_H, (*x_BxLxD.shape[:2], heads))
-    log_f_BxHxL = jax.nn.log_sigmoid(logit_BxLxH.astype(jnp.float32)).transpose(0, 2, 1)
-    positions_BxL = jnp.broadcast_to(state.positions, x_BxLxD.shape[:2])
-    terms = kernels.Terms(forget=kernels.Forget(kernels.terms.forget_sums(log_f_BxHxL, positions_BxL)))
+      forget = gate_term(logit_BxLxH, positions_BxL)
+    terms = kernels.Terms(forget=forget)
     if o.rope:
       q, k = (rotary.rotate(x, state.sin, state.cos) for x in (q, k))
     return base.LayerTerms(q, k, terms=terms)

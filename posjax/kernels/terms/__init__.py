@@ -26,7 +26,9 @@ tile, whose gradient the kernels derive (FIRE's written by hand, one hidden unit
 the two rules below have theirs (:mod:`posjax.kernels.rules`).
 
 ``Sink`` (GPT-OSS's attention sinks, ``terms/sink.py``) is a logit per head in each row's softmax denominator, which
-the kernels add to their rows' statistics, not to their tiles.
+the kernels add to their rows' statistics, not to their tiles. ``Path`` (PaTH attention, ``terms/path.py``) changes
+the content term itself, ``q_i^T H_i ... H_{j+1} k_j`` with data-dependent Householder factors, computed on the
+``xla`` path (the Pallas kernels refuse it).
 Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
 (Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
 table) and ``StickBreaking`` (the weights themselves: stick-breaking instead of the softmax); ``xla`` and both Pallas
@@ -57,6 +59,7 @@ from posjax.kernels.terms.fire import Fire
 from posjax.kernels.terms.buckets import Buckets, bucket, check_buckets, clipped_index
 from posjax.kernels.terms.forget import Forget, forget_sums
 from posjax.kernels.terms.kerple import KERPLES, Kerple
+from posjax.kernels.terms.path import Path
 from posjax.kernels.terms.relative import Relative
 from posjax.kernels.terms.untied import RESETS, Untied
 from posjax.kernels.terms.sandwich import Sandwich
@@ -64,7 +67,7 @@ from posjax.kernels.terms.sink import Sink
 from posjax.kernels.terms.softcap import SoftCap
 
 NAMES = ("alibi", "buckets", "relative", "untied", "kerple", "fire", "sandwich", "forget", "cope",
-         "stick_breaking", "sink")  # every field of Terms
+         "stick_breaking", "sink", "path")  # every field of Terms
 OPEN_BUILTINS = ("buckets", "alibi", "kerple", "fire", "sandwich", "forget")  # open terms, in this order
 WEIGHT_RULES = ("cope", "stick_breaking")  # the terms applied after the mask (the kernels: each alone in a call)
 
@@ -200,6 +203,7 @@ class Terms:
   cope: Cope | None = None
   stick_breaking: StickBreaking | None = None
   sink: Sink | None = None  # a logit per head in each row's denominator (terms/sink.py): not a term of the tiles
+  path: Path | None = None  # PaTH's Householder products in place of q·k (terms/path.py)
   open: tuple = ()  # open terms (posjax.kernels.term.Term, or bound to their inputs: term.Bound), applied in order
 
   def kernel_form(self) -> "Terms":
@@ -248,6 +252,8 @@ class Terms:
         raise ValueError(f"Relative.impl={r.impl!r}; allowed: 'table', 'skew', 'auto'")
     if self.sink is not None:
       self.sink.check(num_heads)
+    if self.path is not None:
+      self.path.check(batch, num_heads, head_dim, length)
     if self.cope is not None and (jnp.ndim(self.cope.table) != 2 or jnp.shape(self.cope.table)[0] != head_dim):
       raise ValueError(f"Cope.table has shape {jnp.shape(self.cope.table)}; expected ({head_dim}, npos_max)")
     if self.stick_breaking is not None and not all(isinstance(getattr(self.stick_breaking, name), bool)

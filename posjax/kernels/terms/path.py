@@ -1,0 +1,149 @@
+"""PaTH attention's accumulated Householder transformations (Yang, Shen, Wen, Tan, Mishra, Ren, Panda, Kim; NeurIPS
+2025, "PaTH Attention: Position Encoding via Accumulating Householder Transformations"; official code
+fla-org/flash-linear-attention, ``fla/layers/path_attn.py`` and ``fla/ops/path_attn/``): the content logits of a
+key ``j`` at or before the query ``i`` are
+
+    q_i^T H_i H_{i-1} ... H_{j+1} k_j,   H_t = I - β_t w_t w_t^T,
+
+a data-dependent product in place of RoPE's fixed rotations (the diagonal, ``j = i``, untransformed). ``w_t`` and
+``β_t`` are one per token and key/value head; the query heads of a group share their key head's products.
+
+The dense form (:meth:`Path.content`) is the authors' chunkwise one: per chunk of ``C`` tokens the UT transform
+``T = (I + diag(β) strict_lower(W W^T))^{-1}`` gives, in closed form, every product inside the chunk, each query
+carried back to its chunk's start and each key forward to its chunk's end, and the chunk's whole product
+``H_C ... H_1 = I - W^T T diag(β) W``; a scan over chunk distances then carries the keys forward chunk by chunk, so
+the cost is the attention's ``O(L^2 K)`` and nothing is ``[L, K, K]``. Packed documents need no restart of the
+products: a pair of one document only spans that document's tokens. Decoding (:meth:`Path.step`,
+:meth:`Path.keys_at_end`) keeps the keys of a cache transformed up to the newest token, as the official decoding
+does: each new token's factor applied to every cached key (a rank-one update), the new key appended raw.
+
+Shapes: B batch, L length (or cache slots), Q query rows, H heads, G key/value heads, N the query heads of a group,
+K head dim, C chunk, M chunks, D chunk distances.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+CHUNK = 64  # the dense form's default chunk
+
+
+@flax.struct.dataclass
+class Path:
+  """PaTH's Householder factors ``H_t = I - β_t w_t w_t^T`` of one attention call: ``w`` ``[B, L, G, K]`` and ``β``
+  ``[B, L, G]``, per token and key/value head (float32). The content logits become ``q_i^T H_i ... H_{j+1} k_j``
+  (:meth:`content`); every other term adds to them as usual. ``chunk``: the dense form's chunk (its cost and
+  memory, not its result)."""
+
+  FIELD = "path"  # its Terms field
+
+  w: jax.Array  # [B, L, G, K]
+  beta: jax.Array  # [B, L, G]
+  chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
+
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int, kv_heads: int | None = None) -> None:
+    """Shapes, with errors that say what was given and what is allowed."""
+    g = jnp.shape(self.w)[2] if jnp.ndim(self.w) == 4 else None
+    if (jnp.ndim(self.w) != 4 or jnp.shape(self.w)[0] != batch or jnp.shape(self.w)[1] != length
+        or jnp.shape(self.w)[3] != head_dim or (kv_heads is not None and g != kv_heads) or num_heads % (g or 1)):
+      raise ValueError(f"Path.w has shape {jnp.shape(self.w)}; expected ({batch}, {length}, G, {head_dim}) with G "
+                       f"the key/value heads, dividing the {num_heads} query heads")
+    if jnp.shape(self.beta) != jnp.shape(self.w)[:3]:
+      raise ValueError(f"Path.beta has shape {jnp.shape(self.beta)}; expected {jnp.shape(self.w)[:3]} (one per token "
+                       "and key/value head)")
+    if not isinstance(self.chunk, int) or self.chunk < 1:
+      raise ValueError(f"Path.chunk={self.chunk!r} must be a positive int")
+
+  def content(self, q_BxQxHxK, k_BxLxGxK, rows_Q=None):
+    """``[B, H, Q, L]`` float32: ``q_i^T H_i ... H_{j+1} k_j`` for the queries at rows ``rows_Q`` (default all
+    ``L``) and every key; a key after its query is left to the mask (its value is not the product)."""
+    length = k_BxLxGxK.shape[1]
+    if rows_Q is not None:  # the rows' queries in place, the others zero: each query's product is its own
+      q_BxLxHxK = jnp.zeros((q_BxQxHxK.shape[0], length, *q_BxQxHxK.shape[2:]), q_BxQxHxK.dtype)
+      q_BxQxHxK = q_BxLxHxK.at[:, rows_Q].set(q_BxQxHxK)
+    s_BxHxLxL, _ = self._walk(q_BxQxHxK, k_BxLxGxK)
+    return s_BxHxLxL if rows_Q is None else jnp.take(s_BxHxLxL, rows_Q, axis=2)
+
+  def keys_at_end(self, k_BxLxGxK):
+    """``[B, L, G, K]`` float32: each key carried to the last token, ``H_L ... H_{j+1} k_j`` (a decoding cache's
+    keys after a prefill)."""
+    return self._walk(None, k_BxLxGxK)[1]
+
+  def step(self, k_BxGxTxK, index):
+    """A cache's keys ``[B, G, T, K]`` after one new token at slot ``index`` (this term's single row): its factor
+    applied to the keys of the slots before it, ``k - β (k·w) w`` (the official decoding's rank-one update), its own
+    key and the later slots as they are."""
+    w_BxGx1xK = jnp.swapaxes(self.w, 1, 2).astype(jnp.float32)
+    beta_BxGx1 = jnp.swapaxes(self.beta, 1, 2).astype(jnp.float32)
+    k_BxGxTxK = k_BxGxTxK.astype(jnp.float32)
+    before_T = jnp.arange(k_BxGxTxK.shape[2]) < index
+    along_BxGxT = jnp.einsum("bgtk,bgok->bgt", k_BxGxTxK, w_BxGx1xK) * beta_BxGx1
+    return k_BxGxTxK - jnp.where(before_T[:, None], along_BxGxT[..., None], 0.0) * w_BxGx1xK
+
+  def over_slots(self, slots: int, index) -> "Path":
+    """This term's rows (new tokens) placed at a cache's slots ``index ..``, every other slot's factor the identity
+    (``β = 0``): the cached keys already carry theirs."""
+    b, q, g, k = jnp.shape(self.w)
+    place = lambda x, zeros: jax.lax.dynamic_update_slice_in_dim(zeros, x.astype(jnp.float32), index, axis=1)
+    return Path(place(self.w, jnp.zeros((b, slots, g, k))), place(self.beta, jnp.zeros((b, slots, g))), self.chunk)
+
+  def _walk(self, q_BxLxHxK, k_BxLxGxK):
+    """``([B, H, L, L] logits, or None without queries; [B, L, G, K] keys carried to the end)`` by chunks: the in-chunk products in
+    closed form, then a scan over chunk distances ``d`` carrying each chunk's keys to the end of the chunk ``d``
+    later."""
+    b, length, g, k = k_BxLxGxK.shape
+    c = min(self.chunk, length)
+    m = -(-length // c)
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, m * c - length)] + [(0, 0)] * (x.ndim - 2))
+    # [B, G, M, C, K] keys and w, [B, G, M, C] β, [B, G, N, M, C, K] queries (padding: identity factors, zero rows)
+    chunks = lambda x_BxLxGxX: pad(x_BxLxGxX).reshape(b, m, c, g, -1).transpose(0, 3, 1, 2, 4)
+    k_BxGxMxCxK, w_BxGxMxCxK = chunks(k_BxLxGxK), chunks(self.w)
+    beta_BxGxMxC = chunks(self.beta[..., None])[..., 0]
+    lower_CxC = jnp.tril(jnp.ones((c, c), bool), -1)  # t > j
+    lower_incl_CxC = jnp.tril(jnp.ones((c, c), bool))  # t <= i
+    gram_BxGxMxCxC = jnp.einsum("bgmtk,bgmsk->bgmts", w_BxGxMxCxK, w_BxGxMxCxK)
+    # A = I + diag(β) strict_lower(W W^T); T = A^{-1}, applied by a unit lower-triangular solve
+    a_BxGxMxCxC = jnp.eye(c) + jnp.where(lower_CxC, beta_BxGxMxC[..., None] * gram_BxGxMxCxC, 0.0)
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(a_BxGxMxCxC, rhs, lower=True, unit_diagonal=True)
+    u_BxGxMxCxK = solve(beta_BxGxMxC[..., None] * w_BxGxMxCxK)  # the chunk's product: I - W^T U
+    wk_BxGxMxCxC = jnp.einsum("bgmtk,bgmjk->bgmtj", w_BxGxMxCxK, k_BxGxMxCxK)
+    x_BxGxMxCxC = solve(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * wk_BxGxMxCxC, 0.0))  # key j's coefficients
+    keys_BxGxMxCxK = k_BxGxMxCxK - jnp.einsum("bgmtj,bgmtk->bgmjk", x_BxGxMxCxC, w_BxGxMxCxK)  # to the chunk's end
+
+    def carry(keys_BxGxMxCxK, d):
+      """Each chunk's keys (at the end of the chunk ``d - 1`` later) through the chunk ``d`` later: ``y - (y U^T)
+      W``, where that chunk exists."""
+      later = lambda x: jnp.roll(x, -d, axis=2)
+      u_later, w_later = later(u_BxGxMxCxK), later(w_BxGxMxCxK)
+      moved = keys_BxGxMxCxK - jnp.einsum("bgmjt,bgmtk->bgmjk",
+                                          jnp.einsum("bgmjk,bgmtk->bgmjt", keys_BxGxMxCxK, u_later), w_later)
+      return jnp.where((jnp.arange(m) + d < m)[:, None, None], moved, keys_BxGxMxCxK)
+
+    if q_BxLxHxK is None:
+      keys_BxGxMxCxK = jax.lax.fori_loop(1, m, lambda d, y: carry(y, d), keys_BxGxMxCxK) if m > 1 else keys_BxGxMxCxK
+      return None, keys_BxGxMxCxK.transpose(0, 2, 3, 1, 4).reshape(b, m * c, g, k)[:, :length]
+
+    heads = q_BxLxHxK.shape[2]
+    n = heads // g  # the query heads of a key head's group
+    q_BxGxNxMxCxK = pad(q_BxLxHxK).reshape(b, m, c, g, n, k).transpose(0, 3, 4, 1, 2, 5)
+    qw_BxGxNxMxCxC = jnp.where(lower_incl_CxC, jnp.einsum("bgnmik,bgmtk->bgnmit", q_BxGxNxMxCxK, w_BxGxMxCxK), 0.0)
+    qk_BxGxNxMxCxC = jnp.einsum("bgnmik,bgmjk->bgnmij", q_BxGxNxMxCxK, k_BxGxMxCxK)
+    local_BxGxNxMxCxC = qk_BxGxNxMxCxC - jnp.einsum("bgnmit,bgmtj->bgnmij", qw_BxGxNxMxCxC, x_BxGxMxCxC)
+    # each query carried back to its chunk's start: q_i^T H_i ... H_1 of the chunk
+    start_BxGxNxMxCxK = q_BxGxNxMxCxK - jnp.einsum("bgnmit,bgmtk->bgnmik", qw_BxGxNxMxCxC, u_BxGxMxCxK)
+
+    def chunk_distance(keys_BxGxMxCxK, d):
+      """Chunk ``m``'s keys against the queries of chunk ``m + d``, then those keys through chunk ``m + d``."""
+      queries = jnp.roll(start_BxGxNxMxCxK, -d, axis=3)
+      s_BxGxNxMxCxC = jnp.einsum("bgnmik,bgmjk->bgnmij", queries, keys_BxGxMxCxK)
+      return carry(keys_BxGxMxCxK, d), s_BxGxNxMxCxC
+
+    keys_BxGxMxCxK, far_DxBxGxNxMxCxC = jax.lax.scan(chunk_distance, keys_BxGxMxCxK, jnp.arange(1, m))
+    blocks_DxBxGxNxMxCxC = jnp.concatenate([local_BxGxNxMxCxC[None], far_DxBxGxNxMxCxC])
+    # block (query chunk a, key chunk e) is distance a - e of key chunk e (above the diagonal: distance 0, masked)
+    a_MxM, e_MxM = jnp.arange(m)[:, None], jnp.arange(m)[None, :]
+    s_MxMxBxGxNxCxC = blocks_DxBxGxNxMxCxC[jnp.maximum(a_MxM - e_MxM, 0), :, :, :, e_MxM]
+    s_BxHxLxL = s_MxMxBxGxNxCxC.transpose(2, 3, 4, 0, 5, 1, 6).reshape(b, heads, m * c, m * c)
+    return s_BxHxLxL[:, :, :length, :length], keys_BxGxMxCxK.transpose(0, 2, 3, 1, 4).reshape(b, m * c, g, k)[:, :length]
