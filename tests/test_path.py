@@ -43,8 +43,8 @@ def test_the_op_matches_a_float64_loop_with_every_gradient():
                                       causal=True, implementation="xla")
 
   inputs = dict(q=q, k=k, v=v, w=w, beta=beta, c=c)
-  out = attend(**inputs)
-  grads = jax.grad(lambda x: jnp.sum(attend(**x) * weights))(inputs)
+  out, backward = jax.jit(lambda x: jax.vjp(lambda y: attend(**y), x))(inputs)
+  grads, = backward(jnp.asarray(weights, jnp.float32))
   reference = FusedAttention(POSITIONS, SEGMENTS, VALID, causal=True)
   scale = dim ** -0.5
   f64 = {name: np.asarray(x, np.float64) for name, x in inputs.items()}
@@ -160,8 +160,8 @@ def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv
   mask = attention.Mask(segment_ids=SEGMENTS, causal=True)  # row 1 unpadded here: one document of 12
   weights_BxLxD = rng.normal(size=x_BxLxD.shape)
   apply = lambda p: model.apply({"params": p}, x_BxLxD, np.array([POSITIONS[0], range(12)]), mask)
-  out = apply(params)
-  grads = jax.grad(lambda p: jnp.sum(apply(p) * weights_BxLxD))(params)
+  out, backward = jax.jit(lambda p: jax.vjp(apply, p))(params)
+  grads, = backward(jnp.asarray(weights_BxLxD, jnp.float32))
   assert ("w_down" in params["attn"]["position"]) == (kv_heads == HEADS)
 
   torch_params = jax.tree.map(lambda a: torch.tensor(np.asarray(a, np.float64), requires_grad=True), params["attn"])
@@ -190,13 +190,15 @@ def test_decoding_in_chunks_and_generation_equal_the_full_forward():
   state = lambda start, end: positions.PositionState(positions=jnp.arange(start, end, dtype=jnp.int32)[None])
   params = randomize(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x_1xLxD, state(0, 10),
                                     attention.Mask(causal=True))["params"], scale=0.3)
-  full = layer.apply({"params": params}, x_1xLxD, state(0, 10), attention.Mask(causal=True))
-  cache = layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 12, HIDDEN)), state(0, 12), attention.Mask(causal=True),
-                     decode=True)["cache"]
+  full = jax.jit(layer.apply)({"params": params}, x_1xLxD, state(0, 10), attention.Mask(causal=True))
+  cache = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 12, HIDDEN)), state(0, 12),
+                                            attention.Mask(causal=True), decode=True)["cache"])
+  cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
+  step = jax.jit(lambda cache, x, state: layer.apply({"params": params, "cache": cache}, x, state,
+                                                     attention.Mask(causal=True), decode=True, mutable=["cache"]))
   outs = []
   for start, end in ((0, 4), (4, 7), (7, 8), (8, 9), (9, 10)):
-    out, mutated = layer.apply({"params": params, "cache": cache}, x_1xLxD[:, start:end], state(start, end),
-                               attention.Mask(causal=True), decode=True, mutable=["cache"])
+    out, mutated = step(cache, x_1xLxD[:, start:end], state(start, end))
     cache = mutated["cache"]
     outs.append(out)
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5 * float(jnp.abs(full).max()), rtol=0)
