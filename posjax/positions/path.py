@@ -27,8 +27,7 @@ Initialisation: every projection N(0, 0.02) and zero biases (fla's ``_init_weigh
 layers). A decoder's method only. Kernels: the ``xla`` path (training, and decoding on the dense formulas); the
 Pallas kernels and cuDNN refuse it. Decoding keeps the keys of its cache carried to the newest token, as the
 official decoding: each step applies the new token's factor to every cached key (:meth:`posjax.kernels.Path.step`)
-then attends with plain ``q·k`` (the decode kernels may compute that step); the convolution's last inputs are
-cached beside them.
+then attends with plain ``q·k``; the convolution's last inputs are cached beside them.
 """
 
 from __future__ import annotations
