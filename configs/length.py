@@ -79,7 +79,7 @@ from posjax.tasks import ruler_eval
 
 METHOD_SETS = {"huang": tuple(HUANG_METHODS.values()),
                "extrapolation": ("none", "rope", "xpos", "pope", "alibi", "t5", "kerple_log", "kerple_power", "fire",
-                                 "sandwich", "fox", "cope", "stick_breaking")}
+                                 "sandwich", "fox", "cope", "stick_breaking", "path")}
 
 
 

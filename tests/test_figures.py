@@ -144,7 +144,7 @@ def test_every_row_of_a_figure_has_a_colour_and_a_marker_of_its_own_and_the_cont
     assert len({c for c, _, _ in drawn[:20]}) == 20
     assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "32", "64"]
 
-  # The length harness's plot: the fourteen rows of methods=extrapolation+absolute (RoPE and T5 once both red
+  # The length harness's plot: the fifteen rows of methods=extrapolation+absolute (RoPE and T5 once both red
   # triangles) in one panel, a colour and a marker each, ticks at the lengths (32, not 3x10^1) and at least four
   # labelled perplexities within 11 to 14.5; the positive control (26 to 40) in a panel of its own.
   config = config_args.load_config("configs/length.py:methods=extrapolation+absolute,runlocal")

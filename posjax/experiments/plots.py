@@ -9,11 +9,11 @@ import numpy as np
 
 # A figure's i-th name takes the i-th colour and marker: tab10's colours with solid lines for the first ten names, ten
 # darker ones with dashed lines for the next ten, so that no two of a figure's first twenty share a colour and no two
-# of its first fifteen a marker (a colour and a marker together: sixty).
+# of its first seventeen a marker (a colour and a marker together: 340).
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf", "#000000", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#1b9e77", "#e6ab02",
           "#6a3d9a", "#b15928")
-MARKERS = "osD^vP*Xhp<>dH8"
+MARKERS = "osD^vP*Xhp<>dH8x+"
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -27,7 +27,7 @@ def pyplot():
 
 def method_styles(names: Sequence[str]) -> dict[str, dict]:
   """A matplotlib style (``color``, ``marker``, ``linestyle``) per name, by its place among ``names`` (repeats
-  dropped): distinct colours for up to twenty names, distinct markers for up to fifteen, so a figure's legend reads
+  dropped): distinct colours for up to twenty names, distinct markers for up to seventeen, so a figure's legend reads
   in the order of its colours. Draw every name of a figure from one call, so that all its panels agree."""
   return {name: _style(i) for i, name in enumerate(dict.fromkeys(names))}
 
