@@ -35,6 +35,14 @@ def packed_rows(rng, batch, length):
   return positions, segments, lengths
 
 
+def packed_padded_row(length, cut=12, valid=17):
+  """One row of two packed documents (positions restarting at ``cut``) whose last ``length - valid`` tokens are
+  padding: the TPU interpreter's cases (its cost is per grid point) put both in one row."""
+  positions = np.concatenate([np.arange(cut), np.arange(length - cut)])[None].astype(np.int32)
+  segments = np.repeat([1, 2], [cut, length - cut])[None].astype(np.int32)
+  return positions, segments, np.array([valid])
+
+
 def random_terms(rng, draw, batch, length, heads, head_dim):
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   fields = {}
@@ -180,12 +188,12 @@ def test_every_term_at_once_matches_xla(interpreter, blocks, length):
   """All four terms in one call (the random draws above need not cover each gradient): ALiBi, T5 buckets with
   [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset. At
   L=100 the bucket and relative tables are wide (clip at 90: 256 padded rows), so the backward scatters them
-  in pieces."""
+  in pieces. On TPU one row, packed and padded."""
   rng = np.random.default_rng(3)
-  batch, heads, head_dim = 2, 2, 8
+  batch, heads, head_dim = (2 if interpreter is True else 1), 2, 8
   wide = 90 if length >= 100 else 5
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  positions, segments, lengths = packed_rows(rng, batch, length)
+  positions, segments, lengths = packed_rows(rng, batch, length) if batch > 1 else packed_padded_row(length)
   terms = kernels.Terms(
       alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
       buckets=(kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33)
@@ -215,11 +223,11 @@ def test_grouped_query_attention_matches_the_reference(interpreter, heads, kv_he
   ModernBERT's) over packed and padded rows, with ALiBi, T5
   buckets, TUPE's untied term and relative vectors on both sides (the key side reads the grouped keys): both the
   ``xla`` path and the kernels against the float64 reference, in which query head h reads k/v head h // (H / G);
-  the shared heads' gradients are the sums over their groups."""
+  the shared heads' gradients are the sums over their groups. On TPU one row, packed and padded."""
   rng = np.random.default_rng(11)
-  batch, length, head_dim = 2, 21, 8
+  batch, length, head_dim = (2 if interpreter is True else 1), 21, 8
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  positions, segments, lengths = packed_rows(rng, batch, length)
+  positions, segments, lengths = packed_rows(rng, batch, length) if batch > 1 else packed_padded_row(length)
   terms = kernels.Terms(
       alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 1.0, heads), jnp.float32)),
       buckets=kernels.Buckets(f32(32, heads), num_buckets=32, max_distance=20, bidirectional=False),
@@ -331,12 +339,17 @@ def test_windowed_relative_vectors_are_exact_where_positions_skip(interpreter):
       interpret=interpreter)
   want = reference.FusedAttention(positions, segments, np.ones((1, length), bool), relative_max_distance=23)(
       q, k, v, scale=1 / np.sqrt(head_dim), relative_table=table, relative_query=True, relative_key=True)
-  np.testing.assert_allclose(run(True), want, rtol=1e-5, atol=1e-5)
   if interpreter is True:
     np.testing.assert_allclose(run(False), want, rtol=1e-5, atol=1e-5)
-  loss = lambda implementation, q, k, v: jnp.sum(jnp.sin(run(True, implementation, q, k, v)))
-  want, got = (compiled_grad(loss, impl, argnums=(0, 1, 2), has_aux=False)(q, k, v) for impl in ("xla", "pallas"))
-  assert_close_tree(got, want)
+
+  def loss(implementation, q, k, v):
+    out = run(True, implementation, q, k, v)
+    return jnp.sum(jnp.sin(out)), out
+
+  (want_grads, _), (got_grads, out) = (compiled_grad(loss, impl, argnums=(0, 1, 2))(q, k, v)
+                                       for impl in ("xla", "pallas"))
+  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  assert_close_tree(got_grads, want_grads)
 
 
 def test_a_fully_masked_row_averages_every_key_as_the_xla_path_does():
@@ -360,17 +373,19 @@ def learned_terms(rng, heads, kind, width=5, threshold=-6.0):
 
 
 @pytest.mark.parametrize("interpreter,blocks,kind,causal,others", [
-    (True, (8, 16), "log", True, False), ("tpu", (8, 8), "power", False, False),
-    (True, (16, 8), "power", False, True), ("tpu", (16, 8), "log", True, True)])
+    (True, (8, 16), "log", True, False), (True, (16, 8), "power", False, True), ("tpu", (16, 8), "log", True, True)])
 def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, others):
   """The terms computed per tile (KERPLE, FIRE's MLP a hidden unit at a time, Sandwich's embeddings) and the
   per-tile gradient sums of KERPLE's and FIRE's scalars equal the dense ``xla`` path's autodiff and the float64
   reference's outputs and central differences, on packed and padded rows (positions up to 11, the FIRE threshold at
   6). ``others``: with ALiBi, T5 buckets with [CLS] entries and TUPE's untied term and θ in the same call, whose
   scalar gradients come first in the TPU kernels' columns, Sandwich in NeMo's form and a Forget term (its column
-  after θ's) of one row for the batch."""
+  after θ's) of one row for the batch. The terms' formulas are the backends' shared code (each kind and Sandwich's
+  two forms on the GPU kernels); the TPU case, one row (the padded one), checks its layout with every term at
+  once."""
   rng = np.random.default_rng(5)
-  batch, length, heads, head_dim = 2, 21, 2, 8
+  lengths = np.array([21, 15]) if interpreter is True else np.array([15])
+  batch, length, heads, head_dim = len(lengths), 21, 2, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
   segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
   terms = learned_terms(rng, heads, kind, threshold=-6.5 if others else -6.0)  # -6: a tie with a position
@@ -386,7 +401,7 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
 
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
-                                     lengths=np.array([21, 15]), causal=causal, implementation=implementation,
+                                     lengths=lengths, causal=causal, implementation=implementation,
                                      block_sizes=blocks, interpret=interpreter)
     return jnp.sum(out * weights), out
 
@@ -394,7 +409,7 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
                       for impl in ("xla", "pallas"))
   want = want[0]
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
-                           lengths=np.array([21, 15]), causal=causal)
+                           lengths=lengths, causal=causal)
   largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want))
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(y, x, rtol=2e-5, atol=2e-5 * largest, err_msg=jax.tree_util.keystr(path))
@@ -452,9 +467,11 @@ def test_weight_rules_match_the_reference_with_their_gradients(interpreter, rule
   a document, a last key tile past the sequence (which a query tile walking back meets first) and a sliding window,
   on both backends (the TPU's key-major tiles). Stick-breaking with the query's own key left out and the remainder on
   its value (the authors' defaults; TPU) or neither (GPU); CoPE with a table of 6 entries (counts past 5 clamped),
-  gathered per pair on GPU and selected per entry on TPU, the backward's two walks."""
+  gathered per pair on GPU and selected per entry on TPU, the backward's two walks. On TPU one row (the padded
+  one)."""
   rng = np.random.default_rng(12)
-  batch, length, heads, kv_heads, head_dim = 2, 19, 2, 1, 8
+  lengths = np.array([19, 15]) if interpreter is True else np.array([15])
+  batch, length, heads, kv_heads, head_dim = len(lengths), 19, 2, 1, 8
   positions = np.tile(np.concatenate([np.arange(12), np.arange(7)]), (batch, 1))
   segments = np.tile(np.array([1] * 12 + [2] * 7), (batch, 1))
   terms = WEIGHT_RULES[rule](rng)
@@ -464,14 +481,14 @@ def test_weight_rules_match_the_reference_with_their_gradients(interpreter, rule
 
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
-                                     lengths=np.array([19, 15]), causal=True, sliding_window=10,
+                                     lengths=lengths, causal=True, sliding_window=10,
                                      implementation=implementation, interpret=interpreter,
                                      block_sizes=(8, 4) if interpreter is True else (16, 8))
     return jnp.sum(out * weights), out
 
   got, out = compiled_grad(loss, "pallas")(q, k, v, terms)
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
-                           lengths=np.array([19, 15]), causal=True, sliding_window=10)
+                           lengths=lengths, causal=True, sliding_window=10)
 
 
 MODELS = [("alibi", {}), ("bert_r", {}), ("tupe_r", {}),
@@ -586,9 +603,10 @@ def test_methods_the_kernel_cannot_compute_are_errors(config, message):
     TransformerConfig.tiny(attention_kernel="pallas", **config)
 
 
-@pytest.mark.parametrize("interpreter,blocks", [(True, (8, 16)), ("tpu", (8, 8))])
+@pytest.mark.parametrize("interpreter,blocks", [(True, (8, 16)), ("tpu", (16, 16))])
 def test_dropout_matches_xla_with_the_same_mask(interpreter, blocks):
-  """The kernels' tiles rebuild the hashed mask the ``xla`` path builds densely: equal outputs and gradients."""
+  """The kernels' tiles rebuild the hashed mask the ``xla`` path builds densely: equal outputs and gradients (2x2
+  tiles or more, each row and head its own salt)."""
   rng = np.random.default_rng(4)
   batch, length, heads, head_dim = 2, 21, 2, 8
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)

@@ -142,9 +142,10 @@ def packed_padded_rows(batch, length):
 
 @pytest.mark.parametrize("interpreter,causal,kv_heads", [(True, True, 2), ("tpu", False, 1)])
 def test_user_terms_match_a_float64_loop_with_every_gradient(interpreter, causal, kv_heads):
-  """The three terms at once (applied in order: the temperature, the table, the gated embeddings with their cap)."""
+  """The three terms at once (applied in order: the temperature, the table, the gated embeddings with their cap); two
+  query heads to each k/v head (two over one on TPU, whose interpreter's cost is per head)."""
   rng = np.random.default_rng(0)
-  batch, length, heads, head_dim = 2, 21, 4, 8
+  batch, length, heads, head_dim = 2, 21, 2 * kv_heads, 8
   q = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
   k, v = (jnp.asarray(rng.normal(size=(batch, length, kv_heads, head_dim)), jnp.float32) for _ in range(2))
   terms = make_terms(rng, ("temperature", "table", "gated"), batch, heads, length)
