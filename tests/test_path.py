@@ -181,7 +181,8 @@ def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv
 def test_decoding_in_chunks_and_generation_equal_the_full_forward():
   """A layer's cache filled by a prompt of 4, a chunk of 3 (the products among new tokens and over the cached
   keys), then single tokens (each carrying the cache): every output equals the full forward's; a GQA PaTH-FoX
-  decoder's greedy tokens and step logits equal its full forward's."""
+  decoder's greedy tokens and step logits equal its full forward's, a left-padded prompt's those of the prompt
+  alone."""
   spec = positions.make("path", {"forget": True, "chunk": 2}, num_heads=HEADS, hidden_size=HIDDEN, max_len=16,
                         causal=True, num_kv_heads=2)
   layer = attention.SelfAttention(spec, use_bias=False)
@@ -209,11 +210,15 @@ def test_decoding_in_chunks_and_generation_equal_the_full_forward():
   module = Transformer(config, head="lm")
   variables = randomize(jax.jit(module.init)(jax.random.key(1), jnp.zeros((1, 8), jnp.int32)), scale=0.3)
   prompt = rng.integers(0, 61, (2, 5))
-  tokens, cached = (np.asarray(x) for x in generate.generate(module, variables, prompt, max_new_tokens=7,
-                                                              return_logits=True))
-  logits = np.asarray(jax.jit(module.apply)(variables, jnp.asarray(tokens)).logits)
-  np.testing.assert_array_equal(tokens[:, 5:], np.argmax(logits[:, 4:-1], axis=-1))
-  np.testing.assert_allclose(cached, logits[:, 4:-1], atol=2e-5 * np.abs(logits).max(), rtol=0)
+  prompt[0, :2] = 0  # row 0: a prompt of 3 left-padded (positions -1 there: its convolution reads no padding)
+  mask = np.array([[0, 0, 1, 1, 1], [1] * 5])
+  tokens, cached = (np.asarray(x) for x in generate.generate(module, variables, prompt, attention_mask=mask,
+                                                              max_new_tokens=7, return_logits=True))
+  apply = jax.jit(module.apply)
+  for row, start in ((0, 2), (1, 0)):  # each row's full forward over its own tokens
+    logits = np.asarray(apply(variables, jnp.asarray(tokens[row:row + 1, start:])).logits)[0]
+    np.testing.assert_array_equal(tokens[row, 5:], np.argmax(logits[4 - start:-1], axis=-1))
+    np.testing.assert_allclose(cached[row], logits[4 - start:-1], atol=2e-5 * np.abs(logits).max(), rtol=0)
 
 
 def test_what_only_the_xla_path_computes_is_refused_in_one_line():

@@ -43,11 +43,10 @@ class Path:
   beta: jax.Array  # [B, L, G]
   chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
 
-  def check(self, batch: int, num_heads: int, head_dim: int, length: int, kv_heads: int | None = None) -> None:
+  def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
     """Shapes, with errors that say what was given and what is allowed."""
-    g = jnp.shape(self.w)[2] if jnp.ndim(self.w) == 4 else None
     if (jnp.ndim(self.w) != 4 or jnp.shape(self.w)[0] != batch or jnp.shape(self.w)[1] != length
-        or jnp.shape(self.w)[3] != head_dim or (kv_heads is not None and g != kv_heads) or num_heads % (g or 1)):
+        or jnp.shape(self.w)[3] != head_dim or num_heads % jnp.shape(self.w)[2]):
       raise ValueError(f"Path.w has shape {jnp.shape(self.w)}; expected ({batch}, {length}, G, {head_dim}) with G "
                        f"the key/value heads, dividing the {num_heads} query heads")
     if jnp.shape(self.beta) != jnp.shape(self.w)[:3]:
