@@ -70,19 +70,22 @@ def test_every_micro_step_runs_on_every_data_device():
   assert temporaries(accumulated) <= 0.5 * temporaries(whole)
 
 
+# Four scanned layers at length 64: the remat test's program and the deep one of the scanned layers' test
+DEEP = {"model.scan_layers": True, "model.num_layers": 4, "max_len": 64}
+
+
 def test_scanned_layers_are_one_layer_compiled_in_a_loop_of_their_number():
-  two, six = compiled(**{"model.scan_layers": True}), compiled(**{"model.scan_layers": True, "model.num_layers": 6})
-  assert len(outputs(six, "dot")) == len(outputs(two, "dot"))  # one layer's program, whatever the depth
-  assert re.search(r'while\(.*"known_trip_count":\{"n":"6"\}', six.as_text())
-  unrolled = compiled(**{"model.num_layers": 6})
-  assert len(outputs(unrolled, "dot")) > 2 * len(outputs(six, "dot"))
+  two, four = compiled(**{"model.scan_layers": True}), compiled(**DEEP)
+  assert len(outputs(four, "dot")) == len(outputs(two, "dot"))  # one layer's program, whatever the depth and length
+  assert re.search(r'while\(.*"known_trip_count":\{"n":"4"\}', four.as_text())
+  unrolled = compiled(**{**DEEP, "model.scan_layers": False})
+  assert len(outputs(unrolled, "dot")) > 2 * len(outputs(four, "dot"))
 
 
 def test_full_remat_at_least_halves_the_temporaries():
   # Scanned layers (the recomputation sits in the backward loop's body, where any scheduler must run it); the
   # unrolled layers' figures on TPU and GPU are compiled ahead of time in docs/benchmarks.md.
-  deep = {"model.scan_layers": True, "model.num_layers": 4, "max_len": 64}
-  assert temporaries(compiled(**deep, **{"model.remat": "full"})) <= 0.5 * temporaries(compiled(**deep))
+  assert temporaries(compiled(**DEEP, **{"model.remat": "full"})) <= 0.5 * temporaries(compiled(**DEEP))
 
 
 def test_activations_are_sharded_over_data_fsdp_and_tensor():
