@@ -76,7 +76,7 @@ def test_the_decode_kernels_generate_the_dense_full_forwards_tokens_on_one_devic
   with jax.set_mesh(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
     np.testing.assert_array_equal(generate.generate(module, variables, prompt, max_new_tokens=5), tokens)
     program = generate._generate.lower(module, {"params": variables["params"]}, prompt, jnp.ones((4, 5), bool), 5,
-                                       0.0, 0, 1.0, jnp.uint32(0), -1, False).compile().as_text()
+                                       0.0, 0, 1.0, jnp.uint32(0), (), False).compile().as_text()
   written = set(re.findall(r"= [a-z0-9]+\[([\d,]*)\]\S* dynamic-update-slice\(", program))
   slots = generate.CACHE_MULTIPLE
   assert f"1,1,{slots},8" in written and f"4,2,{slots},8" not in written  # [B/4, G/2, T, K] per device
