@@ -11,14 +11,15 @@ a data-dependent product in place of RoPE's fixed rotations (the diagonal, ``j =
 The dense form (:meth:`Path.content`) is the authors' chunkwise one: per chunk of ``C`` tokens the UT transform
 ``T = (I + diag(β) strict_lower(W W^T))^{-1}`` gives, in closed form, every product inside the chunk, each query
 carried back to its chunk's start and each key forward to its chunk's end, and the chunk's whole product
-``H_C ... H_1 = I - W^T T diag(β) W``; a scan over chunk distances then carries the keys forward chunk by chunk, so
-the cost is the attention's ``O(L^2 K)`` and nothing is ``[L, K, K]``. Packed documents need no restart of the
+``H_C ... H_1 = I - W^T T diag(β) W``; a scan over the query chunks then carries the earlier keys forward chunk by
+chunk, so the cost is the attention's ``O(L^2 K)``, nothing is ``[L, K, K]`` and nothing but the logits is ``[L,
+L]``. Packed documents need no restart of the
 products: a pair of one document only spans that document's tokens. Decoding (:meth:`Path.step`,
 :meth:`Path.keys_at_end`) keeps the keys of a cache transformed up to the newest token, as the official decoding
 does: each new token's factor applied to every cached key (a rank-one update), the new key appended raw.
 
 Shapes: B batch, L length (or cache slots), Q query rows, H heads, G key/value heads, N the query heads of a group,
-K head dim, C chunk, M chunks, D chunk distances.
+K head dim, C chunk, M chunks, P the length padded to whole chunks.
 """
 
 from __future__ import annotations
@@ -89,9 +90,10 @@ class Path:
     return Path(place(self.w, jnp.zeros((b, slots, g, k))), place(self.beta, jnp.zeros((b, slots, g))), self.chunk)
 
   def _walk(self, q_BxLxHxK, k_BxLxGxK):
-    """``([B, H, L, L] logits, or None without queries; [B, L, G, K] keys carried to the end)`` by chunks: the in-chunk products in
-    closed form, then a scan over chunk distances ``d`` carrying each chunk's keys to the end of the chunk ``d``
-    later."""
+    """``([B, H, L, L] logits, or None without queries; [B, L, G, K] keys carried to the end)`` by chunks: the
+    in-chunk products in closed form, then a scan over the query chunks carrying every earlier key to the chunk's
+    start (``[B, G, L, K]``: the scan's whole state, so its backward keeps one per chunk, and the logits come out
+    row block by row block, ``[B, H, C, L]`` each)."""
     b, length, g, k = k_BxLxGxK.shape
     c = min(self.chunk, length)
     m = -(-length // c)
@@ -111,18 +113,19 @@ class Path:
     x_BxGxMxCxC = solve(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * wk_BxGxMxCxC, 0.0))  # key j's coefficients
     keys_BxGxMxCxK = k_BxGxMxCxK - jnp.einsum("bgmtj,bgmtk->bgmjk", x_BxGxMxCxC, w_BxGxMxCxK)  # to the chunk's end
 
-    def carry(keys_BxGxMxCxK, d):
-      """Each chunk's keys (at the end of the chunk ``d - 1`` later) through the chunk ``d`` later: ``y - (y U^T)
-      W``, where that chunk exists."""
-      later = lambda x: jnp.roll(x, -d, axis=2)
-      u_later, w_later = later(u_BxGxMxCxK), later(w_BxGxMxCxK)
-      moved = keys_BxGxMxCxK - jnp.einsum("bgmjt,bgmtk->bgmjk",
-                                          jnp.einsum("bgmjk,bgmtk->bgmjt", keys_BxGxMxCxK, u_later), w_later)
-      return jnp.where((jnp.arange(m) + d < m)[:, None, None], moved, keys_BxGxMxCxK)
+    keys_BxGxPxK = keys_BxGxMxCxK.reshape(b, g, m * c, k)  # every key at its own chunk's end
+    before_MxP = jnp.arange(m * c)[None, :] < c * jnp.arange(m)[:, None]  # the keys before each chunk
+
+    def through(keys_BxGxPxK, a):
+      """The keys before chunk ``a`` carried through it: ``y - (y U_a^T) W_a``."""
+      u_BxGxCxK, w_BxGxCxK = u_BxGxMxCxK[:, :, a], w_BxGxMxCxK[:, :, a]
+      moved_BxGxPxK = keys_BxGxPxK - jnp.einsum("bgpt,bgtk->bgpk", jnp.einsum("bgpk,bgtk->bgpt", keys_BxGxPxK,
+                                                                             u_BxGxCxK), w_BxGxCxK)
+      return jnp.where(before_MxP[a][:, None], moved_BxGxPxK, keys_BxGxPxK)
 
     if q_BxLxHxK is None:
-      keys_BxGxMxCxK = jax.lax.fori_loop(1, m, lambda d, y: carry(y, d), keys_BxGxMxCxK) if m > 1 else keys_BxGxMxCxK
-      return None, keys_BxGxMxCxK.transpose(0, 2, 3, 1, 4).reshape(b, m * c, g, k)[:, :length]
+      keys_BxGxPxK = jax.lax.fori_loop(0, m, lambda a, y: through(y, a), keys_BxGxPxK)
+      return None, keys_BxGxPxK.transpose(0, 2, 1, 3)[:, :length]
 
     heads = q_BxLxHxK.shape[2]
     n = heads // g  # the query heads of a key head's group
@@ -133,16 +136,13 @@ class Path:
     # each query carried back to its chunk's start: q_i^T H_i ... H_1 of the chunk
     start_BxGxNxMxCxK = q_BxGxNxMxCxK - jnp.einsum("bgnmit,bgmtk->bgnmik", qw_BxGxNxMxCxC, u_BxGxMxCxK)
 
-    def chunk_distance(keys_BxGxMxCxK, d):
-      """Chunk ``m``'s keys against the queries of chunk ``m + d``, then those keys through chunk ``m + d``."""
-      queries = jnp.roll(start_BxGxNxMxCxK, -d, axis=3)
-      s_BxGxNxMxCxC = jnp.einsum("bgnmik,bgmjk->bgnmij", queries, keys_BxGxMxCxK)
-      return carry(keys_BxGxMxCxK, d), s_BxGxNxMxCxC
+    def query_chunk(keys_BxGxPxK, a):
+      """Chunk ``a``'s rows: its queries (at the chunk's start) against the earlier keys (at the end of the chunk
+      before), its own block in closed form; then those keys through chunk ``a``."""
+      s_BxGxNxCxP = jnp.einsum("bgnik,bgpk->bgnip", start_BxGxNxMxCxK[:, :, :, a], keys_BxGxPxK)
+      s_BxGxNxCxP = jax.lax.dynamic_update_slice_in_dim(s_BxGxNxCxP, local_BxGxNxMxCxC[:, :, :, a], a * c, axis=4)
+      return through(keys_BxGxPxK, a), s_BxGxNxCxP
 
-    keys_BxGxMxCxK, far_DxBxGxNxMxCxC = jax.lax.scan(chunk_distance, keys_BxGxMxCxK, jnp.arange(1, m))
-    blocks_DxBxGxNxMxCxC = jnp.concatenate([local_BxGxNxMxCxC[None], far_DxBxGxNxMxCxC])
-    # block (query chunk a, key chunk e) is distance a - e of key chunk e (above the diagonal: distance 0, masked)
-    a_MxM, e_MxM = jnp.arange(m)[:, None], jnp.arange(m)[None, :]
-    s_MxMxBxGxNxCxC = blocks_DxBxGxNxMxCxC[jnp.maximum(a_MxM - e_MxM, 0), :, :, :, e_MxM]
-    s_BxHxLxL = s_MxMxBxGxNxCxC.transpose(2, 3, 4, 0, 5, 1, 6).reshape(b, heads, m * c, m * c)
-    return s_BxHxLxL[:, :, :length, :length], keys_BxGxMxCxK.transpose(0, 2, 3, 1, 4).reshape(b, m * c, g, k)[:, :length]
+    keys_BxGxPxK, rows_MxBxGxNxCxP = jax.lax.scan(query_chunk, keys_BxGxPxK, jnp.arange(m))
+    s_BxHxPxP = rows_MxBxGxNxCxP.transpose(1, 2, 3, 0, 4, 5).reshape(b, heads, m * c, m * c)
+    return s_BxHxPxP[:, :, :length, :length], keys_BxGxPxK.transpose(0, 2, 1, 3)[:, :length]
