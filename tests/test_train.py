@@ -501,6 +501,20 @@ def main_command(workdir, *overrides):
           "--config.max_len=32", *overrides]
 
 
+def command_config(command):
+  """The config of a ``posjax.main`` command line, parsed as the command parses it (for a run in this process that a
+  subprocess of the command must match)."""
+  from absl import flags
+  from ml_collections import config_flags
+  argv = [command[2], *(arg for arg in command[3:] if arg.startswith("--config"))]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv
+    values(argv)
+  return values.config
+
+
 def saved_steps(workdir) -> list[int]:
   return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
 
@@ -556,7 +570,7 @@ def test_faults_each_stop_the_run_and_the_resumes_end_like_the_uninterrupted_run
     shutil.copy(DATA / name, data / name)
   own_data = (f"--config.data.train_files={data / 'train.txt'}", f"--config.data.eval_files={data / 'tiny_eval.txt'}",
               f"--config.data.vocab_file={data / 'tiny_vocab.txt'}",  # a short epoch: the file is read again soon
-              "--config.total_steps=100", "--config.checkpoint_every_steps=5",
+              "--config.total_steps=50", "--config.checkpoint_every_steps=5", "--config.eval_every_steps=25",
               "--config.keep_checkpoints=100")  # none deleted: a full disk stays full
   env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
   subprocess.run(main_command(tmp_path / "straight", *own_data), check=True, cwd=ROOT, env=env, capture_output=True)
@@ -566,15 +580,15 @@ def test_faults_each_stop_the_run_and_the_resumes_end_like_the_uninterrupted_run
   assert ctrl_c.returncode == 130 and "Traceback" not in ctrl_c.stderr
   last = re.fullmatch(rf"interrupted at step \d+, last checkpoint: step (\d+) in {run}/checkpoints; rerun the "
                       r"same command to resume", ctrl_c.stderr.strip().splitlines()[-1])
-  assert last and int(last.group(1)) == saved_steps(run)[-1] < 100
+  assert last and int(last.group(1)) == saved_steps(run)[-1] < 50
 
   preempted = interrupt(run, signal.SIGTERM, *own_data)
   assert preempted.returncode == 0, preempted.stderr[-2000:]
   saved = int(re.search(r"preempted \(SIGTERM\) at step (\d+): checkpoint saved in", preempted.stderr).group(1))
-  assert saved == saved_steps(run)[-1] < 100
+  assert saved == saved_steps(run)[-1] < 50
 
   killed = interrupt(run, signal.SIGKILL, *own_data)
-  assert killed.returncode == -signal.SIGKILL and saved < saved_steps(run)[-1] < 100
+  assert killed.returncode == -signal.SIGKILL and saved < saved_steps(run)[-1] < 50
 
   complete = saved_steps(run)[-1]
   killed_saving = interrupt(run, signal.SIGKILL, *own_data, saving=True)
@@ -615,7 +629,7 @@ def test_faults_each_stop_the_run_and_the_resumes_end_like_the_uninterrupted_run
   assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
                      checkpoint.load_params(str(run / "checkpoints")))
   assert stream(str(tmp_path / "straight")) == stream(str(run))
-  assert len(stream(str(run))) == 102  # 100 train lines, 2 eval lines, none repeated
+  assert len(stream(str(run))) == 52  # 50 train lines, 2 eval lines, none repeated
 
 
 def test_position_options_from_the_command_line(tmp_path):
@@ -705,19 +719,20 @@ def test_a_mistake_in_the_command_is_one_line(tmp_path, change, message):
   assert "Traceback" not in result.stderr and not (tmp_path / "w").exists()
 
 
-@pytest.mark.slow
-def test_resume_on_a_different_number_of_devices(tmp_path):
-  """3 steps on 8 devices, then 3 more on 4 devices, equal 6 straight steps on 8."""
-  def run(workdir, devices, steps, *extra):
-    subprocess.run(main_command(workdir, f"--config.total_steps={steps}", "--config.model.dropout_rate=0",
-                                "--config.model.attention_dropout_rate=0", *extra),
-                   check=True, cwd=ROOT, env=devices_env(devices), capture_output=True)
-
-  run(tmp_path / "straight", 8, 6)
-  run(tmp_path / "moved", 8, 3)
-  run(tmp_path / "moved", 4, 6, "--config.allow_config_change=True")
-  assert_same_params(checkpoint.load_params(str(tmp_path / "straight" / "checkpoints")),
-                     checkpoint.load_params(str(tmp_path / "moved" / "checkpoints")), rtol=2e-5, atol=2e-6)
+@pytest.mark.xdist_group("straight")
+def test_resume_on_a_different_number_of_devices(tmp_path, straight):
+  """The straight run's checkpoint 3 (8 devices) resumed for 3 more steps by a process with 4 devices ends like the
+  straight run."""
+  workdir, params = straight
+  shutil.copytree(workdir, tmp_path / "moved")
+  shutil.rmtree(tmp_path / "moved" / "checkpoints" / "6")
+  fields = {**NO_DROPOUT, "eval_every_steps": 0, "warmup_steps": 2, "checkpoint_every_steps": 3, "total_steps": 6,
+            "allow_config_change": True}
+  command = main_command(tmp_path / "moved", *(f"--config.{k}={v}" for k, v in fields.items()))
+  command[3] = "--config=configs/pretrain.py:runlocal,position=tupe_r"
+  result = subprocess.run(command, cwd=ROOT, env=devices_env(4), capture_output=True, text=True)
+  assert result.returncode == 0 and "resumed from step 3" in result.stderr, result.stderr[-2000:]
+  assert_same_params(params, checkpoint.load_params(str(tmp_path / "moved" / "checkpoints")), rtol=2e-5, atol=2e-6)
 
 
 def test_every_bert_config_field_can_be_set_from_the_command_line(tmp_path):
