@@ -10,14 +10,16 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 from posjax.data import corpus, mlm, prepare
 from posjax.data.tokenizer import Tokenizer
+from posjax.main import train
 from posjax.train import checkpoint, metrics
 from conftest import ROOT, devices_env, load_config
 from test_prepare import config
-from test_train import assert_same_params, saved_steps, stream
+from test_train import assert_same_params, command_config, saved_steps, stream
 
 STEPS, EVAL_EVERY = 20, 10
 
@@ -54,6 +56,12 @@ def two_processes(workdir, sigterm_once_saved=None, command=command):
   return [(w.returncode, out) for w, out in zip(workers, outputs)]
 
 
+def one_process(command, workdir):
+  """The run of ``command`` in one process with 8 devices: this one's (the reference that two processes match)."""
+  assert jax.device_count() == 8
+  train(command_config(command(workdir)), str(workdir))
+
+
 def eval_batches_per_shard():
   config = load_config("pretrain", "runlocal")
   tokenizer = Tokenizer.load(config.data.vocab_file)
@@ -79,7 +87,7 @@ def test_two_processes_evaluate_stop_on_sigterm_and_resume_like_one(tmp_path):
   assert all(code == 0 for code, _ in second), second[0][1][-3000:] + second[1][1][-3000:]
   assert f"resumed from step {saved[-1]}" in second[0][1]
 
-  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
+  one_process(command, tmp_path / "one")
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = stream(str(tmp_path / "one")), stream(str(tmp_path / "two"))
@@ -108,7 +116,7 @@ def test_two_processes_finetune_and_evaluate_like_one(tmp_path):
   command = functools.partial(finetune_command_in, glue_dir)
   runs = two_processes(tmp_path / "two", command=command)
   assert all(code == 0 for code, _ in runs), runs[0][1][-3000:] + runs[1][1][-3000:]
-  subprocess.run(command(tmp_path / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
+  one_process(command, tmp_path / "one")
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
@@ -139,7 +147,7 @@ def prepared_one(tmp_path_factory):
   root = tmp_path_factory.mktemp("prepared")
   prepare.prepare(config(), str(root / "data"), chunks=2, progress=False)
   command = lambda workdir, *extra: prepared_command(workdir, root / "data", *extra)  # noqa: E731
-  subprocess.run(command(root / "one"), cwd=ROOT, env=devices_env(8), check=True, capture_output=True)
+  one_process(command, root / "one")
   assert len(stream(str(root / "one"))) == 14
   return command, root / "one"
 
