@@ -31,6 +31,31 @@ import jax.numpy as jnp
 CHUNK = 64  # the dense form's default chunk
 
 
+def unit_lower_inverse(n_SxCxC):
+  """``(I + N)^{-1}`` of strictly lower-triangular ``N`` ``[..., C, C]`` by blocks doubling from 1 (the inverse of
+  ``[[A, 0], [B, D]]`` is ``[[A^-1, 0], [-D^-1 B A^-1, D^-1]]``), in products alone: no LAPACK call (XLA:CPU's
+  triangular solve can stall its thread pool under concurrent programs), ``log2 C`` levels of ``[C, C]`` products;
+  ``C`` padded to a power of two with identity rows."""
+  shape, c = n_SxCxC.shape, n_SxCxC.shape[-1]
+  size = 1 << max(c - 1, 0).bit_length()
+  n_SxZxZ = jnp.pad(n_SxCxC.reshape(-1, c, c), [(0, 0), (0, size - c), (0, size - c)])  # one batch axis
+  batch = n_SxZxZ.shape[:-2]
+  t_SxZxZ = jnp.broadcast_to(jnp.eye(size, dtype=n_SxZxZ.dtype), n_SxZxZ.shape)
+  half = 1
+  while half < size:  # the diagonal blocks of 2 * half, each from its two inverted halves
+    p = size // (2 * half)
+    blocks = lambda x: jnp.moveaxis(jnp.diagonal(x.reshape(*batch, p, 2 * half, p, 2 * half), axis1=-4, axis2=-2),
+                                    -1, -3)  # [..., P, 2h, 2h]
+    t_SxPxWxW, n_SxPxWxW = blocks(t_SxZxZ), blocks(n_SxZxZ)
+    first, second = t_SxPxWxW[..., :half, :half], t_SxPxWxW[..., half:, half:]
+    lower = -second @ n_SxPxWxW[..., half:, :half] @ first
+    t_SxPxWxW = t_SxPxWxW.at[..., half:, :half].set(lower)
+    t_SxZxZ = (t_SxPxWxW[..., :, :, None, :] * jnp.eye(p, dtype=n_SxZxZ.dtype)[:, None, :, None]).reshape(
+        *batch, size, size)
+    half *= 2
+  return t_SxZxZ[..., :c, :c].reshape(shape)
+
+
 @flax.struct.dataclass
 class Path:
   """PaTH's Householder factors ``H_t = I - β_t w_t w_t^T`` of one attention call: ``w`` ``[B, L, G, K]`` and ``β``
@@ -105,9 +130,9 @@ class Path:
     lower_CxC = jnp.tril(jnp.ones((c, c), bool), -1)  # t > j
     lower_incl_CxC = jnp.tril(jnp.ones((c, c), bool))  # t <= i
     gram_BxGxMxCxC = jnp.einsum("bgmtk,bgmsk->bgmts", w_BxGxMxCxK, w_BxGxMxCxK)
-    # A = I + diag(β) strict_lower(W W^T); T = A^{-1}, applied by a unit lower-triangular solve
-    a_BxGxMxCxC = jnp.eye(c) + jnp.where(lower_CxC, beta_BxGxMxC[..., None] * gram_BxGxMxCxC, 0.0)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(a_BxGxMxCxC, rhs, lower=True, unit_diagonal=True)
+    # T = (I + diag(β) strict_lower(W W^T))^{-1}
+    t_BxGxMxCxC = unit_lower_inverse(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * gram_BxGxMxCxC, 0.0))
+    solve = lambda rhs: jnp.einsum("bgmts,bgmsx->bgmtx", t_BxGxMxCxC, rhs)
     u_BxGxMxCxK = solve(beta_BxGxMxC[..., None] * w_BxGxMxCxK)  # the chunk's product: I - W^T U
     wk_BxGxMxCxC = jnp.einsum("bgmtk,bgmjk->bgmtj", w_BxGxMxCxK, k_BxGxMxCxK)
     x_BxGxMxCxC = solve(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * wk_BxGxMxCxC, 0.0))  # key j's coefficients
