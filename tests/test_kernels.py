@@ -255,12 +255,11 @@ def test_grouped_heads_that_do_not_divide_are_an_error():
     kernels.relative_attention(q, k, k, implementation="xla")
 
 
-@pytest.mark.parametrize("length,k,causal,interpreter,packed", [
-    (37, 36, False, True, True), (16, 5, True, "tpu", True), (21, 3, False, True, False)])
-def test_windowed_relative_vectors_match_xla(length, k, causal, interpreter, packed):
-  """The window on both sides, with distances past k (clipped rows: their gradient sums) or without; packed,
-  padded and causal rows; or one default segment with a length that is no power of two (the kernel's padding
-  rows then share the tokens' segment)."""
+@pytest.mark.parametrize("length,k,causal,packed", [(37, 36, False, True), (16, 5, True, True), (21, 3, False, False)])
+def test_windowed_relative_vectors_match_xla(length, k, causal, packed):
+  """The GPU kernels' window on both sides, with distances past k (clipped rows: their gradient sums) or without;
+  packed, padded and causal rows; or one default segment with a length that is no power of two (the kernel's
+  padding rows then share the tokens' segment). The TPU kernels' window: the two tests below."""
   rng = np.random.default_rng(length)
   batch, heads, head_dim = 3, 2, 8
   positions, segments, lengths = packed_rows(rng, batch, length) if packed else (None, None, None)
