@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import flags
 from absl import logging as absl_logging
+from ml_collections import config_flags
 
 from posjax import config_args, tasks
 from posjax.data import mlm as mlm_data
@@ -504,8 +506,6 @@ def main_command(workdir, *overrides):
 def command_config(command):
   """The config of a ``posjax.main`` command line, parsed as the command parses it (for a run in this process that a
   subprocess of the command must match)."""
-  from absl import flags
-  from ml_collections import config_flags
   argv = [command[2], *(arg for arg in command[3:] if arg.startswith("--config"))]
   values = flags.FlagValues()
   config_flags.DEFINE_config_file("config", flag_values=values)
