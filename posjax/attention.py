@@ -540,7 +540,7 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   valid_BxQ = jnp.ones((b, q), bool) if mask.padding is None else jnp.asarray(mask.padding, bool)
   path, merged = merged.path, merged.replace(path=None)  # PaTH: the cached keys carried to the newest token
   if path is not None and q > 1:  # a prefill: the products among the new tokens on the dense formulas
-    merged, kernel = merged.replace(path=path.over_slots(k_var.value.shape[2], index)), "xla"
+    merged, kernel = merged.replace(path=path), "xla"
   implementation = "xla"
   if kernel == "pallas":
     refusal = kernels.decode.kernel_refusal(merged)
@@ -565,8 +565,8 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
       terms=merged, scale=spec.scale, sliding_window=mask.sliding_window, chunk=mask.chunk,
       implementation=implementation,
       platform=module.platform)
-  if merged.path is not None:  # after a prefill: every key carried to its last token
-    k_BxTxGxK = merged.path.keys_at_end(jnp.swapaxes(k_var.value, 1, 2))
+  if merged.path is not None:  # after a prefill: every key carried through the new tokens' factors after it
+    k_BxTxGxK = merged.path.keys_at_end(jnp.swapaxes(k_var.value, 1, 2), index)
     k_var.value = partitioning.constrain(jnp.swapaxes(k_BxTxGxK, 1, 2).astype(k_var.value.dtype), partitioning.BHLK)
   return out
 

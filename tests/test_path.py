@@ -146,11 +146,12 @@ class Layer(nn.Module):
     return attention.SelfAttention(self.spec, use_bias=False, name="attn")(x_BxLxD, state, mask)
 
 
-@pytest.mark.parametrize("kv_heads,forget", [(4, False), (2, True)])
-def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv_heads, forget):
-  """Multi-head attention with the low-rank w projection; grouped k/v heads with the full one and PaTH-FoX's gate.
-  Two packed documents in a row, each its own sequence for the official code."""
-  spec = positions.make("path", {"forget": forget, "chunk": 4}, num_heads=HEADS, hidden_size=HIDDEN, max_len=16,
+@pytest.mark.parametrize("kv_heads,options", [(4, {}), (2, {"forget": True, "w_rank": 0})])
+def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv_heads, options):
+  """Multi-head attention with the low-rank w projection (the default); grouped k/v heads with the full one and
+  PaTH-FoX's gate. Two packed documents in a row, each its own sequence for the official code."""
+  forget = options.get("forget", False)
+  spec = positions.make("path", {**options, "chunk": 4}, num_heads=HEADS, hidden_size=HIDDEN, max_len=16,
                         causal=True, num_kv_heads=kv_heads)
   rng = np.random.default_rng(0)
   x_BxLxD = rng.normal(size=(2, 12, HIDDEN)).astype(np.float32)
@@ -162,7 +163,7 @@ def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv
   apply = lambda p: model.apply({"params": p}, x_BxLxD, np.array([POSITIONS[0], range(12)]), mask)
   out, backward = jax.jit(lambda p: jax.vjp(apply, p))(params)
   grads, = backward(jnp.asarray(weights_BxLxD, jnp.float32))
-  assert ("w_down" in params["attn"]["position"]) == (kv_heads == HEADS)
+  assert ("w_down" in params["attn"]["position"]) == ("w_rank" not in options)
 
   torch_params = jax.tree.map(lambda a: torch.tensor(np.asarray(a, np.float64), requires_grad=True), params["attn"])
   want = official_layer(torch_params, x_BxLxD, [[(0, 7), (7, 12)], [(0, 12)]], forget, chunk=3)
@@ -232,5 +233,6 @@ def test_what_only_the_xla_path_computes_is_refused_in_one_line():
     kernels.relative_attention(q, q, q, terms=terms, causal=True, implementation="xla", query_block=4)
   with pytest.raises(ValueError, match=r"exists in a decoder's form only"):
     positions.make("path", num_heads=HEADS, hidden_size=HIDDEN, max_len=16)
-  with pytest.raises(ValueError, match=r"beta_max=0 must be positive"):
-    positions.make("path", {"beta_max": 0}, num_heads=HEADS, hidden_size=HIDDEN, max_len=16, causal=True)
+  for beta_max in (0, 2.5):
+    with pytest.raises(ValueError, match=rf"beta_max={beta_max} must be in \(0, 2\]"):
+      positions.make("path", {"beta_max": beta_max}, num_heads=HEADS, hidden_size=HIDDEN, max_len=16, causal=True)

@@ -8,26 +8,32 @@ Householder-like factor per token and key/value head,
 so the order of the tokens, and what they say, moves each key relative to each query (no position index is read;
 :class:`posjax.kernels.Path` computes the products). As the official ``PaTHAttention``:
 
-- ``w_rank``: ``x W_w`` is low rank, ``hidden -> w_rank -> kv heads x head_dim`` (two projections without biases);
-  None (the default) is the official choice: rank 32 with multi-head attention, a full ``hidden -> kv heads x
-  head_dim`` projection with grouped k/v heads; 0: full.
+- ``w_rank``: ``x W_w`` is low rank, ``hidden -> w_rank -> kv heads x head_dim`` (two projections without biases),
+  rank 32 by default (the official ``use_low_rank_w=True``, whatever the heads; its first release used a full
+  projection with grouped k/v heads); 0: a full ``hidden -> kv heads x head_dim`` projection
+  (``use_low_rank_w=False``).
 - ``conv_width``: a causal depthwise convolution of ``w`` over the tokens, without a bias, then SiLU (the official
-  ``ShortConvolution(kv_dim, 3)``; ``use_w_shortconv``); 0: neither. Packed documents restart it at each position 0,
-  as the official restarts it per sequence (``cu_seqlens``).
+  ``ShortConvolution(kv_dim, conv_size=3)``; ``use_w_shortconv``); 0: neither. Packed documents restart it at each
+  position 0, as the official restarts it per sequence (``cu_seqlens``).
 - ``w`` normalised per head, ``w / sqrt(|w|^2 + 1e-6)`` (fla's ``l2_norm``).
 - ``beta_max``: ``β = beta_max sigmoid(.)``, one per token and key/value head, with a bias (``bt_proj``); the official
-  2 lets a factor reach ``-1`` eigenvalues (a reflection), 1 keeps them in ``[0, 1]``.
+  2 lets a factor reach ``-1`` eigenvalues (a reflection), 1 keeps them in ``[0, 1]``; past 2 a factor would stretch
+  (an eigenvalue below -1, products growing with the distance), so it is refused.
 - ``forget``: PaTH-FoX, the Forgetting Transformer's gate added to the logits, one per query head
   (``use_forget_gate``; :class:`posjax.kernels.Forget`, FoX's full gate), scaled with ``q·k`` as the official kernel
   and reference scale it: ``softmax(scale (q_i^T P k_j + c_i - c_j))`` (FoX alone adds it unscaled).
 - ``chunk``: the dense form's chunk (:class:`posjax.kernels.Path`): memory and speed, not the result.
 
-The official ``use_qk_norm`` is the attention layer's ``qk_norm`` over all heads (``qk_norm_axes="all"``). [choice]
-Initialisation: every projection N(0, 0.02) and zero biases (fla's ``_init_weights`` for linear and convolution
-layers). A decoder's method only. Kernels: the ``xla`` path (training, and decoding on the dense formulas); the
-Pallas kernels and cuDNN refuse it. Decoding keeps the keys of its cache carried to the newest token, as the
-official decoding: each step applies the new token's factor to every cached key (:meth:`posjax.kernels.Path.step`)
-then attends with plain ``q·k``; the convolution's last inputs are cached beside them.
+The official ``use_qk_norm`` (off in its model configs) is the attention layer's ``qk_norm``: per head in fla's
+current code (``qk_norm_axes="head"``), over all heads in its first release (``"all"``). [choice] Initialisation:
+every projection N(0, 0.02) and zero biases (fla's ``_init_weights`` for linear and convolution layers). A decoder's
+method only. Kernels: the ``xla`` path (training, and decoding on the dense formulas); the Pallas kernels and cuDNN
+refuse it. Decoding keeps the keys of its cache carried to the newest token, as the official decoding: each step
+applies the new token's factor to every cached key (:meth:`posjax.kernels.Path.step`, in float32, stored in the
+cache's dtype: a bfloat16 cache rounds the carried keys at every step, as the official one) then attends with plain
+``q·k``; the convolution's last inputs are cached beside them. Padding: the official code removes it first; here a
+padded token's factor applies like any token's, so each document's real tokens must be consecutive (right or left
+padding and packed documents are; a padding token between a key and its query is not supported).
 """
 
 from __future__ import annotations
@@ -41,31 +47,31 @@ import jax.numpy as jnp
 from posjax import kernels
 from posjax.positions import base, fox
 
-OFFICIAL_RANK = 32  # the official low-rank w projection, with multi-head attention
 EPS = 1e-6  # fla's l2_norm
 
 
 @dataclasses.dataclass(frozen=True)
 class PathOptions:
-  """w_rank: the w projection's rank (None: 32 with multi-head attention, full with grouped k/v heads; 0: full).
-  conv_width: the causal convolution of w (3; 0: none). beta_max: ``β``'s range ``(0, beta_max)`` (2). forget:
-  PaTH-FoX's gate (False). chunk: the dense form's chunk (64)."""
+  """w_rank: the w projection's rank (32; 0: full). conv_width: the causal convolution of w (3; 0: none). beta_max:
+  ``β``'s range ``(0, beta_max)``, at most 2 (2). forget: PaTH-FoX's gate (False). chunk: the dense form's chunk
+  (64)."""
 
-  w_rank: int | None = None
+  w_rank: int = 32
   conv_width: int = 3
   beta_max: float = 2.0
   forget: bool = False
   chunk: int = kernels.terms.path.CHUNK
 
   def __post_init__(self):
-    if self.w_rank is not None and self.w_rank < 0:
-      raise ValueError(f"w_rank={self.w_rank} must be >= 0 (0: a full projection; None: the official choice)")
+    if self.w_rank < 0:
+      raise ValueError(f"w_rank={self.w_rank} must be >= 0 (0: a full projection; 32: the official low rank)")
     if self.conv_width < 0:
       raise ValueError(f"conv_width={self.conv_width} must be >= 0 (0: no convolution)")
-    if not self.beta_max > 0:
-      raise ValueError(f"beta_max={self.beta_max} must be positive (2: the official range, reflections included)")
-    if self.chunk < 1:
-      raise ValueError(f"chunk={self.chunk} must be >= 1")
+    if not 0 < self.beta_max <= 2:
+      raise ValueError(f"beta_max={self.beta_max} must be in (0, 2] (2: the official range, reflections included; past "
+                       "2 a factor stretches)")
+    if not isinstance(self.chunk, int) or self.chunk < 1:
+      raise ValueError(f"chunk={self.chunk!r} must be an int >= 1")
 
 
 def short_convolution(x_BxLxGxK, kernel_WxGxK, positions_BxL, context_BxCxGxK=None):
@@ -95,7 +101,7 @@ class PathLayer(nn.Module):
   def __call__(self, q, k, state: base.PositionState, scale, x_BxLxD, decode: bool = False):
     spec, o = self.spec, self.spec.options
     g, d = spec.kv_heads, spec.head_dim
-    rank = o.w_rank if o.w_rank is not None else (OFFICIAL_RANK if g == spec.num_heads else 0)
+    rank = o.w_rank
     dense = lambda features, axes, name, **kw: nn.DenseGeneral(
         features, dtype=spec.dtype, param_dtype=spec.param_dtype, kernel_init=base.normal_init(axes), name=name, **kw)
     if rank:

@@ -58,23 +58,25 @@ def unit_lower_inverse(n_SxCxC):
 
 @flax.struct.dataclass
 class Path:
-  """PaTH's Householder factors ``H_t = I - β_t w_t w_t^T`` of one attention call: ``w`` ``[B, L, G, K]`` and ``β``
-  ``[B, L, G]``, per token and key/value head (float32). The content logits become ``q_i^T H_i ... H_{j+1} k_j``
+  """PaTH's Householder factors ``H_t = I - β_t w_t w_t^T`` of one attention call: ``w`` ``[B, Q, G, K]`` and ``β``
+  ``[B, Q, G]``, per token and key/value head (float32), of the call's query rows (all ``L`` in training; a decoding
+  step's new tokens, the cached keys already carrying theirs). The content logits become ``q_i^T H_i ... H_{j+1} k_j``
   (:meth:`content`); every other term adds to them as usual. ``chunk``: the dense form's chunk (its cost and
   memory, not its result)."""
 
   FIELD = "path"  # its Terms field
 
-  w: jax.Array  # [B, L, G, K]
-  beta: jax.Array  # [B, L, G]
+  w: jax.Array  # [B, Q, G, K]
+  beta: jax.Array  # [B, Q, G]
   chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
 
   def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
     """Shapes, with errors that say what was given and what is allowed."""
-    if (jnp.ndim(self.w) != 4 or jnp.shape(self.w)[0] != batch or jnp.shape(self.w)[1] != length
+    if (jnp.ndim(self.w) != 4 or jnp.shape(self.w)[0] != batch or not 1 <= jnp.shape(self.w)[1] <= length
         or jnp.shape(self.w)[3] != head_dim or num_heads % jnp.shape(self.w)[2]):
-      raise ValueError(f"Path.w has shape {jnp.shape(self.w)}; expected ({batch}, {length}, G, {head_dim}) with G "
-                       f"the key/value heads, dividing the {num_heads} query heads")
+      raise ValueError(f"Path.w has shape {jnp.shape(self.w)}; expected ({batch}, Q, G, {head_dim}): the factors of "
+                       f"Q <= {length} consecutive query rows, G the key/value heads, dividing the {num_heads} query "
+                       "heads")
     if jnp.shape(self.beta) != jnp.shape(self.w)[:3]:
       raise ValueError(f"Path.beta has shape {jnp.shape(self.beta)}; expected {jnp.shape(self.w)[:3]} (one per token "
                        "and key/value head)")
@@ -82,19 +84,17 @@ class Path:
       raise ValueError(f"Path.chunk={self.chunk!r} must be a positive int")
 
   def content(self, q_BxQxHxK, k_BxLxGxK, rows_Q=None):
-    """``[B, H, Q, L]`` float32: ``q_i^T H_i ... H_{j+1} k_j`` for the queries at rows ``rows_Q`` (default all
-    ``L``) and every key; a key after its query is left to the mask (its value is not the product)."""
-    length = k_BxLxGxK.shape[1]
-    if rows_Q is not None:  # the rows' queries in place, the others zero: each query's product is its own
-      q_BxLxHxK = jnp.zeros((q_BxQxHxK.shape[0], length, *q_BxQxHxK.shape[2:]), q_BxQxHxK.dtype)
-      q_BxQxHxK = q_BxLxHxK.at[:, rows_Q].set(q_BxQxHxK)
-    s_BxHxLxL, _ = self._walk(q_BxQxHxK, k_BxLxGxK)
-    return s_BxHxLxL if rows_Q is None else jnp.take(s_BxHxLxL, rows_Q, axis=2)
+    """``[B, H, Q, L]`` float32: ``q_i^T H_i ... H_{j+1} k_j`` for the queries at rows ``rows_Q`` (consecutive rows,
+    default all ``L``; this term's factors are theirs, every other key's factor the identity: a decoding cache's keys
+    already carry theirs) and every key; a key after its query is left to the mask (its value is not the
+    product)."""
+    offset = 0 if rows_Q is None else rows_Q[0]
+    return self._walk(q_BxQxHxK, k_BxLxGxK, offset)[0]
 
-  def keys_at_end(self, k_BxLxGxK):
-    """``[B, L, G, K]`` float32: each key carried to the last token, ``H_L ... H_{j+1} k_j`` (a decoding cache's
-    keys after a prefill)."""
-    return self._walk(None, k_BxLxGxK)[1]
+  def keys_at_end(self, k_BxLxGxK, offset=0):
+    """``[B, L, G, K]`` float32: each key carried through the factors after it, ``H_L ... H_{j+1} k_j``, this term's
+    factors those of the rows from ``offset`` on (a decoding cache's keys after a prefill at slot ``offset``)."""
+    return self._walk(None, k_BxLxGxK, offset)[1]
 
   def step(self, k_BxGxTxK, index):
     """A cache's keys ``[B, G, T, K]`` after one new token at slot ``index`` (this term's single row): its factor
@@ -107,26 +107,24 @@ class Path:
     along_BxGxT = jnp.einsum("bgtk,bgok->bgt", k_BxGxTxK, w_BxGx1xK) * beta_BxGx1
     return k_BxGxTxK - jnp.where(before_T[:, None], along_BxGxT[..., None], 0.0) * w_BxGx1xK
 
-  def over_slots(self, slots: int, index) -> "Path":
-    """This term's rows (new tokens) placed at a cache's slots ``index ..``, every other slot's factor the identity
-    (``β = 0``): the cached keys already carry theirs."""
-    b, q, g, k = jnp.shape(self.w)
-    place = lambda x, zeros: jax.lax.dynamic_update_slice_in_dim(zeros, x.astype(jnp.float32), index, axis=1)
-    return Path(place(self.w, jnp.zeros((b, slots, g, k))), place(self.beta, jnp.zeros((b, slots, g))), self.chunk)
-
-  def _walk(self, q_BxLxHxK, k_BxLxGxK):
-    """``([B, H, L, L] logits, or None without queries; [B, L, G, K] keys carried to the end)`` by chunks: the
-    in-chunk products in closed form, then a scan over the query chunks carrying every earlier key to the chunk's
-    start (``[B, G, L, K]``: the scan's whole state, so its backward keeps one per chunk, and the logits come out
-    row block by row block, ``[B, H, C, L]`` each)."""
+  def _walk(self, q_BxQxHxK, k_BxLxGxK, offset=0):
+    """``([B, H, Q, L] logits, or None without queries; [B, L, G, K] keys carried to the end)``, the factors (this
+    term's ``Q`` rows) and the queries at rows ``offset ..`` (traced) of the ``L`` keys: the rows' chunks' products
+    in closed form, then a scan over the rows' chunks carrying every earlier key to the chunk's start (``[B, G, L,
+    K]``: the scan's whole state, so its backward keeps one per chunk, and the logits come out row block by row
+    block, ``[B, H, C, L]`` each)."""
     b, length, g, k = k_BxLxGxK.shape
-    c = min(self.chunk, length)
-    m = -(-length // c)
-    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, m * c - length)] + [(0, 0)] * (x.ndim - 2))
-    # [B, G, M, C, K] keys and w, [B, G, M, C] β, [B, G, N, M, C, K] queries (padding: identity factors, zero rows)
-    chunks = lambda x_BxLxGxX: pad(x_BxLxGxX).reshape(b, m, c, g, -1).transpose(0, 3, 1, 2, 4)
-    k_BxGxMxCxK, w_BxGxMxCxK = chunks(k_BxLxGxK), chunks(self.w)
-    beta_BxGxMxC = chunks(self.beta[..., None])[..., 0]
+    rows = self.w.shape[1]
+    c = min(self.chunk, rows)
+    m = -(-rows // c)
+    # the rows padded to whole chunks (identity factors, zero queries), the keys by as much past the last
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, m * c - rows)] + [(0, 0)] * (x.ndim - 2))
+    all_BxPxGxK = pad(k_BxLxGxK)
+    offset = jnp.asarray(offset, jnp.int32)
+    # [B, G, M, C, K] the rows' keys and w, [B, G, M, C] β, [B, G, N, M, C, K] queries
+    chunks = lambda x_BxRxGxX: x_BxRxGxX.reshape(b, m, c, g, -1).transpose(0, 3, 1, 2, 4)
+    k_BxGxMxCxK = chunks(jax.lax.dynamic_slice_in_dim(all_BxPxGxK, offset, m * c, axis=1))
+    w_BxGxMxCxK, beta_BxGxMxC = chunks(pad(self.w)), chunks(pad(self.beta)[..., None])[..., 0]
     lower_CxC = jnp.tril(jnp.ones((c, c), bool), -1)  # t > j
     lower_incl_CxC = jnp.tril(jnp.ones((c, c), bool))  # t <= i
     gram_BxGxMxCxC = jnp.einsum("bgmtk,bgmsk->bgmts", w_BxGxMxCxK, w_BxGxMxCxK)
@@ -136,25 +134,26 @@ class Path:
     u_BxGxMxCxK = solve(beta_BxGxMxC[..., None] * w_BxGxMxCxK)  # the chunk's product: I - W^T U
     wk_BxGxMxCxC = jnp.einsum("bgmtk,bgmjk->bgmtj", w_BxGxMxCxK, k_BxGxMxCxK)
     x_BxGxMxCxC = solve(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * wk_BxGxMxCxC, 0.0))  # key j's coefficients
-    keys_BxGxMxCxK = k_BxGxMxCxK - jnp.einsum("bgmtj,bgmtk->bgmjk", x_BxGxMxCxC, w_BxGxMxCxK)  # to the chunk's end
-
-    keys_BxGxPxK = keys_BxGxMxCxK.reshape(b, g, m * c, k)  # every key at its own chunk's end
-    before_MxP = jnp.arange(m * c)[None, :] < c * jnp.arange(m)[:, None]  # the keys before each chunk
+    ends_BxGxMxCxK = k_BxGxMxCxK - jnp.einsum("bgmtj,bgmtk->bgmjk", x_BxGxMxCxC, w_BxGxMxCxK)  # to the chunk's end
+    # every key: the rows' at their own chunk's end, the others as given
+    keys_BxGxPxK = jax.lax.dynamic_update_slice_in_dim(all_BxPxGxK.transpose(0, 2, 1, 3),
+                                                       ends_BxGxMxCxK.reshape(b, g, m * c, k), offset, axis=2)
+    slot_P = jnp.arange(keys_BxGxPxK.shape[2])
 
     def through(keys_BxGxPxK, a):
       """The keys before chunk ``a`` carried through it: ``y - (y U_a^T) W_a``."""
       u_BxGxCxK, w_BxGxCxK = u_BxGxMxCxK[:, :, a], w_BxGxMxCxK[:, :, a]
       moved_BxGxPxK = keys_BxGxPxK - jnp.einsum("bgpt,bgtk->bgpk", jnp.einsum("bgpk,bgtk->bgpt", keys_BxGxPxK,
                                                                              u_BxGxCxK), w_BxGxCxK)
-      return jnp.where(before_MxP[a][:, None], moved_BxGxPxK, keys_BxGxPxK)
+      return jnp.where((slot_P < offset + a * c)[:, None], moved_BxGxPxK, keys_BxGxPxK)
 
-    if q_BxLxHxK is None:
+    if q_BxQxHxK is None:
       keys_BxGxPxK = jax.lax.fori_loop(0, m, lambda a, y: through(y, a), keys_BxGxPxK)
       return None, keys_BxGxPxK.transpose(0, 2, 1, 3)[:, :length]
 
-    heads = q_BxLxHxK.shape[2]
+    heads = q_BxQxHxK.shape[2]
     n = heads // g  # the query heads of a key head's group
-    q_BxGxNxMxCxK = pad(q_BxLxHxK).reshape(b, m, c, g, n, k).transpose(0, 3, 4, 1, 2, 5)
+    q_BxGxNxMxCxK = pad(q_BxQxHxK).reshape(b, m, c, g, n, k).transpose(0, 3, 4, 1, 2, 5)
     qw_BxGxNxMxCxC = jnp.where(lower_incl_CxC, jnp.einsum("bgnmik,bgmtk->bgnmit", q_BxGxNxMxCxK, w_BxGxMxCxK), 0.0)
     qk_BxGxNxMxCxC = jnp.einsum("bgnmik,bgmjk->bgnmij", q_BxGxNxMxCxK, k_BxGxMxCxK)
     local_BxGxNxMxCxC = qk_BxGxNxMxCxC - jnp.einsum("bgnmit,bgmtj->bgnmij", qw_BxGxNxMxCxC, x_BxGxMxCxC)
@@ -165,9 +164,10 @@ class Path:
       """Chunk ``a``'s rows: its queries (at the chunk's start) against the earlier keys (at the end of the chunk
       before), its own block in closed form; then those keys through chunk ``a``."""
       s_BxGxNxCxP = jnp.einsum("bgnik,bgpk->bgnip", start_BxGxNxMxCxK[:, :, :, a], keys_BxGxPxK)
-      s_BxGxNxCxP = jax.lax.dynamic_update_slice_in_dim(s_BxGxNxCxP, local_BxGxNxMxCxC[:, :, :, a], a * c, axis=4)
+      s_BxGxNxCxP = jax.lax.dynamic_update_slice_in_dim(s_BxGxNxCxP, local_BxGxNxMxCxC[:, :, :, a], offset + a * c,
+                                                        axis=4)
       return through(keys_BxGxPxK, a), s_BxGxNxCxP
 
     keys_BxGxPxK, rows_MxBxGxNxCxP = jax.lax.scan(query_chunk, keys_BxGxPxK, jnp.arange(m))
-    s_BxHxPxP = rows_MxBxGxNxCxP.transpose(1, 2, 3, 0, 4, 5).reshape(b, heads, m * c, m * c)
-    return s_BxHxPxP[:, :, :length, :length], keys_BxGxPxK.transpose(0, 2, 1, 3)[:, :length]
+    s_BxHxRxP = rows_MxBxGxNxCxP.transpose(1, 2, 3, 0, 4, 5).reshape(b, heads, m * c, -1)
+    return s_BxHxRxP[:, :, :rows, :length], keys_BxGxPxK.transpose(0, 2, 1, 3)[:, :length]
