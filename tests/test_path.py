@@ -180,26 +180,27 @@ def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv
 
 
 def test_decoding_in_chunks_and_generation_equal_the_full_forward():
-  """A layer's cache filled by a prompt of 4, a chunk of 3 (the products among new tokens and over the cached
-  keys), then single tokens (each carrying the cache): every output equals the full forward's; a GQA PaTH-FoX
+  """A layer's cache filled by a prompt of 130 (longer than the smallest cache prefix a step may read), a chunk of 3
+  (the products among new tokens and over the cached keys), then single tokens (each carrying the cache): every
+  output equals the full forward's; a GQA PaTH-FoX
   decoder's greedy tokens and step logits equal its full forward's, a left-padded prompt's those of the prompt
   alone."""
-  spec = positions.make("path", {"forget": True, "chunk": 2}, num_heads=HEADS, hidden_size=HIDDEN, max_len=16,
-                        causal=True, num_kv_heads=2)
+  spec = positions.make("path", {"chunk": 16}, num_heads=HEADS, hidden_size=HIDDEN, max_len=160, causal=True,
+                        num_kv_heads=2)
   layer = attention.SelfAttention(spec, use_bias=False)
   rng = np.random.default_rng(1)
-  x_1xLxD = jnp.asarray(rng.normal(size=(1, 10, HIDDEN)), jnp.float32)
+  x_1xLxD = jnp.asarray(rng.normal(size=(1, 135, HIDDEN)), jnp.float32)
   state = lambda start, end: positions.PositionState(positions=jnp.arange(start, end, dtype=jnp.int32)[None])
-  params = randomize(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x_1xLxD, state(0, 10),
+  params = randomize(jax.eval_shape(layer.init, jax.random.PRNGKey(0), x_1xLxD, state(0, 135),
                                     attention.Mask(causal=True))["params"], scale=0.3)
-  full = jax.jit(layer.apply)({"params": params}, x_1xLxD, state(0, 10), attention.Mask(causal=True))
-  cache = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 12, HIDDEN)), state(0, 12),
+  full = jax.jit(layer.apply)({"params": params}, x_1xLxD, state(0, 135), attention.Mask(causal=True))
+  cache = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 140, HIDDEN)), state(0, 140),
                                             attention.Mask(causal=True), decode=True)["cache"])
   cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
   step = jax.jit(lambda cache, x, state: layer.apply({"params": params, "cache": cache}, x, state,
                                                      attention.Mask(causal=True), decode=True, mutable=["cache"]))
   outs = []
-  for start, end in ((0, 4), (4, 7), (7, 8), (8, 9), (9, 10)):
+  for start, end in ((0, 130), (130, 133), (133, 134), (134, 135)):
     out, mutated = step(cache, x_1xLxD[:, start:end], state(start, end))
     cache = mutated["cache"]
     outs.append(out)

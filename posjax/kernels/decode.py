@@ -101,7 +101,8 @@ def decode_attention(q_BxQxHxK, k_BxGxTxK, v_BxGxTxV, *, start, key_positions, k
   if implementation == "xla":
     dense = functools.partial(_dense, q_BxQxHxK, start=start, terms=terms, scale=scale, sliding_window=sliding_window,
                               chunk=chunk)
-    sizes = filled_sizes(t) if not any(t in jnp.shape(x) for x in jax.tree.leaves(terms)) else (t,)
+    sizes = (tuple(size for size in filled_sizes(t) if size >= q)  # (a prefix shorter than the queries holds none)
+             if not any(t in jnp.shape(x) for x in jax.tree.leaves(terms)) else (t,))
     if len(sizes) == 1:  # (a term with an array over the slots, the Forgetting Transformer's: the whole cache)
       return dense(k_BxGxTxK, v_BxGxTxV, positions_BxT, valid_BxT)
     # the smallest prefix of the cache that holds every slot the step reads, [0, start + Q): one program per size
