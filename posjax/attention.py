@@ -538,9 +538,11 @@ def decode_step(module: nn.Module, spec: base.PositionSpec, terms: base.LayerTer
   index = index_var.value
   positions_BxQ = jnp.broadcast_to(state.positions, (b, q)).astype(jnp.int32)
   valid_BxQ = jnp.ones((b, q), bool) if mask.padding is None else jnp.asarray(mask.padding, bool)
-  path, merged = merged.path, merged.replace(path=None)  # PaTH: the cached keys carried to the newest token
-  if path is not None and q > 1:  # a prefill: the products among the new tokens on the dense formulas
-    merged, kernel = merged.replace(path=path), "xla"
+  path = merged.path  # PaTH: the cached keys carried to the newest token
+  if path is not None and q == 1:  # a step: its factor on the cached keys (below), then plain q·k
+    merged = merged.replace(path=None)
+  elif path is not None:  # a prefill: the products among the new tokens on the dense formulas
+    kernel = "xla"
   implementation = "xla"
   if kernel == "pallas":
     refusal = kernels.decode.kernel_refusal(merged)

@@ -54,8 +54,8 @@ IMPLEMENTATIONS = ("pallas", "xla")
 PLATFORMS = tile.PLATFORMS
 __all__ = ["relative_attention", "decode_attention", "Terms", "Term", "View", "HEAD", "ROWS", "TABLE", "EMBEDDINGS",
            "KINDS", "Alibi", "Buckets", "Relative", "Untied", "Kerple", "Fire", "Sandwich", "Forget", "Cope",
-           "StickBreaking", "SoftCap", "Sink", "Path", "merge", "fold_untied", "fall_back_where", "default_block_sizes", "IMPLEMENTATIONS",
-           "PLATFORMS", "UNTIED"]
+           "StickBreaking", "SoftCap", "Sink", "Path", "merge", "fold_untied", "fall_back_where", "default_block_sizes",
+           "IMPLEMENTATIONS", "PLATFORMS", "UNTIED"]
 
 
 RULE_KERNELS = {"cope": (cope_gpu, cope_tpu), "stick_breaking": (stick_breaking_gpu, stick_breaking_tpu)}

@@ -77,14 +77,19 @@ def position_bias(terms: Terms, positions_BxL, scale: float, q_BxQxHxK=None, k_B
   return bias_BxHxQxL
 
 
+def content_logits(q_BxQxHxK, k_BxLxHxK, terms: Terms | None, scale: float, rows_Q=None):
+  """``[B, H, Q, L]`` float32: ``scale q·k``, or PaTH's ``scale q_i^T H_i ... H_{j+1} k_j`` where ``terms.path``
+  (``rows_Q``: the queries' sequence rows, default all)."""
+  if terms is not None and terms.path is not None:
+    return scale * terms.path.content(q_BxQxHxK, k_BxLxHxK, rows_Q)
+  return scale * dot_heads(q_BxQxHxK, k_BxLxHxK)
+
+
 def logits(q_BxQxHxK, k_BxLxHxK, terms: Terms, positions_BxL, scale: float, rows_Q=None):
-  """``[B, H, Q, L]`` float32: ``scale q·k`` (PaTH's ``scale q_i^T H_i ... H_{j+1} k_j`` where ``terms.path``) after
-  the open terms (:func:`posjax.kernels.term.dense_logits`, bound: :class:`posjax.kernels.term.Bound`), plus every
-  built-in term (:func:`position_bias`); ``rows_Q``: the queries' sequence rows (default all: ``Q = L``)."""
-  if terms.path is not None:
-    s_BxHxQxL = scale * terms.path.content(q_BxQxHxK, k_BxLxHxK, rows_Q)
-  else:
-    s_BxHxQxL = scale * dot_heads(q_BxQxHxK, k_BxLxHxK)
+  """``[B, H, Q, L]`` float32: the content logits (:func:`content_logits`) after the open terms
+  (:func:`posjax.kernels.term.dense_logits`, bound: :class:`posjax.kernels.term.Bound`), plus every built-in term
+  (:func:`position_bias`); ``rows_Q``: the queries' sequence rows (default all: ``Q = L``)."""
+  s_BxHxQxL = content_logits(q_BxQxHxK, k_BxLxHxK, terms, scale, rows_Q)
   if terms.open:
     s_BxHxQxL = term_lib.dense_logits(terms.open, positions_BxL, s_BxHxQxL, rows_Q)
   bias_BxHxQxL = position_bias(terms, positions_BxL, scale, q_BxQxHxK, k_BxLxHxK, rows_Q)

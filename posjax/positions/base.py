@@ -93,11 +93,9 @@ class LayerTerms:
   terms: Any = None
 
   def content_logits(self, scale: float):
-    """``[B, H, L, L]`` float32: ``scale q·k`` (PaTH's ``scale q_i^T H_i ... H_{j+1} k_j``: a
-    :class:`posjax.kernels.Path` term), the logits before the position terms."""
-    if self.terms is not None and self.terms.path is not None:
-      return scale * self.terms.path.content(self.q, self.k)
-    return scale * dot_heads(self.q, self.k)
+    """``[B, H, L, L]`` float32: ``scale q·k`` (PaTH's products where its terms hold a
+    :class:`posjax.kernels.Path`: :func:`posjax.kernels.xla.content_logits`), the logits before the position terms."""
+    return kernels.xla.content_logits(self.q, self.k, self.terms, scale)
 
   def value_term(self, weights_BxHxLxL):
     """What the method adds to the attention output from the weights (None: nothing)."""

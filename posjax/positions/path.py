@@ -86,8 +86,8 @@ def short_convolution(x_BxLxGxK, kernel_WxGxK, positions_BxL, context_BxCxGxK=No
   out_BxLxGxK = jnp.zeros(x_BxLxGxK.shape, jnp.float32)
   for s in range(width):
     tap_BxLxGxK = jax.lax.slice_in_dim(extended_BxCLxGxK, width - 1 - s, width - 1 - s + length, axis=1)
-    out_BxLxGxK = out_BxLxGxK + jnp.where((positions_BxL >= s)[:, :, None, None], tap_BxLxGxK * kernel_WxGxK[width - 1 - s],
-                                          0.0)
+    tap_BxLxGxK = jnp.where((positions_BxL >= s)[:, :, None, None], tap_BxLxGxK * kernel_WxGxK[width - 1 - s], 0.0)
+    out_BxLxGxK = out_BxLxGxK + tap_BxLxGxK
   return jax.nn.silu(out_BxLxGxK)
 
 
@@ -101,11 +101,10 @@ class PathLayer(nn.Module):
   def __call__(self, q, k, state: base.PositionState, scale, x_BxLxD, decode: bool = False):
     spec, o = self.spec, self.spec.options
     g, d = spec.kv_heads, spec.head_dim
-    rank = o.w_rank
     dense = lambda features, axes, name, **kw: nn.DenseGeneral(
         features, dtype=spec.dtype, param_dtype=spec.param_dtype, kernel_init=base.normal_init(axes), name=name, **kw)
-    if rank:
-      x_w = dense(rank, (base.EMBED, None), "w_down", use_bias=False)(x_BxLxD)
+    if o.w_rank:
+      x_w = dense(o.w_rank, (base.EMBED, None), "w_down", use_bias=False)(x_BxLxD)
       x_w_BxLxGxK = dense((g, d), (None, base.HEADS, base.KV), "w_up", use_bias=False)(x_w)
     else:
       x_w_BxLxGxK = dense((g, d), (base.EMBED, base.HEADS, base.KV), "w", use_bias=False)(x_BxLxD)

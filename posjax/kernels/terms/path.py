@@ -13,8 +13,7 @@ The dense form (:meth:`Path.content`) is the authors' chunkwise one: per chunk o
 carried back to its chunk's start and each key forward to its chunk's end, and the chunk's whole product
 ``H_C ... H_1 = I - W^T T diag(β) W``; a scan over the query chunks then carries the earlier keys forward chunk by
 chunk, so the cost is the attention's ``O(L^2 K)``, nothing is ``[L, K, K]`` and nothing but the logits is ``[L,
-L]``. Packed documents need no restart of the
-products: a pair of one document only spans that document's tokens. Decoding (:meth:`Path.step`,
+L]``. Packed documents need no restart of the products: a pair of one document only spans that document's tokens. Decoding (:meth:`Path.step`,
 :meth:`Path.keys_at_end`) keeps the keys of a cache transformed up to the newest token, as the official decoding
 does: each new token's factor applied to every cached key (a rank-one update), the new key appended raw.
 
@@ -63,8 +62,6 @@ class Path:
   step's new tokens, the cached keys already carrying theirs). The content logits become ``q_i^T H_i ... H_{j+1} k_j``
   (:meth:`content`); every other term adds to them as usual. ``chunk``: the dense form's chunk (its cost and
   memory, not its result)."""
-
-  FIELD = "path"  # its Terms field
 
   w: jax.Array  # [B, Q, G, K]
   beta: jax.Array  # [B, Q, G]
