@@ -46,6 +46,7 @@ from posjax.kernels.decode import decode_attention
 from posjax.kernels.exact import fall_back_where
 from posjax.kernels.shard import per_shard
 from posjax.kernels.fold import UNTIED, fold_untied
+from posjax.kernels.terms import path as path_lib
 from posjax.kernels.terms import (WEIGHT_RULES, Alibi, Buckets, Cope, Fire, Forget, Kerple, Path, Relative,
                                   Sandwich, Sink, SoftCap, StickBreaking, Terms, Untied, as_terms, bind_open,
                                   check_rows, kv_group, merge)
@@ -256,6 +257,15 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     raise ValueError(f"the TPU kernels need a query block that is a multiple of 8 and a key block that is a "
                      f"multiple of 128 (or blocks as long as the padded sequence, {padded}); the tiles are "
                      f"{bq}x{bk} (block_sizes={tuple(block_sizes)})")
+  if terms.path is not None:  # PaTH's blocks: whole tiles, the sequence a whole number of them
+    if tpu:
+      raise ValueError("PaTH's content term (Terms.path) has GPU (Triton) kernels, not TPU ones; use "
+                       "implementation='xla' on TPU")
+    size = min(terms.path.band, padded)
+    if size % bq or size % bk:
+      raise ValueError(f"Path.band={terms.path.band} must be a multiple of the {bq}x{bk} tiles "
+                       f"(block_sizes={tuple(block_sizes)})")
+    padded = -(-padded // size) * size
   # The sequence padded to the tiles, head dimensions and the tables' rows to powers of two (Triton's arrays must
   # be), with zeros that change no logit (padded keys are masked) and get no gradient.
   pad = lambda x_S, axis, size: jnp.pad(x_S, [(0, size - x_S.shape[a] if a == axis else 0) for a in range(x_S.ndim)])
@@ -285,6 +295,14 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   if terms.cope is not None:  # rows of the padded head dim (zeros: q's padding reads nothing)
     terms = terms.replace(cope=terms.cope.replace(table=pad(terms.cope.table, 0, head_dim)))
   terms = terms.replace(open=tile.pad_open(terms.open, b, padded, tpu))
+  keys_first = lambda x_BxLxGxK: pad(x_BxLxGxK, 1, padded).transpose(0, 2, 1, 3)
+  if terms.path is not None:  # the kernels' queries and keys: each query at its block's start, the keys' copies
+    path = terms.path.replace(w=pad(terms.path.w, 1, padded), beta=pad(terms.path.beta, 1, padded))
+    q_BxPxHxK, copies_BxGxNPxK, blocked = path_lib.blocks(path, pad(q_BxLxHxK, 1, padded),
+                                                          pad(k_BxLxGxK, 1, padded), size)
+    q_BxLxHxK = q_BxPxHxK.astype(q_BxLxHxK.dtype)
+    keys_first = lambda _: copies_BxGxNPxK.astype(k_BxLxGxK.dtype)
+    terms = terms.replace(path=blocked)
   leaves, treedef = jax.tree_util.tree_flatten(terms)
   plan = tile.Plan(scale=scale, causal=causal, block_q=bq, block_k=bk, length=length,
                    interpret=interpret, treedef=treedef, dropout=dropout_rate, group=group,
@@ -298,7 +316,7 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
   if terms.relative is not None and terms.relative.window:
     backend = exact.windowed(plan, backend, functools.partial(exact.dense, plan))
   out_BxHxPxV = per_shard(backend, terms, b, h, batch_axes, head_axes, kv_heads=h // group)(
-      leaves, heads_first(q_BxLxHxK, head_dim), heads_first(k_BxLxGxK, head_dim),
+      leaves, heads_first(q_BxLxHxK, head_dim), pad(keys_first(k_BxLxGxK), 3, head_dim),
       heads_first(v_BxLxGxK, value_dim), pad(positions_BxL, 1, padded), pad(segment_ids_BxL, 1, padded),
       pad(valid_BxL.astype(jnp.int32), 1, padded), salts_BxH)
   return out_BxHxPxV.transpose(0, 2, 1, 3)[:, :length, :, :v_BxLxGxK.shape[-1]]

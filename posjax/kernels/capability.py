@@ -1,11 +1,12 @@
 """Which kernel computes what: one table, :func:`refusal`, that every refusal quotes.
 
-- ``xla``: everything (the dense reference); PaTH's content term (``Terms.path``) only there.
+- ``xla``: everything (the dense reference).
 - ``cudnn``: a softmax of ``scale q·k`` plus an additive bias, without attention dropout: not a rule that replaces
   the softmax, not a sink, not an open term (it may modify the score, which a bias cannot), not dense logits
   (Methods 1-3, Shaw's value term).
 - ``pallas`` (:func:`posjax.kernels.relative_attention`): every term and a sink; not dense logits; a rule (CoPE,
-  stick-breaking) alone in its call and without attention dropout (its kernels drop no weights).
+  stick-breaking) alone in its call and without attention dropout (its kernels drop no weights); PaTH's content
+  term (``Terms.path``, its blocked form) without a rule or relative vectors.
 - ``decode`` (the Pallas decode kernels, :func:`posjax.kernels.decode_attention`): the softmax with the terms built
   per tile from positions (every open term, the built-in ones among them); not Shaw's / Method 4's relative vectors,
   TUPE's untied term (an encoder's) or a rule.
@@ -32,9 +33,9 @@ def refusal(kernel: str, terms: Terms | None = None, *, dropout: bool = False, d
     return None
   if dense:
     return f"the {WORDS[kernel]} kernels do not compute dense logits (logits that replace q·k, or a value term)"
-  if terms.path is not None:
+  if terms.path is not None and kernel != "pallas":
     return (f"the {WORDS[kernel]} kernels compute q·k; PaTH's content term is a product of Householder factors "
-            "(the xla kernel computes it)")
+            "(the xla and Pallas kernels compute it)")
   if kernel == "cudnn":
     if dropout:
       return "dropout on attention weights is on (posjax runs cuDNN without it)"
@@ -46,6 +47,9 @@ def refusal(kernel: str, terms: Terms | None = None, *, dropout: bool = False, d
       return "cuDNN's softmax has no sink logit in its denominator"
     return None
   if kernel == "pallas":
+    if terms.path is not None and (rules or terms.relative is not None):
+      return (f"the Pallas kernels do not compute PaTH's content term with the "
+              f"{rules[0] if rules else 'relative'} term")
     others = [name for name in given if rules and name != rules[0]]
     if others:
       return f"the Pallas kernels do not compute {rules[0]} with the {'/'.join(others)} term"

@@ -24,6 +24,8 @@ def term_specs(terms: Terms, batch, heads) -> Terms:
     specs["relative"] = terms.relative.replace(table=P())
   if terms.sink is not None:  # a logit per query head: each shard its heads'
     specs["sink"] = terms.sink.replace(logits=P(heads))
+  if terms.path is not None:  # PaTH's band (its kernel form): per row and head
+    specs["path"] = terms.path.replace(band=P(batch, heads, None, None))
   if terms.cope is not None:  # its table of position embeddings, shared by every head
     specs["cope"] = terms.cope.replace(table=P())
   if terms.untied is not None:

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from posjax.kernels import term as term_lib
+from posjax.kernels import path_blocks, term as term_lib
 from posjax.kernels.terms import Terms, sink as sink_lib
 from posjax.kernels.tile import (Plan, fold_window_table, group_sum, kv_head, overlap_add,
                                  place_rows, query_share, query_side, row_delta, tile_ranges, untied_grads,
@@ -118,6 +118,8 @@ def kernel_inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, pos
   for name in ("theta_row", "theta_col"):
     if name in inputs:
       specs[name] = _head_spec(inputs[name])
+  if terms.path is not None:  # PaTH's band of dense logits (the copies of the keys come as k)
+    inputs["band"], specs["band"] = terms.path.band, row_spec(terms.path.band)
   for key, (kind, x) in term_lib.kernel_arrays(terms.open).items():  # by kind: a head's row, or whole rows
     inputs[key] = x
     specs[key] = (_head_spec(x) if kind in (term_lib.HEAD, term_lib.TABLE) else row_spec(x) if x.ndim == 4
@@ -262,8 +264,9 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, query_offset,
    out_BxHxLxV, (row_max_BxHxL, row_sum_BxHxL), extra, (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
   terms = plan.terms(leaves)
-  b, h, l, d = q_BxHxLxK.shape  # l: the queries; keys: k's length
-  n_q, n_k = l // plan.block_q, k_BxHxLxK.shape[2] // plan.block_k
+  b, h, l, d = q_BxHxLxK.shape  # l: the queries; keys: v's length (k: PaTH's copies, n of them)
+  t = v_BxHxLxV.shape[2]
+  n_q, n_k = l // plan.block_q, t // plan.block_k
   delta_BxHxL = row_delta(d_out_BxHxLxV, out_BxHxLxV)
   inputs, specs = kernel_inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL,
                           valid_BxL, salts_BxH, {**extra, "d_out": d_out_BxHxLxV})
@@ -291,12 +294,17 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(b, h, l), rows_spec(plan.block_q)
     else:
       dq_out["d" + key + "@q"], dq_specs["d" + key + "@q"] = f32(b, h, l, x.shape[-1]), row_spec(x, plan.block_q)
+  if terms.path is not None:
+    dq_out["dband"], dq_specs["dband"] = f32(*terms.path.band.shape), row_spec(terms.path.band, plan.block_q)
   dq_res = call(dq_kernel, plan, terms, {**inputs, "tiles": key_tiles_BxNx2}, {**specs, "tiles": range_spec()},
                  dq_out, dq_specs, n_q)
 
-  t = k_BxHxLxK.shape[2]
   dkv_out = {"dk": f32(b, h, t, d), "dv": f32(b, h, t, v_BxHxLxV.shape[-1])}
   dkv_specs = {"dk": row_spec(k_BxHxLxK, plan.block_k), "dv": row_spec(v_BxHxLxV, plan.block_k)}
+  if terms.path is not None:  # each copy's rows of the key tile
+    copies = k_BxHxLxK.shape[2] // t
+    dkv_out["dk"] = f32(b, h, copies, t, d)
+    dkv_specs["dk"] = pl.BlockSpec((1, 1, copies, plan.block_k, d), lambda b, h, j: (b, h, 0, j, 0))
   if "ke" in extra:
     dkv_out["dke"] = f32(b, h, t, extra["ke"].shape[-1])
     dkv_specs["dke"] = row_spec(dkv_out["dke"], plan.block_k)
@@ -310,6 +318,9 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   dkv_res = call(dkv_kernel, plan, terms, {**inputs, "tiles": query_tiles_BxMx2}, {**specs, "tiles": range_spec()},
                   dkv_out, dkv_specs, n_k)
 
+  if terms.path is not None:
+    dq_res["dband"], dkv_res["dk"] = path_blocks.visited_grads(plan, terms.path.size, dq_res["dband"], dkv_res["dk"],
+                                                               key_tiles_BxNx2, query_tiles_BxMx2)
   # written per query head; a shared key/value head's gradient is the sum over its group
   dkv_res.update({name: group_sum(dkv_res[name], plan.group) for name in ("dk", "dv", "dke") if name in dkv_res})
   dq_BxHxLxK, dk_BxHxLxK, dv_BxHxLxV = dq_res["dq"], dkv_res["dk"], dkv_res["dv"]
@@ -351,6 +362,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   d_terms = d_terms.replace(open=term_lib.gradients(terms.open, {**dq_res, **dkv_res}))
   if terms.sink is not None:
     d_terms = d_terms.replace(sink=sink_lib.gradient(terms.sink, row_max_BxHxL, row_sum_BxHxL, delta_BxHxL))
+  if terms.path is not None:
+    d_terms = d_terms.replace(path=terms.path.replace(band=dq_res["dband"]))
   d_leaves = jax.tree_util.tree_leaves(d_terms)
   return (d_leaves, dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
           dv_BxHxLxV.astype(v_BxHxLxV.dtype), None, None, None, None, None)

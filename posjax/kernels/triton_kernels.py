@@ -36,7 +36,7 @@ class Tile(TileBase):
     self.plan, self.terms, self.refs, self.i0, self.j0 = plan, terms, refs, i0, j0
     rows, cols = pl.ds(i0, bq), pl.ds(j0, bk)
     self.rows, self.cols = rows, cols
-    self.q_QxK, self.k_TxK = refs["q"][0, 0, rows, :], refs["k"][0, 0, cols, :]
+    self.q_QxK, self.k_TxK = refs["q"][0, 0, rows, :], self._keys()
     pos_j_T = refs["positions"][0, cols]
     allowed_QxT = jnp.broadcast_to(refs["valid"][0, cols][None, :] > 0, (bq, bk))
     if "q_slots" in refs:  # the queries' own positions and slots: a context shard's (with their segment ids) or
@@ -53,8 +53,26 @@ class Tile(TileBase):
     self.index_i_QxT, self.index_j_QxT = index_i_QxT, j0 + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     self.open_q_positions, self.open_k_positions = pos_i_Q[:, None], pos_j_T[None, :]
     self.open_q_index, self.open_k_index = self.index_i_QxT, self.index_j_QxT
-    s_QxT = self.add_position_terms(self.open_logits(plan.scale * dot_t(self.q_QxK, self.k_TxK)), rel_QxT)
+    s_QxT = self.add_position_terms(self.open_logits(self._content()), rel_QxT)
     self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
+
+  WRITTEN = ()  # accumulators the tile writes itself (the kernels' last stores skip them)
+
+  def _keys(self):
+    """The key tile ``[T, K]``."""
+    return self.refs["k"][0, 0, self.cols, :]
+
+  def _content(self):
+    """The content logits ``scale q·k`` ``[Q, T]`` the terms add to."""
+    return self.plan.scale * dot_t(self.q_QxK, self.k_TxK)
+
+  def add_query_grads(self, acc: dict, d_content_QxT) -> dict:
+    """``dq`` from the content logits' gradient."""
+    return {**acc, "dq": acc["dq"] + self.plan.scale * dot_in(dot, d_content_QxT, self.k_TxK)}
+
+  def add_key_grads(self, acc: dict, d_content_QxT) -> dict:
+    """``dk`` from the content logits' gradient."""
+    return {**acc, "dk": acc["dk"] + self.plan.scale * dot_in(t_dot, d_content_QxT, self.q_QxK)}
 
   def open_load(self, key: str, kind: str, side):
     """An open term's input (:mod:`posjax.kernels.term`): a head's scalar, or the tile's query / key rows (decoding:
@@ -159,6 +177,52 @@ class Tile(TileBase):
     return ref[0, 0, row_index_QxT, column_index_QxT].astype(jnp.float32)
 
 
+class PathTile(Tile):
+  """A tile of PaTH's blocked form (:class:`posjax.kernels.terms.path.PathBlocks`): in the query's block its content
+  logits are the band's columns; before it, ``q_b · k`` with the keys of the query block's copy (rows ``I P ..`` of
+  ``k``). Its gradients: the band's into the ``dq`` kernel's ``dband`` block, the copies' into the ``dk/dv``
+  kernel's ``[N, T, K]`` block, each block's sum stored as its query tiles are walked (the kernels' last stores
+  skip ``dk``)."""
+
+  WRITTEN = ("dk",)
+
+  def _block(self):
+    size = self.terms.path.size
+    return self.i0 // size, self.i0 // size == self.j0 // size, jnp.clip(self.j0 - (self.i0 // size) * size, 0,
+                                                                          size - self.plan.block_k)
+
+  def _keys(self):
+    block, _, _ = self._block()
+    return self.refs["k"][0, 0, pl.ds(block * self.refs["v"].shape[2] + self.j0, self.plan.block_k), :]
+
+  def _content(self):
+    _, in_band, column = self._block()
+    band_QxT = self.refs["band"][0, 0, self.rows, pl.ds(column, self.plan.block_k)]
+    return self.plan.scale * jnp.where(in_band, band_QxT, dot_t(self.q_QxK, self.k_TxK))
+
+  def add_query_grads(self, acc: dict, d_content_QxT) -> dict:
+    _, in_band, column = self._block()
+
+    @pl.when(in_band)
+    def _():
+      self.refs["dband"][0, 0, :, pl.ds(column, self.plan.block_k)] = self.plan.scale * d_content_QxT
+
+    return super().add_query_grads(acc, jnp.where(in_band, 0.0, d_content_QxT))
+
+  def add_key_grads(self, acc: dict, d_content_QxT) -> dict:
+    block, in_band, _ = self._block()
+    fresh = self.i0 % self.terms.path.size == 0  # the block's first query tile
+    acc = super().add_key_grads({**acc, "dk": jnp.where(fresh, 0.0, acc["dk"])},
+                                jnp.where(in_band, 0.0, d_content_QxT))
+    self.refs["dk"][0, 0, block, :, :] = acc["dk"]
+    return acc
+
+
+def tile_class(terms: Terms):
+  """The kernels' tile for ``terms``: PaTH's blocked form reads its own."""
+  return PathTile if terms.path is not None else Tile
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Kernels. Inputs are whole (batch, head) rows; outputs are this program's tile.
 
@@ -201,7 +265,7 @@ def _attend(plan: Plan, terms: Terms, r: dict, i0, lo, hi):
 
   def body(t, carry):
     row_max_Q, row_sum_Q, acc_QxV, misplaced_Q = carry
-    tile = Tile(plan, terms, r, i0, t * plan.block_k)
+    tile = tile_class(terms)(plan, terms, r, i0, t * plan.block_k)
     new_max_Q = jnp.maximum(row_max_Q, jnp.max(tile.s_QxT, axis=1))
     alpha_Q = jnp.exp(row_max_Q - new_max_Q)
     p_QxT = jnp.exp(tile.s_QxT - new_max_Q[:, None])
@@ -316,10 +380,10 @@ def dq_kernel(plan: Plan, terms: Terms, names, *refs):
     zero_block(plan, r["dqe"], rows=True)
 
   def body(t, acc):
-    tile = Tile(plan, terms, r, i0, t * plan.block_k)
+    tile = tile_class(terms)(plan, terms, r, i0, t * plan.block_k)
     _, ds_QxT = _ds(plan, r, tile)
     d_content_QxT, d_values, d_lookups, acc = tile.open_grads(ds_QxT, dict(acc), _add_to_head)
-    acc["dq"] = acc["dq"] + plan.scale * dot_in(dot, d_content_QxT, tile.k_TxK)
+    acc = tile.add_query_grads(acc, d_content_QxT)
     for (key, side), d_value in d_values.items():  # the query side's and the heads' shares
       if open_kinds[key] == term_lib.HEAD:
         acc = _add_to_head(acc, key, side, d_value)
@@ -362,13 +426,13 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
       acc["d" + key + "@k"] = jnp.zeros(r["d" + key + "@k"].shape[2:], jnp.float32)
 
   def body(t, acc):
-    tile = Tile(plan, terms, r, t * plan.block_q, j0)
+    tile = tile_class(terms)(plan, terms, r, t * plan.block_q, j0)
     p_QxT, ds_QxT = _ds(plan, r, tile)
     acc = dict(acc)
     do_QxV = r["d_out"][0, 0, tile.rows, :]
     acc["dv"] = acc["dv"] + dot_in(t_dot, p_QxT, do_QxV)
     d_content_QxT, d_values, _, _ = tile.open_grads(ds_QxT)
-    acc["dk"] = acc["dk"] + plan.scale * dot_in(t_dot, d_content_QxT, tile.q_QxK)
+    acc = tile.add_key_grads(acc, d_content_QxT)
     for (key, side), d_value in d_values.items():  # the key side's shares
       if side == "k":
         acc["d" + key + "@k"] = acc["d" + key + "@k"] + (jnp.sum(d_value, axis=0) if open_kinds[key] == term_lib.ROWS
@@ -383,7 +447,8 @@ def dkv_kernel(plan: Plan, terms: Terms, names, *refs):
 
   acc = jax.lax.fori_loop(*tile_range(r), body, acc)
   for name, value in acc.items():
-    _write(r[name], value, rows=True)
+    if name not in tile_class(terms).WRITTEN:
+      _write(r[name], value, rows=True)
 
 
 def window_grad_kernel(plan: Plan, terms: Terms, names, *refs):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 CHUNK = 64  # the dense form's default chunk
+BAND = 256  # the Pallas kernels' default block of dense logits (PathBlocks)
 
 
 def unit_lower_inverse(n_SxCxC):
@@ -60,12 +61,14 @@ class Path:
   """PaTH's Householder factors ``H_t = I - β_t w_t w_t^T`` of one attention call: ``w`` ``[B, Q, G, K]`` and ``β``
   ``[B, Q, G]``, per token and key/value head (float32), of the call's query rows (all ``L`` in training; a decoding
   step's new tokens, the cached keys already carrying theirs). The content logits become ``q_i^T H_i ... H_{j+1} k_j``
-  (:meth:`content`); every other term adds to them as usual. ``chunk``: the dense form's chunk (its cost and
-  memory, not its result)."""
+  (:meth:`content`); every other term adds to them as usual. ``chunk``: the dense form's chunk; ``band``: the Pallas
+  kernels' blocks (:func:`blocks`: ``[B, H, L, band]`` dense logits and ``L / band`` copies of the keys against
+  ``[B, H, L, L]``); both set the cost and memory, not the result."""
 
   w: jax.Array  # [B, Q, G, K]
   beta: jax.Array  # [B, Q, G]
   chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
+  band: int = flax.struct.field(pytree_node=False, default=BAND)
 
   def check(self, batch: int, num_heads: int, head_dim: int, length: int) -> None:
     """Shapes, with errors that say what was given and what is allowed."""
@@ -79,6 +82,8 @@ class Path:
                        "and key/value head)")
     if not isinstance(self.chunk, int) or self.chunk < 1:
       raise ValueError(f"Path.chunk={self.chunk!r} must be a positive int")
+    if not isinstance(self.band, int) or self.band < 1:
+      raise ValueError(f"Path.band={self.band!r} must be a positive int")
 
   def content(self, q_BxQxHxK, k_BxLxGxK, rows_Q=None):
     """``[B, H, Q, L]`` float32: ``q_i^T H_i ... H_{j+1} k_j`` for the queries at rows ``rows_Q`` (consecutive rows,
@@ -104,6 +109,38 @@ class Path:
     along_BxGxT = jnp.einsum("bgtk,bgok->bgt", k_BxGxTxK, w_BxGx1xK) * beta_BxGx1
     return k_BxGxTxK - jnp.where(before_T[:, None], along_BxGxT[..., None], 0.0) * w_BxGx1xK
 
+  def _chunking(self):
+    """``(C, M, pad, chunks)``: the chunk, the rows' chunks, the rows padded to whole chunks (identity factors, zero
+    queries) and ``[B, R, G, X]`` rows as ``[B, G, M, C, X]`` chunks."""
+    b, rows, g, _ = self.w.shape
+    c = min(self.chunk, rows)
+    m = -(-rows // c)
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, m * c - rows)] + [(0, 0)] * (x.ndim - 2))
+    chunks = lambda x_BxRxGxX: x_BxRxGxX.reshape(b, m, c, g, -1).transpose(0, 3, 1, 2, 4)
+    return c, m, pad, chunks
+
+  def _chunk_factors(self):
+    """``(W [B, G, M, C, K], β [B, G, M, C], T [B, G, M, C, C], U [B, G, M, C, K])`` per chunk: the UT transform
+    ``T = (I + diag(β) strict_lower(W W^T))^{-1}`` and ``U = T diag(β) W``, the chunk's product ``H_C ... H_1 = I -
+    W^T U``."""
+    c, _, pad, chunks = self._chunking()
+    w_BxGxMxCxK, beta_BxGxMxC = chunks(pad(self.w)), chunks(pad(self.beta)[..., None])[..., 0]
+    gram_BxGxMxCxC = jnp.einsum("bgmtk,bgmsk->bgmts", w_BxGxMxCxK, w_BxGxMxCxK)
+    lower_CxC = jnp.tril(jnp.ones((c, c), bool), -1)  # t > j
+    t_BxGxMxCxC = unit_lower_inverse(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * gram_BxGxMxCxC, 0.0))
+    u_BxGxMxCxK = jnp.einsum("bgmts,bgmsk->bgmtk", t_BxGxMxCxC, beta_BxGxMxC[..., None] * w_BxGxMxCxK)
+    return w_BxGxMxCxK, beta_BxGxMxC, t_BxGxMxCxC, u_BxGxMxCxK
+
+  def product(self):
+    """``[B, G, K, K]``: the whole product of this term's factors, ``H_Q ... H_1`` (a column vector's operator),
+    chunk by chunk."""
+    w_BxGxMxCxK, _, _, u_BxGxMxCxK = self._chunk_factors()
+    k = w_BxGxMxCxK.shape[-1]
+    step = lambda p_BxGxKxK, wu: (p_BxGxKxK - jnp.einsum("bgck,bgcx->bgkx", wu[0], jnp.einsum(
+        "bgcx,bgxy->bgcy", wu[1], p_BxGxKxK)), None)
+    eye_BxGxKxK = jnp.broadcast_to(jnp.eye(k, dtype=jnp.float32), (*w_BxGxMxCxK.shape[:2], k, k))
+    return jax.lax.scan(step, eye_BxGxKxK, (jnp.moveaxis(w_BxGxMxCxK, 2, 0), jnp.moveaxis(u_BxGxMxCxK, 2, 0)))[0]
+
   def _walk(self, q_BxQxHxK, k_BxLxGxK, offset=0):
     """``([B, H, Q, L] logits, or None without queries; [B, L, G, K] keys carried to the end)``, the factors (this
     term's ``Q`` rows) and the queries at rows ``offset ..`` (traced) of the ``L`` keys: the rows' chunks' products
@@ -112,23 +149,15 @@ class Path:
     block, ``[B, H, C, L]`` each)."""
     b, length, g, k = k_BxLxGxK.shape
     rows = self.w.shape[1]
-    c = min(self.chunk, rows)
-    m = -(-rows // c)
-    # the rows padded to whole chunks (identity factors, zero queries), the keys by as much past the last
-    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, m * c - rows)] + [(0, 0)] * (x.ndim - 2))
+    c, m, pad, chunks = self._chunking()
     all_BxPxGxK = pad(k_BxLxGxK)
     offset = jnp.asarray(offset, jnp.int32)
     # [B, G, M, C, K] the rows' keys and w, [B, G, M, C] β, [B, G, N, M, C, K] queries
-    chunks = lambda x_BxRxGxX: x_BxRxGxX.reshape(b, m, c, g, -1).transpose(0, 3, 1, 2, 4)
     k_BxGxMxCxK = chunks(jax.lax.dynamic_slice_in_dim(all_BxPxGxK, offset, m * c, axis=1))
-    w_BxGxMxCxK, beta_BxGxMxC = chunks(pad(self.w)), chunks(pad(self.beta)[..., None])[..., 0]
+    w_BxGxMxCxK, beta_BxGxMxC, t_BxGxMxCxC, u_BxGxMxCxK = self._chunk_factors()
+    solve = lambda rhs: jnp.einsum("bgmts,bgmsx->bgmtx", t_BxGxMxCxC, rhs)
     lower_CxC = jnp.tril(jnp.ones((c, c), bool), -1)  # t > j
     lower_incl_CxC = jnp.tril(jnp.ones((c, c), bool))  # t <= i
-    gram_BxGxMxCxC = jnp.einsum("bgmtk,bgmsk->bgmts", w_BxGxMxCxK, w_BxGxMxCxK)
-    # T = (I + diag(β) strict_lower(W W^T))^{-1}
-    t_BxGxMxCxC = unit_lower_inverse(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * gram_BxGxMxCxC, 0.0))
-    solve = lambda rhs: jnp.einsum("bgmts,bgmsx->bgmtx", t_BxGxMxCxC, rhs)
-    u_BxGxMxCxK = solve(beta_BxGxMxC[..., None] * w_BxGxMxCxK)  # the chunk's product: I - W^T U
     wk_BxGxMxCxC = jnp.einsum("bgmtk,bgmjk->bgmtj", w_BxGxMxCxK, k_BxGxMxCxK)
     x_BxGxMxCxC = solve(jnp.where(lower_CxC, beta_BxGxMxC[..., None] * wk_BxGxMxCxC, 0.0))  # key j's coefficients
     ends_BxGxMxCxK = k_BxGxMxCxK - jnp.einsum("bgmtj,bgmtk->bgmjk", x_BxGxMxCxC, w_BxGxMxCxK)  # to the chunk's end
@@ -168,3 +197,63 @@ class Path:
     keys_BxGxPxK, rows_MxBxGxNxCxP = jax.lax.scan(query_chunk, keys_BxGxPxK, jnp.arange(m))
     s_BxHxRxP = rows_MxBxGxNxCxP.transpose(1, 2, 3, 0, 4, 5).reshape(b, heads, m * c, -1)
     return s_BxHxRxP[:, :, :rows, :length], keys_BxGxPxK.transpose(0, 2, 1, 3)[:, :length]
+
+
+@flax.struct.dataclass
+class PathBlocks:
+  """The Pallas kernels' form of :class:`Path` (:func:`blocks`): the sequence cut into blocks of ``size`` tokens. A
+  pair in one block reads its content logit from ``band`` ``[B, H, P, S]`` (row ``i``, column ``j`` less the block's
+  first token); a pair across blocks is ``q_b,i · copies[I]_j``, the query carried to its block's start and the key
+  to the same token (``copies`` ``[B, G, N P, K]``: block ``I``'s keys at rows ``I P ..``, every key carried to
+  block ``I``'s first token, zero at and after it). So the kernels see plain ``q·k`` tiles off the band, and the
+  products' gradients flow back through :func:`blocks` in XLA. The copies come to the kernels as their keys."""
+
+  band: jax.Array  # [B, H, P, S] float32, unscaled
+  size: int = flax.struct.field(pytree_node=False, default=256)
+
+
+def blocks(path: Path, q_BxPxHxK, k_BxPxGxK, size: int):
+  """``(q_b [B, P, H, K], copies [B, G, N P, K], PathBlocks)`` of PaTH's content logits for blocks of ``size`` tokens (``P`` a multiple of
+  it, the factors ``path``'s ``P`` rows), in float32:
+
+  - the band: each block's own logits, :meth:`Path.content` of the block alone;
+  - ``q_b``: each query carried to its block's first token ``s``, ``H_s ... H_i q_i`` (the factors are symmetric,
+    so ``q_i^T H_i ... H_s = q_b^T``): :meth:`Path.keys_at_end` on the block reversed, its factors one slot later;
+  - the copies: a scan over the blocks carrying every key to each block's first token, through each block's whole
+    product (:meth:`Path.product`, ``K x K``), the block's own keys entering at its end.
+
+  Memory: the band ``P S`` a head, the copies ``N`` keys' worth (``N = P / size``), against ``P^2`` dense."""
+  b, length, h, k = q_BxPxHxK.shape
+  g = k_BxPxGxK.shape[2]
+  n = length // size
+  fold = lambda x_BxPxX: x_BxPxX.reshape(b * n, size, *x_BxPxX.shape[2:])
+  inner = Path(fold(path.w), fold(path.beta), path.chunk)
+  band_BnxHxSxS = inner.content(fold(q_BxPxHxK), fold(k_BxPxGxK))
+  band_BxHxPxS = band_BnxHxSxS.reshape(b, n, h, size, size).transpose(0, 2, 1, 3, 4).reshape(b, h, length, size)
+  # the queries: the block reversed (slot p holds query size - 1 - p), factor size - p at slot p (identity at 0)
+  group = h // g
+  reverse = lambda x_BnxSxX: jnp.flip(x_BnxSxX, axis=1)
+  later = lambda x_BnxSxX: jnp.pad(reverse(x_BnxSxX), [(0, 0), (1, 0)] + [(0, 0)] * (x_BnxSxX.ndim - 2))
+  per_query_head = lambda x_BnxSxX: jnp.repeat(x_BnxSxX, group, axis=0)  # [B n N, ...]: a group's heads as rows
+  q_BnNxSxGxK = fold(q_BxPxHxK).reshape(b * n, size, g, group, k).transpose(0, 3, 1, 2, 4).reshape(
+      b * n * group, size, g, k)
+  keys_BnNxSxGxK = jnp.pad(reverse(q_BnNxSxGxK), [(0, 0), (0, 1), (0, 0), (0, 0)])
+  carried = Path(per_query_head(later(inner.w)), per_query_head(later(inner.beta)), path.chunk).keys_at_end(
+      keys_BnNxSxGxK)[:, :size]
+  q_b_BxPxHxK = reverse(carried).reshape(b * n, group, size, g, k).transpose(0, 2, 3, 1, 4).reshape(b, length, h, k)
+  # the copies
+  ends_BxNxSxGxK = inner.keys_at_end(fold(k_BxPxGxK)).reshape(b, n, size, g, k)
+  products_NxBxGxKxK = jnp.moveaxis(inner.product().reshape(b, n, g, k, k), 1, 0)
+  slot_P = jnp.arange(length)
+
+  def step(keys_BxGxPxK, a):
+    """Block ``a``'s copy (the keys before it, at its first token), then the keys through it and its own keys."""
+    copy_BxGxPxK = jnp.where((slot_P < a * size)[:, None], keys_BxGxPxK, 0.0)
+    moved_BxGxPxK = jnp.einsum("bgpk,bgxk->bgpx", keys_BxGxPxK, products_NxBxGxKxK[a])
+    own_BxGxSxK = jnp.moveaxis(ends_BxNxSxGxK[:, a], 1, 2)
+    return jax.lax.dynamic_update_slice_in_dim(moved_BxGxPxK, own_BxGxSxK, a * size, axis=2), copy_BxGxPxK
+
+  keys_BxGxPxK = jnp.zeros((b, g, length, k), jnp.float32)
+  _, copies_NxBxGxPxK = jax.lax.scan(step, keys_BxGxPxK, jnp.arange(n))
+  copies_BxGxNPxK = jnp.moveaxis(copies_NxBxGxPxK, 0, 2).reshape(b, g, n * length, k)
+  return q_b_BxPxHxK, copies_BxGxNPxK, PathBlocks(band_BxHxPxS, size)
