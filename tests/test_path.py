@@ -1,7 +1,7 @@
 """PaTH attention: the op's products against a float64 loop of the paper's formula (outputs and every gradient along
 random directions), a whole layer against the official PyTorch reference (fla's ``PaTHAttention`` with its
 ``naive_path_attn``, transcribed and run in float64 on the same weights), decoding in chunks equal to the full
-forward, and what no kernel but ``xla`` computes refused in one line."""
+forward, and what the kernels do not compute refused in one line."""
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +24,12 @@ SEGMENTS = np.array([[0] * 7 + [1] * 5, [0] * 12], np.int32)
 VALID = np.array([[True] * 12, [True] * 9 + [False] * 3])
 
 
-def test_the_op_matches_a_float64_loop_with_every_gradient():
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_the_op_matches_a_float64_loop_with_every_gradient(implementation):
   """Packed, padded, causal rows with 2 query heads a key head, the forget gate beside, chunks of 5 over 12 tokens
-  (a padded last chunk): the output and the gradients of q, k, v, w, β and the gate's sums."""
+  (a padded last chunk): the output and the gradients of q, k, v, w, β and the gate's sums. ``pallas``: the GPU
+  kernels in their interpreter, 4x4 tiles and blocks of 8 (the band and one copy of the keys; the second document
+  of row 0 crosses the blocks' boundary)."""
   rng = np.random.default_rng(0)
   b, length, heads, kv_heads, dim = 2, 12, 4, 2, 6
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
@@ -38,9 +41,10 @@ def test_the_op_matches_a_float64_loop_with_every_gradient():
   weights = rng.normal(size=(b, length, heads, dim))
 
   def attend(q, k, v, w, beta, c):
-    terms = kernels.Terms(path=kernels.Path(w, beta, chunk=5), forget=kernels.Forget(c))
+    terms = kernels.Terms(path=kernels.Path(w, beta, chunk=5, band=4), forget=kernels.Forget(c))
     return kernels.relative_attention(q, k, v, terms=terms, positions=POSITIONS, segment_ids=SEGMENTS, padding=VALID,
-                                      causal=True, implementation="xla")
+                                      causal=True, implementation=implementation,
+                                      block_sizes=(2, 2) if implementation == "pallas" else None)
 
   inputs = dict(q=q, k=k, v=v, w=w, beta=beta, c=c)
   out, backward = jax.jit(lambda x: jax.vjp(lambda y: attend(**y), x))(inputs)
@@ -181,8 +185,8 @@ def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv
 
 def test_decoding_in_chunks_and_generation_equal_the_full_forward():
   """A layer's cache filled by a prompt of 130 (longer than the smallest cache prefix a step may read), a chunk of 3
-  (the products among new tokens and over the cached keys), then single tokens (each carrying the cache): every
-  output equals the full forward's; a GQA PaTH-FoX
+  (the products among new tokens and over the cached keys), then single tokens (each carrying the cache; the last
+  on the Pallas decode kernels, interpreted): every output equals the full forward's; a GQA PaTH-FoX
   decoder's greedy tokens and step logits equal its full forward's, a left-padded prompt's those of the prompt
   alone."""
   spec = positions.make("path", {"chunk": 16}, num_heads=HEADS, hidden_size=HIDDEN, max_len=160, causal=True,
@@ -199,9 +203,12 @@ def test_decoding_in_chunks_and_generation_equal_the_full_forward():
   cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
   step = jax.jit(lambda cache, x, state: layer.apply({"params": params, "cache": cache}, x, state,
                                                      attention.Mask(causal=True), decode=True, mutable=["cache"]))
+  kernel_layer = attention.SelfAttention(spec, use_bias=False, kernel="pallas")  # its steps on the decode kernels
+  kernel_step = jax.jit(lambda cache, x, state: kernel_layer.apply(
+      {"params": params, "cache": cache}, x, state, attention.Mask(causal=True), decode=True, mutable=["cache"]))
   outs = []
   for start, end in ((0, 130), (130, 133), (133, 134), (134, 135)):
-    out, mutated = step(cache, x_1xLxD[:, start:end], state(start, end))
+    out, mutated = (kernel_step if start == 134 else step)(cache, x_1xLxD[:, start:end], state(start, end))
     cache = mutated["cache"]
     outs.append(out)
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=2e-5 * float(jnp.abs(full).max()), rtol=0)
@@ -223,15 +230,22 @@ def test_decoding_in_chunks_and_generation_equal_the_full_forward():
     np.testing.assert_allclose(cached[row], logits[4 - start:-1], atol=2e-5 * np.abs(logits).max(), rtol=0)
 
 
-def test_what_only_the_xla_path_computes_is_refused_in_one_line():
+def test_what_the_kernels_do_not_compute_is_refused_in_one_line():
   spec = positions.make("path", num_heads=HEADS, hidden_size=HIDDEN, max_len=16, causal=True)
-  for kernel in ("pallas", "cudnn"):
-    with pytest.raises(ValueError, match=r"PaTH's content term is a product of Householder factors"):
-      attention.check_kernel(kernel, spec)
+  with pytest.raises(ValueError, match=r"PaTH's content term is a product of Householder factors"):
+    attention.check_kernel("cudnn", spec)
+  attention.check_kernel("pallas", spec)
   q = jnp.zeros((1, 8, 2, 4))
   terms = kernels.Terms(path=kernels.Path(jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8, 2))))
   with pytest.raises(ValueError, match=r"query_block and a mesh that splits the sequence"):
     kernels.relative_attention(q, q, q, terms=terms, causal=True, implementation="xla", query_block=4)
+  with pytest.raises(ValueError, match=r"has GPU \(Triton\) kernels, not TPU ones"):
+    kernels.relative_attention(q, q, q, terms=terms, causal=True, interpret="tpu")
+  with pytest.raises(ValueError, match=r"do not compute PaTH's content term with the stick_breaking term"):
+    kernels.relative_attention(q, q, q, terms=terms, causal=True, rule=kernels.StickBreaking())
+  with pytest.raises(ValueError, match=r"Path.band=6 must be a multiple of the 4x4 tiles"):
+    kernels.relative_attention(q, q, q, terms=terms.replace(path=terms.path.replace(band=6)), causal=True,
+                               block_sizes=(4, 4))
   with pytest.raises(ValueError, match=r"exists in a decoder's form only"):
     positions.make("path", num_heads=HEADS, hidden_size=HIDDEN, max_len=16)
   for beta_max in (0, 2.5):
