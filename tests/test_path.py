@@ -24,14 +24,21 @@ SEGMENTS = np.array([[0] * 7 + [1] * 5, [0] * 12], np.int32)
 VALID = np.array([[True] * 12, [True] * 9 + [False] * 3])
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_the_op_matches_a_float64_loop_with_every_gradient(implementation):
-  """Packed, padded, causal rows with 2 query heads a key head, the forget gate beside, chunks of 5 over 12 tokens
-  (a padded last chunk): the output and the gradients of q, k, v, w, β and the gate's sums. ``pallas``: the GPU
-  kernels in their interpreter, 4x4 tiles and blocks of 8 (the band and one copy of the keys; the second document
-  of row 0 crosses the blocks' boundary)."""
+# one row: two packed documents (7 tokens, then 3), then 2 of padding
+ROW_POSITIONS = np.array([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 0, 0]], np.int32)
+ROW_SEGMENTS = np.array([[0] * 7 + [1] * 5], np.int32)
+ROW_VALID = np.array([[True] * 10 + [False] * 2])
+
+
+@pytest.mark.parametrize("implementation,interpret", [("xla", None), ("pallas", None), ("pallas", "tpu")],
+                         ids=["xla", "gpu", "tpu"])
+def test_the_op_matches_a_float64_loop_with_every_gradient(implementation, interpret):
+  """A packed, padded, causal row with 2 query heads on a key head, the forget gate beside, chunks of 5 over 12
+  tokens (a padded last chunk): the output and the gradients of q, k, v, w, β and the gate's sums. The Pallas
+  kernels (in the GPU's and the TPU's interpreter): 2x2 tiles in three blocks of 4 (a band of two column tiles, two
+  copies of the keys; both documents cross a block's boundary)."""
   rng = np.random.default_rng(0)
-  b, length, heads, kv_heads, dim = 2, 12, 4, 2, 6
+  b, length, heads, kv_heads, dim = 1, 12, 2, 1, 6
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   q, k, v = f32(b, length, heads, dim), f32(b, length, kv_heads, dim), f32(b, length, kv_heads, dim)
   w = f32(b, length, kv_heads, dim)
@@ -42,14 +49,14 @@ def test_the_op_matches_a_float64_loop_with_every_gradient(implementation):
 
   def attend(q, k, v, w, beta, c):
     terms = kernels.Terms(path=kernels.Path(w, beta, chunk=5, band=4), forget=kernels.Forget(c))
-    return kernels.relative_attention(q, k, v, terms=terms, positions=POSITIONS, segment_ids=SEGMENTS, padding=VALID,
-                                      causal=True, implementation=implementation,
-                                      block_sizes=(2, 2) if implementation == "pallas" else None)
+    return kernels.relative_attention(q, k, v, terms=terms, positions=ROW_POSITIONS, segment_ids=ROW_SEGMENTS,
+                                      padding=ROW_VALID, causal=True, implementation=implementation,
+                                      interpret=interpret, block_sizes=(2, 2) if implementation == "pallas" else None)
 
   inputs = dict(q=q, k=k, v=v, w=w, beta=beta, c=c)
   out, backward = jax.jit(lambda x: jax.vjp(lambda y: attend(**y), x))(inputs)
   grads, = backward(jnp.asarray(weights, jnp.float32))
-  reference = FusedAttention(POSITIONS, SEGMENTS, VALID, causal=True)
+  reference = FusedAttention(ROW_POSITIONS, ROW_SEGMENTS, ROW_VALID, causal=True)
   scale = dim ** -0.5
   f64 = {name: np.asarray(x, np.float64) for name, x in inputs.items()}
   run = lambda x: reference(x["q"], x["k"], x["v"], scale=scale, path=dict(w=x["w"], beta=x["beta"]),

@@ -207,6 +207,8 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
     raise ValueError(f"query_block={query_block!r}: an int >= 1, for implementation='xla' only (the kernels' "
                      "tiles are block_sizes)")
   split = shard.context_shards() > 1
+  if terms.path is not None and not causal:
+    raise ValueError("PaTH's products (Terms.path) are a decoder's: they need causal=True")
   if terms.path is not None and (split or query_block is not None):
     raise ValueError("PaTH's products (Terms.path) run over the whole sequence: query_block and a mesh that splits "
                      "the sequence (context) are not supported with it")
@@ -258,9 +260,6 @@ def relative_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, *, terms: Terms | None =
                      f"multiple of 128 (or blocks as long as the padded sequence, {padded}); the tiles are "
                      f"{bq}x{bk} (block_sizes={tuple(block_sizes)})")
   if terms.path is not None:  # PaTH's blocks: whole tiles, the sequence a whole number of them
-    if tpu:
-      raise ValueError("PaTH's content term (Terms.path) has GPU (Triton) kernels, not TPU ones; use "
-                       "implementation='xla' on TPU")
     size = min(terms.path.band, padded)
     if size % bq or size % bk:
       raise ValueError(f"Path.band={terms.path.band} must be a multiple of the {bq}x{bk} tiles "

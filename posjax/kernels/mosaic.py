@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from posjax.kernels import term as term_lib
+from posjax.kernels import path_blocks, term as term_lib
 from posjax.kernels.terms import Terms, sink as sink_lib
 from posjax.kernels.tile import (Plan, TileBase, diagonal_may_hold_pairs, dot, dot_t, fold_window_table,
                                  group_sum, kv_head, overlap_add, place_rows, query_share, query_side, row_delta,
@@ -71,8 +71,12 @@ class _Tile(TileBase):
     self.index_j_QxT = j * bk + self.col_QxT
     self.open_q_positions, self.open_k_positions = pos_i_QxT, pos_j_1xT
     self.open_q_index, self.open_k_index = self.index_i_QxT, self.index_j_QxT
-    s_QxT = self.add_position_terms(self.open_logits(plan.scale * dot_t(self.q_QxK, self.k_TxK)),
-                                    pos_j_1xT - pos_i_QxT)
+    content_QxT = plan.scale * dot_t(self.q_QxK, self.k_TxK)
+    if terms.path is not None:  # PaTH's blocked form: in the query's block the band's logits, before it q_b·k
+      size = terms.path.size
+      self.in_band = (i * bq) // size == (j * bk) // size
+      content_QxT = jnp.where(self.in_band, plan.scale * r["band"][0, 0], content_QxT)
+    s_QxT = self.add_position_terms(self.open_logits(content_QxT), pos_j_1xT - pos_i_QxT)
     allowed_QxT = (r["k_valid"][0] > 0) & (r["q_segments"][0] == r["k_segments"][0])
     self.mask_logits(s_QxT, allowed_QxT, self.index_i_QxT, self.index_j_QxT)
 
@@ -214,6 +218,14 @@ def _dq_kernel(plan: Plan, terms: Terms, names, *refs):
     shape = r["acc_dopen"].shape if "dopen" in r else (plan.block_q, 1)
     add = _column_adder(terms, shape)
     d_content_QxT, d_values, d_lookups, hand_QxC = tile.open_grads(ds_QxT, jnp.zeros(shape, jnp.float32), add)
+    if terms.path is not None:  # the band's gradient, its own; the copies' only off the band
+      band_QxT = plan.scale * d_content_QxT
+
+      @pl.when(tile.in_band)
+      def _():
+        r["dband"][0, 0] = band_QxT
+
+      d_content_QxT = jnp.where(tile.in_band, 0.0, d_content_QxT)
     dq_QxK = plan.scale * dot(d_content_QxT.astype(tile.k_TxK.dtype), tile.k_TxK)
     if "dopen" in r:
       r["acc_dopen"][...] += _open_columns(terms, d_values, d_lookups, hand_QxC, add)
@@ -335,6 +347,13 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     do_QxV = r["d_out"][0, 0]
     r["acc_dv"][...] += t_dot(p_QxT.astype(do_QxV.dtype), do_QxV)
     d_content_QxT, d_values, _, _ = tile.open_grads(ds_QxT)
+    if terms.path is not None:  # the copies' gradient: off the band, a sum per block of query tiles
+      d_content_QxT = jnp.where(tile.in_band, 0.0, d_content_QxT)
+
+      @pl.when((i * plan.block_q) % terms.path.size == 0)
+      def _():
+        r["acc_dk"][...] = jnp.zeros(r["acc_dk"].shape, jnp.float32)
+
     dk_TxK = plan.scale * t_dot(d_content_QxT.astype(tile.q_QxK.dtype), tile.q_QxK)
     for (key, side), d_value in d_values.items():  # the key side of rows (column sums) and embeddings
       if side == "k":
@@ -342,10 +361,12 @@ def _dkv_kernel(plan: Plan, terms: Terms, names, *refs):
     if terms.relative is not None and terms.relative.key:
       dk_TxK = dk_TxK + plan.scale * t_dot(tile.unskew_key(ds_QxT), tile.reversed_WxK.astype(jnp.float32))
     r["acc_dk"][...] += dk_TxK
+    if terms.path is not None:  # its block of the copies' rows, written back as the next block starts
+      r["dk"][0, 0] = r["acc_dk"][...]
     if "du_k" in r:
       r["acc_du_k"][...] += t_dot(tile.untied_grads(ds_QxT), tile.u_q_QxK.astype(jnp.float32))
 
-  write_on_last_step(r, accumulators, i)
+  write_on_last_step(r, [n for n in accumulators if n != "dk" or terms.path is None], i)
 
 
 def _window_grad_kernel(plan: Plan, terms: Terms, names, *refs):
@@ -404,7 +425,10 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles, more_specs=None):
     elif name in ("q", "d_out", "u_q"):
       specs[name] = at(row_block(a, bq), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, i, 0))
     elif name in ("k", "v"):  # a head per plan.group query heads (grouped-query attention)
-      specs[name] = at(row_block(a, bk), lambda b, h, i, j: (b, kv_head(h, plan.group), j, 0))
+      copy = path_copy(plan, terms, arrays["v"].shape[2]) if name == "k" else lambda i: 0
+      specs[name] = at(row_block(a, bk), lambda b, h, i, j, copy=copy: (b, kv_head(h, plan.group), copy(i) + j, 0))
+    elif name == "band":  # PaTH's band: the tile's columns in the query's block
+      specs[name] = at((1, 1, bq, bk), lambda b, h, i, j: (b, h, i, band_column(plan, terms, i, j)))
     elif name == "u_k":
       specs[name] = at(row_block(a, bk), lambda b, h, i, j, a=a: (b if a.shape[0] > 1 else 0, h, j, 0))
     elif name in ("row_max", "row_sum", "delta"):
@@ -429,6 +453,19 @@ def _specs(plan: Plan, terms: Terms, arrays: dict, tiles, more_specs=None):
   return specs
 
 
+def path_copy(plan: Plan, terms: Terms, length: int):
+  """Query tile i's first key tile among PaTH's copies (its block's copy; 0 without PaTH)."""
+  if terms.path is None:
+    return lambda i: 0
+  return lambda i: (i * plan.block_q) // terms.path.size * (length // plan.block_k)
+
+
+def band_column(plan: Plan, terms: Terms, i, j):
+  """Key tile j's column tile in PaTH's band of query tile i (clamped into the band off it)."""
+  per = terms.path.size // plan.block_k
+  return jnp.clip(j - (i * plan.block_q) // terms.path.size * per, 0, per - 1)
+
+
 def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
             salts_BxH, extra: dict, query_offset=None):
   """The kernels' arrays (see the module docstring for their layouts); ``query_offset``: q holds a context shard's
@@ -441,6 +478,8 @@ def _inputs(plan: Plan, terms: Terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions
             "k_valid": valid_BxL[:, None]}
   if plan.dropout:
     arrays["salts"] = salts_BxH
+  if terms.path is not None:
+    arrays["band"] = terms.path.band
   if terms.untied is not None:
     arrays["u_q"], arrays["u_k"] = (getattr(terms.untied, n).transpose(0, 2, 1, 3) for n in ("u_q", "u_k"))
     if terms.untied.reset != "none":
@@ -547,7 +586,7 @@ def _forward(plan: Plan, leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL,
   out = call(_forward_kernel, plan, terms, arrays,
              {"out": row_output((b, h, l, v_BxHxLxV.shape[-1]), bq, v_BxHxLxV.dtype),
               "row_max": row_output((b, h, l, bk), bq), "row_sum": row_output((b, h, l, bk), bq)},
-              (b, h, l // bq, k_BxHxLxK.shape[2] // bk), query_major(l // bq),
+              (b, h, l // bq, v_BxHxLxV.shape[2] // bk), query_major(l // bq),
               {"m": (bq, bk), "l": (bq, bk), "acc": (bq, v_BxHxLxV.shape[-1]), "misplaced": (bq, bk)},
               ranges[0])
   out_BxHxLxV, row_max_BxHxLxT, row_sum_BxHxLxT = out["out"], out["row_max"], out["row_sum"]
@@ -587,8 +626,8 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
   (leaves, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL, salts_BxH, query_offset,
    out_BxHxLxV, (row_max_BxHxLxT, row_sum_BxHxLxT), (key_tiles_BxNx2, query_tiles_BxMx2)) = residuals
   terms = plan.terms(leaves)
-  b, h, l, d = q_BxHxLxK.shape  # l: the queries; t: the keys
-  bq, bk, t = plan.block_q, plan.block_k, k_BxHxLxK.shape[2]
+  b, h, l, d = q_BxHxLxK.shape  # l: the queries; t: the keys (k: PaTH's copies of them)
+  bq, bk, t = plan.block_q, plan.block_k, v_BxHxLxV.shape[2]
   n_q, n_k = l // bq, t // bk
   delta_BxHxLx1 = row_delta(d_out_BxHxLxV, out_BxHxLxV, keepdims=True)
   arrays = _inputs(plan, terms, q_BxHxLxK, k_BxHxLxK, v_BxHxLxV, positions_BxL, segment_ids_BxL, valid_BxL,
@@ -609,11 +648,18 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     if kind == term_lib.EMBEDDINGS:
       dq_out["d" + key + "@q"] = row_output((b, h, l, x.shape[-1]), bq)
       dq_scratch["acc_d" + key + "@q"] = (bq, x.shape[-1])
+  if terms.path is not None:  # a band tile at a time, the key tile clamped as the inputs' (a skipped step keeps it)
+    dq_out["dband"] = (jax.ShapeDtypeStruct(terms.path.band.shape, jnp.float32), pl.BlockSpec(
+        (1, 1, bq, bk), lambda b, h, i, j, ranges: (b, h, i, band_column(plan, terms, i, clamped(ranges, n_q, b, i, j)))))
   dq_res = call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), query_major(n_q), dq_scratch,
                 key_tiles_BxNx2)
 
   dkv_out = {"dk": row_output((b, h, t, d), bk), "dv": row_output((b, h, t, v_BxHxLxV.shape[-1]), bk)}  # per query head
   dkv_scratch = {"acc_dk": (bk, d), "acc_dv": (bk, v_BxHxLxV.shape[-1])}
+  if terms.path is not None:  # the copies' rows: block (query tile i's) a key tile at a time
+    copy = path_copy(plan, terms, t)
+    dkv_out["dk"] = (jax.ShapeDtypeStruct((b, h, k_BxHxLxK.shape[2], d), jnp.float32), pl.BlockSpec(
+        (1, 1, bk, d), lambda b, h, j, i, ranges: (b, h, copy(clamped(ranges, n_k, b, j, i)) + j, 0)))
   if terms.untied is not None:
     dkv_out["du_k"], dkv_scratch["acc_du_k"] = row_output((b, h, t, d), bk), (bk, d)
   for key, (kind, x) in open_arrays.items():
@@ -671,6 +717,11 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
     d_terms = d_terms.replace(open=term_lib.gradients(terms.open, sums))
   if terms.sink is not None:
     d_terms = d_terms.replace(sink=sink_lib.gradient(terms.sink, row_max_BxHxLxT, row_sum_BxHxLxT, delta_BxHxLx1))
+  if terms.path is not None:
+    dband_BxHxPxS, dkv_res["dk"] = path_blocks.visited_grads(
+        plan, terms.path.size, dq_res["dband"], dkv_res["dk"].reshape(b, h, -1, t, d), key_tiles_BxNx2,
+        query_tiles_BxMx2)
+    d_terms = d_terms.replace(path=terms.path.replace(band=dband_BxHxPxS))
   dq_BxHxLxK = dq_res["dq"]
   dk_BxHxLxK, dv_BxHxLxV = (group_sum(dkv_res[name], plan.group) for name in ("dk", "dv"))  # over each group
   return (jax.tree_util.tree_leaves(d_terms), dq_BxHxLxK.astype(q_BxHxLxK.dtype), dk_BxHxLxK.astype(k_BxHxLxK.dtype),
