@@ -246,8 +246,8 @@ def test_what_the_kernels_do_not_compute_is_refused_in_one_line():
   terms = kernels.Terms(path=kernels.Path(jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8, 2))))
   with pytest.raises(ValueError, match=r"query_block and a mesh that splits the sequence"):
     kernels.relative_attention(q, q, q, terms=terms, causal=True, implementation="xla", query_block=4)
-  with pytest.raises(ValueError, match=r"has GPU \(Triton\) kernels, not TPU ones"):
-    kernels.relative_attention(q, q, q, terms=terms, causal=True, interpret="tpu")
+  with pytest.raises(ValueError, match=r"PaTH's products \(Terms.path\) are a decoder's: they need causal=True"):
+    kernels.relative_attention(q, q, q, terms=terms)
   with pytest.raises(ValueError, match=r"do not compute PaTH's content term with the stick_breaking term"):
     kernels.relative_attention(q, q, q, terms=terms, causal=True, rule=kernels.StickBreaking())
   with pytest.raises(ValueError, match=r"Path.band=6 must be a multiple of the 4x4 tiles"):

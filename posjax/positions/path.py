@@ -23,12 +23,14 @@ so the order of the tokens, and what they say, moves each key relative to each q
   (``use_forget_gate``; :class:`posjax.kernels.Forget`, FoX's full gate), scaled with ``q·k`` as the official kernel
   and reference scale it: ``softmax(scale (q_i^T P k_j + c_i - c_j))`` (FoX alone adds it unscaled).
 - ``chunk``: the dense form's chunk (:class:`posjax.kernels.Path`): memory and speed, not the result.
+- ``band``: the Pallas kernels' blocks (:class:`posjax.kernels.Path`'s ``band``): memory and speed, not the result.
 
 The official ``use_qk_norm`` (off in its model configs) is the attention layer's ``qk_norm``: per head in fla's
 current code (``qk_norm_axes="head"``), over all heads in its first release (``"all"``). [choice] Initialisation:
 every projection N(0, 0.02) and zero biases (fla's ``_init_weights`` for linear and convolution layers). A decoder's
-method only. Kernels: the ``xla`` path (training, and decoding on the dense formulas); the Pallas kernels and cuDNN
-refuse it. Decoding keeps the keys of its cache carried to the newest token, as the official decoding: each step
+method only. Kernels: the ``xla`` path and the Pallas kernels on GPU and TPU (each block's own logits dense, the
+products across blocks through copies of the keys: :func:`posjax.kernels.terms.path.blocks`); cuDNN refuses it.
+Decoding keeps the keys of its cache carried to the newest token, as the official decoding: each step
 applies the new token's factor to every cached key (:meth:`posjax.kernels.Path.step`, in float32, stored in the
 cache's dtype: a bfloat16 cache rounds the carried keys at every step, as the official one) then attends with plain
 ``q·k``; the convolution's last inputs are cached beside them. Padding: the official code removes it first; here a
@@ -54,13 +56,14 @@ EPS = 1e-6  # fla's l2_norm
 class PathOptions:
   """w_rank: the w projection's rank (32; 0: full). conv_width: the causal convolution of w (3; 0: none). beta_max:
   ``β``'s range ``(0, beta_max)``, at most 2 (2). forget: PaTH-FoX's gate (False). chunk: the dense form's chunk
-  (64)."""
+  (64). band: the Pallas kernels' blocks (256)."""
 
   w_rank: int = 32
   conv_width: int = 3
   beta_max: float = 2.0
   forget: bool = False
   chunk: int = kernels.terms.path.CHUNK
+  band: int = kernels.terms.path.BAND
 
   def __post_init__(self):
     if self.w_rank < 0:
@@ -70,8 +73,9 @@ class PathOptions:
     if not 0 < self.beta_max <= 2:
       raise ValueError(f"beta_max={self.beta_max} must be in (0, 2] (2: the official range, reflections included; past "
                        "2 a factor stretches)")
-    if not isinstance(self.chunk, int) or self.chunk < 1:
-      raise ValueError(f"chunk={self.chunk!r} must be an int >= 1")
+    for name in ("chunk", "band"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
 
 
 def short_convolution(x_BxLxGxK, kernel_WxGxK, positions_BxL, context_BxCxGxK=None):
@@ -126,7 +130,7 @@ class PathLayer(nn.Module):
     beta_BxLxG = o.beta_max * jax.nn.sigmoid(
         dense(g, (base.EMBED, base.HEADS), "beta", bias_init=base.zeros_init((base.HEADS,)))(x_BxLxD)
         .astype(jnp.float32))
-    terms = kernels.Terms(path=kernels.Path(w_BxLxGxK, beta_BxLxG, o.chunk))
+    terms = kernels.Terms(path=kernels.Path(w_BxLxGxK, beta_BxLxG, o.chunk, o.band))
     if o.forget:  # scaled with q·k, as the official kernel and reference: softmax(scale (q^T P k + c_i - c_j))
       forget = fox.full_gate(spec, x_BxLxD, positions_BxL)
       terms = terms.replace(forget=forget.replace(c=scale * forget.c))

@@ -27,8 +27,9 @@ the two rules below have theirs (:mod:`posjax.kernels.rules`).
 
 ``Sink`` (GPT-OSS's attention sinks, ``terms/sink.py``) is a logit per head in each row's softmax denominator, which
 the kernels add to their rows' statistics, not to their tiles. ``Path`` (PaTH attention, ``terms/path.py``) changes
-the content term itself, ``q_i^T H_i ... H_{j+1} k_j`` with data-dependent Householder factors, computed on the
-``xla`` path (the Pallas kernels refuse it).
+the content term itself, ``q_i^T H_i ... H_{j+1} k_j`` with data-dependent Householder factors: the ``xla`` path
+computes it chunkwise, the Pallas kernels in blocks (its ``PathBlocks`` form: a band of dense logits, copies of the
+keys).
 Two terms read the *masked* logits, so the op applies them after the mask (:data:`WEIGHT_RULES`): ``Cope``
 (Contextual Position Encoding: positions counted by gates over the allowed keys, a term interpolated from a learned
 table) and ``StickBreaking`` (the weights themselves: stick-breaking instead of the softmax); ``xla`` and both Pallas
@@ -203,7 +204,7 @@ class Terms:
   cope: Cope | None = None
   stick_breaking: StickBreaking | None = None
   sink: Sink | None = None  # a logit per head in each row's denominator (terms/sink.py): not a term of the tiles
-  path: Path | None = None  # PaTH's Householder products in place of q·k (terms/path.py)
+  path: Path | None = None  # PaTH's Householder products in place of q·k (terms/path.py; the kernels: PathBlocks)
   open: tuple = ()  # open terms (posjax.kernels.term.Term, or bound to their inputs: term.Bound), applied in order
 
   def kernel_form(self) -> "Terms":

@@ -13,8 +13,18 @@ The dense form (:meth:`Path.content`) is the authors' chunkwise one: per chunk o
 carried back to its chunk's start and each key forward to its chunk's end, and the chunk's whole product
 ``H_C ... H_1 = I - W^T T diag(β) W``; a scan over the query chunks then carries the earlier keys forward chunk by
 chunk, so the cost is the attention's ``O(L^2 K)``, nothing is ``[L, K, K]`` and nothing but the logits is ``[L,
-L]``. Packed documents need no restart of the products: a pair of one document only spans that document's tokens. Decoding (:meth:`Path.step`,
-:meth:`Path.keys_at_end`) keeps the keys of a cache transformed up to the newest token, as the official decoding
+L]``. Packed documents need no restart of the products: a pair of one document only spans that document's tokens.
+
+The Pallas kernels take its blocked form (:func:`blocks`, :class:`PathBlocks`): blocks of ``band`` tokens, each
+block's own logits dense (the chunkwise form on the block alone), and across blocks plain ``q·k`` of each query
+carried back to its block's first token and each key carried forward to the same token (a copy of the keys per
+block). Every product stays in XLA, differentiated there; the kernels compute a softmax over tiles that read the band
+or a copy, and their backward returns the band's and the copies' gradients, which flow back through :func:`blocks`.
+Memory ``[B, H, L, band]`` and ``L / band`` copies of the keys against the dense form's ``[B, H, L, L]``; exact, no
+atomics. (fla's kernels instead carry each query tile through the chunk products inside the kernel, and keep queries
+at superblock boundaries for the backward.)
+
+Decoding (:meth:`Path.step`, :meth:`Path.keys_at_end`) keeps the keys of a cache transformed up to the newest token, as the official decoding
 does: each new token's factor applied to every cached key (a rank-one update), the new key appended raw.
 
 Shapes: B batch, L length (or cache slots), Q query rows, H heads, G key/value heads, N the query heads of a group,
