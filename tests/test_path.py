@@ -193,11 +193,12 @@ def test_a_path_layer_equals_the_official_layer_in_outputs_and_every_gradient(kv
 def test_decoding_in_chunks_and_generation_equal_the_full_forward():
   """A layer's cache filled by a prompt of 130 (longer than the smallest cache prefix a step may read), a chunk of 3
   (the products among new tokens and over the cached keys), then single tokens (each carrying the cache; the last
-  on the Pallas decode kernels, interpreted): every output equals the full forward's; a GQA PaTH-FoX
+  on the Pallas decode kernels, interpreted): every output equals the full forward's, and so does the layer's on
+  the Pallas kernels (the method's band option: three blocks); a GQA PaTH-FoX
   decoder's greedy tokens and step logits equal its full forward's, a left-padded prompt's those of the prompt
   alone."""
-  spec = positions.make("path", {"chunk": 16}, num_heads=HEADS, hidden_size=HIDDEN, max_len=160, causal=True,
-                        num_kv_heads=2)
+  spec = positions.make("path", {"chunk": 16, "band": 64}, num_heads=HEADS, hidden_size=HIDDEN, max_len=160,
+                        causal=True, num_kv_heads=2)
   layer = attention.SelfAttention(spec, use_bias=False)
   rng = np.random.default_rng(1)
   x_1xLxD = jnp.asarray(rng.normal(size=(1, 135, HIDDEN)), jnp.float32)
@@ -211,6 +212,8 @@ def test_decoding_in_chunks_and_generation_equal_the_full_forward():
   step = jax.jit(lambda cache, x, state: layer.apply({"params": params, "cache": cache}, x, state,
                                                      attention.Mask(causal=True), decode=True, mutable=["cache"]))
   kernel_layer = attention.SelfAttention(spec, use_bias=False, kernel="pallas")  # its steps on the decode kernels
+  fused = jax.jit(kernel_layer.apply)({"params": params}, x_1xLxD, state(0, 135), attention.Mask(causal=True))
+  np.testing.assert_allclose(fused, full, atol=2e-5 * float(jnp.abs(full).max()), rtol=0)  # three blocks of 64
   kernel_step = jax.jit(lambda cache, x, state: kernel_layer.apply(
       {"params": params, "cache": cache}, x, state, attention.Mask(causal=True), decode=True, mutable=["cache"]))
   outs = []
