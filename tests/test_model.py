@@ -81,7 +81,8 @@ def test_tupe_positional_term_shared_or_per_layer(share):
   for i in range(3):
     for name in ("query", "key"):
       params[f"layer_{i}"]["attention"][name] = jax.tree.map(jnp.zeros_like, params[f"layer_{i}"]["attention"][name])
-  _, state = model.apply({"params": params}, jnp.ones((1, 9), jnp.int32), mutable=["intermediates"])
+  _, state = jax.jit(lambda p: model.apply({"params": p}, jnp.ones((1, 9), jnp.int32), mutable=["intermediates"]))(
+      params)
   logits = [np.asarray(state["intermediates"][f"layer_{i}"]["attention"]["attention_logits"][0]) for i in range(3)]
   assert ("position_bias" in state["intermediates"]) == share
   if share:
@@ -99,15 +100,15 @@ def test_tupe_and_bert_ad_add_nothing_at_the_input(name):
   for part in ("value", "out"):
     params["layer_0"]["attention"][part] = jax.tree.map(jnp.zeros_like, params["layer_0"]["attention"][part])
   ids = np.full((1, 6), 7, np.int32)
-  h = hidden(model, params, ids)
-  shuffled = hidden(model, params, ids, positions=np.array([[0, 5, 3, 2, 4, 1]]))
-  np.testing.assert_allclose(h, shuffled, atol=1e-6)
+  in_order, shuffled = np.arange(6)[None], np.array([[0, 5, 3, 2, 4, 1]])  # one program per model: positions given
+  np.testing.assert_allclose(hidden(model, params, ids, positions=in_order),
+                             hidden(model, params, ids, positions=shuffled), atol=1e-6)
   _, absolute_model, absolute_params = build("absolute", num_layers=1)
   for part in ("value", "out"):
     absolute_params["layer_0"]["attention"][part] = jax.tree.map(
         jnp.zeros_like, absolute_params["layer_0"]["attention"][part])
-  assert not np.allclose(hidden(absolute_model, absolute_params, ids),
-                         hidden(absolute_model, absolute_params, ids, positions=np.array([[0, 5, 3, 2, 4, 1]])))
+  assert not np.allclose(hidden(absolute_model, absolute_params, ids, positions=in_order),
+                         hidden(absolute_model, absolute_params, ids, positions=shuffled))
 
 
 FUSABLE = [n for n in ALL if positions.make(n, num_heads=4, hidden_size=32, max_len=64).refusal("pallas") is None]
@@ -120,7 +121,7 @@ def test_fused_kernel_path_matches_reference(name, rng, monkeypatch):
                                                                       implementation="xla"))
   monkeypatch.setattr(attention, "FUSED_DTYPES", (jnp.float32,))
   _, reference_model, params = build(name)
-  _, fused_model, _ = build(name, attention_kernel="cudnn")
+  fused_model = TransformerStack(TransformerConfig.tiny(position=name, attention_kernel="cudnn"))  # the same shapes
   ids = tokens(rng, 2, 9)
   mask = np.ones((2, 9), np.int32)
   mask[1, 7:] = 0
@@ -158,20 +159,22 @@ def test_heads(rng):
   config = TransformerConfig.tiny(position="tupe_r")
   ids = tokens(rng, 2, 10)
   mlm = Transformer(config, head="mlm")
-  variables = mlm.init(jax.random.PRNGKey(0), ids)
-  full = mlm.apply(variables, ids).logits
+  variables = randomize(jax.eval_shape(mlm.init, jax.random.PRNGKey(0), ids), scale=0.3)
+  apply = jax.jit(mlm.apply)  # one program for the whole rows, one for the gathered positions (both sets)
+  full = apply(variables, ids).logits
   assert full.shape == (2, 10, config.vocab_size)
   where = np.array([[1, 4], [0, 9]])
-  np.testing.assert_allclose(mlm.apply(variables, ids, masked_positions=where).logits,
+  np.testing.assert_allclose(apply(variables, ids, masked_positions=where).logits,
                              np.take_along_axis(np.asarray(full), where[..., None], axis=1), atol=1e-5)
-  assert np.isnan(mlm.apply(variables, ids, masked_positions=np.array([[0, 10], [0, 1]])).logits[0, 1]).all()
+  assert np.isnan(apply(variables, ids, masked_positions=np.array([[0, 10], [0, 1]])).logits[0, 1]).all()
   # The output layer is tied to the word embeddings: no separate [D, V] matrix.
   assert all(leaf.size != config.hidden_size * config.vocab_size or "word_embeddings" in jax.tree_util.keystr(p)
              for p, leaf in jax.tree_util.tree_leaves_with_path(variables["params"]))
+  # the other heads' shapes: traced, not compiled
   cls = Transformer(config, head="classification", num_labels=3)
-  assert cls.apply(cls.init(jax.random.PRNGKey(0), ids), ids).logits.shape == (2, 3)
+  assert jax.eval_shape(lambda: cls.apply(cls.init(jax.random.PRNGKey(0), ids), ids)).logits.shape == (2, 3)
   qa = Transformer(config, head="span")
-  spans = qa.apply(qa.init(jax.random.PRNGKey(0), ids), ids)
+  spans = jax.eval_shape(lambda: qa.apply(qa.init(jax.random.PRNGKey(0), ids), ids))
   assert spans.start_logits.shape == spans.end_logits.shape == (2, 10)
 
 
@@ -226,8 +229,8 @@ def test_sequence_longer_than_a_learned_table_is_an_error(name):
 @pytest.mark.parametrize("name", ["shaw", "huang_m4", "t5", "rope", "alibi", "sinusoidal"])
 def test_methods_without_a_learned_table_take_longer_sequences(name):
   model = TransformerStack(TransformerConfig.tiny(position=name, max_len=8))
-  variables = model.init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
-  assert np.isfinite(model.apply(variables, jnp.ones((1, 20), jnp.int32)).last_hidden_state).all()
+  variables = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32)), scale=0.3)
+  assert np.isfinite(jax.jit(model.apply)(variables, jnp.ones((1, 20), jnp.int32)).last_hidden_state).all()
 
 
 def test_kernel_choice():
@@ -244,7 +247,7 @@ def test_fully_padded_row_gives_finite_output_and_gradients(rng):
   config = TransformerConfig.tiny(position="huang_m4")
   model = Transformer(config, head="mlm")
   ids, mask = tokens(rng, 2, 6), np.array([[1] * 6, [0] * 6])
-  params = model.init(jax.random.PRNGKey(0), ids)["params"]
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), ids)["params"], scale=0.3)
   grads = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, ids, attention_mask=mask).logits)))(params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
