@@ -8,9 +8,9 @@ One op for every method a kernel can compute: ALiBi, T5 buckets (and TUPE-R's bu
 term with its [CLS] reset, Shaw / Method 4 relative vectors, KERPLE, FIRE, Sandwich, the Forgetting Transformer's
 gate, PaTH's Householder products (in blocks: a band of dense logits, copies of the keys,
 :class:`posjax.kernels.terms.path.PathBlocks`), and the rules on the masked logits (CoPE's term, stick-breaking's
-weights: their kernels walk each query tile's key tiles from the diagonal back); RoPE and the absolute methods only change q and k before the call. The
-terms (:mod:`posjax.kernels.terms`) are built in each tile from the batch's positions and segment ids, so packed rows
-are exact and no ``[B, H, L, L]`` array is stored for the backward pass.
+weights: their kernels walk each query tile's key tiles from the diagonal back); RoPE and the absolute methods only
+change q and k before the call. The terms (:mod:`posjax.kernels.terms`) are built in each tile from the batch's
+positions and segment ids, so packed rows are exact and no ``[B, H, L, L]`` array is stored for the backward pass.
 
 Implementations: ``pallas`` — Triton kernels on GPU (:mod:`posjax.kernels.triton`, their bodies in
 :mod:`posjax.kernels.triton_kernels`), Mosaic kernels on TPU (:mod:`posjax.kernels.mosaic`), both built on

@@ -649,8 +649,9 @@ def _attention_bwd(plan, residuals, d_out_BxHxLxV):
       dq_out["d" + key + "@q"] = row_output((b, h, l, x.shape[-1]), bq)
       dq_scratch["acc_d" + key + "@q"] = (bq, x.shape[-1])
   if terms.path is not None:  # a band tile at a time, the key tile clamped as the inputs' (a skipped step keeps it)
+    column = lambda b, h, i, j, ranges: band_column(plan, terms, i, clamped(ranges, n_q, b, i, j))
     dq_out["dband"] = (jax.ShapeDtypeStruct(terms.path.band.shape, jnp.float32), pl.BlockSpec(
-        (1, 1, bq, bk), lambda b, h, i, j, ranges: (b, h, i, band_column(plan, terms, i, clamped(ranges, n_q, b, i, j)))))
+        (1, 1, bq, bk), lambda b, h, i, j, ranges: (b, h, i, column(b, h, i, j, ranges))))
   dq_res = call(_dq_kernel, plan, terms, arrays, dq_out, (b, h, n_q, n_k), query_major(n_q), dq_scratch,
                 key_tiles_BxNx2)
 

@@ -24,8 +24,9 @@ Memory ``[B, H, L, band]`` and ``L / band`` copies of the keys against the dense
 atomics. (fla's kernels instead carry each query tile through the chunk products inside the kernel, and keep queries
 at superblock boundaries for the backward.)
 
-Decoding (:meth:`Path.step`, :meth:`Path.keys_at_end`) keeps the keys of a cache transformed up to the newest token, as the official decoding
-does: each new token's factor applied to every cached key (a rank-one update), the new key appended raw.
+Decoding (:meth:`Path.step`, :meth:`Path.keys_at_end`) keeps the keys of a cache transformed up to the newest token,
+as the official decoding does: each new token's factor applied to every cached key (a rank-one update), the new key
+appended raw.
 
 Shapes: B batch, L length (or cache slots), Q query rows, H heads, G key/value heads, N the query heads of a group,
 K head dim, C chunk, M chunks, P the length padded to whole chunks.
@@ -219,12 +220,12 @@ class PathBlocks:
   products' gradients flow back through :func:`blocks` in XLA. The copies come to the kernels as their keys."""
 
   band: jax.Array  # [B, H, P, S] float32, unscaled
-  size: int = flax.struct.field(pytree_node=False, default=256)
+  size: int = flax.struct.field(pytree_node=False, default=BAND)
 
 
 def blocks(path: Path, q_BxPxHxK, k_BxPxGxK, size: int):
-  """``(q_b [B, P, H, K], copies [B, G, N P, K], PathBlocks)`` of PaTH's content logits for blocks of ``size`` tokens (``P`` a multiple of
-  it, the factors ``path``'s ``P`` rows), in float32:
+  """``(q_b [B, P, H, K], copies [B, G, N P, K], PathBlocks)`` of PaTH's content logits for blocks of ``size``
+  tokens (``P`` a multiple of it, the factors ``path``'s ``P`` rows), in float32:
 
   - the band: each block's own logits, :meth:`Path.content` of the block alone;
   - ``q_b``: each query carried to its block's first token ``s``, ``H_s ... H_i q_i`` (the factors are symmetric,
