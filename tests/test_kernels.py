@@ -35,14 +35,6 @@ def packed_rows(rng, batch, length):
   return positions, segments, lengths
 
 
-def packed_padded_row(length, cut=12, valid=17):
-  """One row of two packed documents (positions restarting at ``cut``) whose last ``length - valid`` tokens are
-  padding: the TPU interpreter's cases (its cost is per grid point) put both in one row."""
-  positions = np.concatenate([np.arange(cut), np.arange(length - cut)])[None].astype(np.int32)
-  segments = np.repeat([1, 2], [cut, length - cut])[None].astype(np.int32)
-  return positions, segments, np.array([valid])
-
-
 def random_terms(rng, draw, batch, length, heads, head_dim):
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   fields = {}
@@ -148,12 +140,16 @@ def assert_matches_reference(out, grads, q, k, v, terms, weights, *, positions=N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("interpreter", [True, "tpu"])  # the generic (Triton-style) and the Mosaic TPU interpreter
 @hypothesis.settings(max_examples=3, deadline=None, derandomize=True, phases=[hypothesis.Phase.generate],
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(st.data())
-def test_pallas_matches_xla_outputs_and_gradients(interpreter, data):
+def test_pallas_matches_xla_outputs_and_gradients(data):
+  """Random shapes, tiles and terms on the GPU kernels in the generic interpreter. The TPU kernels (a program costs
+  ~10 s to compile in their interpreter) are checked by the fixed cases: every term at once, MQA and a sliding
+  window (:func:`test_kerple_fire_and_sandwich_match_xla`), per-row untied factors over two rows
+  (:func:`test_dropout_matches_xla_with_the_same_mask`), full 128x128 tiles, skipped tiles and the rules."""
   draw = data.draw
+  interpreter = True
   length = draw(st.sampled_from([5, 16, 24, 37]))
   batch, heads, head_dim = draw(st.sampled_from([1, 3])), 2, 8
   blocks = (draw(st.sampled_from([8, 16])), draw(st.sampled_from([8, 16])))
@@ -161,9 +157,7 @@ def test_pallas_matches_xla_outputs_and_gradients(interpreter, data):
   rng = np.random.default_rng(draw(st.integers(0, 1000)))
   positions, segments, lengths = packed_rows(rng, batch, length)
   terms = random_terms(rng, draw, batch, length, heads, head_dim)
-  if terms.relative is not None and interpreter == "tpu":
-    terms = terms.replace(relative=terms.relative.replace(window=None))  # the TPU kernels always window
-  if terms.relative is not None and (terms.relative.window or interpreter == "tpu"):
+  if terms.relative is not None and terms.relative.window:
     blocks = (blocks[0], blocks[0])  # the windowed table needs square tiles
   q, k, v = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3))
   weights = jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32)
@@ -182,18 +176,18 @@ def test_pallas_matches_xla_outputs_and_gradients(interpreter, data):
                            lengths=lengths, causal=causal)
 
 
-@pytest.mark.parametrize("interpreter,blocks,length", [(True, (8, 16), 21), ("tpu", (16, 16), 21),
-                                                       (True, (32, 64), 100)])
-def test_every_term_at_once_matches_xla(interpreter, blocks, length):
-  """All four terms in one call (the random draws above need not cover each gradient): ALiBi, T5 buckets with
-  [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset. At
-  L=100 the bucket and relative tables are wide (clip at 90: 256 padded rows), so the backward scatters them
-  in pieces. On TPU one row, packed and padded."""
+@pytest.mark.parametrize("blocks,length", [((8, 16), 21), ((32, 64), 100)])
+def test_every_term_at_once_matches_xla(blocks, length):
+  """All four terms in one call on the GPU kernels (the random draws above need not cover each gradient): ALiBi, T5
+  buckets with [CLS] entries, relative vectors on both sides and TUPE's shared untied term with the official reset.
+  At L=100 the bucket and relative tables are wide (clip at 90: 256 padded rows), so the backward scatters them
+  in pieces. The TPU kernels take every term at once in :func:`test_kerple_fire_and_sandwich_match_xla`."""
+  interpreter = True
   rng = np.random.default_rng(3)
-  batch, heads, head_dim = (2 if interpreter is True else 1), 2, 8
+  batch, heads, head_dim = 2, 2, 8
   wide = 90 if length >= 100 else 5
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  positions, segments, lengths = packed_rows(rng, batch, length) if batch > 1 else packed_padded_row(length)
+  positions, segments, lengths = packed_rows(rng, batch, length)
   terms = kernels.Terms(
       alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
       buckets=(kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33)
@@ -216,18 +210,17 @@ def test_every_term_at_once_matches_xla(interpreter, blocks, length):
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments, lengths=lengths)
 
 
-@pytest.mark.parametrize("interpreter,heads,kv_heads,window,sliding,causal", [(True, 4, 2, False, 6, True),
-                                                                          ("tpu", 2, 1, True, 5, False)])
-def test_grouped_query_attention_matches_the_reference(interpreter, heads, kv_heads, window, sliding, causal):
-  """k and v with fewer heads than q (GQA; MQA at one head), in a sliding window (causal: Mistral's; on both sides:
-  ModernBERT's) over packed and padded rows, with ALiBi, T5
-  buckets, TUPE's untied term and relative vectors on both sides (the key side reads the grouped keys): both the
-  ``xla`` path and the kernels against the float64 reference, in which query head h reads k/v head h // (H / G);
-  the shared heads' gradients are the sums over their groups. On TPU one row, packed and padded."""
+def test_grouped_query_attention_matches_the_reference():
+  """k and v with fewer heads than q (GQA), in a causal sliding window (Mistral's) over packed and padded rows, with
+  ALiBi, T5 buckets, TUPE's untied term and relative vectors on both sides (the key side reads the grouped keys):
+  both the ``xla`` path and the GPU kernels against the float64 reference, in which query head h reads k/v head
+  h // (H / G); the shared heads' gradients are the sums over their groups. The TPU kernels' grouped heads (MQA, a
+  window on both sides, ModernBERT's): :func:`test_kerple_fire_and_sandwich_match_xla`."""
+  interpreter, heads, kv_heads, window, sliding, causal = True, 4, 2, False, 6, True
   rng = np.random.default_rng(11)
-  batch, length, head_dim = (2 if interpreter is True else 1), 21, 8
+  batch, length, head_dim = 2, 21, 8
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  positions, segments, lengths = packed_rows(rng, batch, length) if batch > 1 else packed_padded_row(length)
+  positions, segments, lengths = packed_rows(rng, batch, length)
   terms = kernels.Terms(
       alibi=kernels.Alibi(jnp.asarray(rng.uniform(0.1, 1.0, heads), jnp.float32)),
       buckets=kernels.Buckets(f32(32, heads), num_buckets=32, max_distance=20, bidirectional=False),
@@ -281,16 +274,20 @@ def test_windowed_relative_vectors_match_xla(length, k, causal, packed):
                            lengths=lengths, causal=causal)
 
 
-@pytest.mark.parametrize("length,k,side,packed", [(200, 199, "key", False), (200, 60, "both", True)])
-def test_tpu_windows_at_full_tiles_match_xla(length, k, side, packed):
-  """The TPU kernels at their default 128x128 tiles (the skew's every bit) in the Mosaic TPU interpreter: each
-  side alone and both, clipped (k < L-1) or not, packed or one segment."""
+def test_tpu_windows_at_full_tiles_match_xla():
+  """The TPU kernels at their default 128x128 tiles in the Mosaic TPU interpreter: the key side alone (the reversed
+  table's blocks and skew, with no query side beside it), clipped (k < L-1: the clipped rows' gradient sums), on
+  packed rows. Both sides at once, at smaller tiles: the TPU cases of :func:`test_kerple_fire_and_sandwich_match_xla`,
+  :func:`test_dropout_matches_xla_with_the_same_mask` and
+  :func:`test_windowed_relative_vectors_are_exact_where_positions_skip`; the skew at these tiles on every axis and
+  sign: :func:`test_the_tpu_skew_rolls_each_line_by_its_own_amount`."""
+  length, k = 200, 60
   rng = np.random.default_rng(k)
   batch, heads, head_dim = 1, 1, 8
-  positions, segments, lengths = packed_rows(rng, batch, length) if packed else (None, None, None)
+  positions, segments, lengths = packed_rows(rng, batch, length)
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  terms = kernels.Terms(relative=kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k,
-                                                  query=side != "key", key=side != "query"))
+  terms = kernels.Terms(relative=kernels.Relative(0.5 * f32(2 * k + 1, head_dim), max_distance=k, query=False,
+                                                  key=True))
   q, k_, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
 
   def loss(implementation, q, k, v, terms):
@@ -372,7 +369,7 @@ def learned_terms(rng, heads, kind, width=5, threshold=-6.0):
 
 
 @pytest.mark.parametrize("interpreter,blocks,kind,causal,others", [
-    (True, (8, 16), "log", True, False), (True, (16, 8), "power", False, True), ("tpu", (16, 8), "log", True, True)])
+    (True, (8, 16), "log", True, False), (True, (16, 8), "power", False, True), ("tpu", (16, 16), "log", False, True)])
 def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, others):
   """The terms computed per tile (KERPLE, FIRE's MLP a hidden unit at a time, Sandwich's embeddings) and the
   per-tile gradient sums of KERPLE's and FIRE's scalars equal the dense ``xla`` path's autodiff and the float64
@@ -381,34 +378,43 @@ def test_kerple_fire_and_sandwich_match_xla(interpreter, blocks, kind, causal, o
   scalar gradients come first in the TPU kernels' columns, Sandwich in NeMo's form and a Forget term (its column
   after θ's) of one row for the batch. The terms' formulas are the backends' shared code (each kind and Sandwich's
   two forms on the GPU kernels); the TPU case, one row (the padded one), checks its layout with every term at
-  once."""
+  once: with relative vectors on both sides too (the windowed table, the key side reading the grouped keys), two
+  query heads to one k/v head (MQA; the shared head's gradients the sums over its group) and a sliding window on
+  both sides (ModernBERT's local layers): the TPU kernels' every-term case (the GPU kernels':
+  :func:`test_every_term_at_once_matches_xla` and :func:`test_grouped_query_attention_matches_the_reference`)."""
   rng = np.random.default_rng(5)
-  lengths = np.array([21, 15]) if interpreter is True else np.array([15])
+  tpu = interpreter == "tpu"
+  lengths = np.array([15]) if tpu else np.array([21, 15])
   batch, length, heads, head_dim = len(lengths), 21, 2, 8
+  kv_heads, sliding = (1, 5) if tpu else (heads, 0)
   positions = np.tile(np.concatenate([np.arange(12), np.arange(9)]), (batch, 1))
   segments = np.tile(np.array([1] * 12 + [2] * 9), (batch, 1))
   terms = learned_terms(rng, heads, kind, threshold=-6.5 if others else -6.0)  # -6: a tie with a position
+  f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   if others:
-    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     terms = terms.replace(
         alibi=kernels.Alibi(jnp.asarray([0.5, 0.25])),
         buckets=kernels.Buckets(f32(34, heads), num_buckets=32, max_distance=20, cls_row=32, cls_col=33),
         untied=kernels.Untied(f32(1, length, heads, head_dim), f32(1, length, heads, head_dim), f32(2, heads)),
         sandwich=terms.sandwich.replace(divide="bias", first=1),  # NeMo's form
         forget=kernels.Forget(f32(1, heads, length)))  # one row for the batch; on TPU a column among the others
-  q, k, v, weights = (jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(4))
+  if tpu:
+    terms = terms.replace(relative=kernels.Relative(0.5 * f32(2 * 5 + 1, head_dim), max_distance=5, query=True,
+                                                    key=True))
+  q, k, v, weights = (f32(batch, length, h, head_dim) for h in (heads, kv_heads, kv_heads, heads))
 
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=lengths, causal=causal, implementation=implementation,
-                                     block_sizes=blocks, interpret=interpreter)
+                                     block_sizes=blocks, interpret=interpreter, sliding_window=sliding)
     return jnp.sum(out * weights), out
 
   want, (got, out) = (compiled_grad(loss, impl)(q, k, v, terms)
                       for impl in ("xla", "pallas"))
   want = want[0]
+  assert got[1].shape == k.shape and got[2].shape == v.shape
   assert_matches_reference(out, got, q, k, v, terms, weights, positions=positions, segments=segments,
-                           lengths=lengths, causal=causal)
+                           lengths=lengths, causal=causal, sliding_window=sliding)
   largest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(want))
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(y, x, rtol=2e-5, atol=2e-5 * largest, err_msg=jax.tree_util.keystr(path))
@@ -605,13 +611,16 @@ def test_methods_the_kernel_cannot_compute_are_errors(config, message):
 @pytest.mark.parametrize("interpreter,blocks", [(True, (8, 16)), ("tpu", (16, 16))])
 def test_dropout_matches_xla_with_the_same_mask(interpreter, blocks):
   """The kernels' tiles rebuild the hashed mask the ``xla`` path builds densely: equal outputs and gradients (2x2
-  tiles or more, each row and head its own salt)."""
+  tiles or more, each row and head its own salt), with TUPE's untied term of a factor per row (Bp=B: on TPU the
+  index maps read each row's block) and the paper's [CLS] reset."""
   rng = np.random.default_rng(4)
   batch, length, heads, head_dim = 2, 21, 2, 8
   f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
   positions, segments, lengths = packed_rows(rng, batch, length)
   terms = kernels.Terms(alibi=kernels.Alibi(jnp.asarray([0.3, 0.1])),
-                        relative=kernels.Relative(0.5 * f32(11, head_dim), max_distance=5, query=True, key=True))
+                        relative=kernels.Relative(0.5 * f32(11, head_dim), max_distance=5, query=True, key=True),
+                        untied=kernels.Untied(f32(batch, length, heads, head_dim), f32(batch, length, heads, head_dim),
+                                              f32(2, heads), reset="paper"))
   q, k, v, weights = (f32(batch, length, heads, head_dim) for _ in range(4))
 
   def loss(implementation, q, k, v, terms):

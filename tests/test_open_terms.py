@@ -157,7 +157,7 @@ def test_user_terms_match_a_float64_loop_with_every_gradient(interpreter, causal
   def loss(implementation, q, k, v, terms):
     out = kernels.relative_attention(q, k, v, terms=terms, positions=positions, segment_ids=segments,
                                      lengths=lengths, causal=causal, implementation=implementation,
-                                     block_sizes=(8, 8) if interpreter is True else (8, 128), interpret=interpreter)
+                                     block_sizes=(8, 8) if interpreter is True else (16, 128), interpret=interpreter)
     return jnp.sum(out * weights), out
 
   (_, out), grads = jax.value_and_grad(functools.partial(loss, "pallas"), argnums=(0, 1, 2, 3), has_aux=True)(
