@@ -98,9 +98,10 @@ def test_two_processes_evaluate_stop_on_sigterm_and_resume_like_one(tmp_path):
 
 
 def finetune_command(workdir, *extra):
-  # 40 dev examples in global batches of 16: process 1's rows of the last batch are all padding.
+  # 40 dev examples in global batches of 16: process 1's rows of the last batch are all padding. Two evaluations an
+  # epoch of 7.5 steps and the last: at steps 4, 8 and 10.
   return [sys.executable, "-m", "posjax.main", "--config=configs/finetune/glue.py:task=sst2,runlocal",
-          f"--workdir={workdir}", "--config.total_steps=20", "--config.eval_every_steps=10",
+          f"--workdir={workdir}", "--config.total_steps=10", "--config.eval_every_steps=10",
           "--config.checkpoint_every_steps=10", "--config.eval_batch_size=16", "--config.log_every_steps=1",
           "--config.model.dropout_rate=0", "--config.model.attention_dropout_rate=0", *extra]
 
@@ -120,7 +121,7 @@ def test_two_processes_finetune_and_evaluate_like_one(tmp_path):
   assert_same_params(checkpoint.load_params(str(tmp_path / "one" / "checkpoints")),
                      checkpoint.load_params(str(tmp_path / "two" / "checkpoints")), rtol=1e-5, atol=1e-6)
   one, two = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
-  assert one["metrics"] == two["metrics"] and one["step"] == two["step"] == 20
+  assert one["metrics"] == two["metrics"] and one["step"] == two["step"] == 10
   assert one["evaluations"] == two["evaluations"] and len(one["evaluations"]) > 2
   assert ((tmp_path / "one" / "glue_test" / "SST-2.tsv").read_text()
           == (tmp_path / "two" / "glue_test" / "SST-2.tsv").read_text())

@@ -78,8 +78,8 @@ def test_scanned_layers_are_one_layer_compiled_in_a_loop_of_their_number():
   two, four = compiled(**{"model.scan_layers": True}), compiled(**DEEP)
   assert len(outputs(four, "dot")) == len(outputs(two, "dot"))  # one layer's program, whatever the depth and length
   assert re.search(r'while\(.*"known_trip_count":\{"n":"4"\}', four.as_text())
-  unrolled = compiled(**{**DEEP, "model.scan_layers": False})
-  assert len(outputs(unrolled, "dot")) > 2 * len(outputs(four, "dot"))
+  # the same two layers unrolled (the micro-step test's program): each layer's dots, more than half as many again
+  assert len(outputs(compiled(), "dot")) > 1.5 * len(outputs(two, "dot"))
 
 
 def test_full_remat_at_least_halves_the_temporaries():
@@ -102,17 +102,29 @@ def test_activations_are_sharded_over_data_fsdp_and_tensor():
   assert gathered and not [s for s in gathered if s[0] in (BATCH, BATCH // 2)], gathered
 
 
+def loss_and_gradients(**overrides):
+  """A tiny TUPE-R BERT's summed squared error on ids [4, 24] against a random target [4, 24, 128], and its
+  gradients, at the plain model's initial parameters (converted to ``overrides``' layout), as one jitted program."""
+  ids_BxL = jax.random.randint(jax.random.PRNGKey(1), (4, 24), 0, 128)
+  target_BxLxV = jax.random.normal(jax.random.PRNGKey(2), (4, 24, 128))
+  plain, model = (Transformer(TransformerConfig.tiny(position="tupe_r", **o), head="mlm") for o in ({}, overrides))
+  params = nn.unbox(jax.jit(plain.init)(jax.random.PRNGKey(0), ids_BxL)["params"])
+  params = layout.like(params, nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), ids_BxL)["params"]))
+  loss = lambda p: jnp.sum((model.apply({"params": p}, ids_BxL).logits - target_BxLxV) ** 2)
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@functools.cache
+def plain_loss_and_gradients():
+  """The reference of every case: the plain model's (no scan, no remat), computed once."""
+  return loss_and_gradients()
+
+
 @pytest.mark.parametrize("overrides", [dict(scan_layers=True), dict(remat="full"),
                                        dict(scan_layers=True, remat="dots")], ids=str)
 def test_remat_and_scanned_layers_give_the_same_loss_and_gradients(overrides):
-  ids = jax.random.randint(jax.random.PRNGKey(1), (4, 24), 0, 128)
-  plain, other = (Transformer(TransformerConfig.tiny(position="tupe_r", **o), head="mlm") for o in ({}, overrides))
-  params = nn.unbox(plain.init(jax.random.PRNGKey(0), ids)["params"])
-  converted = layout.like(params, nn.unbox(jax.eval_shape(other.init, jax.random.PRNGKey(0), ids)["params"]))
-  target = jax.random.normal(jax.random.PRNGKey(2), (4, 24, 128))
-  loss = lambda model, p: jnp.sum((model.apply({"params": p}, ids).logits - target) ** 2)
-  want, want_grads = jax.value_and_grad(functools.partial(loss, plain))(params)
-  got, got_grads = jax.value_and_grad(functools.partial(loss, other))(converted)
+  want, want_grads = plain_loss_and_gradients()
+  got, got_grads = loss_and_gradients(**overrides)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   got_grads = layout.like(got_grads, want_grads)
   largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))

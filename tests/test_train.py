@@ -73,26 +73,26 @@ def test_local_run_logs_evaluates_and_checkpoints(tmp_path):
   assert logged[-1]["learning_rate"] < logged[1]["learning_rate"]  # linear decay after warm-up
 
 
-def test_restart_with_a_different_config_is_an_error_that_leads_with_a_changed_task(tmp_path):
+@pytest.mark.xdist_group("straight")
+def test_restart_with_a_different_config_is_an_error_that_leads_with_a_changed_task(tmp_path, straight):
   from posjax.train import validate
-  train(pretrain_config(total_steps=1), str(tmp_path))
+  run = shutil.copytree(straight[0], tmp_path / "run")
+  same = lambda **fields: pretrain_config(**NO_DROPOUT, eval_every_steps=0, **fields)  # noqa: E731  (the run's)
   with pytest.raises(ValueError, match=r"different config \(changed: \['learning_rate'\]\)"):
-    train(pretrain_config(total_steps=1, learning_rate=0.5), str(tmp_path))
+    train(same(learning_rate=0.5), str(run))
   with pytest.raises(ValueError, match=r"holds a 'mlm' run and this config is a 'clm' run \(\d+ fields differ: "):
-    validate.check_workdir_config(load_config("lm", "runlocal"), str(tmp_path), write=False)
+    validate.check_workdir_config(load_config("lm", "runlocal"), str(run), write=False)
   # a run from before data.random_positions_first resumes as it ran: the field's absence is the old draw (first at 0)
-  recorded = json.loads((tmp_path / "config.json").read_text())
+  recorded = json.loads((run / "config.json").read_text())
   del recorded["data"]["random_positions_first"]
-  (tmp_path / "config.json").write_text(json.dumps(recorded))
-  validate.check_workdir_config(pretrain_config(total_steps=1), str(tmp_path), write=False)  # no draw: no change
+  (run / "config.json").write_text(json.dumps(recorded))
+  validate.check_workdir_config(same(), str(run), write=False)  # no draw: no change
   recorded["data"]["random_positions"] = 512
-  (tmp_path / "config.json").write_text(json.dumps(recorded))
+  (run / "config.json").write_text(json.dumps(recorded))
   with pytest.raises(ValueError, match=r"different config \(changed: \['data.random_positions_first'\]\)"):
-    validate.check_workdir_config(pretrain_config(total_steps=1, **{"data.random_positions": 512}), str(tmp_path),
-                                  write=False)
-  validate.check_workdir_config(pretrain_config(total_steps=1, **{"data.random_positions": 512,
-                                                                  "data.random_positions_first": "zero"}),
-                                str(tmp_path), write=False)
+    validate.check_workdir_config(same(**{"data.random_positions": 512}), str(run), write=False)
+  validate.check_workdir_config(same(**{"data.random_positions": 512, "data.random_positions_first": "zero"}),
+                                str(run), write=False)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -160,15 +160,18 @@ def test_a_micro_batch_that_does_not_span_the_data_devices_is_an_error(tmp_path)
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
   """Six steps without dropout or evaluation (checkpoints 3 and 6) in one go, which the resumed runs below must
-  end like; a test that changes its workdir copies it first."""
+  end like, and whose checkpoints the tests of this group start from, refuse or damage (a test that changes its
+  workdir copies it first)."""
   workdir = tmp_path_factory.mktemp("straight") / "run"
   return workdir, train(pretrain_config(**NO_DROPOUT, eval_every_steps=0), str(workdir))
 
 
 @pytest.mark.xdist_group("straight")
 def test_restore_onto_another_mesh_and_fsdp_sharding(tmp_path, straight):
+  """The straight run's checkpoint 3 resumed on a data x fsdp x tensor mesh ends like the straight run."""
   workdir, params = straight
-  train(pretrain_config(**NO_DROPOUT, eval_every_steps=0, total_steps=3), str(tmp_path / "moved"))
+  shutil.copytree(workdir, tmp_path / "moved")
+  shutil.rmtree(tmp_path / "moved" / "checkpoints" / "6")
   moved = train(pretrain_config(**NO_DROPOUT, eval_every_steps=0, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
                                 allow_config_change=True), str(tmp_path / "moved"))
   embedding = moved["encoder"]["word_embeddings"]["embedding"]
@@ -179,16 +182,18 @@ def test_restore_onto_another_mesh_and_fsdp_sharding(tmp_path, straight):
     assert all(got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6) for k in want)
 
 
-def test_warm_start_with_a_changed_position_method(tmp_path):
-  train(pretrain_config("runlocal,position=absolute", total_steps=2, eval_every_steps=0), str(tmp_path / "a"))
-  source = checkpoint.load_params(str(tmp_path / "a" / "checkpoints"))
+@pytest.mark.xdist_group("straight")
+def test_warm_start_with_a_changed_position_method(tmp_path, straight):
+  """Method 4 (huang_m4) started from the straight run's TUPE-R checkpoint."""
+  source = checkpoint.load_params(str(straight[0] / "checkpoints"))
+  assert "position" in source["encoder"]  # TUPE's table
   params = train(pretrain_config("runlocal,position=huang_m4", total_steps=1, eval_every_steps=0,
                                     learning_rate=0.0, warmup_steps=0,
-                                    init_from=str(tmp_path / "a" / "checkpoints")), str(tmp_path / "b"))
+                                    init_from=str(straight[0] / "checkpoints")), str(tmp_path / "b"))
   np.testing.assert_array_equal(params["encoder"]["word_embeddings"]["embedding"],
                                 source["encoder"]["word_embeddings"]["embedding"])
   assert "key" in params["encoder"]["layer_0"]["attention"]["position"]  # Method 4's new table
-  assert "position" not in params["encoder"]  # the absolute table is dropped
+  assert "position" not in params["encoder"]  # TUPE's table is dropped
 
 
 def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
@@ -267,15 +272,16 @@ def test_unreadable_checkpoint_is_moved_aside_and_the_run_finishes(tmp_path, cap
   assert process_hooks() == hooks  # the runs quieted orbax's abandoned reads only while they ran
 
 
-def test_checkpoints_none_of_which_can_be_read_are_an_error(tmp_path):
-  train(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
-  for path in (tmp_path / "checkpoints" / "3" / "state").rglob("*"):
+@pytest.mark.xdist_group("straight")
+def test_checkpoints_none_of_which_can_be_read_are_an_error(tmp_path, straight):
+  run = shutil.copytree(straight[0], tmp_path / "run")
+  for path in (run / "checkpoints").glob("*/state/**/*"):
     if path.is_file():
       path.write_bytes(b"garbage")
-  with pytest.raises(ValueError, match=r"no checkpoint in .*checkpoints can be restored \(step 3: .*\). They are "
-                                       r"left in place"):
-    train(pretrain_config(total_steps=3, eval_every_steps=0), str(tmp_path))
-  assert os.listdir(tmp_path / "checkpoints") == ["3"]
+  with pytest.raises(ValueError, match=r"no checkpoint in .*checkpoints can be restored \(step 6: .*; step 3: .*\). "
+                                       r"They are left in place"):
+    train(pretrain_config(**NO_DROPOUT, eval_every_steps=0), str(run))
+  assert sorted(os.listdir(run / "checkpoints")) == ["3", "6"]
 
 
 def test_the_terminal_says_where_things_go_shows_evaluations_and_that_a_run_is_finished(tmp_path, capsys):
@@ -327,12 +333,13 @@ def test_a_workdir_that_is_or_is_under_a_file_is_refused_before_anything_is_writ
   assert (tmp_path / "file").read_text() == "mine"
 
 
-def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path):
+@pytest.mark.xdist_group("straight")
+def test_a_corrected_command_runs_in_the_workdir_of_the_failed_one(tmp_path, straight):
+  """The straight run's command, after a mistaken one in its workdir, runs as the straight run did."""
   with pytest.raises(ValueError, match="cls_reset"):
-    train(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "bogus"},
-                             total_steps=1, eval_every_steps=0), str(tmp_path))
-  train(pretrain_config("runlocal,position=tupe_a", **{"model.position_options.cls_reset": "paper"},
-                           total_steps=1, eval_every_steps=0), str(tmp_path))
+    train(pretrain_config(**NO_DROPOUT, eval_every_steps=0, **{"model.position_options.cls_reset": "bogus"}),
+          str(tmp_path))
+  assert_same_params(straight[1], train(pretrain_config(**NO_DROPOUT, eval_every_steps=0), str(tmp_path)))
 
 
 def test_a_failed_config_change_names_the_change_and_leaves_the_run_resumable(tmp_path):
@@ -760,19 +767,20 @@ def test_weight_decay_exclusion_decides_which_parameters_decay():
     assert moved == decayed, exclusion
 
 
-def test_a_checkpoint_starts_a_run_of_the_other_layer_layout_and_refuses_to_resume_in_it(tmp_path):
+@pytest.mark.xdist_group("straight")
+def test_a_checkpoint_starts_a_run_of_the_other_layer_layout_and_refuses_to_resume_in_it(tmp_path, straight):
   common = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "eval_every_steps": 0,
             "checkpoint_every_steps": 1}
-  unrolled = train(pretrain_config(**common, total_steps=1), str(tmp_path / "unrolled"))
-  with pytest.raises(ValueError, match=r"checkpoint 1 in \S+ holds its layers per-layer, this run's model scanned "
+  unrolled = shutil.copytree(straight[0], tmp_path / "unrolled")  # the straight run's per-layer checkpoints
+  with pytest.raises(ValueError, match=r"checkpoint 6 in \S+ holds its layers per-layer, this run's model scanned "
                                        r"\(model.scan_layers=True\): resume with model.scan_layers=False, or start "
                                        r"another workdir from it with init_from="):
-    train(pretrain_config(**common, total_steps=2, allow_config_change=True, **{"model.scan_layers": True}),
-          str(tmp_path / "unrolled"))
+    train(pretrain_config(**common, total_steps=7, allow_config_change=True, **{"model.scan_layers": True}),
+          str(unrolled))
   # A zero learning rate keeps the warm start's parameters: the checkpoint's, stacked.
-  scanned = train(pretrain_config(**common, total_steps=1, learning_rate=0.0, init_from=str(tmp_path / "unrolled"),
+  scanned = train(pretrain_config(**common, total_steps=1, learning_rate=0.0, init_from=str(unrolled),
                                   **{"model.scan_layers": True}), str(tmp_path / "scanned"))
-  assert_same_params(layout.stack(unrolled), scanned)
+  assert_same_params(layout.stack(straight[1]), scanned)
   # layers of two kinds scan in groups of two: a checkpoint of single layers says how to go on
   with pytest.raises(ValueError, match=r"checkpoint 1 in \S+ scans its layers in groups of 1 kinds, this run's model "
                                        r"in groups of 2 \(its layers' kinds changed\): start another workdir"):
