@@ -247,3 +247,51 @@ def test_positions_of_other_axes_are_refused_in_one_line():
   odd = Transformer(dataclasses.replace(decoder(), position_options={"sections": (1, 1, 1)}), head="lm")
   with pytest.raises(ValueError, match=r"mrope's sections \[1, 1, 1\] must sum to head_dim / 2 = 4"):
     jax.eval_shape(odd.init, jax.random.key(0), ids)
+
+
+VL_TEXT = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=48, max_position_embeddings=64, rope_theta=1e4)
+VL_CASES = {  # config class, model class, the text config's fields, a small vision tower's
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+                 {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+                 {"depth": 1, "embed_dim": 16, "num_heads": 2, "hidden_size": 32}),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   {"rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
+                   {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16, "out_hidden_size": 32}),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration",
+                 {"head_dim": 8, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                  "mrope_interleaved": True}},
+                 {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16, "out_hidden_size": 32}),
+}
+
+
+@pytest.mark.parametrize("name", VL_CASES)
+def test_qwen_vl_text_decoders_convert_with_their_logits_for_text_and_for_multi_axis_ids(name, tmp_path):
+  """A vision-language checkpoint saved by ``save_pretrained`` (random weights, every one moved from its initial
+  value) comes in as its text decoder with M-RoPE: posjax's logits equal Hugging Face's for text (its
+  ``get_rope_index`` without images: equal ids on the three axes) and for given ``[3, B, L]`` ids."""
+  import transformers
+  from posjax import convert
+  config_class, model_class, text, vision = VL_CASES[name]
+  torch.manual_seed(0)
+  config = getattr(transformers, config_class)(text_config={**VL_TEXT, **text}, vision_config=vision)
+  model = getattr(transformers, model_class)(config).eval()
+  with torch.no_grad():
+    for parameter in model.parameters():
+      parameter.add_(0.2 * torch.randn_like(parameter))
+  model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+  module, variables = convert.from_hf(tmp_path / "hf")
+  assert module.config.position == "mrope"
+  rng = np.random.default_rng(4)
+  ids_BxL = rng.integers(0, 50, (2, 10))
+  p_BxLx3 = rng.integers(0, 30, (2, 10, 3))
+  apply = jax.jit(module.apply)
+  with torch.no_grad():
+    want_text = model(input_ids=torch.tensor(ids_BxL)).logits.numpy()
+    want_ids = model(input_ids=torch.tensor(ids_BxL), position_ids=torch.tensor(p_BxLx3.transpose(2, 0, 1))).logits
+  for want, given in ((want_text, None), (want_ids.numpy(), jnp.asarray(p_BxLx3, jnp.int32))):
+    got = apply(variables, jnp.asarray(ids_BxL, jnp.int32), positions=given).logits
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+  with pytest.raises(ValueError, match=r"^posjax reads the text decoders of \['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'\] "
+                                       r"\(M-RoPE\) but does not write them"):
+    convert.to_hf(module.config, variables)
