@@ -111,12 +111,12 @@ def greedy(module: Transformer, variables, prompt_BxP, steps: int, mask_BxP=None
   """``[B, P + steps]``: :func:`generate` at temperature 0 (prompts left-padded where ``mask_BxP`` is False; default
   full), without its checks (traceable: what an evaluator calls inside its compiled program)."""
   mask_BxP = jnp.ones(prompt_BxP.shape, bool) if mask_BxP is None else jnp.asarray(mask_BxP, bool)
-  return _generate(module, variables, prompt_BxP, mask_BxP, steps, 0.0, 0, 1.0, jnp.uint32(0), (), False, None)[0]
+  return _generate(module, variables, prompt_BxP, mask_BxP, steps, 0.0, 0, 1.0, jnp.uint32(0), (), False)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10))
 def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id, keep_logits,
-              positions):
+              positions=None):
   """The loop: the prefill computes the LM head at each prompt's last token only (the prompts are left-padded), and
   the step logits ``[B, N, V]`` are kept only where ``keep_logits`` (else ``[B, 0, V]``)."""
   b, p = prompt_BxP.shape
