@@ -13,7 +13,8 @@ Face's ``generate`` convention). Prompts of different lengths come left-padded w
 padding); their positions are then ``cumsum(mask) - 1``, as Hugging Face counts them, unless ``positions`` gives
 them (``[B, P]``, or ``[B, P, A]`` for a method of several axes: a Qwen2-VL prompt's M-RoPE ids). Each new token
 takes the next position after the prompt's largest, on every axis (Qwen2-VL's ``rope_deltas``: a text token after
-an image continues from the image's largest id). After ``eos_id`` a row repeats it. The whole loop is one compiled program (``lax.fori_loop`` over the steps).
+an image continues from the image's largest id; VideoRoPE's after the largest time id). After ``eos_id`` a row
+repeats it. The whole loop is one compiled program (``lax.fori_loop`` over the steps).
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ def generate(module: Transformer, variables, prompt_ids, *, max_new_tokens: int,
   return (tokens, logits) if return_logits else tokens
 
 
+def continued_position(spec, positions, mask_BxP):
+  """``[B]`` int32: the position a prompt's continuation follows: the largest of its real tokens' ids on every axis
+  (``[B, P]`` or ``[B, P, A]``), or on the axis the method names (:attr:`posjax.positions.Method.continuation_axis`)."""
+  b, p = mask_BxP.shape
+  ids_BxPxA = positions.reshape(b, p, -1)
+  axis = spec.method.continuation_axis(spec.options) if spec.method.continuation_axis else None
+  if axis is not None and ids_BxPxA.shape[-1] > 1:
+    ids_BxPxA = ids_BxPxA[..., axis:axis + 1]
+  real_BxPxA = jnp.broadcast_to(mask_BxP.reshape(b, p, 1), ids_BxPxA.shape)
+  return jnp.max(jnp.where(real_BxPxA, ids_BxPxA, 0), axis=(1, 2)).astype(jnp.int32)
+
+
 def eos_ids(eos_id) -> tuple[int, ...]:
   """``eos_id`` (None, one id or several) as a tuple of ints (a static argument of the compiled loop)."""
   if eos_id is None:
@@ -152,8 +165,7 @@ def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k
       logits_BxNxV = logits_BxNxV.at[:, t].set(logits_BxV)
     return tokens_BxN.at[:, t].set(next_B), logits_BxNxV, mutated["cache"], position_B + 1, done_B
 
-  real_BxPxA = jnp.broadcast_to(mask_BxP.reshape(b, p, 1), positions.reshape(b, p, -1).shape)
-  last_B = jnp.max(jnp.where(real_BxPxA, positions.reshape(b, p, -1), 0), axis=(1, 2)).astype(jnp.int32)
+  last_B = continued_position(module.config.position_spec, positions, mask_BxP)
   tokens_BxN, logits_BxNxV, *_ = jax.lax.fori_loop(1, steps, step, (tokens_BxN, logits_BxNxV, mutated["cache"],
                                                                     last_B + 1, jnp.zeros((b,), bool)))
   return jnp.concatenate([prompt_BxP, tokens_BxN], axis=1), logits_BxNxV

@@ -1,6 +1,7 @@
 """Positions over several axes. The rotations against their reference code, run here on the same inputs, with
 gradients: M-RoPE against Hugging Face's Qwen2-VL (``apply_multimodal_rotary_pos_emb``) and Qwen3-VL (its rotary
-embedding's ``apply_interleaved_mrope``), VideoRoPE's allocation against its ``apply_m_modify_multimodal_rotary_pos_emb``
+embedding's ``apply_interleaved_mrope``), VideoRoPE's allocation against its
+``apply_m_modify_multimodal_rotary_pos_emb``
 (transcribed below on Hugging Face's cosines), 2-D axial RoPE and RoPE-Mixed against rope-vit's ``compute_axial_cis``,
 ``compute_mixed_cis`` and ``apply_rotary_emb`` (transcribed below: the repository is not a package). Then a model:
 multi-axis positions through packed rows, the Pallas kernels, the decoding cache and generation; the refusals."""
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 from posjax import generate, positions
+from posjax.convert import hf_decoder
+from posjax.train import step
 from posjax.models import Transformer, TransformerConfig
 
 torch = pytest.importorskip("torch")
@@ -36,7 +39,8 @@ def torch_rotated(apply, q_BxLxHxK, k_BxLxHxK, w_q, w_k, *extra):
   q, k = (torch.tensor(np.asarray(x).transpose(0, 2, 1, 3), requires_grad=True) for x in (q_BxLxHxK, k_BxLxHxK))
   extra = [torch.tensor(np.asarray(x), requires_grad=True) for x in extra]
   q_out, k_out = apply(q, k, *extra)
-  loss = (q_out * torch.tensor(w_q.transpose(0, 2, 1, 3))).sum() + (k_out * torch.tensor(w_k.transpose(0, 2, 1, 3))).sum()
+  w_q, w_k = (torch.tensor(w.transpose(0, 2, 1, 3)) for w in (w_q, w_k))
+  loss = (q_out * w_q).sum() + (k_out * w_k).sum()
   loss.backward()
   t = lambda x: x.detach().numpy().transpose(0, 2, 1, 3)
   return (t(q_out), t(k_out), t(q.grad), t(k.grad), *[x.grad.numpy() for x in extra])
@@ -99,15 +103,16 @@ def test_mrope_equals_qwen2_vl_and_qwen3_vl_and_videorope():
   check("mrope", {"sections": (2, 3, 3), "allocation": "videorope"}, p_BxLx3, videorope)
 
   qwen3_config = Qwen3VLTextConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, head_dim=HEAD_DIM,
-                                   rope_theta=5e5, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                   rope_theta=5e5, rope_scaling={"rope_type": "default", "mrope_section": [4, 2, 2],
                                                                  "mrope_interleaved": True})
   cos3, sin3 = qwen3.Qwen3VLTextRotaryEmbedding(qwen3_config)(x, ids_3xBxL)
-  check("mrope", {"sections": (2, 3, 3), "allocation": "interleaved", "max_timescale": 5e5}, p_BxLx3,
+  check("mrope", {"sections": (4, 2, 2), "allocation": "interleaved", "max_timescale": 5e5}, p_BxLx3,
         lambda q, k: qwen3.apply_rotary_pos_emb(q, k, cos3, sin3))
   # text ids ([B, L], the same on every axis) are RoPE's
   text_BxL = p_BxLx3[..., 0]
-  got = rotated("mrope", {"sections": (2, 3, 3), "allocation": "interleaved"}, text_BxL, *(2 * [jnp.ones((2, 9, 2, 16))]))
-  want = rotated("rope", {}, text_BxL, *(2 * [jnp.ones((2, 9, 2, 16))]))
+  ones = jnp.ones((2, 9, 2, 16))
+  got = rotated("mrope", {"sections": (4, 2, 2), "allocation": "interleaved"}, text_BxL, ones, ones)
+  want = rotated("rope", {}, text_BxL, ones, ones)
   np.testing.assert_array_equal(got[0], want[0])
 
 
@@ -168,6 +173,7 @@ def test_rope_mixed_equals_rope_vit_with_the_frequencies_gradient():
   got, (want,) = check("rope_mixed", {}, p, with_class_token(mixed), {"frequencies": frequencies_2xHxF}, [theirs])
   want = want.reshape(2, HEADS, HEAD_DIM // 2)[::-1]
   np.testing.assert_allclose(got["frequencies"], want, rtol=0, atol=2e-5 * np.abs(want).max())
+  assert step.decays({"frequencies": 0, "kernel": 0}) == {"frequencies": False, "kernel": True}  # rope-vit's
 
 
 def decoder(position="mrope", **fields):
@@ -233,6 +239,17 @@ def test_decoding_and_generation_follow_the_multi_axis_ids():
   np.testing.assert_array_equal(out[0, prompt:], np.argmax(full[0, prompt - 1:], -1))
 
 
+def test_a_continuation_follows_the_largest_id_or_videoropes_largest_time_id():
+  """Qwen2-VL's ``get_rope_index`` continues from ``positions.max() + 1`` over the real tokens, VideoRoPE's
+  ``get_t_scale_rope_index`` from ``positions[0].max() + 1`` (its height and width ids run ahead of time)."""
+  ids_BxPx3 = np.array([[[0, 0, 0], [1, 1, 1], [2, 5, 7], [2, 6, 8]], [[9, 9, 9], [0, 0, 0], [1, 4, 3], [1, 2, 2]]])
+  mask_BxP = np.array([[1, 1, 1, 1], [0, 1, 1, 1]], bool)  # row 1 left-padded: its pad's ids are not read
+  for allocation, want in (("sections", [8, 4]), ("videorope", [2, 1])):
+    spec = positions.make("mrope", {"sections": (2, 1, 1), "allocation": allocation}, num_heads=2, hidden_size=16,
+                          max_len=64, causal=True)
+    np.testing.assert_array_equal(generate.continued_position(spec, jnp.asarray(ids_BxPx3), mask_BxP), want)
+
+
 def test_positions_of_other_axes_are_refused_in_one_line():
   module = Transformer(decoder("rope"), head="lm")
   ids = jnp.zeros((1, 4), jnp.int32)
@@ -247,6 +264,16 @@ def test_positions_of_other_axes_are_refused_in_one_line():
   odd = Transformer(dataclasses.replace(decoder(), position_options={"sections": (1, 1, 1)}), head="lm")
   with pytest.raises(ValueError, match=r"mrope's sections \[1, 1, 1\] must sum to head_dim / 2 = 4"):
     jax.eval_shape(odd.init, jax.random.key(0), ids)
+  wide = Transformer(dataclasses.replace(decoder(), position_options={"sections": (1, 1, 2),
+                                                                      "allocation": "interleaved"}), head="lm")
+  with pytest.raises(ValueError, match=r"sections \[1, 1, 2\] need 3h <= 5 and 3w <= 4"):
+    jax.eval_shape(wide.init, jax.random.key(0), ids)
+  text = {**VL_TEXT, "model_type": "qwen3_vl_text"}
+  for rope, message in (({"mrope_section": [2, 1, 1], "mrope_interleaved": False},
+                         r"mrope_interleaved=False; Hugging Face's qwen3_vl ignores it and runs M-RoPE's interleaved"),
+                        ({"mrope_section": [2, 1, 2]}, r"mrope_section=\[2, 1, 2\]; it must sum to head_dim / 2 = 4")):
+    with pytest.raises(ValueError, match=message):
+      hf_decoder.config_from_hf({"model_type": "qwen3_vl", "text_config": {**text, "rope_scaling": rope}})
 
 
 VL_TEXT = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -175,6 +175,9 @@ def _vl_config(hf: Mapping[str, Any]) -> TransformerConfig:
   scaling = dict(text.get("rope_scaling") or {})
   sections = scaling.pop("mrope_section", None)
   interleaved = scaling.pop("mrope_interleaved", allocation == "interleaved")
+  if interleaved != (allocation == "interleaved"):  # Hugging Face's layout follows the model type, not this flag
+    raise ValueError(f"config.json's text_config has mrope_interleaved={interleaved!r}; Hugging Face's "
+                     f"{hf['model_type']} ignores it and runs M-RoPE's {allocation} layout")
   kind = scaling.pop("rope_type", scaling.pop("type", "default"))
   if kind not in ("default", "mrope") or scaling:
     raise ValueError(f"config.json's text_config has rope_scaling {text.get('rope_scaling')!r}; posjax's mrope reads "
@@ -182,8 +185,11 @@ def _vl_config(hf: Mapping[str, Any]) -> TransformerConfig:
   if sections is None:
     raise ValueError("config.json's text_config has no rope_scaling.mrope_section; M-RoPE needs its sections")
   config = config_from_hf({**text, "model_type": family, "rope_scaling": None})
+  if sum(sections) != config.position_spec.head_dim // 2:
+    raise ValueError(f"config.json's text_config has mrope_section={list(sections)}; it must sum to head_dim / 2 = "
+                     f"{config.position_spec.head_dim // 2}")
   options = {"max_timescale": config.position_spec.options.max_timescale, "sections": tuple(sections),
-             "allocation": "interleaved" if interleaved else "sections"}
+             "allocation": allocation}
   return dataclasses.replace(config, position="mrope", position_options=options)
 
 

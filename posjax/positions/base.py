@@ -202,6 +202,8 @@ class Method:
       axis refuses positions of several (:func:`method_positions`).
     sequence_positions: whether a multi-axis method reads plain ``[Bp, L]`` positions as that position on every
       axis (M-RoPE's text tokens: Qwen2-VL's three equal ids); otherwise it refuses them.
+    continuation_axis: ``options -> axis or None``: the axis whose largest prompt id the generated tokens follow
+      (VideoRoPE's time); None, or a method without it: the largest id of every axis (Qwen2-VL's ``rope_deltas``).
     summary: one line for listings and error messages.
   """
 
@@ -218,6 +220,7 @@ class Method:
   caches: bool = False
   axes: int = 1
   sequence_positions: bool = False
+  continuation_axis: Callable[[Any], int | None] | None = None
   summary: str = ""
 
   @property

@@ -5,8 +5,9 @@ naver-ai/rope-vit) for images.
 Each token has a position on every axis (``[Bp, L, A]``: time, height, width; or row, column) and each rotated pair
 of features ``f`` turns by an angle read from them: ``p[axis(f)] · θ_f`` where each frequency belongs to one axis
 (M-RoPE, axial), ``Σ_a p[a] · θ_{a,h,f}`` with learned per-head frequencies (RoPE-Mixed). The angles are computed in
-float32 as the reference code computes them (one product, or a sum of one product per axis), so they are the
-reference's exactly; the rotation is RoPE's (:func:`posjax.positions.rotary.rotate`), before any kernel: every kernel
+float32 as the reference code computes them (one product, or a sum of one product per axis); the inverse frequencies
+are RoPE's (``base ** -(2i / d)`` in float32, which may differ from Hugging Face's ``1 / base ** (2i / d)`` in the
+last bit); the rotation is RoPE's (:func:`posjax.positions.rotary.rotate`), before any kernel: every kernel
 and the decoding cache (keys cached rotated) compute these methods as they compute RoPE.
 
 The state's ``positions`` (what the kernels' terms, the cache and a query temperature read) are the first axis: the
@@ -50,7 +51,8 @@ def frequency_axes(allocation: str, sections, frequencies: int) -> np.ndarray:
 
   ``sections`` (Qwen2-VL's ``mrope_section``, ``(t, h, w)`` summing to F): the first t frequencies are time's, the
   next h height's, the last w width's. ``interleaved`` (Qwen3-VL's ``apply_interleaved_mrope``): frequency f is
-  height's where ``f % 3 == 1`` and ``f < 3h``, width's where ``f % 3 == 2`` and ``f < 3w``, time's otherwise.
+  height's where ``f % 3 == 1`` and ``f < 3h``, width's where ``f % 3 == 2`` and ``f < 3w``, time's otherwise (so h
+  and w must fit, ``3h <= F + 1`` and ``3w <= F``, which :func:`mrope_frequencies` checks).
   ``videorope`` (VideoRoPE's low-frequency temporal allocation, its ``apply_m_modify_multimodal_rotary_pos_emb``):
   the lowest t frequencies are time's, the others alternate height (even f) and width (odd f), so h and w only
   count together."""
@@ -82,7 +84,10 @@ class MropeOptions:
   layout: RoPE's pairing, ``half`` (the Qwen models') or ``interleaved``.
 
   Text positions ``[Bp, L]`` are read as that position on the three axes (Qwen2-VL's text ids), where M-RoPE is
-  RoPE exactly. [choice] No context-extension scaling (the Qwen-VL models have none).
+  RoPE. Generation after a prompt continues from its largest id + 1 on every axis (Qwen2-VL's and Qwen3-VL's
+  ``get_rope_index``), with ``videorope`` from the largest time id + 1 (VideoRoPE's ``get_t_scale_rope_index``: its
+  height and width ids run ahead of time). Ids are integers (VideoRoPE's temporal spacing of 2 is; a fractional
+  spacing is not representable). [choice] No context-extension scaling (the Qwen-VL models have none).
   """
 
   max_timescale: float = 10_000.0
@@ -99,6 +104,12 @@ class MropeOptions:
       object.__setattr__(self, "sections", tuple(int(s) for s in self.sections))
 
 
+def continuation_axis(options: MropeOptions) -> int | None:
+  """The axis whose largest id a continuation after a prompt follows: VideoRoPE's time axis, or None (the largest
+  id of every axis)."""
+  return 0 if options.allocation == "videorope" else None
+
+
 def mrope_frequencies(options: MropeOptions, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
   """``(inverse frequencies [F] float32, their axes [F])`` of M-RoPE at ``head_dim`` (``F = head_dim / 2``)."""
   if head_dim % 2:
@@ -108,6 +119,9 @@ def mrope_frequencies(options: MropeOptions, head_dim: int) -> tuple[np.ndarray,
   if sum(sections) != count:
     raise ValueError(f"mrope's sections {list(sections)} must sum to head_dim / 2 = {count} (one count per axis of "
                      "the rotated frequencies)")
+  if options.allocation == "interleaved" and (3 * sections[1] > count + 1 or 3 * sections[2] > count):
+    raise ValueError(f"mrope's interleaved layout places height and width at every third of the {count} frequencies: "
+                     f"sections {list(sections)} need 3h <= {count + 1} and 3w <= {count}")
   inv_freq = options.max_timescale ** -(np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
   return inv_freq.astype(np.float32), frequency_axes(options.allocation, sections, count)
 
@@ -143,7 +157,7 @@ class MropeRotation(AxesRotation):
 
 
 base.register(base.Method("mrope", MropeOptions, encoder=MropeRotation, layer=rotary.RotateQK, axes=3,
-                          sequence_positions=True,
+                          sequence_positions=True, continuation_axis=continuation_axis,
                           summary="M-RoPE: RoPE's frequencies shared among time, height and width (Qwen2-VL, "
                                   "Qwen3-VL's interleaved layout, VideoRoPE's allocation)"))
 
@@ -196,7 +210,10 @@ class RopeMixedOptions:
   starts at a random direction ``α``: the column's frequencies ``[m cos α, m cos(α + π/2)]``, the row's
   ``[m sin α, m sin(α + π/2)]`` (rope-vit's ``rotate=True``; ``random_direction=False``: α = 0). layout: as
   :class:`Rope2dOptions`. Positions ``(row, column)``; the class token at ``(0, 0)`` turns by nothing. With grouped
-  k/v heads the frequencies are the k/v heads' (a key turns once for the query heads that read it).
+  k/v heads the frequencies are the k/v heads' (a key turns once for the query heads that read it). A layer's
+  parameter ``frequencies`` is ``[2 (row, column), G, d_h / 2]``: rope-vit's ``freqs[:, layer]`` (``x``, the column,
+  first) reversed along its first axis and reshaped from ``H·d_h/2``. Weight decay skips it, as rope-vit's
+  ``no_weight_decay`` does (:func:`posjax.train.step.decays`).
   """
 
   max_timescale: float = 10.0
