@@ -322,3 +322,37 @@ def test_qwen_vl_text_decoders_convert_with_their_logits_for_text_and_for_multi_
   with pytest.raises(ValueError, match=r"^posjax reads the text decoders of \['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'\] "
                                        r"\(M-RoPE\) but does not write them"):
     convert.to_hf(module.config, variables)
+
+
+def mae_2d_sincos(width, size):
+  """MAE's ``get_2d_sincos_pos_embed(width, size)`` (models/pos_embed.py), transcribed in float64: ``[size², width]``
+  in raster order."""
+  grid = np.stack(np.meshgrid(np.arange(size, dtype=np.float64), np.arange(size, dtype=np.float64)))  # w first
+
+  def one_axis_embed(dim, pos):
+    omega = 1.0 / 10000 ** (np.arange(dim // 2, dtype=np.float64) / (dim / 2.0))
+    out = np.einsum("m,d->md", pos.reshape(-1), omega)
+    return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+
+  return np.concatenate([one_axis_embed(width // 2, grid[0]), one_axis_embed(width // 2, grid[1])], axis=1)
+
+
+def test_grid_embeddings_equal_mae_and_a_learned_table_read_at_each_row_and_column():
+  """``sinusoidal_2d`` equals MAE's 2-D sin-cos embedding on a raster grid; ``absolute_2d`` reads its table at each
+  ``(row, column)``, NaN outside it, and its table resized to its own grid is itself."""
+  from posjax.positions import grid
+  size, width = 4, 16
+  p = grid_positions(size, size)[:, 1:]  # the patches, raster order
+  spec = positions.make("sinusoidal_2d", num_heads=2, hidden_size=width, max_len=64)
+  state = spec.method.encoder(spec=spec).apply({}, p)
+  np.testing.assert_allclose(state.embedding[0], mae_2d_sincos(width, size), rtol=0, atol=1e-5)
+  spec = positions.make("absolute_2d", {"grid": (3, 5)}, num_heads=2, hidden_size=width, max_len=64)
+  encoder = spec.method.encoder(spec=spec)
+  ids = np.array([[[0, 0], [2, 4], [1, 3], [3, 0], [0, 5], [-1, 2]]], np.int32)
+  variables = encoder.init(jax.random.key(0), ids)
+  table = np.asarray(variables["params"]["embedding"].value)
+  got = np.asarray(encoder.apply(variables, ids).embedding[0])
+  np.testing.assert_array_equal(got[:3], table[[0, 2, 1], [0, 4, 3]])
+  assert np.isnan(got[3:]).all()  # a row, a column and a negative row outside the 3 x 5 grid
+  np.testing.assert_allclose(grid.resized_table(table, 3, 5), table, rtol=0, atol=1e-6)
+  assert grid.resized_table(table, 6, 10).shape == (6, 10, width)
