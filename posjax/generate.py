@@ -10,7 +10,10 @@ over its cache (:func:`posjax.attention.decode_step`: k/v heads only, positions 
 ``module`` is a causal :class:`posjax.models.Transformer` with head ``lm`` (a decoder run's, or
 :func:`posjax.convert.from_hf`'s). The result is the prompt followed by the new tokens, ``[B, P + N]`` (Hugging
 Face's ``generate`` convention). Prompts of different lengths come left-padded with ``attention_mask`` (0 at the
-padding); their positions are then ``cumsum(mask) - 1``, as Hugging Face counts them. After ``eos_id`` a row
+padding); their positions are then ``cumsum(mask) - 1``, as Hugging Face counts them, unless ``positions`` gives
+them (``[B, P]``, or ``[B, P, A]`` for a method of several axes: a Qwen2-VL prompt's M-RoPE ids). Each new token
+takes the next position after the prompt's largest, on every axis (Qwen2-VL's ``rope_deltas``: a text token after
+an image continues from the image's largest id; VideoRoPE's after the largest time id). After ``eos_id`` a row
 repeats it. The whole loop is one compiled program (``lax.fori_loop`` over the steps).
 """
 
@@ -69,11 +72,11 @@ def sample(logits_BxV, key, temperature: float, top_k: int, top_p: float):
 
 def generate(module: Transformer, variables, prompt_ids, *, max_new_tokens: int, attention_mask=None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eos_id: int | list[int] | None = None, return_logits: bool = False):
+             eos_id: int | list[int] | None = None, return_logits: bool = False, positions=None):
   """``[B, P + max_new_tokens]`` int32: the prompts ``[B, P]`` and their continuations (see the module docstring);
   with ``return_logits`` also the float32 logits each new token was drawn from, ``[B, max_new_tokens, V]`` (before
   temperature and filtering; Hugging Face's ``output_logits``). ``eos_id``: one id or several (Hugging Face's
-  ``eos_token_id`` list) that end a row."""
+  ``eos_token_id`` list) that end a row. ``positions``: the prompts' own (see the module docstring)."""
   check_options(module, max_new_tokens, temperature, top_k, top_p)
   prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
   if prompt_ids.ndim != 2 or prompt_ids.shape[1] < 1:
@@ -84,10 +87,27 @@ def generate(module: Transformer, variables, prompt_ids, *, max_new_tokens: int,
   mask_BxP = jnp.ones((b, p), bool) if attention_mask is None else jnp.asarray(attention_mask, bool)
   if mask_BxP.shape != (b, p):
     raise ValueError(f"attention_mask has shape {mask_BxP.shape}; expected the prompt's {(b, p)}")
+  if positions is not None:
+    positions = jnp.asarray(positions)
+    if positions.shape[:2] != (b, p) or positions.ndim not in (2, 3):
+      raise ValueError(f"positions has shape {positions.shape}; expected the prompt's {(b, p)}, or {(b, p)} and "
+                       "an axis of positions")
   tokens, logits = _generate(module, {"params": variables["params"]}, prompt_ids, mask_BxP, max_new_tokens,
                              float(temperature), top_k, float(top_p), jnp.uint32(seed),
-                             eos_ids(eos_id), bool(return_logits))
+                             eos_ids(eos_id), bool(return_logits), positions)
   return (tokens, logits) if return_logits else tokens
+
+
+def continued_position(spec, positions, mask_BxP):
+  """``[B]`` int32: the position a prompt's continuation follows: the largest of its real tokens' ids on every axis
+  (``[B, P]`` or ``[B, P, A]``), or on the axis the method names (:attr:`posjax.positions.Method.continuation_axis`)."""
+  b, p = mask_BxP.shape
+  ids_BxPxA = positions.reshape(b, p, -1)
+  axis = spec.method.continuation_axis(spec.options) if spec.method.continuation_axis else None
+  if axis is not None and ids_BxPxA.shape[-1] > 1:
+    ids_BxPxA = ids_BxPxA[..., axis:axis + 1]
+  real_BxPxA = jnp.broadcast_to(mask_BxP.reshape(b, p, 1), ids_BxPxA.shape)
+  return jnp.max(jnp.where(real_BxPxA, ids_BxPxA, 0), axis=(1, 2)).astype(jnp.int32)
 
 
 def eos_ids(eos_id) -> tuple[int, ...]:
@@ -108,7 +128,8 @@ def greedy(module: Transformer, variables, prompt_BxP, steps: int, mask_BxP=None
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 9, 10))
-def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id, keep_logits):
+def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k, top_p, seed, eos_id, keep_logits,
+              positions=None):
   """The loop: the prefill computes the LM head at each prompt's last token only (the prompts are left-padded), and
   the step logits ``[B, N, V]`` are kept only where ``keep_logits`` (else ``[B, 0, V]``)."""
   b, p = prompt_BxP.shape
@@ -117,8 +138,9 @@ def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k
     slots = -(-slots // CACHE_MULTIPLE) * CACHE_MULTIPLE
   cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
       lambda: module.init(jax.random.key(0), jnp.zeros((b, slots), jnp.int32), decode=True))["cache"])
-  positions_BxP = jnp.maximum(jnp.cumsum(mask_BxP.astype(jnp.int32), axis=1) - 1, 0)
-  out, mutated = module.apply({**variables, "cache": cache}, prompt_BxP, positions=positions_BxP,
+  if positions is None:
+    positions = jnp.maximum(jnp.cumsum(mask_BxP.astype(jnp.int32), axis=1) - 1, 0)
+  out, mutated = module.apply({**variables, "cache": cache}, prompt_BxP, positions=positions,
                               attention_mask=mask_BxP, masked_positions=jnp.full((b, 1), p - 1, jnp.int32),
                               decode=True, mutable=["cache"])
   key = jax.random.key(seed)
@@ -143,7 +165,7 @@ def _generate(module, variables, prompt_BxP, mask_BxP, steps, temperature, top_k
       logits_BxNxV = logits_BxNxV.at[:, t].set(logits_BxV)
     return tokens_BxN.at[:, t].set(next_B), logits_BxNxV, mutated["cache"], position_B + 1, done_B
 
-  last_B = positions_BxP[:, -1]
+  last_B = continued_position(module.config.position_spec, positions, mask_BxP)
   tokens_BxN, logits_BxNxV, *_ = jax.lax.fori_loop(1, steps, step, (tokens_BxN, logits_BxNxV, mutated["cache"],
                                                                     last_B + 1, jnp.zeros((b,), bool)))
   return jnp.concatenate([prompt_BxP, tokens_BxN], axis=1), logits_BxNxV

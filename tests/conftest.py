@@ -17,6 +17,7 @@ FAST_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 if FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("USE_TF", "0")  # transformers without its TensorFlow classes (none is used): 6-10 s an import
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -64,6 +65,12 @@ class OneLayer(nn.Module):
   def __call__(self, x_BxLxD, positions_BxL, mask=None):
     state = self.spec.method.encoder(spec=self.spec, name="pos")(positions_BxL)
     return attention.SelfAttention(self.spec, self.kernel, name="attn")(x_BxLxD, state, mask)
+
+
+def one_axis(names):
+  """The methods of ``names`` that read the plain ``[B, L]`` positions these tests give (the multi-axis ones:
+  tests/test_multi_axis.py, where M-RoPE's text positions are shown to be RoPE's)."""
+  return [name for name in names if positions.get(name).axes <= 1]
 
 
 def randomize(params, seed=0, scale=0.5):

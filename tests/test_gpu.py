@@ -10,10 +10,11 @@ import pytest
 
 from posjax import positions
 from posjax.models import TransformerConfig, TransformerStack
+from conftest import one_axis
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 
-FUSABLE = [n for n in positions.encoder_names()
+FUSABLE = [n for n in one_axis(positions.encoder_names())
            if positions.make(n, num_heads=4, hidden_size=256, max_len=128).refusal("pallas") is None]
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from posjax import attention, positions
 from posjax.models import TransformerConfig, TransformerStack, Transformer
-from conftest import randomize
+from conftest import one_axis, randomize
 
-ALL = positions.encoder_names()
+ALL = one_axis(positions.encoder_names())
 SHIFT_INVARIANT = ["none", "t5", "alibi", "rope", "shaw", "huang_m1", "huang_m2", "huang_m3", "huang_m4", "kerple_log",
                    "kerple_power", "fire", "xpos", "pope", "sandwich", "fox"]  # FIRE: below its threshold L (512 here)
 ABSOLUTE = ["absolute", "sinusoidal", "bert_r", "bert_ad", "tupe_a", "tupe_r"]

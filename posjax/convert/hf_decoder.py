@@ -2,7 +2,9 @@
 included; ``attention_bias``), Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (QK-norm), Phi-3 (fused q/k/v and
 gate/up weights, LongRoPE, partial rotary, a sliding window), GPT-NeoX (partial rotary, parallel residual) and GPT-2
 (learned absolute positions), OLMo 2, Gemma and Gemma 2 and Gemma 3's text model (its local and global layers, each
-with its own RoPE base: ``position_schedule``).
+with its own RoPE base: ``position_schedule``); the text decoders of Qwen2-VL and Qwen2.5-VL (Qwen2's, with M-RoPE's
+sections) and Qwen3-VL (Qwen3's, with M-RoPE's interleaved layout) from their ``*ForConditionalGeneration``
+checkpoints (:data:`VL_TYPES`; the vision tower's weights are not read: posjax takes the decoder only).
 
 Each is the decoder preset of posjax's one stack (:meth:`posjax.models.TransformerConfig.llama`) with the family's
 fields; the state-dict mapping is a table of names per family (:data:`LLAMA_LAYER`, :data:`GPT2_LAYER`), not code
@@ -28,7 +30,10 @@ LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 LOCAL_ROPE = "rope@local"  # Gemma 3's sliding-window layers' RoPE (its own base) in posjax's position_schedule
 WINDOWED = ("mistral", "phi3")  # the Llama-family types whose config's sliding_window applies to every layer
-MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2")
+# The vision-language models whose text decoder posjax reads: its family, and M-RoPE's layout (posjax's `mrope`)
+VL_TYPES = {"qwen2_vl": ("qwen2", "sections"), "qwen2_5_vl": ("qwen2", "sections"),
+            "qwen3_vl": ("qwen3", "interleaved")}
+MODEL_TYPES = (*LLAMA_TYPES, "gpt_neox", "gpt2", *VL_TYPES)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
               "phi3": ("Phi3Config", "Phi3ForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
@@ -48,7 +53,11 @@ GATED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "
 # Per family: the base model's prefix, the embeddings' and the LM head's names.
 FAMILY_KEYS = {**{t: ("model.", "embed_tokens.weight", "lm_head.weight") for t in LLAMA_TYPES},
                "gpt_neox": ("gpt_neox.", "embed_in.weight", "embed_out.weight"),
-               "gpt2": ("transformer.", "wte.weight", "lm_head.weight")}
+               "gpt2": ("transformer.", "wte.weight", "lm_head.weight"),
+               **{t: ("model.", "embed_tokens.weight", "lm_head.weight") for t in VL_TYPES}}
+# A vision-language checkpoint: its text decoder's prefix where transformers 4.52+ keeps it in memory (its files keep
+# the older ``model.``), and its vision tower's prefixes
+VL_TEXT_PREFIX, VISION_PREFIXES = "model.language_model.", ("visual.", "model.visual.")
 # Buffers and copies Hugging Face keeps beside the weights, which posjax does not need.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
@@ -113,6 +122,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
     return _gpt2_config(hf)
   if model_type == "gpt_neox":
     return _neox_config(hf)
+  if model_type in VL_TYPES:
+    return _vl_config(hf)
   heads = int(hf["num_attention_heads"])
   unsupported = {"mlp_bias": False, "pretraining_tp": 1, "use_sliding_window": False, "layer_types": None,
                  "use_bidirectional_attention": False}
@@ -154,6 +165,32 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
       qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text"), qk_norm_axes="all" if model_type == "olmo2" else "head",
       sliding_window=int(window or 0), position="rope", position_options=rope,
       **{"norm": "reordered" if model_type == "olmo2" else "pre", **gemma2})
+
+
+def _vl_config(hf: Mapping[str, Any]) -> TransformerConfig:
+  """A vision-language model's text decoder (its ``text_config``, or the top level of an older ``config.json``): its
+  family's config with M-RoPE (``rope_scaling``'s ``mrope_section``; Qwen3-VL's interleaved layout)."""
+  family, allocation = VL_TYPES[hf["model_type"]]
+  text = dict(hf.get("text_config") or hf)
+  scaling = dict(text.get("rope_scaling") or {})
+  sections = scaling.pop("mrope_section", None)
+  interleaved = scaling.pop("mrope_interleaved", allocation == "interleaved")
+  if interleaved != (allocation == "interleaved"):  # Hugging Face's layout follows the model type, not this flag
+    raise ValueError(f"config.json's text_config has mrope_interleaved={interleaved!r}; Hugging Face's "
+                     f"{hf['model_type']} ignores it and runs M-RoPE's {allocation} layout")
+  kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+  if kind not in ("default", "mrope") or scaling:
+    raise ValueError(f"config.json's text_config has rope_scaling {text.get('rope_scaling')!r}; posjax's mrope reads "
+                     "mrope_section (and Qwen3-VL's mrope_interleaved) without a scaling")
+  if sections is None:
+    raise ValueError("config.json's text_config has no rope_scaling.mrope_section; M-RoPE needs its sections")
+  config = config_from_hf({**text, "model_type": family, "rope_scaling": None})
+  if sum(sections) != config.position_spec.head_dim // 2:
+    raise ValueError(f"config.json's text_config has mrope_section={list(sections)}; it must sum to head_dim / 2 = "
+                     f"{config.position_spec.head_dim // 2}")
+  options = {"max_timescale": config.position_spec.options.max_timescale, "sections": tuple(sections),
+             "allocation": allocation}
+  return dataclasses.replace(config, position="mrope", position_options=options)
 
 
 def _gemma2_fields(hf: Mapping[str, Any], model_type: str) -> dict:
@@ -259,6 +296,9 @@ def model_type_of(config: TransformerConfig) -> str:
 def config_to_hf(config: TransformerConfig, model_type: str | None = None) -> dict:
   """posjax's decoder config as a Hugging Face ``config.json`` dict of ``model_type`` (default
   :func:`model_type_of`); what that family cannot express is an error naming the field."""
+  if model_type in VL_TYPES or config.position == "mrope":
+    raise ValueError(f"posjax reads the text decoders of {list(VL_TYPES)} (M-RoPE) but does not write them: a "
+                     "vision-language checkpoint holds a vision tower posjax does not have")
   model_type = model_type or model_type_of(config)
   if model_type not in MODEL_TYPES:
     raise ValueError(f"model_type={model_type!r}; the decoder converter writes {list(MODEL_TYPES)}")
@@ -447,6 +487,8 @@ def params_from_hf(config: TransformerConfig, model_type: str, state: Mapping[st
   """``(flat posjax parameters, head)`` from a Hugging Face decoder's state dict (a causal-LM model's or its base
   model's); a weight left over is an error naming it."""
   base, embed, head_key = FAMILY_KEYS[model_type]
+  if model_type in VL_TYPES and any(k.startswith(VL_TEXT_PREFIX) for k in state):
+    base = VL_TEXT_PREFIX
   prefix = base if any(k.startswith(base) for k in state) else ""
   head = "lm" if prefix else "none"
   if model_type == "phi3":
@@ -459,7 +501,7 @@ def params_from_hf(config: TransformerConfig, model_type: str, state: Mapping[st
         raise ValueError(f"config.json has tie_word_embeddings=True but {head_key} differs from the embeddings")
     else:
       reader.out["encoder/lm_head/kernel"] = reader.take(head_key).T
-  left = [k for k in reader.dropped() if not k.endswith(DROPPED_SUFFIXES)]
+  left = [k for k in reader.dropped() if not k.endswith(DROPPED_SUFFIXES) and not k.startswith(VISION_PREFIXES)]
   if left:
     raise ValueError(f"weights posjax has no place for: {left}")
   return reader.out, head

@@ -660,8 +660,8 @@ def encoder_layers(config: TransformerConfig):
 class TransformerStack(nn.Module):
   """``input_ids [B, L] -> EncoderOutput(last_hidden_state [B, L, D])``.
 
-  ``positions`` (``[B, L]`` or ``[1, L]``; default ``0..L-1``) and ``segment_ids`` come from the batch, so
-  packed sequences work: position terms use the batch's positions, tokens of different segments never
+  ``positions`` (``[B, L]`` or ``[1, L]``; default ``0..L-1``; ``[B, L, A]`` over A axes for a multi-axis method,
+  :func:`posjax.positions.base.method_positions`) and ``segment_ids`` come from the batch, so packed sequences work: position terms use the batch's positions, tokens of different segments never
   attend to each other, and [CLS] untying applies to every token at position 0. With
   ``mutable=["intermediates"]`` it sows ``position_bias`` and every layer's ``attention_logits``.
 
@@ -714,10 +714,10 @@ class TransformerStack(nn.Module):
     spec.check_length(length)
     if positions is None:
       positions = jnp.arange(length, dtype=jnp.int32)[None]
-    base.check_rows("positions", positions, batch, length)
+    base.check_rows("positions", positions[..., 0] if jnp.ndim(positions) == 3 else positions, batch, length)
     embeddings = self._embeddings_source()
     position = embeddings.position if spec.method.input_embedding and embeddings is not self else self.position
-    state = position(positions)
+    state = position(base.method_positions(spec.method, positions))
     if state.bias is not None:
       self.sow("intermediates", "position_bias", state.bias)
 
@@ -741,7 +741,8 @@ class TransformerStack(nn.Module):
       base.check_rows("attention_mask", attention_mask, batch, length, "mask")
     mask = attention.Mask(None if attention_mask is None else attention_mask.astype(bool), segment_ids, c.causal)
     x = partitioning.constrain(x, partitioning.BLD)
-    states = {c.position: state, **{name: encoder(positions) for name, encoder in self.scheduled.items()}}
+    states = {c.position: state, **{name: encoder(base.method_positions(c.method_specs[name].method, positions))
+                                    for name, encoder in self.scheduled.items()}}
     kinds = c.layer_kinds
     if c.scan_layers and len(c.pattern) > 1:
       x, _ = self.layers(x, states, mask, deterministic, decode)

@@ -7,6 +7,8 @@ from posjax.positions import tupe  # noqa: F401  bert_ad, tupe_a, tupe_r
 from posjax.positions import relative  # noqa: F401  shaw, huang_m1..m4
 from posjax.positions import rotary  # noqa: F401  rope, xpos
 from posjax.positions import polar  # noqa: F401  pope
+from posjax.positions import multi_axis  # noqa: F401  mrope, rope_2d, rope_mixed
+from posjax.positions import grid  # noqa: F401  sinusoidal_2d, absolute_2d
 from posjax.positions import alibi  # noqa: F401  alibi
 from posjax.positions import kerple  # noqa: F401  kerple_log, kerple_power
 from posjax.positions import fire  # noqa: F401  fire

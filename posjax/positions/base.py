@@ -197,6 +197,13 @@ class Method:
       query (CoPE's counted positions, stick-breaking's product), so :func:`make` refuses it without ``causal``.
     caches: whether its layer keeps a decoding state of its own in the ``cache`` collection (PaTH's convolution
       inputs): it is called with ``decode=`` as the attention layer is.
+    axes: the position axes its modules read: 1 (the batch's ``[Bp, L]`` positions), more for a multi-axis method
+      (``[Bp, L, A]``: M-RoPE's time, height and width), 0 for one that reads none (any positions). A method of one
+      axis refuses positions of several (:func:`method_positions`).
+    sequence_positions: whether a multi-axis method reads plain ``[Bp, L]`` positions as that position on every
+      axis (M-RoPE's text tokens: Qwen2-VL's three equal ids); otherwise it refuses them.
+    continuation_axis: ``options -> axis or None``: the axis whose largest prompt id the generated tokens follow
+      (VideoRoPE's time); None, or a method without it: the largest id of every axis (Qwen2-VL's ``rope_deltas``).
     summary: one line for listings and error messages.
   """
 
@@ -211,6 +218,9 @@ class Method:
   reads_input: bool = False
   decoder_only: bool = False
   caches: bool = False
+  axes: int = 1
+  sequence_positions: bool = False
+  continuation_axis: Callable[[Any], int | None] | None = None
   summary: str = ""
 
   @property
@@ -242,6 +252,33 @@ def names() -> list[str]:
 def encoder_names() -> list[str]:
   """The registered methods that have an encoder's form (all but the decoder-only ones), in registration order."""
   return [name for name in _REGISTRY if not _REGISTRY[name].decoder_only]
+
+
+def multi_axis_names() -> list[str]:
+  """The registered methods that read several position axes (:attr:`Method.axes` > 1), in registration order."""
+  return [name for name in _REGISTRY if _REGISTRY[name].axes > 1]
+
+
+def method_positions(method: Method, positions):
+  """The batch's positions, ``[Bp, L]`` or ``[Bp, L, A]`` (A axes), as ``method`` reads them: ``[Bp, L]`` for a
+  method of one axis (``[Bp, L, 1]``: that axis) or of none (the first axis: the sequence's), ``[Bp, L, A]`` for a
+  method of A axes (``[Bp, L]`` as that position on every axis where the method reads it so:
+  :attr:`Method.sequence_positions`). Anything else is a one-line error naming what the method reads."""
+  shape = tuple(jnp.shape(positions))
+  if len(shape) not in (2, 3):
+    raise ValueError(f"positions has shape {shape}; expected [B, L] or [B, L, A] (A position axes)")
+  given = 1 if len(shape) == 2 else shape[2]
+  if method.axes <= 1:
+    if given == 1 or method.axes == 0:
+      return positions if len(shape) == 2 else positions[..., 0]
+    raise ValueError(f"position method {method.name!r} reads one position axis; these positions have {given} "
+                     f"(shape {shape}); the methods of several axes: {', '.join(multi_axis_names())}")
+  if len(shape) == 2 and method.sequence_positions:
+    return jnp.broadcast_to(jnp.asarray(positions)[..., None], (*shape, method.axes))
+  if given != method.axes or len(shape) == 2:
+    raise ValueError(f"position method {method.name!r} reads {method.axes} position axes; positions must be "
+                     f"[B, L, {method.axes}], got shape {shape}")
+  return positions
 
 
 def get(name: str) -> Method:
@@ -356,10 +393,12 @@ def kernel_refusals(spec: PositionSpec) -> dict[tuple[str, bool], str | None]:
 
   def form():
     length, (h, g, k) = min(8, spec.max_len), (spec.num_heads, spec.kv_heads, spec.head_dim)
-    positions_1xL = jnp.arange(length, dtype=jnp.int32)[None]
+    positions = jnp.arange(length, dtype=jnp.int32)[None]  # [1, L], or [1, L, A] for a method of A axes
+    if spec.method.axes > 1:
+      positions = jnp.broadcast_to(positions[..., None], (1, length, spec.method.axes))
     q_1xLxHxK, k_1xLxGxK = jnp.zeros((1, length, h, k), spec.dtype), jnp.zeros((1, length, g, k), spec.dtype)
     encoder = spec.method.encoder(spec=spec)
-    state = encoder.apply(encoder.init(jax.random.PRNGKey(0), positions_1xL), positions_1xL)
+    state = encoder.apply(encoder.init(jax.random.PRNGKey(0), positions), positions)
     terms, dense = state.terms, False
     if spec.method.layer is not None:
       layer = spec.method.layer(spec=spec)

@@ -49,10 +49,11 @@ def learning_rate_schedule(peak: float, warmup_steps: int, total_steps: int, kin
 
 
 def decays(params):
-  """Weight decay applies to weights, not to biases or LayerNorm scales (BERT's exclusion list)."""
+  """Weight decay applies to weights, not to biases or LayerNorm scales (BERT's exclusion list), nor to RoPE-Mixed's
+  learned frequencies (rope-vit's ``no_weight_decay``)."""
   def keep(path, _):
     name = str(getattr(path[-1], "key", path[-1]))
-    return not (name.endswith("bias") or name == "scale")
+    return not (name.endswith("bias") or name in ("scale", "frequencies"))
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
