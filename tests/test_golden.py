@@ -26,6 +26,7 @@ from posjax.data import corpus, mlm, synthetic
 from posjax.data.tokenizer import Tokenizer
 from posjax.models import TransformerConfig, Transformer
 from posjax.tasks import mlm as mlm_task
+from conftest import one_axis
 from posjax.train.step import TrainState, make_optimizer, train_step
 from conftest import ROOT, randomize
 
@@ -44,7 +45,7 @@ OPTIONS = {"tupe_r-cls_reset=paper": ("tupe_r", {"cls_reset": "paper"}),
            "tupe_a-share_across_layers=False": ("tupe_a", {"share_across_layers": False}),
            "shaw-value_term=True": ("shaw", {"value_term": True}),
            "huang_m4-share_across_layers=True,impl=skew": ("huang_m4", {"share_across_layers": True, "impl": "skew"})}
-CASES = {**{name: (name, {}) for name in positions.names()}, **OPTIONS}
+CASES = {**{name: (name, {}) for name in one_axis(positions.names())}, **OPTIONS}
 
 
 def measure(case: str) -> dict:
