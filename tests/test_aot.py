@@ -105,9 +105,9 @@ def test_a_missing_compiler_names_the_extra():
 @needs_plugins
 def test_a_run_compiles_for_an_h100_and_a_tpu_slice():
   # TUPE-R on the fused kernels, bf16, heads split over a tensor axis of 2: Triton for the H100 pair, Mosaic for
-  # the v5e slice, each kernel under shard_map.
+  # the v5e slice, each kernel under shard_map. One layer: a second compiles the same kernels again.
   result = command("--target=h100:2,v5e:2x2", "--config.model.attention_kernel=pallas",
-                   "--config.model.dtype=bfloat16", "--config.mesh.tensor=2")
+                   "--config.model.dtype=bfloat16", "--config.mesh.tensor=2", "--config.model.num_layers=1")
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "h100:2: 2 x NVIDIA H100 80GB HBM3 (1 host(s), 79.14 GiB each), mesh data=1 fsdp=1 context=1 tensor=2" in out
@@ -118,7 +118,8 @@ def test_a_run_compiles_for_an_h100_and_a_tpu_slice():
   assert re.search(r"model FLOPs per device and step: [\d.e+]+", out) and re.search(r"XLA's FLOP count per device: [\d.e+]+", out)
 
 
-COMPILE_KERNELS = """
+# One child for the two tests below (each start loads the compilers): method 4's kernels, then the targets' devices.
+KERNELS_AND_DEVICES = """
 import json, sys
 import jax, jax.numpy as jnp
 from posjax import kernels
@@ -139,20 +140,31 @@ for name in sys.argv[1:]:
         compiler_options={"xla_dump_to": "DUMP"} if target.platform == "gpu" else {})
   found = resources.merge(resources.parse_ptxas(log[0]), resources.read_dump("DUMP")) if target.platform == "gpu" else {}
   out[name] = {k: vars(v) for k, v in found.items() if k.endswith("_kernel")}
-print(json.dumps(out))
+devices = []
+for name in ('h200:2x4', 'v4:2x2x1', 'v5e:4x4', 'v5p:2x2x1'):
+  t = targets.devices(name)
+  devices.append(f"{name} {len(t.devices)} {t.processes} {t.memory_per_device} {t.kind}")
+print(json.dumps({"kernels": out, "devices": devices}))
 """
+
+
+@pytest.fixture(scope="module")
+def kernels_and_devices(tmp_path_factory):
+  """What the child printed: ``{"kernels": {target: {kernel: resources}}, "devices": [line per target]}``."""
+  code = KERNELS_AND_DEVICES.replace("DUMP", str(tmp_path_factory.mktemp("aot") / "dump"))
+  result = subprocess.run([sys.executable, "-c", code, "h100", "v5e:2x2"], cwd=ROOT, capture_output=True, text=True,
+                          env=compiler_env(), timeout=1200)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 @needs_plugins
-def test_method_4_compiles_for_an_h100_and_a_tpu_within_the_limits(tmp_path):
+@pytest.mark.xdist_group("aot_kernels")
+def test_method_4_compiles_for_an_h100_and_a_tpu_within_the_limits(kernels_and_devices):
   # Method 4's relative vectors (both sides, read windowed) and ALiBi, forward and backward: Mosaic could not
   # compile their skew before, and on the H100 the windowed kernels used 99% of the shared memory and spilled.
-  code = COMPILE_KERNELS.replace("DUMP", str(tmp_path / "dump"))
-  result = subprocess.run([sys.executable, "-c", code, "h100", "v5e:2x2"], cwd=ROOT, capture_output=True, text=True,
-                          env=compiler_env(), timeout=1200)
-  assert result.returncode == 0, result.stderr[-3000:]
-  found = json.loads(result.stdout.strip().splitlines()[-1])
+  found = kernels_and_devices["kernels"]
   gpu = found["h100"]
   assert set(gpu) == {"forward_kernel", "dq_kernel", "dkv_kernel", "window_grad_kernel"}
   for name, kernel in gpu.items():
@@ -161,15 +173,11 @@ def test_method_4_compiles_for_an_h100_and_a_tpu_within_the_limits(tmp_path):
   assert found["v5e:2x2"] == {}  # compiled (Mosaic's kernels report nothing here)
 
 
+@pytest.mark.slow  # beside the test above (the slow tests run first): one child for both
 @needs_plugins
-def test_target_devices_and_their_memory():
-  code = ("from posjax.aot import compile as aot, targets\naot.setup()\n"
-          "for name in ('h200:2x4', 'v4:2x2x1', 'v5e:4x4', 'v5p:2x2x1'):\n"
-          "  t = targets.devices(name)\n  print(name, len(t.devices), t.processes, t.memory_per_device, t.kind)")
-  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=compiler_env(), timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.splitlines() == [
+@pytest.mark.xdist_group("aot_kernels")
+def test_target_devices_and_their_memory(kernels_and_devices):
+  assert kernels_and_devices["devices"] == [
       "h200:2x4 8 2 150754820096 NVIDIA H200",
       f"v4:2x2x1 8 1 {16 << 30} TPU v4",  # a device per TensorCore, two per chip, each with half its 32 GiB
       f"v5e:4x4 16 4 {16 << 30} TPU v5 lite",

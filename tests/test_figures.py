@@ -3,7 +3,6 @@ generator's and the discriminator's losses, never the joint one, and their discr
 
 import json
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +16,7 @@ from posjax.main import train
 from posjax.models import TransformerConfig
 from posjax.models.electra import Electra, ElectraConfig
 from posjax.train import checkpoint
+from conftest import randomize
 
 # The generator has half the discriminator's heads, so a figure of the wrong model shows.
 ELECTRA = ElectraConfig(TransformerConfig.tiny(position="tupe_a", hidden_size=16, num_heads=2, intermediate_size=32,
@@ -71,7 +71,7 @@ def fake_run(root, row: str, model_config: dict, metrics: list[dict]) -> protoco
 @pytest.fixture(scope="module")
 def electra_root(tmp_path_factory):
   """A sweep of an mlm run and an ELECTRA (tupe_a) run with made-up metrics; the ELECTRA run also has a
-  checkpoint of its initial parameters."""
+  checkpoint of random parameters (drawn, not initialised: a figure reads any)."""
   root = tmp_path_factory.mktemp("electra")
   mlm = fake_run(root, "bert", TransformerConfig.tiny().to_dict(),
                  [{"step": 2, "loss": 6.0}, {"step": 2, "eval_loss": 5.0}, {"step": 4, "eval_loss": 4.0}])
@@ -79,9 +79,10 @@ def electra_root(tmp_path_factory):
                      [{"step": 2, "loss": 41.0, "mlm_loss": 5.5, "disc_loss": 0.71},
                       {"step": 2, "eval_loss": 40.0, "eval_mlm_loss": 5.25, "eval_disc_loss": 0.69},
                       {"step": 4, "eval_loss": 39.0, "eval_mlm_loss": 5.125, "eval_disc_loss": 0.625}])
-  params = Electra(ELECTRA.generator, ELECTRA.discriminator).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  params = randomize(jax.eval_shape(Electra(ELECTRA.generator, ELECTRA.discriminator).init, jax.random.PRNGKey(0),
+                                    jnp.ones((1, 8), jnp.int32))["params"])
   checkpointer = checkpoint.Checkpointer(f"{electra.workdir}/checkpoints", keep=1, async_save=False)
-  checkpointer.save(0, {"step": jnp.zeros((), jnp.int32), "params": nn.unbox(params["params"])}, {})
+  checkpointer.save(0, {"step": jnp.zeros((), jnp.int32), "params": params}, {})
   checkpointer.close()
   protocol.write_manifest([mlm, electra], str(root), "configs/pretrain.py")
   return root

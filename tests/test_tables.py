@@ -92,12 +92,11 @@ def test_rows_are_addressed_by_the_papers_names_and_unknown_ones_are_errors(tmp_
     sweep.plan("configs/finetune/glue.py:task=rte,runlocal", str(tmp_path), grid={"learning_rat": [1, 2]})
 
 
-# A sweep has four code paths: a plain row, a row with position options, a "mid" row fine-tuning from a kept step
-# of another row's pre-training, and ELECTRA pre-training. Each runs end to end once (one step of each run); every
-# other row differs only by its position options, which the model tests cover: its configs are built and validated
-# (the model traced), without a compile.
-END_TO_END = {"experiments/tupe/table1.py": ["TUPE-A tie-cls"],
-              "experiments/tupe/table4.py": ["ELECTRA-TUPE (mid)"],
+# A sweep has four code paths: a plain row, a row with position options (the pipeline test's table below), a "mid"
+# row fine-tuning from a kept step of another row's pre-training, and ELECTRA pre-training. Each runs end to end once
+# (one step of each run); every other row differs only by its position options, which the model tests cover: its
+# configs are built and validated (the model traced), without a compile.
+END_TO_END = {"experiments/tupe/table4.py": ["ELECTRA-TUPE (mid)"],
               "experiments/huang2020/inductive.py": ["Method 4"]}  # SQuAD at three lengths
 
 
@@ -138,7 +137,8 @@ def test_every_rows_pretraining_config_is_valid(tmp_path, table):
 
 
 def tiny_table(tmp_path):
-  """A table config file with one row, one task, one learning rate, two seeds, a few steps."""
+  """A table config file with one row (its own position options), one task, one learning rate, two seeds, a few
+  steps."""
   path = tmp_path / "tiny_table.py"
   path.write_text(f'''
 import ml_collections
@@ -153,7 +153,8 @@ def get_config(arg=None):
   c.lrs, c.seeds = (1e-3,), (1, 2)
   c.columns = [["SST", "sst2", "accuracy"]]
   c.average = ""
-  c.rows = {{"Shaw": dict(options="", overrides=[], step=None, pretrain_of="", paper=dict(SST=50.0))}}
+  c.rows = {{"Shaw": dict(options="", overrides=[["model.position_options.max_distance", 4]], step=None,
+                         pretrain_of="", paper=dict(SST=50.0))}}
   return c
 ''')
   return str(path)
@@ -168,12 +169,16 @@ def test_a_table_config_runs_from_posjax_main_as_a_pipeline_that_skips_finished_
   assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")] == [
       "[1/3] Shaw/pretrain", "[2/3] Shaw/sst2/lr0.001_seed1", "[3/3] Shaw/sst2/lr0.001_seed2"]
   assert all(r.finished() for r in protocol.read_manifest(str(root))[1])
+  # the row's position options: its pre-training's, and its fine-tuning's through the encoder it starts from
+  for run in ("pretrain", "sst2/lr0.001_seed1"):
+    assert json.loads((root / "Shaw" / run / "model_config.json").read_text())["position_options"][
+        "max_distance"] == 4, run
   said = []
   seed2 = root / "Shaw" / "sst2" / "lr0.001_seed2"
   finished = json.loads((seed2 / "results.json").read_text())
   (seed2 / "results.json").unlink()  # unfinished: killed after step 2's checkpoint
   shutil.rmtree(seed2 / "checkpoints" / "4")
-  sweep.run_local(sweep.plan(config, str(root)), str(root), say=said.append)
+  sweep.run_local(sweep.plan(config, str(root)), str(root), train, say=said.append)  # children: the launcher test
   assert said == ["[1/3] Shaw/pretrain: finished", "[2/3] Shaw/sst2/lr0.001_seed1: finished",
                   "[3/3] Shaw/sst2/lr0.001_seed2"]
   assert json.loads((seed2 / "results.json").read_text()) == finished
