@@ -46,7 +46,8 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.job = "probes"
   config.seed = 0
-  default = positions.names() if arg.decoder else positions.encoder_names()
+  default = [name for name in (positions.names() if arg.decoder else positions.encoder_names())
+             if positions.get(name).axes <= 1]  # the text probes' positions are [B, L]: the methods of one axis
   config.methods = tuple(arg.methods.split("+")) if arg.methods else tuple(default)
   for method in config.methods:
     if positions.get(method).decoder_only and not arg.decoder:
