@@ -11,14 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from posjax.positions import base
-from posjax.positions.multi_axis import check_axis_rows
-
-
-def grid_positions(spec: base.PositionSpec, positions):
-  """``[Bp, L, 2]`` integer ``(row, column)`` ids of the batch's positions, checked."""
-  positions_BxLx2 = base.method_positions(spec.method, positions)
-  check_axis_rows(positions_BxLx2, 2)
-  return positions_BxLx2
+from posjax.positions.multi_axis import axis_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +38,7 @@ class Sinusoidal2d(nn.Module):
   spec: base.PositionSpec
 
   def __call__(self, positions):
-    positions_BxLx2 = grid_positions(self.spec, positions)
+    positions_BxLx2 = axis_positions(self.spec, positions)
     width, o = self.spec.input_width, self.spec.options
     if width % 4:
       raise ValueError(f"sinusoidal_2d splits the width in four (sines and cosines of the row and the column); "
@@ -81,7 +74,7 @@ class Table2d(nn.Module):
 
   @nn.compact
   def __call__(self, positions):
-    positions_BxLx2 = grid_positions(self.spec, positions)
+    positions_BxLx2 = axis_positions(self.spec, positions)
     rows, cols = self.spec.options.grid
     table_RxCxD = self.param("embedding", base.normal_init((None, None, base.EMBED)),
                              (rows, cols, self.spec.input_width), self.spec.param_dtype)

@@ -39,6 +39,13 @@ def check_axis_rows(positions_BxLxA, axes: int) -> None:
     raise ValueError(f"positions has dtype {dtype}; it must hold integers")
 
 
+def axis_positions(spec: base.PositionSpec, positions):
+  """``[Bp, L, A]`` integer ids of the batch's positions as ``spec``'s method of A axes reads them, checked."""
+  positions_BxLxA = base.method_positions(spec.method, positions)
+  check_axis_rows(positions_BxLxA, spec.method.axes)
+  return positions_BxLxA
+
+
 def default_sections(frequencies: int) -> tuple[int, int, int]:
   """Qwen2-VL's proportions for ``frequencies`` rotated pairs: ``3F/8`` (rounded down) each to height and width, the
   rest to time (``(16, 24, 24)`` at a head of 128)."""
@@ -142,9 +149,7 @@ class AxesRotation(nn.Module):
 
   @nn.compact
   def __call__(self, positions):
-    axes = self.spec.method.axes
-    positions_BxLxA = base.method_positions(self.spec.method, positions)
-    check_axis_rows(positions_BxLxA, axes)
+    positions_BxLxA = axis_positions(self.spec, positions)
     angle = axis_angles(positions_BxLxA, *self.frequencies())
     return rotary.RotaryState(positions=positions_BxLxA[..., 0], sin=jnp.sin(angle), cos=jnp.cos(angle))
 
@@ -230,8 +235,7 @@ class Axes(nn.Module):
   spec: base.PositionSpec
 
   def __call__(self, positions):
-    positions_BxLxA = base.method_positions(self.spec.method, positions)
-    check_axis_rows(positions_BxLxA, self.spec.method.axes)
+    positions_BxLxA = axis_positions(self.spec, positions)
     return AxesState(positions=positions_BxLxA[..., 0], axis_positions=positions_BxLxA)
 
 
