@@ -663,7 +663,8 @@ class TransformerStack(nn.Module):
   ``positions`` (``[B, L]`` or ``[1, L]``; default ``0..L-1``; ``[B, L, A]`` over A axes for a multi-axis method,
   :func:`posjax.positions.base.method_positions`) and ``segment_ids`` come from the batch, so packed sequences
   work: position terms use the batch's positions, tokens of different segments never attend to each other, and
-  [CLS] untying applies to every token at position 0. With ``mutable=["intermediates"]`` it sows ``position_bias`` and every layer's ``attention_logits``.
+  [CLS] untying applies to every token at position 0. With ``mutable=["intermediates"]`` it sows
+  ``position_bias`` and every layer's ``attention_logits``.
 
   ``shared``: another encoder whose embeddings this one reads (ELECTRA's generator reads the discriminator's:
   word, token type, an input position table, their LayerNorm) instead of its own; its layers, its
