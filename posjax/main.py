@@ -28,7 +28,7 @@ from ml_collections import config_flags
 from posjax import config_args, tasks
 from posjax.aot import compile as aot
 from posjax.cli import check_directory, error_message, run_user_errors
-from posjax.experiments import length, probes, sweep
+from posjax.experiments import length, probes, resolution, sweep
 from posjax.train import checkpoint, evaluate, loop, peers
 
 # The one place the loop meets its tasks: ``train(config, workdir)`` trains the task ``config.task`` names, and
@@ -39,6 +39,7 @@ evaluate_checkpoint = functools.partial(evaluate.checkpoint_results, build_task=
 # ``config.job``: one training run of any task (``config.task``: mlm, glue, squad, probe), the probe table, or
 # a paper table's rows (``experiments/tupe/table1.py:row=TUPE-R``: its runs in the workdir, one after the other).
 JOBS = {"train": train, "probes": functools.partial(probes.run, train=train),
+        "resolution": functools.partial(resolution.run, train=train),
         "length": functools.partial(length.run, train=train, evaluate=evaluate_checkpoint),
         "table": functools.partial(sweep.run_table, train=train)}
 

@@ -293,10 +293,13 @@ VL_CASES = {  # config class, model class, the text config's fields, a small vis
 
 
 @pytest.mark.parametrize("name", VL_CASES)
-def test_qwen_vl_text_decoders_convert_with_their_logits_for_text_and_for_multi_axis_ids(name, tmp_path):
+def test_qwen_vl_text_decoders_convert_with_their_logits_for_text_and_for_multi_axis_ids(name, tmp_path,
+                                                                                        monkeypatch):
   """A vision-language checkpoint saved by ``save_pretrained`` (random weights, every one moved from its initial
   value) comes in as its text decoder with M-RoPE: posjax's logits equal Hugging Face's for text (its
-  ``get_rope_index`` without images: equal ids on the three axes) and for given ``[3, B, L]`` ids."""
+  ``get_rope_index`` without images: equal ids on the three axes) and for given ``[3, B, L]`` ids; the decoder,
+  its weights moved, goes back out into that checkpoint (in memory, or from a converted run on the command line),
+  with the same logits and the vision tower as it was."""
   import transformers
   from posjax import convert
   config_class, model_class, text, vision = VL_CASES[name]
@@ -319,9 +322,25 @@ def test_qwen_vl_text_decoders_convert_with_their_logits_for_text_and_for_multi_
   for want, given in ((want_text, None), (want_ids.numpy(), jnp.asarray(p_BxLx3, jnp.int32))):
     got = apply(variables, jnp.asarray(ids_BxL, jnp.int32), positions=given).logits
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-  with pytest.raises(ValueError, match=r"^posjax reads the text decoders of \['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'\] "
-                                       r"\(M-RoPE\) but does not write them"):
+  # out: the decoder, its weights moved, into the checkpoint it came from, whose vision tower stays
+  with pytest.raises(ValueError, match=r"^an M-RoPE decoder goes out as the text decoder of a vision-language "
+                                       r"checkpoint of \['qwen2_vl', 'qwen2_5_vl', 'qwen3_vl'\].*give vision_from="):
     convert.to_hf(module.config, variables)
+  moved = jax.tree.map(lambda w: w * 1.1, variables)
+  if name == "qwen2_vl":  # the command line: the run converted from the checkpoint goes back into it
+    from posjax.convert import __main__ as cli
+    monkeypatch.setattr(hf_decoder, "from_hf_decoder", lambda source: (module, moved))  # a run trained after it
+    cli.hf_to_posjax(str(tmp_path / "hf"), str(tmp_path / "run"))
+    cli.posjax_to_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    exported = getattr(transformers, model_class).from_pretrained(tmp_path / "out").eval()
+  else:
+    exported = convert.to_hf(module.config, moved, vision_from=tmp_path / "hf")
+  with torch.no_grad():
+    got = exported(input_ids=torch.tensor(ids_BxL), position_ids=torch.tensor(p_BxLx3.transpose(2, 0, 1))).logits
+  want = apply(moved, jnp.asarray(ids_BxL, jnp.int32), positions=jnp.asarray(p_BxLx3, jnp.int32)).logits
+  np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-4 * np.abs(want).max())
+  vision = {k: v for k, v in model.state_dict().items() if "visual." in k}
+  assert vision and all(torch.equal(exported.state_dict()[k], v) for k, v in vision.items())
 
 
 def mae_2d_sincos(width, size):

@@ -34,12 +34,15 @@ def from_hf(source):
   return from_hf_bert(source) if model_type == "bert" else from_hf_decoder(source)
 
 
-def to_hf(config, variables, model_type: str | None = None):
+def to_hf(config, variables, model_type: str | None = None, vision_from=None):
   """The Hugging Face model equal to a posjax model: a decoder (``config.lm_head == "linear"``) as its family's
-  causal LM (``model_type`` or the one that expresses it), ModernBERT's layout as ModernBERT, else a BERT
-  (:func:`to_hf_bert`)."""
+  causal LM (``model_type`` or the one that expresses it; an M-RoPE decoder inside ``vision_from``, the
+  vision-language checkpoint it came from), ModernBERT's layout as ModernBERT, else a BERT (:func:`to_hf_bert`)."""
   if config.lm_head == "linear":
-    return to_hf_decoder(config, variables, model_type)
+    return to_hf_decoder(config, variables, model_type, vision_from=vision_from)
+  if vision_from is not None:
+    raise ValueError(f"vision_from is for an M-RoPE decoder's vision-language checkpoint; this model has "
+                     f"lm_head={config.lm_head!r}")
   if is_modernbert(config) or model_type == "modernbert":
     return to_hf_modernbert(config, variables)
   if model_type not in (None, "bert"):

@@ -9,7 +9,7 @@
       posjax-to-hf writes it back as ELECTRA: TransformerConfig cannot say so, and an ELECTRA generator's parameters
       are a BERT MLM model's. A decoder (:data:`posjax.convert.hf_decoder.MODEL_TYPES`) or a ModernBERT is recorded
       the same way, so that it goes back as its own family.
-  python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR
+  python -m posjax.convert posjax-to-hf --workdir RUN [--step N] --out HF_DIR [--vision_from HF_DIR]
       A posjax run (absolute, shaw or huang_m4) -> config.json, model.safetensors and the tokenizer files:
       Hugging Face BERT; ELECTRA (``to_hf_electra``) for a run converted from ELECTRA (converted_from.json) or
       one with the ``rtd`` head, which BERT has not. An ELECTRA pre-training run (``"generator"`` fields in its
@@ -17,7 +17,9 @@
       (ElectraForPreTraining), each with the tokenizer files. A decoder run (``lm_head="linear"``: configs/lm.py's,
       or one converted from Hugging Face) -> its family's ``*ForCausalLM`` (the one it was converted from, else the
       one that expresses it: :func:`posjax.convert.hf_decoder.model_type_of`). ModernBERT's layout
-      (``first_attention_norm=False``) -> ``ModernBertForMaskedLM`` / ``ModernBertModel``.
+      (``first_attention_norm=False``) -> ``ModernBertForMaskedLM`` / ``ModernBertModel``. An M-RoPE decoder
+      converted from a Qwen-VL checkpoint -> that checkpoint (``--vision_from``, default the one converted_from.json
+      names) with its text decoder's weights replaced, its vision tower kept.
   python -m posjax.convert tupe-to-posjax --from checkpoint_best.pt --workdir OUT [--classification_head NAME]
       An official TUPE (fairseq) checkpoint -> a posjax run. Its vocabulary (a fairseq dictionary over GPT-2
       BPE) is not converted: give the run a ``tokenizers`` JSON with the same ids (``data.vocab_file``).
@@ -42,6 +44,9 @@ from posjax.models import TransformerConfig
 from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
 
+# A vision-language checkpoint's image and video processing, copied beside an M-RoPE decoder exported into it
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json",
+                   "chat_template.jinja")
 CONVERTED_FROM = "converted_from.json"  # the Hugging Face model type of a run hf-to-posjax wrote, when not BERT
 # What an export writes (save_pretrained's files, the tokenizer's, an ELECTRA run's two models) and the file that
 # marks a directory as posjax's export (written first): only such a directory may be replaced by a new export.
@@ -143,13 +148,14 @@ def tupe_to_posjax(source: str, workdir: str, classification_head: str | None = 
   return directory
 
 
-def converted_from(run: str) -> str:
-  """The Hugging Face model type ``run`` was converted from (:data:`CONVERTED_FROM`; ``bert`` without one)."""
+def converted_from(run: str, field: str = "model_type") -> str:
+  """The Hugging Face model type ``run`` was converted from (:data:`CONVERTED_FROM`; ``bert`` without one), or
+  another of its fields (``source``: the directory; "" without one)."""
   path = os.path.join(run, CONVERTED_FROM)
   if not os.path.isfile(path):
-    return "bert"
+    return "bert" if field == "model_type" else ""
   with open(path) as f:
-    return json.load(f)["model_type"]
+    return json.load(f).get(field, "")
 
 
 def _within(path: str, directory: str) -> bool:
@@ -255,16 +261,20 @@ def save_hf(model, run: str, out: str, decoder: bool = False) -> str:
   return vocab
 
 
-def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
+def posjax_to_hf(run: str, out: str, step: int | None = None, vision_from: str | None = None) -> None:
   """Writes the run's model (``step``: default its latest) as a Hugging Face model directory: BERT, ELECTRA,
-  or an ELECTRA run's generator and discriminator in ``out/generator`` and ``out/discriminator`` (see the
-  module docstring)."""
+  or an ELECTRA run's generator and discriminator in ``out/generator`` and ``out/discriminator``; an M-RoPE decoder
+  into ``vision_from`` (default: the vision-language checkpoint it was converted from) (see the module
+  docstring)."""
   check_export_directory(out, run)
   fields = checkpoint_lib.read_model_config(run, "--workdir")
   task = checkpoint_lib.run_config(run).get("task")
   if fields.get("causal") and task not in (None, *checkpoint_lib.LM_TASKS):
     raise ValueError(f"--workdir={run} holds a causal model fine-tuned for {task} (its head, not a language model's),"
                      " which Hugging Face's causal LMs cannot hold; export the run it started from")
+  if vision_from and fields.get("position") != "mrope":
+    raise ValueError(f"--vision_from is for an M-RoPE decoder's vision-language checkpoint; --workdir={run} holds "
+                     f"position={fields.get('position')!r}")
   params = checkpoint_lib.load_params(run, step)
   if "generator" in fields:
     config = ElectraConfig.from_dict(fields)
@@ -274,7 +284,14 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
     config = TransformerConfig(**fields)
     source = converted_from(run)
     if config.lm_head == "linear":  # a decoder: its family's causal LM (the one it came from, if converted)
-      model = hf_decoder.to_hf_decoder(config, {"params": params}, source if source != "bert" else None)
+      if config.position == "mrope":
+        vision_from = vision_from or converted_from(run, "source")
+        if not vision_from or not os.path.isdir(vision_from):
+          raise ValueError(f"--workdir={run} holds an M-RoPE decoder, which goes out inside the vision-language "
+                           f"checkpoint it came from; {vision_from or 'none is recorded'} is not a directory: give "
+                           "--vision_from HF_DIR")
+      model = hf_decoder.to_hf_decoder(config, {"params": params}, source if source != "bert" else None,
+                                       vision_from=vision_from)
     elif hf_modernbert.is_modernbert(config):  # its source's special token ids, where it was converted
       model = hf_modernbert.to_hf_modernbert(config, {"params": params})
       for name, value in (checkpoint_lib.recorded_special_tokens(run) or {}).items():
@@ -287,6 +304,9 @@ def posjax_to_hf(run: str, out: str, step: int | None = None) -> None:
   start_export(out, run, step)
   for directory, model in models.items():
     vocab = save_hf(model, run, directory, decoder="generator" not in fields and config.causal)
+    for name in PROCESSOR_FILES if vision_from else ():  # a vision-language checkpoint's image processing, as it was
+      if os.path.isfile(os.path.join(vision_from, name)):
+        shutil.copy(os.path.join(vision_from, name), os.path.join(directory, name))
     print(f"{run} ({config.position}) -> {directory}: {type(model).__name__}"
           + (f", tokenizer from {vocab}" if vocab else ", no tokenizer found"))
 
@@ -304,6 +324,8 @@ def main(argv=None) -> int:
   to_hf.add_argument("--workdir", required=True, help="the posjax run")
   to_hf.add_argument("--step", type=int, default=None, help="a kept step (default: the latest)")
   to_hf.add_argument("--out", required=True, help="the Hugging Face model directory to write")
+  to_hf.add_argument("--vision_from", default=None, help="an M-RoPE decoder's vision-language checkpoint "
+                     "(default: the one it was converted from)")
   from_tupe = commands.add_parser("tupe-to-posjax", help="an official TUPE (fairseq) checkpoint -> a posjax run")
   from_tupe.add_argument("--from", dest="source", required=True, help="checkpoint*.pt of the official TUPE code")
   from_tupe.add_argument("--workdir", required=True, help="the new posjax run's directory")
@@ -318,7 +340,7 @@ def main(argv=None) -> int:
     elif args.command == "tupe-to-posjax":
       tupe_to_posjax(args.source, args.workdir, args.classification_head)
     else:
-      posjax_to_hf(args.workdir, args.out, args.step)
+      posjax_to_hf(args.workdir, args.out, args.step, args.vision_from)
   except ModuleNotFoundError as error:
     if (error.name or "").partition(".")[0] not in CONVERT_EXTRA:
       raise

@@ -297,8 +297,9 @@ def config_to_hf(config: TransformerConfig, model_type: str | None = None) -> di
   """posjax's decoder config as a Hugging Face ``config.json`` dict of ``model_type`` (default
   :func:`model_type_of`); what that family cannot express is an error naming the field."""
   if model_type in VL_TYPES or config.position == "mrope":
-    raise ValueError(f"posjax reads the text decoders of {list(VL_TYPES)} (M-RoPE) but does not write them: a "
-                     "vision-language checkpoint holds a vision tower posjax does not have")
+    raise ValueError(f"an M-RoPE decoder goes out as the text decoder of a vision-language checkpoint of "
+                     f"{list(VL_TYPES)}, whose vision tower posjax does not have: export it with vision_from= the "
+                     "checkpoint it came from (to_hf_decoder)")
   model_type = model_type or model_type_of(config)
   if model_type not in MODEL_TYPES:
     raise ValueError(f"model_type={model_type!r}; the decoder converter writes {list(MODEL_TYPES)}")
@@ -586,13 +587,20 @@ def state_to_hf(config: TransformerConfig, params: Mapping, model_type: str) -> 
   return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def to_hf_decoder(config: TransformerConfig, variables: Mapping, model_type: str | None = None):
+def to_hf_decoder(config: TransformerConfig, variables: Mapping, model_type: str | None = None, vision_from=None):
   """The Hugging Face causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
   ``Qwen3ForCausalLM`` or ``GPT2LMHeadModel``; :func:`model_type_of` unless named) equal to a posjax decoder, in
-  float32, its weights loaded strictly."""
+  float32, its weights loaded strictly. An M-RoPE decoder goes out as the text decoder of ``vision_from`` (the
+  vision-language model it came from: a directory or an in-memory model), whose vision tower it keeps
+  (:func:`to_hf_vision_language`)."""
   import torch  # imported here: the convert extra
   import transformers
 
+  if config.position == "mrope" or model_type in VL_TYPES:
+    return to_hf_vision_language(config, variables, vision_from)
+  if vision_from is not None:
+    raise ValueError(f"vision_from is for an M-RoPE decoder's vision-language checkpoint; this one has "
+                     f"position={config.position!r}")
   model_type = model_type or model_type_of(config)
   fields = config_to_hf(config, model_type)
   config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[model_type])
@@ -605,6 +613,46 @@ def to_hf_decoder(config: TransformerConfig, variables: Mapping, model_type: str
   missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES)]
   if missing or unexpected:
     raise ValueError(f"posjax -> {model_class.__name__}: missing {missing}, unexpected {unexpected}")
+  if config.tie_embeddings:
+    model.tie_weights()
+  return model.eval()
+
+
+def to_hf_vision_language(config: TransformerConfig, variables: Mapping, vision_from):
+  """``vision_from`` (a Hugging Face vision-language model of :data:`VL_TYPES`, a directory or in memory) with its
+  text decoder's weights replaced by a posjax M-RoPE decoder's, in float32; its vision tower stays as it was. The
+  decoder must be ``vision_from``'s (the same config as its text decoder's, which a model converted from it and
+  trained keeps); every text weight is replaced, none left over."""
+  import copy
+  import os
+
+  import torch  # imported here: the convert extra
+  import transformers
+
+  if vision_from is None:
+    raise ValueError(f"an M-RoPE decoder goes out as the text decoder of a vision-language checkpoint of "
+                     f"{list(VL_TYPES)}, whose vision tower posjax does not have: give vision_from= the checkpoint "
+                     "it came from")
+  if isinstance(vision_from, (str, os.PathLike)):
+    model = transformers.AutoModelForImageTextToText.from_pretrained(os.fspath(vision_from), torch_dtype=torch.float32)
+  else:
+    model = copy.deepcopy(vision_from).float()  # the caller's model stays as it was
+  model_type = model.config.model_type
+  if model_type not in VL_TYPES:
+    raise ValueError(f"vision_from is a {model_type!r} model; an M-RoPE decoder goes into one of {list(VL_TYPES)}")
+  theirs = _compared(config_from_hf(model.config.to_dict()))
+  mine = _compared(config)
+  differ = [f"{name} (here {mine[name]!r}, there {theirs[name]!r})" for name in mine if mine[name] != theirs[name]]
+  if differ:
+    raise ValueError(f"this decoder is not vision_from's {model_type} text decoder: " + ", ".join(differ))
+  family = VL_TYPES[model_type][0]
+  text = state_to_hf(config, model_params(variables), family)
+  state = {(VL_TEXT_PREFIX + k.removeprefix("model.")) if k.startswith("model.") else k: torch.from_numpy(np.array(v))
+           for k, v in text.items()}
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES) and not k.startswith(VISION_PREFIXES)]
+  if missing or unexpected:
+    raise ValueError(f"posjax -> {type(model).__name__}: missing {missing}, unexpected {unexpected}")
   if config.tie_embeddings:
     model.tie_weights()
   return model.eval()

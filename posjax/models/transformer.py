@@ -1,6 +1,7 @@
 """One Transformer stack with a pluggable position method: the BERT encoder (Devlin et al. 2019), the Llama-family
-decoder, Gemma and ModernBERT are presets of its config (:meth:`TransformerConfig.bert`,
-:meth:`TransformerConfig.llama`, :meth:`TransformerConfig.gemma`); its task heads are :mod:`posjax.models.heads`.
+decoder, Gemma, ModernBERT and the vision transformer are presets of its config (:meth:`TransformerConfig.bert`,
+:meth:`TransformerConfig.llama`, :meth:`TransformerConfig.gemma`, :meth:`TransformerConfig.vit`); its task heads are
+:mod:`posjax.models.heads`, its image classifier :mod:`posjax.models.vision`.
 
 Embeddings (word, token type, the method's input embedding) -> LayerNorm (or none) -> dropout -> N layers
 (Post-LN by default, as BERT and TUPE; Pre-LN; LayerNorm or RMSNorm; a GELU or gated (SwiGLU) MLP; grouped-query
@@ -490,6 +491,17 @@ class TransformerConfig:
                          head_bias=False,
                          layer_norm_eps=1e-5, dropout_rate=0.0, attention_dropout_rate=0.0), **overrides})
 
+  @classmethod
+  def vit(cls, **overrides) -> "TransformerConfig":
+    """A vision transformer's encoder (Dosovitskiy et al. 2021, ViT-B/16's shape: 12 layers, 768 wide, 12 heads, MLP
+    3072): Pre-LN LayerNorms (epsilon 1e-6) with a final one, exact GELU, biases everywhere, no embedding norm or token
+    types, no dropout, ViT's learned 2-D table (``absolute_2d`` on a 14 x 14 grid) and ``max_len`` 197 (the grid and a
+    class token). Its tokens are patches, given as ``inputs_embeds`` (:class:`posjax.models.vision.ImageClassifier`
+    embeds them): ``vocab_size`` 1, no word embedding is ever read or made."""
+    return cls(**{**dict(vocab_size=1, max_len=197, type_vocab_size=0, position="absolute_2d", norm="pre",
+                         layer_norm_eps=1e-6, embedding_norm=False, dropout_rate=0.0, attention_dropout_rate=0.0),
+                  **overrides})
+
   # the presets' names before 0.2.0
   base, large, decoder = bert, bert_large, llama
 
@@ -704,14 +716,22 @@ class TransformerStack(nn.Module):
     if c.norm != "post":  # a norm after the last layer (the decoders')
       self.final_norm = _layer_norm(c, "final_norm")
 
-  def __call__(self, input_ids, *, token_type_ids=None, attention_mask=None, positions=None, segment_ids=None,
-               deterministic: bool = True, decode: bool = False) -> EncoderOutput:
+  def __call__(self, input_ids=None, *, inputs_embeds=None, token_type_ids=None, attention_mask=None,
+               positions=None, segment_ids=None, deterministic: bool = True, decode: bool = False) -> EncoderOutput:
     """``decode``: incremental decoding with each layer's cache (:func:`posjax.attention.decode_step`; a causal
-    model; :mod:`posjax.generate` drives it): ``input_ids`` are the new tokens, ``positions`` theirs."""
+    model; :mod:`posjax.generate` drives it): ``input_ids`` are the new tokens, ``positions`` theirs.
+    ``inputs_embeds`` ``[B, L, E]``: the tokens' embeddings given instead of ``input_ids`` (a vision transformer's
+    patches, :mod:`posjax.models.vision`), as Hugging Face's argument of that name; the rest of the embedding
+    (scale, token types, the method's input embedding, the norm) applies to them as to the word embeddings."""
     c, spec = self.config, self.config.position_spec
-    if input_ids.ndim != 2:
+    if (input_ids is None) == (inputs_embeds is None):
+      raise ValueError("give the stack input_ids [batch, length] or inputs_embeds [batch, length, width], one of them")
+    if input_ids is not None and input_ids.ndim != 2:
       raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
-    batch, length = input_ids.shape
+    if inputs_embeds is not None and (inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != c.embed_width):
+      raise ValueError(f"inputs_embeds must be [batch, length, {c.embed_width}] (the embedding width), got shape "
+                       f"{inputs_embeds.shape}")
+    batch, length = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
     spec.check_length(length)
     if positions is None:
       positions = jnp.arange(length, dtype=jnp.int32)[None]
@@ -722,12 +742,12 @@ class TransformerStack(nn.Module):
     if state.bias is not None:
       self.sow("intermediates", "position_bias", state.bias)
 
-    x = embeddings.word_embeddings(input_ids)
+    x = embeddings.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds.astype(DTYPES[c.dtype])
     if c.embedding_scale:
       x = x * jnp.asarray(c.hidden_size ** 0.5, x.dtype)
     if c.type_vocab_size:
       x = x + embeddings.token_type_embeddings(
-          jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids)
+          jnp.zeros((batch, length), jnp.int32) if token_type_ids is None else token_type_ids)
     elif token_type_ids is not None:
       raise ValueError("token_type_ids given but the config has type_vocab_size=0")
     if state.embedding is not None:

@@ -204,6 +204,9 @@ class Method:
       axis (M-RoPE's text tokens: Qwen2-VL's three equal ids); otherwise it refuses them.
     continuation_axis: ``options -> axis or None``: the axis whose largest prompt id the generated tokens follow
       (VideoRoPE's time); None, or a method without it: the largest id of every axis (Qwen2-VL's ``rope_deltas``).
+    regrid: ``(options, params, (rows, columns)) -> (options, params)``: the method's options and encoder
+      parameters for images of another grid of patches (ViT's table resized to it); None: it reads any grid's
+      positions as they are.
     summary: one line for listings and error messages.
   """
 
@@ -221,6 +224,7 @@ class Method:
   axes: int = 1
   sequence_positions: bool = False
   continuation_axis: Callable[[Any], int | None] | None = None
+  regrid: Callable[[Any, Any, tuple[int, int]], tuple[dict, Any]] | None = None
   summary: str = ""
 
   @property

@@ -92,6 +92,15 @@ def resized_table(table_RxCxD, rows: int, cols: int):
   return jax.image.resize(table_RxCxD, (rows, cols, table_RxCxD.shape[-1]), "bicubic", antialias=False)
 
 
+def regrid_table(options: Table2dOptions, params, grid: tuple[int, int]):
+  """``absolute_2d``'s options and parameters (None: none to resize) at another grid: the table resized to it
+  (:func:`resized_table`)."""
+  rows, cols = grid
+  options = {**dataclasses.asdict(options), "grid": (rows, cols)}
+  return options, None if params is None else {**params, "embedding": resized_table(params["embedding"], rows, cols)}
+
+
 base.register(base.Method("absolute_2d", Table2dOptions, encoder=Table2d, axes=2, input_embedding=True,
+                          regrid=regrid_table,
                           summary="ViT's learned 2-D position table added to the input, resized for larger "
                                   "images"))

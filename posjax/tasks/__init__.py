@@ -11,7 +11,8 @@ Evaluators are declared in ``config.evals`` (``{name: {kind, ...options}}``, aft
 - ``electra``: ELECTRA pre-training, a generator and a discriminator on a corpus (:mod:`posjax.tasks.electra`);
 - ``glue``: GLUE classification and STS-B regression (:mod:`posjax.tasks.glue`);
 - ``squad``: SQuAD 1.1 span extraction (:mod:`posjax.tasks.squad`);
-- ``probe``: one position probe (:mod:`posjax.tasks.probe`).
+- ``probe``: one position probe (:mod:`posjax.tasks.probe`);
+- ``vision``: one image probe of a vision transformer (:mod:`posjax.tasks.vision`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable, NamedTuple
 
 import ml_collections
 
-from posjax.tasks import clm, electra, glue, mlm, probe, squad
+from posjax.tasks import clm, electra, glue, mlm, probe, squad, vision
 from posjax.train.task import Task
 
 
@@ -32,7 +33,7 @@ class Entry(NamedTuple):
 
 TASKS = {"mlm": Entry(mlm.build, ("mlm",)), "clm": Entry(clm.build, ("clm", "passkey", "ruler")), "electra": Entry(electra.build, ("electra",)),
          "glue": Entry(glue.build, ("glue",)), "squad": Entry(squad.build, ("squad",)),
-         "probe": Entry(probe.build, ("probe",))}
+         "probe": Entry(probe.build, ("probe",)), "vision": Entry(vision.build, ("vision",))}
 
 
 def build(config: ml_collections.ConfigDict, local_batch: int) -> Task:

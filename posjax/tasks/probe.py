@@ -257,12 +257,12 @@ def model_config(config, method: str, task: str) -> TransformerConfig:
                            position=method, dropout_rate=0.0, attention_dropout_rate=0.0, **config.model.to_dict())
 
 
-class ProbeBatches:
-  """Endless training batches of one probe task; batch ``n`` is drawn from ``[seed, task, n]`` whole and each
-  process takes its rows, so the batches depend on the seed alone and restoring costs nothing."""
+class SeededBatches:
+  """Endless training batches: batch ``n`` is ``draw(rng)`` with ``rng`` from ``[seed, *key, n]``, drawn whole, and
+  each process takes its rows, so the batches depend on the seed alone and restoring costs nothing."""
 
-  def __init__(self, probe, *, seed: int, global_batch: int, length: int, causal: bool = False):
-    self.probe, self.seed, self.global_batch, self.length, self.causal = probe, seed, global_batch, length, causal
+  def __init__(self, draw, *, seed: int, key: tuple[int, ...], global_batch: int):
+    self.draw, self.seed, self.key = draw, seed, tuple(key)
     self.drawn = 0
     self._rows = features.process_rows(global_batch)
 
@@ -270,9 +270,9 @@ class ProbeBatches:
     return self
 
   def __next__(self) -> dict:
-    rng = np.random.default_rng([self.seed, TASKS.index(self.probe.task), self.drawn])
+    rng = np.random.default_rng([self.seed, *self.key, self.drawn])
     self.drawn += 1
-    return _rows(draw(self.probe, rng, self.global_batch, self.length, self.causal), self._rows)
+    return local_rows(self.draw(rng), self._rows)
 
   def state(self) -> dict:
     return {"batches_drawn": self.drawn}
@@ -288,7 +288,7 @@ def draw(probe, rng: np.random.Generator, batch: int, length: int, causal: bool 
   return {"input_ids": x, "labels": y, "weights": w}
 
 
-def _rows(batch: dict, rows: slice) -> dict:
+def local_rows(batch: dict, rows: slice) -> dict:
   return {k: v[rows] for k, v in batch.items()}
 
 
@@ -330,9 +330,9 @@ def build(config, local_batch: int) -> Task:
                                                          metric_names=("accuracy",))
         continue
       batch = draw(probe, np.random.default_rng([config.seed, 99, multiple]), eval_batch, length, causal)
-      evaluators[f"{name}@{length}"] = Evaluator([_rows(batch, features.process_rows(eval_batch))],
+      evaluators[f"{name}@{length}"] = Evaluator([local_rows(batch, features.process_rows(eval_batch))],
                                                        token_sums, summed_metrics)
-  batches = ProbeBatches(probe, seed=config.seed, global_batch=config.batch_size, length=config.max_len,
-                         causal=causal)
+  batches = SeededBatches(lambda rng: draw(probe, rng, config.batch_size, config.max_len, causal), seed=config.seed,
+                          key=(TASKS.index(probe.task),), global_batch=config.batch_size)
   return Task(f"probe/{probe.task}", model, bert, {"input_ids": jnp.zeros((1, config.max_len), jnp.int32)},
                     loss_fn, batches, evaluators, info={"position": bert.position})

@@ -1,0 +1,139 @@
+"""The vision transformer preset (:mod:`posjax.models.vision`) against Hugging Face's ViT on random weights, its
+grid positions, its loud errors, and the resolution probe (:mod:`posjax.experiments.resolution`) end to end."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posjax import main as posjax_main
+from posjax.experiments import resolution
+from posjax.models import TransformerConfig
+from posjax.models import vision
+from posjax.tasks import vision as vision_task
+
+from conftest import load_config
+
+
+def _hf_vit_params(state: dict, layers: int, heads: int) -> dict:
+  """Hugging Face ``ViTForImageClassification``'s weights in the classifier's tree, written out here by hand."""
+  t = lambda name: np.asarray(state[name], np.float32)
+  conv_DxCxPxP = t("vit.embeddings.patch_embeddings.projection.weight")
+  d = conv_DxCxPxP.shape[0]
+
+  def dense(name, shape=None):
+    kernel = t(f"{name}.weight").T
+    return {"kernel": kernel if shape is None else kernel.reshape(shape),
+            "bias": t(f"{name}.bias") if shape is None else t(f"{name}.bias").reshape(shape[1:])}
+
+  norm = lambda name: {"scale": t(f"{name}.weight"), "bias": t(f"{name}.bias")}
+  encoder = {"position": {"table": {"embedding": t("vit.embeddings.position_embeddings")[0]}},
+             "final_norm": norm("vit.layernorm")}
+  for i in range(layers):
+    hf = f"vit.encoder.layer.{i}"
+    attention = {part: dense(f"{hf}.attention.attention.{part}", (d, heads, d // heads))
+                 for part in ("query", "key", "value")}
+    attention["out"] = {"kernel": t(f"{hf}.attention.output.dense.weight").T.reshape(heads, d // heads, d),
+                        "bias": t(f"{hf}.attention.output.dense.bias")}
+    encoder[f"layer_{i}"] = {"attention": attention, "attention_norm": norm(f"{hf}.layernorm_before"),
+                             "mlp_norm": norm(f"{hf}.layernorm_after"), "mlp_in": dense(f"{hf}.intermediate.dense"),
+                             "mlp_out": dense(f"{hf}.output.dense")}
+  return {"patch_embedding": {"kernel": conv_DxCxPxP.transpose(2, 3, 1, 0).reshape(-1, d),  # (row, col, channel)
+                              "bias": t("vit.embeddings.patch_embeddings.projection.bias")},
+          "class_token": t("vit.embeddings.cls_token"), "encoder": encoder, "classifier": dense("classifier")}
+
+
+def test_the_vit_preset_computes_hugging_faces_vit_and_its_gradients_on_random_weights():
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  layers, heads, patch, classes = 2, 4, 2, 3
+  hf_config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
+                                     intermediate_size=64, image_size=8, patch_size=patch, num_channels=3,
+                                     num_labels=classes, layer_norm_eps=1e-6, hidden_act="gelu", qkv_bias=True,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+  torch.manual_seed(0)
+  hf = transformers.ViTForImageClassification(hf_config).eval()
+  with torch.no_grad():  # every weight off its initial value: biases, norms, the class token
+    for p in hf.parameters():
+      p.add_(0.2 * torch.randn_like(p))
+  params = _hf_vit_params({k: v.numpy() for k, v in hf.state_dict().items()}, layers, heads)
+  # ViT's flattened table: BERT's absolute table on the raster index, the class token at 0
+  config = TransformerConfig.vit(hidden_size=32, num_layers=layers, num_heads=heads, intermediate_size=64, max_len=17,
+                                 position="absolute")
+  model = vision.ImageClassifier(config, patch, classes, "cls")
+  pixels = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
+  shapes = jax.tree.map(jnp.shape, nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), pixels))["params"])
+  assert jax.tree.map(np.shape, params) == shapes
+  weights = np.random.default_rng(1).normal(size=(2, classes)).astype(np.float32)
+
+  ours_fn = lambda p, x: jnp.sum(model.apply({"params": p}, x) * weights)
+  logits = model.apply({"params": params}, pixels)
+  grads, d_pixels = jax.grad(ours_fn, argnums=(0, 1))(params, pixels)
+  x = torch.tensor(pixels).permute(0, 3, 1, 2).requires_grad_(True)
+  hf_logits = hf(pixel_values=x).logits
+  (hf_logits * torch.tensor(weights)).sum().backward()
+  np.testing.assert_allclose(logits, hf_logits.detach().numpy(), atol=1e-4, rtol=1e-4)
+  relative = lambda a, b: np.abs(np.asarray(a) - b).max() / np.abs(b).max()
+  assert relative(d_pixels, x.grad.permute(0, 2, 3, 1).numpy()) < 1e-4
+  table_grad = hf.vit.embeddings.position_embeddings.grad[0].numpy()
+  assert relative(grads["encoder"]["position"]["table"]["embedding"], table_grad) < 1e-4
+  conv_grad = hf.vit.embeddings.patch_embeddings.projection.weight.grad.numpy()
+  assert relative(grads["patch_embedding"]["kernel"], conv_grad.transpose(2, 3, 1, 0).reshape(-1, 32)) < 1e-4
+
+
+def test_grid_positions_the_regridded_table_and_the_errors():
+  assert vision.grid_positions(1, 2, 3, True).tolist() == [[0, 1, 2, 3, 4, 5, 6]]
+  assert vision.grid_positions(2, 2, 3, False).tolist() == [[[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]]
+  assert vision.grid_positions(3, 1, 2, True).tolist() == [[[0, 0, 0], [0, 0, 0], [0, 0, 1]]]
+  config = TransformerConfig.vit(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_len=5,
+                                 position="absolute_2d", position_options={"grid": (2, 2)})
+  model = vision.ImageClassifier(config, 2, 4, "mean")
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3))))["params"]
+  larger = jnp.ones((1, 6, 6, 3))
+  assert np.isnan(model.apply({"params": params}, larger)).all()  # past the table: NaN, never a clamped row
+  at_3, params_3 = vision.regridded(config, params, (3, 3))
+  assert at_3.position_options["grid"] == (3, 3)
+  assert params_3["encoder"]["position"]["embedding"].shape == (3, 3, 16)
+  assert np.isfinite(vision.ImageClassifier(at_3, 2, 4, "mean").apply({"params": params_3}, larger)).all()
+  with pytest.raises(ValueError, match=r"^an image of 5 x 4 pixels does not divide into 2 x 2 patches"):
+    model.apply({"params": params}, jnp.zeros((1, 5, 4, 3)))
+  with pytest.raises(ValueError, match=r"^option pooling='max' is not allowed"):
+    vision.ImageClassifier(config, 2, 4, "max").init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3)))
+  with pytest.raises(ValueError, match="one of them"):
+    vision.TransformerStack(config).init(jax.random.PRNGKey(0))
+
+
+def test_the_images_mark_what_their_labels_say():
+  rng = np.random.default_rng(0)
+  pixels, labels = vision_task.make_images("orientation", rng, 64, 5, 2, 3, 3, 0.0)
+  for image, label in zip(pixels, labels):
+    marked = np.argwhere(image[::2, ::2, 0] == 1)
+    steps = np.diff(marked[np.lexsort((marked[:, 1], marked[:, 0]))], axis=0)
+    assert len(marked) == 3 and (steps == vision_task.DIRECTIONS[label]).all()
+  pixels, labels = vision_task.make_images("relation", rng, 64, 5, 1, 2, 3, 0.0)
+  for image, label in zip(pixels, labels):
+    (r1, c1), (r2, c2) = np.argwhere(image[..., 0] == 1)[0], np.argwhere(image[..., 1] == 1)[0]
+    expected = ("right" if c2 > c1 else "left") if abs(c2 - c1) > abs(r2 - r1) else ("below" if r2 > r1 else "above")
+    assert ("right", "left", "below", "above")[label] == expected
+
+
+def test_the_resolution_probe_tables_each_method_at_larger_grids_and_skips_finished_ones(tmp_path):
+  config = load_config("resolution", "methods=absolute_2d,tasks=relation,steps=3")
+  config.warmup_steps, config.grid, config.eval_grids, config.batch_size, config.eval_batch_size = 1, 3, (3, 4), 8, 16
+  config.model.update(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+  results = posjax_main.JOBS["resolution"](config, str(tmp_path))
+  accuracy = results["absolute_2d"]["relation"]
+  assert set(accuracy) == {"3", "4"} and len(accuracy["4"]) == 1  # the table resized to the larger grid: one seed
+  assert json.loads((tmp_path / "results.json").read_text()) == results
+  assert "| `absolute_2d` |" in (tmp_path / "results.md").read_text()
+  again = posjax_main.JOBS["resolution"].func(config, str(tmp_path), train=lambda *a: pytest.fail("trained again"))
+  assert again == results
+  # a 1-D learned table past its length cannot run there: unsupported, nothing compiled
+  task = vision_task.build(resolution.run_config(config, "absolute", "relation", 0), 8)
+  assert task.evaluators["vision@4"].unsupported.startswith("position method 'absolute' has a learned table of "
+                                                            "max_len=10 positions")
+  assert task.evaluators["vision@3"].unsupported is None
+  assert [resolution.cell(v) for v in ("unsupported", [0.5], [0.5, 0.7])] == ["unsupported", "50.0", "60.0 ± 10.0"]
