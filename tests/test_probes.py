@@ -102,7 +102,7 @@ def test_the_demo_keeps_its_tasks_and_encoder_and_new_tasks_are_opt_in():
   assert probe_task.model_config(decoder, "alibi", "sort").causal
 
 
-def test_a_decoder_probe_trains_with_the_causal_mask(tmp_path):
+def test_a_decoder_probe_trains_with_the_causal_mask_and_another_config_reuses_no_result(tmp_path, capsys):
   config = probes_config("methods=alibi,steps=2,tasks=copy,decoder")
   config.update(warmup_steps=1, eval_multiples=(1, 2), eval_batch_size=8)
   results = probes.run(config, str(tmp_path), train)
@@ -111,6 +111,16 @@ def test_a_decoder_probe_trains_with_the_causal_mask(tmp_path):
   model = json.loads((tmp_path / "runs" / "alibi" / "copy" / "model_config.json").read_text())
   assert model["causal"] and model["vocab_size"] == 18
   assert "| `alibi` |" in (tmp_path / "results.md").read_text()
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  assert last == f"written to {tmp_path}: results.md, results.json, accuracy_vs_length.png"  # no TUPE-A plot
+  config.steps = 3
+  with pytest.raises(ValueError, match=r"different config \(changed: \['steps'\]\); use another workdir$"):
+    probes.run(config, str(tmp_path), train)
+  config.steps, config.methods = 2, ("alibi", "tupe_a")  # adding a method to the table is allowed
+  assert set(probes.run(config, str(tmp_path), train)) == {"alibi", "tupe_a"}
+  assert (tmp_path / "tupe_correlation.png").stat().st_size > 0  # TUPE-A's learned correlation, one map per head
+  assert capsys.readouterr().out.strip().splitlines()[-1] == (
+      f"written to {tmp_path}: results.md, results.json, accuracy_vs_length.png, tupe_correlation.png")
 
 
 @pytest.mark.slow
@@ -140,22 +150,6 @@ def test_unknown_task_is_an_error(tmp_path):
   config.tasks = ("sorting",)
   with pytest.raises(ValueError, match=r"unknown probe task\(s\) \['sorting'\]"):
     probes.run(config, str(tmp_path), train)
-
-
-def test_results_of_another_config_are_not_reused(tmp_path, capsys):
-  config = probes_config("methods=rope,steps=2")
-  config.update(tasks=("copy_left",), warmup_steps=1, eval_multiples=(1,))
-  probes.run(config, str(tmp_path), train)
-  last = capsys.readouterr().out.strip().splitlines()[-1]
-  assert last == f"written to {tmp_path}: results.md, results.json, accuracy_vs_length.png"  # no TUPE-A plot
-  config.steps = 3
-  with pytest.raises(ValueError, match=r"different config \(changed: \['steps'\]\); use another workdir$"):
-    probes.run(config, str(tmp_path), train)
-  config.steps, config.methods = 2, ("rope", "tupe_a")  # adding a method to the table is allowed
-  assert set(probes.run(config, str(tmp_path), train)) == {"rope", "tupe_a"}
-  assert (tmp_path / "tupe_correlation.png").stat().st_size > 0  # TUPE-A's learned correlation, one map per head
-  assert capsys.readouterr().out.strip().splitlines()[-1] == (
-      f"written to {tmp_path}: results.md, results.json, accuracy_vs_length.png, tupe_correlation.png")
 
 
 def test_bad_probe_configs_are_errors_before_anything_is_written(tmp_path):

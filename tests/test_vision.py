@@ -70,8 +70,8 @@ def test_the_vit_preset_computes_hugging_faces_vit_and_its_gradients_on_random_w
   weights = np.random.default_rng(1).normal(size=(2, classes)).astype(np.float32)
 
   ours_fn = lambda p, x: jnp.sum(model.apply({"params": p}, x) * weights)
-  logits = model.apply({"params": params}, pixels)
-  grads, d_pixels = jax.grad(ours_fn, argnums=(0, 1))(params, pixels)
+  logits = jax.jit(model.apply)({"params": params}, pixels)
+  grads, d_pixels = jax.jit(jax.grad(ours_fn, argnums=(0, 1)))(params, pixels)
   x = torch.tensor(pixels).permute(0, 3, 1, 2).requires_grad_(True)
   hf_logits = hf(pixel_values=x).logits
   (hf_logits * torch.tensor(weights)).sum().backward()
@@ -91,19 +91,19 @@ def test_grid_positions_the_regridded_table_and_the_errors():
   config = TransformerConfig.vit(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_len=5,
                                  position="absolute_2d", position_options={"grid": (2, 2)})
   model = vision.ImageClassifier(config, 2, 4, "mean")
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3))))["params"]
+  params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3))))["params"]
   larger = jnp.ones((1, 6, 6, 3))
-  assert np.isnan(model.apply({"params": params}, larger)).all()  # past the table: NaN, never a clamped row
+  assert np.isnan(jax.jit(model.apply)({"params": params}, larger)).all()  # past the table: NaN, never clamped
   at_3, params_3 = vision.regridded(config, params, (3, 3))
   assert at_3.position_options["grid"] == (3, 3)
   assert params_3["encoder"]["position"]["embedding"].shape == (3, 3, 16)
-  assert np.isfinite(vision.ImageClassifier(at_3, 2, 4, "mean").apply({"params": params_3}, larger)).all()
+  assert np.isfinite(jax.jit(vision.ImageClassifier(at_3, 2, 4, "mean").apply)({"params": params_3}, larger)).all()
   with pytest.raises(ValueError, match=r"^an image of 5 x 4 pixels does not divide into 2 x 2 patches"):
-    model.apply({"params": params}, jnp.zeros((1, 5, 4, 3)))
+    jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 5, 4, 3)))
   with pytest.raises(ValueError, match=r"^option pooling='max' is not allowed"):
-    vision.ImageClassifier(config, 2, 4, "max").init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3)))
+    jax.eval_shape(vision.ImageClassifier(config, 2, 4, "max").init, jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3)))
   with pytest.raises(ValueError, match="one of them"):
-    vision.TransformerStack(config).init(jax.random.PRNGKey(0))
+    jax.eval_shape(vision.TransformerStack(config).init, jax.random.PRNGKey(0))
 
 
 def test_the_images_mark_what_their_labels_say():
