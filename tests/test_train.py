@@ -639,16 +639,22 @@ def test_faults_each_stop_the_run_and_the_resumes_end_like_the_uninterrupted_run
   assert len(stream(str(run))) == 52  # 50 train lines, 2 eval lines, none repeated
 
 
-def test_position_options_from_the_command_line(tmp_path):
-  command = [sys.executable, "-m", "posjax.main", "--config=configs/pretrain.py:runlocal,position=tupe_r",
-             f"--workdir={tmp_path}", "--config.model.position_options.cls_reset=paper", "--config.total_steps=1",
-             "--config.eval_every_steps=0", "--config.max_len=32", "--config.batch_size=8"]
-  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-  assert result.returncode == 0, result.stderr[-2000:]
-  saved = json.loads((tmp_path / "config.json").read_text())["model"]["position_options"]
-  assert saved["cls_reset"] == "paper" and saved["relative_distance"] == "buckets"
-  params = checkpoint.load_params(str(tmp_path / "checkpoints"))
-  assert "cls_theta" in params["encoder"]["position"]  # the paper's extra θ vectors exist
+def test_position_options_from_the_command_line(monkeypatch):
+  """``--config.model.position_options.<option>=`` reaches the model the run builds: TUPE-R with the paper's [CLS]
+  reset has its extra θ vectors."""
+  from absl import flags
+  from ml_collections import config_flags
+  from posjax.models import Transformer, TransformerConfig
+  argv = ["main", "--config=configs/pretrain.py:runlocal,position=tupe_r",
+          "--config.model.position_options.cls_reset=paper"]
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values)
+  values(argv)
+  model = TransformerConfig.from_config(values.config.model, vocab_size=128, max_len=32)
+  assert model.position_spec.options.cls_reset == "paper" and model.position_spec.options.relative_distance == "buckets"
+  params = jax.eval_shape(Transformer(model, head="mlm").init, jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))
+  assert "cls_theta" in params["params"]["encoder"]["position"]  # the paper's extra θ vectors exist
 
 
 def test_every_position_option_can_be_set_from_the_command_line_none_defaults_included(monkeypatch):
