@@ -333,8 +333,10 @@ def test_qwen_vl_text_decoders_convert_with_their_logits_for_text_and_for_multi_
     cli.hf_to_posjax(str(tmp_path / "hf"), str(tmp_path / "run"))
     cli.posjax_to_hf(str(tmp_path / "run"), str(tmp_path / "out"))
     exported = getattr(transformers, model_class).from_pretrained(tmp_path / "out").eval()
-  else:
-    exported = convert.to_hf(module.config, moved, vision_from=tmp_path / "hf")
+  else:  # the checkpoint's directory, or the model in memory (which stays as it was)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    exported = convert.to_hf(module.config, moved, vision_from=model if name == "qwen2_5_vl" else tmp_path / "hf")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
   with torch.no_grad():
     got = exported(input_ids=torch.tensor(ids_BxL), position_ids=torch.tensor(p_BxLx3.transpose(2, 0, 1))).logits
   want = apply(moved, jnp.asarray(ids_BxL, jnp.int32), positions=jnp.asarray(p_BxLx3, jnp.int32)).logits

@@ -93,7 +93,9 @@ def test_grid_positions_the_regridded_table_and_the_errors():
   model = vision.ImageClassifier(config, 2, 4, "mean")
   params = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3))))["params"]
   larger = jnp.ones((1, 6, 6, 3))
-  assert np.isnan(jax.jit(model.apply)({"params": params}, larger)).all()  # past the table: NaN, never clamped
+  with pytest.raises(ValueError, match=r"^position method 'absolute_2d' holds a table of grid=\(2, 2\) patches and "
+                                       r"this image has 3 x 3: read it through posjax.models.vision.regridded"):
+    jax.eval_shape(model.apply, {"params": params}, larger)  # never a NaN or a corner of the table
   at_3, params_3 = vision.regridded(config, params, (3, 3))
   assert at_3.position_options["grid"] == (3, 3)
   assert params_3["encoder"]["position"]["embedding"].shape == (3, 3, 16)
@@ -137,3 +139,6 @@ def test_the_resolution_probe_tables_each_method_at_larger_grids_and_skips_finis
                                                             "max_len=10 positions")
   assert task.evaluators["vision@3"].unsupported is None
   assert [resolution.cell(v) for v in ("unsupported", [0.5], [0.5, 0.7])] == ["unsupported", "50.0", "60.0 ± 10.0"]
+  with pytest.raises(ValueError, match=r"^config.model sets \['dropout_rate', 'position'\], which the image probe"):
+    vision_task.model_config(resolution.settings(config, "rope_2d", "relation"), {"position": "rope",
+                                                                                 "dropout_rate": 0.1})

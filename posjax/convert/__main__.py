@@ -45,14 +45,14 @@ from posjax.models.electra import ElectraConfig
 from posjax.train import checkpoint as checkpoint_lib
 
 # A vision-language checkpoint's image and video processing, copied beside an M-RoPE decoder exported into it
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json",
-                   "chat_template.jinja")
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json",
+                   "chat_template.json", "chat_template.jinja")
 CONVERTED_FROM = "converted_from.json"  # the Hugging Face model type of a run hf-to-posjax wrote, when not BERT
 # What an export writes (save_pretrained's files, the tokenizer's, an ELECTRA run's two models) and the file that
 # marks a directory as posjax's export (written first): only such a directory may be replaced by a new export.
 EXPORT_NAMES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "added_tokens.json",
-                "tokenizer.model", "chat_template.jinja", "generator", "discriminator")
+                "tokenizer.model", "generator", "discriminator", *PROCESSOR_FILES)
 EXPORT_MARKER = "posjax_export.json"
 # A converted model's tokenizer settings and files beside its tokenizer.json (SentencePiece's model, the chat
 # template, added tokens): kept in the run, written back unchanged.

@@ -9,7 +9,8 @@ Each (method, task) trains ``seeds`` times (seeds ``seed``, ``seed + 1``, ...: t
 the table gives the mean accuracy over them and, with several, their standard deviation. Results go to
 ``results.md`` / ``results.json`` (every seed's accuracy) in the workdir; each (method, task) is written as soon as
 its seeds are done, and a restarted run skips finished ones (its config must match, ``methods`` and ``tasks``
-excepted). ``run(config,
+excepted: rows and tasks may be added; a method's ``options`` are part of the config). Every seed is evaluated on
+the same images. ``run(config,
 workdir, train)`` takes the loop as ``train(config, workdir)`` (:mod:`posjax.main` composes it).
 """
 
@@ -100,7 +101,7 @@ def run(config, workdir: str, train) -> dict:
   validate(config)
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "results.json")
-  run_checks.check_workdir_config(config, workdir, ignore=("methods", "tasks", "options"))
+  run_checks.check_workdir_config(config, workdir, ignore=("methods", "tasks"))
   results = {}
   if os.path.exists(path):
     with open(path) as f:
@@ -117,7 +118,12 @@ def run(config, workdir: str, train) -> dict:
         with open(os.path.join(directory, "results.json")) as f:
           metrics = json.load(f)["metrics"]
         for g in config.eval_grids:
-          accuracy[str(g)].append(metrics[f"vision@{g}"]["accuracy"])
+          found = metrics[f"vision@{g}"]
+          if found.get("loss") is not None and found["loss"] != results_lib.UNSUPPORTED and not np.isfinite(
+              found["loss"]):
+            raise ValueError(f"{directory}: the evaluation at {g}x{g} has a non-finite loss ({found['loss']}); its "
+                             "accuracy would be a NaN's argmax")
+          accuracy[str(g)].append(found["accuracy"])
       accuracy = {g: results_lib.UNSUPPORTED if results_lib.UNSUPPORTED in v else v for g, v in accuracy.items()}
       results.setdefault(method, {})[task] = accuracy
       if jax.process_index() == 0:

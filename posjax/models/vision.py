@@ -4,9 +4,11 @@ each patch one token (Dosovitskiy et al. 2021), and the position method reading 
 A method of two axes (``absolute_2d``, ``sinusoidal_2d``, ``rope_2d``, ``rope_mixed``) reads ``(row, column)``; one of
 three (``mrope``) reads ``(0, row, column)``, Qwen2-VL's positions of one image frame; one of one axis reads the
 raster index (row-major, as ViT's flattened table: Hugging Face's ``ViTModel`` is ``absolute`` on it with a class
-token). The class token ([choice], with ``pooling="cls"``) is at ``(0, 0)`` on every axis, rope-vit's unrotated class
-token; a table or a sinusoid gives it patch ``(0, 0)``'s entry there, where ViT learns it one of its own (a 1-D
-method's index 0 is its own, the patches taking 1..N).
+token). The class token ([choice], with ``pooling="cls"``; initialised at zero, big_vision's, where Hugging Face
+draws it from N(0, 0.02) and timm from N(0, 1e-6)) is at ``(0, 0)`` on every axis, rope-vit's unrotated class token;
+a 2-D table or sinusoid gives it patch ``(0, 0)``'s entry there, where ViT learns it a row of its own, MAE's
+sinusoids give it zeros and DeiT III, rope-vit and big_vision add it no position at all (a 1-D method's index 0 is
+its own, the patches taking 1..N: ViT's flattened ``[1 + N, D]`` table is ``absolute`` on it).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import numpy as np
 from posjax.models.transformer import DTYPES, TransformerConfig, TransformerStack
 from posjax.positions import base
 
-# ``cls``: a learned class token first, its final state classified (ViT's); ``mean``: no class token, the patches'
-# mean final state (Beyer et al. 2022, "Better plain ViT baselines"; rope-vit's and MAE's fine-tuning pool).
+# ``cls``: a learned class token first, its final state classified (ViT's, rope-vit's); ``mean``: no class token,
+# the mean of the patches' final (normed) states (big_vision's ``gap``, Beyer et al. 2022, "Better plain ViT
+# baselines"; MAE's fine-tuning pool averages before its norm).
 POOLINGS = ("cls", "mean")
 
 
@@ -42,9 +45,11 @@ def grid_positions(axes: int, rows: int, cols: int, class_token: bool):
 
 def patches(pixel_values_BxHxWxC, patch_size: int):
   """``[B, N, p * p * C]``: the image's ``p x p`` patches in raster order, each flattened (row, column, channel), as a
-  ``p``-strided ``p x p`` convolution reads them."""
+  ``p``-strided ``p x p`` convolution reads them (flax's HWIO kernel reshaped; a PyTorch ``Conv2d`` weight
+  ``[D, C, p, p]`` is ``permute(2, 3, 1, 0)`` of it)."""
   if pixel_values_BxHxWxC.ndim != 4:
-    raise ValueError(f"pixel_values must be [batch, height, width, channels], got shape {pixel_values_BxHxWxC.shape}")
+    raise ValueError(f"pixel_values must be [batch, height, width, channels] (channels last, not PyTorch's NCHW), got "
+                     f"shape {pixel_values_BxHxWxC.shape}")
   b, h, w, c = pixel_values_BxHxWxC.shape
   if h % patch_size or w % patch_size:
     raise ValueError(f"an image of {h} x {w} pixels does not divide into {patch_size} x {patch_size} patches: give "
@@ -74,6 +79,11 @@ class ImageClassifier(nn.Module):
       raise ValueError(f"patch_size must be a positive int, got {self.patch_size!r}")
     patches_BxNxP = patches(pixel_values, self.patch_size)
     rows, cols = pixel_values.shape[1] // self.patch_size, pixel_values.shape[2] // self.patch_size
+    method, grid = c.position_spec.method, getattr(c.position_spec.options, "grid", None)
+    if method.regrid is not None and grid != (rows, cols):
+      raise ValueError(f"position method {method.name!r} holds a table of grid={grid} patches and this image has "
+                       f"{rows} x {cols}: read it through posjax.models.vision.regridded(config, params, ({rows}, "
+                       f"{cols}))")
     dtype, param_dtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
     x_BxNxE = nn.Dense(c.embed_width, dtype=dtype, param_dtype=param_dtype, name="patch_embedding",
                        kernel_init=base.normal_init((None, base.EMBED)),

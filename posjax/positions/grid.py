@@ -68,7 +68,7 @@ class Table2dOptions:
 
 
 class Table2d(nn.Module):
-  """ViT's learned 2-D position table (parameter ``table/embedding`` ``[rows, columns, D]``), added to the input."""
+  """A learned 2-D position table (parameter ``embedding`` ``[rows, columns, D]``), added to the input."""
 
   spec: base.PositionSpec
 

@@ -39,7 +39,7 @@ def segment_length(settings, grid: int) -> int:
   """The orientation segment's patches at ``grid``: ``segment``, stretched with the grid where ``scale_objects``."""
   if not settings.scale_objects:
     return settings.segment
-  return max(2, int(round(settings.segment * grid / settings.grid)))
+  return max(2, int(np.floor(settings.segment * grid / settings.grid + 0.5)))  # halves up
 
 
 def check(settings) -> None:
@@ -95,10 +95,20 @@ def draw(settings, rng: np.random.Generator, batch: int, grid: int) -> dict:
   return {"pixel_values": pixels, "labels": labels}
 
 
+# model fields the probe sets itself (the method, its options, the grid's tokens) or cannot honour (no dropout: the
+# loss runs the model deterministic)
+OWN_FIELDS = ("position", "position_options", "max_len", "dropout_rate", "attention_dropout_rate")
+
+
 def model_config(settings, model: ml_collections.ConfigDict | dict) -> TransformerConfig:
   """The probe's vision transformer (:meth:`TransformerConfig.vit` with ``model``'s fields) for ``settings.method``
-  at the training grid: ``max_len`` its tokens, ``absolute_2d``'s table that grid unless the options name one."""
+  at the training grid: ``max_len`` its tokens, ``absolute_2d``'s table that grid unless the options name one. A
+  field of :data:`OWN_FIELDS` in ``model`` is an error."""
   fields = dict(model.to_dict() if hasattr(model, "to_dict") else model)
+  own = sorted(set(fields) & set(OWN_FIELDS))
+  if own:
+    raise ValueError(f"config.model sets {own}, which the image probe sets itself (the method and its options come "
+                     f"from vision.method / vision.options, max_len from the grid) or cannot honour (dropout)")
   options = dict(settings.get("options") or {})
   if settings.method == "absolute_2d":
     options.setdefault("grid", (settings.grid, settings.grid))
@@ -144,7 +154,8 @@ def build(config, local_batch: int) -> Task:
       def predict(params, batch, other=other, grid=grid):
         return sums(other, vision.regridded(bert, params, (grid, grid))[1], batch)
 
-      batch = draw(settings, np.random.default_rng([config.seed, 99, grid]), eval_batch, grid)
+      # the same images for every seed: the seeds' spread is the training's, not the evaluation's sample
+      batch = draw(settings, np.random.default_rng([99, TASKS.index(settings.task), grid]), eval_batch, grid)
       evaluators[f"{name}@{grid}"] = Evaluator([local_rows(batch, features.process_rows(eval_batch))], predict,
                                                summed_metrics)
   side = settings.grid * settings.patch_size
