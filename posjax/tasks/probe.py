@@ -289,6 +289,7 @@ def draw(probe, rng: np.random.Generator, batch: int, length: int, causal: bool 
 
 
 def local_rows(batch: dict, rows: slice) -> dict:
+  """This process's ``rows`` of every array of a global batch."""
   return {k: v[rows] for k, v in batch.items()}
 
 
