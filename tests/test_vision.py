@@ -11,7 +11,7 @@ import pytest
 
 from posjax import main as posjax_main
 from posjax.experiments import resolution
-from posjax.models import TransformerConfig
+from posjax.models import TransformerConfig, TransformerStack
 from posjax.models import vision
 from posjax.tasks import vision as vision_task
 
@@ -105,7 +105,7 @@ def test_grid_positions_the_regridded_table_and_the_errors():
   with pytest.raises(ValueError, match=r"^option pooling='max' is not allowed"):
     jax.eval_shape(vision.ImageClassifier(config, 2, 4, "max").init, jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 3)))
   with pytest.raises(ValueError, match="one of them"):
-    jax.eval_shape(vision.TransformerStack(config).init, jax.random.PRNGKey(0))
+    jax.eval_shape(TransformerStack(config).init, jax.random.PRNGKey(0))
 
 
 def test_the_images_mark_what_their_labels_say():

@@ -609,10 +609,17 @@ def to_hf_decoder(config: TransformerConfig, variables: Mapping, model_type: str
   model = model_class(config_class(**{k: v for k, v in fields.items() if k != "model_type"}, **eager))
   state = {k: torch.from_numpy(np.array(v))
            for k, v in state_to_hf(config, model_params(variables), model_type).items()}
+  return _loaded(model, state, config)
+
+
+def _loaded(model, state: Mapping, config: TransformerConfig, kept: tuple[str, ...] = ()):
+  """``model`` (in eval mode) with ``state`` loaded: a weight it lacks, or one of its own left unloaded other than
+  Hugging Face's buffers (:data:`DROPPED_SUFFIXES`) and those under the prefixes ``kept``, is an error; its LM head
+  tied where ``config`` ties it."""
   missing, unexpected = model.load_state_dict(state, strict=False)
-  missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES)]
+  missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES) and not k.startswith(kept)]
   if missing or unexpected:
-    raise ValueError(f"posjax -> {model_class.__name__}: missing {missing}, unexpected {unexpected}")
+    raise ValueError(f"posjax -> {type(model).__name__}: missing {missing}, unexpected {unexpected}")
   if config.tie_embeddings:
     model.tie_weights()
   return model.eval()
@@ -649,10 +656,4 @@ def to_hf_vision_language(config: TransformerConfig, variables: Mapping, vision_
   text = state_to_hf(config, model_params(variables), family)
   state = {(VL_TEXT_PREFIX + k.removeprefix("model.")) if k.startswith("model.") else k: torch.from_numpy(np.array(v))
            for k, v in text.items()}
-  missing, unexpected = model.load_state_dict(state, strict=False)
-  missing = [k for k in missing if not k.endswith(DROPPED_SUFFIXES) and not k.startswith(VISION_PREFIXES)]
-  if missing or unexpected:
-    raise ValueError(f"posjax -> {type(model).__name__}: missing {missing}, unexpected {unexpected}")
-  if config.tie_embeddings:
-    model.tie_weights()
-  return model.eval()
+  return _loaded(model, state, config, kept=VISION_PREFIXES)

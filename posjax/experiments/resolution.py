@@ -10,8 +10,8 @@ the table gives the mean accuracy over them and, with several, their standard de
 ``results.md`` / ``results.json`` (every seed's accuracy) in the workdir; each (method, task) is written as soon as
 its seeds are done, and a restarted run skips finished ones (its config must match, ``methods`` and ``tasks``
 excepted: rows and tasks may be added; a method's ``options`` are part of the config). Every seed is evaluated on
-the same images. ``run(config,
-workdir, train)`` takes the loop as ``train(config, workdir)`` (:mod:`posjax.main` composes it).
+the same images. ``run(config, workdir, train)`` takes the loop as ``train(config, workdir)`` (:mod:`posjax.main`
+composes it).
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ def settings(config, method: str, task: str) -> ml_collections.ConfigDict:
 
 def run_config(config, method: str, task: str, seed: int) -> ml_collections.ConfigDict:
   """The training-loop config of one (method, task) image probe with ``seed``."""
+  vision = settings(config, method, task)
   return ml_collections.ConfigDict(dict(
       task="vision", seed=seed, total_steps=config.steps, warmup_steps=config.warmup_steps,
       learning_rate=config.learning_rate, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size,
-      max_len=config.grid ** 2 + (config.pooling == "cls"), grad_accum_steps=1, adam_b1=0.9, adam_b2=0.999,
+      max_len=vision_task.tokens(vision, config.grid), grad_accum_steps=1, adam_b1=0.9, adam_b2=0.999,
       adam_eps=1e-8, weight_decay=0.01, weight_decay_exclusion="none", grad_clip_norm=1.0, parallelism="jit",
       mesh=dict(data=-1, fsdp=1, tensor=1), log_every_steps=config.steps, eval_every_steps=config.steps,
       checkpoint_every_steps=config.steps, keep_checkpoints=1, keep_steps=(), tensorboard=False,
       profile_start_step=-1, profile_steps=1, progress=False, model=config.model.to_dict(),
-      vision=settings(config, method, task), evals=dict(vision=dict(kind="vision"))))
+      vision=vision, evals=dict(vision=dict(kind="vision"))))
 
 
 def validate(config) -> None:
@@ -96,8 +97,8 @@ def results_table(results: dict, config) -> str:
 
 
 def run(config, workdir: str, train) -> dict:
-  """Trains and evaluates every (method, task) not yet in ``workdir``'s results, each a run of the training loop in
-  ``workdir/runs/<method>/<task>``; writes the table."""
+  """Trains and evaluates every (method, task) not yet in ``workdir``'s results, each seed a run of the training loop
+  in ``workdir/runs/<method>/<task>/seed<seed>``; writes the table."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "results.json")

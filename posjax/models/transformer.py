@@ -497,8 +497,9 @@ class TransformerConfig:
     3072): Pre-LN LayerNorms (epsilon 1e-6) with a final one, exact GELU, biases everywhere, no embedding norm or token
     types, no dropout, a learned 2-D table (``absolute_2d`` on a 14 x 14 grid; ViT's own is a flattened ``[197, D]``
     table with a row for the class token, ``position="absolute"``, which loads its checkpoints) and ``max_len`` 197
-    (the grid and a class token). Its tokens are patches, given as ``inputs_embeds`` (:class:`posjax.models.vision.ImageClassifier`
-    embeds them): ``vocab_size`` 1, no word embedding is ever read or made."""
+    (the grid and a class token). Its tokens are patches, given as ``inputs_embeds``
+    (:class:`posjax.models.vision.ImageClassifier` embeds them): ``vocab_size`` 1, no word embedding is ever read or
+    made."""
     return cls(**{**dict(vocab_size=1, max_len=197, type_vocab_size=0, position="absolute_2d", norm="pre",
                          layer_norm_eps=1e-6, embedding_norm=False, dropout_rate=0.0, attention_dropout_rate=0.0),
                   **overrides})

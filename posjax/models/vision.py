@@ -61,8 +61,8 @@ def patches(pixel_values_BxHxWxC, patch_size: int):
 class ImageClassifier(nn.Module):
   """``pixel_values [B, H, W, C] -> logits [B, num_classes]`` (float32): the patches' linear embedding
   (``patch_embedding``, ViT's strided convolution as one dense layer, N(0, 0.02) as Hugging Face's ``ViTModel``), a
-  class token (``pooling="cls"``), the stack
-  over them with their grid positions, the pooled final state and a linear ``classifier``. Any image whose sides are
+  class token (``pooling="cls"``), the stack over them with their grid positions, the pooled final state and a
+  linear ``classifier``. Any image whose sides are
   multiples of ``patch_size`` runs: a larger one is a larger grid (a 1-D learned table past its ``max_len`` is an
   error; ``absolute_2d`` reads another grid after :attr:`posjax.positions.base.Method.regrid`)."""
 
@@ -94,7 +94,7 @@ class ImageClassifier(nn.Module):
                                param_dtype)
       x_BxNxE = jnp.concatenate([jnp.broadcast_to(token_1x1xE.astype(x_BxNxE.dtype),
                                                   (x_BxNxE.shape[0], 1, c.embed_width)), x_BxNxE], 1)
-    positions = grid_positions(c.position_spec.method.axes, rows, cols, class_token)
+    positions = grid_positions(method.axes, rows, cols, class_token)
     h_BxLxD = TransformerStack(c, name="encoder")(inputs_embeds=x_BxNxE, positions=positions,
                                                   deterministic=deterministic).last_hidden_state
     pooled_BxD = h_BxLxD[:, 0] if class_token else h_BxLxD.mean(1)

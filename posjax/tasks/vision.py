@@ -12,8 +12,8 @@ standard deviation ``noise`` everywhere, and marked patches (every pixel of a ch
   the class is where the second lies from the first, right, left, below or above (the larger of the two offsets).
 
 [choice] A larger image shows the same scene at a higher resolution (ImageNet's images read at 384 pixels instead
-of 224): ``scale_objects=True`` stretches a segment to ``round(segment * grid / train_grid)`` patches; with False it
-keeps ``segment`` patches, the scene grown around it instead. Relations need nothing stretched.
+of 224): ``scale_objects=True`` stretches a segment to ``segment * grid / train_grid`` patches (halves rounded up);
+with False it keeps ``segment`` patches, the scene grown around it instead. Relations need nothing stretched.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ def make_images(task: str, rng: np.random.Generator, batch: int, grid: int, patc
   return pixels.astype(np.float32), labels_B.astype(np.int32)
 
 
+def tokens(settings, grid: int) -> int:
+  """The model's tokens for an image of ``grid x grid`` patches: the patches and, with ``pooling="cls"``, the class
+  token."""
+  return grid ** 2 + (settings.pooling == "cls")
+
+
 def draw(settings, rng: np.random.Generator, batch: int, grid: int) -> dict:
   """A global batch of ``settings.task``'s images at ``grid``, as the loss reads it."""
   pixels, labels = make_images(settings.task, rng, batch, grid, settings.patch_size, settings.channels,
@@ -112,9 +118,8 @@ def model_config(settings, model: ml_collections.ConfigDict | dict) -> Transform
   options = dict(settings.get("options") or {})
   if settings.method == "absolute_2d":
     options.setdefault("grid", (settings.grid, settings.grid))
-  tokens = settings.grid ** 2 + (settings.pooling == "cls")
-  return TransformerConfig.vit(**{**dict(max_len=tokens, position=settings.method, position_options=options),
-                                  **fields})
+  return TransformerConfig.vit(**{**dict(max_len=tokens(settings, settings.grid), position=settings.method,
+                                         position_options=options), **fields})
 
 
 def build(config, local_batch: int) -> Task:
@@ -125,8 +130,8 @@ def build(config, local_batch: int) -> Task:
   del local_batch
   settings = config.vision
   check(settings)
-  bert = model_config(settings, config.model)
-  model = vision.ImageClassifier(bert, settings.patch_size, CLASSES, settings.pooling)
+  vit = model_config(settings, config.model)
+  model = vision.ImageClassifier(vit, settings.patch_size, CLASSES, settings.pooling)
 
   def sums(model, params, batch):
     logits = model.apply({"params": params}, batch["pixel_values"])
@@ -143,16 +148,16 @@ def build(config, local_batch: int) -> Task:
   evaluators = {}
   for name in config.evals:
     for grid in settings.eval_grids:
-      at_grid, _ = vision.regridded(bert, None, (grid, grid))
+      at_grid, _ = vision.regridded(vit, None, (grid, grid))
       try:
-        at_grid.position_spec.check_length(grid ** 2 + (settings.pooling == "cls"))
+        at_grid.position_spec.check_length(tokens(settings, grid))
       except ValueError as error:
         evaluators[f"{name}@{grid}"] = Evaluator([], None, None, unsupported=str(error), metric_names=("accuracy",))
         continue
       other = vision.ImageClassifier(at_grid, settings.patch_size, CLASSES, settings.pooling)
 
       def predict(params, batch, other=other, grid=grid):
-        return sums(other, vision.regridded(bert, params, (grid, grid))[1], batch)
+        return sums(other, vision.regridded(vit, params, (grid, grid))[1], batch)
 
       # the same images for every seed: the seeds' spread is the training's, not the evaluation's sample
       batch = draw(settings, np.random.default_rng([99, TASKS.index(settings.task), grid]), eval_batch, grid)
@@ -161,6 +166,6 @@ def build(config, local_batch: int) -> Task:
   side = settings.grid * settings.patch_size
   batches = SeededBatches(lambda rng: draw(settings, rng, config.batch_size, settings.grid), seed=config.seed,
                           key=(TASKS.index(settings.task),), global_batch=config.batch_size)
-  return Task(f"vision/{settings.task}", model, bert,
+  return Task(f"vision/{settings.task}", model, vit,
               {"pixel_values": jnp.zeros((1, side, side, settings.channels), jnp.float32)}, loss_fn, batches,
-              evaluators, info={"position": bert.position})
+              evaluators, info={"position": vit.position})
