@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posjax import convert
 from posjax import main as posjax_main
+from posjax.convert import hf_vit
 from posjax.experiments import resolution
 from posjax.models import TransformerConfig, TransformerStack
 from posjax.models import vision
@@ -18,35 +20,10 @@ from posjax.tasks import vision as vision_task
 from conftest import load_config
 
 
-def _hf_vit_params(state: dict, layers: int, heads: int) -> dict:
-  """Hugging Face ``ViTForImageClassification``'s weights in the classifier's tree, written out here by hand."""
-  t = lambda name: np.asarray(state[name], np.float32)
-  conv_DxCxPxP = t("vit.embeddings.patch_embeddings.projection.weight")
-  d = conv_DxCxPxP.shape[0]
-
-  def dense(name, shape=None):
-    kernel = t(f"{name}.weight").T
-    return {"kernel": kernel if shape is None else kernel.reshape(shape),
-            "bias": t(f"{name}.bias") if shape is None else t(f"{name}.bias").reshape(shape[1:])}
-
-  norm = lambda name: {"scale": t(f"{name}.weight"), "bias": t(f"{name}.bias")}
-  encoder = {"position": {"table": {"embedding": t("vit.embeddings.position_embeddings")[0]}},
-             "final_norm": norm("vit.layernorm")}
-  for i in range(layers):
-    hf = f"vit.encoder.layer.{i}"
-    attention = {part: dense(f"{hf}.attention.attention.{part}", (d, heads, d // heads))
-                 for part in ("query", "key", "value")}
-    attention["out"] = {"kernel": t(f"{hf}.attention.output.dense.weight").T.reshape(heads, d // heads, d),
-                        "bias": t(f"{hf}.attention.output.dense.bias")}
-    encoder[f"layer_{i}"] = {"attention": attention, "attention_norm": norm(f"{hf}.layernorm_before"),
-                             "mlp_norm": norm(f"{hf}.layernorm_after"), "mlp_in": dense(f"{hf}.intermediate.dense"),
-                             "mlp_out": dense(f"{hf}.output.dense")}
-  return {"patch_embedding": {"kernel": conv_DxCxPxP.transpose(2, 3, 1, 0).reshape(-1, d),  # (row, col, channel)
-                              "bias": t("vit.embeddings.patch_embeddings.projection.bias")},
-          "class_token": t("vit.embeddings.cls_token"), "encoder": encoder, "classifier": dense("classifier")}
-
-
-def test_the_vit_preset_computes_hugging_faces_vit_and_its_gradients_on_random_weights():
+def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradients(tmp_path):
+  """``ViTForImageClassification`` on random weights (every weight off its initial value), saved with
+  ``save_pretrained`` and read back by the converter: the same logits, and gradients with respect to the pixels,
+  the position table and the patch kernel."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   layers, heads, patch, classes = 2, 4, 2, 3
@@ -59,14 +36,12 @@ def test_the_vit_preset_computes_hugging_faces_vit_and_its_gradients_on_random_w
   with torch.no_grad():  # every weight off its initial value: biases, norms, the class token
     for p in hf.parameters():
       p.add_(0.2 * torch.randn_like(p))
-  params = _hf_vit_params({k: v.numpy() for k, v in hf.state_dict().items()}, layers, heads)
+  hf.save_pretrained(tmp_path)
+  model, variables = convert.from_hf(str(tmp_path))
+  params = variables["params"]
   # ViT's flattened table: BERT's absolute table on the raster index, the class token at 0
-  config = TransformerConfig.vit(hidden_size=32, num_layers=layers, num_heads=heads, intermediate_size=64, max_len=17,
-                                 position="absolute")
-  model = vision.ImageClassifier(config, patch, classes, "cls")
+  assert (model.config.position, model.config.max_len, model.patch_size, model.num_classes) == ("absolute", 17, 2, 3)
   pixels = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
-  shapes = jax.tree.map(jnp.shape, nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), pixels))["params"])
-  assert jax.tree.map(np.shape, params) == shapes
   weights = np.random.default_rng(1).normal(size=(2, classes)).astype(np.float32)
 
   ours_fn = lambda p, x: jnp.sum(model.apply({"params": p}, x) * weights)
@@ -82,6 +57,16 @@ def test_the_vit_preset_computes_hugging_faces_vit_and_its_gradients_on_random_w
   assert relative(grads["encoder"]["position"]["table"]["embedding"], table_grad) < 1e-4
   conv_grad = hf.vit.embeddings.patch_embeddings.projection.weight.grad.numpy()
   assert relative(grads["patch_embedding"]["kernel"], conv_grad.transpose(2, 3, 1, 0).reshape(-1, 32)) < 1e-4
+
+  # What the converter cannot represent is a one-line error
+  vit = hf_config.to_dict()
+  for change, message in [(dict(qkv_bias=False), "qkv_bias=False"), (dict(patch_size=[2, 4]), "square patch_size"),
+                          (dict(image_size=9), "does not divide"), (dict(hidden_act="mish"), "hidden_act='mish'"),
+                          (dict(model_type="deit"), "model_type='deit'")]:
+    with pytest.raises(ValueError, match=message):
+      hf_vit.config_from_hf_vit({**vit, **change})
+  with pytest.raises(ValueError, match="a ViTModel has no classifier"):
+    convert.from_hf_vit(transformers.ViTModel(hf_config))
 
 
 def test_grid_positions_the_regridded_table_and_the_errors():

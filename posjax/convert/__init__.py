@@ -1,6 +1,7 @@
 """Checkpoint converters: Hugging Face BERT in and out (:mod:`posjax.convert.hf_bert`), Hugging Face ELECTRA in
 and out (:mod:`posjax.convert.hf_electra`: ``from_hf_electra``, ``to_hf_electra``, and ``electra_to_hf`` for a
-posjax ``Electra``'s generator and discriminator), and the official TUPE code's fairseq checkpoints in
+posjax ``Electra``'s generator and discriminator), Hugging Face ViT image classifiers in
+(:mod:`posjax.convert.hf_vit`), and the official TUPE code's fairseq checkpoints in
 (:mod:`posjax.convert.tupe_fairseq`).
 
   python -m posjax.convert hf-to-posjax --from HF_DIR --workdir OUT
@@ -14,19 +15,23 @@ from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, r
 from posjax.convert.hf_decoder import from_hf_decoder, to_hf_decoder
 from posjax.convert.hf_electra import electra_to_hf, from_hf_electra, to_hf_electra
 from posjax.convert.hf_modernbert import from_hf_modernbert, is_modernbert, to_hf_modernbert
+from posjax.convert.hf_vit import from_hf_vit
 from posjax.convert.tupe_fairseq import from_tupe_fairseq
 
 __all__ = ["config_from_hf", "config_to_hf", "electra_to_hf", "from_hf", "from_hf_bert", "from_hf_decoder",
-           "from_hf_electra", "from_hf_modernbert", "from_tupe_fairseq", "to_hf", "to_hf_bert", "to_hf_decoder",
-           "to_hf_electra", "to_hf_modernbert"]
+           "from_hf_electra", "from_hf_modernbert", "from_hf_vit", "from_tupe_fairseq", "to_hf", "to_hf_bert",
+           "to_hf_decoder", "to_hf_electra", "to_hf_modernbert"]
 
 
 def from_hf(source):
   """``(module, variables)`` equal to a Hugging Face model of any supported ``model_type`` (``bert``, ``electra``,
-  ``modernbert`` and the decoders of :data:`posjax.convert.hf_decoder.MODEL_TYPES`): an in-memory ``transformers``
-  model or a directory.
-  ``module.apply(variables, input_ids)`` returns an output whose ``.logits`` are the model's head's."""
+  ``modernbert``, ``vit`` and the decoders of :data:`posjax.convert.hf_decoder.MODEL_TYPES`): an in-memory
+  ``transformers`` model or a directory.
+  ``module.apply(variables, input_ids)`` returns an output whose ``.logits`` are the model's head's; a ViT's
+  ``module.apply(variables, pixel_values_BxHxWxC)`` returns the logits (:func:`from_hf_vit`)."""
   model_type = _model_type(source)
+  if model_type == "vit":
+    return from_hf_vit(source)
   if model_type == "electra":
     return from_hf_electra(source)
   if model_type == "modernbert":

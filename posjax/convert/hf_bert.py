@@ -199,11 +199,13 @@ def params_from_hf(config: TransformerConfig, state: Mapping[str, np.ndarray], h
   return out, reader.dropped()
 
 
-def check_shapes(module: Transformer, flat: dict[str, np.ndarray], source: str) -> dict:
-  """``flat`` (``/``-joined parameter paths) as ``module``'s parameter tree; a missing, extra or misshaped
-  parameter is an error naming it and ``source`` (every converter's last check)."""
-  expected = flax.traverse_util.flatten_dict(jax.eval_shape(
-      module.init, jax.random.PRNGKey(0), jnp.ones((1, 2), jnp.int32))["params"], sep="/")
+def check_shapes(module: nn.Module, flat: dict[str, np.ndarray], source: str, example=None) -> dict:
+  """``flat`` (``/``-joined parameter paths) as ``module``'s parameter tree (``example``: an input it is initialised
+  on, token ids ``[1, 2]`` unless given); a missing, extra or misshaped parameter is an error naming it and
+  ``source`` (every converter's last check)."""
+  example = jnp.ones((1, 2), jnp.int32) if example is None else example
+  expected = flax.traverse_util.flatten_dict(jax.eval_shape(module.init, jax.random.PRNGKey(0), example)["params"],
+                                             sep="/")
   expected = {k: getattr(v, "value", v) for k, v in expected.items()}
   missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
   if missing or extra:
