@@ -65,8 +65,15 @@ def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradi
                           (dict(model_type="deit"), "model_type='deit'")]:
     with pytest.raises(ValueError, match=message):
       hf_vit.config_from_hf_vit({**vit, **change})
-  with pytest.raises(ValueError, match="a ViTModel has no classifier"):
+  with pytest.raises(ValueError, match=r"^ViTModel holds no ViTForImageClassification weights"):
     convert.from_hf_vit(transformers.ViTModel(hf_config))
+  with pytest.raises(ValueError, match=r"^model_type='deit'; posjax converts \['bert', .*'vit'"):
+    convert.from_hf(transformers.DeiTForImageClassification(transformers.DeiTConfig(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, image_size=4, patch_size=2)))
+  # the table was learned on the 4 x 4 raster: another grid (fewer patches, or as many in another shape) is refused
+  for side in ((4, 4), (16, 4)):
+    with pytest.raises(ValueError, match=r"^this model reads images of 4 x 4 patches \(8 x 8 pixels"):
+      jax.eval_shape(model.apply, {"params": params}, np.zeros((1, *side, 3), np.float32))
 
 
 def test_grid_positions_the_regridded_table_and_the_errors():

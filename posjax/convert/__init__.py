@@ -11,6 +11,7 @@ posjax ``Electra``'s generator and discriminator), Hugging Face ViT image classi
 ``transformers`` and ``torch`` (the ``convert`` extra) are imported only by the functions that need them.
 """
 
+from posjax.convert import hf_decoder
 from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, read_config, read_source, to_hf_bert
 from posjax.convert.hf_decoder import from_hf_decoder, to_hf_decoder
 from posjax.convert.hf_electra import electra_to_hf, from_hf_electra, to_hf_electra
@@ -30,6 +31,9 @@ def from_hf(source):
   ``module.apply(variables, input_ids)`` returns an output whose ``.logits`` are the model's head's; a ViT's
   ``module.apply(variables, pixel_values_BxHxWxC)`` returns the logits (:func:`from_hf_vit`)."""
   model_type = _model_type(source)
+  known = ("bert", "electra", "modernbert", "vit", *hf_decoder.MODEL_TYPES)
+  if model_type not in known:
+    raise ValueError(f"model_type={model_type!r}; posjax converts {list(known)}")
   if model_type == "vit":
     return from_hf_vit(source)
   if model_type == "electra":

@@ -92,8 +92,9 @@ def hf_model_type(source: str) -> str:
     return "bert"
   model_type = hf_bert.read_config(path).get("model_type", "bert")
   if model_type not in ("bert", "electra", "modernbert", *hf_decoder.MODEL_TYPES):
+    vit = " (a ViT image classifier converts in Python: posjax.convert.from_hf_vit)" if model_type == "vit" else ""
     raise ValueError(f"{path} has model_type={model_type!r}; hf-to-posjax converts BERT ('bert'), ModernBERT "
-                     f"('modernbert'), ELECTRA ('electra') and the decoders {list(hf_decoder.MODEL_TYPES)}")
+                     f"('modernbert'), ELECTRA ('electra') and the decoders {list(hf_decoder.MODEL_TYPES)}{vit}")
   return model_type
 
 

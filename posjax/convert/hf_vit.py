@@ -4,16 +4,18 @@
 ViT's position embeddings are one flattened ``[1 + N, D]`` table, a row for the class token and one per patch in
 raster order: posjax's ``absolute`` method on the raster index, the class token at 0 (the preset's ``absolute_2d``
 gives the class token patch ``(0, 0)``'s entry, so it would not be the same model). ``max_len`` is ``1 + N`` for the
-checkpoint's ``image_size``: a larger image is the table's error, as it is Hugging Face's without
-``interpolate_pos_encoding``. The classifier reads the class token's final state (``pooling="cls"``).
+checkpoint's ``image_size``, the only size the converted model reads (as Hugging Face's without
+``interpolate_pos_encoding``, which posjax does not have for a 1-D table). The classifier reads the class token's
+final state (``pooling="cls"``).
 
 posjax takes ``pixel_values`` channels last (``[B, H, W, C]``): the image processor's ``[B, C, H, W]`` output is
-``transpose(0, 2, 3, 1)`` of it. Reading a directory with ``model.safetensors`` needs neither PyTorch nor
-``transformers``.
+``transpose(0, 2, 3, 1)`` of it. ``id2label`` and the image processor's settings stay in the Hugging Face
+directory. Reading a directory with ``model.safetensors`` needs neither PyTorch nor ``transformers``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any, Mapping
 
@@ -64,12 +66,18 @@ def config_from_hf_vit(hf: Mapping[str, Any]) -> tuple[TransformerConfig, int]:
 
 def from_hf_vit(source) -> tuple[ImageClassifier, dict]:
   """``(module, variables)`` equal to a Hugging Face ``ViTForImageClassification``: an in-memory ``transformers``
-  model or a directory. ``module.apply(variables, pixel_values_BxHxWxC)`` returns the logits ``[B, num_labels]``."""
+  model or a directory. ``module.apply(variables, pixel_values_BxHxWxC)`` returns the logits ``[B, num_labels]`` for
+  images of the checkpoint's ``image_size`` (the module's ``grid``; another size is an error). Refused in one line:
+  another class (``ViTModel``, ``ViTForMaskedImageModeling``, DeiT's distillation token), ``num_labels=0``,
+  ``qkv_bias=False``, a non-square image or patch, an image that does not divide into patches, an activation posjax
+  does not have."""
   hf_config, state, where = read_source(source)
   config, patch = config_from_hf_vit(hf_config)
   if "classifier.weight" not in state or not any(k.startswith("vit.") for k in state):
-    raise ValueError(f"{where}: no 'classifier' and 'vit.' weights; posjax's ImageClassifier reads "
-                     f"ViTForImageClassification (a ViTModel has no classifier to read)")
+    in_memory = not isinstance(source, (str, os.PathLike))
+    kind = where if in_memory else f"{where}: {(hf_config.get('architectures') or ['the model'])[0]}"
+    raise ValueError(f"{kind} holds no ViTForImageClassification weights ('vit.' and a 'classifier'); posjax reads "
+                     f"that class alone (not ViTModel, ViTForMaskedImageModeling or num_labels=0)")
   reader = StateReader(state, "ViT image classifier")
   take, norm, dense, out = reader.take, reader.norm, reader.dense, reader.out
   d, heads = config.hidden_size, config.num_heads
@@ -92,7 +100,7 @@ def from_hf_vit(source) -> tuple[ImageClassifier, dict]:
   dense("classifier", "classifier")
   if reader.dropped():
     raise ValueError(f"{where}: weights posjax has no place for: {reader.dropped()}")
-  side = round((config.max_len - 1) ** 0.5) * patch
-  channels = conv_DxCxPxP.shape[1]
-  module = ImageClassifier(config, patch, int(out["classifier/bias"].shape[0]), "cls")
-  return module, {"params": check_shapes(module, out, where, jnp.zeros((1, side, side, channels), jnp.float32))}
+  side = round((config.max_len - 1) ** 0.5)
+  module = ImageClassifier(config, patch, int(out["classifier/bias"].shape[0]), "cls", grid=(side, side))
+  example = jnp.zeros((1, side * patch, side * patch, conv_DxCxPxP.shape[1]), jnp.float32)
+  return module, {"params": check_shapes(module, out, where, example)}

@@ -53,7 +53,8 @@ def patches(pixel_values_BxHxWxC, patch_size: int):
   b, h, w, c = pixel_values_BxHxWxC.shape
   if h % patch_size or w % patch_size:
     raise ValueError(f"an image of {h} x {w} pixels does not divide into {patch_size} x {patch_size} patches: give "
-                     f"a height and a width that are multiples of {patch_size}")
+                     f"a height and a width that are multiples of {patch_size} (pixel_values are [batch, height, "
+                     f"width, channels])")
   x = pixel_values_BxHxWxC.reshape(b, h // patch_size, patch_size, w // patch_size, patch_size, c)
   return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // patch_size) * (w // patch_size), patch_size ** 2 * c)
 
@@ -64,12 +65,15 @@ class ImageClassifier(nn.Module):
   class token (``pooling="cls"``), the stack over them with their grid positions, the pooled final state and a
   linear ``classifier``. Any image whose sides are
   multiples of ``patch_size`` runs: a larger one is a larger grid (a 1-D learned table past its ``max_len`` is an
-  error; ``absolute_2d`` reads another grid after :attr:`posjax.positions.base.Method.regrid`)."""
+  error; ``absolute_2d`` reads another grid after :attr:`posjax.positions.base.Method.regrid`). ``grid=(rows,
+  columns)`` admits that grid of patches alone (a 1-D table learned on one grid's raster, as a converted ViT's, reads
+  any other grid's patches at the wrong rows; ``None``: any)."""
 
   config: TransformerConfig
   patch_size: int
   num_classes: int
   pooling: str = "cls"
+  grid: tuple[int, int] | None = None
 
   @nn.compact
   def __call__(self, pixel_values, deterministic: bool = True):
@@ -79,6 +83,11 @@ class ImageClassifier(nn.Module):
       raise ValueError(f"patch_size must be a positive int, got {self.patch_size!r}")
     patches_BxNxP = patches(pixel_values, self.patch_size)
     rows, cols = pixel_values.shape[1] // self.patch_size, pixel_values.shape[2] // self.patch_size
+    if self.grid is not None and (rows, cols) != tuple(self.grid):
+      g, p = tuple(self.grid), self.patch_size
+      raise ValueError(f"this model reads images of {g[0]} x {g[1]} patches ({g[0] * p} x {g[1] * p} pixels, channels "
+                       f"last) and this one has {rows} x {cols} ({rows * p} x {cols * p}): resize the image to "
+                       f"{g[0] * p} x {g[1] * p}")
     method, grid = c.position_spec.method, getattr(c.position_spec.options, "grid", None)
     if method.regrid is not None and grid != (rows, cols):
       raise ValueError(f"position method {method.name!r} holds a table of grid={grid} patches and this image has "
