@@ -1,6 +1,7 @@
 """The vision transformer preset (:mod:`posjax.models.vision`) against Hugging Face's ViT on random weights, its
 grid positions, its loud errors, and the resolution probe (:mod:`posjax.experiments.resolution`) end to end."""
 
+import dataclasses
 import json
 
 import flax.linen as nn
@@ -17,7 +18,7 @@ from posjax.models import TransformerConfig, TransformerStack
 from posjax.models import vision
 from posjax.tasks import vision as vision_task
 
-from conftest import load_config
+from conftest import load_config, randomize
 
 
 def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradients(tmp_path):
@@ -58,6 +59,12 @@ def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradi
   conv_grad = hf.vit.embeddings.patch_embeddings.projection.weight.grad.numpy()
   assert relative(grads["patch_embedding"]["kernel"], conv_grad.transpose(2, 3, 1, 0).reshape(-1, 32)) < 1e-4
 
+  # back out, its weights moved: Hugging Face's logits are posjax's
+  moved = jax.tree.map(lambda w: w * 1.1, params)
+  with torch.no_grad():
+    back = convert.to_hf_vit(model, {"params": moved})(pixel_values=x.detach()).logits.numpy()
+  np.testing.assert_allclose(back, jax.jit(model.apply)({"params": moved}, pixels), atol=1e-4, rtol=1e-4)
+
   # What the converter cannot represent is a one-line error
   vit = hf_config.to_dict()
   for change, message in [(dict(qkv_bias=False), "qkv_bias=False"), (dict(patch_size=[2, 4]), "square patch_size"),
@@ -74,6 +81,28 @@ def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradi
   for side in ((4, 4), (16, 4)):
     with pytest.raises(ValueError, match=r"^this model reads images of 4 x 4 patches \(8 x 8 pixels"):
       jax.eval_shape(model.apply, {"params": params}, np.zeros((1, *side, 3), np.float32))
+
+
+def test_a_vit_goes_out_to_hugging_face_with_its_logits():
+  """A classifier with ``absolute_2d`` on a 2 x 3 grid (every weight drawn at random) becomes a
+  ``ViTForImageClassification`` that gives its logits on 4 x 6 images: the table flattened in raster order, the class
+  token's row the table's ``(0, 0)``; what ViT cannot express is refused."""
+  torch = pytest.importorskip("torch")
+  config = TransformerConfig.vit(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                                 position_options={"grid": (2, 3)})
+  model = vision.ImageClassifier(config, 2, 3)
+  pixels = np.random.default_rng(2).normal(size=(2, 4, 6, 3)).astype(np.float32)
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), pixels)["params"], seed=3)
+  hf = convert.to_hf_vit(model, {"params": params})
+  with torch.no_grad():
+    want = hf(pixel_values=torch.tensor(pixels).permute(0, 3, 1, 2)).logits.numpy()
+  np.testing.assert_allclose(jax.jit(model.apply)({"params": params}, pixels), want, rtol=1e-4, atol=1e-4)
+  rotary = dataclasses.replace(config, position="rope_2d", position_options={})
+  for bad, message in [(vision.ImageClassifier(config, 2, 3, "mean"), "pooling='mean'"),
+                       (vision.ImageClassifier(rotary, 2, 3), "position='rope_2d' acts inside attention"),
+                       (vision.ImageClassifier(dataclasses.replace(config, norm="post"), 2, 3), r"\['norm'\]")]:
+    with pytest.raises(ValueError, match=message):
+      convert.to_hf_vit(bad, {"params": params})
 
 
 def test_grid_positions_the_regridded_table_and_the_errors():

@@ -1,6 +1,6 @@
 """Checkpoint converters: Hugging Face BERT in and out (:mod:`posjax.convert.hf_bert`), Hugging Face ELECTRA in
 and out (:mod:`posjax.convert.hf_electra`: ``from_hf_electra``, ``to_hf_electra``, and ``electra_to_hf`` for a
-posjax ``Electra``'s generator and discriminator), Hugging Face ViT image classifiers in
+posjax ``Electra``'s generator and discriminator), Hugging Face ViT image classifiers in and out
 (:mod:`posjax.convert.hf_vit`), and the official TUPE code's fairseq checkpoints in
 (:mod:`posjax.convert.tupe_fairseq`).
 
@@ -16,12 +16,12 @@ from posjax.convert.hf_bert import config_from_hf, config_to_hf, from_hf_bert, r
 from posjax.convert.hf_decoder import from_hf_decoder, to_hf_decoder
 from posjax.convert.hf_electra import electra_to_hf, from_hf_electra, to_hf_electra
 from posjax.convert.hf_modernbert import from_hf_modernbert, is_modernbert, to_hf_modernbert
-from posjax.convert.hf_vit import from_hf_vit
+from posjax.convert.hf_vit import from_hf_vit, to_hf_vit
 from posjax.convert.tupe_fairseq import from_tupe_fairseq
 
 __all__ = ["config_from_hf", "config_to_hf", "electra_to_hf", "from_hf", "from_hf_bert", "from_hf_decoder",
            "from_hf_electra", "from_hf_modernbert", "from_hf_vit", "from_tupe_fairseq", "to_hf", "to_hf_bert",
-           "to_hf_decoder", "to_hf_electra", "to_hf_modernbert"]
+           "to_hf_decoder", "to_hf_electra", "to_hf_modernbert", "to_hf_vit"]
 
 
 def from_hf(source):
