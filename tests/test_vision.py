@@ -40,8 +40,9 @@ def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradi
   hf.save_pretrained(tmp_path)
   model, variables = convert.from_hf(str(tmp_path))
   params = variables["params"]
-  # ViT's flattened table: BERT's absolute table on the raster index, the class token at 0
-  assert (model.config.position, model.config.max_len, model.patch_size, model.num_classes) == ("absolute", 17, 2, 3)
+  # ViT's flattened table: a 4 x 4 table and a class row, resized by PyTorch's kernel
+  assert (model.config.position, model.patch_size, model.num_classes) == ("absolute_2d", 2, 3)
+  assert (model.config.position_spec.options.grid, model.config.position_spec.options.resize) == ((4, 4), "torch")
   pixels = np.random.default_rng(0).normal(size=(2, 8, 8, 3)).astype(np.float32)
   weights = np.random.default_rng(1).normal(size=(2, classes)).astype(np.float32)
 
@@ -55,7 +56,9 @@ def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradi
   relative = lambda a, b: np.abs(np.asarray(a) - b).max() / np.abs(b).max()
   assert relative(d_pixels, x.grad.permute(0, 2, 3, 1).numpy()) < 1e-4
   table_grad = hf.vit.embeddings.position_embeddings.grad[0].numpy()
-  assert relative(grads["encoder"]["position"]["table"]["embedding"], table_grad) < 1e-4
+  position = grads["encoder"]["position"]
+  assert relative(np.concatenate([position["class_embedding"], position["embedding"].reshape(16, 32)]),
+                  table_grad) < 1e-4
   conv_grad = hf.vit.embeddings.patch_embeddings.projection.weight.grad.numpy()
   assert relative(grads["patch_embedding"]["kernel"], conv_grad.transpose(2, 3, 1, 0).reshape(-1, 32)) < 1e-4
 
@@ -77,10 +80,15 @@ def test_a_hugging_face_vit_converts_to_the_vit_preset_with_its_logits_and_gradi
   with pytest.raises(ValueError, match=r"^model_type='deit'; posjax converts \['bert', .*'vit'"):
     convert.from_hf(transformers.DeiTForImageClassification(transformers.DeiTConfig(
         hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, image_size=4, patch_size=2)))
-  # the table was learned on the 4 x 4 raster: another grid (fewer patches, or as many in another shape) is refused
-  for side in ((4, 4), (16, 4)):
-    with pytest.raises(ValueError, match=r"^this model reads images of 4 x 4 patches \(8 x 8 pixels"):
-      jax.eval_shape(model.apply, {"params": params}, np.zeros((1, *side, 3), np.float32))
+  # Another size reads the table resized, as Hugging Face's interpolate_pos_encoding: 12 x 8 pixels, 6 x 4 patches
+  larger = np.random.default_rng(5).normal(size=(2, 12, 8, 3)).astype(np.float32)
+  with pytest.raises(ValueError, match=r"holds a table of grid=\(4, 4\) patches and this image has 6 x 4"):
+    jax.eval_shape(model.apply, {"params": params}, larger)
+  config_6x4, params_6x4 = vision.regridded(model.config, params, (6, 4))
+  with torch.no_grad():
+    want = hf(pixel_values=torch.tensor(larger).permute(0, 3, 1, 2), interpolate_pos_encoding=True).logits.numpy()
+  got = jax.jit(vision.ImageClassifier(config_6x4, 2, 3).apply)({"params": params_6x4}, larger)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_a_vit_goes_out_to_hugging_face_with_its_logits():

@@ -3,11 +3,11 @@
 and such a classifier with an input-embedding method as that class (:func:`to_hf_vit`).
 
 ViT's position embeddings are one flattened ``[1 + N, D]`` table, a row for the class token and one per patch in
-raster order: posjax's ``absolute`` method on the raster index, the class token at 0 (the preset's ``absolute_2d``
-gives the class token patch ``(0, 0)``'s entry, so it would not be the same model). ``max_len`` is ``1 + N`` for the
-checkpoint's ``image_size``, the only size the converted model reads (as Hugging Face's without
-``interpolate_pos_encoding``, which posjax does not have for a 1-D table). The classifier reads the class token's
-final state (``pooling="cls"``).
+raster order: posjax's ``absolute_2d`` on the checkpoint's grid of patches with ``class_row=True`` (the first row,
+read by the class token) and ``resize="torch"``, so that the model at another resolution
+(:func:`posjax.models.vision.regridded`) is Hugging Face's with ``interpolate_pos_encoding=True``: the grid's table
+resized by PyTorch's bicubic kernel, the class row kept. The classifier reads the class token's final state
+(``pooling="cls"``).
 
 posjax takes ``pixel_values`` channels last (``[B, H, W, C]``): the image processor's ``[B, C, H, W]`` output is
 ``transpose(0, 2, 3, 1)`` of it. ``id2label`` and the image processor's settings stay in the Hugging Face
@@ -27,7 +27,7 @@ import numpy as np
 
 from posjax.convert.hf_bert import ACTIVATIONS, TO_HF_ACTIVATIONS, StateReader, check_shapes, model_params, read_source
 from posjax.models import TransformerConfig
-from posjax.models.vision import ImageClassifier, grid_positions
+from posjax.models.vision import ImageClassifier, class_position, grid_positions
 
 MODEL_TYPE = "vit"
 
@@ -65,14 +65,16 @@ def config_from_hf_vit(hf: Mapping[str, Any]) -> tuple[TransformerConfig, int, t
       layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)), activation=ACTIVATIONS[act],
       dropout_rate=float(hf.get("hidden_dropout_prob", 0.0)),
       attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.0)),
-      position="absolute", max_len=grid[0] * grid[1] + 1)
+      position="absolute_2d", position_options={"grid": grid, "class_row": True, "resize": "torch"},
+      max_len=grid[0] * grid[1] + 1)
   return config, patch, grid
 
 
 def from_hf_vit(source) -> tuple[ImageClassifier, dict]:
   """``(module, variables)`` equal to a Hugging Face ``ViTForImageClassification``: an in-memory ``transformers``
   model or a directory. ``module.apply(variables, pixel_values_BxHxWxC)`` returns the logits ``[B, num_labels]`` for
-  images of the checkpoint's ``image_size`` (the module's ``grid``; another size is an error). Refused in one line:
+  images of the checkpoint's ``image_size`` (another size is an error that names
+:func:`posjax.models.vision.regridded`). Refused in one line:
   another class (``ViTModel``, ``ViTForMaskedImageModeling``, DeiT's distillation token), ``num_labels=0``,
   ``qkv_bias=False``, a non-square patch, an image that does not divide into patches, an activation posjax does not
   have."""
@@ -90,7 +92,9 @@ def from_hf_vit(source) -> tuple[ImageClassifier, dict]:
   out["patch_embedding/kernel"] = conv_DxCxPxP.transpose(2, 3, 1, 0).reshape(-1, d)  # (row, column, channel)
   out["patch_embedding/bias"] = take("vit.embeddings.patch_embeddings.projection.bias")
   out["class_token"] = take("vit.embeddings.cls_token")
-  out["encoder/position/table/embedding"] = take("vit.embeddings.position_embeddings")[0]
+  table_LxD = take("vit.embeddings.position_embeddings")[0]
+  out["encoder/position/class_embedding"] = table_LxD[:1]
+  out["encoder/position/embedding"] = table_LxD[1:].reshape(*grid, d)
   for i in range(config.num_layers):
     hf, px = f"vit.encoder.layer.{i}", f"encoder/layer_{i}"
     for part in ("query", "key", "value"):
@@ -105,7 +109,7 @@ def from_hf_vit(source) -> tuple[ImageClassifier, dict]:
   dense("classifier", "classifier")
   if reader.dropped():
     raise ValueError(f"{where}: weights posjax has no place for: {reader.dropped()}")
-  module = ImageClassifier(config, patch, int(out["classifier/bias"].shape[0]), "cls", grid=grid)
+  module = ImageClassifier(config, patch, int(out["classifier/bias"].shape[0]), "cls")
   example = jnp.zeros((1, grid[0] * patch, grid[1] * patch, conv_DxCxPxP.shape[1]), jnp.float32)
   return module, {"params": check_shapes(module, out, where, example)}
 
@@ -118,7 +122,7 @@ CARRIED = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate
 
 def to_hf_vit(model: ImageClassifier, variables: Mapping, grid: tuple[int, int] | None = None):
   """The Hugging Face ``ViTForImageClassification`` (float32) equal to ``model`` on images of ``grid = (rows,
-  columns)`` patches: the model's own ``grid``, else ``absolute_2d``'s table's, else given here.
+  columns)`` patches: ``absolute_2d``'s table's, else given here.
 
   A method that only adds an embedding to the input (``absolute``, ``absolute_2d``, ``sinusoidal``,
   ``sinusoidal_2d``) or ``none`` goes out as ViT's flattened table: the embedding the method gives each token of
@@ -143,7 +147,7 @@ def to_hf_vit(model: ImageClassifier, variables: Mapping, grid: tuple[int, int] 
   if differ:
     raise ValueError(f"Hugging Face's ViT has no counterpart for these fields, which differ from the ViT preset's: "
                      f"{differ}")
-  known = [g for g in (model.grid, getattr(spec.options, "grid", None)) if g is not None]
+  known = [g for g in (getattr(spec.options, "grid", None),) if g is not None]
   if grid is None and not known:
     raise ValueError(f"position={c.position!r} reads any grid: give the grid=(rows, columns) of patches to export")
   grid = tuple(grid or known[0])
@@ -152,7 +156,8 @@ def to_hf_vit(model: ImageClassifier, variables: Mapping, grid: tuple[int, int] 
   params = model_params(variables)
   d, p = c.hidden_size, model.patch_size
   state = spec.method.encoder(spec=spec).apply(
-      {"params": params["encoder"].get("position", {})}, grid_positions(spec.method.axes, *grid, True))
+      {"params": params["encoder"].get("position", {})},
+      grid_positions(spec.method.axes, *grid, True, class_position(c)))
   table_LxD = (np.zeros((grid[0] * grid[1] + 1, d), np.float32) if state.embedding is None
                else np.asarray(state.embedding[0], np.float32))
   kernel = np.asarray(params["patch_embedding"]["kernel"], np.float32)

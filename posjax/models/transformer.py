@@ -496,8 +496,8 @@ class TransformerConfig:
     """A vision transformer's encoder (Dosovitskiy et al. 2021, ViT-B/16's shape: 12 layers, 768 wide, 12 heads, MLP
     3072): Pre-LN LayerNorms (epsilon 1e-6) with a final one, exact GELU, biases everywhere, no embedding norm or token
     types, no dropout, a learned 2-D table (``absolute_2d`` on a 14 x 14 grid; ViT's own is a flattened ``[197, D]``
-    table with a row for the class token, ``position="absolute"``, which loads its checkpoints) and ``max_len`` 197
-    (the grid and a class token). Its tokens are patches, given as ``inputs_embeds``
+    table with a row for the class token: ``absolute_2d`` with ``class_row=True``, which loads its checkpoints) and
+    ``max_len`` 197 (the grid and a class token). Its tokens are patches, given as ``inputs_embeds``
     (:class:`posjax.models.vision.ImageClassifier` embeds them): ``vocab_size`` 1, no word embedding is ever read or
     made."""
     return cls(**{**dict(vocab_size=1, max_len=197, type_vocab_size=0, position="absolute_2d", norm="pre",

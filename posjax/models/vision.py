@@ -8,7 +8,8 @@ token). The class token ([choice], with ``pooling="cls"``; initialised at zero, 
 draws it from N(0, 0.02) and timm from N(0, 1e-6)) is at ``(0, 0)`` on every axis, rope-vit's unrotated class token;
 a 2-D table or sinusoid gives it patch ``(0, 0)``'s entry there, where ViT learns it a row of its own, MAE's
 sinusoids give it zeros and DeiT III, rope-vit and big_vision add it no position at all (a 1-D method's index 0 is
-its own, the patches taking 1..N: ViT's flattened ``[1 + N, D]`` table is ``absolute`` on it).
+its own, the patches taking 1..N: ViT's flattened ``[1 + N, D]`` table is ``absolute`` on it). ``absolute_2d`` with
+``class_row=True`` learns it ViT's row of its own, read at ``(-1, -1)``, where such a class token sits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from posjax.models.transformer import DTYPES, TransformerConfig, TransformerStack
 from posjax.positions import base
+from posjax.positions.grid import CLASS_POSITION
 
 # ``cls``: a learned class token first, its final state classified (ViT's, rope-vit's); ``mean``: no class token,
 # the mean of the patches' final (normed) states (big_vision's ``gap``, Beyer et al. 2022, "Better plain ViT
@@ -28,9 +30,15 @@ from posjax.positions import base
 POOLINGS = ("cls", "mean")
 
 
-def grid_positions(axes: int, rows: int, cols: int, class_token: bool):
+def class_position(config: TransformerConfig) -> int:
+  """Where the class token sits on every axis: 0 (the module docstring), or ``absolute_2d``'s class row's position
+  where its table has one (``class_row=True``: ViT's own row for it)."""
+  return CLASS_POSITION if getattr(config.position_spec.options, "class_row", False) else 0
+
+
+def grid_positions(axes: int, rows: int, cols: int, class_token: bool, class_at: int = 0):
   """``[1, L]`` (``axes`` <= 1: the raster index) or ``[1, L, axes]`` int32: the tokens' positions, the class token
-  first where there is one (the module docstring)."""
+  first where there is one, at ``class_at`` on every axis of two or three (the module docstring)."""
   if axes <= 1:
     return jnp.arange(rows * cols + class_token, dtype=jnp.int32)[None]
   if axes not in (2, 3):
@@ -39,7 +47,7 @@ def grid_positions(axes: int, rows: int, cols: int, class_token: bool):
   row_N, col_N = np.divmod(np.arange(rows * cols), cols)
   grid_NxA = np.stack([row_N, col_N] if axes == 2 else [np.zeros_like(row_N), row_N, col_N], -1)
   if class_token:
-    grid_NxA = np.concatenate([np.zeros((1, axes), grid_NxA.dtype), grid_NxA])
+    grid_NxA = np.concatenate([np.full((1, axes), class_at, grid_NxA.dtype), grid_NxA])
   return jnp.asarray(grid_NxA[None], jnp.int32)
 
 
@@ -65,15 +73,12 @@ class ImageClassifier(nn.Module):
   class token (``pooling="cls"``), the stack over them with their grid positions, the pooled final state and a
   linear ``classifier``. Any image whose sides are
   multiples of ``patch_size`` runs: a larger one is a larger grid (a 1-D learned table past its ``max_len`` is an
-  error; ``absolute_2d`` reads another grid after :attr:`posjax.positions.base.Method.regrid`). ``grid=(rows,
-  columns)`` admits that grid of patches alone (a 1-D table learned on one grid's raster, as a converted ViT's, reads
-  any other grid's patches at the wrong rows; ``None``: any)."""
+  error; ``absolute_2d`` reads another grid after :attr:`posjax.positions.base.Method.regrid`)."""
 
   config: TransformerConfig
   patch_size: int
   num_classes: int
   pooling: str = "cls"
-  grid: tuple[int, int] | None = None
 
   @nn.compact
   def __call__(self, pixel_values, deterministic: bool = True):
@@ -83,11 +88,6 @@ class ImageClassifier(nn.Module):
       raise ValueError(f"patch_size must be a positive int, got {self.patch_size!r}")
     patches_BxNxP = patches(pixel_values, self.patch_size)
     rows, cols = pixel_values.shape[1] // self.patch_size, pixel_values.shape[2] // self.patch_size
-    if self.grid is not None and (rows, cols) != tuple(self.grid):
-      g, p = tuple(self.grid), self.patch_size
-      raise ValueError(f"this model reads images of {g[0]} x {g[1]} patches ({g[0] * p} x {g[1] * p} pixels, channels "
-                       f"last) and this one has {rows} x {cols} ({rows * p} x {cols * p}): resize the image to "
-                       f"{g[0] * p} x {g[1] * p}")
     method, grid = c.position_spec.method, getattr(c.position_spec.options, "grid", None)
     if method.regrid is not None and grid != (rows, cols):
       raise ValueError(f"position method {method.name!r} holds a table of grid={grid} patches and this image has "
@@ -103,7 +103,7 @@ class ImageClassifier(nn.Module):
                                param_dtype)
       x_BxNxE = jnp.concatenate([jnp.broadcast_to(token_1x1xE.astype(x_BxNxE.dtype),
                                                   (x_BxNxE.shape[0], 1, c.embed_width)), x_BxNxE], 1)
-    positions = grid_positions(method.axes, rows, cols, class_token)
+    positions = grid_positions(method.axes, rows, cols, class_token, class_position(c))
     h_BxLxD = TransformerStack(c, name="encoder")(inputs_embeds=x_BxNxE, positions=positions,
                                                   deterministic=deterministic).last_hidden_state
     pooled_BxD = h_BxLxD[:, 0] if class_token else h_BxLxD.mean(1)

@@ -9,6 +9,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posjax.positions import base
 from posjax.positions.multi_axis import axis_positions
@@ -52,19 +53,32 @@ base.register(base.Method("sinusoidal_2d", Sinusoidal2dOptions, encoder=Sinusoid
                           summary="2-D sinusoids of the row and the column added to the input (MAE)"))
 
 
+RESIZES = ("keys", "torch")
+CLASS_POSITION = -1  # where a class token reads the table's class row (``class_row=True``), on both axes
+
+
 @dataclasses.dataclass(frozen=True)
 class Table2dOptions:
   """ViT's learned table of ``grid = (rows, columns)`` positions (N(0, 0.02), as ViT's ``trunc_normal_(std=.02)``),
   read at each token's ``(row, column)``; a position outside it is NaN, never a clamped row. A larger image reads the
   table resized to its grid (:func:`resized_table`).
+
+  class_row: a learned row of its own for the class token, read at position ``(-1, -1)`` (ViT's flattened
+  ``[1 + N, D]`` table's first row; :class:`posjax.models.vision.ImageClassifier` puts its class token there);
+  [choice] False: the class token reads patch ``(0, 0)``'s entry. resize: the bicubic kernel of a resize, ``keys``
+  ([choice] JAX's, Keys' ``a = -0.5``) or ``torch`` (PyTorch's ``F.interpolate(mode="bicubic", align_corners=False)``,
+  ``a = -0.75``, the border rows repeated: timm's, DeiT's, DINO's and Hugging Face ViT's ``interpolate_pos_encoding``).
   """
 
   grid: tuple | list = (14, 14)
+  class_row: bool = False
+  resize: str = "keys"
 
   def __post_init__(self):
     if len(self.grid) != 2 or not all(isinstance(n, int) and n > 0 for n in self.grid):
       raise ValueError(f"grid={self.grid!r} must be two positive counts (rows, columns)")
     object.__setattr__(self, "grid", tuple(self.grid))
+    base.check_choice("resize", self.resize, RESIZES)
 
 
 class Table2d(nn.Module):
@@ -79,25 +93,51 @@ class Table2d(nn.Module):
     table_RxCxD = self.param("embedding", base.normal_init((None, None, base.EMBED)),
                              (rows, cols, self.spec.input_width), self.spec.param_dtype)
     row_BxL, col_BxL = positions_BxLx2[..., 0], positions_BxLx2[..., 1]
-    inside_BxL = (col_BxL >= 0) & (col_BxL < cols)
+    table_NxD = table_RxCxD.reshape(rows * cols, -1)
+    inside_BxL = (row_BxL >= 0) & (row_BxL < rows) & (col_BxL >= 0) & (col_BxL < cols)
     flat_BxL = jnp.where(inside_BxL, row_BxL * cols + col_BxL, -1)  # outside the grid: NaN (base.lookup)
-    embedding = base.lookup(table_RxCxD.reshape(rows * cols, -1), flat_BxL)
+    if self.spec.options.class_row:
+      class_1xD = self.param("class_embedding", base.normal_init((None, base.EMBED)), (1, self.spec.input_width),
+                             self.spec.param_dtype)
+      table_NxD = jnp.concatenate([table_NxD, class_1xD])
+      flat_BxL = jnp.where((row_BxL == CLASS_POSITION) & (col_BxL == CLASS_POSITION), rows * cols, flat_BxL)
+    embedding = base.lookup(table_NxD, flat_BxL)
     return base.PositionState(positions=row_BxL, embedding=embedding.astype(self.spec.dtype))
 
 
-def resized_table(table_RxCxD, rows: int, cols: int):
-  """The learned table interpolated to a ``rows x cols`` grid (bicubic, corners not aligned; [choice] JAX's cubic
-  kernel, Keys' ``a = -0.5``, where PyTorch's ``F.interpolate(mode="bicubic")``, which DeiT and timm use, has
-  ``a = -0.75``): the parameter a model at another resolution reads (``grid`` set to ``(rows, cols)``)."""
-  return jax.image.resize(table_RxCxD, (rows, cols, table_RxCxD.shape[-1]), "bicubic", antialias=False)
+def resized_table(table_RxCxD, rows: int, cols: int, resize: str = "keys"):
+  """The learned table interpolated to a ``rows x cols`` grid (bicubic, corners not aligned; ``resize``: the kernel,
+  :class:`Table2dOptions`'): the parameter a model at another resolution reads (``grid`` set to ``(rows, cols)``)."""
+  base.check_choice("resize", resize, RESIZES)
+  if resize == "keys":
+    return jax.image.resize(table_RxCxD, (rows, cols, table_RxCxD.shape[-1]), "bicubic", antialias=False)
+  weights_RxS, weights_CxT = torch_bicubic(table_RxCxD.shape[0], rows), torch_bicubic(table_RxCxD.shape[1], cols)
+  return jnp.einsum("rs,std,ct->rcd", weights_RxS, table_RxCxD.astype(jnp.float32), weights_CxT,
+                    precision="highest").astype(table_RxCxD.dtype)
+
+
+def torch_bicubic(size: int, new_size: int) -> np.ndarray:
+  """``[new_size, size]``: PyTorch's bicubic resize along one axis as a matrix (``align_corners=False``: source
+  ``(i + 0.5) size / new_size - 0.5``; the cubic convolution kernel with ``a = -0.75``; indices past a border read the
+  border)."""
+  a = -0.75
+  near = lambda x: ((a + 2) * x - (a + 3)) * x * x + 1  # |x| <= 1
+  far = lambda x: ((a * x - 5 * a) * x + 8 * a) * x - 4 * a  # 1 < |x| < 2
+  source = (np.arange(new_size) + 0.5) * size / new_size - 0.5
+  first, t = np.floor(source).astype(int), source - np.floor(source)
+  weights = np.zeros((new_size, size))
+  for offset, w in zip((-1, 0, 1, 2), (far(t + 1), near(t), near(1 - t), far(2 - t))):
+    np.add.at(weights, (np.arange(new_size), np.clip(first + offset, 0, size - 1)), w)
+  return weights.astype(np.float32)
 
 
 def regrid_table(options: Table2dOptions, params, grid: tuple[int, int]):
   """``absolute_2d``'s options and parameters (None: none to resize) at another grid: the table resized to it
   (:func:`resized_table`)."""
   rows, cols = grid
+  resized = None if params is None else resized_table(params["embedding"], rows, cols, options.resize)
   options = {**dataclasses.asdict(options), "grid": (rows, cols)}
-  return options, None if params is None else {**params, "embedding": resized_table(params["embedding"], rows, cols)}
+  return options, None if params is None else {**params, "embedding": resized}  # a class row stays as it is
 
 
 base.register(base.Method("absolute_2d", Table2dOptions, encoder=Table2d, axes=2, input_embedding=True,
