@@ -111,6 +111,26 @@ def test_a_vit_goes_out_to_hugging_face_with_its_logits():
                        (vision.ImageClassifier(dataclasses.replace(config, norm="post"), 2, 3), r"\['norm'\]")]:
     with pytest.raises(ValueError, match=message):
       convert.to_hf_vit(bad, {"params": params})
+  with pytest.raises(ValueError, match=r"^grid=\(0, 3\) must be two positive counts"):
+    convert.to_hf_vit(vision.ImageClassifier(dataclasses.replace(config, position="none", position_options={}), 2, 3),
+                      {"params": params}, grid=(0, 3))
+
+
+def test_a_class_row_is_the_class_tokens_alone():
+  """``absolute_2d``'s class row: refused without a class token or beside a schedule's methods (which would read its
+  position); what reads the state's positions (a query temperature) finds the class token at 0, not -1."""
+  options = {"grid": (2, 2), "class_row": True}
+  config = TransformerConfig.vit(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                                 position_options=options,
+                                 query_temperature={"kind": "ministral", "original_max_len": 4, "beta": 0.5})
+  pixels = np.random.default_rng(0).normal(size=(1, 4, 4, 3)).astype(np.float32)
+  model = vision.ImageClassifier(config, 2, 3)
+  params = randomize(jax.eval_shape(model.init, jax.random.PRNGKey(0), pixels)["params"])
+  assert np.isfinite(jax.jit(model.apply)({"params": params}, pixels)).all()
+  for bad in (vision.ImageClassifier(config, 2, 3, "mean"),
+              vision.ImageClassifier(dataclasses.replace(config, position_schedule="rope_2d"), 2, 3)):
+    with pytest.raises(ValueError, match=r"^absolute_2d's class_row is read by a class token at \(-1, -1\)"):
+      jax.eval_shape(bad.init, jax.random.PRNGKey(0), pixels)
 
 
 def test_grid_positions_the_regridded_table_and_the_errors():

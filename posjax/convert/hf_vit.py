@@ -5,8 +5,9 @@ and such a classifier with an input-embedding method as that class (:func:`to_hf
 ViT's position embeddings are one flattened ``[1 + N, D]`` table, a row for the class token and one per patch in
 raster order: posjax's ``absolute_2d`` on the checkpoint's grid of patches with ``class_row=True`` (the first row,
 read by the class token) and ``resize="torch"``, so that the model at another resolution
-(:func:`posjax.models.vision.regridded`) is Hugging Face's with ``interpolate_pos_encoding=True``: the grid's table
-resized by PyTorch's bicubic kernel, the class row kept. The classifier reads the class token's final state
+(:func:`posjax.models.vision.regridded`) is Hugging Face's with ``interpolate_pos_encoding=True`` (the grid's table
+resized by PyTorch's bicubic kernel, the class row kept) for a square checkpoint's grid (Hugging Face reshapes a
+non-square one as a square). The classifier reads the class token's final state
 (``pooling="cls"``).
 
 posjax takes ``pixel_values`` channels last (``[B, H, W, C]``): the image processor's ``[B, C, H, W]`` output is
@@ -28,6 +29,7 @@ import numpy as np
 from posjax.convert.hf_bert import ACTIVATIONS, TO_HF_ACTIVATIONS, StateReader, check_shapes, model_params, read_source
 from posjax.models import TransformerConfig
 from posjax.models.vision import ImageClassifier, class_position, grid_positions
+from posjax.positions.grid import checked_grid
 
 MODEL_TYPE = "vit"
 
@@ -150,9 +152,10 @@ def to_hf_vit(model: ImageClassifier, variables: Mapping, grid: tuple[int, int] 
   known = [g for g in (getattr(spec.options, "grid", None),) if g is not None]
   if grid is None and not known:
     raise ValueError(f"position={c.position!r} reads any grid: give the grid=(rows, columns) of patches to export")
-  grid = tuple(grid or known[0])
+  grid = checked_grid(grid or known[0])
   if known and tuple(known[0]) != grid:
-    raise ValueError(f"grid={grid}, but the model reads {tuple(known[0])} patches")
+    raise ValueError(f"grid={grid}, but the model reads {tuple(known[0])} patches: leave grid out, or export the "
+                     f"model posjax.models.vision.regridded gives for {grid}")
   params = model_params(variables)
   d, p = c.hidden_size, model.patch_size
   state = spec.method.encoder(spec=spec).apply(

@@ -22,7 +22,7 @@ import numpy as np
 
 from posjax.models.transformer import DTYPES, TransformerConfig, TransformerStack
 from posjax.positions import base
-from posjax.positions.grid import CLASS_POSITION
+from posjax.positions.grid import CLASS_POSITION, checked_grid
 
 # ``cls``: a learned class token first, its final state classified (ViT's, rope-vit's); ``mean``: no class token,
 # the mean of the patches' final (normed) states (big_vision's ``gap``, Beyer et al. 2022, "Better plain ViT
@@ -98,6 +98,10 @@ class ImageClassifier(nn.Module):
                        kernel_init=base.normal_init((None, base.EMBED)),
                        bias_init=base.zeros_init((base.EMBED,)))(patches_BxNxP)
     class_token = self.pooling == "cls"
+    if class_position(c) != 0 and (not class_token or c.position_schedule):
+      raise ValueError(f"absolute_2d's class_row is read by a class token at (-1, -1): it needs pooling='cls' (not "
+                       f"{self.pooling!r}) and no position_schedule (its methods would read that position; "
+                       f"{c.position_schedule!r})")
     if class_token:
       token_1x1xE = self.param("class_token", base.zeros_init((None, None, base.EMBED)), (1, 1, c.embed_width),
                                param_dtype)
@@ -117,7 +121,7 @@ def regridded(config: TransformerConfig, params, grid: tuple[int, int]):
   the method's :attr:`~posjax.positions.base.Method.regrid` applied to its options and its encoder's parameters
   (``encoder/position``; ``params=None``: the config alone) where it has one; unchanged otherwise (``max_len`` too:
   a learned 1-D table stays the size it was trained at, and a longer raster is its error)."""
-  spec = config.position_spec
+  spec, grid = config.position_spec, checked_grid(grid)
   if spec.method.regrid is None:
     return config, params
   options, position = spec.method.regrid(spec.options, None if params is None else params["encoder"]["position"],

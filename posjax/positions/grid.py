@@ -75,10 +75,16 @@ class Table2dOptions:
   resize: str = "keys"
 
   def __post_init__(self):
-    if len(self.grid) != 2 or not all(isinstance(n, int) and n > 0 for n in self.grid):
-      raise ValueError(f"grid={self.grid!r} must be two positive counts (rows, columns)")
-    object.__setattr__(self, "grid", tuple(self.grid))
+    object.__setattr__(self, "grid", checked_grid(self.grid))
     base.check_choice("resize", self.resize, RESIZES)
+
+
+def checked_grid(grid) -> tuple[int, int]:
+  """``grid`` as ``(rows, columns)``; anything but two positive ints is an error that says so."""
+  if not isinstance(grid, (tuple, list)) or len(grid) != 2 or not all(
+      isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in grid):
+    raise ValueError(f"grid={grid!r} must be two positive counts (rows, columns)")
+  return tuple(grid)
 
 
 class Table2d(nn.Module):
@@ -102,7 +108,9 @@ class Table2d(nn.Module):
       table_NxD = jnp.concatenate([table_NxD, class_1xD])
       flat_BxL = jnp.where((row_BxL == CLASS_POSITION) & (col_BxL == CLASS_POSITION), rows * cols, flat_BxL)
     embedding = base.lookup(table_NxD, flat_BxL)
-    return base.PositionState(positions=row_BxL, embedding=embedding.astype(self.spec.dtype))
+    # the class row's token is at 0 for what reads the state's positions (a query temperature)
+    return base.PositionState(positions=jnp.maximum(row_BxL, 0) if self.spec.options.class_row else row_BxL,
+                              embedding=embedding.astype(self.spec.dtype))
 
 
 def resized_table(table_RxCxD, rows: int, cols: int, resize: str = "keys"):
@@ -134,7 +142,7 @@ def torch_bicubic(size: int, new_size: int) -> np.ndarray:
 def regrid_table(options: Table2dOptions, params, grid: tuple[int, int]):
   """``absolute_2d``'s options and parameters (None: none to resize) at another grid: the table resized to it
   (:func:`resized_table`)."""
-  rows, cols = grid
+  rows, cols = checked_grid(grid)
   resized = None if params is None else resized_table(params["embedding"], rows, cols, options.resize)
   options = {**dataclasses.asdict(options), "grid": (rows, cols)}
   return options, None if params is None else {**params, "embedding": resized}  # a class row stays as it is
