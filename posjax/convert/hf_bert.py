@@ -32,8 +32,8 @@ from posjax.models import TransformerConfig, Transformer, layout
 
 POSITIONS = {"absolute": "absolute", "relative_key": "shaw", "relative_key_query": "huang_m4"}
 TO_HF_POSITIONS = {"absolute": "absolute", "shaw": "relative_key", "huang_m4": "relative_key_query"}
-ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
-               "relu": "relu"}
+ACTIVATIONS = {"gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_fast": "gelu_tanh", "relu": "relu"}
 TO_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 # posjax fields that Hugging Face BERT (and ELECTRA) have at posjax's defaults only: the export refuses others (no
 # weight would show that a window, a schedule or a temperature was lost)

@@ -23,7 +23,6 @@ from collections.abc import Iterable
 from typing import Any, Mapping
 
 import jax.numpy as jnp
-
 import numpy as np
 
 from posjax.convert.hf_bert import ACTIVATIONS, TO_HF_ACTIVATIONS, StateReader, check_shapes, model_params, read_source
@@ -74,12 +73,11 @@ def config_from_hf_vit(hf: Mapping[str, Any]) -> tuple[TransformerConfig, int, t
 
 def from_hf_vit(source) -> tuple[ImageClassifier, dict]:
   """``(module, variables)`` equal to a Hugging Face ``ViTForImageClassification``: an in-memory ``transformers``
-  model or a directory. ``module.apply(variables, pixel_values_BxHxWxC)`` returns the logits ``[B, num_labels]`` for
-  images of the checkpoint's ``image_size`` (another size is an error that names
-:func:`posjax.models.vision.regridded`). Refused in one line:
-  another class (``ViTModel``, ``ViTForMaskedImageModeling``, DeiT's distillation token), ``num_labels=0``,
-  ``qkv_bias=False``, a non-square patch, an image that does not divide into patches, an activation posjax does not
-  have."""
+  model or a directory. ``module.apply(variables, pixel_values_BxHxWxC)`` returns the logits ``[B, num_labels]``
+  for images of the checkpoint's ``image_size`` (another size is an error that names
+  :func:`posjax.models.vision.regridded`). Refused in one line: another class (``ViTModel``,
+  ``ViTForMaskedImageModeling``, DeiT's distillation token), ``num_labels=0``, ``qkv_bias=False``, a non-square
+  patch, an image that does not divide into patches, an activation posjax does not have."""
   hf_config, state, where = read_source(source)
   config, patch, grid = config_from_hf_vit(hf_config)
   if "classifier.weight" not in state or not any(k.startswith("vit.") for k in state):
@@ -149,12 +147,12 @@ def to_hf_vit(model: ImageClassifier, variables: Mapping, grid: tuple[int, int] 
   if differ:
     raise ValueError(f"Hugging Face's ViT has no counterpart for these fields, which differ from the ViT preset's: "
                      f"{differ}")
-  known = [g for g in (getattr(spec.options, "grid", None),) if g is not None]
-  if grid is None and not known:
+  table_grid = getattr(spec.options, "grid", None)  # absolute_2d's
+  if grid is None and table_grid is None:
     raise ValueError(f"position={c.position!r} reads any grid: give the grid=(rows, columns) of patches to export")
-  grid = checked_grid(grid or known[0])
-  if known and tuple(known[0]) != grid:
-    raise ValueError(f"grid={grid}, but the model reads {tuple(known[0])} patches: leave grid out, or export the "
+  grid = checked_grid(table_grid if grid is None else grid)
+  if table_grid is not None and tuple(table_grid) != grid:
+    raise ValueError(f"grid={grid}, but the model reads {tuple(table_grid)} patches: leave grid out, or export the "
                      f"model posjax.models.vision.regridded gives for {grid}")
   params = model_params(variables)
   d, p = c.hidden_size, model.patch_size
